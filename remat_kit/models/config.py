@@ -1,0 +1,221 @@
+"""ModelConfig and presets at the published shapes of real models."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+import jax.numpy as jnp
+
+from remat_kit import names as N
+from remat_kit.policies import PolicySpec, get_policy_spec
+
+Norm = Literal["layernorm", "rmsnorm"]
+Mlp = Literal["gelu", "swiglu"]
+Positions = Literal["learned", "rope"]
+#: ``xla``: plain einsum attention that materialises the [batch, heads, seq, seq] scores (tagged
+#: and rematerialisable); ``dot_product_attention``: ``jax.nn.dot_product_attention`` letting JAX
+#: pick the implementation; ``cudnn``: the same forced to the cuDNN flash kernel (GPU only).
+Attention = Literal["xla", "dot_product_attention", "cudnn"]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only transformer, passed whole to every module.
+
+    Shapes: ``d_model`` (hidden size h), ``num_heads`` (a), ``head_dim = d_model // num_heads``.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 256  # tokens; logits are [batch, seq, vocab_size]
+    d_model: int = 64  # residual stream width
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int | None = None  # key/value heads (GQA); None means num_heads
+    d_ff: int = 256  # MLP hidden width
+    max_seq_len: int = 128  # longest sequence (learned positions table size)
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: Mlp = "gelu"
+    positions: Positions = "learned"
+    rope_theta: float = 10_000.0  # RoPE base frequency (Su et al. 2021, arXiv:2104.09864)
+    tied_embeddings: bool = True  # logits use the token embedding matrix transposed
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2); GPT-2 uses biases everywhere
+    use_bias: bool = False  # bias on every other dense layer (GPT-2)
+    dtype: str = "float32"  # compute (activation) dtype
+    param_dtype: str = "float32"  # parameter storage dtype
+    attention: Attention = "xla"
+    remat_policy: str | PolicySpec = "no-remat"  # a name from remat_kit.policy_names() or a spec
+    scan_layers: bool = True  # nn.scan over blocks (one compiled block) vs an unrolled loop
+    remat_group_size: int = 1  # k consecutive blocks form one remat segment
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.num_kv_heads is not None and (
+            not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
+        ):
+            raise ValueError(f"num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                f"valid num_heads divide {self.d_model}"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}; "
+                f"valid num_kv_heads: {_divisors(self.num_heads)}"
+            )
+        if not isinstance(self.remat_group_size, int) or self.remat_group_size <= 0:
+            raise ValueError(
+                f"remat_group_size must be a positive integer, got {self.remat_group_size!r}"
+            )
+        if self.num_layers % self.remat_group_size:
+            raise ValueError(
+                f"remat_group_size={self.remat_group_size} does not divide "
+                f"num_layers={self.num_layers}; valid: {_divisors(self.num_layers)}"
+            )
+        for field, ty in (("norm", Norm), ("mlp", Mlp), ("positions", Positions)):
+            _check_choice(field, getattr(self, field), get_args(ty))
+        _check_choice("attention", self.attention, get_args(Attention))
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        get_policy_spec(self.remat_policy)  # raises on an unknown name
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_kv_heads`` or ``num_heads``)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return get_policy_spec(self.remat_policy)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """The tags a block of this config emits."""
+        return N.SWIGLU_BLOCK_NAMES if self.mlp == "swiglu" else N.GELU_BLOCK_NAMES
+
+    def replace(self, **overrides) -> ModelConfig:
+        """A copy with fields replaced (validated again).
+
+        Raises:
+          ValueError: an unknown field name (listing the valid ones) or an invalid value.
+        """
+        _check_fields(overrides)
+        return dataclasses.replace(self, **overrides)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_choice(field: str, value, valid) -> None:
+    if value not in valid:
+        raise N.unknown_value_error(field, value, tuple(valid))
+
+
+def _check_fields(overrides: dict) -> None:
+    valid = tuple(f.name for f in dataclasses.fields(ModelConfig))
+    for key in overrides:
+        if key not in valid:
+            raise N.unknown_value_error("ModelConfig field", key, valid)
+
+
+_GPT2 = dict(
+    vocab_size=50257, max_seq_len=1024, norm="layernorm", mlp="gelu", positions="learned",
+    tied_embeddings=True, use_bias=True, qkv_bias=True, dtype="bfloat16", param_dtype="bfloat16",
+)  # fmt: skip
+_LLAMA3 = dict(
+    vocab_size=128256, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
+    positions="rope", rope_theta=500_000.0, tied_embeddings=False, dtype="bfloat16",
+    param_dtype="bfloat16",
+)  # fmt: skip
+_LLAMA2 = {**_LLAMA3, "vocab_size": 32000, "max_seq_len": 4096, "rope_theta": 10_000.0}
+
+# Published shapes: GPT-2 (Radford et al. 2019, HF gpt2* config.json); Llama 2 (Touvron et al.
+# 2023, arXiv:2307.09288); Llama 3 / 3.2 (Meta, "The Llama 3 Herd of Models", arXiv:2407.21783,
+# HF config.json); Qwen2.5 (Qwen team 2024, arXiv:2412.15115, HF Qwen2.5-7B config.json).
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in [
+        ModelConfig("gpt2-small", d_model=768, num_layers=12, num_heads=12, d_ff=3072, **_GPT2),
+        ModelConfig("gpt2-medium", d_model=1024, num_layers=24, num_heads=16, d_ff=4096, **_GPT2),
+        ModelConfig("gpt2-large", d_model=1280, num_layers=36, num_heads=20, d_ff=5120, **_GPT2),
+        ModelConfig("gpt2-xl", d_model=1600, num_layers=48, num_heads=25, d_ff=6400, **_GPT2),
+        ModelConfig(
+            "llama3.2-1b", d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, d_ff=8192,
+            **{**_LLAMA3, "tied_embeddings": True, "max_seq_len": 131072},
+        ),  # fmt: skip
+        ModelConfig(
+            "llama3.2-3b", d_model=3072, num_layers=28, num_heads=24, num_kv_heads=8, d_ff=8192,
+            **{**_LLAMA3, "tied_embeddings": True, "max_seq_len": 131072},
+        ),  # fmt: skip
+        ModelConfig(
+            "llama3-8b", d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, d_ff=14336,
+            **_LLAMA3,
+        ),  # fmt: skip
+        ModelConfig(
+            "llama3-70b", d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672,
+            **_LLAMA3,
+        ),  # fmt: skip
+        ModelConfig("llama2-7b", d_model=4096, num_layers=32, num_heads=32, d_ff=11008, **_LLAMA2),
+        ModelConfig(
+            "llama2-13b", d_model=5120, num_layers=40, num_heads=40, d_ff=13824, **_LLAMA2
+        ),
+        ModelConfig(
+            "qwen2.5-7b", d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, d_ff=18944,
+            **{**_LLAMA3, "vocab_size": 152064, "max_seq_len": 32768, "rope_theta": 1_000_000.0,
+               "norm_eps": 1e-6, "qkv_bias": True},
+        ),  # fmt: skip
+        # Byte-level (vocabulary 256) models for CPU runs and tests.
+        ModelConfig(
+            "gpt-10m", vocab_size=256, d_model=384, num_layers=6, num_heads=6, d_ff=1536,
+            max_seq_len=1024, use_bias=True, qkv_bias=True,
+        ),  # fmt: skip
+        ModelConfig(
+            "tiny-gpt", vocab_size=256, d_model=64, num_layers=4, num_heads=4, d_ff=256,
+            max_seq_len=128, use_bias=True, qkv_bias=True,
+        ),  # fmt: skip
+        ModelConfig(
+            "tiny-llama", vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
+            d_ff=172, max_seq_len=128, norm="rmsnorm", mlp="swiglu", positions="rope",
+            tied_embeddings=False,
+        ),  # fmt: skip
+    ]
+}
+
+
+def preset_names() -> list[str]:
+    """Names of every preset (published shapes first, then byte-level test models)."""
+    return list(PRESETS)
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """The preset ``name`` with ``overrides`` applied (e.g. ``remat_policy="save-dots"``).
+
+    Presets at published shapes compute in bfloat16 and store parameters in bfloat16, as the
+    memory figures in the design notes assume; override ``param_dtype`` for fp32 master weights.
+
+    Raises:
+      ValueError: unknown preset or field (message lists the valid ones and the closest match),
+        or an invalid value (see :class:`ModelConfig`).
+    """
+    if name not in PRESETS:
+        raise N.unknown_value_error("preset", name, preset_names())
+    return PRESETS[name].replace(**overrides)

@@ -1,0 +1,216 @@
+"""Decoder-only transformer in flax.linen whose intermediate tensors carry checkpoint names.
+
+Shapes: ``b`` batch, ``s`` sequence, ``h`` d_model, ``a`` query heads, ``g`` key/value heads,
+``r = a // g`` query heads per key/value head, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from remat_kit import names as N
+from remat_kit.models.config import ModelConfig
+
+_EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
+
+
+def _dense(config: ModelConfig, features, *, name: str, axis=-1, use_bias: bool | None = None):
+    return nn.DenseGeneral(
+        features,
+        axis=axis,
+        use_bias=config.use_bias if use_bias is None else use_bias,
+        dtype=config.compute_dtype,
+        param_dtype=config.params_dtype,
+        name=name,
+    )
+
+
+def _norm(config: ModelConfig, name: str) -> nn.Module:
+    kw = dict(epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype)
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(name=name, **kw)
+    return nn.LayerNorm(name=name, **kw)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, arXiv:2104.09864), half-split layout.
+
+    Args:
+      x: [b, s, heads, d] queries or keys.
+      positions: [s] integer positions.
+      theta: base frequency.
+
+    Returns:
+      [b, s, heads, d], the dtype of ``x``.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [d/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [s, d/2]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention that materialises the [b, g, r, s, s] scores.
+
+    Args:
+      q: [b, s, a, d]; k, v: [b, s, g, d] with ``a % g == 0`` (grouped-query attention).
+
+    Returns:
+      context [b, s, a, d]. Softmax runs in float32.
+    """
+    b, s, a, d = q.shape
+    g = k.shape[2]
+    q = q.reshape(b, s, g, a // g, d)  # (b, s, g, r, d)
+    scores = jnp.einsum("bqgrd,btgd->bgrqt", q, k) / jnp.sqrt(d).astype(q.dtype)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (b, g, r, s, s)
+    ctx = jnp.einsum("bgrqt,btgd->bqgrd", probs, v)
+    return ctx.reshape(b, s, a, d)
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) causal self-attention. [b, s, h] -> [b, s, h]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.config
+        a, g, d = c.num_heads, c.kv_heads, c.head_dim
+        q = checkpoint_name(_dense(c, (a, d), name="query", use_bias=c.qkv_bias)(x), N.QUERY_PROJ)
+        k = checkpoint_name(_dense(c, (g, d), name="key", use_bias=c.qkv_bias)(x), N.KEY_PROJ)
+        v = checkpoint_name(_dense(c, (g, d), name="value", use_bias=c.qkv_bias)(x), N.VALUE_PROJ)
+        if c.positions == "rope":
+            q = apply_rope(q, positions, c.rope_theta)
+            k = apply_rope(k, positions, c.rope_theta)
+        if c.attention == "xla":
+            ctx = xla_attention(q, k, v)
+        else:
+            impl = "cudnn" if c.attention == "cudnn" else None
+            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        ctx = checkpoint_name(ctx, N.CONTEXT)  # (b, s, a, d)
+        out = _dense(c, c.d_model, axis=(-2, -1), name="out")(ctx)
+        return checkpoint_name(out, N.OUT_PROJ)
+
+
+class Mlp(nn.Module):
+    """GELU MLP (GPT-2) or SwiGLU (Shazeer 2020, arXiv:2002.05202). [b, s, h] -> [b, s, h]."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        if c.mlp == "swiglu":
+            gate = checkpoint_name(_dense(c, c.d_ff, name="wi_0")(x), N.MLPWI_0)
+            up = checkpoint_name(_dense(c, c.d_ff, name="wi_1")(x), N.MLPWI_1)
+            hidden = nn.silu(gate) * up
+        else:
+            hidden = nn.gelu(checkpoint_name(_dense(c, c.d_ff, name="wi")(x), N.MLPWI))
+        return checkpoint_name(_dense(c, c.d_model, name="wo")(hidden), N.MLPWO)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). [b, s, h] -> same.
+
+    The block input is tagged ``decoder_layer_input``; every projection carries its MaxText tag
+    (see :mod:`remat_kit.names`).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.config
+        x = checkpoint_name(x, N.DECODER_LAYER_INPUT)
+        x = x + Attention(c, name="attn")(_norm(c, "attn_norm")(x), positions)
+        return x + Mlp(c, name="mlp")(_norm(c, "mlp_norm")(x))
+
+
+class BlockGroup(nn.Module):
+    """``remat_group_size`` consecutive blocks: one remat segment, one step of the layer scan.
+
+    Returns ``(x, None)`` so it can be the body of ``nn.scan``.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array):
+        for i in range(self.config.remat_group_size):
+            x = Block(self.config, name=f"block_{i}")(x, positions)
+        return x, None
+
+
+def remat_group(config: ModelConfig) -> type[nn.Module]:
+    """``BlockGroup`` wrapped in ``nn.remat`` with the config's policy (or bare for no-remat)."""
+    spec = config.policy_spec
+    if not spec.wrap:
+        return BlockGroup
+    # Under nn.scan, prevent_cse=False: the scan already keeps XLA from merging the recompute
+    # into the forward pass (CSE cannot cross loop iterations), and the optimisation barriers
+    # prevent_cse inserts only cost speed there (flax.linen.remat docstring). Unrolled, the
+    # barriers are what keeps XLA from undoing the remat, so they stay on.
+    return nn.remat(BlockGroup, policy=spec.to_jax(), prevent_cse=not config.scan_layers)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. tokens [b, s] int32 -> logits [b, s, V] (compute dtype)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        seq = tokens.shape[-1]
+        if seq > c.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
+        positions = jnp.arange(seq, dtype=jnp.int32)
+        embed = nn.Embed(
+            c.vocab_size, c.d_model, embedding_init=_EMBED_INIT, dtype=c.compute_dtype,
+            param_dtype=c.params_dtype, name="embed",
+        )  # fmt: skip
+        x = embed(tokens)  # (b, s, h)
+        if c.positions == "learned":
+            pos = nn.Embed(
+                c.max_seq_len, c.d_model, embedding_init=_EMBED_INIT, dtype=c.compute_dtype,
+                param_dtype=c.params_dtype, name="pos_embed",
+            )  # fmt: skip
+            x = x + pos(positions)[None]
+        group = remat_group(c)
+        num_groups = c.num_layers // c.remat_group_size
+        if c.scan_layers:
+            stack = nn.scan(
+                group,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=nn.broadcast,
+                length=num_groups,
+            )
+            x, _ = stack(c, name="layers")(x, positions)
+        else:
+            for i in range(num_groups):
+                x, _ = group(c, name=f"layers_{i}")(x, positions)
+        x = _norm(c, "final_norm")(x)
+        if c.tied_embeddings:
+            return embed.attend(x)  # (b, s, V)
+        return _dense(c, c.vocab_size, name="lm_head", use_bias=False)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_model(config: ModelConfig) -> Transformer:
+    return Transformer(config)
+
+
+def make_model(config: ModelConfig) -> Transformer:
+    """The :class:`Transformer` for ``config`` (cached per config)."""
+    return _cached_model(config)

@@ -1,0 +1,79 @@
+"""The checkpoint-name vocabulary: tags the bundled modules put on intermediate values.
+
+Each tag is applied with :func:`jax.ad_checkpoint.checkpoint_name` inside a transformer block, so
+a rematerialization policy can refer to a tensor by name (``save_only_these_names``,
+``save_and_offload_only_these_names``). The names are MaxText's (``maxtext/layers/*.py``), so a
+per-tensor configuration written for MaxText ports over unchanged.
+
+Shapes use ``batch``, ``seq``, ``d_model``, ``heads`` (query heads), ``kv_heads`` (key/value
+heads, ``== heads`` without grouped-query attention), ``head_dim = d_model // heads`` and ``d_ff``
+(MLP hidden width). Every tagged tensor has the block's compute dtype (``ModelConfig.dtype``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Final
+
+DECODER_LAYER_INPUT: Final = "decoder_layer_input"
+QUERY_PROJ: Final = "query_proj"
+KEY_PROJ: Final = "key_proj"
+VALUE_PROJ: Final = "value_proj"
+CONTEXT: Final = "context"
+OUT_PROJ: Final = "out_proj"
+MLPWI: Final = "mlpwi"
+MLPWI_0: Final = "mlpwi_0"
+MLPWI_1: Final = "mlpwi_1"
+MLPWO: Final = "mlpwo"
+
+#: Every tag the bundled modules can emit, with the tensor it names and its shape.
+CHECKPOINT_NAMES: Final[dict[str, str]] = {
+    DECODER_LAYER_INPUT: "input of a transformer block (the residual stream), [batch, seq, d_model]",
+    QUERY_PROJ: "query projection output x @ W_q (before RoPE), [batch, seq, heads, head_dim]",
+    KEY_PROJ: "key projection output x @ W_k (before RoPE), [batch, seq, kv_heads, head_dim]",
+    VALUE_PROJ: "value projection output x @ W_v, [batch, seq, kv_heads, head_dim]",
+    CONTEXT: "attention output softmax(q k^T) v before the output projection, "
+    "[batch, seq, heads, head_dim]",
+    OUT_PROJ: "attention output projection context @ W_o, [batch, seq, d_model]",
+    MLPWI: "plain (GELU) MLP input projection x @ W_i, before the activation, [batch, seq, d_ff]",
+    MLPWI_0: "gated (SwiGLU) MLP gate projection x @ W_gate, before SiLU, [batch, seq, d_ff]",
+    MLPWI_1: "gated (SwiGLU) MLP up projection x @ W_up, [batch, seq, d_ff]",
+    MLPWO: "MLP output projection h @ W_o, [batch, seq, d_model]",
+}
+
+#: Tags emitted by a block with a plain GELU MLP (GPT-2 family).
+GELU_BLOCK_NAMES: Final = (
+    DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTEXT, OUT_PROJ, MLPWI, MLPWO,
+)  # fmt: skip
+#: Tags emitted by a block with a gated SwiGLU MLP (Llama family).
+SWIGLU_BLOCK_NAMES: Final = (
+    DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTEXT, OUT_PROJ, MLPWI_0, MLPWI_1,
+    MLPWO,
+)  # fmt: skip
+
+
+def closest(name: str, valid: list[str] | tuple[str, ...]) -> str | None:
+    """The closest valid string to ``name`` (difflib ratio >= 0.5), or None."""
+    matches = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def unknown_value_error(kind: str, value: object, valid: list[str] | tuple[str, ...]) -> ValueError:
+    """A one-line ``ValueError`` naming the bad value, the valid ones and the closest match."""
+    hint = closest(str(value), valid) if isinstance(value, str) else None
+    did_you_mean = f" Did you mean {hint!r}?" if hint else ""
+    return ValueError(
+        f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}.{did_you_mean}"
+    )
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a known checkpoint name.
+
+    Raises:
+      ValueError: ``name`` is not in :data:`CHECKPOINT_NAMES` (message lists the valid names and
+        the closest match).
+    """
+    if name not in CHECKPOINT_NAMES:
+        raise unknown_value_error("checkpoint name", name, tuple(CHECKPOINT_NAMES))
+    return name

@@ -1,0 +1,301 @@
+"""Named rematerialization policies: a registry of small specs turned into ``jax.checkpoint`` policies.
+
+A policy decides, for every intermediate value of a checkpointed function, whether the forward
+pass keeps it for the backward pass (a *residual*, on device), moves it to pinned host memory
+(*offload*), or drops it and recomputes it in the backward pass (*rematerialization*). See the JAX
+doc "Gradient checkpointing with jax.checkpoint" (docs/gradient-checkpointing.md).
+
+Every named policy is a :class:`PolicySpec` (what is saved, what is offloaded, the rest
+recomputed) and :func:`policy` turns it into the callable ``jax.checkpoint``, ``flax.linen.remat``
+and ``flax.nnx.remat`` take. Tag-based specs are built from name sets
+(``save_only_these_names``, ``save_and_offload_only_these_names``) rather than composed callables:
+JAX's newer remat implementation (``jax_remat3``) reads policies as data and turns a composed
+callable into full remat without a word.
+
+Example::
+
+    import flax.linen as nn
+    import remat_kit
+
+    RematBlock = nn.remat(Block, policy=remat_kit.policy("save-dots-no-batch"))
+    custom = remat_kit.custom_policy({"query_proj": "offload", "out_proj": "save"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, get_args
+
+import jax
+
+from remat_kit import names as N
+
+#: How a spec decides what to save. ``names``: the tags in ``save`` / ``offload``;
+#: ``dots``: every ``dot_general`` output; ``dots_no_batch``: ``dot_general`` outputs without batch
+#: dimensions (weight matmuls); ``everything``: nothing is recomputed.
+PolicyBase = Literal["names", "dots", "dots_no_batch", "everything"]
+#: What a custom spec may do with one tag.
+TagAction = Literal["save", "offload", "recompute"]
+TAG_ACTIONS: tuple[str, ...] = get_args(TagAction)
+
+#: Memory kinds used for offloading (JAX memory kinds; ``pinned_host`` is page-locked host RAM).
+OFFLOAD_SRC = "device"
+OFFLOAD_DST = "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """What a rematerialization policy keeps, offloads and recomputes.
+
+    Attributes:
+      name: registry name (``"save-dots"``) or ``"custom"`` for :func:`custom_policy` specs.
+      description: one sentence: what is saved, offloaded, recomputed.
+      base: how values are selected (see :data:`PolicyBase`).
+      save: checkpoint names kept on device (``base == "names"`` only).
+      offload: checkpoint names moved to pinned host memory (``base == "names"`` only).
+      source: where the policy comes from (paper, JAX doc, MaxText policy name).
+      wrap: False only for ``no-remat``: the model is then not wrapped in remat at all.
+    """
+
+    name: str
+    description: str
+    base: PolicyBase = "names"
+    save: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    source: str = ""
+    wrap: bool = True
+
+    def __post_init__(self):
+        for tag in self.save | self.offload:
+            N.validate_name(tag)
+        both = self.save & self.offload
+        if both:
+            raise ValueError(
+                f"checkpoint name(s) {sorted(both)} both saved and offloaded in policy "
+                f"{self.name!r}; each name is either saved on device or offloaded to host"
+            )
+        if self.base != "names" and (self.save or self.offload):
+            raise ValueError(f"policy {self.name!r}: base {self.base!r} takes no name sets")
+
+    @property
+    def offloads(self) -> bool:
+        """True when the policy moves some residuals to host memory."""
+        return bool(self.offload)
+
+    @property
+    def tags(self) -> frozenset[str]:
+        """Checkpoint names this spec refers to (saved or offloaded)."""
+        return self.save | self.offload
+
+    def to_jax(self) -> Callable[..., Any]:
+        """The ``jax.checkpoint`` policy callable for this spec."""
+        cp = jax.checkpoint_policies
+        if self.base == "everything":
+            return cp.everything_saveable
+        if self.base == "dots":
+            return cp.dots_saveable
+        if self.base == "dots_no_batch":
+            return cp.dots_with_no_batch_dims_saveable
+        if self.offload:
+            return cp.save_and_offload_only_these_names(
+                names_which_can_be_saved=sorted(self.save),
+                names_which_can_be_offloaded=sorted(self.offload),
+                offload_src=OFFLOAD_SRC,
+                offload_dst=OFFLOAD_DST,
+            )
+        if not self.save:
+            return cp.nothing_saveable
+        return cp.save_only_these_names(*sorted(self.save))
+
+    def action(self, tag: str) -> TagAction:
+        """What this spec does with checkpoint name ``tag`` (for ``base == "names"`` specs)."""
+        if tag in self.save:
+            return "save"
+        if tag in self.offload:
+            return "offload"
+        return "recompute"
+
+
+_QKV = frozenset({N.QUERY_PROJ, N.KEY_PROJ, N.VALUE_PROJ})
+_PROJECTIONS = _QKV | {N.OUT_PROJ, N.MLPWI, N.MLPWI_0, N.MLPWI_1, N.MLPWO}
+_KORTHIKANTI = "Korthikanti et al. 2022, arXiv:2205.05198"
+_JAX_DOC = "JAX doc: gradient-checkpointing.md (jax.checkpoint_policies)"
+
+_REGISTRY: dict[str, PolicySpec] = {
+    s.name: s
+    for s in [
+        PolicySpec(
+            "no-remat",
+            "Nothing recomputed: every residual the backward pass needs is kept on device; the "
+            "model is not wrapped in remat.",
+            base="everything",
+            wrap=False,
+            source="plain reverse-mode autodiff",
+        ),
+        PolicySpec(
+            "save-nothing",
+            "Full remat: only each remat segment's input is kept; the whole block is recomputed "
+            "in the backward pass (one extra forward).",
+            save=frozenset(),
+            source=f"Chen et al. 2016, arXiv:1604.06174; {_JAX_DOC} (nothing_saveable)",
+        ),
+        PolicySpec(
+            "save-layer-inputs",
+            "Classic per-layer checkpointing: every block input (decoder_layer_input) kept, the "
+            "inside of each block recomputed. Equals save-nothing when remat_group_size == 1.",
+            save=frozenset({N.DECODER_LAYER_INPUT}),
+            source="Chen et al. 2016, arXiv:1604.06174; MaxText 'save_decoder_layer_input'",
+        ),
+        PolicySpec(
+            "save-dots",
+            "Every matmul output kept (projections and the attention score / context matmuls); "
+            "elementwise ops, norms and softmax recomputed.",
+            base="dots",
+            source=f"{_JAX_DOC} (dots_saveable)",
+        ),
+        PolicySpec(
+            "save-dots-no-batch",
+            "Weight matmul outputs kept; the batched attention score and context matmuls, "
+            "softmax and elementwise ops recomputed (selective activation recompute).",
+            base="dots_no_batch",
+            source=f"{_KORTHIKANTI}; {_JAX_DOC} (dots_with_no_batch_dims_saveable)",
+        ),
+        PolicySpec(
+            "save-qkv-proj",
+            "Query, key and value projections kept; everything else recomputed.",
+            save=_QKV,
+            source="MaxText 'save_qkv_proj'",
+        ),
+        PolicySpec(
+            "save-out-proj",
+            "Attention output projection kept; everything else recomputed.",
+            save=frozenset({N.OUT_PROJ}),
+            source="MaxText 'save_out_proj'",
+        ),
+        PolicySpec(
+            "save-qkv-out-proj",
+            "Query, key, value and attention output projections kept; the MLP and attention "
+            "scores recomputed.",
+            save=_QKV | {N.OUT_PROJ},
+            source="MaxText 'save_dot_except_mlp' (without context)",
+        ),
+        PolicySpec(
+            "save-dots-except-mlp",
+            "Attention matmul outputs kept (q, k, v, context, out_proj); the MLP and the "
+            "[seq, seq] attention scores recomputed.",
+            save=_QKV | {N.CONTEXT, N.OUT_PROJ},
+            source="MaxText 'save_dot_except_mlp' / 'minimal_with_context'",
+        ),
+        PolicySpec(
+            "minimal",
+            "All projection outputs kept (q, k, v, out_proj, mlpwi*, mlpwo); attention scores, "
+            "context, norms and activations recomputed.",
+            save=_PROJECTIONS,
+            source="MaxText 'minimal'",
+        ),
+        PolicySpec(
+            "offload-to-host",
+            "The 'minimal' set (all projection outputs) moved to pinned host memory in the "
+            "forward pass and brought back for the backward; the rest recomputed.",
+            offload=_PROJECTIONS,
+            source=f"{_JAX_DOC} (save_and_offload_only_these_names); MaxText 'minimal_offloaded'",
+        ),
+        PolicySpec(
+            "offload-layer-inputs",
+            "Every block input (decoder_layer_input) offloaded to pinned host memory; the inside "
+            "of each block recomputed.",
+            offload=frozenset({N.DECODER_LAYER_INPUT}),
+            source="MaxText 'decoder_layer_input: offload'",
+        ),
+        PolicySpec(
+            "offload-qkv-proj",
+            "Query, key and value projections offloaded to pinned host memory; the rest "
+            "recomputed.",
+            offload=_QKV,
+            source="MaxText 'qkv_proj_offloaded'",
+        ),
+    ]
+}
+
+
+def policy_names() -> list[str]:
+    """Names of every registered policy, in registry order (least to most custom)."""
+    return list(_REGISTRY)
+
+
+def policy_specs() -> dict[str, PolicySpec]:
+    """A copy of the registry: name -> :class:`PolicySpec`."""
+    return dict(_REGISTRY)
+
+
+def get_policy_spec(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
+    """Resolve a policy name, a custom mapping or a spec to a :class:`PolicySpec`.
+
+    Raises:
+      ValueError: unknown policy name (the message lists the valid names and the closest match),
+        or a bad custom mapping (see :func:`custom_spec`).
+    """
+    if isinstance(policy, PolicySpec):
+        return policy
+    if isinstance(policy, Mapping):
+        return custom_spec(policy)
+    if not isinstance(policy, str) or policy not in _REGISTRY:
+        raise N.unknown_value_error("policy", policy, policy_names())
+    return _REGISTRY[policy]
+
+
+def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
+    """A :class:`PolicySpec` from a per-tag mapping ``{checkpoint_name: "save" | "offload" |
+    "recompute"}``; every tag not listed is recomputed.
+
+    Raises:
+      ValueError: an unknown checkpoint name or action (message names it, the valid ones and the
+        closest match).
+    """
+    save, offload = set(), set()
+    for tag, act in spec.items():
+        N.validate_name(tag)
+        if act not in TAG_ACTIONS:
+            raise N.unknown_value_error(f"action for {tag!r}", act, TAG_ACTIONS)
+        if act == "save":
+            save.add(tag)
+        elif act == "offload":
+            offload.add(tag)
+    parts = [f"{t}={a}" for t, a in sorted(spec.items()) if a != "recompute"]
+    return PolicySpec(
+        name,
+        "Custom: " + (", ".join(parts) if parts else "everything recomputed") + "; the rest "
+        "recomputed.",
+        save=frozenset(save),
+        offload=frozenset(offload),
+        source="user spec",
+    )
+
+
+def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:
+    """A ``jax.checkpoint`` policy from a per-tag mapping; tags not listed are recomputed.
+
+    Example: ``custom_policy({"query_proj": "offload", "out_proj": "save"})``.
+
+    Raises:
+      ValueError: see :func:`custom_spec`.
+    """
+    return custom_spec(spec).to_jax()
+
+
+def policy(name: str | PolicySpec | Mapping[str, str]) -> Callable[..., Any]:
+    """The ``jax.checkpoint`` policy for a registered name, a custom mapping or a spec.
+
+    The result can be passed as ``policy=`` to ``jax.checkpoint``, ``flax.linen.remat`` and
+    ``flax.nnx.remat``. ``"no-remat"`` gives ``everything_saveable`` (nothing recomputed).
+
+    Raises:
+      ValueError: unknown name (message lists the valid names and the closest match).
+    """
+    return get_policy_spec(name).to_jax()
+
+
+def describe(name: str | PolicySpec | Mapping[str, str]) -> str:
+    """The one-sentence description of a policy (what it saves, offloads and recomputes)."""
+    return get_policy_spec(name).description

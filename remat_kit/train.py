@@ -1,0 +1,170 @@
+"""Loss, optimizer, train state and the train-step factory (real or abstract state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import names as N
+from remat_kit.models.config import ModelConfig
+from remat_kit.models.transformer import make_model
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+
+Batch = dict[str, jax.Array]  # {"inputs": [b, s] int32, "targets": [b, s] int32}
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a training step updates: step counter, parameters, optimizer state."""
+
+    step: jax.Array  # int32 scalar
+    params: Any
+    opt_state: Any
+
+
+def make_optimizer(
+    name: str = "adamw",
+    learning_rate: float | optax.Schedule = 3e-4,
+    weight_decay: float = 0.1,
+    grad_clip: float | None = 1.0,
+) -> optax.GradientTransformation:
+    """An optax optimizer by name: ``adamw`` (Loshchilov & Hutter 2019, arXiv:1711.05101; two
+    moment buffers in the parameter dtype), ``sgd`` (no state), ``adafactor`` (factored second
+    moments, Shazeer & Stern 2018, arXiv:1804.04235), with global-norm gradient clipping.
+
+    Raises:
+      ValueError: unknown optimizer name.
+    """
+    if name == "adamw":
+        opt = optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay)
+    elif name == "sgd":
+        opt = optax.sgd(learning_rate)
+    elif name == "adafactor":
+        opt = optax.adafactor(learning_rate)
+    else:
+        raise N.unknown_value_error("optimizer", name, OPTIMIZERS)
+    if grad_clip is None:
+        return opt
+    return optax.chain(optax.clip_by_global_norm(grad_clip), opt)
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats.
+
+    Args:
+      logits: [batch, seq, vocab], any float dtype (upcast to float32).
+      targets: [batch, seq] int token ids.
+
+    Returns:
+      float32 scalar.
+    """
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.mean()
+
+
+def loss_fn(params: Any, config: ModelConfig, batch: Batch) -> jax.Array:
+    """Loss of the model for ``config`` on ``batch`` ({"inputs", "targets"}: [batch, seq])."""
+    logits = make_model(config).apply({"params": params}, batch["inputs"])
+    return cross_entropy_loss(logits, batch["targets"])
+
+
+def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8) -> Any:
+    """Initialise parameters (real arrays). Parameter shapes do not depend on ``seq_len``."""
+    tokens = jnp.zeros((1, min(seq_len, config.max_seq_len)), jnp.int32)
+    return make_model(config).init(rng, tokens)["params"]
+
+
+def init_train_state(
+    config: ModelConfig, optimizer: optax.GradientTransformation, rng: jax.Array
+) -> TrainState:
+    """A fresh :class:`TrainState` with real arrays."""
+    params = init_params(config, rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def abstract_train_state(
+    config: ModelConfig, optimizer: optax.GradientTransformation
+) -> TrainState:
+    """The :class:`TrainState` as ``jax.ShapeDtypeStruct`` leaves: shapes only, nothing allocated
+    (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda: init_train_state(config, optimizer, jax.random.key(0)))
+
+
+def abstract_batch(batch_size: int, seq_len: int) -> Batch:
+    """The batch as ``jax.ShapeDtypeStruct``: {"inputs", "targets"}: [batch_size, seq_len] int32.
+
+    Raises:
+      ValueError: non-positive batch_size or seq_len.
+    """
+    for label, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{label} must be a positive integer, got {v!r}")
+    spec = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    return {"inputs": spec, "targets": spec}
+
+
+def grad_fn(config: ModelConfig, micro_batches: int = 1) -> Callable[[Any, Batch], tuple]:
+    """``(params, batch) -> (loss, grads)``, accumulating over ``micro_batches`` micro-batches.
+
+    Accumulation is a ``lax.scan`` over micro-batches (batch [n*m, s] viewed as [n, m, s]): the
+    activations of one micro-batch are live at a time, so activation memory is ~1/n of the full
+    batch, and the gradients are summed in float32 then averaged (equal to one big batch within
+    float tolerance).
+
+    Raises:
+      ValueError: the batch size is not divisible by ``micro_batches``.
+    """
+    vg = jax.value_and_grad(loss_fn)
+    if micro_batches == 1:
+        return lambda params, batch: vg(params, config, batch)
+
+    def accumulate(params, batch):
+        b = batch["inputs"].shape[0]
+        if b % micro_batches:
+            raise ValueError(f"batch size {b} is not divisible by micro_batches={micro_batches}")
+        split = jax.tree.map(lambda x: x.reshape(micro_batches, b // micro_batches, *x.shape[1:]),
+                             batch)  # fmt: skip
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        def body(carry, micro):
+            loss_sum, g_sum = carry
+            loss, g = vg(params, config, micro)
+            g_sum = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_sum, g)
+            return (loss_sum + loss, g_sum), None
+
+        (loss_sum, g_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), split)
+        grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), g_sum, params)
+        return loss_sum / micro_batches, grads
+
+    return accumulate
+
+
+def make_train_step(
+    config: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    micro_batches: int = 1,
+    donate: bool = True,
+    jit: bool = True,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """``step(state, batch) -> (new_state, {"loss", "grad_norm"})``: forward, backward (with the
+    config's remat policy), optax update. With ``donate`` the state's buffers are donated
+    (``donate_argnums=0``) so the update happens in place, as in a real training loop.
+    """
+    grads_of = grad_fn(config, micro_batches)
+
+    def step(state: TrainState, batch: Batch):
+        loss, grads = grads_of(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    if not jit:
+        return step
+    return jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,197 @@
+"""Saved residuals: what the forward pass keeps for the backward pass, attributed to checkpoint names.
+
+``jax.ad_checkpoint.print_saved_residuals`` prints the residuals of a function but loses the tag
+of an offloaded residual (it shows "output of device_put") and of a saved matmul (it shows
+"output of dot_general"). Here every residual is followed back to the ``checkpoint_name`` that
+produced it or that consumes it, so a policy's promise ("saves q, k, v; offloads out_proj") can be
+checked tag by tag, with the memory kind (device or pinned host) of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from remat_kit.models.config import ModelConfig
+from remat_kit.models.transformer import BlockGroup
+
+MemoryKind = Literal["device", "host"]
+_PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value saved by the forward pass for the backward pass.
+
+    Attributes:
+      tag: the checkpoint name of the value, or None (untagged).
+      source: "argument NAME" for an input kept as is, else the primitive that produced it.
+      shape: array shape; dtype: numpy dtype name; memory: "device" or "host" (offloaded).
+      nbytes: size in bytes (prod(shape) * itemsize).
+    """
+
+    tag: str | None
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+    memory: MemoryKind
+    nbytes: int
+
+    @property
+    def is_argument(self) -> bool:
+        return self.source.startswith("argument")
+
+
+@dataclasses.dataclass(frozen=True)
+class TagResiduals:
+    """Residuals of one checkpoint name (or one untagged source) in one remat segment."""
+
+    tag: str
+    count: int
+    shape: tuple[int, ...]
+    dtype: str
+    memory: MemoryKind
+    nbytes: int  # total bytes over ``count`` residuals
+
+
+def _memory_kind(aval) -> MemoryKind:
+    space = getattr(aval, "memory_space", None)
+    return "host" if space is not None and "host" in str(space).lower() else "device"
+
+
+def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
+    """The residuals ``jax.vjp(fn, *args)`` keeps, each attributed to a checkpoint name.
+
+    Args:
+      fn: a differentiable function (with ``jax.checkpoint`` / ``nn.remat`` inside or not).
+      *args: real arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated).
+
+    Returns:
+      One :class:`Residual` per saved value, in the order JAX keeps them.
+    """
+    leaves, tree = jax.tree.flatten(args)
+    flat_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+
+    def flat_fn(*xs):
+        return fn(*jax.tree.unflatten(tree, xs))
+
+    closed, out_shape = jax.make_jaxpr(lambda *xs: jax.vjp(flat_fn, *xs), return_shape=True)(
+        *leaves
+    )
+    jaxpr = closed.jaxpr
+    num_res = len(jax.tree.leaves(out_shape[1]))
+    res_vars = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
+
+    producer: dict[Any, Any] = {}
+    consumers: dict[Any, list[Any]] = defaultdict(list)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producer[v] = eqn
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                consumers[v].append(eqn)
+    arg_index = {v: i for i, v in enumerate(jaxpr.invars)}
+
+    def tag_of(v, depth=0) -> tuple[str | None, str]:
+        if depth > 8 or not isinstance(v, jcore.Var):
+            return None, "literal"
+        for c in consumers.get(v, []):
+            if c.primitive.name == "name":
+                return c.params["name"], _source(v)
+        eqn = producer.get(v)
+        if eqn is None:
+            return None, _source(v)
+        if eqn.primitive.name == "name":
+            return eqn.params["name"], _source(eqn.invars[0])
+        if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
+            return tag_of(eqn.invars[0], depth + 1)
+        return None, eqn.primitive.name
+
+    def _source(v) -> str:
+        if v in arg_index:
+            return f"argument {flat_names[arg_index[v]]}"
+        eqn = producer.get(v)
+        if eqn is None:
+            return "constant"
+        if eqn.primitive.name == "name" or eqn.primitive.name in _PASS_THROUGH:
+            return _source(eqn.invars[0]) if isinstance(eqn.invars[0], jcore.Var) else "literal"
+        return eqn.primitive.name
+
+    out = []
+    for v in res_vars:
+        aval = v.aval
+        tag, source = tag_of(v)
+        shape = tuple(int(d) for d in aval.shape)
+        dtype = jnp.dtype(aval.dtype)
+        out.append(
+            Residual(
+                tag=tag,
+                source=source,
+                shape=shape,
+                dtype=dtype.name,
+                memory=_memory_kind(aval),
+                nbytes=math.prod(shape) * dtype.itemsize,
+            )
+        )
+    return out
+
+
+def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> list[TagResiduals]:
+    """Sum residuals per (tag or source, memory kind). Arguments (parameters, the segment input)
+    are left out unless ``include_arguments``; untagged values are grouped as ``"<primitive>"``."""
+    groups: dict[tuple[str, str], list[Residual]] = defaultdict(list)
+    for r in residuals:
+        if r.is_argument and not include_arguments:
+            continue
+        key = r.tag if r.tag is not None else f"<{r.source}>"
+        groups[(key, r.memory)].append(r)
+    rows = [
+        TagResiduals(
+            tag=key,
+            count=len(rs),
+            shape=rs[0].shape,
+            dtype=rs[0].dtype,
+            memory=mem,
+            nbytes=sum(r.nbytes for r in rs),
+        )
+        for (key, mem), rs in groups.items()
+    ]
+    return sorted(rows, key=lambda t: (-t.nbytes, t.tag))
+
+
+def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[Residual]:
+    """Residuals of one remat segment (``remat_group_size`` blocks) under the config's policy.
+
+    The segment is traced on abstract shapes (nothing allocated): input x [batch, seq, d_model]
+    in the compute dtype, parameters from ``jax.eval_shape`` of the block's init. Parameters and
+    the segment input appear as ``argument`` residuals; the input of each later block in the
+    segment is tagged ``decoder_layer_input``. Multiply by ``num_layers // remat_group_size`` for
+    the whole model.
+    """
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, config.d_model), config.compute_dtype)
+    positions = jnp.arange(seq_len, dtype=jnp.int32)
+    group = BlockGroup(config)
+    params = jax.eval_shape(lambda: group.init(jax.random.key(0), x, positions)["params"])
+
+    def segment(p, h, pos):
+        return group.apply({"params": p}, h, pos)[0]
+
+    spec = config.policy_spec
+    if spec.wrap:
+        segment = jax.checkpoint(segment, policy=spec.to_jax())
+    pos_spec = jax.ShapeDtypeStruct((seq_len,), jnp.int32)
+    return saved_residuals(segment, params, x, pos_spec)
+
+
+def activation_bytes(residuals: list[Residual], memory: MemoryKind | None = None) -> int:
+    """Bytes of non-argument residuals (optionally of one memory kind)."""
+    return sum(
+        r.nbytes for r in residuals if not r.is_argument and (memory is None or r.memory == memory)
+    )

@@ -1,5 +1,9 @@
 """remat-kit: choose, measure and verify rematerialization policies for JAX/Flax transformers."""
 
+# targets first: it sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK before JAX discovers its plugins, so the
+# CUDA plugin loads quietly on a machine without a GPU (deviceless GPU targets).
+from remat_kit import targets as targets  # isort: skip
+
 from remat_kit.models import (
     PRESETS,
     Block,

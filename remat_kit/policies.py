@@ -1,4 +1,4 @@
-"""Named rematerialization policies: a registry of small specs turned into ``jax.checkpoint`` policies.
+"""Named rematerialization policies: a registry of small specs turned into jax.checkpoint policies.
 
 A policy decides, for every intermediate value of a checkpointed function, whether the forward
 pass keeps it for the backward pass (a *residual*, on device), moves it to pinned host memory

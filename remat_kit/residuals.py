@@ -1,4 +1,4 @@
-"""Saved residuals: what the forward pass keeps for the backward pass, attributed to checkpoint names.
+"""Saved residuals: what the forward pass keeps for the backward pass, by checkpoint name.
 
 ``jax.ad_checkpoint.print_saved_residuals`` prints the residuals of a function but loses the tag
 of an offloaded residual (it shows "output of device_put") and of a saved matmul (it shows
@@ -21,8 +21,10 @@ from jax.extend import core as jcore
 
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import BlockGroup
+from remat_kit.names import CHECKPOINT_NAMES
 
 MemoryKind = Literal["device", "host"]
+_FORWARD_THROUGH = ("add", "reshape", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 
 
@@ -66,6 +68,16 @@ def _memory_kind(aval) -> MemoryKind:
     return "host" if space is not None and "host" in str(space).lower() else "device"
 
 
+def _module_tag(eqn) -> str | None:
+    """The checkpoint name of the module an equation ran in: the bundled modules name each
+    projection's Dense after its tag, and flax puts module paths in JAX's name stack."""
+    scopes = str(eqn.source_info.name_stack).split("/")
+    for scope in reversed(scopes):
+        if scope in CHECKPOINT_NAMES:
+            return scope
+    return None
+
+
 def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     """The residuals ``jax.vjp(fn, *args)`` keeps, each attributed to a checkpoint name.
 
@@ -99,20 +111,31 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
                 consumers[v].append(eqn)
     arg_index = {v: i for i, v in enumerate(jaxpr.invars)}
 
+    def _named_consumer(v, depth=0) -> str | None:
+        # A matmul output saved by a dots policy is named downstream, possibly after the bias
+        # add or a reshape: follow single-consumer chains of such ops forward to the name.
+        for c in consumers.get(v, []):
+            if c.primitive.name == "name":
+                return c.params["name"]
+        users = consumers.get(v, [])
+        if depth < 3 and len(users) == 1 and users[0].primitive.name in _FORWARD_THROUGH:
+            return _named_consumer(users[0].outvars[0], depth + 1)
+        return None
+
     def tag_of(v, depth=0) -> tuple[str | None, str]:
         if depth > 8 or not isinstance(v, jcore.Var):
             return None, "literal"
-        for c in consumers.get(v, []):
-            if c.primitive.name == "name":
-                return c.params["name"], _source(v)
         eqn = producer.get(v)
-        if eqn is None:
-            return None, _source(v)
-        if eqn.primitive.name == "name":
+        if eqn is not None and eqn.primitive.name == "name":
             return eqn.params["name"], _source(eqn.invars[0])
-        if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
+        if eqn is not None and eqn.primitive.name in _PASS_THROUGH and eqn.invars:
             return tag_of(eqn.invars[0], depth + 1)
-        return None, eqn.primitive.name
+        forward = _named_consumer(v)
+        if forward is not None:
+            return forward, _source(v)
+        if eqn is not None:  # e.g. a dots policy keeps the raw matmul output, not the named one
+            return _module_tag(eqn), _source(v)
+        return None, _source(v)
 
     def _source(v) -> str:
         if v in arg_index:

@@ -85,7 +85,9 @@ def init_train_state(
 ) -> TrainState:
     """A fresh :class:`TrainState` with real arrays."""
     params = init_params(config, rng)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
 
 
 def abstract_train_state(
@@ -162,7 +164,7 @@ def make_train_step(
         loss, grads = grads_of(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if not jit:

@@ -159,42 +159,94 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("gpt2-large", d_model=1280, num_layers=36, num_heads=20, d_ff=5120, **_GPT2),
         ModelConfig("gpt2-xl", d_model=1600, num_layers=48, num_heads=25, d_ff=6400, **_GPT2),
         ModelConfig(
-            "llama3.2-1b", d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, d_ff=8192,
+            "llama3.2-1b",
+            d_model=2048,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            d_ff=8192,
             **{**_LLAMA3, "tied_embeddings": True, "max_seq_len": 131072},
         ),  # fmt: skip
         ModelConfig(
-            "llama3.2-3b", d_model=3072, num_layers=28, num_heads=24, num_kv_heads=8, d_ff=8192,
+            "llama3.2-3b",
+            d_model=3072,
+            num_layers=28,
+            num_heads=24,
+            num_kv_heads=8,
+            d_ff=8192,
             **{**_LLAMA3, "tied_embeddings": True, "max_seq_len": 131072},
         ),  # fmt: skip
         ModelConfig(
-            "llama3-8b", d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, d_ff=14336,
+            "llama3-8b",
+            d_model=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            d_ff=14336,
             **_LLAMA3,
         ),  # fmt: skip
         ModelConfig(
-            "llama3-70b", d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672,
+            "llama3-70b",
+            d_model=8192,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            d_ff=28672,
             **_LLAMA3,
         ),  # fmt: skip
         ModelConfig("llama2-7b", d_model=4096, num_layers=32, num_heads=32, d_ff=11008, **_LLAMA2),
+        ModelConfig("llama2-13b", d_model=5120, num_layers=40, num_heads=40, d_ff=13824, **_LLAMA2),
         ModelConfig(
-            "llama2-13b", d_model=5120, num_layers=40, num_heads=40, d_ff=13824, **_LLAMA2
-        ),
-        ModelConfig(
-            "qwen2.5-7b", d_model=3584, num_layers=28, num_heads=28, num_kv_heads=4, d_ff=18944,
-            **{**_LLAMA3, "vocab_size": 152064, "max_seq_len": 32768, "rope_theta": 1_000_000.0,
-               "norm_eps": 1e-6, "qkv_bias": True},
+            "qwen2.5-7b",
+            d_model=3584,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            d_ff=18944,
+            **{
+                **_LLAMA3,
+                "vocab_size": 152064,
+                "max_seq_len": 32768,
+                "rope_theta": 1_000_000.0,
+                "norm_eps": 1e-6,
+                "qkv_bias": True,
+            },
         ),  # fmt: skip
         # Byte-level (vocabulary 256) models for CPU runs and tests.
         ModelConfig(
-            "gpt-10m", vocab_size=256, d_model=384, num_layers=6, num_heads=6, d_ff=1536,
-            max_seq_len=1024, use_bias=True, qkv_bias=True,
+            "gpt-10m",
+            vocab_size=256,
+            d_model=384,
+            num_layers=6,
+            num_heads=6,
+            d_ff=1536,
+            max_seq_len=1024,
+            use_bias=True,
+            qkv_bias=True,
         ),  # fmt: skip
         ModelConfig(
-            "tiny-gpt", vocab_size=256, d_model=64, num_layers=4, num_heads=4, d_ff=256,
-            max_seq_len=128, use_bias=True, qkv_bias=True,
+            "tiny-gpt",
+            vocab_size=256,
+            d_model=64,
+            num_layers=4,
+            num_heads=4,
+            d_ff=256,
+            max_seq_len=128,
+            use_bias=True,
+            qkv_bias=True,
         ),  # fmt: skip
         ModelConfig(
-            "tiny-llama", vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
-            d_ff=172, max_seq_len=128, norm="rmsnorm", mlp="swiglu", positions="rope",
+            "tiny-llama",
+            vocab_size=256,
+            d_model=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            d_ff=172,
+            max_seq_len=128,
+            norm="rmsnorm",
+            mlp="swiglu",
+            positions="rope",
             tied_embeddings=False,
         ),  # fmt: skip
     ]

@@ -30,6 +30,11 @@ def _dense(config: ModelConfig, features, *, name: str, axis=-1, use_bias: bool 
     )
 
 
+def _proj(config: ModelConfig, x: jax.Array, features, tag: str, **kw) -> jax.Array:
+    """Dense projection named after its checkpoint tag, output tagged with ``checkpoint_name``."""
+    return checkpoint_name(_dense(config, features, name=tag, **kw)(x), tag)
+
+
 def _norm(config: ModelConfig, name: str) -> nn.Module:
     kw = dict(epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype)
     if config.norm == "rmsnorm":
@@ -86,9 +91,9 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         a, g, d = c.num_heads, c.kv_heads, c.head_dim
-        q = checkpoint_name(_dense(c, (a, d), name="query", use_bias=c.qkv_bias)(x), N.QUERY_PROJ)
-        k = checkpoint_name(_dense(c, (g, d), name="key", use_bias=c.qkv_bias)(x), N.KEY_PROJ)
-        v = checkpoint_name(_dense(c, (g, d), name="value", use_bias=c.qkv_bias)(x), N.VALUE_PROJ)
+        q = _proj(c, x, (a, d), N.QUERY_PROJ, use_bias=c.qkv_bias)  # (b, s, a, d)
+        k = _proj(c, x, (g, d), N.KEY_PROJ, use_bias=c.qkv_bias)  # (b, s, g, d)
+        v = _proj(c, x, (g, d), N.VALUE_PROJ, use_bias=c.qkv_bias)  # (b, s, g, d)
         if c.positions == "rope":
             q = apply_rope(q, positions, c.rope_theta)
             k = apply_rope(k, positions, c.rope_theta)
@@ -98,8 +103,7 @@ class Attention(nn.Module):
             impl = "cudnn" if c.attention == "cudnn" else None
             ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         ctx = checkpoint_name(ctx, N.CONTEXT)  # (b, s, a, d)
-        out = _dense(c, c.d_model, axis=(-2, -1), name="out")(ctx)
-        return checkpoint_name(out, N.OUT_PROJ)
+        return _proj(c, ctx, c.d_model, N.OUT_PROJ, axis=(-2, -1))  # (b, s, h)
 
 
 class Mlp(nn.Module):
@@ -111,19 +115,19 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         if c.mlp == "swiglu":
-            gate = checkpoint_name(_dense(c, c.d_ff, name="wi_0")(x), N.MLPWI_0)
-            up = checkpoint_name(_dense(c, c.d_ff, name="wi_1")(x), N.MLPWI_1)
-            hidden = nn.silu(gate) * up
+            hidden = nn.silu(_proj(c, x, c.d_ff, N.MLPWI_0)) * _proj(c, x, c.d_ff, N.MLPWI_1)
         else:
-            hidden = nn.gelu(checkpoint_name(_dense(c, c.d_ff, name="wi")(x), N.MLPWI))
-        return checkpoint_name(_dense(c, c.d_model, name="wo")(hidden), N.MLPWO)
+            hidden = nn.gelu(_proj(c, x, c.d_ff, N.MLPWI))  # (b, s, f)
+        return _proj(c, hidden, c.d_model, N.MLPWO)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). [b, s, h] -> same.
 
     The block input is tagged ``decoder_layer_input``; every projection carries its MaxText tag
-    (see :mod:`remat_kit.names`).
+    (see :mod:`remat_kit.names`), and the Dense module producing it is named after the tag, so
+    untagged copies of a projection (a matmul output kept by a dots policy) can be attributed from
+    JAX's name stack.
     """
 
     config: ModelConfig
@@ -206,7 +210,7 @@ class Transformer(nn.Module):
         return _dense(c, c.vocab_size, name="lm_head", use_bias=False)(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_model(config: ModelConfig) -> Transformer:
     return Transformer(config)
 

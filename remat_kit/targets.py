@@ -1,0 +1,595 @@
+"""Compile targets: the local backend, the CPU, and GPU models compiled without a GPU.
+
+A :class:`Target` names a device model and carries the vendor figures remat-kit needs to judge a
+compiled step against it: device memory (bytes), dense bf16 tensor-core peak (FLOP/s), memory and
+host-link bandwidth (bytes/s). GPU targets also carry a :class:`GpuSpec`, enough to write XLA's
+``GpuTargetConfig`` text proto, so a step can be compiled *deviceless*, on a machine with no GPU:
+
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from remat_kit import targets
+
+    sharding = targets.abstract_sharding("h100-sxm", num_devices=8, spec=P("x"))
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16, sharding=sharding)
+    compiled = jax.jit(f).lower(x).compile()
+    compiled.memory_analysis()   # per-device bytes, as on a real H100
+
+Deviceless compiles need the CUDA PJRT plugin (``pip install 'remat-kit[cuda12]'``) and, on a
+machine without a GPU, ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` before JAX discovers its plugins (its
+first backend use, not ``import jax``): importing this module sets it
+(:func:`ensure_deviceless_env`) and :func:`compile_devices` repairs the case where JAX got there
+first.
+
+``compiled.cost_analysis()`` is ``None`` for deviceless GPU executables (XLA: "GetCostAnalysis is
+not supported"); count FLOPs on the same function lowered for the CPU instead.
+
+Sources: NVIDIA datasheets and architecture whitepapers (cited per target in ``Target.source``);
+the per-SM limits (shared memory, registers, threads) are those of the CUDA C++ Programming Guide
+table "Technical Specifications per Compute Capability" and of XLA's own GPU spec files
+(openxla/xla ``xla/backends/gpu/target_config/specs/*.txtpb``), which also give the
+device-memory sizes the CUDA driver reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+#: Platforms a target compiles for. The built-in targets are ``cpu`` or ``cuda``; ``local`` takes
+#: whatever JAX's default backend is.
+Platform = Literal["cpu", "cuda", "rocm", "tpu"]
+
+#: The name of the target resolved from JAX's default backend at use time.
+LOCAL = "local"
+
+#: PJRT plugin modules that provide the ``cuda`` platform, newest first.
+CUDA_PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+#: Device files whose presence means the machine has an NVIDIA GPU (the same test JAX uses in
+#: ``jax._src.hardware_utils.has_visible_nvidia_gpu`` before it tries the CUDA backend).
+_NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+_SKIP_CHECK_VAR = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+_INSTALL_HINT = "pip install 'remat-kit[cuda12]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What XLA's GPU compiler needs to know about one NVIDIA GPU model.
+
+    These become the ``gpu_device_info`` of a ``GpuTargetConfig`` text proto (see
+    :func:`gpu_target_config`). Device memory and memory bandwidth come from the enclosing
+    :class:`Target`. Sizes in bytes, clock in GHz.
+    """
+
+    core_count: int  # streaming multiprocessors (SMs)
+    cc_major: int  # CUDA compute capability, e.g. 9 for sm_90
+    cc_minor: int
+    l2_cache_bytes: int
+    shared_memory_per_core: int  # bytes of shared memory per SM
+    shared_memory_per_block_optin: int  # largest opt-in shared memory per block, bytes
+    threads_per_core_limit: int  # resident threads per SM
+    fpus_per_core: int  # FP32 lanes per SM
+    clock_rate_ghz: float  # boost clock
+    device_description: str  # the device_kind JAX reports on the real GPU
+    #: ``ACCELERATED_FEATURES`` compiles for the ``a`` variant (sm_90a), as XLA does on a real
+    #: Hopper; ``None`` for the plain compute capability.
+    cc_feature_extension: str | None = None
+    shared_memory_per_block: int = 48 * 1024  # bytes without opt-in
+    threads_per_block_limit: int = 1024
+    threads_per_warp: int = 32
+    registers_per_core_limit: int = 64 * 1024  # 32-bit registers per SM
+    registers_per_block_limit: int = 64 * 1024
+    block_dim_limit: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+    dnn_version: tuple[int, int, int] = (9, 8, 0)  # cuDNN the compile assumes
+    runtime_version: tuple[int, int, int] = (12, 8, 0)  # CUDA runtime the compile assumes
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A device model to compile for and judge memory against.
+
+    Figures are per device. ``None`` means unknown (the local CPU, or a local device JAX does not
+    describe).
+    """
+
+    name: str
+    platform: Platform
+    description: str
+    #: Device memory in bytes, as the CUDA driver reports it (a little under the marketing size);
+    #: for ``local``, JAX's allocator limit (``memory_stats()["bytes_limit"]``); ``None`` for CPUs.
+    memory_bytes: int | None
+    #: Dense bf16 tensor-core peak in FLOP/s (vendor figure, without 2:4 sparsity).
+    peak_flops_bf16: float | None
+    #: Device-memory bandwidth in bytes/s.
+    hbm_bytes_per_s: float | None
+    #: Host<->device bandwidth in bytes/s, per direction (PCIe Gen5 x16: 64e9; Gen4 x16: 32e9).
+    host_link_bytes_per_s: float | None
+    #: Whether offload to pinned host memory is real on this target (on CPU it compiles but
+    #: changes nothing).
+    supports_host_offload: bool
+    #: Where the figures come from.
+    source: str
+    #: For GPU targets compiled deviceless: the fields of XLA's ``GpuTargetConfig``.
+    gpu: GpuSpec | None = None
+
+    @property
+    def deviceless(self) -> bool:
+        """True when compiling for this target needs no such device (a GPU model)."""
+        return self.gpu is not None
+
+    def usable_bytes(self, fraction: float = 1.0) -> int:
+        """``fraction`` of device memory, in bytes.
+
+        A default JAX process on a GPU preallocates and may use only
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of device memory: pass ``0.75`` to judge
+        a step against that, ``1.0`` for what the hardware holds.
+
+        Raises:
+            ValueError: the target's memory is unknown (``memory_bytes is None``), or ``fraction``
+                is not in (0, 1].
+        """
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if self.memory_bytes is None:
+            raise ValueError(
+                f"target {self.name!r} has unknown device memory (memory_bytes is None); "
+                "pick a GPU target such as 'h100-sxm'"
+            )
+        return int(self.memory_bytes * fraction)
+
+    def headroom_bytes(self, peak_bytes: int, fraction: float = 1.0) -> int:
+        """Bytes left after a step that peaks at ``peak_bytes``; negative when it does not fit.
+
+        Raises:
+            ValueError: as :meth:`usable_bytes`.
+        """
+        return self.usable_bytes(fraction) - int(peak_bytes)
+
+    def fits(self, peak_bytes: int, fraction: float = 1.0) -> bool:
+        """Whether a step peaking at ``peak_bytes`` (per device) fits in ``fraction`` of memory.
+
+        Raises:
+            ValueError: as :meth:`usable_bytes`.
+        """
+        return self.headroom_bytes(peak_bytes, fraction) >= 0
+
+
+# -- The built-in targets ---------------------------------------------------------------------
+
+_HOPPER = dict(
+    core_count=132,
+    cc_major=9,
+    cc_minor=0,
+    cc_feature_extension="ACCELERATED_FEATURES",
+    l2_cache_bytes=50 * 2**20,
+    shared_memory_per_core=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+    threads_per_core_limit=2048,
+    fpus_per_core=128,
+    clock_rate_ghz=1.98,
+)
+_A100 = dict(
+    core_count=108,
+    cc_major=8,
+    cc_minor=0,
+    l2_cache_bytes=40 * 2**20,
+    shared_memory_per_core=164 * 1024,
+    shared_memory_per_block_optin=163 * 1024,
+    threads_per_core_limit=2048,
+    fpus_per_core=64,
+    clock_rate_ghz=1.41,
+)
+_H100_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100) and NVIDIA H100 "
+    "Tensor Core GPU Architecture whitepaper (SXM5: 132 SMs, 50 MB L2, 3.35 TB/s HBM3, "
+    "989.4 TFLOP/s dense BF16, PCIe Gen5 x16); memory size: XLA specs/h100_sxm.txtpb"
+)
+_H200_SOURCE = (
+    "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200: 141 GB HBM3e, "
+    "4.8 TB/s, 1,979 TFLOP/s BF16 with sparsity, PCIe Gen5 x16); SM figures as H100 SXM "
+    "(Hopper whitepaper); memory size: XLA specs/h200.txtpb"
+)
+_A100_SOURCE = (
+    "NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100: 312 TFLOP/s BF16 "
+    "dense, {bw} GB/s, PCIe Gen4 x16) and NVIDIA A100 Tensor Core GPU Architecture whitepaper "
+    "(108 SMs, 40 MB L2); memory size: XLA specs/{spec}.txtpb"
+)
+_L4_SOURCE = (
+    "NVIDIA L4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/l4: 24 GB GDDR6, "
+    "300 GB/s, 242 TFLOP/s BF16 with sparsity, PCIe Gen4 x16) and NVIDIA Ada GPU Architecture "
+    "whitepaper (58 SMs, 48 MB L2, 2.04 GHz boost); memory size: nvidia-smi total 23034 MiB"
+)
+
+_CPU = Target(
+    name="cpu",
+    platform="cpu",
+    description="the local CPU backend (jax.devices('cpu'))",
+    memory_bytes=None,
+    peak_flops_bf16=None,
+    hbm_bytes_per_s=None,
+    host_link_bytes_per_s=None,
+    supports_host_offload=False,
+    source="local machine",
+)
+
+_GPU_TARGETS: tuple[Target, ...] = (
+    Target(
+        name="h100-sxm",
+        platform="cuda",
+        description="NVIDIA H100 SXM5 80 GB HBM3 (Hopper, sm_90a)",
+        memory_bytes=84_942_979_072,
+        peak_flops_bf16=989.4e12,
+        hbm_bytes_per_s=3.35e12,
+        host_link_bytes_per_s=64e9,
+        supports_host_offload=True,
+        source=_H100_SOURCE,
+        gpu=GpuSpec(**_HOPPER, device_description="NVIDIA H100 80GB HBM3"),
+    ),
+    Target(
+        name="h200",
+        platform="cuda",
+        description="NVIDIA H200 SXM 141 GB HBM3e (Hopper, sm_90a)",
+        memory_bytes=151_397_597_184,
+        peak_flops_bf16=989.4e12,
+        hbm_bytes_per_s=4.8e12,
+        host_link_bytes_per_s=64e9,
+        supports_host_offload=True,
+        source=_H200_SOURCE,
+        gpu=GpuSpec(**_HOPPER, device_description="NVIDIA H200"),
+    ),
+    Target(
+        name="a100-80gb",
+        platform="cuda",
+        description="NVIDIA A100 SXM4 80 GB HBM2e (Ampere, sm_80)",
+        memory_bytes=85_100_068_864,
+        peak_flops_bf16=312e12,
+        hbm_bytes_per_s=2.039e12,
+        host_link_bytes_per_s=32e9,
+        supports_host_offload=True,
+        source=_A100_SOURCE.format(bw="2,039", spec="a100_sxm_80"),
+        gpu=GpuSpec(**_A100, device_description="NVIDIA A100-SXM4-80GB"),
+    ),
+    Target(
+        name="a100-40gb",
+        platform="cuda",
+        description="NVIDIA A100 SXM4 40 GB HBM2 (Ampere, sm_80)",
+        memory_bytes=42_331_013_120,
+        peak_flops_bf16=312e12,
+        hbm_bytes_per_s=1.555e12,
+        host_link_bytes_per_s=32e9,
+        supports_host_offload=True,
+        source=_A100_SOURCE.format(bw="1,555", spec="a100_sxm_40"),
+        gpu=GpuSpec(**_A100, device_description="NVIDIA A100-SXM4-40GB"),
+    ),
+    Target(
+        name="l4",
+        platform="cuda",
+        description="NVIDIA L4 24 GB GDDR6 (Ada Lovelace, sm_89)",
+        memory_bytes=23034 * 2**20,
+        peak_flops_bf16=121e12,
+        hbm_bytes_per_s=300e9,
+        host_link_bytes_per_s=32e9,
+        supports_host_offload=True,
+        source=_L4_SOURCE,
+        gpu=GpuSpec(
+            core_count=58,
+            cc_major=8,
+            cc_minor=9,
+            l2_cache_bytes=48 * 2**20,
+            shared_memory_per_core=100 * 1024,
+            shared_memory_per_block_optin=99 * 1024,
+            threads_per_core_limit=1536,
+            fpus_per_core=128,
+            clock_rate_ghz=2.04,
+            device_description="NVIDIA L4",
+        ),
+    ),
+)
+
+#: Fixed targets by name; ``local`` is resolved at use time by :func:`get_target`.
+TARGETS: dict[str, Target] = {t.name: t for t in (_CPU, *_GPU_TARGETS)}
+
+
+def target_names() -> list[str]:
+    """Every valid target name: ``local``, ``cpu``, then the GPU models."""
+    return [LOCAL, *TARGETS]
+
+
+def get_target(name: str | Target) -> Target:
+    """The :class:`Target` called ``name`` (case-insensitive, ``_`` read as ``-``).
+
+    ``local`` is built now from JAX's default backend: its platform, and its memory from
+    ``jax.devices()[0].memory_stats()["bytes_limit"]`` where the backend reports it (GPUs do,
+    the CPU does not). A local GPU of a known model also gets that model's figures.
+
+    Raises:
+        ValueError: ``name`` is not a target; the message lists the valid names and the closest.
+    """
+    if isinstance(name, Target):
+        return name
+    key = str(name).strip().lower().replace("_", "-")
+    if key == LOCAL:
+        return _local_target()
+    if key in TARGETS:
+        return TARGETS[key]
+    names = target_names()
+    # A prefix ("h100", "a100") beats difflib, which would pick "h200" for "h100".
+    close = [n for n in names if key and n.startswith(key)] or difflib.get_close_matches(
+        key, names, n=1
+    )
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ValueError(f"unknown target {name!r}: valid names are {', '.join(names)}{hint}")
+
+
+def _local_target() -> Target:
+    device = jax.devices()[0]
+    platform = device.platform
+    if platform == "gpu":
+        version = getattr(device.client, "platform_version", "").lower()
+        platform = "rocm" if "rocm" in version else "cuda"
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends raise instead of returning None
+        stats = {}
+    limit = stats.get("bytes_limit")
+    memory_bytes = int(limit) if limit else None
+    description = f"the local {platform} backend: {device.device_kind}"
+    for known in _GPU_TARGETS:
+        if known.gpu is not None and known.gpu.device_description == device.device_kind:
+            # The model's figures, JAX's allocator limit as memory; compiled on the real device.
+            return dataclasses.replace(
+                known, name=LOCAL, description=description, memory_bytes=memory_bytes, gpu=None
+            )
+    return Target(
+        name=LOCAL,
+        platform=platform,  # type: ignore[arg-type]
+        description=description,
+        memory_bytes=memory_bytes,
+        peak_flops_bf16=None,
+        hbm_bytes_per_s=None,
+        host_link_bytes_per_s=None,
+        supports_host_offload=platform != "cpu",
+        source="jax.devices()[0].memory_stats()",
+    )
+
+
+# -- The deviceless environment ---------------------------------------------------------------
+
+
+def has_visible_nvidia_gpu() -> bool:
+    """True when this machine shows an NVIDIA GPU device file (JAX's own test)."""
+    return any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
+
+
+def ensure_deviceless_env() -> bool:
+    """Let the CUDA plugin load on a machine without a GPU; returns whether the check is skipped.
+
+    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set.
+    Without it, the CUDA plugin's version check fails (``cuInit(0) failed``), JAX logs a
+    traceback at its first backend use and never registers the plugin, so no ``cuda`` topology
+    can be made. With it, JAX still keeps the CPU as the local backend (it skips the CUDA
+    backend when no ``/dev/nvidia*`` exists), silently. ``JAX_PLATFORMS`` is left alone: it is not
+    needed, and forcing ``cpu`` would hide a TPU or a GPU.
+
+    Effective until JAX first discovers its plugins (first backend use or topology, not
+    ``import jax``); this module calls it on import. Where that is too late,
+    :func:`compile_devices` re-runs the plugin's registration itself. On a GPU machine the check
+    stays on: it catches broken CUDA installs, and the plugin registers anyway.
+    """
+    if not has_visible_nvidia_gpu():
+        os.environ.setdefault(_SKIP_CHECK_VAR, "1")
+    return bool(os.environ.get(_SKIP_CHECK_VAR))
+
+
+ensure_deviceless_env()
+
+
+def cuda_plugin_module() -> str | None:
+    """The name of the installed CUDA PJRT plugin module, or ``None`` when there is none."""
+    for module in CUDA_PLUGIN_MODULES:
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return module
+        except (ImportError, ValueError):  # no ``jax_plugins`` namespace at all
+            return None
+    return None
+
+
+# -- Compiling for a target -------------------------------------------------------------------
+
+
+def gpu_target_config(target: str | Target) -> str:
+    """The ``GpuTargetConfig`` text proto that describes ``target`` to XLA.
+
+    Raises:
+        ValueError: ``target`` is unknown or not a GPU model compiled deviceless.
+    """
+    t = get_target(target)
+    g = t.gpu
+    if g is None or t.memory_bytes is None or t.hbm_bytes_per_s is None:
+        raise ValueError(f"target {t.name!r} is not a deviceless GPU target")
+    extension = f" feature_extension: {g.cc_feature_extension}" if g.cc_feature_extension else ""
+    dnn, rt = g.dnn_version, g.runtime_version
+    return "\n".join(
+        [
+            "gpu_device_info {",
+            f"  threads_per_block_limit: {g.threads_per_block_limit}",
+            f"  threads_per_warp: {g.threads_per_warp}",
+            f"  shared_memory_per_block: {g.shared_memory_per_block}",
+            f"  shared_memory_per_core: {g.shared_memory_per_core}",
+            f"  threads_per_core_limit: {g.threads_per_core_limit}",
+            f"  core_count: {g.core_count}",
+            f"  fpus_per_core: {g.fpus_per_core}",
+            f"  block_dim_limit_x: {g.block_dim_limit[0]}",
+            f"  block_dim_limit_y: {g.block_dim_limit[1]}",
+            f"  block_dim_limit_z: {g.block_dim_limit[2]}",
+            f"  memory_bandwidth: {int(t.hbm_bytes_per_s)}",
+            f"  l2_cache_size: {g.l2_cache_bytes}",
+            f"  clock_rate_ghz: {g.clock_rate_ghz}",
+            f"  device_memory_size: {t.memory_bytes}",
+            f"  shared_memory_per_block_optin: {g.shared_memory_per_block_optin}",
+            f"  cuda_compute_capability {{ major: {g.cc_major} minor: {g.cc_minor}{extension} }}",
+            f"  registers_per_core_limit: {g.registers_per_core_limit}",
+            f"  registers_per_block_limit: {g.registers_per_block_limit}",
+            "}",
+            'platform_name: "CUDA"',
+            f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}",
+            f"runtime_version {{ major: {rt[0]} minor: {rt[1]} patch: {rt[2]} }}",
+            f'device_description_str: "{g.device_description}"',
+            "",
+        ]
+    )
+
+
+def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Device]:
+    """The ``num_devices`` devices to lower and compile for ``target`` on.
+
+    ``local`` and ``cpu``: the first ``num_devices`` local devices. GPU models: compile-only
+    devices of a deviceless topology ``1x1x{num_devices}`` (one host, ``num_devices`` GPUs),
+    made once per (target, ``num_devices``) and cached. Compile-only devices cannot run
+    anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding on them (see
+    :func:`abstract_sharding`) and call ``.lower(...).compile()``.
+
+    Raises:
+        ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
+            message says how to get more CPU devices).
+        RuntimeError: a GPU target without the CUDA plugin installed (the fix:
+            ``pip install 'remat-kit[cuda12]'``), or the plugin would not register.
+    """
+    t = get_target(target)
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if t.gpu is not None:
+        return list(_cuda_topology(t, num_devices).devices)
+    devices = jax.local_devices(backend="cpu") if t.name == "cpu" else jax.local_devices()
+    if len(devices) < num_devices:
+        fix = (
+            "; for more CPU devices call jax.config.update('jax_num_cpu_devices', N) before "
+            "JAX's first use"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"target {t.name!r} has {len(devices)} local device(s), {num_devices} asked{fix}"
+        )
+    return devices[:num_devices]
+
+
+@functools.cache
+def _cuda_topology(target: Target, num_devices: int) -> Any:
+    """A deviceless ``TopologyDescription`` of ``num_devices`` GPUs of ``target`` (cached)."""
+    from jax.experimental import topologies
+
+    if cuda_plugin_module() is None:
+        raise RuntimeError(
+            f"target {target.name!r} needs JAX's CUDA plugin, which is not installed: "
+            f"{_INSTALL_HINT}"
+        )
+    config = gpu_target_config(target)
+
+    def make() -> Any:
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=f"1x1x{num_devices}"
+        )
+
+    try:
+        return make()
+    except NotImplementedError:
+        # JAX discovered its plugins before JAX_SKIP_CUDA_CONSTRAINTS_CHECK was set, and the
+        # CUDA plugin's version check failed for lack of a GPU: register the plugin again.
+        _register_cuda_plugin(target)
+        return make()
+
+
+def _register_cuda_plugin(target: Target) -> None:
+    module = cuda_plugin_module()
+    os.environ[_SKIP_CHECK_VAR] = "1"
+    try:
+        importlib.import_module(module).initialize()  # type: ignore[arg-type]
+    except Exception as err:
+        raise RuntimeError(
+            f"target {target.name!r}: JAX's CUDA plugin {module} would not register "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            f"reinstall it with {_INSTALL_HINT}"
+        ) from err
+
+
+def make_mesh(
+    target: str | Target,
+    num_devices: int = 1,
+    axis_names: Sequence[str] = ("x",),
+    mesh_shape: Sequence[int] | None = None,
+) -> Mesh:
+    """A ``Mesh`` over :func:`compile_devices` of ``target``.
+
+    Args:
+        target: a target name or :class:`Target`.
+        num_devices: devices in the mesh.
+        axis_names: one name per mesh axis.
+        mesh_shape: devices along each axis; defaults to ``(num_devices,)`` for one axis.
+
+    Raises:
+        ValueError: ``mesh_shape`` missing for several axes, of the wrong length, or not
+            multiplying to ``num_devices``; and as :func:`compile_devices`.
+    """
+    axis_names = tuple(axis_names)
+    if mesh_shape is None:
+        if len(axis_names) != 1:
+            raise ValueError(f"give mesh_shape for the {len(axis_names)} axes {axis_names}")
+        mesh_shape = (num_devices,)
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if len(mesh_shape) != len(axis_names) or math.prod(mesh_shape) != num_devices:
+        raise ValueError(
+            f"mesh_shape {mesh_shape} must have one size per axis of {axis_names} and multiply "
+            f"to num_devices={num_devices}"
+        )
+    devices = compile_devices(target, num_devices)
+    return Mesh(np.asarray(devices, dtype=object).reshape(mesh_shape), axis_names)
+
+
+def abstract_sharding(
+    target: str | Target,
+    num_devices: int = 1,
+    spec: PartitionSpec = PartitionSpec(),  # noqa: B008 (immutable)
+    axis_names: Sequence[str] = ("x",),
+    mesh_shape: Sequence[int] | None = None,
+) -> NamedSharding:
+    """``NamedSharding(make_mesh(...), spec)``: the sharding for abstract arguments.
+
+    Example::
+
+        s = abstract_sharding("h100-sxm", 8, PartitionSpec("x"))
+        x = jax.ShapeDtypeStruct((8, 2048, 4096), jnp.bfloat16, sharding=s)
+
+    Raises:
+        ValueError: as :func:`make_mesh`.
+    """
+    return NamedSharding(make_mesh(target, num_devices, axis_names, mesh_shape), spec)
+
+
+def abstractify(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """``tree`` with every array-like leaf (``.shape`` and ``.dtype``) turned into a
+    ``jax.ShapeDtypeStruct`` carrying ``sharding``; other leaves unchanged.
+
+    Use it on a real or abstract train state to compile it for a target.
+    """
+
+    def leaf(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return x
+
+    return jax.tree.map(leaf, tree)

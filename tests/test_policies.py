@@ -1,0 +1,207 @@
+"""The policy registry drives these tests: a new policy is tested automatically."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import remat_kit
+from remat_kit import names as N
+from remat_kit.residuals import block_residuals, group_by_tag
+from remat_kit.train import abstract_batch, loss_fn, make_optimizer, make_train_step
+
+POLICIES = remat_kit.policy_names()
+MODELS = ["tiny-gpt", "tiny-llama"]
+ISSUE_NAMES = [
+    "no-remat", "save-nothing", "save-layer-inputs", "save-dots", "save-dots-no-batch",
+    "save-qkv-proj", "save-out-proj", "save-qkv-out-proj", "save-dots-except-mlp", "minimal",
+    "offload-to-host", "offload-layer-inputs", "offload-qkv-proj",
+]  # fmt: skip
+
+
+def _config(model, policy="no-remat", scan=True, group=1, **kw):
+    return remat_kit.get_config(
+        model, remat_policy=policy, scan_layers=scan, remat_group_size=group, num_layers=2, **kw
+    )
+
+
+def _batch(b=2, s=16):
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {
+        "inputs": jax.random.randint(k1, (b, s), 0, 256, jnp.int32),
+        "targets": jax.random.randint(k2, (b, s), 0, 256, jnp.int32),
+    }
+
+
+@functools.cache
+def _loss_and_grads(model, policy, scan, group):
+    config = _config(model, policy, scan, group)
+    params = remat_kit.train.init_params(config, jax.random.key(0))
+    # Values do not depend on XLA's optimisation passes (remat is decided on the jaxpr), and
+    # skipping them halves the compile time of these ~100 small programs.
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        return jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, config, _batch())
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
+def test_registry_lists_every_promised_name():
+    assert set(ISSUE_NAMES) <= set(POLICIES)
+    for name in POLICIES:
+        spec = remat_kit.get_policy_spec(name)
+        assert spec.description and spec.source, name
+        assert callable(remat_kit.policy(name))
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_loss_and_grads_equal_no_remat(policy, model, scan, group):
+    loss, grads = _loss_and_grads(model, policy, scan, group)
+    ref_loss, ref_grads = _loss_and_grads(model, "no-remat", scan, group)
+    chex.assert_trees_all_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def _promised_tags(spec, config):
+    emitted = set(config.checkpoint_names)
+    if spec.base == "dots" or spec.base == "dots_no_batch":
+        return {t for t in emitted if t not in (N.DECODER_LAYER_INPUT, N.CONTEXT)}, set()
+    return spec.save & emitted, spec.offload & emitted
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "no-remat"])
+def test_saved_residuals_keep_exactly_the_promised_tags(policy, model):
+    # Two blocks per remat segment so every tag (the second block's input included) is inside
+    # the segment; arguments (parameters, the segment input) are not activations.
+    config = _config(model, policy, group=2)
+    spec = config.policy_spec
+    rows = group_by_tag(block_residuals(config, 2, 16))
+    saved = {r.tag for r in rows if r.memory == "device" and r.tag in N.CHECKPOINT_NAMES}
+    offloaded = {r.tag for r in rows if r.memory == "host"}
+    want_saved, want_offloaded = _promised_tags(spec, config)
+    assert saved == want_saved
+    assert offloaded == want_offloaded
+    untagged = {r.tag for r in rows if r.tag not in N.CHECKPOINT_NAMES}
+    if spec.base == "dots":  # attention scores and context matmuls are kept untagged
+        assert "<dot_general>" in untagged
+    else:
+        assert "<dot_general>" not in untagged
+
+
+def test_no_remat_keeps_more_than_save_nothing():
+    full = block_residuals(_config("tiny-gpt", "no-remat", group=2), 2, 16)
+    none = block_residuals(_config("tiny-gpt", "save-nothing", group=2), 2, 16)
+    act = remat_kit.residuals.activation_bytes
+    assert act(none) == 0
+    assert act(full) > 0
+
+
+def _temp_bytes(policy):
+    config = _config("tiny-gpt", policy, num_heads=4, d_model=64, max_seq_len=128)
+    optimizer = make_optimizer("sgd", grad_clip=None)
+    state = remat_kit.abstract_train_state(config, optimizer)
+    step = make_train_step(config, optimizer)
+    compiled = step.lower(state, abstract_batch(4, 128)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_compiled_temp_bytes_ordered_under_scan():
+    temps = {
+        p: _temp_bytes(p) for p in ["save-nothing", "save-dots-no-batch", "save-dots", "no-remat"]
+    }
+    assert temps["save-nothing"] <= temps["save-dots-no-batch"] <= temps["save-dots"]
+    assert temps["save-dots"] <= temps["no-remat"]
+    assert temps["save-nothing"] < temps["no-remat"], temps
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda: remat_kit.policy("save-dot"), r"unknown policy 'save-dot'.*Did you mean 'save-dots'"),
+        (lambda: remat_kit.policy("fast"), r"unknown policy 'fast'; valid policys: no-remat"),
+        (lambda: remat_kit.custom_policy({"query_prj": "save"}), r"'query_prj'.*'query_proj'"),
+        (lambda: remat_kit.custom_policy({"out_proj": "keep"}), r"'keep'.*save, offload, recompute"),
+        (
+            lambda: remat_kit.PolicySpec("x", "d", save=frozenset({"out_proj"}),
+                                         offload=frozenset({"out_proj"})),
+            r"\['out_proj'\] both saved and offloaded",
+        ),
+        (lambda: remat_kit.get_config("llama3-9b"), r"unknown preset 'llama3-9b'.*llama3-8b"),
+        (lambda: remat_kit.get_config("tiny-gpt", d_model=65), r"d_model=65.*num_heads=4"),
+        (lambda: remat_kit.get_config("tiny-llama", num_kv_heads=3), r"num_kv_heads=3.*1, 2, 4"),
+        (lambda: remat_kit.get_config("tiny-gpt", remat_group_size=3), r"remat_group_size=3.*1, 2, 4"),
+        (lambda: remat_kit.get_config("tiny-gpt", num_layers=0), r"num_layers must be a positive"),
+        (lambda: remat_kit.get_config("tiny-gpt", d_ff=-1), r"d_ff must be a positive"),
+        (lambda: remat_kit.get_config("tiny-gpt", remat_policy="save-al"), r"unknown policy"),
+        (lambda: remat_kit.get_config("tiny-gpt", dmodel=64), r"unknown ModelConfig field 'dmodel'.*d_model"),
+        (lambda: abstract_batch(0, 16), r"batch_size must be a positive integer, got 0"),
+    ],
+)  # fmt: skip
+def test_bad_input_raises_value_error_naming_it(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+def test_custom_policy_spec():
+    spec = remat_kit.custom_spec(
+        {"query_proj": "offload", "out_proj": "save", "mlpwo": "recompute"}
+    )
+    assert spec.save == {"out_proj"} and spec.offload == {"query_proj"}
+    config = _config("tiny-llama", spec, group=2)
+    rows = group_by_tag(block_residuals(config, 2, 16))
+    assert {(r.tag, r.memory) for r in rows if r.tag in N.CHECKPOINT_NAMES} == {
+        ("out_proj", "device"),
+        ("query_proj", "host"),
+    }
+
+
+def test_policy_works_with_linen_remat_by_hand():
+    config = _config("tiny-gpt")
+    x = jnp.ones((2, 16, config.d_model))
+    pos = jnp.arange(16)
+    Remat = nn.remat(remat_kit.Block, policy=remat_kit.policy("save-dots"))
+    params = remat_kit.Block(config).init(jax.random.key(0), x, pos)
+    f_ref = lambda p: remat_kit.Block(config).apply(p, x, pos).sum()
+    f_remat = lambda p: Remat(config).apply(p, x, pos).sum()
+    chex.assert_trees_all_close(jax.grad(f_remat)(params), jax.grad(f_ref)(params), rtol=1e-6)
+
+
+class _NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.wi = nnx.Linear(8, 16, rngs=rngs)
+        self.wo = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        h = checkpoint_name(self.wi(x), N.MLPWI)
+        return checkpoint_name(self.wo(jax.nn.gelu(h)), N.MLPWO)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_work_with_nnx_remat(policy):
+    model = _NnxMlp(nnx.Rngs(0))
+    x = jnp.linspace(-1, 1, 32).reshape(4, 8)
+
+    def loss(m, x):
+        return (m(x) ** 2).sum()
+
+    def loss_remat(m, x):
+        return (nnx.remat(lambda m, x: m(x), policy=remat_kit.policy(policy))(m, x) ** 2).sum()
+
+    g_ref = nnx.grad(loss)(model, x)
+    g = nnx.grad(loss_remat)(model, x)
+    chex.assert_trees_all_close(nnx.state(g), nnx.state(g_ref), rtol=1e-6)
+
+
+def test_public_api_imports():
+    for name in remat_kit.__all__:
+        assert hasattr(remat_kit, name), name
+    assert remat_kit.__all__ == sorted(remat_kit.__all__)

@@ -28,7 +28,7 @@ MLPWO: Final = "mlpwo"
 
 #: Every tag the bundled modules can emit, with the tensor it names and its shape.
 CHECKPOINT_NAMES: Final[dict[str, str]] = {
-    DECODER_LAYER_INPUT: "input of a transformer block (the residual stream), [batch, seq, d_model]",
+    DECODER_LAYER_INPUT: "input of a transformer block (residual stream), [batch, seq, d_model]",
     QUERY_PROJ: "query projection output x @ W_q (before RoPE), [batch, seq, heads, head_dim]",
     KEY_PROJ: "key projection output x @ W_k (before RoPE), [batch, seq, kv_heads, head_dim]",
     VALUE_PROJ: "value projection output x @ W_v, [batch, seq, kv_heads, head_dim]",

@@ -76,6 +76,12 @@ def loss_fn(params: Any, config: ModelConfig, batch: Batch) -> jax.Array:
 
 def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8) -> Any:
     """Initialise parameters (real arrays). Parameter shapes do not depend on ``seq_len``."""
+    return flax.core.meta.unbox(init_boxed_params(config, rng, seq_len))
+
+
+def init_boxed_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8) -> Any:
+    """Parameters as flax ``LogicallyPartitioned`` boxes carrying logical axis names (for
+    ``nn.get_partition_spec``); :func:`init_params` unboxes them."""
     tokens = jnp.zeros((1, min(seq_len, config.max_seq_len)), jnp.int32)
     return make_model(config).init(rng, tokens)["params"]
 

@@ -17,15 +17,35 @@ from remat_kit import names as N
 from remat_kit.models.config import ModelConfig
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
+_partitioned = nn.with_logical_partitioning
+
+# Logical axis names of every parameter dimension (mapped to mesh axes by
+# remat_kit.sharding.LOGICAL_RULES; without rules they are inert metadata). Scanned parameters get
+# a leading "layers" axis.
+_KERNEL_AXES = {
+    N.QUERY_PROJ: ("embed", "heads", "head_dim"),
+    N.KEY_PROJ: ("embed", "kv_heads", "head_dim"),
+    N.VALUE_PROJ: ("embed", "kv_heads", "head_dim"),
+    N.OUT_PROJ: ("heads", "head_dim", "embed"),
+    N.MLPWI: ("embed", "mlp"),
+    N.MLPWI_0: ("embed", "mlp"),
+    N.MLPWI_1: ("embed", "mlp"),
+    N.MLPWO: ("mlp", "embed"),
+    "lm_head": ("embed", "vocab"),
+}
 
 
 def _dense(config: ModelConfig, features, *, name: str, axis=-1, use_bias: bool | None = None):
+    axes = _KERNEL_AXES[name]
+    n_out = 1 if isinstance(features, int) else len(features)
     return nn.DenseGeneral(
         features,
         axis=axis,
         use_bias=config.use_bias if use_bias is None else use_bias,
         dtype=config.compute_dtype,
         param_dtype=config.params_dtype,
+        kernel_init=_partitioned(nn.initializers.lecun_normal(), axes),
+        bias_init=_partitioned(nn.initializers.zeros_init(), axes[-n_out:]),
         name=name,
     )
 
@@ -37,9 +57,12 @@ def _proj(config: ModelConfig, x: jax.Array, features, tag: str, **kw) -> jax.Ar
 
 def _norm(config: ModelConfig, name: str) -> nn.Module:
     kw = dict(epsilon=config.norm_eps, dtype=config.compute_dtype, param_dtype=config.params_dtype)
+    kw["scale_init"] = _partitioned(nn.initializers.ones_init(), ("norm",))
     if config.norm == "rmsnorm":
         return nn.RMSNorm(name=name, **kw)
-    return nn.LayerNorm(name=name, **kw)
+    return nn.LayerNorm(
+        name=name, bias_init=_partitioned(nn.initializers.zeros_init(), ("norm",)), **kw
+    )
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -180,14 +203,15 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
         positions = jnp.arange(seq, dtype=jnp.int32)
         embed = nn.Embed(
-            c.vocab_size, c.d_model, embedding_init=_EMBED_INIT, dtype=c.compute_dtype,
-            param_dtype=c.params_dtype, name="embed",
+            c.vocab_size, c.d_model, embedding_init=_partitioned(_EMBED_INIT, ("vocab", "embed")),
+            dtype=c.compute_dtype, param_dtype=c.params_dtype, name="embed",
         )  # fmt: skip
         x = embed(tokens)  # (b, s, h)
         if c.positions == "learned":
             pos = nn.Embed(
-                c.max_seq_len, c.d_model, embedding_init=_EMBED_INIT, dtype=c.compute_dtype,
-                param_dtype=c.params_dtype, name="pos_embed",
+                c.max_seq_len, c.d_model,
+                embedding_init=_partitioned(_EMBED_INIT, ("positions", "embed")),
+                dtype=c.compute_dtype, param_dtype=c.params_dtype, name="pos_embed",
             )  # fmt: skip
             x = x + pos(positions)[None]
         group = remat_group(c)
@@ -199,6 +223,7 @@ class Transformer(nn.Module):
                 split_rngs={"params": True},
                 in_axes=nn.broadcast,
                 length=num_groups,
+                metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = stack(c, name="layers")(x, positions)
         else:
@@ -206,8 +231,10 @@ class Transformer(nn.Module):
                 x, _ = group(c, name=f"layers_{i}")(x, positions)
         x = _norm(c, "final_norm")(x)
         if c.tied_embeddings:
-            return embed.attend(x)  # (b, s, V)
-        return _dense(c, c.vocab_size, name="lm_head", use_bias=False)(x)
+            logits = embed.attend(x)  # (b, s, V)
+        else:
+            logits = _dense(c, c.vocab_size, name="lm_head", use_bias=False)(x)
+        return logits
 
 
 @functools.cache

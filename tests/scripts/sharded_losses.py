@@ -17,7 +17,10 @@ config = remat_kit.get_config(
 )
 optimizer = make_optimizer("adamw")
 keys = jax.random.split(jax.random.key(1))
-batch = {k: jax.random.randint(key, (8, 32), 0, 256) for k, key in zip(("inputs", "targets"), keys)}
+batch = {
+    k: jax.random.randint(key, (8, 32), 0, 256)
+    for k, key in zip(("inputs", "targets"), keys, strict=True)
+}
 
 
 def losses(mesh_text: str) -> list[float]:

@@ -1,0 +1,279 @@
+"""Tests for remat_kit.training and experiments/train.py: short versions of the three training
+demonstrations (policies give the same losses; a killed run resumes bitwise; accumulation equals
+one big batch at a fraction of the activation memory) and the faults (killed mid-save,
+incompatible resume, non-finite loss, bad CLI input).
+
+Compiling a train step takes ~5 s on 2 CPU cores whatever the model size, so tests share one
+reference run and every test that can reuses its compiled step (same model, optimizer and shapes:
+``remat_kit.training`` caches compiled steps per process). The kill-during-save child process
+is started before the reference run compiles, so the two overlap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from remat_kit.training import (
+    CHECKPOINT_DIR,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainResult,
+    compare_updates,
+    latest_checkpoint_step,
+    load_checkpoint,
+    train,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=32)
+BASE = TrainConfig(
+    preset="tiny-gpt",
+    overrides=TINY,
+    batch_size=8,
+    seq_len=32,
+    steps=6,
+    lr=3e-3,
+    eval_every=2,
+    eval_batches=2,
+    ckpt_every=2,
+    keep=2,
+    max_bytes=64 * 1024,
+)
+
+# Child process: train BASE, and SIGKILL itself inside orbax's save of step KILL_AT, after every
+# item of the checkpoint is written to `<step>.orbax-checkpoint-tmp` and before the atomic rename.
+KILL_AT = 6
+_CHILD = r"""
+import json, os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+from remat_kit.training import TrainConfig, train
+
+kill_at, workdir = sys.argv[2], sys.argv[3]
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def killing_finalize(self):
+    if self.get_final().name == kill_at:  # the step folder, not one of its items
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+train(TrainConfig.from_dict(json.loads(sys.argv[1])), workdir)
+"""
+
+
+def _cpu_env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture(scope="module")
+def killed_child(tmp_path_factory):
+    """(process, workdir) of the child killed while saving; started early, waited for later."""
+    workdir = tmp_path_factory.mktemp("killed")
+    args = [json.dumps(BASE.to_dict()), str(KILL_AT), str(workdir)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, *args],
+        env=_cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    yield proc, workdir
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(killed_child, tmp_path_factory) -> tuple[TrainResult, Path]:
+    """The uninterrupted BASE run and its workdir."""
+    workdir = tmp_path_factory.mktemp("reference")
+    return train(BASE, workdir), workdir
+
+
+def _assert_trees_equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_reference_run(reference):
+    result, workdir = reference
+    assert len(result.losses) == BASE.steps
+    assert all(np.isfinite(result.losses))
+    assert result.losses[-1] < result.losses[0]  # it learns something
+    assert [s for s, _ in result.val_losses] == [0, 2, 4, 6]
+    assert result.checkpoints == [4, 6]  # keep=2
+    assert latest_checkpoint_step(workdir) == 6
+    state, meta = load_checkpoint(workdir)
+    assert int(state.step) == 6 and meta["data"]["step"] == 6
+    assert meta["losses"] == result.losses
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-dots-no-batch", "offload-to-host"])
+def test_policies_give_the_same_losses(reference, policy, tmp_path):
+    """Demo 1, short: a remat policy does not change what the model learns."""
+    result = train(BASE.replace(policy=policy, eval_every=0, ckpt_every=0), tmp_path)
+    np.testing.assert_allclose(result.losses, reference[0].losses, rtol=0, atol=1e-5)
+
+
+def test_killed_run_resumes_bitwise(reference, tmp_path):
+    """Demo 2, short: killed after 3 updates, resumed from checkpoint 2: same losses, bitwise."""
+    ref, ref_dir = reference
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_step_2(info):
+        if info["step"] == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(BASE, tmp_path, on_step=kill_after_step_2)
+    assert latest_checkpoint_step(tmp_path) == 2
+    resumed = train(BASE, tmp_path, resume=True)
+    assert resumed.resumed_from == 2
+    assert resumed.losses == ref.losses  # float equality: bitwise
+    assert resumed.val_losses == ref.val_losses
+    _assert_trees_equal(load_checkpoint(tmp_path)[0], load_checkpoint(ref_dir)[0])
+
+
+def test_kill_during_save_keeps_previous_checkpoints(reference, killed_child):
+    """A process SIGKILLed inside orbax's save of step 6: 2 and 4 survive (keep=2 deletes 2
+    only after 6 is complete); --resume continues from 4 and matches the reference."""
+    proc, workdir = killed_child
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, output  # the hook fired: killed, not finished
+    ckpt_dir = workdir / CHECKPOINT_DIR
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
+        "2",
+        "4",
+        f"{KILL_AT}.orbax-checkpoint-tmp",
+    ]
+    assert latest_checkpoint_step(workdir) == 4
+    resumed = train(BASE, workdir, resume=True)
+    assert resumed.resumed_from == 4
+    assert resumed.losses == reference[0].losses
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["4", "6"]  # tmp folder cleaned up
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """Demo 3, short: 4 micro-batches of 2 rows == one batch of 8 rows, at ~1/3 the temp
+    memory (the float32 gradient accumulator and optimizer temporaries do not shrink)."""
+    r = compare_updates(BASE, micro_batches=4, grads=False)  # the demo compares gradients too
+    assert r["loss_abs_diff"] < 1e-5 and r["grad_norm_abs_diff"] < 1e-5
+    assert r["params_max_abs_diff"] < 0.1 * BASE.lr  # Adam amplifies zero-gradient noise
+    assert r["temp_ratio"] > 2.5, r
+
+
+def test_resume_with_incompatible_config_names_the_mismatch(reference):
+    _, workdir = reference
+    other = BASE.replace(overrides={**TINY, "d_model": 64}, seed=1)
+    with pytest.raises(ValueError, match="incompatible config") as info:
+        train(other, workdir, resume=True)
+    message = str(info.value)
+    assert "d_model (checkpoint 32, now 64)" in message and "seed (checkpoint 0, now 1)" in message
+    assert "\n" not in message
+
+
+def test_resume_may_change_policy_and_micro_batches(reference, tmp_path):
+    _, workdir = reference
+    shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
+    # The run is complete (6 of 6 steps), so this only loads it: nothing is compiled.
+    done = train(BASE.replace(policy="save-nothing", micro_batches=2), tmp_path, resume=True)
+    assert done.resumed_from == 6 and done.losses == reference[0].losses
+
+
+def test_existing_checkpoints_without_resume_is_an_error(reference):
+    with pytest.raises(ValueError, match="--resume"):
+        train(BASE, reference[1])
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = BASE.replace(lr=1e30, ckpt_every=1, eval_every=0)  # diverges at step 1
+    with pytest.raises(NonFiniteLossError, match="at step 1;") as info:
+        train(cfg, tmp_path)
+    assert info.value.step == 1 and info.value.last_checkpoint == 1
+    assert latest_checkpoint_step(tmp_path) == 1
+    state, meta = load_checkpoint(tmp_path)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    assert len(meta["losses"]) == 1
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"policy": "save-nothng"}, "Did you mean 'save-nothing'"),
+        ({"preset": "gpt3"}, "unknown preset"),
+        ({"micro_batches": 3}, "not divisible by micro_batches=3"),
+        ({"seq_len": 64}, "exceeds the model's max_seq_len=32"),
+        ({"remat_group_size": 3}, "does not divide"),
+        ({"overrides": {"d_modle": 8}}, "unknown ModelConfig field"),
+        ({"overrides": {"remat_policy": "save-dots"}}, "set policy on TrainConfig"),
+        ({"steps": 0}, "steps must be a positive integer"),
+        ({"lr": float("nan")}, "lr must be a positive finite number"),
+    ],
+)
+def test_bad_config_raises(changes, match):
+    with pytest.raises(ValueError, match=match):
+        BASE.replace(**changes)
+
+
+def test_config_round_trips_through_json():
+    assert TrainConfig.from_dict(json.loads(json.dumps(BASE.to_dict()))) == BASE
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "experiments" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _base_flags(workdir) -> list[str]:
+    sets = [f for k, v in TINY.items() for f in ("--set", f"{k}={v}")]
+    return ["--workdir", str(workdir), *sets, "--batch", "8", "--seq", "32", "--lr", "0.003",
+            "--max-bytes", str(64 * 1024)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--micro-batches", "3"], "not divisible"),
+        (["--set", "d_model"], "--set takes KEY=VALUE"),
+        (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(flags, match, tmp_path, capsys):
+    assert _cli().main([*_base_flags(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_argparse_error_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        _cli().main([*_base_flags(tmp_path), "--steps", "many"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_cli_trains_and_writes_result(reference, tmp_path, capsys):
+    # Same model, optimizer and shapes as the reference: the compiled step is reused.
+    flags = [*_base_flags(tmp_path), "--steps", "2", "--eval-every", "2", "--ckpt-every", "1"]
+    assert _cli().main(flags) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["losses"] == reference[0].losses[:2]
+    assert result["checkpoints"] == [1, 2] and result["environment"]["backend"] == "cpu"
+    assert "done (fresh)" in capsys.readouterr().out

@@ -78,6 +78,64 @@ def _module_tag(eqn) -> str | None:
     return None
 
 
+class _Graph:
+    """Producers and consumers of one jaxpr's variables, for following a value to its tag."""
+
+    def __init__(self, jaxpr: Any):
+        self.producer: dict[Any, Any] = {}
+        self.consumers: dict[Any, list[Any]] = defaultdict(list)
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                self.producer[v] = eqn
+            for v in eqn.invars:
+                if isinstance(v, jcore.Var):
+                    self.consumers[v].append(eqn)
+
+    def named_consumer(self, v: Any, depth: int = 0) -> str | None:
+        # A matmul output saved by a dots policy is named downstream, possibly after the bias
+        # add or a reshape: follow single-consumer chains of such ops forward to the name.
+        users = self.consumers.get(v, [])
+        for c in users:
+            if c.primitive.name == "name":
+                return c.params["name"]
+        if depth < 3 and len(users) == 1 and users[0].primitive.name in _FORWARD_THROUGH:
+            return self.named_consumer(users[0].outvars[0], depth + 1)
+        return None
+
+    def tag_of(self, v: Any, depth: int = 0) -> str | None:
+        """The checkpoint name of ``v``: its producer's, through copies and offloads, inside
+        the body of a scan / jit / remat that produced it, or the name it flows into."""
+        if depth > 16 or not isinstance(v, jcore.Var):
+            return None
+        eqn = self.producer.get(v)
+        if eqn is not None:
+            if eqn.primitive.name == "name":
+                return eqn.params["name"]
+            if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
+                return self.tag_of(eqn.invars[0], depth + 1)
+            body = _body(eqn)
+            if body is not None:  # e.g. residuals stacked by a layer scan
+                tag = _Graph(body).tag_of(body.outvars[eqn.outvars.index(v)], depth + 1)
+                if tag is not None:
+                    return tag
+        forward = self.named_consumer(v)
+        if forward is not None:
+            return forward
+        if eqn is not None:  # e.g. a dots policy keeps the raw matmul output, not the named one
+            return _module_tag(eqn)
+        return None
+
+
+def _body(eqn: Any) -> Any:
+    """The sub-jaxpr of a call-like equation whose outputs map one-to-one to the equation's."""
+    sub = eqn.params.get("jaxpr")
+    if isinstance(sub, jcore.ClosedJaxpr):
+        sub = sub.jaxpr
+    if isinstance(sub, jcore.Jaxpr) and len(sub.outvars) == len(eqn.outvars):
+        return sub
+    return None
+
+
 def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     """The residuals ``jax.vjp(fn, *args)`` keeps, each attributed to a checkpoint name.
 
@@ -101,56 +159,30 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     num_res = len(jax.tree.leaves(out_shape[1]))
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - num_res :]
 
-    producer: dict[Any, Any] = {}
-    consumers: dict[Any, list[Any]] = defaultdict(list)
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            producer[v] = eqn
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var):
-                consumers[v].append(eqn)
+    top = _Graph(jaxpr)
+    producer = top.producer
     arg_index = {v: i for i, v in enumerate(jaxpr.invars)}
 
-    def _named_consumer(v, depth=0) -> str | None:
-        # A matmul output saved by a dots policy is named downstream, possibly after the bias
-        # add or a reshape: follow single-consumer chains of such ops forward to the name.
-        for c in consumers.get(v, []):
-            if c.primitive.name == "name":
-                return c.params["name"]
-        users = consumers.get(v, [])
-        if depth < 3 and len(users) == 1 and users[0].primitive.name in _FORWARD_THROUGH:
-            return _named_consumer(users[0].outvars[0], depth + 1)
-        return None
-
-    def tag_of(v, depth=0) -> tuple[str | None, str]:
-        if depth > 8 or not isinstance(v, jcore.Var):
-            return None, "literal"
-        eqn = producer.get(v)
-        if eqn is not None and eqn.primitive.name == "name":
-            return eqn.params["name"], _source(eqn.invars[0])
-        if eqn is not None and eqn.primitive.name in _PASS_THROUGH and eqn.invars:
-            return tag_of(eqn.invars[0], depth + 1)
-        forward = _named_consumer(v)
-        if forward is not None:
-            return forward, _source(v)
-        if eqn is not None:  # e.g. a dots policy keeps the raw matmul output, not the named one
-            return _module_tag(eqn), _source(v)
-        return None, _source(v)
-
-    def _source(v) -> str:
+    def _source(v, copied=False) -> str:
+        if not isinstance(v, jcore.Var):
+            return "literal"
         if v in arg_index:
-            return f"argument {flat_names[arg_index[v]]}"
+            # The argument itself is no new buffer; a copy of it (an offload) is.
+            return f"{'copy of ' if copied else ''}argument {flat_names[arg_index[v]]}"
         eqn = producer.get(v)
         if eqn is None:
             return "constant"
         if eqn.primitive.name == "name" or eqn.primitive.name in _PASS_THROUGH:
-            return _source(eqn.invars[0]) if isinstance(eqn.invars[0], jcore.Var) else "literal"
+            if not isinstance(eqn.invars[0], jcore.Var):
+                return "literal"
+            return _source(eqn.invars[0], copied or eqn.primitive.name == "device_put")
         return eqn.primitive.name
 
     out = []
     for v in res_vars:
         aval = v.aval
-        tag, source = tag_of(v)
+        tag = top.tag_of(v)
+        source = _source(v)
         shape = tuple(int(d) for d in aval.shape)
         dtype = jnp.dtype(aval.dtype)
         out.append(

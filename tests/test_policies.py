@@ -39,16 +39,23 @@ def _batch(b=2, s=16):
 
 
 @functools.cache
-def _loss_and_grads(model, policy, scan, group):
-    config = _config(model, policy, scan, group)
-    params = remat_kit.train.init_params(config, jax.random.key(0))
+def _all_losses_and_grads(model, scan, group):
+    """Loss and gradients under every registered policy, from ONE compiled program (compiling
+    the policies together is ~3x faster than one program each)."""
+    configs = [_config(model, p, scan, group) for p in POLICIES]
+    params = remat_kit.train.init_params(configs[0], jax.random.key(0))
     # Values do not depend on XLA's optimisation passes (remat is decided on the jaxpr), and
-    # skipping them halves the compile time of these ~100 small programs.
+    # skipping them halves the compile time.
     jax.config.update("jax_disable_most_optimizations", True)
     try:
-        return jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)(params, config, _batch())
+        fn = jax.jit(lambda p, b: [jax.value_and_grad(loss_fn)(p, c, b) for c in configs])
+        return dict(zip(POLICIES, fn(params, _batch()), strict=True))
     finally:
         jax.config.update("jax_disable_most_optimizations", False)
+
+
+def _loss_and_grads(model, policy, scan, group):
+    return _all_losses_and_grads(model, scan, group)[policy]
 
 
 def test_registry_lists_every_promised_name():
@@ -172,7 +179,8 @@ def test_policy_works_with_linen_remat_by_hand():
     params = remat_kit.Block(config).init(jax.random.key(0), x, pos)
     f_ref = lambda p: remat_kit.Block(config).apply(p, x, pos).sum()
     f_remat = lambda p: Remat(config).apply(p, x, pos).sum()
-    chex.assert_trees_all_close(jax.grad(f_remat)(params), jax.grad(f_ref)(params), rtol=1e-6)
+    grads = jax.jit(lambda p: (jax.grad(f_remat)(p), jax.grad(f_ref)(p)))(params)
+    chex.assert_trees_all_close(*grads, rtol=1e-6)
 
 
 class _NnxMlp(nnx.Module):

@@ -1,0 +1,462 @@
+"""The ``remat-kit`` command: ``analyze``, ``policies``, ``targets``.
+
+Examples::
+
+    remat-kit analyze --model llama3-8b --batch 1 --seq 8192 --target h100-sxm --all-policies
+    remat-kit analyze --model gpt2-medium --batch 8 --seq 1024 --policy save-nothing \\
+        --policy save-dots-no-batch --target a100-40gb --budget 40GB --json
+    remat-kit policies
+    remat-kit targets
+
+Each subcommand is a ``add_<name>(subparsers)`` function that registers its parser and sets
+``func`` to its handler ``(args) -> exit code``; add a command by adding one to :data:`COMMANDS`.
+Heavy imports (JAX, flax, rich) happen inside handlers, so bad input fails fast. Exit codes: 0
+success, 1 a compile failed, 2 bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+PROG = "remat-kit"
+GIB = 2**30
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes from ``"80GiB"`` (2**30), ``"80GB"`` (10**9), ``"8e10"`` or ``"512MiB"``.
+
+    Units (case-insensitive): B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers
+    of 1024); no unit means bytes.
+
+    Raises:
+      argparse.ArgumentTypeError: not a positive size with a known unit.
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size: write a number with an optional unit, e.g. 80GiB, "
+            "80GB, 8e10 (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0.
+
+    Raises:
+      argparse.ArgumentTypeError: otherwise.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _gib(n: float | int | None, digits: int = 2) -> str:
+    return "-" if n is None else f"{n / GIB:.{digits}f}"
+
+
+def _size(n: float | int | None) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _console():
+    from rich.console import Console
+
+    # Tables stay on one line per row when piped (rich would wrap at 80 columns).
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+# -- analyze --------------------------------------------------------------------------------
+
+
+def add_analyze(subparsers) -> None:
+    p = subparsers.add_parser(
+        "analyze",
+        help="compile a model's training step per policy and report its memory",
+        description="Compile the training step (forward, backward, optax update; state donated) "
+        "of a model preset for a target, from abstract shapes, once per remat policy, and "
+        "report peak, host and activation memory, recompute ratio and whether it fits.",
+    )
+    p.add_argument("--model", required=True, help="model preset, e.g. llama3-8b")
+    p.add_argument("--batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="remat policy (repeat for several; see `remat-kit policies`)",
+    )
+    p.add_argument("--all-policies", action="store_true", help="every registered policy")
+    p.add_argument("--target", default="local", help="compile target (see `remat-kit targets`)")
+    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+    p.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="device memory budget per device (80GiB, 80GB, 8e10); default: the target's memory",
+    )
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    p.add_argument("--buffers", type=int, default=5, help="largest buffers at the peak to show")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also compile at 2 and 4 layers and compare per-layer bytes with the textbook "
+        "(Korthikanti et al. 2022)",
+    )
+    p.add_argument("--workers", type=positive_int, default=None, help="concurrent compiles")
+    p.set_defaults(func=run_analyze)
+
+
+def _resolve(args) -> tuple:
+    """Validate names before compiling anything (ValueError -> exit 2)."""
+    from remat_kit import targets
+    from remat_kit.models.config import get_config
+    from remat_kit.policies import get_policy_spec, policy_names
+    from remat_kit.train import make_optimizer
+
+    if args.all_policies and args.policy:
+        raise UsageError("give --policy or --all-policies, not both")
+    config = get_config(args.model)
+    target = targets.get_target(args.target)
+    make_optimizer(args.optimizer)
+    if args.seq > config.max_seq_len:
+        raise UsageError(
+            f"--seq {args.seq} exceeds max_seq_len={config.max_seq_len} of {config.name!r}"
+        )
+    if args.all_policies:
+        policies = policy_names()
+    else:
+        policies = args.policy or [config.policy_spec.name]
+        for name in policies:
+            get_policy_spec(name)
+    return config, target, policies
+
+
+def run_analyze(args) -> int:
+    try:
+        config, target, policies = _resolve(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
+
+    try:
+        results = analyze_policies(
+            config,
+            args.batch,
+            args.seq,
+            policies,
+            target=target,
+            optimizer=args.optimizer,
+            budget_bytes=args.budget,
+            top_k=max(args.buffers, 0),
+            workers=args.workers,
+            raise_errors=False,
+        )
+    except CompileError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    reports = [r for r in results if not isinstance(r, CompileError)]
+    errors = [e for e in results if isinstance(e, CompileError)]
+    layers = []
+    if args.per_layer and reports:
+        try:
+            layers = per_layer_activations(
+                config,
+                args.batch,
+                args.seq,
+                [r.policy for r in reports],
+                target=target,
+                optimizer=args.optimizer,
+                workers=args.workers,
+            )
+        except CompileError as err:
+            errors.append(err)
+    if args.json:
+        import dataclasses
+
+        out = {
+            "reports": [r.to_dict() for r in reports],
+            "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
+        }
+        if layers:
+            out["per_layer"] = [dataclasses.asdict(x) for x in layers]
+        print(json.dumps(out, indent=1))
+    else:
+        _print_reports(config, target, args, results, layers)
+    for err in errors:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+_REMAT_WARNING = re.compile(
+    r"Can't reduce memory use below ([\d.]+\w+) .*only reduced to ([\d.]+\w+).*down from "
+    r"([\d.]+\w+)"
+)
+
+
+def _short_warning(text: str) -> str:
+    """XLA's long messages, shortened for the table view (``--json`` keeps them whole)."""
+    m = _REMAT_WARNING.search(text)
+    if m:
+        limit, reached, before = m.groups()
+        return f"XLA's remat pass missed its {limit} limit ({before} -> {reached})"
+    m = re.search(r"recomputed (\d+) instruction", text)
+    if m and "rematerialisation pass" in text:
+        return f"XLA recomputed {m.group(1)} instructions itself (in the FLOPs)"
+    return text
+
+
+def _print_reports(config, target, args, results, layers) -> None:
+    from rich.table import Table
+
+    from remat_kit.memory import CompileError
+
+    console = _console()
+    reports = [r for r in results if not isinstance(r, CompileError)]
+    first = reports[0] if reports else None
+    budget = args.budget if args.budget is not None else target.memory_bytes
+    title = (
+        f"{config.name}  batch={args.batch} seq={args.seq}  on {target.name} ({target.description})"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in (
+        "policy",
+        "peak GiB",
+        "host GiB",
+        "activations GiB",
+        "recompute",
+        "fits",
+        "compile s",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for result in results:
+        if isinstance(result, CompileError):
+            table.add_row(result.policy or "?", "compile failed", "", "", "", "", "")
+            continue
+        r = result
+        fits = "?" if r.fits is None else ("yes" if r.fits else "no")
+        style = None if r.fits is None else ("green" if r.fits else "red")
+        table.add_row(
+            r.policy,
+            _gib(r.peak_bytes),
+            _gib(r.host_bytes),
+            _gib(r.activation_bytes),
+            "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x",
+            f"[{style}]{fits}[/{style}]" if style else fits,
+            f"{r.compile_s:.1f}",
+        )
+    console.print(table)
+    if first is None:
+        return
+    lines = [
+        f"{first.backend}; peak = argument + output + temp - alias (per device)"
+        + (f"; budget {_gib(budget)} GiB" if budget else "; target memory unknown (CPU)"),
+        "arguments: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in first.arguments.items()),
+    ]
+    if target.platform == "cpu":
+        lines.append("CPU backend: these are XLA:CPU numbers, not GPU numbers; offload is not real")
+    if first.logits:
+        lg = first.logits
+        lines.append(
+            f"logits {list(lg.shape)} {lg.dtype}: {_gib(lg.logits_bytes)} GiB, float32 copy in "
+            f"the loss {_gib(lg.f32_bytes)} GiB, gradient {_gib(lg.grad_bytes)} GiB; remat "
+            "does not shrink them"
+        )
+    for r in reports:
+        if r.peak_bytes_without_offload is not None:
+            delta = r.peak_bytes_without_offload - r.peak_bytes
+            verdict = (
+                f"offloading lowers the device peak by {_gib(delta)} GiB"
+                if delta > 0
+                else f"offloading does not lower the device peak (+{_gib(-delta)} GiB)"
+            )
+            lines.append(
+                f"{r.policy}: {_gib(r.peak_bytes)} GiB on device + {_gib(r.host_bytes)} GiB host, "
+                f"against {_gib(r.peak_bytes_without_offload)} GiB keeping the same tensors on "
+                f"device: {verdict}"
+            )
+    for line in lines:
+        console.print(line, highlight=False)
+    for r in reports:
+        short = [_short_warning(w) for w in r.warnings if "offloading did not" not in w]
+        if short:
+            console.print(f"[yellow]{r.policy}:[/yellow] " + "; ".join(short), highlight=False)
+    if args.buffers > 0 and len(reports) == 1:
+        bt = Table(title=f"largest buffers live at XLA's peak ({reports[0].policy})")
+        for col in ("GiB", "shape", "what", "phase", "op"):
+            bt.add_column(col)
+        for b in reports[0].peak_buffers:
+            bt.add_row(_gib(b.nbytes, 3), b.shape, b.kind, b.phase, b.op_name[-70:])
+        console.print(bt)
+    if layers:
+        lt = Table(title="per-layer activations: textbook (Korthikanti et al. 2022) vs compiled")
+        for col in ("policy", "textbook", "jaxpr", "compiled", "compiled / textbook"):
+            lt.add_column(col, justify="left" if col == "policy" else "right")
+        for x in layers:
+            lt.add_row(
+                x.policy,
+                _size(x.textbook_bytes),
+                _size(x.jaxpr_bytes),
+                _size(x.compiled_bytes)
+                + (f" + {_size(x.compiled_host_bytes)} host" if x.compiled_host_bytes else ""),
+                "-" if x.ratio is None else f"{x.ratio:.2f}",
+            )
+        console.print(lt)
+        for x in layers:
+            console.print(f"{x.policy}: {x.note}", highlight=False)
+
+
+# -- policies, targets ----------------------------------------------------------------------
+
+
+def add_policies(subparsers) -> None:
+    p = subparsers.add_parser("policies", help="list the named remat policies")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_policies)
+
+
+def run_policies(args) -> int:
+    from remat_kit.policies import policy_specs
+
+    specs = policy_specs()
+    if args.json:
+        rows = [
+            {
+                "name": s.name,
+                "description": s.description,
+                "base": s.base,
+                "save": sorted(s.save),
+                "offload": sorted(s.offload),
+                "source": s.source,
+            }
+            for s in specs.values()
+        ]
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.table import Table
+
+    table = Table(title="remat policies")
+    for col in ("name", "saves / offloads", "description"):
+        table.add_column(col)
+    for s in specs.values():
+        what = s.base if s.base != "names" else ""
+        if s.save:
+            what += "save " + ", ".join(sorted(s.save))
+        if s.offload:
+            what += ("; " if what else "") + "offload " + ", ".join(sorted(s.offload))
+        table.add_row(s.name, what or "nothing (full remat)", s.description)
+    _console().print(table)
+    return 0
+
+
+def add_targets(subparsers) -> None:
+    p = subparsers.add_parser("targets", help="list the compile targets")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_targets)
+
+
+def run_targets(args) -> int:
+    from remat_kit import targets
+
+    rows = []
+    for name in targets.target_names():
+        t = targets.get_target(name)
+        rows.append(
+            {
+                "name": t.name,
+                "platform": t.platform,
+                "memory_bytes": t.memory_bytes,
+                "peak_flops_bf16": t.peak_flops_bf16,
+                "deviceless": t.deviceless,
+                "description": t.description,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.table import Table
+
+    table = Table(title="compile targets")
+    for col in ("name", "platform", "memory GiB", "bf16 TFLOP/s", "compiled", "description"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            r["platform"],
+            _gib(r["memory_bytes"], 1),
+            "-" if r["peak_flops_bf16"] is None else f"{r['peak_flops_bf16'] / 1e12:.0f}",
+            "deviceless" if r["deviceless"] else "local",
+            r["description"],
+        )
+    _console().print(table)
+    return 0
+
+
+#: Subcommand registrars, in help order.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_analyze,
+    add_policies,
+    add_targets,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Choose, measure and verify rematerialization policies for JAX/Flax "
+        "transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 compile failed, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Compile a step for a target and report its memory: ``analyze`` -> ``MemoryReport``.
+
+Modules: :mod:`~remat_kit.memory.api` (the entry points), :mod:`~remat_kit.memory.report` (the
+report), :mod:`~remat_kit.memory.runner` (lowering and compiling many steps, concurrently, GPU
+kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps and log captured),
+:mod:`~remat_kit.memory.reading` (turning them into report pieces), :mod:`~remat_kit.memory.hlo`
+(parsing XLA's text dumps), :mod:`~remat_kit.memory.flops` (jaxpr FLOPs),
+:mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes).
+"""
+
+from remat_kit.memory.api import analyze as analyze
+from remat_kit.memory.api import analyze_model as analyze_model
+from remat_kit.memory.api import analyze_policies as analyze_policies
+from remat_kit.memory.api import model_residuals as model_residuals
+from remat_kit.memory.report import LogitsLine as LogitsLine
+from remat_kit.memory.report import MemoryReport as MemoryReport
+from remat_kit.memory.report import PeakBuffer as PeakBuffer
+from remat_kit.memory.textbook import LayerActivations as LayerActivations
+from remat_kit.memory.textbook import korthikanti_bytes as korthikanti_bytes
+from remat_kit.memory.textbook import per_layer_activations as per_layer_activations
+from remat_kit.memory.xla_compile import CompileError as CompileError

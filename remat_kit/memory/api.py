@@ -1,0 +1,380 @@
+"""``analyze``: compile a step for a target (nothing allocated) and report its memory.
+
+Flow for a model (:func:`analyze_model`, :func:`analyze_policies`): the abstract train state,
+optimizer and target shardings are built once; each policy's step is lowered (a trace) and
+compiled for the target with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`); its
+``memory_analysis()``, live-at-peak buffers and matmul FLOPs are read back
+(:mod:`remat_kit.memory.reading`). Several policies compile concurrently, identical programs once,
+GPU kernels shared between compiles (:mod:`remat_kit.memory.runner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import targets as T
+from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.reading import Hints, xla_shape
+from remat_kit.memory.report import MemoryReport
+from remat_kit.memory.runner import Job, run_jobs
+from remat_kit.memory.xla_compile import CompileError
+from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag
+from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
+
+DEFAULT_TOP_K = 10
+
+
+# -- Arguments and shardings ----------------------------------------------------------------
+
+
+def _leaf_bytes(tree: Any) -> int:
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+    )
+
+
+def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
+    """Bytes of each positional argument by name; an argument with ``params`` and
+    ``opt_state`` attributes (a :class:`~remat_kit.train.TrainState`) is split into
+    ``params`` and ``opt_state`` (its step counter counted with the optimizer state)."""
+    parts: dict[str, int] = {}
+    for name, arg in zip(names, args, strict=True):
+        if hasattr(arg, "params") and hasattr(arg, "opt_state"):
+            params = _leaf_bytes(arg.params)
+            parts["params"] = parts.get("params", 0) + params
+            parts["opt_state"] = parts.get("opt_state", 0) + _leaf_bytes(arg) - params
+        else:
+            parts[name] = parts.get(name, 0) + _leaf_bytes(arg)
+    return parts
+
+
+def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
+    target = getattr(fn, "__wrapped__", fn)
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(target).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
+
+
+def _abstract_for(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    return T.abstractify(tree, sharding)
+
+
+# -- Public API -----------------------------------------------------------------------------
+
+
+def analyze(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str | T.Target = "local",
+    policy: str | None = None,
+    name: str | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    budget_bytes: int | None = None,
+    top_k: int = DEFAULT_TOP_K,
+    fast_compile: bool = True,
+) -> MemoryReport:
+    """Compile ``fn(*args)`` for ``target`` and report its memory; nothing is allocated.
+
+    Args:
+      fn: any jittable function, or a ``jax.jit``-wrapped one (its ``donate_argnums`` kept).
+      *args: real arrays or ``jax.ShapeDtypeStruct`` (pytrees of them); each array leaf is
+        recompiled for ``target`` as a ``ShapeDtypeStruct`` with the target's single-device
+        sharding.
+      target: a name from :func:`remat_kit.targets.target_names` (``local``, ``cpu``,
+        ``h100-sxm``, ...) or a :class:`~remat_kit.targets.Target`.
+      policy: a label for the report (the remat policy ``fn`` uses), if any.
+      name: the report's name (default: ``fn``'s name).
+      donate_argnums: for a plain ``fn``, the arguments donated to the output (aliased).
+      budget_bytes: judge ``fits`` against this instead of the target's memory.
+      top_k: how many of the largest buffers live at the peak to keep.
+      fast_compile: skip LLVM/ptxas optimisation (same memory figures, faster compile).
+
+    Returns:
+      A :class:`MemoryReport`; ``flops_no_remat``, ``recompute_ratio``, ``residuals`` and
+      ``logits`` are empty for an arbitrary function (see :func:`analyze_model`).
+
+    Raises:
+      ValueError: unknown target.
+      CompileError: XLA could not compile ``fn`` (message: what, and XLA's first line).
+
+    Example::
+
+        report = remat_kit.analyze(step, state, batch, target="h100-sxm")
+        print(report.peak_bytes / 2**30, "GiB")
+    """
+    tgt = T.get_target(target)
+    sharding = T.abstract_sharding(tgt)
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+    abstract = [_abstract_for(a, sharding) for a in args]
+    label = name or getattr(getattr(fn, "__wrapped__", fn), "__name__", "fn")
+    job = Job(
+        name=label,
+        what=f"{label!r} on target {tgt.name!r}" + (f" (policy {policy!r})" if policy else ""),
+        target=tgt,
+        lower=lambda: jitted.lower(*abstract),
+        arguments=argument_parts(abstract, _arg_names(fn, len(args))),
+        policy=policy,
+    )
+    return run_jobs([job], top_k, budget_bytes, fast_compile, workers=1)[0]  # type: ignore[return-value]
+
+
+def model_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> tuple[TagResiduals, ...]:
+    """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
+    tag, from the jaxpr of one remat segment (:func:`remat_kit.residuals.block_residuals`) times
+    the number of segments (``num_layers // remat_group_size``).
+
+    Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
+    for every segment. Parameters and the positions are not residuals here (they are arguments
+    of the step). Untagged residuals are grouped as ``"<primitive>"``.
+    """
+    segments = config.num_layers // config.remat_group_size
+    rows = []
+    for row in group_by_tag(
+        [
+            r
+            for r in block_residuals(config, batch_size, seq_len)
+            if not r.is_argument or r.source == "argument [1]"
+        ],
+        include_arguments=True,
+    ):
+        rows.append(
+            dataclasses.replace(row, count=row.count * segments, nbytes=row.nbytes * segments)
+        )
+    return tuple(rows)
+
+
+@dataclasses.dataclass
+class _ModelSetup:
+    """What does not depend on the policy: target, shardings, abstract state and batch."""
+
+    config: ModelConfig
+    batch_size: int
+    seq_len: int
+    target: T.Target
+    optimizer: optax.GradientTransformation
+    state: Any
+    batch: Any
+    arguments: dict[str, int]
+    flops_no_remat: float | None = None
+
+
+def _setup(
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    target: str | T.Target,
+    optimizer: str | optax.GradientTransformation,
+) -> _ModelSetup:
+    for label, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{label} must be a positive integer, got {v!r}")
+    if seq_len > config.max_seq_len:
+        raise ValueError(
+            f"seq_len={seq_len} exceeds max_seq_len={config.max_seq_len} of {config.name!r}; "
+            f"pass a shorter sequence or config.replace(max_seq_len={seq_len})"
+        )
+    tgt = T.get_target(target)
+    opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    sharding = T.abstract_sharding(tgt)
+    state = _abstract_for(abstract_train_state(config, opt), sharding)
+    batch = _abstract_for(abstract_batch(batch_size, seq_len), sharding)
+    return _ModelSetup(
+        config=config,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        target=tgt,
+        optimizer=opt,
+        state=state,
+        batch=batch,
+        arguments=argument_parts([state, batch], ["state", "batch"]),
+    )
+
+
+def _baseline_flops(setup: _ModelSetup) -> float:
+    if setup.flops_no_remat is None:
+        config = setup.config.replace(remat_policy="no-remat")
+        step = make_train_step(config, setup.optimizer, jit=False)
+        setup.flops_no_remat = traced_flops(step, setup.state, setup.batch)
+    return setup.flops_no_remat
+
+
+def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Job:
+    config = setup.config.replace(remat_policy=spec)
+    step = make_train_step(config, setup.optimizer, donate=True)
+    residuals = model_residuals(config, setup.batch_size, setup.seq_len)
+    b, s = setup.batch_size, setup.seq_len
+    segments = config.num_layers // config.remat_group_size
+    stacked: dict[str, tuple[str, ...]] = {}
+    for row in residuals:
+        key = xla_shape(row.dtype, (segments, *row.shape))
+        stacked[key] = (*stacked.get(key, ()), row.tag)
+    hints = Hints(
+        logits_elems=b * s * config.vocab_size,
+        stacked=stacked,
+        param_shapes=frozenset(
+            xla_shape(jnp.dtype(x.dtype).name, x.shape) for x in jax.tree.leaves(setup.state.params)
+        ),
+    )
+    return Job(
+        name=f"{setup.config.name} b={b} s={s}",
+        what=f"policy {spec.name!r} on target {setup.target.name!r}",
+        target=setup.target,
+        lower=lambda: step.lower(setup.state, setup.batch),
+        arguments=dict(setup.arguments),
+        policy=spec.name,
+        flops_no_remat=_baseline_flops(setup),
+        residuals=residuals,
+        activation_bytes=sum(r.nbytes for r in residuals if r.memory == "device"),
+        offloaded_bytes=sum(r.nbytes for r in residuals if r.memory == "host"),
+        logits=((b, s, setup.config.vocab_size), setup.config.dtype),
+        hints=hints,
+        model=setup.config.name,
+        batch_size=b,
+        seq_len=s,
+        visible=visible,
+        # Same selection rule, same program: the twin of an offload policy is usually another
+        # registered policy (offload-qkv-proj's is save-qkv-proj).
+        program_key=repr(
+            (id(setup), spec.base, sorted(spec.save), sorted(spec.offload), spec.wrap)
+        ),
+    )
+
+
+def on_device_twin(spec: PolicySpec) -> PolicySpec:
+    """``spec`` with its offloaded tags kept on device instead (the offload's comparison)."""
+    return PolicySpec(
+        f"{spec.name} (on device)",
+        f"{spec.name} keeping its offloaded tensors on device.",
+        save=spec.save | spec.offload,
+        source=f"on-device counterpart of {spec.name}",
+    )
+
+
+def _model_jobs(
+    setup: _ModelSetup, specs: Sequence[PolicySpec], compare_offload: bool
+) -> list[Job]:
+    jobs = [_model_job(setup, spec) for spec in specs]
+    for job, spec in zip(jobs, specs, strict=True):
+        if spec.offloads and not setup.target.supports_host_offload:
+            job.notes = (
+                f"target {setup.target.name!r} does not offload: the tensors this policy "
+                "offloads are counted as device memory (host_bytes is 0)",
+            )
+    if compare_offload and setup.target.supports_host_offload:
+        for i, spec in enumerate(specs):
+            if spec.offloads:
+                jobs[i].on_device_twin = len(jobs)
+                jobs.append(_model_job(setup, on_device_twin(spec), visible=False))
+    return jobs
+
+
+def analyze_model(
+    config: ModelConfig | str,
+    batch_size: int,
+    seq_len: int,
+    policy: str | PolicySpec | Mapping[str, str] | None = None,
+    target: str | T.Target = "local",
+    optimizer: str | optax.GradientTransformation = "adamw",
+    budget_bytes: int | None = None,
+    top_k: int = DEFAULT_TOP_K,
+    fast_compile: bool = True,
+    compare_offload: bool = True,
+) -> MemoryReport:
+    """Report the memory of a whole training step of a model, from abstract shapes only.
+
+    The step is :func:`remat_kit.make_train_step`: forward, backward under ``policy``, optax
+    update; the train state (parameters, optimizer state, step) is donated, so the update is in
+    place as in a real loop. Parameters and optimizer state are ``jax.eval_shape`` shapes: the
+    model is never allocated, and a 70B model can be analysed for an 8-GPU target on a laptop.
+
+    Args:
+      config: a :class:`ModelConfig` or a preset name (``"llama3-8b"``).
+      batch_size: sequences per step (b). seq_len: tokens per sequence (s).
+      policy: a policy name, :class:`PolicySpec` or custom mapping; default the config's.
+      target: where to compile (see :func:`analyze`).
+      optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
+      budget_bytes, top_k, fast_compile: as :func:`analyze`.
+      compare_offload: for an offloading policy on a target where offload is real, also
+        compile the same policy keeping those tensors on device, and report its peak
+        (``peak_bytes_without_offload``): whether offloading helped is measured, not assumed.
+
+    Returns:
+      A :class:`MemoryReport` with the residual table, the logits line, and the recompute ratio
+      (compiled matmul FLOPs over those of the same step traced without remat).
+
+    Raises:
+      ValueError: unknown preset, policy, target or optimizer; non-positive batch or sequence;
+        ``seq_len > config.max_seq_len``.
+      CompileError: XLA could not compile the step (message names the policy).
+    """
+    config = _resolve_config(config)
+    chosen = policy if policy is not None else config.remat_policy
+    (report,) = analyze_policies(
+        config, batch_size, seq_len, [chosen], target, optimizer, budget_bytes, top_k,
+        fast_compile, workers=1, compare_offload=compare_offload,
+    )  # fmt: skip
+    return report  # type: ignore[return-value]
+
+
+def analyze_policies(
+    config: ModelConfig | str,
+    batch_size: int,
+    seq_len: int,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]],
+    target: str | T.Target = "local",
+    optimizer: str | optax.GradientTransformation = "adamw",
+    budget_bytes: int | None = None,
+    top_k: int = DEFAULT_TOP_K,
+    fast_compile: bool = True,
+    workers: int | None = None,
+    raise_errors: bool = True,
+    compare_offload: bool = True,
+) -> list[MemoryReport | CompileError]:
+    """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
+
+    The abstract state, optimizer, target topology and the no-remat FLOPs baseline are built
+    once; policies are lowered one after another while earlier ones compile, ``workers`` at a
+    time (default ``min(4, cpu_count)``), identical programs once, GPU kernels shared
+    (:mod:`remat_kit.memory.runner`). An offloading policy's on-device counterpart (see
+    ``compare_offload``) is usually another registered policy and then costs nothing extra.
+
+    Returns:
+      One report per policy, in order; with ``raise_errors=False`` a policy that fails to
+      compile gives its :class:`CompileError` instead of a report.
+
+    Raises:
+      ValueError: as :func:`analyze_model` (checked before anything compiles).
+      CompileError: with ``raise_errors``, the first policy that failed to compile.
+    """
+    config = _resolve_config(config)
+    specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
+    setup = _setup(config, batch_size, seq_len, target, optimizer)
+    jobs = _model_jobs(setup, specs, compare_offload)
+    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+    return results[: len(specs)]
+
+
+def _resolve_config(config: ModelConfig | str) -> ModelConfig:
+    if isinstance(config, ModelConfig):
+        return config
+    from remat_kit.models.config import get_config
+
+    return get_config(config)

@@ -1,0 +1,357 @@
+"""Reading XLA's own reports of one compile: the optimized HLO, its live ranges, its FLOPs.
+
+``compile(compiler_options={"xla_dump_to": DIR})`` makes XLA write, for the module it compiles,
+``*after_optimizations.txt`` (the scheduled HLO, with each instruction's JAX ``op_name``),
+``*after_optimizations-live-range.txt`` (the buffers live at the peak of the schedule, "Live
+ranges at N (peak)") and ``*buffer-assignment.txt`` / ``*memory-usage-report.txt`` (how buffers
+share allocations). This module parses those text files; nothing here calls JAX.
+
+Matmul FLOPs are counted on the optimized HLO rather than taken from
+``compiled.cost_analysis()``: XLA's cost analysis counts a ``while`` body once, whatever its trip
+count, so under ``lax.scan`` over layers it misses all layers but one; and it is ``None`` for
+deviceless GPU executables. Here every ``dot`` (and cuBLAS gemm custom call) is counted
+``2 * prod(output) * prod(contracting dims)`` times the ``known_trip_count`` of every loop that
+encloses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+#: Bytes per element of XLA primitive types (``pred`` is stored as one byte).
+_ITEMSIZE = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+    "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
+    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}  # fmt: skip
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_LIVE_LINE = re.compile(r"^\s+([\w.\-]+)(\{[0-9,]*\}): (\d+) bytes")
+#: XLA's memory space for pinned host memory (``S(5)`` in layouts, ``@5`` on values).
+HOST_MEMORY_SPACE = 5
+
+_ALLOCATION_LINE = re.compile(r"^allocation (\d+): size (\d+)")
+_VALUE_LINE = re.compile(
+    r"^ value: <\d+ ([\w.\-]+)(\{[0-9,]*\})?(?: \(\w+\))? @(\d+)> "
+    r"\(size=(\d+),offset=(\d+)\): (.*)$"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLS_SET = re.compile(r"\bcalls=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: ``%name = shape opcode(operands), attributes``."""
+
+    name: str
+    shape: str  # "bf16[8192,4096]{1,0}" or a tuple "(s32[], f32[2,4])"
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str  # everything after the operand list
+    op_name: str  # JAX's op_name metadata ("jit(step)/.../attn/query/dot_general"), or ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+    name: str
+    is_entry: bool
+    instructions: tuple[Instruction, ...]
+    param_shapes: dict[str, str]  # from the header "(param_0: f32[2,3], ...)"
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """A value live at the peak of XLA's schedule (from the live-range dump)."""
+
+    value: str  # HLO value: instruction name plus tuple index, e.g. "while.24{3}"
+    nbytes: int
+
+
+def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``[(dtype, dims), ...]`` of every array in an HLO shape string (one for an array shape,
+    one per element for a tuple)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def shape_bytes(dtype: str, dims: Iterable[int]) -> int:
+    """Bytes of a dense array of XLA type ``dtype`` (``"bf16"``) and dimensions ``dims``."""
+    return math.prod(dims) * _ITEMSIZE.get(dtype, 4)
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        parts.append(text[start:].strip())
+    return parts
+
+
+def _matching(text: str, open_index: int) -> int:
+    """Index of the bracket closing the one at ``open_index``."""
+    depth = 0
+    for i in range(open_index, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2)
+    if rest.startswith("("):  # tuple shape
+        end = _matching(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    opcode = rest[:paren]
+    close = _matching(rest, paren)
+    operands = tuple(
+        op.split()[-1].lstrip("%") for op in _split_top_level(rest[paren + 1 : close]) if op
+    )
+    attributes = rest[close + 1 :]
+    op_name = _OP_NAME.search(attributes)
+    return Instruction(
+        name=name,
+        shape=shape,
+        opcode=opcode,
+        operands=operands,
+        attributes=attributes,
+        op_name=op_name.group(1).replace("\\'", "'") if op_name else "",
+    )
+
+
+def parse_hlo_module(text: str) -> dict[str, Computation]:
+    """The computations of an HLO text module (as XLA dumps it), by name."""
+    comps: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                params = {}
+                for part in _split_top_level(m.group(3)):
+                    pname, _, pshape = part.partition(": ")
+                    params[pname.strip().lstrip("%")] = pshape.strip()
+                current = (m.group(2), bool(m.group(1)), [], params)
+            continue
+        if line.startswith("}"):
+            name, is_entry, instrs, params = current
+            comps[name] = Computation(name, is_entry, tuple(instrs), params)
+            current = None
+            continue
+        instr = _parse_instruction(line)
+        if instr is not None:
+            current[2].append(instr)
+    return comps
+
+
+def _dot_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    """``2 * prod(output) * prod(lhs contracting dims)`` of a dot or a gemm custom call."""
+    out = array_shapes(instr.shape)
+    if not out or not instr.operands:
+        return 0.0
+    lhs = array_shapes(shapes.get(instr.operands[0], ""))
+    if not lhs:
+        return 0.0
+    if instr.opcode == "dot":
+        m = _CONTRACTING.search(instr.attributes)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+    else:
+        m = _GEMM_CONTRACTING.search(instr.attributes)
+        dims = [int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip()] if m else []
+    lhs_dims = lhs[0][1]
+    contracted = math.prod(lhs_dims[d] for d in dims if d < len(lhs_dims))
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _is_gemm_call(instr: Instruction) -> bool:
+    if instr.opcode != "custom-call":
+        return False
+    target = re.search(r'custom_call_target="([^"]*)"', instr.attributes)
+    return bool(target) and any(k in target.group(1) for k in ("gemm", "matmul"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopCount:
+    """Matmul FLOPs of a compiled module, with loop trip counts applied."""
+
+    flops: float
+    unknown_trip_counts: int  # while loops counted once for want of a known trip count
+
+
+def count_flops(comps: dict[str, Computation]) -> FlopCount:
+    """Matmul FLOPs of the entry computation: dots and gemm custom calls, each multiplied by the
+    trip counts of the loops around it (``backend_config`` ``known_trip_count``); conditionals
+    count their most expensive branch. Elementwise ops are not counted (a transformer step's
+    FLOPs are >95% matmuls)."""
+    unknown = [0]
+
+    @cache
+    def flops_of(name: str) -> float:
+        comp = comps.get(name)
+        if comp is None:
+            return 0.0
+        shapes = dict(comp.param_shapes)
+        total = 0.0
+        for instr in comp.instructions:
+            shapes[instr.name] = instr.shape
+            if instr.opcode == "dot" or _is_gemm_call(instr):
+                total += _dot_flops(instr, shapes)
+            if instr.opcode == "while":
+                body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
+                trip = _TRIP_COUNT.search(instr.attributes)
+                if trip is None:
+                    unknown[0] += 1
+                n = int(trip.group(1)) if trip else 1
+                total += n * (flops_of(body.group(1)) if body else 0.0)
+                continue
+            branches = _BRANCHES.search(instr.attributes)
+            if branches:
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                total += max((flops_of(b) for b in names if b), default=0.0)
+                continue
+            callees = [c for kind, c in _CALLEE.findall(instr.attributes) if kind != "condition"]
+            calls_set = _CALLS_SET.search(instr.attributes)
+            if calls_set:
+                callees += [c.strip().lstrip("%") for c in calls_set.group(1).split(",")]
+            if instr.opcode == "conditional":
+                total += max((flops_of(c) for c in callees), default=0.0)
+            else:
+                total += sum(flops_of(c) for c in callees)
+        return total
+
+    entry = next((c.name for c in comps.values() if c.is_entry), None)
+    total = flops_of(entry) if entry else 0.0
+    return FlopCount(flops=total, unknown_trip_counts=unknown[0])
+
+
+def instructions_by_name(
+    comps: dict[str, Computation],
+) -> dict[str, tuple[Instruction, Computation]]:
+    """Every instruction of the module by its (module-unique) name, with its computation."""
+    return {i.name: (i, c) for c in comps.values() for i in c.instructions}
+
+
+def parse_live_at_peak(text: str) -> list[LiveBuffer]:
+    """The values listed under "Live ranges at N (peak):" in a ``*-live-range.txt`` dump."""
+    out: list[LiveBuffer] = []
+    inside = False
+    for line in text.splitlines():
+        if "Live ranges at" in line and "(peak)" in line:
+            inside = True
+            continue
+        if inside:
+            m = _LIVE_LINE.match(line)
+            if not m:
+                break
+            index = m.group(2)
+            value = m.group(1) + ("" if index == "{}" else index)
+            out.append(LiveBuffer(value=value, nbytes=int(m.group(3))))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSlot:
+    """Where buffer assignment put one HLO value: allocation, offset and size in bytes, and its
+    memory space (0 device; XLA's host memory space, 5, for offloaded values)."""
+
+    shape: str
+    allocation: int
+    offset: int
+    nbytes: int
+    memory_space: int = 0
+
+    @property
+    def on_host(self) -> bool:
+        return self.memory_space == HOST_MEMORY_SPACE
+
+
+def parse_buffer_slots(text: str) -> dict[str, BufferSlot]:
+    """HLO value name ("fusion.3" or "while.2{1}") -> its :class:`BufferSlot`, from a
+    ``*buffer-assignment.txt`` dump. Values that alias one another (a loop's carried value,
+    the loop body's parameter, the in-place update) share a slot."""
+    out = {}
+    allocation = -1
+    for line in text.splitlines():
+        alloc = _ALLOCATION_LINE.match(line)
+        if alloc:
+            allocation = int(alloc.group(1))
+            continue
+        m = _VALUE_LINE.match(line)
+        if m:
+            index = m.group(2) or ""
+            name = m.group(1) + ("" if index == "{}" else index)
+            out[name] = BufferSlot(
+                shape=m.group(6).strip(),
+                allocation=allocation,
+                offset=int(m.group(5)),
+                nbytes=int(m.group(4)),
+                memory_space=int(m.group(3)),
+            )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpFiles:
+    """The text files XLA wrote for one compiled module (``None`` where missing)."""
+
+    hlo: str | None
+    live_range: str | None
+    buffer_assignment: str | None
+    memory_usage_report: str | None
+
+
+def read_dump(directory: str | Path) -> DumpFiles:
+    """The optimized-HLO, live-range and buffer-assignment dumps of the largest module in
+    ``directory`` (the step itself; JAX may compile small helper modules alongside)."""
+    directory = Path(directory)
+    hlo_files = list(directory.glob("*after_optimizations.txt"))
+    if not hlo_files:
+        return DumpFiles(None, None, None, None)
+    main = max(hlo_files, key=lambda p: p.stat().st_size)
+    stem = main.name[: -len(".txt")]
+
+    def sibling(suffix: str) -> str | None:
+        path = directory / f"{stem}-{suffix}.txt"
+        return path.read_text() if path.exists() else None
+
+    return DumpFiles(
+        hlo=main.read_text(),
+        live_range=sibling("live-range"),
+        buffer_assignment=sibling("buffer-assignment"),
+        memory_usage_report=sibling("memory-usage-report"),
+    )

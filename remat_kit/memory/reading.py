@@ -1,0 +1,257 @@
+"""Turning one compile's XLA output into report pieces: the ``memory_analysis()`` parts, the
+buffers live at the peak named by what produced them, matmul FLOPs, and the warnings worth
+showing."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from remat_kit import names as N
+from remat_kit.memory import hlo
+from remat_kit.memory.report import PeakBuffer
+from remat_kit.memory.xla_compile import CompileResult
+
+#: Flax module names -> the checkpoint name of their output. The bundled model names each
+#: projection's module after its tag; these are the plain names other models use.
+_MODULE_TAGS = {
+    **{tag: tag for tag in N.CHECKPOINT_NAMES},
+    "query": N.QUERY_PROJ,
+    "key": N.KEY_PROJ,
+    "value": N.VALUE_PROJ,
+    "out": N.OUT_PROJ,
+    "wi": N.MLPWI,
+    "wi_0": N.MLPWI_0,
+    "wi_1": N.MLPWI_1,
+    "wo": N.MLPWO,
+}
+_NORMS = ("attn_norm", "mlp_norm", "final_norm")
+#: Warnings from XLA's log worth showing a user (absl source file, message pattern).
+_SURFACED = re.compile(
+    r"rematerializ|memory|offload|host|exceed|spill|too large|buffer", re.IGNORECASE
+)
+
+_XLA_DTYPES = {
+    "float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64", "int32": "s32",
+    "int64": "s64", "int8": "s8", "uint8": "u8", "bool": "pred",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Hints:
+    """What a model job knows that lets buffers at the peak be named."""
+
+    logits_elems: int | None = None
+    #: "bf16[32,1,8192,4096]" (stacked over remat segments) -> the tags of that shape.
+    stacked: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    #: "bf16[32,4096,14336]" -> True for parameter shapes (gradients and copies share them).
+    param_shapes: frozenset[str] = frozenset()
+
+
+def xla_shape(dtype: str, dims: Sequence[int]) -> str:
+    return f"{_XLA_DTYPES.get(dtype, dtype)}[{','.join(str(d) for d in dims)}]"
+
+
+def _phase(value: str, op: str) -> str:
+    if ".remat" in value:
+        return "xla_remat"
+    if "rematted_computation" in op:
+        return "recompute"
+    if "transpose(" in op:
+        return "backward"
+    return "forward"
+
+
+def _kind_and_phase(
+    found: tuple[hlo.Instruction, hlo.Computation] | None, value: str, shape: str, hints: Hints
+) -> tuple[str, str]:
+    """What a buffer live at the peak is (see :class:`PeakBuffer`), and in which phase."""
+    instr, comp = found if found else (None, None)
+    op = instr.op_name if instr else ""
+    if instr is not None and instr.opcode == "parameter" and comp is not None and comp.is_entry:
+        root = re.split(r"[.\[]", op, maxsplit=1)[0] if op else "argument"
+        if root == "state":
+            root = "params" if op.startswith("state.params") else "opt_state"
+        return root or "argument", "argument"
+    phase = _phase(value, op)
+    arrays = hlo.array_shapes(shape)
+    if hints.logits_elems and arrays and math.prod(arrays[0][1]) == hints.logits_elems:
+        return ("logits_grad" if phase == "backward" else "logits"), phase
+    if shape in hints.stacked:
+        return "stacked:" + "|".join(hints.stacked[shape]), phase
+    parts = [p for p in op.split("/") if p]
+    for part in reversed(parts[:-1]):
+        if part in _MODULE_TAGS:
+            return _MODULE_TAGS[part], phase
+        if part in _NORMS:
+            return "norm", phase
+        if part == "attn":
+            return "attention", phase
+        if part in ("lm_head", "embed"):
+            return part, phase
+    if shape in hints.param_shapes:
+        return "param_shaped", phase
+    if instr is not None and instr.opcode in ("while", "parameter", "get-tuple-element", "tuple"):
+        return "loop_state", phase
+    if "dynamic_update_slice" in op or "dynamic_slice" in op:
+        return "loop_state", phase
+    return "other", phase
+
+
+def _element_shape(found: tuple[hlo.Instruction, hlo.Computation] | None, value: str) -> str:
+    if found is None:
+        return ""
+    instr = found[0]
+    m = re.search(r"\{([0-9,]*)\}$", value)
+    if not m or not m.group(1):
+        return instr.shape
+    elems = hlo._split_top_level(instr.shape.strip()[1:-1])  # noqa: SLF001
+    elems = [re.sub(r"/\*index=\d+\*/", "", e).strip() for e in elems]
+    index = int(m.group(1).split(",")[0])
+    return elems[index] if index < len(elems) else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpReading:
+    flops: float | None
+    peak_buffers: tuple[PeakBuffer, ...]
+    live_peak_bytes: int | None
+    logits_live_bytes: int
+    warnings: tuple[str, ...]
+
+
+_VAGUE_KINDS = ("other", "loop_state")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+
+
+def _borrowed_op_name(
+    instr: hlo.Instruction,
+    name: str,
+    instrs: Mapping[str, tuple[hlo.Instruction, hlo.Computation]],
+    comps: Mapping[str, hlo.Computation],
+) -> str:
+    """An op_name for an instruction XLA left without one: an XLA remat clone takes its
+    original's; a fusion takes the most specific one of the instructions inside it."""
+    if ".remat" in name:
+        origin = instrs.get(re.sub(r"\.remat\d*.*$", "", name))
+        if origin is not None and origin[0].op_name:
+            return origin[0].op_name
+        instr = origin[0] if origin is not None else instr
+    callee = _CALLS.search(instr.attributes)
+    if callee and callee.group(1) in comps:
+        names = [i.op_name for i in comps[callee.group(1)].instructions if i.op_name]
+        if names:  # the most specific (deepest module path) of the fused ops
+            return max(reversed(names), key=lambda n: n.count("/"))
+    return ""
+
+
+def _telling(buf: PeakBuffer) -> tuple[int, int, int]:
+    """How much a value's name says about its buffer (the best of aliases is shown)."""
+    return (
+        buf.kind not in _VAGUE_KINDS,
+        buf.phase != "forward" or bool(buf.op_name),
+        -len(buf.value),
+    )
+
+
+def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
+    """Flops, the physical buffers live at XLA's peak (largest ``top_k``) and warnings."""
+    warnings: list[str] = []
+    if dump.hlo is None:
+        return DumpReading(
+            None,
+            (),
+            None,
+            0,
+            ("XLA wrote no dump (compilation cache hit?): no buffers at peak, no FLOPs",),
+        )
+    comps = hlo.parse_hlo_module(dump.hlo)
+    count = hlo.count_flops(comps)
+    if count.unknown_trip_counts:
+        warnings.append(
+            f"{count.unknown_trip_counts} while loop(s) of unknown trip count counted once in "
+            "the FLOPs"
+        )
+    instrs = hlo.instructions_by_name(comps)
+    slots = hlo.parse_buffer_slots(dump.buffer_assignment or "")
+    live = hlo.parse_live_at_peak(dump.live_range or "")
+    # Values that alias (a loop's carry, the body's parameter, the in-place update) share one
+    # slot of one allocation: count each slot once, named after its most telling value.
+    groups: dict[object, list[PeakBuffer]] = {}
+    for buf in live:
+        name = buf.value.split("{")[0]
+        found = instrs.get(name)
+        if found is not None and not found[0].op_name:
+            op_name = _borrowed_op_name(found[0], name, instrs, comps)
+            found = (dataclasses.replace(found[0], op_name=op_name), found[1])
+        slot = slots.get(buf.value)
+        shape = slot.shape if slot else _element_shape(found, buf.value)
+        bare = re.sub(r"\{[0-9,]*(:S\(\d+\))?\}$", "", shape)  # drop the layout
+        kind, phase = _kind_and_phase(found, buf.value, bare, hints)
+        key = (slot.allocation, slot.offset) if slot else buf.value  # aliases share a slot
+        on_host = slot.on_host if slot else ":S(5)" in shape
+        groups.setdefault(key, []).append(
+            PeakBuffer(
+                value=buf.value,
+                nbytes=buf.nbytes,
+                shape=bare,
+                kind=kind,
+                phase=phase,
+                op_name=found[0].op_name if found else "",
+                memory="host" if on_host else "device",
+            )
+        )
+    buffers = []
+    for group in groups.values():
+        best = max(group, key=_telling)
+        buffers.append(dataclasses.replace(best, nbytes=max(b.nbytes for b in group)))
+    logits_live = sum(b.nbytes for b in buffers if b.kind in ("logits", "logits_grad"))
+    buffers.sort(key=lambda b: -b.nbytes)
+    n_xla_remat = sum(1 for i in instrs if i.endswith(".remat") or ".remat." in i)
+    if n_xla_remat:
+        warnings.append(
+            f"XLA's rematerialisation pass recomputed {n_xla_remat} instruction(s) on its own to "
+            "lower the peak (the FLOPs include them)"
+        )
+    return DumpReading(
+        flops=count.flops,
+        peak_buffers=tuple(buffers[:top_k]),
+        live_peak_bytes=sum(b.nbytes for b in buffers if b.memory == "device") if buffers else None,
+        logits_live_bytes=logits_live,
+        warnings=tuple(warnings),
+    )
+
+
+def log_warnings(result: CompileResult) -> list[str]:
+    out = []
+    for line in result.log_lines():
+        if line.severity in "WEF" and _SURFACED.search(line.message):
+            text = str(line)
+            if text not in out:
+                out.append(text)
+    return out
+
+
+def memory_parts(compiled: Any) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    get = lambda field: int(getattr(m, field, 0) or 0)  # noqa: E731
+    return {
+        "argument_bytes": get("argument_size_in_bytes"),
+        "output_bytes": get("output_size_in_bytes"),
+        "temp_bytes": get("temp_size_in_bytes"),
+        "alias_bytes": get("alias_size_in_bytes"),
+        "host_bytes": get("host_argument_size_in_bytes")
+        + get("host_output_size_in_bytes")
+        + get("host_temp_size_in_bytes")
+        - get("host_alias_size_in_bytes"),
+    }
+
+
+def peak_bytes_of(parts: Mapping[str, int]) -> int:
+    """``argument + output + temp - alias`` bytes (see :class:`MemoryReport`)."""
+    return (
+        parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"] - parts["alias_bytes"]
+    )

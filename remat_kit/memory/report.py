@@ -1,0 +1,182 @@
+"""``MemoryReport``: what one compiled step needs, in bytes, on one target; JSON in and out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from remat_kit.residuals import TagResiduals
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBuffer:
+    """One buffer live at the peak of XLA's schedule (from its live-range dump).
+
+    Attributes:
+      value: XLA's name for the value (instruction, plus tuple index: ``"while.24{3}"``).
+      nbytes: size in bytes.
+      shape: array shape as XLA prints it (``"bf16[32,1,8192,4096]"``), "" if unknown.
+      kind: what it is: ``params`` / ``opt_state`` / ``batch`` / another argument name,
+        ``logits`` / ``logits_grad``, a checkpoint name (``query_proj``), ``attention``,
+        ``norm``, ``loop_state`` (a scan's carried or stacked values), or ``other``.
+      phase: ``forward``, ``backward``, ``recompute`` (JAX remat), ``xla_remat`` (XLA's own
+        rematerialisation pass) or ``argument``.
+      op_name: the JAX ``op_name`` XLA kept for it (module path and primitive), "" if none.
+      memory: ``device``, or ``host`` for a buffer XLA placed in host memory (offloaded).
+    """
+
+    value: str
+    nbytes: int
+    shape: str
+    kind: str
+    phase: str
+    op_name: str
+    memory: str = "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsLine:
+    """The logits ``[batch, seq, vocab]`` and their gradient: remat does not shrink them.
+
+    Attributes:
+      shape: ``(batch, seq, vocab)``.
+      dtype: the compute dtype of the logits.
+      logits_bytes: one logits tensor in the compute dtype.
+      f32_bytes: the float32 copy the loss makes (``cross_entropy_loss`` upcasts).
+      grad_bytes: the gradient of the logits, in the compute dtype.
+      live_at_peak_bytes: bytes of compiled buffers with the logits' element count live at XLA's
+        peak (logits, their float32 copies, softmax, gradient): the compiler's own figure.
+    """
+
+    shape: tuple[int, int, int]
+    dtype: str
+    logits_bytes: int
+    f32_bytes: int
+    grad_bytes: int
+    live_at_peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Memory (and FLOPs) of one compiled step on one target. Integers are bytes.
+
+    ``peak_bytes = argument_bytes + output_bytes + temp_bytes - alias_bytes``: XLA's
+    ``compiled.memory_analysis()`` parts, per device. Donated arguments alias their outputs (the
+    new parameters and optimizer state are written in place), so ``alias_bytes`` is counted once,
+    not twice. This is what the program needs resident at once, excluding the framework's own
+    overhead (CUDA context, allocator fragmentation, a default JAX process's preallocation of
+    75% of the GPU: see ``Target.usable_bytes``).
+
+    Attributes:
+      name: what was analysed (function name, or ``"llama3-8b b=1 s=8192"``).
+      target: the target name (``"h100-sxm"``, ``"cpu"``, ``"local"``): the numbers are this
+        compiler's for this device, and the CPU backend's are not GPU numbers.
+      platform: ``"cpu"`` or ``"cuda"``; backend: compiler and jax version.
+      policy: the remat policy name, or None for an arbitrary function.
+      peak_bytes: see above. argument_bytes, output_bytes, temp_bytes, alias_bytes: its parts.
+      host_bytes: bytes in host memory (offloaded residuals; XLA's ``host_*`` figures, same
+        formula). On the CPU backend offloading is not real and this is 0.
+      arguments: argument bytes by part (``params``, ``opt_state``, ``batch``, ...); sums to
+        ``argument_bytes``.
+      flops: matmul FLOPs of the compiled program (loops counted by trip count).
+      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr; None for an
+        arbitrary function. recompute_ratio: ``flops / flops_no_remat``.
+      residuals: saved residuals (from the jaxpr) grouped by checkpoint tag, for all layers:
+        count, shape of one, dtype, total bytes, memory kind (``device`` or ``host``).
+      activation_bytes: device bytes of those residuals; offloaded_bytes: host bytes.
+      logits: the logits line (models only).
+      peak_buffers: the largest buffers live at XLA's peak, largest first.
+      live_peak_bytes: the device bytes of all buffers live at that point (XLA's live-range
+        peak, aliased values counted once; below ``peak_bytes`` by what buffer packing loses).
+      memory_bytes: the target's device memory; budget_bytes: the budget judged against
+        (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
+      compile_s: wall seconds of XLA's compile (lowering excluded).
+      warnings: compiler messages worth reading (XLA's rematerialisation pass giving up, loops
+        of unknown trip count, dumps missing).
+      model, batch_size, seq_len: the model preset (or config name) and shape, when a model.
+      peak_bytes_without_offload: for an offloading policy on a target where offload is real,
+        the device peak of the same policy keeping its offloaded tensors on device instead:
+        offloading lowered the device peak only if ``peak_bytes`` is below it (reported, never
+        assumed; a warning says when it did not).
+    """
+
+    name: str
+    target: str
+    platform: str
+    backend: str
+    policy: str | None
+    peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    host_bytes: int
+    arguments: dict[str, int]
+    flops: float | None
+    flops_no_remat: float | None
+    recompute_ratio: float | None
+    residuals: tuple[TagResiduals, ...]
+    activation_bytes: int | None
+    offloaded_bytes: int | None
+    logits: LogitsLine | None
+    peak_buffers: tuple[PeakBuffer, ...]
+    live_peak_bytes: int | None
+    memory_bytes: int | None
+    budget_bytes: int | None
+    fits: bool | None
+    compile_s: float
+    warnings: tuple[str, ...]
+    model: str | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    peak_bytes_without_offload: int | None = None
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict())``."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+          TypeError: missing or unknown fields.
+        """
+        data = dict(data)
+        data["residuals"] = tuple(
+            TagResiduals(**{**r, "shape": tuple(r["shape"])}) for r in data["residuals"]
+        )
+        data["peak_buffers"] = tuple(PeakBuffer(**b) for b in data["peak_buffers"])
+        if data.get("logits") is not None:
+            data["logits"] = LogitsLine(
+                **{**data["logits"], "shape": tuple(data["logits"]["shape"])}
+            )
+        data["warnings"] = tuple(data["warnings"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryReport:
+        return cls.from_dict(json.loads(text))
+
+    def summary(self) -> str:
+        """One line: target, policy, peak and host GiB, recompute ratio, fits."""
+        parts = [
+            f"{self.name} on {self.target}",
+            f"policy={self.policy}" if self.policy else "",
+            f"peak {self.peak_bytes / GIB:.2f} GiB",
+            f"host {self.host_bytes / GIB:.2f} GiB" if self.host_bytes else "",
+            f"recompute x{self.recompute_ratio:.2f}" if self.recompute_ratio else "",
+            "" if self.fits is None else ("fits" if self.fits else "does not fit"),
+        ]
+        return ", ".join(p for p in parts if p)

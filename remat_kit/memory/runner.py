@@ -1,0 +1,247 @@
+"""Compile many steps quickly: lower in order, compile in a thread pool, share GPU kernels.
+
+Each job is lowered in the calling thread (tracing needs the GIL) while earlier jobs compile in
+worker threads (XLA's compile releases it). Jobs whose lowered programs are identical compile
+once. For GPU targets, most of a deviceless compile is code generation of kernels that are the
+same from one policy to the next (optimizer update, embedding, loss): XLA's kernel cache
+(``xla_gpu_kernel_cache_file``) is warmed by the first compile, then copied to one file per
+worker thread (XLA appends to it; copies keep threads from writing one file at once), which cuts
+the later compiles to a fraction. Buffer assignment happens before code generation and does not
+read the cache: the memory figures are the same with or without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax.numpy as jnp
+
+from remat_kit import targets as T
+from remat_kit.memory.reading import (
+    Hints,
+    log_warnings,
+    memory_parts,
+    peak_bytes_of,
+    read_dump,
+)
+from remat_kit.memory.report import LogitsLine, MemoryReport
+from remat_kit.memory.xla_compile import (
+    CompileError,
+    CompileResult,
+    capture_compiler_log,
+    compile_with_dump,
+    jax_backend_description,
+)
+from remat_kit.residuals import TagResiduals
+
+
+@dataclasses.dataclass
+class Job:
+    """One step to compile and report on; ``lower`` returns its ``jax.stages.Lowered``."""
+
+    name: str
+    what: str  # names the step in errors: "policy 'x' on target 'y'"
+    target: T.Target
+    lower: Callable[[], Any]
+    arguments: dict[str, int]
+    policy: str | None = None
+    flops_no_remat: float | None = None
+    residuals: tuple[TagResiduals, ...] = ()
+    activation_bytes: int | None = None
+    offloaded_bytes: int | None = None
+    logits: tuple[tuple[int, int, int], str] | None = None  # (b, s, vocab), compute dtype
+    hints: Hints = dataclasses.field(default_factory=Hints)
+    model: str | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    #: Index (in the same run) of the job that keeps this job's offloaded tags on device.
+    on_device_twin: int | None = None
+    #: False for jobs compiled only to compare with another (their failures never raise).
+    visible: bool = True
+    #: Warnings known before compiling.
+    notes: tuple[str, ...] = ()
+    #: Jobs with equal keys lower to the same program: lowered and compiled once.
+    program_key: str | None = None
+
+
+def default_workers() -> int:
+    """Concurrent compiles by default: one core is left to lower the next policies (tracing
+    holds the GIL), the others compile; at least 1, at most 4."""
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+class _KernelCaches:
+    """A kernel-cache file per worker thread, all seeded from the first compile's file."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.seed = os.path.join(folder, "seed.kcache")
+        self._local = threading.local()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def options(self, target: T.Target, seeding: bool) -> dict[str, Any]:
+        if target.platform != "cuda":
+            return {}
+        if seeding:
+            return {"xla_gpu_kernel_cache_file": self.seed}
+        path = getattr(self._local, "path", None)
+        if path is None:
+            with self._lock:
+                self._count += 1
+                path = os.path.join(self.folder, f"worker{self._count}.kcache")
+            if os.path.exists(self.seed):
+                shutil.copyfile(self.seed, path)
+            self._local.path = path
+        return {"xla_gpu_kernel_cache_file": path}
+
+
+def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
+    parts = memory_parts(result.compiled)
+    peak = peak_bytes_of(parts)
+    reading = read_dump(result.dump, top_k, job.hints)
+    arguments = dict(job.arguments)
+    unaccounted = parts["argument_bytes"] - sum(arguments.values())
+    if unaccounted:
+        arguments["other"] = unaccounted
+    logits = None
+    if job.logits:
+        (b, s, v), dtype = job.logits
+        item = jnp.dtype(dtype).itemsize
+        logits = LogitsLine(
+            shape=(b, s, v),
+            dtype=dtype,
+            logits_bytes=b * s * v * item,
+            f32_bytes=b * s * v * 4,
+            grad_bytes=b * s * v * item,
+            live_at_peak_bytes=reading.logits_live_bytes,
+        )
+    budget = budget_bytes if budget_bytes is not None else job.target.memory_bytes
+    ratio = None
+    if reading.flops and job.flops_no_remat:
+        ratio = reading.flops / job.flops_no_remat
+    return MemoryReport(
+        name=job.name,
+        target=job.target.name,
+        platform=job.target.platform,
+        backend=jax_backend_description(job.target.platform, job.target.deviceless),
+        policy=job.policy,
+        peak_bytes=peak,
+        **parts,
+        arguments=arguments,
+        flops=reading.flops,
+        flops_no_remat=job.flops_no_remat,
+        recompute_ratio=ratio,
+        residuals=job.residuals,
+        activation_bytes=job.activation_bytes,
+        offloaded_bytes=job.offloaded_bytes,
+        logits=logits,
+        peak_buffers=reading.peak_buffers,
+        live_peak_bytes=reading.live_peak_bytes,
+        memory_bytes=job.target.memory_bytes,
+        budget_bytes=budget,
+        fits=None if budget is None else peak <= budget,
+        compile_s=round(result.compile_s, 3),
+        warnings=job.notes + tuple(log_warnings(result)) + reading.warnings,
+        model=job.model,
+        batch_size=job.batch_size,
+        seq_len=job.seq_len,
+    )
+
+
+def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -> MemoryReport:
+    if not isinstance(twin, MemoryReport):
+        return report
+    warnings = report.warnings
+    gib = 2**30
+    if report.peak_bytes >= twin.peak_bytes:
+        warnings += (
+            f"offloading did not lower the device peak: {report.peak_bytes / gib:.2f} GiB on "
+            f"device (+{report.host_bytes / gib:.2f} GiB host) against "
+            f"{twin.peak_bytes / gib:.2f} GiB keeping the same tensors on device",
+        )
+    return dataclasses.replace(
+        report, peak_bytes_without_offload=twin.peak_bytes, warnings=warnings
+    )
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    top_k: int,
+    budget_bytes: int | None,
+    fast_compile: bool = True,
+    workers: int | None = None,
+    raise_errors: bool = True,
+) -> list[MemoryReport | CompileError]:
+    """Lower, compile (identical programs once, ``workers`` at a time) and report every job.
+
+    Returns:
+      One report per job, in order; a job that failed to compile gives its
+      :class:`CompileError` when ``raise_errors`` is False.
+
+    Raises:
+      CompileError: with ``raise_errors``, for the first visible job (in order) that failed.
+    """
+    n = max(1, workers or default_workers())
+    keys: list[str] = []
+    futures: dict[str, Future] = {}
+
+    def compile_one(job: Job, lowered: Any, seeding: bool) -> CompileResult | CompileError:
+        try:
+            opts = caches.options(job.target, seeding)
+            return compile_with_dump(
+                lowered, job.target.platform, job.what, fast=fast_compile, options=opts
+            )
+        except CompileError as err:
+            return err
+
+    with tempfile.TemporaryDirectory(prefix="remat-kit-kernels-") as folder:
+        caches = _KernelCaches(folder)
+        with capture_compiler_log(), ThreadPoolExecutor(max_workers=n) as pool:
+            # The first program compiles while the others are lowered; it seeds the kernel
+            # cache, so the others compile after it, ``n`` at a time.
+            pending: list[tuple[str, Job, Any]] = []
+            by_program: dict[str, str] = {}
+            for job in jobs:
+                if job.program_key is not None and job.program_key in by_program:
+                    keys.append(by_program[job.program_key])
+                    continue
+                lowered = job.lower()
+                text = lowered.as_text()
+                key = hashlib.sha256(f"{job.target.name}\n{text}".encode()).hexdigest()
+                keys.append(key)
+                if job.program_key is not None:
+                    by_program[job.program_key] = key
+                if key in futures or any(key == k for k, _, _ in pending):
+                    continue
+                if not futures:
+                    futures[key] = pool.submit(compile_one, job, lowered, True)
+                else:
+                    pending.append((key, job, lowered))
+            if futures:
+                next(iter(futures.values())).result()
+            for key, job, lowered in pending:
+                futures[key] = pool.submit(compile_one, job, lowered, False)
+            results = {key: future.result() for key, future in futures.items()}
+    out: list[MemoryReport | CompileError] = []
+    for job, key in zip(jobs, keys, strict=True):
+        result = results[key]
+        if isinstance(result, CompileError):
+            err = CompileError(job.what, result.xla_message, job.policy)
+            if raise_errors and job.visible:
+                raise err from result
+            out.append(err)
+        else:
+            out.append(_report(job, result, top_k, budget_bytes))
+    for i, job in enumerate(jobs):
+        if job.on_device_twin is not None and isinstance(out[i], MemoryReport):
+            out[i] = _with_twin(out[i], out[job.on_device_twin])  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,218 @@
+"""The textbook per-layer activation memory next to what the compiler keeps.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198), Sec. 4.1 and 5: a GPT layer with 16-bit activations, no tensor or sequence
+parallelism, keeps
+
+    s*b*h*(34 + 5*a*s/h)  bytes   without recomputation (eq. 1),
+    s*b*h*34              bytes   with selective recomputation of the attention core,
+    2*s*b*h               bytes   with full recomputation (only the layer input),
+
+(s sequence, b batch, h hidden size, a heads). The compiled figure comes from two layer counts:
+the step is compiled at ``L1`` and ``L2`` layers (scanned), and
+
+    per_layer = (live(L2) - live(L1)) / (L2 - L1) - one layer's parameters, optimizer state
+                and parameter gradients
+
+where ``live`` is the bytes of the physical buffers live at the peak of XLA's schedule (its
+live-range dump, aliased values counted once). Both compiles use a 256-token vocabulary
+(:data:`PROBE_VOCAB`): the per-layer figure does not depend on it, and with a large vocabulary
+the peak can sit at the loss, before any layer's gradient exists, where the difference of two
+peaks is not a per-layer figure (it came out negative for gpt2-medium at b=8, s=1024).
+
+``temp_size_in_bytes`` is not used for this: it is the size of XLA's packed temporary
+allocation, which grows by uneven steps with the layer count (fragmentation): 8, 28.5 and
+17.7 MiB per layer between 2/3, 3/4 and 4/6 layers of a block whose live bytes grow by exactly
+8 MiB per layer. It is reported alongside (``compiled_temp_bytes``).
+
+The jaxpr figure is what JAX saves for the backward pass per layer
+(:func:`remat_kit.residuals.block_residuals`, plus the layer input), before XLA fuses, copies or
+upcasts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import targets as T
+from remat_kit.memory.api import _model_job, _resolve_config, _setup, model_residuals
+from remat_kit.memory.report import MemoryReport
+from remat_kit.memory.runner import run_jobs
+from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec, get_policy_spec
+
+#: Vocabulary of the probe compiles (see the module docstring).
+PROBE_VOCAB = 256
+
+#: Policies with a textbook figure: Korthikanti's "no recomputation", "selective" and "full".
+TEXTBOOK_POLICIES = ("no-remat", "save-dots-no-batch", "save-nothing", "save-layer-inputs")
+
+_FULL = (
+    "full recompute keeps only the layer input, 2sbh, as the textbook says; a larger compiled "
+    "figure means the compiler keeps extra per-layer copies (XLA:CPU does; XLA:GPU does not)"
+)
+_NOTES = {
+    "no-remat": (
+        "the textbook counts 2-byte activations, dropout and a 4h GELU MLP; XLA keeps the "
+        "softmax and the masked scores in float32 and fuses away many elementwise values the "
+        "jaxpr lists, so the compiled figure lies between the textbook's and the jaxpr's"
+    ),
+    "save-dots-no-batch": (
+        "the textbook's selective recompute (34sbh) still stores norm outputs, the GELU input "
+        "and output and dropout masks; dots-without-batch-dims keeps only the weight-matmul "
+        "outputs (q, k, v, out, MLP up: 18sbh for GPT; SwiGLU adds one, GQA shrinks k and v) "
+        "and recomputes the rest"
+    ),
+    "save-nothing": _FULL,
+    "save-layer-inputs": _FULL,
+}
+
+
+def korthikanti_bytes(
+    seq_len: int, batch_size: int, d_model: int, num_heads: int, policy: str, itemsize: int = 2
+) -> int | None:
+    """Per-layer activation bytes of Korthikanti et al. 2022 (arXiv:2205.05198) for ``policy``.
+
+    ``no-remat``: ``s*b*h*(34 + 5*a*s/h)``; ``save-dots-no-batch`` (selective recompute):
+    ``34*s*b*h``; ``save-nothing`` / ``save-layer-inputs`` (full recompute): ``2*s*b*h``. The
+    paper counts 16-bit activations; other ``itemsize`` values scale the figure by
+    ``itemsize / 2`` (an approximation: its 1-byte dropout masks do not scale).
+
+    Returns:
+      Bytes, or None for a policy the paper has no formula for.
+    """
+    s, b, h, a = seq_len, batch_size, d_model, num_heads
+    scale = itemsize / 2
+    if policy == "no-remat":
+        return round(scale * (s * b * h * 34 + 5 * a * s * s * b))
+    if policy == "save-dots-no-batch":
+        return round(scale * 34 * s * b * h)
+    if policy in ("save-nothing", "save-layer-inputs"):
+        return round(scale * 2 * s * b * h)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerActivations:
+    """Per-layer activation bytes: textbook, jaxpr, compiled.
+
+    Attributes:
+      model, target, policy, batch_size, seq_len, d_model, num_heads, dtype: what was measured.
+      textbook_bytes: :func:`korthikanti_bytes` (None where the paper has no formula).
+      jaxpr_bytes: residual bytes JAX saves per layer (device and host), layer input included.
+      compiled_bytes: device bytes per layer from two layer counts (module docstring).
+      compiled_temp_bytes: the same from XLA's temp allocation size (includes packing).
+      compiled_host_bytes: host bytes per layer, the same way.
+      ratio: ``compiled_bytes / textbook_bytes``.
+      layers: the two layer counts compiled.
+      compile_s: seconds of both compiles together.
+      note: where and why the compiler departs from the textbook.
+    """
+
+    model: str
+    target: str
+    policy: str
+    batch_size: int
+    seq_len: int
+    d_model: int
+    num_heads: int
+    dtype: str
+    textbook_bytes: int | None
+    jaxpr_bytes: int
+    compiled_bytes: float
+    compiled_temp_bytes: float
+    compiled_host_bytes: float
+    ratio: float | None
+    layers: tuple[int, int]
+    compile_s: float
+    note: str
+
+
+def _param_bytes(params) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+
+
+def per_layer_activations(
+    config: ModelConfig | str,
+    batch_size: int,
+    seq_len: int,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] = (
+        "no-remat",
+        "save-dots-no-batch",
+        "save-nothing",
+    ),  # fmt: skip
+    target: str | T.Target = "local",
+    layers: tuple[int, int] = (2, 4),
+    optimizer: str | optax.GradientTransformation = "adamw",
+    workers: int | None = None,
+) -> list[LayerActivations]:
+    """The per-layer activation bytes of ``config`` under each policy: Korthikanti's formula,
+    JAX's residuals and XLA's compiled figure (two compiles per policy, concurrently).
+
+    The config is compiled with ``num_layers`` set to each of ``layers`` (scanned; its
+    ``remat_group_size`` must divide both); keep them small, the figure does not depend on them.
+
+    Raises:
+      ValueError: unknown names, non-positive sizes, ``layers`` not two distinct counts.
+      CompileError: a compile failed (the message names the policy).
+    """
+    config = _resolve_config(config)
+    l1, l2 = layers
+    if l1 == l2 or min(l1, l2) <= 0:
+        raise ValueError(f"layers must be two distinct positive counts, got {layers}")
+    specs = [get_policy_spec(p) for p in policies]
+    jobs, setups = [], {}
+    for n in (l1, l2):
+        cfg = config.replace(num_layers=n, scan_layers=True, vocab_size=PROBE_VOCAB)
+        setups[n] = _setup(cfg, batch_size, seq_len, target, optimizer)
+        jobs += [_model_job(setups[n], spec) for spec in specs]
+    reports: list[MemoryReport] = run_jobs(jobs, 1, None, True, workers)  # type: ignore[assignment]
+    by_key = {(r.policy, i // len(specs)): r for i, r in enumerate(reports)}
+    grads = (_param_bytes(setups[l2].state.params) - _param_bytes(setups[l1].state.params)) / (
+        l2 - l1
+    )
+    itemsize = jnp.dtype(config.dtype).itemsize
+    out = []
+    for spec in specs:
+        r1, r2 = by_key[(spec.name, 0)], by_key[(spec.name, 1)]
+        dl = l2 - l1
+        temp = (r2.temp_bytes - r1.temp_bytes) / dl - grads
+        if r1.live_peak_bytes is not None and r2.live_peak_bytes is not None:
+            live = r2.live_peak_bytes - r1.live_peak_bytes
+            compiled = (live - (r2.argument_bytes - r1.argument_bytes)) / dl - grads
+        else:
+            compiled = temp
+        host = (r2.host_bytes - r1.host_bytes) / dl
+        residuals = model_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
+        jaxpr = sum(r.nbytes for r in residuals) / config.num_layers
+        textbook = korthikanti_bytes(
+            seq_len, batch_size, config.d_model, config.num_heads, spec.name, itemsize
+        )
+        out.append(
+            LayerActivations(
+                model=config.name,
+                target=r1.target,
+                policy=spec.name,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                d_model=config.d_model,
+                num_heads=config.num_heads,
+                dtype=config.dtype,
+                textbook_bytes=textbook,
+                jaxpr_bytes=round(jaxpr),
+                compiled_bytes=compiled,
+                compiled_temp_bytes=temp,
+                compiled_host_bytes=host,
+                ratio=compiled / textbook if textbook else None,
+                layers=(l1, l2),
+                compile_s=round(r1.compile_s + r2.compile_s, 3),
+                note=_NOTES.get(spec.name, "no textbook formula for this policy"),
+            )
+        )
+    return out

@@ -1,0 +1,232 @@
+"""Compile a lowered step once, with XLA's dumps and log lines captured for the report.
+
+XLA reports some of what matters only in its log: its own rematerialisation pass warns "Can't
+reduce memory use below X by rematerialization; only reduced to Y" when a program cannot be made
+to fit the device. Those lines go to file descriptor 2 from the C++ logger, out of Python's reach,
+so :class:`capture_compiler_log` points fd 2 at a temporary file while compiles run and gives each
+compile the lines its own thread logged (absl log lines carry the native thread id). Lines no
+compile claims are written back to the real stderr when the capture ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from remat_kit.memory import hlo
+
+#: Compiler options that only change how fast machine code is generated (LLVM / ptxas
+#: optimisation), not the HLO passes, the schedule or buffer assignment: the memory figures are
+#: identical with and without them (checked in tests/test_memory.py and the benchmark).
+FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
+    "cuda": {"xla_gpu_disable_gpuasm_optimizations": True},
+}
+
+# absl: "W1129 16:34:37.803546    5784 hlo_rematerialization.cc:3231] message"
+_LOG_LINE = re.compile(
+    r"^([IWEF])(\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d+)\s+(\d+) ([^:\]]+):\d+\] ?(.*)$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine:
+    severity: str  # I, W, E, F
+    time: float  # seconds since the epoch (local time as logged)
+    thread: int  # native thread id
+    source: str  # "hlo_rematerialization.cc"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.message}"
+
+
+def _parse_log(text: str) -> tuple[list[LogLine], list[str]]:
+    """absl log lines (continuation lines appended to the message) and the other lines."""
+    lines: list[LogLine] = []
+    other: list[str] = []
+    year = _dt.datetime.now().year
+    for raw in text.splitlines():
+        m = _LOG_LINE.match(raw)
+        if m is None:
+            if lines and raw.startswith((" ", "\t")):
+                last = lines[-1]
+                lines[-1] = dataclasses.replace(last, message=f"{last.message}\n{raw}")
+            else:
+                other.append(raw)
+            continue
+        sev, mon, day, hh, mm, ss, frac, tid, source, message = m.groups()
+        try:
+            stamp = _dt.datetime(year, int(mon), int(day), int(hh), int(mm), int(ss))
+            t = stamp.timestamp() + float(f"0.{frac}")
+        except ValueError:
+            t = 0.0
+        lines.append(LogLine(sev, t, int(tid), source, message))
+    return lines, other
+
+
+class capture_compiler_log:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Context manager: redirect fd 2 to a temporary file; re-entrant across threads.
+
+    The outermost ``with`` installs the redirect and, on exit, parses the file, keeps absl log
+    lines for :meth:`lines_for`, and writes every other line back to the original stderr.
+    """
+
+    _lock = threading.Lock()
+    _depth = 0
+    _saved_fd: int | None = None
+    _file = None
+    _lines: list[LogLine] = []
+    _claims: list[tuple[int, float, float]] = []
+
+    def __enter__(self) -> capture_compiler_log:
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                sys.stderr.flush()
+                cls._file = tempfile.TemporaryFile(mode="w+b")
+                cls._saved_fd = os.dup(2)
+                os.dup2(cls._file.fileno(), 2)
+                cls._lines = []
+                cls._claims = []
+            cls._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth > 0:
+                return
+            sys.stderr.flush()
+            os.dup2(cls._saved_fd, 2)
+            os.close(cls._saved_fd)
+            cls._file.seek(0)
+            text = cls._file.read().decode("utf-8", "replace")
+            cls._file.close()
+            lines, other = _parse_log(text)
+            cls._lines = lines
+            unclaimed = [str_line for str_line in other]
+            for line in lines:
+                if not any(_claimed(line, claim) for claim in cls._claims):
+                    unclaimed.append(_format(line))
+            if unclaimed:
+                sys.stderr.write("\n".join(unclaimed) + "\n")
+                sys.stderr.flush()
+
+    @classmethod
+    def claim(cls, thread: int, start: float, end: float) -> None:
+        """Mark the lines thread ``thread`` logs between ``start`` and ``end`` as a compile's."""
+        with cls._lock:
+            cls._claims.append((thread, start, end))
+
+    @classmethod
+    def lines_for(cls, thread: int, start: float, end: float) -> list[LogLine]:
+        """Lines logged by ``thread`` between ``start`` and ``end`` (after the capture ended)."""
+        return [line for line in cls._lines if _claimed(line, (thread, start, end))]
+
+
+#: Seconds of slack around a compile's window (log stamps are microseconds of the same clock).
+_SLACK_S = 0.01
+
+
+def _claimed(line: LogLine, claim: tuple[int, float, float]) -> bool:
+    thread, start, end = claim
+    return line.thread == thread and start - _SLACK_S <= line.time <= end + _SLACK_S
+
+
+def _format(line: LogLine) -> str:
+    return f"{line.severity} [{line.thread}] {line.source}: {line.message}"
+
+
+@dataclasses.dataclass
+class CompileResult:
+    """One compile: the executable, its memory analysis, XLA's dumps, and timing."""
+
+    compiled: Any  # jax.stages.Compiled
+    compile_s: float
+    dump: hlo.DumpFiles
+    thread: int
+    start: float
+    end: float
+
+    def log_lines(self) -> list[LogLine]:
+        """The compiler log lines of this compile (call after the capture ended)."""
+        return capture_compiler_log.lines_for(self.thread, self.start, self.end)
+
+
+class CompileError(RuntimeError):
+    """A step failed to compile; the message names what was compiled and XLA's first line.
+
+    Attributes:
+      what: what was compiled (``"policy 'save-dots' on target 'h100-sxm'"``).
+      xla_message: the first line of XLA's error.
+      policy: the policy name, when a model step.
+    """
+
+    def __init__(self, what: str, xla_message: str, policy: str | None = None):
+        super().__init__(f"{what} failed to compile: {xla_message}")
+        self.what = what
+        self.xla_message = xla_message
+        self.policy = policy
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an exception's message."""
+    for line in str(err).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(err).__name__
+
+
+def compile_with_dump(
+    lowered: Any, platform: str, what: str, fast: bool = True, options: dict | None = None
+) -> CompileResult:
+    """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
+
+    Must run inside :class:`capture_compiler_log` for the compiler's log lines to be kept.
+
+    Args:
+      lowered: a ``jax.stages.Lowered``.
+      platform: ``"cpu"`` or ``"cuda"``, to pick :data:`FAST_COMPILE_OPTIONS`.
+      what: names the compile in errors (``"policy 'save-dots' on target 'h100-sxm'"``).
+      fast: add the code-generation-only :data:`FAST_COMPILE_OPTIONS`.
+      options: more XLA compiler options.
+
+    Raises:
+      CompileError: XLA failed; the message is ``"{what} failed to compile: {first line}"``.
+    """
+    with tempfile.TemporaryDirectory(prefix="remat-kit-xla-") as folder:
+        opts = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
+        if fast:
+            opts.update(FAST_COMPILE_OPTIONS.get(platform, {}))
+        opts.update(options or {})
+        thread = threading.get_native_id()
+        start = time.time()
+        t0 = time.perf_counter()
+        try:
+            compiled = lowered.compile(compiler_options=opts)
+        except Exception as err:  # XlaRuntimeError, ValueError, ...
+            raise CompileError(what, first_line(err)) from err
+        compile_s = time.perf_counter() - t0
+        end = time.time()
+        capture_compiler_log.claim(thread, start, end)
+        dump = hlo.read_dump(Path(folder))
+    return CompileResult(compiled, compile_s, dump, thread, start, end)
+
+
+def jax_backend_description(platform: str, deviceless: bool) -> str:
+    """E.g. ``"XLA GPU compiler (deviceless, jax 0.10.2)"``."""
+    kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler"}.get(platform, f"XLA {platform}")
+    how = "deviceless" if deviceless else "local device"
+    return f"{kind} ({how}, jax {jax.__version__})"

@@ -1,0 +1,118 @@
+"""The ``remat-kit`` command: bad input fails in one line with exit code 2, in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat_kit import cli
+
+_REPO = Path(__file__).resolve().parents[1]
+_ANALYZE = ["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "8", "--target", "cpu"]
+
+#: (arguments, text the one-line error must contain)
+BAD_INPUTS = [
+    (["analyze", "--model", "llama9-8b", "--batch", "1", "--seq", "8"], "unknown preset"),
+    ([*_ANALYZE[:-1], "h100"], "unknown target 'h100'"),
+    ([*_ANALYZE, "--policy", "save-everything"], "unknown policy 'save-everything'"),
+    (["analyze", "--model", "tiny-gpt", "--batch", "0", "--seq", "8"], "positive integer"),
+    (["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "-5"], "positive integer"),
+    ([*_ANALYZE, "--budget", "eighty"], "cannot read 'eighty' as a size"),
+    ([*_ANALYZE, "--seq", "4096"], "exceeds max_seq_len"),
+    ([*_ANALYZE, "--policy", "save-nothing", "--all-policies"], "not both"),
+    (["analyse"], "invalid choice"),
+]
+
+
+def _run(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(_REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "remat_kit.cli", *args],
+        cwd=_REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    """Every bad input, run at once (each process pays JAX's import, not a compile)."""
+    procs = [(args, needle, _run(args)) for args, needle in BAD_INPUTS]
+    results = []
+    for args, needle, proc in procs:
+        out, err = proc.communicate(timeout=180)
+        results.append((args, needle, proc.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[n for _, n in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(bad_runs, case):
+    args, needle, returncode, out, err = bad_runs[case]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert returncode == 2, (args, err)
+    assert len(lines) == 1 and lines[0].startswith("remat-kit: error: "), err
+    assert needle in lines[0] and "Traceback" not in err, err
+    assert out == ""
+
+
+@pytest.mark.parametrize("text", ["80GB", "80GiB", "8e10", "512 MiB", "1.5TB", "100"])
+def test_budget_sizes_accepted(text):
+    expected = {
+        "80GB": 80 * 10**9, "80GiB": 80 * 2**30, "8e10": 8 * 10**10, "512 MiB": 512 * 2**20,
+        "1.5TB": 15 * 10**11, "100": 100,
+    }  # fmt: skip
+    assert cli.parse_bytes(text) == expected[text]
+
+
+@pytest.mark.parametrize("text", ["eighty", "80XB", "-5GB", "0", "GiB", ""])
+def test_budget_sizes_rejected(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_bytes(text)
+
+
+def test_analyze_json_and_budget_through_the_cli():
+    proc = _run([*_ANALYZE, "--policy", "save-nothing", "--budget", "1MiB", "--json"])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    data = json.loads(out)
+    (report,) = data["reports"]
+    assert report["policy"] == "save-nothing" and report["target"] == "cpu"
+    assert report["budget_bytes"] == 2**20 and report["fits"] == (report["peak_bytes"] <= 2**20)
+    assert data["errors"] == []
+
+
+def test_policies_and_targets_list_what_exists(capsys):
+    import remat_kit
+    from remat_kit import targets
+
+    assert cli.main(["policies", "--json"]) == 0
+    names = [p["name"] for p in json.loads(capsys.readouterr().out)]
+    assert names == remat_kit.policy_names()
+    assert cli.main(["targets", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == targets.target_names()
+    assert cli.main(["targets"]) == 0 and "h100-sxm" in capsys.readouterr().out
+
+
+def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
+    from remat_kit.memory import xla_compile as mc
+
+    def fail(lowered, platform, what, fast=True, options=None):
+        raise mc.CompileError(what, "INTERNAL: ptxas exited with status 1")
+
+    monkeypatch.setattr("remat_kit.memory.runner.compile_with_dump", fail)
+    code = cli.main([*_ANALYZE, "--policy", "save-dots"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert (
+        "remat-kit: error: policy 'save-dots' on target 'cpu' failed to compile: "
+        "INTERNAL: ptxas exited with status 1"
+    ) in err

@@ -17,6 +17,7 @@ success, 1 a compile failed, 2 bad input (one line on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -428,11 +429,85 @@ def run_targets(args) -> int:
     return 0
 
 
+# -- doctor ---------------------------------------------------------------------------------
+
+
+def add_doctor(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check that a remat policy does what it promises on a model",
+        description="Compare what a policy promises (tags saved, offloaded, the rest recomputed) "
+        "with what the traced and compiled training step does; one line per finding: what is "
+        "wrong, the likely cause, the fix. Exit code 1 when a finding is an error.",
+    )
+    p.add_argument("--model", required=True, help="model preset, e.g. tiny-gpt or llama3-8b")
+    p.add_argument(
+        "--policy", action="append", default=None,
+        help="policy to check (repeat for several; default: every registered policy)",
+    )  # fmt: skip
+    p.add_argument("--batch", type=positive_int, default=2, help="sequences per step")
+    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--target", default="cpu", help="compile target (see `remat-kit targets`)")
+    p.add_argument(
+        "--no-scan", action="store_true", help="unrolled layers instead of nn.scan (scan_layers)"
+    )
+    p.add_argument("--group-size", type=positive_int, default=1, help="remat_group_size")
+    p.add_argument("--json", action="store_true", help="print findings as JSON")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(args) -> int:
+    from remat_kit import targets
+    from remat_kit.models.config import get_config
+    from remat_kit.policies import get_policy_spec, policy_names
+
+    try:
+        config = get_config(
+            args.model, scan_layers=not args.no_scan, remat_group_size=args.group_size
+        )
+        targets.get_target(args.target)
+        policies = args.policy or policy_names()
+        for name in policies:
+            get_policy_spec(name)
+        if args.seq > config.max_seq_len:
+            raise ValueError(
+                f"--seq {args.seq} exceeds max_seq_len={config.max_seq_len} of {config.name!r}"
+            )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    from remat_kit.doctor import check_policies, has_errors
+
+    results = check_policies(config, args.batch, args.seq, policies, args.target)
+    if args.json:
+        out = {
+            name: [dataclasses.asdict(f) for f in findings]
+            for name, findings in zip(policies, results, strict=True)
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        for name, findings in zip(policies, results, strict=True):
+            print(f"{name}: " + ("ok" if not findings else f"{len(findings)} finding(s)"))
+            for f in findings:
+                print(f"  {f.line()}")
+    return 1 if any(has_errors(f) for f in results) else 0
+
+
+# -- recommend ------------------------------------------------------------------------------
+
+
+def add_recommend(subparsers) -> None:
+    from remat_kit.recommend import add_parser
+
+    add_parser(subparsers)
+
+
 #: Subcommand registrars, in help order.
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_analyze,
     add_policies,
     add_targets,
+    add_doctor,
+    add_recommend,
 ]
 
 
@@ -453,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except UsageError as err:
+    except (UsageError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

@@ -4,62 +4,82 @@
 # CUDA plugin loads quietly on a machine without a GPU (deviceless GPU targets).
 from remat_kit import targets as targets  # isort: skip
 
-from remat_kit.models import (
-    PRESETS,
-    Block,
-    BlockGroup,
-    ModelConfig,
-    Transformer,
-    get_config,
-    make_model,
-    preset_names,
-)
-from remat_kit.names import CHECKPOINT_NAMES
-from remat_kit.policies import (
-    PolicySpec,
-    custom_policy,
-    custom_spec,
-    describe,
-    get_policy_spec,
-    policy,
-    policy_names,
-    policy_specs,
-)
-from remat_kit.train import (
-    TrainState,
-    abstract_batch,
-    abstract_train_state,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-)
+from remat_kit.doctor import Finding as Finding
+from remat_kit.doctor import check as check
+from remat_kit.doctor import check_function as check_function
+from remat_kit.memory import CompileError as CompileError
+from remat_kit.memory import MemoryReport as MemoryReport
+from remat_kit.memory import analyze as analyze
+from remat_kit.memory import analyze_model as analyze_model
+from remat_kit.memory import analyze_policies as analyze_policies
+from remat_kit.memory import korthikanti_bytes as korthikanti_bytes
+from remat_kit.memory import per_layer_activations as per_layer_activations
+from remat_kit.models import PRESETS as PRESETS
+from remat_kit.models import Block as Block
+from remat_kit.models import BlockGroup as BlockGroup
+from remat_kit.models import ModelConfig as ModelConfig
+from remat_kit.models import Transformer as Transformer
+from remat_kit.models import get_config as get_config
+from remat_kit.models import make_model as make_model
+from remat_kit.models import preset_names as preset_names
+from remat_kit.names import CHECKPOINT_NAMES as CHECKPOINT_NAMES
+from remat_kit.policies import PolicySpec as PolicySpec
+from remat_kit.policies import custom_policy as custom_policy
+from remat_kit.policies import custom_spec as custom_spec
+from remat_kit.policies import describe as describe
+from remat_kit.policies import get_policy_spec as get_policy_spec
+from remat_kit.policies import policy as policy
+from remat_kit.policies import policy_names as policy_names
+from remat_kit.policies import policy_specs as policy_specs
+from remat_kit.recommend import Recommendation as Recommendation
+from remat_kit.recommend import recommend as recommend
+from remat_kit.targets import get_target as get_target
+from remat_kit.targets import target_names as target_names
+from remat_kit.train import TrainState as TrainState
+from remat_kit.train import abstract_batch as abstract_batch
+from remat_kit.train import abstract_train_state as abstract_train_state
+from remat_kit.train import init_train_state as init_train_state
+from remat_kit.train import make_optimizer as make_optimizer
+from remat_kit.train import make_train_step as make_train_step
 
 __version__ = "0.1.0"
 
-__all__ = sorted(
-    [
-        "Block",
-        "BlockGroup",
-        "CHECKPOINT_NAMES",
-        "ModelConfig",
-        "PRESETS",
-        "PolicySpec",
-        "TrainState",
-        "Transformer",
-        "abstract_batch",
-        "abstract_train_state",
-        "custom_policy",
-        "custom_spec",
-        "describe",
-        "get_config",
-        "get_policy_spec",
-        "init_train_state",
-        "make_model",
-        "make_optimizer",
-        "make_train_step",
-        "policy",
-        "policy_names",
-        "policy_specs",
-        "preset_names",
-    ]
-)
+__all__ = [
+    "Block",
+    "BlockGroup",
+    "CHECKPOINT_NAMES",
+    "CompileError",
+    "Finding",
+    "MemoryReport",
+    "ModelConfig",
+    "PRESETS",
+    "PolicySpec",
+    "Recommendation",
+    "TrainState",
+    "Transformer",
+    "abstract_batch",
+    "abstract_train_state",
+    "analyze",
+    "analyze_model",
+    "analyze_policies",
+    "check",
+    "check_function",
+    "custom_policy",
+    "custom_spec",
+    "describe",
+    "get_config",
+    "get_policy_spec",
+    "get_target",
+    "init_train_state",
+    "korthikanti_bytes",
+    "make_model",
+    "make_optimizer",
+    "make_train_step",
+    "per_layer_activations",
+    "policy",
+    "policy_names",
+    "policy_specs",
+    "preset_names",
+    "recommend",
+    "target_names",
+]

@@ -141,6 +141,12 @@ def add_analyze(subparsers) -> None:
         "(Korthikanti et al. 2022)",
     )
     p.add_argument("--workers", type=positive_int, default=None, help="concurrent compiles")
+    p.add_argument("--devices", type=positive_int, default=1, help="devices of the target")
+    p.add_argument(
+        "--mesh", default=None,
+        help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
+        "figures are per device",
+    )  # fmt: skip
     p.set_defaults(func=run_analyze)
 
 
@@ -160,6 +166,14 @@ def _resolve(args) -> tuple:
         raise UsageError(
             f"--seq {args.seq} exceeds max_seq_len={config.max_seq_len} of {config.name!r}"
         )
+    from remat_kit.sharding import parse_mesh
+
+    mesh = parse_mesh(args.mesh, args.devices)
+    if mesh.dp * mesh.fsdp > 1 and args.batch % (mesh.dp * mesh.fsdp):
+        raise UsageError(
+            f"--batch {args.batch} is not divisible by dp*fsdp={mesh.dp * mesh.fsdp} of mesh {mesh}"
+        )
+    args.mesh_spec = None if mesh.num_devices == 1 else mesh
     if args.all_policies:
         policies = policy_names()
     else:
@@ -188,6 +202,7 @@ def run_analyze(args) -> int:
             top_k=max(args.buffers, 0),
             workers=args.workers,
             raise_errors=False,
+            mesh=args.mesh_spec,
         )
     except CompileError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -62,7 +62,7 @@ def unknown_value_error(kind: str, value: object, valid: list[str] | tuple[str, 
     """A one-line ``ValueError`` naming the bad value, the valid ones and the closest match."""
     hint = closest(str(value), valid) if isinstance(value, str) else None
     did_you_mean = f" Did you mean {hint!r}?" if hint else ""
-    return ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}.{did_you_mean}")
+    return ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
 
 
 def validate_name(name: str) -> str:

@@ -15,6 +15,7 @@ The modules name the logical axes of every parameter (``embed``, ``heads``, ``kv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -213,3 +214,31 @@ def sharded_train_state(config, optimizer, mesh: Mesh) -> tuple[Any, Any]:
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
     )
     return abstract, shardings
+
+
+_activation_mesh: Mesh | None = None
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None):
+    """While active (at trace time), :func:`constrain_batch` splits activations' batch
+    dimension over (dp, fsdp) of ``mesh``; ``None`` leaves them to XLA's propagation.
+
+    Without it XLA's sharding propagation may keep whole activations on every device under
+    fsdp (measured: llama3-8b fsdp=8 on h100-sxm, 185 GiB per device instead of ~44)."""
+    global _activation_mesh
+    saved, _activation_mesh = _activation_mesh, mesh
+    try:
+        yield
+    finally:
+        _activation_mesh = saved
+
+
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """``x`` [batch, ...] with its batch dimension split over (dp, fsdp) when
+    :func:`activation_sharding` is active; otherwise ``x`` unchanged."""
+    mesh = _activation_mesh
+    if mesh is None:
+        return x
+    spec = PartitionSpec(("dp", "fsdp"), *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -134,7 +134,7 @@ def test_compiled_temp_bytes_ordered_under_scan():
     "bad, match",
     [
         (lambda: remat_kit.policy("save-dot"), r"unknown policy 'save-dot'.*Did you mean 'save-dots'"),
-        (lambda: remat_kit.policy("fast"), r"unknown policy 'fast'; valid policys: no-remat"),
+        (lambda: remat_kit.policy("fast"), r"unknown policy 'fast'; valid: no-remat"),
         (lambda: remat_kit.custom_policy({"query_prj": "save"}), r"'query_prj'.*'query_proj'"),
         (lambda: remat_kit.custom_policy({"out_proj": "keep"}), r"'keep'.*save, offload, recompute"),
         (

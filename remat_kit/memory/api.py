@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.reading import Hints, xla_shape
@@ -38,11 +39,16 @@ DEFAULT_TOP_K = 10
 
 
 def _leaf_bytes(tree: Any) -> int:
-    return sum(
-        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(tree)
-        if hasattr(x, "shape") and hasattr(x, "dtype")
-    )
+    """Bytes per device: a leaf carrying a sharding counts its shard's shape."""
+
+    def nbytes(x) -> int:
+        shape = x.shape
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+    return sum(nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
 
 
 def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
@@ -174,6 +180,8 @@ class _ModelSetup:
     batch: Any
     arguments: dict[str, int]
     flops_no_remat: float | None = None
+    mesh: S.MeshSpec | None = None  # None: one device
+    mesh_obj: Any = None  # the jax Mesh over the target's devices
 
 
 def _setup(
@@ -182,6 +190,7 @@ def _setup(
     seq_len: int,
     target: str | T.Target,
     optimizer: str | optax.GradientTransformation,
+    mesh: str | S.MeshSpec | None = None,
 ) -> _ModelSetup:
     for label, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -193,10 +202,24 @@ def _setup(
         )
     tgt = T.get_target(target)
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-    sharding = T.abstract_sharding(tgt)
-    state = _abstract_for(abstract_train_state(config, opt), sharding)
-    batch = _abstract_for(abstract_batch(batch_size, seq_len), sharding)
+    if mesh is None:
+        sharding = T.abstract_sharding(tgt)
+        state = _abstract_for(abstract_train_state(config, opt), sharding)
+        batch = _abstract_for(abstract_batch(batch_size, seq_len), sharding)
+    else:  # per-device figures on a (dp, fsdp, tp) mesh of the target's devices
+        spec = S.parse_mesh(mesh)
+        split = spec.dp * spec.fsdp
+        if batch_size % split:
+            raise ValueError(
+                f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
+            )
+        m = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
+        state, _ = S.sharded_train_state(config, opt, m)
+        batch = _abstract_for(abstract_batch(batch_size, seq_len), S.batch_sharding(m))
+        mesh = spec
     return _ModelSetup(
+        mesh=mesh,
+        mesh_obj=m if mesh is not None else None,
         config=config,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -212,14 +235,18 @@ def _baseline_flops(setup: _ModelSetup) -> float:
     if setup.flops_no_remat is None:
         config = setup.config.replace(remat_policy="no-remat")
         step = make_train_step(config, setup.optimizer, jit=False)
-        setup.flops_no_remat = traced_flops(step, setup.state, setup.batch)
+        # The trace counts the whole (global) step; a mesh splits it over its devices.
+        devices = setup.mesh.num_devices if setup.mesh is not None else 1
+        setup.flops_no_remat = traced_flops(step, setup.state, setup.batch) / devices
     return setup.flops_no_remat
 
 
 def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Job:
     config = setup.config.replace(remat_policy=spec)
     step = make_train_step(config, setup.optimizer, donate=True)
-    residuals = model_residuals(config, setup.batch_size, setup.seq_len)
+    # Per device: dp and fsdp split the batch (tp's split of heads and d_ff is not reflected).
+    split = setup.mesh.dp * setup.mesh.fsdp if setup.mesh is not None else 1
+    residuals = model_residuals(config, setup.batch_size // split, setup.seq_len)
     b, s = setup.batch_size, setup.seq_len
     segments = config.num_layers // config.remat_group_size
     stacked: dict[str, tuple[str, ...]] = {}
@@ -297,6 +324,7 @@ def analyze_model(
     top_k: int = DEFAULT_TOP_K,
     fast_compile: bool = True,
     compare_offload: bool = True,
+    mesh: str | S.MeshSpec | None = None,
 ) -> MemoryReport:
     """Report the memory of a whole training step of a model, from abstract shapes only.
 
@@ -312,6 +340,10 @@ def analyze_model(
       target: where to compile (see :func:`analyze`).
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
       budget_bytes, top_k, fast_compile: as :func:`analyze`.
+      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.sharding.MeshSpec`:
+        compile for that many devices of the target and report per-device bytes (arguments
+        and peak per device; the residual table per device for dp/fsdp, tp not reflected;
+        ``flops_no_remat`` the global trace divided by the device count).
       compare_offload: for an offloading policy on a target where offload is real, also
         compile the same policy keeping those tensors on device, and report its peak
         (``peak_bytes_without_offload``): whether offloading helped is measured, not assumed.
@@ -329,7 +361,7 @@ def analyze_model(
     chosen = policy if policy is not None else config.remat_policy
     (report,) = analyze_policies(
         config, batch_size, seq_len, [chosen], target, optimizer, budget_bytes, top_k,
-        fast_compile, workers=1, compare_offload=compare_offload,
+        fast_compile, workers=1, compare_offload=compare_offload, mesh=mesh,
     )  # fmt: skip
     return report  # type: ignore[return-value]
 
@@ -347,6 +379,7 @@ def analyze_policies(
     workers: int | None = None,
     raise_errors: bool = True,
     compare_offload: bool = True,
+    mesh: str | S.MeshSpec | None = None,
 ) -> list[MemoryReport | CompileError]:
     """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
 
@@ -366,9 +399,10 @@ def analyze_policies(
     """
     config = _resolve_config(config)
     specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
-    setup = _setup(config, batch_size, seq_len, target, optimizer)
+    setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
     jobs = _model_jobs(setup, specs, compare_offload)
-    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+    with S.activation_sharding(setup.mesh_obj):  # lowering traces the model under the mesh
+        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
     return results[: len(specs)]
 
 

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as N
 from remat_kit.models.config import ModelConfig
+from remat_kit.sharding import constrain_batch
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
 _partitioned = nn.with_logical_partitioning
@@ -158,7 +159,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
-        x = checkpoint_name(x, N.DECODER_LAYER_INPUT)
+        x = checkpoint_name(constrain_batch(x), N.DECODER_LAYER_INPUT)
         x = x + Attention(c, name="attn")(_norm(c, "attn_norm")(x), positions)
         return x + Mlp(c, name="mlp")(_norm(c, "mlp_norm")(x))
 

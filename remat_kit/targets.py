@@ -21,7 +21,8 @@ first backend use, not ``import jax``): importing this module sets it
 first.
 
 ``compiled.cost_analysis()`` is ``None`` for deviceless GPU executables (XLA: "GetCostAnalysis is
-not supported"); count FLOPs on the same function lowered for the CPU instead.
+not supported"), and counts a loop body once; :mod:`remat_kit.memory` counts matmul FLOPs on the
+optimized HLO instead, each loop body times its trip count.
 
 Sources: NVIDIA datasheets and architecture whitepapers (cited per target in ``Target.source``);
 the per-SM limits (shared memory, registers, threads) are those of the CUDA C++ Programming Guide

@@ -1,0 +1,75 @@
+"""Default sweep on a machine without a GPU: a 10M-parameter GPT trained on real text with every
+policy, and analysis-only rows for published model shapes on a deviceless H100.
+
+Command::
+
+    python experiments/sweep.py                   # picks this config when JAX sees no GPU
+    python experiments/sweep.py --config cpu      # the same, explicitly
+
+Runtime: ~6 CPU-minutes (x86-64 with AVX-512, jax 0.10.2, CPU backend): the committed run in
+``experiments/results/cpu/`` took 4 min 43 s of wall time on 2 cores shared with other jobs (load
+average 1-4), about two thirds of it compiling (each policy is compiled twice per sequence
+length, by the analyzer and for the real step, two at a time). Hardware: any CPU; part (b) needs
+the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
+
+(a) ``measured``: ``gpt-10m`` (byte-level, 11.1M parameters, 6 layers, d_model 384) with
+    scanned layers (XLA:CPU honours remat only inside a scan), every registered policy,
+    batch 4, s in {128, 256}: analysed on the CPU backend, then 1 warm-up and 3 timed AdamW steps
+    on the Python standard library's source. The CPU backend reports no peak memory
+    (``memory_stats()`` is None) and has no known peak FLOP/s: ``measured_peak_bytes`` and
+    ``mfu`` are null.
+(b) ``analysis``: ``gpt2-small`` (b=8, s=1024), ``llama3.2-1b`` (b=4, s=2048) and ``llama3-8b``
+    (b=1, s=4096), bf16 parameters and AdamW state, on ``h100-sxm`` compiled deviceless:
+    no remat, selective recompute (``save-dots-no-batch``) and full per-layer remat.
+
+Expected (the committed run): every policy trains to the same losses (within 1e-6 nats);
+predicted peak -43% (s=128) / -59% (s=256) with full remat, -37% / -51% with
+``save-dots-no-batch``; compiled matmul FLOPs x1.23 and x1.02-1.03. On this CPU the step is not
+matmul-bound: no-remat, which stores every intermediate, is the *slowest* policy in process CPU
+time (the others -18% to +1%), and among remat policies time does not track the FLOPs ratio.
+Wall times on a shared machine are noisy (XLA uses the second core only when it is free); the
+rows keep CPU times beside them. On the H100, ``llama3.2-1b`` (b=4, s=2048) and ``llama3-8b``
+(b=1, s=4096) do not fit without remat (109 and 244 GiB predicted) and fit with either remat
+policy.
+"""
+
+from remat_kit import targets
+from remat_kit.sweep import ALL_POLICIES, Grid, SweepConfig
+
+_PUBLISHED = (("gpt2-small", 8, 1024), ("llama3.2-1b", 4, 2048), ("llama3-8b", 1, 4096))
+
+
+def get_config() -> SweepConfig:
+    grids = [
+        Grid(
+            name="measured",
+            models=("gpt-10m",),
+            policies=ALL_POLICIES,
+            batch_sizes=(4,),
+            seq_lens=(128, 256),
+            targets=("local",),
+            overrides={"scan_layers": True},
+            warmup_steps=1,
+            timed_steps=3,
+        )
+    ]
+    if targets.cuda_plugin_module() is not None:
+        for model, b, s in _PUBLISHED:
+            grids.append(
+                Grid(
+                    name=f"analysis-{model}",
+                    models=(model,),
+                    policies=("no-remat", "save-dots-no-batch", "save-nothing"),
+                    batch_sizes=(b,),
+                    seq_lens=(s,),
+                    targets=("h100-sxm",),
+                    overrides={"scan_layers": True},
+                    measure=False,
+                )
+            )
+    return SweepConfig(
+        name="cpu",
+        description="gpt-10m x every policy x s in {128, 256} measured on the CPU; "
+        "gpt2-small, llama3.2-1b, llama3-8b analysed for h100-sxm",
+        grids=tuple(grids),
+    )

@@ -1,0 +1,409 @@
+"""Figures from sweep result rows, shared by ``experiments/sweep.py`` and the notebook.
+
+Every function takes rows as written by :func:`remat_kit.sweep.run_sweep` (a list of dicts, or a
+pandas ``DataFrame`` of them) and only reads them: nothing is compiled, run or re-analysed. Each
+returns a matplotlib ``Figure`` (a plain ``matplotlib.figure.Figure``: no pyplot state, no display
+needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
+``path``, saves it as a PNG.
+
+* :func:`pareto`: peak memory against step time (or compiled-FLOPs ratio), one point per policy,
+  the Pareto frontier drawn; one panel per model / target / batch / sequence length.
+* :func:`memory_breakdown`: stacked bars of the predicted peak per policy: parameters, optimizer
+  state, residuals by checkpoint name, gradients and other temporaries; host-offloaded bytes
+  beside.
+* :func:`predicted_vs_measured`: the analyzer's peak against the measured one.
+* :func:`slowdown_vs_flops`: measured slowdown against the compiled FLOPs ratio.
+* :func:`layer_activations`: per-layer activation bytes against Korthikanti et al. 2022, for
+  rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from remat_kit import results as R
+
+__all__ = [
+    "layer_activations",
+    "memory_breakdown",
+    "pareto",
+    "pareto_frontier",
+    "predicted_vs_measured",
+    "save_figures",
+    "slowdown_vs_flops",
+]
+
+_PANEL_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size")
+
+
+def _ok(rows: Any) -> list[dict[str, Any]]:
+    return [r for r in R.as_records(rows) if r.get("status") == "ok"]
+
+
+def _unit(values: Sequence[float]) -> tuple[float, str]:
+    top = max((v for v in values if v), default=0)
+    return (2**30, "GiB") if top >= 2**32 else (2**20, "MiB")
+
+
+def _panels(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
+    panels: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        panels.setdefault(tuple(r.get(f) for f in _PANEL_FIELDS), []).append(r)
+    return panels
+
+
+def _title(key: tuple) -> str:
+    model, target, b, s, k = key
+    grp = f" k={k}" if k not in (None, 1) else ""
+    return f"{model} @{target}\nb={b} s={s}{grp}"
+
+
+def _grid(n: int, size: tuple[float, float] = (5.0, 4.0)):
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig = Figure(figsize=(size[0] * cols, size[1] * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
+    if layout:
+        fig.tight_layout()
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
+    """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
+    sorted by ``x``."""
+    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
+    out, best = [], float("inf")
+    for i in order:
+        if ys[i] < best:
+            out.append(i)
+            best = ys[i]
+    return out
+
+
+def pareto(
+    rows: Any,
+    x: str = "step_time_s",
+    y: str = "peak_bytes",
+    path: str | os.PathLike[str] | None = None,
+    title: str | None = None,
+):
+    """Peak memory against step time, one point per policy, the Pareto frontier drawn.
+
+    Args:
+      rows: result rows (list of dicts or ``DataFrame``); rows without ``x`` are left out.
+      x: ``"step_time_s"`` (measured median, seconds) or ``"recompute_ratio"`` (compiled matmul
+        FLOPs over the no-remat step's, for analysis-only rows).
+      y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``.
+      path: save the figure there (PNG).
+      title: figure title.
+
+    Returns:
+      The ``Figure``: one panel per model / target / batch size / sequence length.
+
+    Raises:
+      ValueError: no ``ok`` row has both ``x`` and ``y``.
+    """
+    usable = [r for r in _ok(rows) if r.get(x) is not None and r.get(y) is not None]
+    if not usable:
+        raise ValueError(f"no ok rows with both {x!r} and {y!r} to plot")
+    panels = _panels(usable)
+    fig, axes = _grid(len(panels))
+    xscale, xlabel = (1e3, "median step time (ms)") if x == "step_time_s" else (1.0, x)
+    if x == "recompute_ratio":
+        xlabel = "compiled matmul FLOPs / no-remat FLOPs"
+    styles = _policy_styles([r["policy"] for r in usable])
+    for ax, (key, members) in zip(axes, panels.items(), strict=True):
+        unit, unit_name = _unit([r[y] for r in members])
+        xs = [r[x] * xscale for r in members]
+        ys = [r[y] / unit for r in members]
+        front = pareto_frontier(xs, ys)
+        ax.step(
+            [xs[i] for i in front],
+            [ys[i] for i in front],
+            where="post",
+            color="tab:red",
+            lw=1.2,
+            alpha=0.6,
+            zorder=1,
+        )
+        for i, (xi, yi, r) in enumerate(zip(xs, ys, members, strict=True)):
+            color, marker = styles[r["policy"]]
+            ax.scatter(
+                [xi],
+                [yi],
+                color=color,
+                marker=marker,
+                s=60 if i in front else 30,
+                edgecolors="tab:red" if i in front else "none",
+                linewidths=1.5,
+                zorder=3,
+            )
+        ax.set_title(_title(key), fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{'predicted' if y == 'peak_bytes' else 'measured'} peak ({unit_name})")
+        ax.grid(alpha=0.3)
+    handles = [
+        Line2D([], [], color=c, marker=m, ls="", label=name) for name, (c, m) in styles.items()
+    ]
+    handles.append(Line2D([], [], color="tab:red", alpha=0.6, label="Pareto frontier"))
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=min(5, len(handles)),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.0),
+    )
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 5), 1, 1))
+    return _save(fig, path, layout=False)
+
+
+def _policy_styles(policies: Sequence[str]) -> dict[str, tuple[Any, str]]:
+    """A color and marker per policy, stable across figures (registry order)."""
+    from remat_kit.policies import policy_names
+
+    names = policy_names()
+    order = sorted(set(policies), key=lambda p: names.index(p) if p in names else len(names))
+    cmap = matplotlib.colormaps["tab20"]
+    markers = "osD^v<>ph*"
+    return {
+        p: (cmap((names.index(p) if p in names else i) % 20), markers[i % len(markers)])
+        for i, p in enumerate(order)
+    }
+
+
+def _residual_parts(row: Mapping[str, Any]) -> dict[str, int]:
+    """Device residual bytes by checkpoint name; untagged residuals (``"<mul>"``) together."""
+    parts: dict[str, int] = {}
+    for res in (row.get("report") or {}).get("residuals", []):
+        if res.get("memory") == "device":
+            tag = "untagged" if res["tag"].startswith("<") else res["tag"]
+            parts[tag] = parts.get(tag, 0) + res["nbytes"]
+    return parts
+
+
+def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
+    """Stacked bars of each policy's predicted peak, one panel per model / target / shape.
+
+    Layers (bytes, from the row and its ``report``): ``params``, ``opt_state``, the residuals
+    kept on device by checkpoint name (from the jaxpr, all layers; untagged ones together), then
+    ``gradients / other``:
+    the rest of the compiled peak (gradients, logits, optimizer temporaries, XLA's own copies;
+    shown as 0 where the jaxpr residuals exceed it). Host-offloaded residuals are a hatched bar
+    beside: they are not in the device peak.
+
+    Raises:
+      ValueError: no ``ok`` row with a report.
+    """
+    usable = [r for r in _ok(rows) if r.get("report")]
+    if not usable:
+        raise ValueError("no ok rows with a memory report to plot")
+    panels = _panels(usable)
+    fig, axes = _grid(len(panels), size=(8.0, 4.5))
+    tags = sorted({t for r in usable for t in _residual_parts(r)} - {"untagged"})
+    tags.append("untagged")
+    cmap = matplotlib.colormaps["tab20"]
+    colors = {t: cmap((i + 4) % 20) for i, t in enumerate(tags)}  # 0-3: params, opt_state
+    colors["untagged"] = "dimgray"
+    for ax, (key, members) in zip(axes, panels.items(), strict=True):
+        unit, unit_name = _unit([r["peak_bytes"] for r in members])
+        names = [r["policy"] for r in members]
+        bottoms = [0.0] * len(members)
+
+        def layer(values, label, color, bottom, _ax=ax, _unit=unit):
+            _ax.bar(
+                range(len(values)),
+                [v / _unit for v in values],
+                bottom=bottom,
+                label=label,
+                color=color,
+                edgecolor="white",
+                width=0.7,
+            )
+
+        for field, color in (("params_bytes", "tab:blue"), ("opt_state_bytes", "tab:orange")):
+            vals = [r.get(field) or 0 for r in members]
+            layer(vals, field.removesuffix("_bytes"), color, [b / unit for b in bottoms])
+            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        for tag in tags:
+            vals = [_residual_parts(r).get(tag, 0) for r in members]
+            if any(vals):
+                layer(vals, tag, colors[tag], [b / unit for b in bottoms])
+                bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        rest = [max(0, r["peak_bytes"] - b) for r, b in zip(members, bottoms, strict=True)]
+        layer(rest, "gradients / other", "lightgray", [b / unit for b in bottoms])
+        host = [r.get("offloaded_bytes") or 0 for r in members]
+        if any(host):
+            ax.bar(
+                [i + 0.38 for i in range(len(members))],
+                [h / unit for h in host],
+                width=0.2,
+                color="none",
+                edgecolor="tab:purple",
+                hatch="///",
+                label="host (offloaded)",
+            )
+        ax.set_xticks(range(len(members)), names, rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel(f"bytes ({unit_name})")
+        ax.set_title(_title(key), fontsize=9)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return _save(fig, path)
+
+
+def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None):
+    """The analyzer's predicted peak against ``measured_peak_bytes``, with ``y = x``.
+
+    Rows without a measurement (the CPU backend reports none) are listed in the panel instead.
+    """
+    ok = _ok(rows)
+    both = [r for r in ok if r.get("measured_peak_bytes") and r.get("peak_bytes")]
+    fig = Figure(figsize=(5, 4.5))
+    ax = fig.subplots()
+    if both:
+        unit, unit_name = _unit([r["peak_bytes"] for r in both])
+        px = [r["peak_bytes"] / unit for r in both]
+        my = [r["measured_peak_bytes"] / unit for r in both]
+        ax.scatter(px, my, s=20)
+        for xi, yi, r in zip(px, my, both, strict=True):
+            ax.annotate(f"{r['policy']} s={r['seq_len']}", (xi, yi), fontsize=6)
+        top = max(px + my) * 1.05
+        ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="y = x")
+        ax.set_xlabel(f"predicted peak ({unit_name})")
+        ax.set_ylabel(f"measured peak ({unit_name})")
+        ax.legend(fontsize=7)
+    else:
+        notes = sorted({str(r.get("measured_peak_note")) for r in ok if r.get("measure")})
+        ax.text(
+            0.5,
+            0.5,
+            "no measured peak in these rows\n" + "\n".join(notes),
+            ha="center",
+            va="center",
+            fontsize=8,
+            transform=ax.transAxes,
+            wrap=True,
+        )
+        ax.set_axis_off()
+    return _save(fig, path)
+
+
+def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
+    """Measured slowdown vs ``no-remat`` against the compiled FLOPs ratio, one point per
+    measured policy and sequence length, labelled with the policy; ``y = x - 1`` is a step
+    whose time is all matmul FLOPs. A second panel shows process CPU time per step for rows
+    measured on the CPU backend (wall time there is at the mercy of other processes).
+
+    Raises:
+      ValueError: no measured rows with a ``no-remat`` row beside them.
+    """
+    summary = R.summarize(rows)
+    panels = [("slowdown", "wall time")]
+    if any(r["backend"] == "cpu" and r["cpu_slowdown"] is not None for r in summary):
+        panels.append(("cpu_slowdown", "process CPU time"))
+    recs = [r for r in summary if r["slowdown"] is not None and r["flops_ratio"] is not None]
+    if not recs:
+        raise ValueError("no measured rows with a no-remat baseline to plot")
+    fig = Figure(figsize=(5.5 * len(panels), 4.5))
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    lo = min(r["flops_ratio"] for r in recs)
+    hi = max(r["flops_ratio"] for r in recs)
+    for ax, (field, label) in zip(axes[0], panels, strict=True):
+        for s in sorted({r["seq_len"] for r in recs}):
+            sub = [r for r in recs if r["seq_len"] == s and r[field] is not None]
+            xs = [r["flops_ratio"] for r in sub]
+            ys = [100 * r[field] for r in sub]
+            ax.scatter(xs, ys, label=f"s={s}", s=22)
+            for x, y, r in zip(xs, ys, sub, strict=True):
+                ax.annotate(r["policy"], (x, y), fontsize=6)
+        ax.plot([lo, hi], [100 * (lo - 1), 100 * (hi - 1)], ls="--", color="gray",
+                label="slowdown = FLOPs ratio - 1")  # fmt: skip
+        ax.set_xlabel("compiled matmul FLOPs / no-remat FLOPs")
+        ax.set_ylabel(f"step {label} vs no-remat (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def layer_activations(rows: Any, path: str | os.PathLike[str] | None = None):
+    """Per-layer activation bytes per policy: Korthikanti et al. 2022 (arXiv:2205.05198)
+    ``textbook_bytes`` beside ``jaxpr_bytes`` and ``compiled_bytes``.
+
+    Takes records with those fields and ``policy`` (e.g. ``dataclasses.asdict`` of
+    :class:`remat_kit.memory.LayerActivations`, or rows that carry them).
+
+    Raises:
+      ValueError: no record has ``compiled_bytes``.
+    """
+    recs = [r for r in R.as_records(rows) if r.get("compiled_bytes") is not None]
+    if not recs:
+        raise ValueError("no records with per-layer activation bytes (compiled_bytes) to plot")
+    unit, unit_name = _unit([r["compiled_bytes"] for r in recs])
+    fig = Figure(figsize=(1.2 * len(recs) + 2, 4.5))
+    ax = fig.subplots()
+    width = 0.27
+    for j, (field, label) in enumerate(
+        (
+            ("textbook_bytes", "Korthikanti et al."),
+            ("jaxpr_bytes", "jaxpr residuals"),
+            ("compiled_bytes", "compiled (XLA)"),
+        )
+    ):
+        vals = [(r.get(field) or 0) / unit for r in recs]
+        ax.bar([i + (j - 1) * width for i in range(len(recs))], vals, width=width, label=label)
+    ax.set_xticks(range(len(recs)), [r["policy"] for r in recs], rotation=30, ha="right")
+    ax.set_ylabel(f"activation bytes per layer ({unit_name})")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
+    """Write the sweep's figures into ``folder`` and return the paths written:
+
+    * ``pareto.png``: measured rows, predicted peak against median step time;
+    * ``pareto_analysis.png``: analysis-only rows, predicted peak against compiled FLOPs ratio;
+    * ``slowdown_vs_flops.png``: measured slowdown against compiled FLOPs ratio;
+    * ``memory_breakdown.png``: every group's predicted peak by part.
+
+    A figure with no rows to show is skipped.
+    """
+    ok = _ok(rows)
+    folder = Path(folder)
+    written = []
+    measured = [r for r in ok if r.get("step_time_s") is not None]
+    analysis = [r for r in ok if r.get("step_time_s") is None and r.get("recompute_ratio")]
+    jobs = [
+        ("pareto.png", measured, lambda p: pareto(
+            measured, path=p, title="Predicted peak memory vs measured step time")),
+        ("pareto_analysis.png", analysis, lambda p: pareto(
+            analysis, x="recompute_ratio", path=p,
+            title="Predicted peak memory vs compiled FLOPs (analysis only)")),
+        ("slowdown_vs_flops.png", measured, lambda p: slowdown_vs_flops(ok, path=p)),
+        ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
+    ]  # fmt: skip
+    for name, needed, draw in jobs:
+        if not needed:
+            continue
+        try:
+            draw(folder / name)
+        except ValueError:  # e.g. measured rows without a no-remat baseline
+            continue
+        written.append(folder / name)
+    return written

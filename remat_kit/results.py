@@ -1,0 +1,441 @@
+"""Sweep results as data: an append-only JSONL file, one JSON object (a *row*) per point.
+
+A row is written as one ``write()`` of a full line, then flushed and ``fsync``-ed, so a process
+killed at any moment leaves every finished row intact and at most one torn (partial, unterminated)
+last line. :func:`read_rows` ignores such a line; :func:`repair` truncates it away before more
+rows are appended. Each row carries:
+
+* ``key``: :func:`point_key` of the point's configuration (model, policy, shapes, target, steps,
+  ...): what ``--resume`` matches on, so a point is never measured, or written, twice;
+* ``config_fingerprint``: :func:`fingerprint` of the whole sweep configuration: resuming onto a file
+  written by a different configuration is refused (:func:`check_resumable`).
+
+Derived figures (slowdown and memory saved against ``no-remat``) are computed from rows by
+:func:`summarize`; plots (:mod:`remat_kit.plots`) and notebooks only read rows, never recompute
+them.
+
+Example::
+
+    rows = read_rows("experiments/results/cpu/sweep.jsonl")
+    for r in summarize(rows):
+        print(r["policy"], r["seq_len"], r["peak_saved"], r["slowdown"])
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from remat_kit.policies import policy_names
+
+__all__ = [
+    "ROW_FORMAT",
+    "STATUSES",
+    "append_row",
+    "check_resumable",
+    "device_residual_bytes",
+    "environment",
+    "fingerprint",
+    "point_key",
+    "print_summary",
+    "read_rows",
+    "repair",
+    "summarize",
+    "summary_lines",
+    "summary_markdown",
+    "to_frame",
+]
+
+ROW_FORMAT = 1
+"""Version of the row layout; bumped when a field changes meaning."""
+
+STATUSES = ("ok", "oom", "error")
+"""``ok``: analysed (and measured, if asked); ``oom``: out of memory compiling or running;
+``error``: any other failure (the message is in the row's ``error``)."""
+
+_KEY_CHARS = 16  # hex characters of the sha256 kept in keys and fingerprints
+#: Identity of a group of rows compared against each other (same model, shapes and target).
+GROUP_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size", "overrides")
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def point_key(point: Mapping[str, Any]) -> str:
+    """Stable key of one point: the first 16 hex characters of the sha256 of its canonical JSON
+    (sorted keys), so the same configuration gives the same key in every process."""
+    return hashlib.sha256(_canonical(dict(point)).encode()).hexdigest()[:_KEY_CHARS]
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """Fingerprint of a whole sweep configuration (same scheme as :func:`point_key`)."""
+    return point_key(config)
+
+
+def environment() -> dict[str, Any]:
+    """Where a row was measured: library versions, backend, device kind, machine (JSON-ready)."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    device = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": version("jaxlib"),
+        "flax": version("flax"),
+        "optax": version("optax"),
+        "python": sys.version.split()[0],
+        "backend": jax.default_backend(),
+        "device_kind": str(device.device_kind),
+        "device_count": jax.device_count(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def now_utc() -> str:
+    """The current time, ISO 8601 in UTC to the second (``2025-01-31T12:00:00Z``)."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# -- The file --------------------------------------------------------------------------------
+
+
+def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Complete rows of ``path`` and the byte length they occupy (torn last line excluded).
+
+    Raises:
+      ValueError: a complete (newline-terminated) line is not a JSON object.
+    """
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    rows: list[dict[str, Any]] = []
+    good = 0
+    start = 0
+    lineno = 0
+    while start < len(data):
+        lineno += 1
+        end = data.find(b"\n", start)
+        if end < 0:  # torn last line from a kill: ignored (and truncated by repair)
+            break
+        line = data[start:end].strip()
+        if line:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}: line {lineno} is not JSON ({err.msg}); the file is not a remat-kit "
+                    "results file or was edited by hand"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {lineno} is not a JSON object")
+            rows.append(row)
+        start = end + 1
+        good = start
+    return rows, good
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete row of a results file, in file order; ``[]`` if it does not exist.
+
+    A torn last line (no trailing newline: the process was killed mid-write) is ignored.
+
+    Raises:
+      ValueError: a complete line is not a JSON object.
+    """
+    return _scan(Path(path))[0]
+
+
+def repair(path: str | os.PathLike[str]) -> int:
+    """Truncate a torn last line off ``path`` so rows can be appended after it.
+
+    Returns:
+      Bytes removed (0 when the file ends with a full line or does not exist).
+
+    Raises:
+      ValueError: as :func:`read_rows`.
+    """
+    p = Path(path)
+    if not p.exists():
+        return 0
+    _, good = _scan(p)
+    size = p.stat().st_size
+    if good < size:
+        with open(p, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return size - good
+
+
+def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
+    """Append ``row`` as one JSON line: a single ``write()`` of the full line, then flush and
+    ``os.fsync``, so a kill leaves either the whole row or a torn line :func:`repair` removes.
+
+    Raises:
+      OSError: the file cannot be written.
+      TypeError: a value is not JSON-serialisable.
+    """
+    line = json.dumps(row, allow_nan=False, default=_json_default) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / jax scalars
+        return value.item()
+    if isinstance(value, (tuple, set, frozenset)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable: {value!r}")
+
+
+def check_resumable(rows: Sequence[Mapping[str, Any]], config_fingerprint: str, path: str) -> None:
+    """Refuse to resume onto rows written by another sweep configuration.
+
+    Raises:
+      ValueError: a row's ``config_fingerprint`` differs from ``config_fingerprint`` (the message
+        names both and the fix: a new ``--out`` file, or ``--overwrite``).
+    """
+    other = sorted({str(r.get("config_fingerprint")) for r in rows} - {config_fingerprint})
+    if other:
+        raise ValueError(
+            f"{path} holds rows of a different sweep config (fingerprint {', '.join(other)}, "
+            f"this config {config_fingerprint}); write to a new --out file or pass --overwrite"
+        )
+
+
+# -- Reading rows --------------------------------------------------------------------------
+
+
+def to_frame(rows: Iterable[Mapping[str, Any]] | Any):
+    """Rows as a pandas ``DataFrame`` (one column per top-level field; nested fields stay dicts).
+
+    A ``DataFrame`` passed in is returned as is.
+    """
+    import pandas as pd
+
+    if isinstance(rows, pd.DataFrame):
+        return rows
+    return pd.DataFrame(list(rows))
+
+
+def as_records(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
+    """Rows as a list of dicts, from a list of dicts or a pandas ``DataFrame``."""
+    if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
+        return [
+            {k: (None if _isnan(v) else v) for k, v in r.items()}
+            for r in rows.to_dict(orient="records")
+        ]
+    return [dict(r) for r in rows]
+
+
+def _isnan(v: Any) -> bool:
+    return isinstance(v, float) and v != v
+
+
+def group_key(row: Mapping[str, Any]) -> tuple:
+    """The rows a policy is compared against share this key (see :data:`GROUP_FIELDS`)."""
+    return tuple(_canonical(row.get(f)) for f in GROUP_FIELDS)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
+    """Bytes of the residuals a row's policy keeps on the device for the backward pass (all
+    layers, from the jaxpr: ``activation_bytes``), plus its offloaded residuals when the
+    compiled program put nothing in host memory (``host_bytes == 0``: a target that does not
+    offload, such as the CPU backend, keeps them on the device)."""
+    act = row.get("activation_bytes")
+    if act is None:
+        return None
+    if not row.get("host_bytes"):
+        act += row.get("offloaded_bytes") or 0
+    return act
+
+
+def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
+    """One record per ``ok`` row with its figures next to the ``no-remat`` row of its group.
+
+    A group is the rows sharing model, target, batch size, sequence length, ``remat_group_size``
+    and config overrides (:data:`GROUP_FIELDS`). Figures (``None`` where an input is missing,
+    e.g. no ``no-remat`` row in the group, or no measurement):
+
+    * ``peak_bytes``: the analyzer's predicted peak (bytes); ``measured_peak_bytes`` as measured.
+    * ``peak_saved``: ``1 - peak / peak(no-remat)`` (fraction of the whole step's peak).
+    * ``activation_bytes``: :func:`device_residual_bytes`; ``activation_saved``:
+      ``1 - activation / activation(no-remat)``.
+    * ``step_time_s``: median measured step time (seconds); ``slowdown``:
+      ``step_time / step_time(no-remat) - 1``.
+    * ``step_cpu_s``: median process CPU seconds per step; ``cpu_slowdown`` likewise. On the CPU
+      backend this is the work done, unlike wall time unaffected by other processes (it does
+      count every XLA thread, spinning ones too); on a GPU it is host time only.
+    * ``flops_ratio``: compiled matmul FLOPs over the no-remat step's (``recompute_ratio``).
+
+    Returns:
+      Records in row order: ``model, target, batch_size, seq_len, remat_group_size, policy,
+      status, peak_bytes, peak_saved, activation_bytes, activation_saved, step_time_s, slowdown,
+      step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits, measured_peak_bytes,
+      mfu``.
+    """
+    records = as_records(rows)
+    base: dict[tuple, Mapping[str, Any]] = {}
+    for r in records:
+        if r.get("policy") == "no-remat" and r.get("status") == "ok":
+            base[group_key(r)] = r
+    out = []
+    for r in records:
+        b = base.get(group_key(r), {})
+        ok = r.get("status") == "ok"
+        peak = r.get("peak_bytes") if ok else None
+        act = device_residual_bytes(r) if ok else None
+        step = r.get("step_time_s") if ok else None
+        peak_ratio = _ratio(peak, b.get("peak_bytes"))
+        act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
+        step_ratio = _ratio(step, b.get("step_time_s"))
+        cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
+        out.append(
+            {
+                **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
+                "remat_group_size": r.get("remat_group_size"),
+                "policy": r.get("policy"),
+                "status": r.get("status"),
+                "peak_bytes": peak,
+                "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
+                "activation_bytes": act,
+                "activation_saved": None if act_ratio is None else 1 - act_ratio,
+                "step_time_s": step,
+                "slowdown": None if step_ratio is None else step_ratio - 1,
+                "step_cpu_s": r.get("step_cpu_s") if ok else None,
+                "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
+                "backend": r.get("backend"),
+                "tokens_per_s": r.get("tokens_per_s") if ok else None,
+                "flops_ratio": r.get("recompute_ratio") if ok else None,
+                "fits": r.get("fits") if ok else None,
+                "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
+                "mfu": r.get("mfu") if ok else None,
+            }
+        )
+    return out
+
+
+# -- Tables ----------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: float | None, unit: int) -> str:
+    return "-" if n is None else f"{n / unit:,.1f}"
+
+
+def _fmt_pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0%" if round(100 * x) == 0 else f"{100 * x:+.0f}%"
+
+
+def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, list[str], list]]:
+    """The end-of-sweep tables as data: one ``(title, header, body)`` per model/target/batch.
+
+    Each body row is one policy at one sequence length: predicted peak, peak saved vs
+    ``no-remat``, activation (residual) bytes saved, compiled-FLOPs ratio, and for measured rows
+    the median step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
+    and tokens per second; failures show their status. Figures come from :func:`summarize`
+    (nothing is recomputed).
+    """
+    records = summarize(rows)
+    order = {name: i for i, name in enumerate(policy_names())}
+    tables: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        key = (r["model"], r["target"], r["batch_size"], r["remat_group_size"])
+        tables.setdefault(key, []).append(r)
+    out = []
+    for (model, target, b, k), recs in tables.items():
+        recs = sorted(recs, key=lambda r: (r["seq_len"], order.get(r["policy"], len(order))))
+        peaks = [r["peak_bytes"] for r in recs if r["peak_bytes"]]
+        unit, unit_name = (2**30, "GiB") if peaks and max(peaks) >= 2**32 else (2**20, "MiB")
+        measured = any(r["step_time_s"] is not None for r in recs)
+        header = ["policy", "s", f"peak {unit_name}", "peak Δ", "act. Δ", "FLOPs x"]
+        cpu = measured and any(
+            r["backend"] == "cpu" and r["cpu_slowdown"] is not None for r in recs
+        )
+        fits = any(r["fits"] is not None for r in recs)
+        if fits:
+            header.append("fits")
+        if measured:
+            header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else []) + ["tok/s"]
+        body = []
+        for r in recs:
+            if r["status"] != "ok":
+                body.append(
+                    [r["policy"], str(r["seq_len"]), r["status"]] + [""] * (len(header) - 3)
+                )
+                continue
+            line = [
+                r["policy"],
+                str(r["seq_len"]),
+                _fmt_bytes(r["peak_bytes"], unit),
+                _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),
+                _fmt_pct(None if r["activation_saved"] is None else -r["activation_saved"]),
+                "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}",
+            ]
+            if fits:
+                line.append({True: "yes", False: "no"}.get(r["fits"], "-"))
+            if measured:
+                step = r["step_time_s"]
+                line += [
+                    "-" if step is None else f"{1e3 * step:,.0f}",
+                    _fmt_pct(r["slowdown"]),
+                    *([_fmt_pct(r["cpu_slowdown"])] if cpu else []),
+                    "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
+                ]
+            body.append(line)
+        grp = f", remat_group_size={k}" if k != 1 else ""
+        out.append((f"{model} on {target}, batch {b}{grp}", header, body))
+    return out
+
+
+def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) -> None:
+    """Print :func:`summary_lines` as rich tables."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    for title, header, body in summary_lines(rows):
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+        for line in body:
+            table.add_row(*line)
+        console.print(table)
+
+
+def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:
+    """:func:`summary_lines` as Markdown tables (for a summary file or a README)."""
+    parts = []
+    for title, header, body in summary_lines(rows):
+        parts.append(f"**{title}**\n")
+        parts.append("| " + " | ".join(header) + " |")
+        parts.append("|" + "|".join(["---"] + ["--:"] * (len(header) - 1)) + "|")
+        parts += ["| " + " | ".join(line) + " |" for line in body]
+        parts.append("")
+    return "\n".join(parts)

@@ -2,7 +2,8 @@
 
 A thin command line over :func:`remat_kit.sweep.run_sweep`. ``--config`` names a file in
 ``experiments/configs/`` (or a path); the default picks ``gpu`` on a GPU machine and ``cpu``
-otherwise. Rows go to ``experiments/results/<config name>/sweep.jsonl`` as each point finishes;
+otherwise. Rows go to ``runs/<config name>/sweep.jsonl`` (git-ignored; the committed run under
+``experiments/results/cpu/`` was written with ``--out``) as each point finishes;
 at the end the summary table is printed and written beside them (``summary.md``) with the
 figures (:func:`remat_kit.plots.save_figures`): ``pareto.png`` (peak memory against step time,
 one point per policy, frontier drawn), ``pareto_analysis.png``, ``slowdown_vs_flops.png``,
@@ -34,7 +35,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "configs"
-RESULTS = HERE / "results"
+RESULTS = HERE / "results"  # committed runs (written with --out)
+RUNS = HERE.parent / "runs"  # a user's runs (git-ignored)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a config name ({', '.join(names)}) or a .py path; "
         "auto: gpu on a GPU machine, else cpu",
     )
-    p.add_argument("--out", help="results file (default experiments/results/<config>/sweep.jsonl)")
+    p.add_argument("--out", help="results file (default runs/<config>/sweep.jsonl)")
     p.add_argument("--resume", action="store_true", help="skip points already in --out")
     p.add_argument("--overwrite", action="store_true", help="empty --out first")
     p.add_argument("--data", help="text file or folder to train on (default: Python's stdlib)")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"no sweep config {args.config!r} (looked for {path})")
         config = sweep.load_config(path)
-        out = Path(args.out) if args.out else RESULTS / config.name / "sweep.jsonl"
+        out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
         run = sweep.run_sweep(

@@ -166,7 +166,8 @@ def load_corpus(
         else:
             raise ValueError(
                 f"corpus path {str(path)!r} does not exist (or is not a file or folder); "
-                "pass a UTF-8 text file, a folder of them, or None for the Python stdlib"
+                "pass a UTF-8 text file or a folder of them, or no path (no --data) for the "
+                "Python stdlib"
             )
         cap = max_bytes
 

@@ -787,11 +787,13 @@ def run_sweep(
     points = config.points()
     path = Path(out)
     fingerprint = config.fingerprint(data)
+    corpus = None
+    if any(p.measure for p in points):  # a bad data path fails before the output is touched
+        corpus = load_corpus(data, max_bytes=max_data_bytes)
     done = _prepare_output(path, fingerprint, resume, overwrite)
     todo = [p for p in points if p.key not in done]
-    corpus = None
-    if any(p.measure for p in todo):
-        corpus = load_corpus(data, max_bytes=max_data_bytes)
+    if not any(p.measure for p in todo):
+        corpus = None
     common = {
         "sweep": config.name,
         "config_fingerprint": fingerprint,

@@ -53,8 +53,15 @@ def main() -> None:
         t = time.perf_counter()
         r = analyze_model("llama3-70b", 64, 8192, "save-nothing", "h100-sxm", mesh="fsdp=64",
                           compare_offload=False)  # fmt: skip
-        rows.append({"model": "llama3-70b", "devices": 64, "mesh": "fsdp=64",
-                     "peak_gib": r.peak_bytes / GIB, "analysis_s": time.perf_counter() - t})
+        rows.append(
+            {
+                "model": "llama3-70b",
+                "devices": 64,
+                "mesh": "fsdp=64",
+                "peak_gib": r.peak_bytes / GIB,
+                "analysis_s": time.perf_counter() - t,
+            }
+        )
         print(rows[-1], flush=True)
     meta = {"jax": jax.__version__, "backend": "deviceless h100-sxm (XLA GPU compiler on CPU host)",
             "host": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs"}  # fmt: skip

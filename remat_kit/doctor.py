@@ -451,7 +451,7 @@ def check_function(
     )  # fmt: skip
     if spec.name == "custom-callable":
         findings = [f for f in findings if f.code != "acts-as-full-remat"]
-        findings += _opaque_full_remat(make_loss, jax_policy, args, findings)
+        findings += _opaque_full_remat(make_loss, jax_policy, args)
     return _sorted(_dedupe(findings))
 
 
@@ -464,7 +464,7 @@ def _residuals_with_remat3(make_loss, policy, args, remat3: bool) -> Residuals:
         jax.config.update("jax_remat3", saved)
 
 
-def _opaque_full_remat(make_loss, policy, args, findings) -> list[Finding]:
+def _opaque_full_remat(make_loss, policy, args) -> list[Finding]:
     """An opaque callable promises what classic remat (which calls it) keeps; find whether the
     remat implementation in use keeps less, i.e. runs it as full remat."""
     classic = _residuals_with_remat3(make_loss, policy, args, False)
@@ -521,8 +521,8 @@ def check_remat_static_argnums(
 def _dedupe(findings: list[Finding]) -> list[Finding]:
     seen, out = set(), []
     for f in findings:
-        if f.code not in seen:
-            seen.add(f.code)
+        if (f.code, f.what) not in seen:
+            seen.add((f.code, f.what))
             out.append(f)
     return out
 

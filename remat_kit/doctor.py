@@ -70,6 +70,7 @@ class Finding:
 
 
 def has_errors(findings: Sequence[Finding]) -> bool:
+    """True when any finding has severity ``error`` (``remat-kit doctor`` then exits 1)."""
     return any(f.severity == "error" for f in findings)
 
 

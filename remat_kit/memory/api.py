@@ -79,10 +79,6 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
     return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
 
 
-def _abstract_for(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    return T.abstractify(tree, sharding)
-
-
 # -- Public API -----------------------------------------------------------------------------
 
 
@@ -129,7 +125,7 @@ def analyze(
     tgt = T.get_target(target)
     sharding = T.abstract_sharding(tgt)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
-    abstract = [_abstract_for(a, sharding) for a in args]
+    abstract = [T.abstractify(a, sharding) for a in args]
     label = name or getattr(getattr(fn, "__wrapped__", fn), "__name__", "fn")
     job = Job(
         name=label,
@@ -180,8 +176,7 @@ class _ModelSetup:
     batch: Any
     arguments: dict[str, int]
     flops_no_remat: float | None = None
-    mesh: S.MeshSpec | None = None  # None: one device
-    mesh_obj: Any = None  # the jax Mesh over the target's devices
+    mesh: Any = None  # the jax Mesh (axes dp, fsdp, tp) over the target's devices; None: one
 
 
 def _setup(
@@ -204,8 +199,8 @@ def _setup(
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     if mesh is None:
         sharding = T.abstract_sharding(tgt)
-        state = _abstract_for(abstract_train_state(config, opt), sharding)
-        batch = _abstract_for(abstract_batch(batch_size, seq_len), sharding)
+        state = T.abstractify(abstract_train_state(config, opt), sharding)
+        batch = T.abstractify(abstract_batch(batch_size, seq_len), sharding)
     else:  # per-device figures on a (dp, fsdp, tp) mesh of the target's devices
         spec = S.parse_mesh(mesh)
         split = spec.dp * spec.fsdp
@@ -213,13 +208,11 @@ def _setup(
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
             )
-        m = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
-        state, _ = S.sharded_train_state(config, opt, m)
-        batch = _abstract_for(abstract_batch(batch_size, seq_len), S.batch_sharding(m))
-        mesh = spec
+        mesh = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
+        state, _ = S.sharded_train_state(config, opt, mesh)
+        batch = T.abstractify(abstract_batch(batch_size, seq_len), S.batch_sharding(mesh))
     return _ModelSetup(
         mesh=mesh,
-        mesh_obj=m if mesh is not None else None,
         config=config,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -236,7 +229,7 @@ def _baseline_flops(setup: _ModelSetup) -> float:
         config = setup.config.replace(remat_policy="no-remat")
         step = make_train_step(config, setup.optimizer, jit=False)
         # The trace counts the whole (global) step; a mesh splits it over its devices.
-        devices = setup.mesh.num_devices if setup.mesh is not None else 1
+        devices = setup.mesh.size if setup.mesh is not None else 1
         setup.flops_no_remat = traced_flops(step, setup.state, setup.batch) / devices
     return setup.flops_no_remat
 
@@ -245,7 +238,7 @@ def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Jo
     config = setup.config.replace(remat_policy=spec)
     step = make_train_step(config, setup.optimizer, donate=True)
     # Per device: dp and fsdp split the batch (tp's split of heads and d_ff is not reflected).
-    split = setup.mesh.dp * setup.mesh.fsdp if setup.mesh is not None else 1
+    split = setup.mesh.shape["dp"] * setup.mesh.shape["fsdp"] if setup.mesh is not None else 1
     residuals = model_residuals(config, setup.batch_size // split, setup.seq_len)
     b, s = setup.batch_size, setup.seq_len
     segments = config.num_layers // config.remat_group_size
@@ -401,7 +394,7 @@ def analyze_policies(
     specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
     setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
     jobs = _model_jobs(setup, specs, compare_offload)
-    with S.activation_sharding(setup.mesh_obj):  # lowering traces the model under the mesh
+    with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
     return results[: len(specs)]
 

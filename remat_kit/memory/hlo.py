@@ -68,6 +68,8 @@ class Instruction:
 
 @dataclasses.dataclass(frozen=True)
 class Computation:
+    """One HLO computation of a module dump: its instructions and parameter shapes."""
+
     name: str
     is_entry: bool
     instructions: tuple[Instruction, ...]

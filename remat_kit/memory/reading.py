@@ -52,6 +52,7 @@ class Hints:
 
 
 def xla_shape(dtype: str, dims: Sequence[int]) -> str:
+    """XLA's text for an array shape: ``xla_shape("bfloat16", (2, 3)) == "bf16[2,3]"``."""
     return f"{_XLA_DTYPES.get(dtype, dtype)}[{','.join(str(d) for d in dims)}]"
 
 
@@ -116,6 +117,9 @@ def _element_shape(found: tuple[hlo.Instruction, hlo.Computation] | None, value:
 
 @dataclasses.dataclass(frozen=True)
 class DumpReading:
+    """What one compile's XLA dumps give: matmul FLOPs, the largest buffers live at the peak,
+    the live-range peak (bytes), the logits bytes live there, and warnings."""
+
     flops: float | None
     peak_buffers: tuple[PeakBuffer, ...]
     live_peak_bytes: int | None
@@ -226,6 +230,8 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
 
 
 def log_warnings(result: CompileResult) -> list[str]:
+    """The compiler's warning/error lines worth showing a user (e.g. XLA's "Can't reduce
+    memory use below ..."), each once."""
     out = []
     for line in result.log_lines():
         if line.severity in "WEF" and _SURFACED.search(line.message):
@@ -236,6 +242,8 @@ def log_warnings(result: CompileResult) -> list[str]:
 
 
 def memory_parts(compiled: Any) -> dict[str, int]:
+    """``compiled.memory_analysis()`` as integer bytes: argument, output, temp, alias and their
+    host counterparts (XLA's ``*_size_in_bytes`` fields; 0 where absent)."""
     m = compiled.memory_analysis()
     get = lambda field: int(getattr(m, field, 0) or 0)  # noqa: E731
     return {

@@ -41,6 +41,8 @@ _LOG_LINE = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class LogLine:
+    """One line of XLA's C++ log (glog format) captured during a compile."""
+
     severity: str  # I, W, E, F
     time: float  # seconds since the epoch (local time as logged)
     thread: int  # native thread id

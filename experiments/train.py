@@ -14,6 +14,14 @@ Command (about 50 s on 2 CPU cores, jax 0.10.2)::
 Expected: training loss falls from 5.6 nats/byte (ln 256: uniform bytes) to ~2.7 at step 200,
 validation loss ~2.5; checkpoints 100, 150, 200 kept. Add ``--resume --steps 400`` to continue.
 
+Several devices: the step runs on every device JAX sees, data parallel by default, or on the
+mesh ``--mesh`` names (``fsdp=4``, ``dp=2,fsdp=2,tp=2``; on a CPU, ``JAX_NUM_CPU_DEVICES=4``
+gives 4 devices). Several processes (hosts): start the same command once per process with
+``--coordinator HOST:PORT --num-processes N --process-id I`` (or the variables
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; under SLURM's ``srun``
+nothing: JAX reads SLURM's variables). ``--workdir`` must then be a folder every process sees;
+process 0 prints and writes ``result.json``.
+
 Exit codes: 0 done; 2 bad input (one line on stderr, e.g. an unknown policy or an incompatible
 checkpoint); 3 a non-finite loss (the step is named; the last good checkpoint is kept).
 """
@@ -32,12 +40,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from rich.console import Console
 
-from remat_kit.training import (
-    NonFiniteLossError,
-    TrainConfig,
-    environment_info,
-    train,
-)
+from remat_kit import distributed
+from remat_kit.training import NonFiniteLossError, TrainConfig, environment_info, train
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
@@ -87,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--log-every", type=int, default=10, help="print every N steps")
+    distributed.add_arguments(p)
     return p
 
 
@@ -108,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ckpt_every=args.ckpt_every,
         keep=args.keep,
         seed=args.seed,
+        mesh=args.mesh,
         data=args.data,
         max_bytes=args.max_bytes,
     )
@@ -115,7 +121,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False, markup=False, soft_wrap=True)
+    try:  # before anything starts JAX's backends
+        distributed.initialize_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    primary = distributed.is_primary()
+    console = Console(highlight=False, markup=False, soft_wrap=True, quiet=not primary)
 
     first_step: dict[str, int] = {}
 
@@ -137,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(
             f"{cfg.preset} {cfg.overrides or ''} policy={cfg.policy} "
             f"group={cfg.remat_group_size} batch={cfg.batch_size}x{cfg.seq_len} "
-            f"micro_batches={cfg.micro_batches} -> {args.workdir}"
+            f"micro_batches={cfg.micro_batches} mesh={cfg.mesh or 'dp over all devices'} "
+            f"-> {args.workdir}"
         )
         result = train(cfg, args.workdir, resume=args.resume, on_step=on_step)
     except NonFiniteLossError as e:
@@ -148,13 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     out = Path(args.workdir) / "result.json"
-    out.write_text(json.dumps({**result.to_dict(), "environment": environment_info()}, indent=1))
+    if primary:
+        env = environment_info()
+        out.write_text(json.dumps({**result.to_dict(), "environment": env}, indent=1))
     start = "fresh" if result.resumed_from is None else f"resumed from {result.resumed_from}"
     last = f"{result.losses[-1]:.4f}" if result.losses else "-"
     console.print(
         f"done ({start}): {len(result.losses)} steps, final loss {last}, "
         f"{result.step_time_s * 1e3:.0f} ms/step, compile {result.compile_time_s:.1f} s, "
-        f"checkpoints {result.checkpoints}; wrote {out}"
+        f"checkpoints {result.checkpoints}, mesh {result.mesh} on {result.num_processes} "
+        f"process(es); wrote {out}"
     )
     return 0
 

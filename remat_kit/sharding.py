@@ -184,9 +184,58 @@ def like_params_shardings(tree: Any, params: Any, shardings: Any, mesh: Mesh) ->
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
+def local_mesh(mesh: str | MeshSpec | None = None) -> Mesh:
+    """A (dp, fsdp, tp) ``Mesh`` over every device of the run (``jax.devices()``: all processes'
+    devices under ``jax.distributed``).
+
+    Args:
+      mesh: ``"fsdp=4"``, ``"dp=2,fsdp=2,tp=2"``, a :class:`MeshSpec`, or ``None`` / ``""`` for
+        data parallelism over every device.
+
+    Raises:
+      ValueError: a bad mesh text, or a product of sizes different from ``jax.device_count()``
+        (see :func:`parse_mesh`).
+    """
+    devices = jax.devices()
+    return make_mesh(parse_mesh(mesh, len(devices)), devices)
+
+
+def put_global(host: Any, shardings: Any) -> Any:
+    """Place a tree of host (numpy) arrays as global ``jax.Array`` s with ``shardings``.
+
+    Every process holds the whole value and keeps the shards its own devices own
+    (``jax.make_array_from_callback``), so the same call works in one process and in every
+    process of a ``jax.distributed`` run. Meant for values every process can compute (initial
+    parameters from a seed, a batch drawn from a seeded stream); a very large model would be
+    initialised sharded instead.
+    """
+
+    def put(x: Any, sharding: Any) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, host, shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch arrays [batch, seq] split over (dp, fsdp) along the batch dimension."""
     return NamedSharding(mesh, PartitionSpec(("dp", "fsdp"), None))
+
+
+def check_batch(batch_size: int, mesh: Mesh, micro_batches: int = 1) -> None:
+    """Raise unless each micro-batch of ``batch_size // micro_batches`` rows splits evenly over
+    the (dp, fsdp) devices of ``mesh``.
+
+    Raises:
+      ValueError: naming the batch size, the micro-batch count and dp*fsdp.
+    """
+    split = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if batch_size % micro_batches or (batch_size // micro_batches) % split:
+        per = f" / micro_batches={micro_batches}" if micro_batches > 1 else ""
+        raise ValueError(
+            f"batch_size={batch_size}{per} does not split evenly over dp*fsdp={split} devices "
+            f"of mesh {MeshSpec(*mesh.devices.shape)}; use a multiple of {split * micro_batches}"
+        )
 
 
 def sharded_train_state(config, optimizer, mesh: Mesh) -> tuple[Any, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -9,8 +10,10 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit import names as N
+from remat_kit import sharding as S
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import make_model
 
@@ -120,7 +123,8 @@ def abstract_batch(batch_size: int, seq_len: int) -> Batch:
 def grad_fn(config: ModelConfig, micro_batches: int = 1) -> Callable[[Any, Batch], tuple]:
     """``(params, batch) -> (loss, grads)``, accumulating over ``micro_batches`` micro-batches.
 
-    Accumulation is a ``lax.scan`` over micro-batches (batch [n*m, s] viewed as [n, m, s]): the
+    Accumulation is a ``lax.scan`` over micro-batches (batch [n*m, s] split into n micro-batches
+    [m, s], micro-batch k taking rows k, k + n, ...): the
     activations of one micro-batch are live at a time, so activation memory is ~1/n of the full
     batch, and the gradients are summed in float32 then averaged (equal to one big batch within
     float tolerance).
@@ -136,8 +140,13 @@ def grad_fn(config: ModelConfig, micro_batches: int = 1) -> Callable[[Any, Batch
         b = batch["inputs"].shape[0]
         if b % micro_batches:
             raise ValueError(f"batch size {b} is not divisible by micro_batches={micro_batches}")
-        split = jax.tree.map(lambda x: x.reshape(micro_batches, b // micro_batches, *x.shape[1:]),
-                             batch)  # fmt: skip
+        # Micro-batch k holds rows k, k + n, k + 2n, ... (a strided split): with the batch
+        # split over devices along its rows, every device then holds an equal share of every
+        # micro-batch, and no micro-batch has to be moved between devices.
+        split = jax.tree.map(
+            lambda x: x.reshape(b // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1),
+            batch,
+        )  # [n, b // n, s]
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, micro):
@@ -159,15 +168,26 @@ def make_train_step(
     micro_batches: int = 1,
     donate: bool = True,
     jit: bool = True,
+    mesh: Mesh | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """``step(state, batch) -> (new_state, {"loss", "grad_norm"})``: forward, backward (with the
     config's remat policy), optax update. With ``donate`` the state's buffers are donated
     (``donate_argnums=0``) so the update happens in place, as in a real training loop.
+
+    With a ``mesh`` (axes dp, fsdp, tp; :mod:`remat_kit.sharding`) the jitted step takes and
+    returns the state sharded as :func:`remat_kit.sharding.sharded_train_state` lays it out and
+    the batch split over (dp, fsdp), the metrics replicated; each block's input is split along
+    the batch while the step is traced (:func:`remat_kit.sharding.activation_sharding`).
+
+    Raises:
+      ValueError (with ``mesh``): a parameter dimension not divisible by its mesh axes.
     """
     grads_of = grad_fn(config, micro_batches)
 
     def step(state: TrainState, batch: Batch):
-        loss, grads = grads_of(state.params, batch)
+        # Without a mesh, leave an enclosing activation_sharding (the analyzer's) in force.
+        with S.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext():
+            loss, grads = grads_of(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -175,4 +195,13 @@ def make_train_step(
 
     if not jit:
         return step
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+    donate_argnums = (0,) if donate else ()
+    if mesh is None:
+        return jax.jit(step, donate_argnums=donate_argnums)
+    _, state_shardings = S.sharded_train_state(config, optimizer, mesh)
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, S.batch_sharding(mesh)),
+        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=donate_argnums,
+    )

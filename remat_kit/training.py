@@ -61,8 +61,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from remat_kit import names as N
+from remat_kit import sharding as S
 from remat_kit.data import Corpus, load_corpus
 from remat_kit.models.config import ModelConfig, get_config, preset_names
 from remat_kit.policies import get_policy_spec
@@ -98,6 +100,7 @@ CHECKPOINT_DIR = "checkpoints"
 RESUME_MAY_CHANGE = (
     "policy",
     "micro_batches",
+    "mesh",
     "steps",
     "eval_every",
     "eval_batches",
@@ -106,8 +109,8 @@ RESUME_MAY_CHANGE = (
 )
 """TrainConfig fields a resumed run may change. They change how a step is computed (remat policy,
 accumulation) or how the run is monitored, not what is learned; every other field, and the data
-itself, must match the checkpoint. Changing ``policy`` or ``micro_batches`` keeps the losses equal
-within float tolerance, not bitwise."""
+itself, must match the checkpoint. Changing ``policy``, ``micro_batches`` or ``mesh`` (the number
+of devices included) keeps the losses equal within float tolerance, not bitwise."""
 
 _FORMAT = 1  # version of the checkpoint metadata layout
 
@@ -168,6 +171,7 @@ class TrainConfig:
     ckpt_every: int = 50  # checkpoint every this many updates (and at the end); 0: never
     keep: int = 3  # checkpoints kept (the oldest is deleted after a newer one is complete)
     seed: int = 0  # parameter init and batch order
+    mesh: str | None = None  # "dp=2,fsdp=2,tp=1" over all devices; None: dp over all devices
     data: str | None = None  # corpus path (text file or folder); None: the Python stdlib
     max_bytes: int | None = None  # corpus cap in bytes; None: 8 MiB for the stdlib, no cap else
     val_fraction: float = 0.05  # tail of the token stream held out for validation
@@ -197,6 +201,8 @@ class TrainConfig:
                 f"batch_size={self.batch_size} is not divisible by "
                 f"micro_batches={self.micro_batches}; the micro-batch size must be a whole number"
             )
+        if self.mesh is not None:
+            S.parse_mesh(self.mesh)  # the text; its device count is checked when training starts
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         model = self.model_config()  # raises on bad overrides / group size
@@ -252,6 +258,8 @@ class TrainResult:
         call's first step excluded (nan if no step ran).
       wall_time_s: seconds this call took, end to end.
       data: corpus metadata (:meth:`remat_kit.data.Corpus.info`).
+      mesh: the mesh the run used, e.g. ``"dp=2,fsdp=1,tp=1"`` (its product: the devices).
+      num_processes: JAX processes that ran it together (``jax.process_count()``).
     """
 
     config: TrainConfig
@@ -264,6 +272,8 @@ class TrainResult:
     step_time_s: float
     wall_time_s: float
     data: dict[str, Any]
+    mesh: str = "dp=1,fsdp=1,tp=1"
+    num_processes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the config as a dict)."""
@@ -298,6 +308,7 @@ def environment_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "backend": jax.default_backend(),
         "devices": [str(d.device_kind) for d in jax.devices()],
+        "process_count": jax.process_count(),
         "python": sys.version.split()[0],
         **{
             name: version(name)
@@ -336,23 +347,52 @@ def _initial_params(model: ModelConfig, seed: int) -> Any:
     return jax.device_get(jax.jit(init_params, static_argnums=0)(model, init_key))
 
 
-def _initial_state(cfg: TrainConfig) -> TrainState:
-    """A fresh TrainState with its own buffers (the train step donates them)."""
-    params = jax.tree.map(lambda x: jnp.array(x, copy=True), _initial_params(
-        cfg.model_config(), cfg.seed))  # fmt: skip
-    return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=_optimizer(cfg).init(params)
+def _initial_state(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
+    """A fresh TrainState with its own buffers (the train step donates them); on ``mesh``,
+    sharded as the train step takes it (every process places its own shards)."""
+    host = _initial_params(cfg.model_config(), cfg.seed)
+    if mesh is None:
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), host)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=_optimizer(cfg).init(params)
+        )
+    init, shardings = _init_on_mesh(
+        cfg.model_config(), _opt_key(cfg), cfg.lr, cfg.weight_decay, mesh
     )
+    return init(S.put_global(host, shardings.params))
+
+
+@functools.lru_cache(maxsize=8)
+def _init_on_mesh(
+    model: ModelConfig, opt_key: tuple, lr: float, weight_decay: float, mesh: Mesh
+) -> tuple[Callable, TrainState]:
+    """Jitted ``params -> TrainState`` (step 0, fresh optimizer state) laid out on ``mesh``, and
+    the state's shardings."""
+    opt = _injected(*opt_key)(learning_rate=lr, weight_decay=weight_decay)
+    shardings = S.sharded_train_state(model, opt, mesh)[1]
+    init = jax.jit(
+        lambda params: TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
+        ),
+        out_shardings=shardings,
+    )
+    return init, shardings
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_step(
-    model: ModelConfig, opt_key: tuple, micro_batches: int, batch_size: int, seq_len: int
+    model: ModelConfig,
+    opt_key: tuple,
+    micro_batches: int,
+    batch_size: int,
+    seq_len: int,
+    mesh: Mesh | None = None,
 ) -> tuple[Any, float]:
-    """The compiled train step (state donated) and its compile time in seconds, cached so that
-    runs of the same shapes in one process (a resume, a test) compile once."""
+    """The compiled train step (state donated; on ``mesh``, sharded) and its compile time in
+    seconds, cached so that runs of the same shapes in one process (a resume, a test) compile
+    once."""
     opt = _injected(*opt_key)(learning_rate=0.0, weight_decay=0.0)  # values live in the state
-    step = make_train_step(model, opt, micro_batches=micro_batches)
+    step = make_train_step(model, opt, micro_batches=micro_batches, mesh=mesh)
     t0 = time.perf_counter()
     compiled = step.lower(
         abstract_train_state(model, opt), abstract_batch(batch_size, seq_len)
@@ -361,9 +401,15 @@ def _compiled_step(
 
 
 @functools.lru_cache(maxsize=16)
-def _eval_fn(model: ModelConfig) -> Callable:
-    return jax.jit(lambda params, inputs, targets: loss_fn(
-        params, model, {"inputs": inputs, "targets": targets}))  # fmt: skip
+def _eval_fn(model: ModelConfig, mesh: Mesh | None = None) -> Callable:
+    """Jitted ``(params, inputs, targets) -> mean loss``; on ``mesh``, batch split as in
+    training."""
+
+    def loss(params, inputs, targets):
+        with S.activation_sharding(mesh):
+            return loss_fn(params, model, {"inputs": inputs, "targets": targets})
+
+    return jax.jit(loss)
 
 
 def _opt_key(cfg: TrainConfig) -> tuple:
@@ -423,13 +469,15 @@ def latest_checkpoint_step(workdir: str | os.PathLike[str]) -> int | None:
 
 
 def load_checkpoint(
-    workdir: str | os.PathLike[str], step: int | None = None
+    workdir: str | os.PathLike[str], step: int | None = None, mesh: Mesh | None = None
 ) -> tuple[TrainState, dict[str, Any]]:
     """Restore a checkpoint written by :func:`train`.
 
     Args:
       workdir: the run's workdir (checkpoints are in ``workdir/checkpoints``).
       step: the checkpoint step (updates done); None for the latest complete one.
+      mesh: restore the state sharded over this (dp, fsdp, tp) mesh (any mesh: a checkpoint
+        does not depend on the mesh it was saved from); None: onto the default device.
 
     Returns:
       ``(state, meta)``: the :class:`TrainState` with real arrays, and the JSON metadata
@@ -446,22 +494,26 @@ def load_checkpoint(
                 f"no complete checkpoint {'' if step is None else step} in {directory}; "
                 f"available: {sorted(mgr.all_steps())}"
             )
-        return _restore(mgr, step)
+        return _restore(mgr, step, mesh)
 
 
-def _restore(mgr: ocp.CheckpointManager, step: int) -> tuple[TrainState, dict[str, Any]]:
+def _restore(
+    mgr: ocp.CheckpointManager, step: int, mesh: Mesh | None
+) -> tuple[TrainState, dict[str, Any]]:
     meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     cfg = TrainConfig.from_dict(meta["config"])
-    target = {
-        "train_state": abstract_train_state(cfg.model_config(), _optimizer(cfg)),
-        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
-    }
+    if mesh is None:
+        state = abstract_train_state(cfg.model_config(), _optimizer(cfg))
+    else:
+        state = S.sharded_train_state(cfg.model_config(), _optimizer(cfg), mesh)[0]
+    # The run's key is a host (numpy) array: every process holds it whole.
+    target = {"train_state": state, "rng": np.zeros((2,), np.uint32)}
     out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     meta["rng"] = np.asarray(out["state"]["rng"]).tolist()
     return out["state"]["train_state"], meta
 
 
-def _save(mgr, step: int, state: TrainState, rng_data: jax.Array, meta: dict[str, Any]) -> None:
+def _save(mgr, step: int, state: TrainState, rng_data: np.ndarray, meta: dict[str, Any]) -> None:
     mgr.save(
         step,
         args=ocp.args.Composite(
@@ -510,12 +562,15 @@ def train(
       NonFiniteLossError: a step's loss or gradient norm is not finite (nothing saved for it).
     """
     t_start = time.perf_counter()
+    mesh = S.local_mesh(cfg.mesh)
+    S.check_batch(cfg.batch_size, mesh, cfg.micro_batches)
+    batch_sharding = S.batch_sharding(mesh)
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes, val_fraction=cfg.val_fraction)
     batcher = corpus.batcher(cfg.batch_size, cfg.seq_len, cfg.seed)
     val = (
         [
-            (jnp.asarray(x), jnp.asarray(y))
-            for x, y in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+            S.put_global(xy, (batch_sharding, batch_sharding))
+            for xy in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         ]
         if cfg.eval_every
         else []
@@ -541,8 +596,8 @@ def train(
                     f"(found format {meta['meta'].get('format')!r}); use a fresh workdir"
                 )
             _check_compatible(meta["meta"]["compat"], compat, where)
-            state, meta = _restore(mgr, latest)
-            rng_data = jnp.asarray(meta["rng"], jnp.uint32)
+            state, meta = _restore(mgr, latest, mesh)
+            rng_data = np.asarray(meta["rng"], np.uint32)
             losses, val_losses = list(meta["losses"]), [tuple(p) for p in meta["val_losses"]]
             start = int(meta["step"])
             batcher.step = int(meta["data"]["step"])
@@ -551,11 +606,12 @@ def train(
             resumed_from: int | None = start
         else:
             _, run_key = jax.random.split(jax.random.key(cfg.seed))
-            state = _initial_state(cfg)
-            rng_data = jax.random.key_data(run_key)  # uint32[2]; saved so a resume is exact
+            state = _initial_state(cfg, mesh)
+            # uint32[2] on the host, saved so a resume is exact.
+            rng_data = np.asarray(jax.random.key_data(run_key))
             losses, val_losses, start, resumed_from = [], [], 0, None
 
-        eval_fn = _eval_fn(model)
+        eval_fn = _eval_fn(model, mesh)
 
         def evaluate(params) -> float:
             return float(np.mean([float(eval_fn(params, x, y)) for x, y in val]))
@@ -567,7 +623,7 @@ def train(
         if start < cfg.steps:
             hits = _compiled_step.cache_info().hits
             compiled, compile_time_s = _compiled_step(
-                model, _opt_key(cfg), cfg.micro_batches, cfg.batch_size, cfg.seq_len
+                model, _opt_key(cfg), cfg.micro_batches, cfg.batch_size, cfg.seq_len, mesh
             )
             if _compiled_step.cache_info().hits > hits:
                 compile_time_s = 0.0  # compiled earlier in this process
@@ -575,7 +631,7 @@ def train(
         step_times: list[float] = []
         for t in range(start, cfg.steps):
             t0 = time.perf_counter()
-            inputs, targets = batcher.batch_at(t)
+            inputs, targets = S.put_global(batcher.batch_at(t), (batch_sharding, batch_sharding))
             state, metrics = compiled(state, {"inputs": inputs, "targets": targets})
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             step_times.append(time.perf_counter() - t0)
@@ -618,6 +674,8 @@ def train(
         step_time_s=float(np.mean(step_times[1:] or step_times)) if step_times else float("nan"),
         wall_time_s=time.perf_counter() - t_start,
         data=corpus.info(),
+        mesh=str(S.MeshSpec(*mesh.devices.shape)),
+        num_processes=jax.process_count(),
     )
 
 

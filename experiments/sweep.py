@@ -16,6 +16,13 @@ shared with other jobs, jax 0.10.2)::
     python experiments/sweep.py --resume             # continue a killed run
     python experiments/sweep.py --data my_texts/     # train on your own text
 
+Several devices: measured points run on every device JAX sees (data parallel, or ``--mesh
+fsdp=4`` / ``dp=2,fsdp=2,tp=2``, which also sets the mesh GPU targets are analysed on; on a CPU,
+``JAX_NUM_CPU_DEVICES=4`` gives 4 devices); figures are per device. Several processes: the same
+command once per process with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or
+``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; nothing under SLURM's
+``srun``); process 0 writes the results.
+
 Exit codes: 0 done (rows with status ``oom`` / ``error`` included); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
 output, resuming onto another config's results, a missing, empty or binary ``--data`` path).
@@ -31,6 +38,8 @@ try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from remat_kit import distributed
 
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
@@ -60,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-data-bytes", type=int, help="cap on the corpus size, in bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip the figures (pareto.png, ...)")
+    distributed.add_arguments(p)
     return p
 
 
@@ -88,7 +98,8 @@ def _summary_header(run, argv: list[str] | None) -> str:
             f"- Command: `{command}`",
             f"- Last run: {r.get('time')}; {len(run.new_rows)} point(s) in {run.wall_s:.0f} s, "
             f"{run.skipped} kept from earlier runs",
-            f"- Machine: {r.get('backend')} backend, {r.get('device_kind')}, "
+            f"- Machine: {r.get('backend')} backend, {r.get('device_count')} x "
+            f"{r.get('device_kind')} in {r.get('process_count', 1)} process(es), "
             f"{r.get('cpu_count')} CPUs ({r.get('machine')}); jax {r.get('jax')}, "
             f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
             f"- Measured rows train on {data}" if r.get("data_source") else "- Analysis only",
@@ -103,11 +114,20 @@ def _summary_header(run, argv: list[str] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # before anything starts JAX's backends
+        distributed.initialize_from_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import dataclasses
+
     from rich.console import Console
 
     from remat_kit import plots, results, sweep
 
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    primary = distributed.is_primary()
+    width = None if sys.stdout.isatty() else 120
+    console = Console(width=width, quiet=not primary)
     try:
         if args.max_data_bytes is not None and args.max_data_bytes < 1:
             raise ValueError(f"--max-data-bytes must be >= 1, got {args.max_data_bytes}")
@@ -115,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"no sweep config {args.config!r} (looked for {path})")
         config = sweep.load_config(path)
+        if args.mesh is not None:
+            grids = tuple(dataclasses.replace(g, mesh=args.mesh) for g in config.grids)
+            config = dataclasses.replace(config, grids=grids)
         out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
@@ -126,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             data=args.data,
             max_data_bytes=args.max_data_bytes,
             progress=not args.no_progress,
+            console=Console(stderr=True, quiet=not primary),
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if not primary:
+        return 0
     results.print_summary(run.rows, console)
     (out.parent / "summary.md").write_text(
         _summary_header(run, argv) + results.summary_markdown(run.rows)

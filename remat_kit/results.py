@@ -64,8 +64,10 @@ STATUSES = ("ok", "oom", "error")
 ``error``: any other failure (the message is in the row's ``error``)."""
 
 _KEY_CHARS = 16  # hex characters of the sha256 kept in keys and fingerprints
-#: Identity of a group of rows compared against each other (same model, shapes and target).
-GROUP_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size", "overrides")
+#: Identity of a group of rows compared against each other (same model, shapes, target, mesh).
+GROUP_FIELDS = (
+    "model", "target", "batch_size", "seq_len", "remat_group_size", "overrides", "mesh",
+)  # fmt: skip
 
 
 def _canonical(obj: Any) -> str:
@@ -102,6 +104,7 @@ def environment() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device_kind": str(device.device_kind),
         "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
     }
@@ -277,8 +280,8 @@ def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
 def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     """One record per ``ok`` row with its figures next to the ``no-remat`` row of its group.
 
-    A group is the rows sharing model, target, batch size, sequence length, ``remat_group_size``
-    and config overrides (:data:`GROUP_FIELDS`). Figures (``None`` where an input is missing,
+    A group is the rows sharing model, target, batch size, sequence length, ``remat_group_size``,
+    config overrides and mesh (:data:`GROUP_FIELDS`). Figures (``None`` where an input is missing,
     e.g. no ``no-remat`` row in the group, or no measurement):
 
     * ``peak_bytes``: the analyzer's predicted peak (bytes); ``measured_peak_bytes`` as measured.
@@ -318,6 +321,7 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
             {
                 **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
                 "remat_group_size": r.get("remat_group_size"),
+                "mesh": r.get("mesh"),
                 "policy": r.get("policy"),
                 "status": r.get("status"),
                 "peak_bytes": peak,
@@ -365,10 +369,10 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     order = {name: i for i, name in enumerate(policy_names())}
     tables: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
-        key = (r["model"], r["target"], r["batch_size"], r["remat_group_size"])
+        key = (r["model"], r["target"], r["batch_size"], r["remat_group_size"], r["mesh"])
         tables.setdefault(key, []).append(r)
     out = []
-    for (model, target, b, k), recs in tables.items():
+    for (model, target, b, k, mesh), recs in tables.items():
         recs = sorted(recs, key=lambda r: (r["seq_len"], order.get(r["policy"], len(order))))
         peaks = [r["peak_bytes"] for r in recs if r["peak_bytes"]]
         unit, unit_name = (2**30, "GiB") if peaks and max(peaks) >= 2**32 else (2**20, "MiB")
@@ -409,7 +413,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                 ]
             body.append(line)
         grp = f", remat_group_size={k}" if k != 1 else ""
-        out.append((f"{model} on {target}, batch {b}{grp}", header, body))
+        where = f"{target}, mesh {mesh} (figures per device)" if mesh else target
+        out.append((f"{model} on {where}, batch {b}{grp}", header, body))
     return out
 
 

@@ -193,11 +193,22 @@ def local_mesh(mesh: str | MeshSpec | None = None) -> Mesh:
         data parallelism over every device.
 
     Raises:
-      ValueError: a bad mesh text, or a product of sizes different from ``jax.device_count()``
-        (see :func:`parse_mesh`).
+      ValueError: a bad mesh text (see :func:`parse_mesh`), or a product of sizes different
+        from ``jax.device_count()`` (naming both numbers).
     """
     devices = jax.devices()
-    return make_mesh(parse_mesh(mesh, len(devices)), devices)
+    spec = parse_mesh(mesh)
+    if spec.num_devices != len(devices):
+        more = (
+            "; on a CPU, JAX_NUM_CPU_DEVICES=N (set before JAX starts) gives N devices"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"mesh {spec} needs {spec.num_devices} devices (product of its sizes) but this run "
+            f"has {len(devices)} (jax.device_count()){more}"
+        )
+    return make_mesh(spec, devices)
 
 
 def put_global(host: Any, shardings: Any) -> Any:

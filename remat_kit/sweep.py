@@ -52,9 +52,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
 from remat_kit import names as N
 from remat_kit import results as R
+from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.data import Corpus, load_corpus
 from remat_kit.models.config import ModelConfig, get_config, preset_names
@@ -112,6 +115,11 @@ class Grid:
       optimizer: ``adamw``, ``sgd`` or ``adafactor`` (:func:`remat_kit.make_optimizer`).
       learning_rate: the optimizer's learning rate.
       seed: parameter initialisation and batch order seed.
+      mesh: a (dp, fsdp, tp) mesh (:mod:`remat_kit.sharding`), ``"fsdp=4"`` or
+        ``"dp=2,fsdp=2,tp=2"``: local points run on it (its product must be
+        ``jax.device_count()``, every process's devices), GPU targets are analysed on that many
+        GPUs; figures are per device. ``None``: local points run data parallel over every
+        device (one device: no mesh), GPU targets are analysed on one GPU.
     """
 
     name: str
@@ -128,11 +136,15 @@ class Grid:
     optimizer: str = "adamw"
     learning_rate: float = 3e-4
     seed: int = 0
+    mesh: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (tuples become lists)."""
+        """JSON-ready (tuples become lists; ``mesh`` left out when None, so configs written
+        before meshes existed keep their fingerprint)."""
         d = dataclasses.asdict(self)
         d["overrides"] = dict(sorted(dict(self.overrides).items()))
+        if d["mesh"] is None:
+            del d["mesh"]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
@@ -173,6 +185,7 @@ class SweepConfig:
         out = []
         for g in self.grids:
             for model, target, group, b, s, policy in _product(g):
+                mesh = _point_mesh(g, target, b, local_kind)
                 out.append(
                     Point(
                         grid=g.name,
@@ -189,6 +202,7 @@ class SweepConfig:
                         optimizer=g.optimizer,
                         learning_rate=g.learning_rate,
                         seed=g.seed,
+                        mesh=mesh,
                     )
                 )
         keys = [p.key for p in out]
@@ -196,6 +210,30 @@ class SweepConfig:
             dup = next(p for p in out if keys.count(p.key) > 1)
             raise ValueError(f"sweep {self.name!r} lists point {dup.label} twice")
         return out
+
+
+def _point_mesh(g: Grid, target: str, batch_size: int, local_kind: str) -> str | None:
+    """The mesh a point runs or is analysed on (see :attr:`Grid.mesh`), as ``MeshSpec`` text;
+    None for one device without a mesh."""
+    local = _is_local(target, local_kind)
+    if g.mesh is not None:
+        spec = S.parse_mesh(g.mesh)
+        if local:
+            try:
+                S.local_mesh(spec)  # raises unless the mesh has every device of the run
+            except ValueError as err:
+                raise _in(f"grid {g.name!r}", err) from None
+    elif local and jax.device_count() > 1:
+        spec = S.parse_mesh(None, jax.device_count())
+    else:
+        return None
+    split = spec.dp * spec.fsdp
+    if batch_size % split:
+        raise ValueError(
+            f"grid {g.name!r}: batch size {batch_size} does not split over dp*fsdp={split} "
+            f"devices of mesh {spec}; use a multiple of {split} or another mesh (--mesh)"
+        )
+    return str(spec)
 
 
 def _product(g: Grid) -> Iterator[tuple]:
@@ -226,10 +264,14 @@ class Point:
     optimizer: str
     learning_rate: float
     seed: int
+    mesh: str | None = None  # MeshSpec text ("dp=2,fsdp=1,tp=1"); None: one device
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``mesh`` left out when None (keys of one-device points unchanged)."""
         d = dataclasses.asdict(self)
         d["overrides"] = dict(self.overrides)
+        if d["mesh"] is None:
+            del d["mesh"]
         return d
 
     @property
@@ -240,7 +282,10 @@ class Point:
     @property
     def label(self) -> str:
         g = f" k={self.remat_group_size}" if self.remat_group_size != 1 else ""
-        return f"{self.model} b={self.batch_size} s={self.seq_len}{g} {self.policy} @{self.target}"
+        m = f" [{self.mesh}]" if self.mesh else ""
+        return (
+            f"{self.model} b={self.batch_size} s={self.seq_len}{g}{m} {self.policy} @{self.target}"
+        )
 
     def model_config(self) -> ModelConfig:
         """The preset with the policy, group size and overrides applied (validated)."""
@@ -335,6 +380,11 @@ def validate(config: SweepConfig) -> None:
             raise ValueError(f"{where}: learning_rate must be > 0, got {g.learning_rate!r}")
         if not isinstance(g.measure, bool):
             raise ValueError(f"{where}: measure must be True or False, got {g.measure!r}")
+        if g.mesh is not None:
+            try:
+                S.parse_mesh(g.mesh)
+            except ValueError as err:
+                raise _in(where, err) from None
         if not isinstance(g.overrides, Mapping):
             raise ValueError(f"{where}: overrides must be a mapping, got {g.overrides!r}")
         for bad in ("remat_policy", "remat_group_size"):
@@ -470,16 +520,32 @@ def _message(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:2000]
 
 
-def _memory_stats() -> dict[str, Any] | None:
-    try:
-        return jax.devices()[0].memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        return None
+def _peak_bytes_in_use() -> int | None:
+    """The largest ``peak_bytes_in_use`` over this process's devices (None: not reported)."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if stats and stats.get("peak_bytes_in_use") is not None:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
 
 
-def _device_batch(batcher: Any, step: int) -> dict[str, jax.Array]:
+def _mesh(point: Point) -> Mesh | None:
+    """The point's mesh over every device of the run, or None (one device)."""
+    return None if point.mesh is None else S.local_mesh(point.mesh)
+
+
+def _device_batch(batcher: Any, step: int, mesh: Mesh | None = None) -> dict[str, jax.Array]:
     inputs, targets = batcher.batch_at(step)  # int32 [b, s] each
-    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    if mesh is None:
+        batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    else:  # split over (dp, fsdp); each process places its own rows
+        sharding = S.batch_sharding(mesh)
+        batch = S.put_global({"inputs": inputs, "targets": targets}, {"inputs": sharding,
+                             "targets": sharding})  # fmt: skip
     return jax.block_until_ready(batch)
 
 
@@ -540,7 +606,7 @@ def compile_steps(
                 state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
                 optimizer = make_optimizer(p.optimizer, learning_rate=p.learning_rate)
                 t0 = time.perf_counter()
-                low = make_train_step(config, optimizer, donate=True).lower(
+                low = make_train_step(config, optimizer, donate=True, mesh=_mesh(p)).lower(
                     state, abstract_batch(p.batch_size, p.seq_len)
                 )
                 text_key = hashlib.sha256(low.as_text().encode()).hexdigest()
@@ -586,13 +652,20 @@ def measure_point(
       FloatingPointError: a loss was not finite.
       Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
     """
-    host = _host_state(point, point.model_config(), state_cache)
-    state = jax.block_until_ready(jax.device_put(host))
+    config = point.model_config()
+    host = _host_state(point, config, state_cache)
+    mesh = _mesh(point)
+    if mesh is None:
+        state = jax.device_put(host)
+    else:  # laid out as the compiled step takes it
+        optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
+        state = S.put_global(host, S.sharded_train_state(config, optimizer, mesh)[1])
+    state = jax.block_until_ready(state)
     batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
-    before = (_memory_stats() or {}).get("peak_bytes_in_use")
+    before = _peak_bytes_in_use()
     losses, times, cpu_times = [], [], []
     for i in range(point.warmup_steps + point.timed_steps):
-        batch = _device_batch(batcher, i)
+        batch = _device_batch(batcher, i, mesh)
         start, cpu_start = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch)
         jax.block_until_ready((state, metrics))
@@ -605,14 +678,15 @@ def measure_point(
             times.append(elapsed)
             cpu_times.append(cpu)
     del state
-    after = (_memory_stats() or {}).get("peak_bytes_in_use")
+    after = _peak_bytes_in_use()
     if after is None:
         peak, note = None, f"the {jax.default_backend()} backend reports no peak_bytes_in_use"
     elif before is not None and after <= before:
         peak = None
         note = "peak_bytes_in_use did not rise above an earlier point's peak in this process"
     else:
-        peak, note = int(after), "memory_stats()['peak_bytes_in_use'] after the point"
+        peak = int(after)
+        note = "memory_stats()['peak_bytes_in_use'] after the point (largest over devices)"
     median = statistics.median(times)
     return {
         "step_times_s": [round(t, 6) for t in times],
@@ -678,6 +752,7 @@ def _analyze_group(points: Sequence[Point]) -> dict[str, Any]:
             target=p0.target,
             optimizer=make_optimizer(p0.optimizer, learning_rate=p0.learning_rate),
             raise_errors=False,
+            mesh=p0.mesh,
         )
     except Exception as err:  # the whole group failed: every point gets the error
         out = [err] * len(points)
@@ -730,8 +805,9 @@ def _run_point(
             compiled, measured["compile_s"] = executable[0], round(executable[1], 3)
             measured.update(measure_point(point, compiled, corpus, state_cache))
             peak_flops = T.get_target(point.target).peak_flops_bf16
-            if peak_flops and config.dtype == "bfloat16":
-                measured["mfu"] = model_flops / measured["step_time_s"] / peak_flops
+            if peak_flops and config.dtype == "bfloat16":  # over every device of the mesh
+                devices = S.parse_mesh(point.mesh).num_devices if point.mesh else 1
+                measured["mfu"] = model_flops / measured["step_time_s"] / (peak_flops * devices)
             if measured["measured_peak_bytes"]:
                 measured["peak_error"] = report.peak_bytes / measured["measured_peak_bytes"] - 1
     except Exception as err:
@@ -790,8 +866,15 @@ def run_sweep(
     corpus = None
     if any(p.measure for p in points):  # a bad data path fails before the output is touched
         corpus = load_corpus(data, max_bytes=max_data_bytes)
-    done = _prepare_output(path, fingerprint, resume, overwrite)
-    todo = [p for p in points if p.key not in done]
+    primary = jax.process_index() == 0
+    # Several processes (jax.distributed) run every point together; process 0 owns the file.
+    done: dict | ValueError = {}
+    if primary:
+        try:
+            done = _prepare_output(path, fingerprint, resume, overwrite)
+        except ValueError as err:
+            done = err
+    todo = _agreed_todo(points, done)
     if not any(p.measure for p in todo):
         corpus = None
     common = {
@@ -806,7 +889,7 @@ def run_sweep(
         groups.setdefault(p.group, []).append(p)
     param_counts: dict[tuple, tuple[int, int]] = {}
     state_cache: dict = {}
-    with _progress(progress, console, len(todo)) as advance:
+    with _progress(progress and primary, console, len(todo)) as advance:
         for members in groups.values():
             failed: dict[str, BaseException] = {}
             for p in members:
@@ -834,13 +917,34 @@ def run_sweep(
                     executables.get(p.key),
                     state_cache,
                 )
-                R.append_row(path, row)
+                if primary:
+                    R.append_row(path, row)
                 new_rows.append(row)
                 advance(1, p.label)
             del executables
     by_key = {**done, **{r["key"]: r for r in new_rows}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, new_rows, len(points) - len(todo), time.perf_counter() - start)
+
+
+def _agreed_todo(points: Sequence[Point], done: Mapping[str, Any] | ValueError) -> list[Point]:
+    """The points still to run, as process 0 sees them (broadcast to every process of a
+    ``jax.distributed`` run, whose steps must run in the same order everywhere).
+
+    Raises:
+      ValueError: process 0 could not prepare the output (``done`` is its error there).
+    """
+    failed = isinstance(done, ValueError)
+    mask = np.array([failed] + [failed or p.key not in done for p in points], np.int32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
+    if failed:
+        raise done
+    if mask[0]:
+        raise ValueError("process 0 could not prepare the results file (its error says why)")
+    return [p for p, todo in zip(points, mask[1:], strict=True) if todo]
 
 
 @contextlib.contextmanager

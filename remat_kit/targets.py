@@ -458,11 +458,12 @@ def gpu_target_config(target: str | Target) -> str:
 def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Device]:
     """The ``num_devices`` devices to lower and compile for ``target`` on.
 
-    ``local`` and ``cpu``: the first ``num_devices`` local devices. GPU models: compile-only
-    devices of a deviceless topology ``1x1x{num_devices}`` (one host, ``num_devices`` GPUs),
-    made once per (target, ``num_devices``) and cached. Compile-only devices cannot run
-    anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding on them (see
-    :func:`abstract_sharding`) and call ``.lower(...).compile()``.
+    ``local`` and ``cpu``: the first ``num_devices`` devices of the run (``jax.devices()``: in a
+    ``jax.distributed`` run, every process's devices, as a global mesh needs). GPU models:
+    compile-only devices of a deviceless topology ``1x1x{num_devices}`` (one host,
+    ``num_devices`` GPUs), made once per (target, ``num_devices``) and cached. Compile-only
+    devices cannot run anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding
+    on them (see :func:`abstract_sharding`) and call ``.lower(...).compile()``.
 
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
@@ -475,7 +476,7 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if t.gpu is not None:
         return list(_cuda_topology(t, num_devices).devices)
-    devices = jax.local_devices(backend="cpu") if t.name == "cpu" else jax.local_devices()
+    devices = jax.devices("cpu") if t.name == "cpu" else jax.devices()
     if len(devices) < num_devices:
         fix = (
             "; for more CPU devices call jax.config.update('jax_num_cpu_devices', N) before "

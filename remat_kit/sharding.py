@@ -197,7 +197,7 @@ def local_mesh(mesh: str | MeshSpec | None = None) -> Mesh:
         from ``jax.device_count()`` (naming both numbers).
     """
     devices = jax.devices()
-    spec = parse_mesh(mesh)
+    spec = parse_mesh(mesh) if mesh else MeshSpec(dp=len(devices))
     if spec.num_devices != len(devices):
         more = (
             "; on a CPU, JAX_NUM_CPU_DEVICES=N (set before JAX starts) gives N devices"

@@ -73,34 +73,3 @@ def test_dp_fsdp_tp_give_the_loss_of_one_device():
     losses = json.loads(out.stdout.strip().splitlines()[-1])
     for mesh in meshes[1:]:
         np.testing.assert_allclose(losses[mesh], losses["none"], rtol=1e-5, atol=1e-5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_cpu_processes_under_jax_distributed():
-    script = str(Path(__file__).parent / "scripts" / "two_process.py")
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(i), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]  # fmt: skip
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-2000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    single = subprocess.run(
-        [sys.executable, script, "single"], capture_output=True, text=True, timeout=300
-    )
-    reference = json.loads(single.stdout.strip().splitlines()[-1])
-    for r in results:
-        assert r["devices"] == 2
-        np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)

@@ -1,0 +1,175 @@
+"""Several processes (jax.distributed over gloo on the CPU) and meshes in the scripts."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from remat_kit import distributed
+from remat_kit.sweep import Grid, SweepConfig, run_sweep
+from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, str(ROOT / "experiments" / "train.py")]
+SWEEP = [sys.executable, str(ROOT / "experiments" / "sweep.py")]
+TINY_TRAIN = ["--batch", "4", "--seq", "32", "--eval-every", "2", "--eval-batches", "1",
+              "--ckpt-every", "2", "--set", "d_model=32", "--set", "d_ff=64"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
+
+
+def _two_processes(cmd: list[str]) -> None:
+    """Run ``cmd`` as processes 0 and 1 of one jax.distributed run; fail on a non-zero exit."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"process {i}: {err[-2000:]}"
+
+
+@pytest.fixture
+def no_cluster_env(monkeypatch):
+    for name in (*distributed.ENV_VARS, "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((None, 0, None), r"num_processes .* must be an integer >= 1, got 0"),
+        (("h:1", 2, 2), r"process_id .* must be one of 0..1 for num_processes=2, got 2"),
+        (("h:1", 2, None), r"must be one of 0..1 for num_processes=2, got None"),
+        ((None, 2, 1), r"num_processes=2 needs the coordinator's host:port"),
+    ],
+)
+def test_bad_process_layout_raises_one_line(no_cluster_env, args, match):
+    with pytest.raises(ValueError, match=match):
+        distributed.initialize(*args)
+
+
+def test_bad_environment_variable_is_named(no_cluster_env, monkeypatch):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES must be an integer, got 'two'"):
+        distributed.initialize()
+
+
+def test_one_process_starts_nothing(no_cluster_env):
+    assert distributed.initialize() is False
+    assert distributed.initialize(num_processes=1) is False
+
+
+def test_scripts_reject_a_bad_layout_or_mesh_in_one_line(tmp_path):
+    for cmd, match in [
+        ([*TRAIN, "--workdir", str(tmp_path / "a"), "--num-processes", "2", "--process-id", "2",
+          "--coordinator", "127.0.0.1:1"], "must be one of 0..1"),
+        ([*TRAIN, "--workdir", str(tmp_path / "b"), "--mesh", "fsdp=3"],
+         r"mesh dp=1,fsdp=3,tp=1 needs 3 devices .* but this run has 1"),
+        ([*SWEEP, "--config", "quick", "--out", str(tmp_path / "c.jsonl"), "--mesh", "pp=2"],
+         "unknown mesh axis 'pp'; valid: dp, fsdp, tp"),
+    ]:  # fmt: skip
+        out = _run(cmd)
+        assert out.returncode == 2, out.stderr[-2000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+        assert re.search(match, lines[0]), lines[0]
+    assert not (tmp_path / "b" / "checkpoints").exists()
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_train_script_over_two_processes_matches_one(tmp_path):
+    """2 processes (data parallel over their 2 CPU devices) give one process's losses; a
+    one-device run resumes from their checkpoint and continues as an uninterrupted run."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    _two_processes([*TRAIN, "--workdir", str(two), "--steps", "4", *TINY_TRAIN])
+    out = _run([*TRAIN, "--workdir", str(one), "--steps", "6", *TINY_TRAIN])
+    assert out.returncode == 0, out.stderr[-2000:]
+    r2 = json.loads((two / "result.json").read_text())
+    r1 = json.loads((one / "result.json").read_text())
+    assert (r2["num_processes"], r2["mesh"], r2["environment"]["process_count"]) == (
+        2, "dp=2,fsdp=1,tp=1", 2)  # fmt: skip
+    assert (r1["num_processes"], r1["mesh"]) == (1, "dp=1,fsdp=1,tp=1")
+    np.testing.assert_allclose(r2["losses"], r1["losses"][:4], rtol=1e-5)
+    np.testing.assert_allclose(
+        [v for _, v in r2["val_losses"]], [v for _, v in r1["val_losses"][:3]], rtol=1e-5
+    )
+    # The 2-process checkpoint (sharded over 2 devices) restores onto 1 device.
+    out = _run([*TRAIN, "--workdir", str(two), "--steps", "6", "--resume", *TINY_TRAIN])
+    assert out.returncode == 0, out.stderr[-2000:]
+    resumed = json.loads((two / "result.json").read_text())
+    assert resumed["resumed_from"] == 4 and resumed["num_processes"] == 1
+    np.testing.assert_allclose(resumed["losses"], r1["losses"], rtol=1e-5)
+
+
+SWEEP_CONFIG = """
+from remat_kit.sweep import Grid, SweepConfig
+
+def get_config():
+    return SweepConfig("two", grids=(Grid(
+        "measured", models=("tiny-gpt",), policies=("no-remat", "save-nothing"),
+        batch_sizes=(4,), seq_lens=(32,), overrides={"scan_layers": True},
+        warmup_steps=0, timed_steps=2),))
+"""
+
+
+def test_sweep_script_over_two_processes_matches_one(tmp_path):
+    """fsdp over the devices of 2 processes: process 0 writes one row per point, rows name the
+    mesh, and the losses are those of a one-device sweep of the same grid."""
+    (tmp_path / "two.py").write_text(SWEEP_CONFIG)
+    out = tmp_path / "rows.jsonl"
+    _two_processes([*SWEEP, "--config", str(tmp_path / "two.py"), "--out", str(out),
+                    "--mesh", "fsdp=2", "--no-plot", "--no-progress"])  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["policy"] for r in rows] == ["no-remat", "save-nothing"]
+    assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
+    assert {(r["mesh"], r["device_count"], r["process_count"]) for r in rows} == {
+        ("dp=1,fsdp=2,tp=1", 2, 2)}  # fmt: skip
+    grid = Grid("measured", models=("tiny-gpt",), policies=("no-remat", "save-nothing"),
+                batch_sizes=(4,), seq_lens=(32,), overrides={"scan_layers": True},
+                warmup_steps=0, timed_steps=2)  # fmt: skip
+    single = run_sweep(SweepConfig("one", (grid,)), tmp_path / "one.jsonl", progress=False)
+    for r, s in zip(rows, single.rows, strict=True):
+        assert "mesh" not in s  # one device: no mesh, the point keys of earlier sweeps
+        np.testing.assert_allclose(r["losses"], s["losses"], rtol=1e-5)
+        # fsdp=2 halves the parameters and optimizer state each device holds.
+        assert r["argument_bytes"] < 0.6 * s["argument_bytes"]
+
+
+def test_grid_mesh_errors_name_the_numbers():
+    grid = Grid("g", models=("tiny-gpt",), policies=("no-remat",), batch_sizes=(4,))
+    with pytest.raises(ValueError, match=r"grid 'g': mesh dp=1,fsdp=2,tp=1 needs 2 devices"):
+        SweepConfig("s", (Grid(**{**grid.__dict__, "mesh": "fsdp=2"}),)).points()
+    with pytest.raises(ValueError, match=r"grid 'g': unknown mesh axis 'x'"):
+        SweepConfig("s", (Grid(**{**grid.__dict__, "mesh": "x=2"}),)).points()
+    three = Grid(**{**grid.__dict__, "mesh": "dp=3", "targets": ("h100-sxm",)})
+    with pytest.raises(ValueError, match=r"batch size 4 does not split over dp\*fsdp=3"):
+        SweepConfig("s", (three,)).points()
+
+
+def test_train_config_mesh_is_checked():
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'pp'"):
+        TrainConfig(mesh="pp=2")
+    assert "mesh" in RESUME_MAY_CHANGE  # a run may resume on another mesh

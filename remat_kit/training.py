@@ -21,6 +21,13 @@ fingerprint, the data position, the loss history). The batch of step ``t`` is
 ``Corpus.batcher(...).batch_at(t)``, a pure function of ``(seed, t)``, so a run resumed from
 checkpoint ``k`` computes bitwise the same losses as an uninterrupted one on the same machine.
 
+Devices: the step runs on every device of the run (``jax.devices()``; every process's devices
+under ``jax.distributed``, see :mod:`remat_kit.distributed`) on the mesh ``TrainConfig.mesh``
+names (default: data parallel). Every process computes the same initial parameters and the same
+global batch from the seed and places the shards its devices own
+(:func:`remat_kit.sharding.put_global`); orbax saves and restores the sharded state, so a run may
+resume on another mesh or number of processes.
+
 Faults:
 
 * A process killed while saving leaves the previous checkpoints intact: orbax writes

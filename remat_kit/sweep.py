@@ -229,9 +229,11 @@ def _point_mesh(g: Grid, target: str, batch_size: int, local_kind: str) -> str |
         return None
     split = spec.dp * spec.fsdp
     if batch_size % split:
+        default = " (data parallel over every device: the default)" if g.mesh is None else ""
         raise ValueError(
             f"grid {g.name!r}: batch size {batch_size} does not split over dp*fsdp={split} "
-            f"devices of mesh {spec}; use a multiple of {split} or another mesh (--mesh)"
+            f"devices of mesh {spec}{default}; use a multiple of {split}, another mesh "
+            "(--mesh, e.g. tp=N), or fewer devices (CUDA_VISIBLE_DEVICES=0 for one GPU)"
         )
     return str(spec)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -22,10 +23,17 @@ from jax.extend import core as jcore
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import BlockGroup
 from remat_kit.names import CHECKPOINT_NAMES
+from remat_kit.sharding import LOGICAL_RULES
 
 MemoryKind = Literal["device", "host"]
 _FORWARD_THROUGH = ("add", "reshape", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
+#: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
+_DIM_AXES = {
+    "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
+    "head_dim": "head_dim", "d_ff": "mlp",
+}  # fmt: skip
+_SHAPE_DOC = re.compile(r"\[([\w, ]+)\]\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +251,64 @@ def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[
         segment = jax.checkpoint(segment, policy=spec.to_jax())
     pos_spec = jax.ShapeDtypeStruct((seq_len,), jnp.int32)
     return saved_residuals(segment, params, x, pos_spec)
+
+
+def tag_axes(tag: str) -> tuple[str, ...] | None:
+    """Logical axes of a tagged tensor, read from its shape in
+    :data:`remat_kit.names.CHECKPOINT_NAMES`: ``tag_axes("query_proj") == ("batch", "seq",
+    "heads", "head_dim")``; None for an unknown tag or one whose shape is not documented."""
+    m = _SHAPE_DOC.search(CHECKPOINT_NAMES.get(tag, ""))
+    if m is None:
+        return None
+    dims = [d.strip() for d in m.group(1).split(",")]
+    if not all(d in _DIM_AXES for d in dims):
+        return None
+    return tuple(_DIM_AXES[d] for d in dims)
+
+
+def tp_split_axes() -> frozenset[str]:
+    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.sharding.LOGICAL_RULES`:
+    ``heads``, ``kv_heads``, ``mlp``, ``vocab``)."""
+    return frozenset(axis for axis, mesh in LOGICAL_RULES if mesh == "tp")
+
+
+def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
+    """Per-device residuals under ``tp``-way tensor parallelism.
+
+    A tagged residual whose documented shape (:func:`tag_axes`) has an axis that
+    :data:`remat_kit.sharding.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
+    ``1/tp`` of that dimension on each device: the projection's weight is split that way and
+    XLA's sharding propagation splits its output (and the saved residual) likewise (Megatron-LM,
+    Shoeybi et al. 2019, arXiv:1909.08053). The ``embed`` rule (fsdp) is a parameter rule only:
+    FSDP all-gathers a layer's weights, and [batch, seq, d_model] activations stay whole on every
+    device. Untagged residuals and those whose rank differs from the documented shape are kept
+    as they are (their axes are not known).
+
+    Args:
+      residuals: from :func:`saved_residuals` (shapes as traced).
+      tp: size of the ``tp`` mesh axis (>= 1).
+
+    Returns:
+      The residuals with per-device shapes and ``nbytes``, in the same order.
+
+    Raises:
+      ValueError: ``tp`` is not a positive integer.
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if tp == 1:
+        return list(residuals)
+    split = tp_split_axes()
+    out = []
+    for r in residuals:
+        axes = tag_axes(r.tag) if r.tag is not None else None
+        if axes is None or len(axes) != len(r.shape) or not split.intersection(axes):
+            out.append(r)
+            continue
+        shape = tuple(-(-d // tp) if a in split else d for d, a in zip(r.shape, axes, strict=True))
+        nbytes = math.prod(shape) * jnp.dtype(r.dtype).itemsize
+        out.append(dataclasses.replace(r, shape=shape, nbytes=nbytes))
+    return out
 
 
 def activation_bytes(residuals: list[Residual], memory: MemoryKind | None = None) -> int:

@@ -29,7 +29,7 @@ from remat_kit.memory.runner import Job, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag
+from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
 from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
 
 DEFAULT_TOP_K = 10
@@ -138,7 +138,9 @@ def analyze(
     return run_jobs([job], top_k, budget_bytes, fast_compile, workers=1)[0]  # type: ignore[return-value]
 
 
-def model_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> tuple[TagResiduals, ...]:
+def model_residuals(
+    config: ModelConfig, batch_size: int, seq_len: int, tp: int = 1
+) -> tuple[TagResiduals, ...]:
     """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
     tag, from the jaxpr of one remat segment (:func:`remat_kit.residuals.block_residuals`) times
     the number of segments (``num_layers // remat_group_size``).
@@ -146,17 +148,26 @@ def model_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> tuple
     Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
     for every segment. Parameters and the positions are not residuals here (they are arguments
     of the step). Untagged residuals are grouped as ``"<primitive>"``.
+
+    Args:
+      config: the model and its policy.
+      batch_size: sequences (per device under data parallelism: the caller divides).
+      seq_len: tokens per sequence.
+      tp: tensor-parallel degree: tagged residuals with a heads, kv_heads or d_ff dimension
+        keep ``1/tp`` of it per device (:func:`remat_kit.residuals.split_over_tp`); shapes and
+        bytes in the rows are then per device.
+
+    Raises:
+      ValueError: ``tp`` is not a positive integer.
     """
     segments = config.num_layers // config.remat_group_size
     rows = []
-    for row in group_by_tag(
-        [
-            r
-            for r in block_residuals(config, batch_size, seq_len)
-            if not r.is_argument or r.source == "argument [1]"
-        ],
-        include_arguments=True,
-    ):
+    kept = [
+        r
+        for r in block_residuals(config, batch_size, seq_len)
+        if not r.is_argument or r.source == "argument [1]"
+    ]
+    for row in group_by_tag(split_over_tp(kept, tp), include_arguments=True):
         rows.append(
             dataclasses.replace(row, count=row.count * segments, nbytes=row.nbytes * segments)
         )
@@ -225,10 +236,17 @@ def _setup(
 
 
 def _baseline_flops(setup: _ModelSetup) -> float:
+    """The no-remat step's matmul FLOPs from its trace; on a mesh, the even share per device.
+
+    The trace counts the whole (global) step. On a mesh this even share is not the report's
+    baseline: a device may compute more than ``1/devices`` of the step (what XLA leaves
+    replicated or pads), remat or not, so the runner takes the baseline per device from the
+    compiled program (:func:`remat_kit.memory.runner._per_device_baseline`) and keeps this
+    figure to tell replicated work.
+    """
     if setup.flops_no_remat is None:
         config = setup.config.replace(remat_policy="no-remat")
         step = make_train_step(config, setup.optimizer, jit=False)
-        # The trace counts the whole (global) step; a mesh splits it over its devices.
         devices = setup.mesh.size if setup.mesh is not None else 1
         setup.flops_no_remat = traced_flops(step, setup.state, setup.batch) / devices
     return setup.flops_no_remat
@@ -237,9 +255,12 @@ def _baseline_flops(setup: _ModelSetup) -> float:
 def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Job:
     config = setup.config.replace(remat_policy=spec)
     step = make_train_step(config, setup.optimizer, donate=True)
-    # Per device: dp and fsdp split the batch (tp's split of heads and d_ff is not reflected).
-    split = setup.mesh.shape["dp"] * setup.mesh.shape["fsdp"] if setup.mesh is not None else 1
-    residuals = model_residuals(config, setup.batch_size // split, setup.seq_len)
+    # Per device: dp and fsdp split the batch; tp splits the heads / kv_heads / d_ff dimension.
+    shape = dict(setup.mesh.shape) if setup.mesh is not None else {}
+    split = shape.get("dp", 1) * shape.get("fsdp", 1)
+    residuals = model_residuals(
+        config, setup.batch_size // split, setup.seq_len, shape.get("tp", 1)
+    )
     b, s = setup.batch_size, setup.seq_len
     segments = config.num_layers // config.remat_group_size
     stacked: dict[str, tuple[str, ...]] = {}
@@ -270,6 +291,7 @@ def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Jo
         batch_size=b,
         seq_len=s,
         visible=visible,
+        mesh_devices=setup.mesh.size if setup.mesh is not None else None,
         # Same selection rule, same program: the twin of an offload policy is usually another
         # registered policy (offload-qkv-proj's is save-qkv-proj).
         program_key=repr(
@@ -334,9 +356,11 @@ def analyze_model(
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
       budget_bytes, top_k, fast_compile: as :func:`analyze`.
       mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.sharding.MeshSpec`:
-        compile for that many devices of the target and report per-device bytes (arguments
-        and peak per device; the residual table per device for dp/fsdp, tp not reflected;
-        ``flops_no_remat`` the global trace divided by the device count).
+        compile for that many devices of the target and report per device: arguments and
+        peak; the residual table (batch split over dp*fsdp, heads / kv_heads / d_ff dimensions
+        of tagged residuals over tp); ``flops`` and ``flops_no_remat`` (the compiled step's
+        matmuls less the recomputed ones: work XLA replicates over the mesh is in both, and a
+        warning says when a device does over 1.1x its even share).
       compare_offload: for an offloading policy on a target where offload is real, also
         compile the same policy keeping those tensors on device, and report its peak
         (``peak_bytes_without_offload``): whether offloading helped is measured, not assumed.

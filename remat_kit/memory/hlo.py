@@ -207,58 +207,90 @@ def _is_gemm_call(instr: Instruction) -> bool:
     return bool(target) and any(k in target.group(1) for k in ("gemm", "matmul"))
 
 
+#: JAX's name-stack scope of the forward ops a remat re-runs in the backward pass
+#: (``jax/_src/ad_checkpoint.py``); XLA keeps it in each instruction's ``op_name``.
+JAX_RECOMPUTE_SCOPE = "rematted_computation"
+
+
+def is_xla_remat(name: str) -> bool:
+    """Whether an instruction is a clone made by XLA's rematerialisation pass (``fusion.3.remat``,
+    ``dot.5.remat2``)."""
+    return bool(re.search(r"\.remat\d*(\.|$)", name))
+
+
 @dataclasses.dataclass(frozen=True)
 class FlopCount:
-    """Matmul FLOPs of a compiled module, with loop trip counts applied."""
+    """Matmul FLOPs of a compiled module, with loop trip counts applied.
+
+    Attributes:
+      flops: every dot and gemm call, times its loops' trip counts.
+      unknown_trip_counts: while loops counted once for want of a known trip count.
+      recomputed_flops: the part of ``flops`` that recomputes the forward pass: dots under JAX's
+        remat scope (``op_name`` containing :data:`JAX_RECOMPUTE_SCOPE`) and dots in clones made
+        by XLA's rematerialisation pass. ``flops - recomputed_flops`` is the step's matmul work
+        as compiled without any recomputation.
+    """
 
     flops: float
-    unknown_trip_counts: int  # while loops counted once for want of a known trip count
+    unknown_trip_counts: int
+    recomputed_flops: float = 0.0
 
 
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
     """Matmul FLOPs of the entry computation: dots and gemm custom calls, each multiplied by the
     trip counts of the loops around it (``backend_config`` ``known_trip_count``); conditionals
     count their most expensive branch. Elementwise ops are not counted (a transformer step's
-    FLOPs are >95% matmuls)."""
+    FLOPs are >95% matmuls). Recomputation is counted separately as well (see
+    :class:`FlopCount`)."""
     unknown = [0]
 
     @cache
-    def flops_of(name: str) -> float:
+    def flops_of(name: str) -> tuple[float, float]:  # (all, recomputed)
         comp = comps.get(name)
         if comp is None:
-            return 0.0
+            return 0.0, 0.0
         shapes = dict(comp.param_shapes)
-        total = 0.0
+        total = rec = 0.0
+
+        def add(flops: float, recomputed: float, instr: Instruction) -> None:
+            nonlocal total, rec
+            total += flops
+            # Everything inside an XLA remat clone (a cloned fusion's dots) is recomputation.
+            rec += flops if is_xla_remat(instr.name) else recomputed
+
         for instr in comp.instructions:
             shapes[instr.name] = instr.shape
             if instr.opcode == "dot" or _is_gemm_call(instr):
-                total += _dot_flops(instr, shapes)
+                f = _dot_flops(instr, shapes)
+                add(f, f if JAX_RECOMPUTE_SCOPE in instr.op_name else 0.0, instr)
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = _TRIP_COUNT.search(instr.attributes)
                 if trip is None:
                     unknown[0] += 1
                 n = int(trip.group(1)) if trip else 1
-                total += n * (flops_of(body.group(1)) if body else 0.0)
+                f, r = flops_of(body.group(1)) if body else (0.0, 0.0)
+                add(n * f, n * r, instr)
                 continue
             branches = _BRANCHES.search(instr.attributes)
             if branches:
                 names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                total += max((flops_of(b) for b in names if b), default=0.0)
+                add(*max((flops_of(b) for b in names if b), default=(0.0, 0.0)), instr)
                 continue
             callees = [c for kind, c in _CALLEE.findall(instr.attributes) if kind != "condition"]
             calls_set = _CALLS_SET.search(instr.attributes)
             if calls_set:
                 callees += [c.strip().lstrip("%") for c in calls_set.group(1).split(",")]
+            counts = [flops_of(c) for c in callees]
             if instr.opcode == "conditional":
-                total += max((flops_of(c) for c in callees), default=0.0)
+                add(*max(counts, default=(0.0, 0.0)), instr)
             else:
-                total += sum(flops_of(c) for c in callees)
-        return total
+                add(sum(f for f, _ in counts), sum(r for _, r in counts), instr)
+        return total, rec
 
     entry = next((c.name for c in comps.values() if c.is_entry), None)
-    total = flops_of(entry) if entry else 0.0
-    return FlopCount(flops=total, unknown_trip_counts=unknown[0])
+    total, rec = flops_of(entry) if entry else (0.0, 0.0)
+    return FlopCount(flops=total, unknown_trip_counts=unknown[0], recomputed_flops=rec)
 
 
 def instructions_by_name(

@@ -117,14 +117,16 @@ def _element_shape(found: tuple[hlo.Instruction, hlo.Computation] | None, value:
 
 @dataclasses.dataclass(frozen=True)
 class DumpReading:
-    """What one compile's XLA dumps give: matmul FLOPs, the largest buffers live at the peak,
-    the live-range peak (bytes), the logits bytes live there, and warnings."""
+    """What one compile's XLA dumps give: matmul FLOPs (and the part that recomputes, see
+    :class:`~remat_kit.memory.hlo.FlopCount`), the largest buffers live at the peak, the
+    live-range peak (bytes), the logits bytes live there, and warnings."""
 
     flops: float | None
     peak_buffers: tuple[PeakBuffer, ...]
     live_peak_bytes: int | None
     logits_live_bytes: int
     warnings: tuple[str, ...]
+    recomputed_flops: float | None = None
 
 
 _VAGUE_KINDS = ("other", "loop_state")
@@ -222,6 +224,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
         )
     return DumpReading(
         flops=count.flops,
+        recomputed_flops=count.recomputed_flops,
         peak_buffers=tuple(buffers[:top_k]),
         live_peak_bytes=sum(b.nbytes for b in buffers if b.memory == "device") if buffers else None,
         logits_live_bytes=logits_live,

@@ -82,8 +82,9 @@ class MemoryReport:
       arguments: argument bytes by part (``params``, ``opt_state``, ``batch``, ...); sums to
         ``argument_bytes``.
       flops: matmul FLOPs of the compiled program (loops counted by trip count).
-      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr; None for an
-        arbitrary function. recompute_ratio: ``flops / flops_no_remat``.
+      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr (on a mesh:
+        per device, the compiled step's matmuls less those recomputed); None for an arbitrary
+        function. recompute_ratio: ``flops / flops_no_remat``.
       residuals: saved residuals (from the jaxpr) grouped by checkpoint tag, for all layers:
         count, shape of one, dtype, total bytes, memory kind (``device`` or ``host``).
       activation_bytes: device bytes of those residuals; offloaded_bytes: host bytes.

@@ -70,6 +70,41 @@ class Job:
     notes: tuple[str, ...] = ()
     #: Jobs with equal keys lower to the same program: lowered and compiled once.
     program_key: str | None = None
+    #: Devices of the mesh the step is compiled for (None: one device). Then ``flops_no_remat``
+    #: is the traced step's even share per device, and the report's baseline is read from the
+    #: compile instead (see :func:`_per_device_baseline`).
+    mesh_devices: int | None = None
+
+
+#: Compiled per-device matmul work above this multiple of the even split is reported as
+#: computation replicated over the mesh (padding of small sharded dimensions stays below).
+_REPLICATION_WARN = 1.1
+
+
+def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):
+    """``(flops_no_remat, warnings)`` for the recompute ratio of one compiled job.
+
+    On a mesh the compiled FLOPs are one device's, and its share of the step is not always
+    ``1/devices`` of the traced (global) FLOPs: what XLA's sharding propagation leaves
+    replicated (measured: activations kept whole across fsdp without the batch constraint of
+    ``remat_kit.sharding.activation_sharding``: 2x the even share on tiny-llama fsdp=8) or
+    pads, every device computes, with or without remat. Dividing by the even split counted that
+    as recomputation (save-nothing read 2.57 there instead of 1.25).
+    The baseline per device is therefore the compiled step's own matmuls less those that
+    recompute (JAX's remat scope and XLA's remat clones): the same sharded step without
+    recomputation. The even split is kept to say when work is replicated.
+    """
+    if job.mesh_devices is None or not flops or recomputed is None:
+        return job.flops_no_remat, []
+    compiled = flops - recomputed
+    warnings = []
+    if job.flops_no_remat and compiled > _REPLICATION_WARN * job.flops_no_remat:
+        warnings.append(
+            f"each device does {compiled / job.flops_no_remat:.2f}x its even share (1/"
+            f"{job.mesh_devices}) of the step's matmul FLOPs: XLA replicated part of the "
+            "computation over the mesh (the recompute ratio uses the compiled per-device work)"
+        )
+    return compiled, warnings
 
 
 def default_workers() -> int:
@@ -125,9 +160,10 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
             live_at_peak_bytes=reading.logits_live_bytes,
         )
     budget = budget_bytes if budget_bytes is not None else job.target.memory_bytes
+    baseline, baseline_warnings = _per_device_baseline(job, reading.flops, reading.recomputed_flops)
     ratio = None
-    if reading.flops and job.flops_no_remat:
-        ratio = reading.flops / job.flops_no_remat
+    if reading.flops and baseline:
+        ratio = reading.flops / baseline
     return MemoryReport(
         name=job.name,
         target=job.target.name,
@@ -138,7 +174,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         **parts,
         arguments=arguments,
         flops=reading.flops,
-        flops_no_remat=job.flops_no_remat,
+        flops_no_remat=baseline,
         recompute_ratio=ratio,
         residuals=job.residuals,
         activation_bytes=job.activation_bytes,
@@ -150,7 +186,10 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         budget_bytes=budget,
         fits=None if budget is None else peak <= budget,
         compile_s=round(result.compile_s, 3),
-        warnings=job.notes + tuple(log_warnings(result)) + reading.warnings,
+        warnings=job.notes
+        + tuple(log_warnings(result))
+        + reading.warnings
+        + tuple(baseline_warnings),
         model=job.model,
         batch_size=job.batch_size,
         seq_len=job.seq_len,

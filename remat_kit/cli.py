@@ -141,7 +141,8 @@ def add_analyze(subparsers) -> None:
         "(Korthikanti et al. 2022)",
     )
     p.add_argument("--workers", type=positive_int, default=None, help="concurrent compiles")
-    p.add_argument("--devices", type=positive_int, default=1, help="devices of the target")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
     p.add_argument(
         "--mesh", default=None,
         help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
@@ -169,6 +170,7 @@ def _resolve(args) -> tuple:
     from remat_kit.sharding import parse_mesh
 
     mesh = parse_mesh(args.mesh, args.devices)
+    args.devices = mesh.num_devices
     if mesh.dp * mesh.fsdp > 1 and args.batch % (mesh.dp * mesh.fsdp):
         raise UsageError(
             f"--batch {args.batch} is not divisible by dp*fsdp={mesh.dp * mesh.fsdp} of mesh {mesh}"

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 
 import jax
 
@@ -56,6 +58,7 @@ def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    verbose: bool = False,
 ) -> bool:
     """Start ``jax.distributed`` when this process is one of several; call before any JAX use.
 
@@ -63,14 +66,17 @@ def initialize(
       coordinator_address: ``host:port`` of process 0 (reachable by every process).
       num_processes: how many processes take part (1: nothing to start).
       process_id: this process's index, ``0 .. num_processes - 1``.
+      verbose: print one line to stderr before connecting (connecting waits for every process,
+        up to JAX's initialization timeout of 300 s).
 
     Returns:
       True when the distributed runtime was started, False for a single-process run.
 
     Raises:
       ValueError: ``num_processes`` below 1; ``process_id`` outside ``0 .. num_processes - 1``
-        or missing; a missing coordinator address (each names the value and where it came
-        from); an environment variable that is not an integer.
+        or missing; a missing coordinator address or one not of the form ``host:port`` (each
+        names the value and where it came from); an environment variable that is not an
+        integer.
     """
     address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     n = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
@@ -78,6 +84,8 @@ def initialize(
     if n is None and pid is None and address is None:
         if not _cluster_detected():
             return False
+        if verbose:
+            print("joining the cluster's processes (jax.distributed, SLURM / MPI)", file=sys.stderr)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize()
         return True
@@ -91,12 +99,23 @@ def initialize(
     if pid is None or not 0 <= pid < n:
         raise ValueError(
             f"process_id (--process-id or JAX_PROCESS_ID) must be one of 0..{n - 1} for "
-            f"num_processes={n}, got {pid!r}"
+            f"num_processes={n}, got {'nothing' if pid is None else pid}"
         )
     if not address:
         raise ValueError(
             f"num_processes={n} needs the coordinator's host:port (--coordinator or "
             "JAX_COORDINATOR_ADDRESS), e.g. 10.0.0.1:1234, the same for every process"
+        )
+    if not re.fullmatch(r"\[?[^\s\[\]]*[^\s:\[\]]\]?:\d{1,5}", address):
+        raise ValueError(
+            f"coordinator address (--coordinator or JAX_COORDINATOR_ADDRESS) must be "
+            f"host:port, e.g. 10.0.0.1:1234, got {address!r}"
+        )
+    if verbose:
+        print(
+            f"process {pid} of {n}: connecting to the coordinator at {address} (waits for "
+            "every process, up to 300 s)",
+            file=sys.stderr,
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=n, process_id=pid)
@@ -133,4 +152,4 @@ def initialize_from_args(args: argparse.Namespace) -> bool:
     Raises:
       ValueError: see :func:`initialize`.
     """
-    return initialize(args.coordinator, args.num_processes, args.process_id)
+    return initialize(args.coordinator, args.num_processes, args.process_id, verbose=True)

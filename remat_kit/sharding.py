@@ -98,8 +98,8 @@ def parse_mesh(text: str | MeshSpec | None, num_devices: int | None = None) -> M
         spec = MeshSpec(**sizes)
     if num_devices is not None and spec.num_devices != num_devices:
         raise ValueError(
-            f"mesh {spec} has {spec.num_devices} devices (product of its sizes) but "
-            f"{num_devices} devices were asked for"
+            f"mesh {spec} has {spec.num_devices} device(s) (product of its sizes) but "
+            f"{num_devices} device(s) were asked for"
         )
     return spec
 

@@ -479,8 +479,8 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
     devices = jax.devices("cpu") if t.name == "cpu" else jax.devices()
     if len(devices) < num_devices:
         fix = (
-            "; for more CPU devices call jax.config.update('jax_num_cpu_devices', N) before "
-            "JAX's first use"
+            "; for N CPU devices set JAX_NUM_CPU_DEVICES=N in the environment (or call "
+            "jax.config.update('jax_num_cpu_devices', N) before JAX's first use)"
             if devices[0].platform == "cpu"
             else ""
         )

@@ -287,6 +287,8 @@ class TrainResult:
         d = dataclasses.asdict(self)
         d["config"] = self.config.to_dict()
         d["val_losses"] = [list(p) for p in self.val_losses]
+        if not math.isfinite(d["step_time_s"]):
+            d["step_time_s"] = None  # no step ran in this call; strict JSON has no NaN
         return d
 
 
@@ -607,6 +609,11 @@ def train(
             rng_data = np.asarray(meta["rng"], np.uint32)
             losses, val_losses = list(meta["losses"]), [tuple(p) for p in meta["val_losses"]]
             start = int(meta["step"])
+            if start > cfg.steps:
+                raise ValueError(
+                    f"cannot resume from {where} with steps={cfg.steps}: that checkpoint is "
+                    f"already {start} updates in; ask for more steps (--steps > {start})"
+                )
             batcher.step = int(meta["data"]["step"])
             if int(state.step) != start or batcher.step != start or len(losses) != start:
                 raise ValueError(f"checkpoint {where} is inconsistent: step counters disagree")

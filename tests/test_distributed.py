@@ -62,8 +62,9 @@ def no_cluster_env(monkeypatch):
     [
         ((None, 0, None), r"num_processes .* must be an integer >= 1, got 0"),
         (("h:1", 2, 2), r"process_id .* must be one of 0..1 for num_processes=2, got 2"),
-        (("h:1", 2, None), r"must be one of 0..1 for num_processes=2, got None"),
+        (("h:1", 2, None), r"must be one of 0..1 for num_processes=2, got nothing"),
         ((None, 2, 1), r"num_processes=2 needs the coordinator's host:port"),
+        (("nonsense", 2, 0), r"must be host:port, e.g. 10.0.0.1:1234, got 'nonsense'"),
     ],
 )
 def test_bad_process_layout_raises_one_line(no_cluster_env, args, match):

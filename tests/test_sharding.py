@@ -18,7 +18,7 @@ from remat_kit.train import abstract_batch, make_optimizer, make_train_step
 @pytest.mark.parametrize(
     "text, n, match",
     [
-        ("dp=2,fsdp=3", 8, r"mesh dp=2,fsdp=3,tp=1 has 6 devices .* but 8 devices"),
+        ("dp=2,fsdp=3", 8, r"mesh dp=2,fsdp=3,tp=1 has 6 device\(s\) .* but 8 device\(s\)"),
         ("pp=2", None, r"unknown mesh axis 'pp'; valid: dp, fsdp, tp"),
         ("fsdp=0", None, r"mesh axis fsdp must have a positive integer size, got '0'"),
         ("fsdp", None, r"bad mesh entry 'fsdp'"),

@@ -195,6 +195,12 @@ def test_resume_may_change_policy_and_micro_batches(reference, tmp_path):
     assert done.resumed_from == 6 and done.losses == reference[0].losses
 
 
+def test_resume_with_fewer_steps_than_the_checkpoint_is_an_error(reference):
+    _, workdir = reference  # 6 updates done
+    with pytest.raises(ValueError, match=r"already 6 updates in; ask for more steps \(--steps > 6"):
+        train(BASE.replace(steps=4), workdir, resume=True)
+
+
 def test_existing_checkpoints_without_resume_is_an_error(reference):
     with pytest.raises(ValueError, match="--resume"):
         train(BASE, reference[1])

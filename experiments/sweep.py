@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         default="auto",
-        help=f"a config name ({', '.join(names)}) or a .py path; "
-        "auto: gpu on a GPU machine, else cpu",
+        help=f"a config name ({', '.join(names)}) or a .py path (default: auto, i.e. gpu on "
+        "a GPU machine, else cpu)",
     )
-    p.add_argument("--out", help="results file (default runs/<config>/sweep.jsonl)")
+    p.add_argument(
+        "--out",
+        help="results file (default: runs/<config>/sweep.jsonl); summary.md and the figures "
+        "are written in its folder, so give each sweep its own folder",
+    )
     p.add_argument("--resume", action="store_true", help="skip points already in --out")
     p.add_argument("--overwrite", action="store_true", help="empty --out first")
     p.add_argument("--data", help="text file or folder to train on (default: Python's stdlib)")
@@ -133,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-data-bytes must be >= 1, got {args.max_data_bytes}")
         path = config_path(args.config)
         if not path.is_file():
-            raise ValueError(f"no sweep config {args.config!r} (looked for {path})")
+            names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+            raise ValueError(
+                f"no sweep config {args.config!r} (looked for {path}); valid: "
+                f"{', '.join(names)}, or a path to a .py file"
+            )
         config = sweep.load_config(path)
         if args.mesh is not None:
             grids = tuple(dataclasses.replace(g, mesh=args.mesh) for g in config.grids)

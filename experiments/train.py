@@ -41,6 +41,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from rich.console import Console
 
 from remat_kit import distributed
+from remat_kit.train import OPTIMIZERS
 from remat_kit.training import NonFiniteLossError, TrainConfig, environment_info, train
 
 EXIT_BAD_INPUT = 2
@@ -70,27 +71,77 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--workdir", required=True, help="checkpoints and result.json go here")
-    p.add_argument("--preset", default=d.preset, help=f"model preset (default {d.preset})")
+    p.add_argument(
+        "--preset",
+        default=d.preset,
+        help="model preset (remat_kit.preset_names()) (default: %(default)s)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a ModelConfig field, e.g. d_model=128 (repeatable)")  # fmt: skip
-    p.add_argument("--policy", default=d.policy, help=f"remat policy (default {d.policy})")
-    p.add_argument("--remat-group-size", type=int, default=d.remat_group_size)
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer updates in the run")
-    p.add_argument("--batch", type=int, default=d.batch_size, help="global batch (rows/update)")
-    p.add_argument("--seq", type=int, default=d.seq_len, help="tokens per row")
+    p.add_argument(
+        "--policy",
+        default=d.policy,
+        help="remat policy (remat-kit policies) (default: %(default)s)",
+    )
+    p.add_argument("--remat-group-size", type=int, default=d.remat_group_size,
+                   help="consecutive blocks per remat segment, divides the layers "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=d.steps,
+        help="optimizer updates in the run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=d.batch_size,
+        help="global batch (rows/update) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq", type=int, default=d.seq_len, help="tokens per row (default: %(default)s)"
+    )
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
-                   help="split each batch into this many scanned micro-batches")  # fmt: skip
-    p.add_argument("--optimizer", default=d.optimizer)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--data", default=None, help="text file or folder (default: Python stdlib)")
+                   help="split each batch into this many scanned micro-batches "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--optimizer",
+        default=d.optimizer,
+        choices=OPTIMIZERS,
+        help="optax optimizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=d.lr, help="constant learning rate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="parameter init and batch order (default: %(default)s)",
+    )
+    p.add_argument("--data", default=None, help="text file or folder (None: Python's stdlib)")
     p.add_argument("--max-bytes", type=int, default=None, help="corpus cap in bytes")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="0: never")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="0: never")
-    p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="updates; 0: never (default: %(default)s)",
+    )
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="validation batches per evaluation (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=d.ckpt_every,
+        help="updates; 0: never (default: %(default)s)",
+    )
+    p.add_argument(
+        "--keep", type=int, default=d.keep, help="checkpoints kept (default: %(default)s)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--log-every", type=int, default=10, help="print every N steps")
+    p.add_argument(
+        "--log-every", type=int, default=10, help="print every N steps (default: %(default)s)"
+    )
     distributed.add_arguments(p)
     return p
 

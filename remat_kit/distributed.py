@@ -135,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mesh",
         default=None,
         help="mesh over all devices, e.g. fsdp=4 or dp=2,fsdp=2,tp=2 (product = device count; "
-        "default: dp over every device). More CPU devices: JAX_NUM_CPU_DEVICES=N",
+        "default: dp over every device; in a sweep it also sets the GPUs a deviceless target "
+        "is analysed on). More CPU devices: JAX_NUM_CPU_DEVICES=N",
     )
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address, for a multi-process run "

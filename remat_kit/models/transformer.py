@@ -99,8 +99,16 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     g = k.shape[2]
     q = q.reshape(b, s, g, a // g, d)  # (b, s, g, r, d)
     scores = jnp.einsum("bqgrd,btgd->bgrqt", q, k) / jnp.sqrt(d).astype(q.dtype)
+    # Causal mask as an additive [s, s] bias (0 on and below the diagonal, float32 min above),
+    # added with implicit size-1 broadcasting. ``jnp.where(causal, scores, min)`` broadcast the
+    # mask and the fill value to the full [b, g, r, s, s] shape in the jaxpr; as neither depends
+    # on the layer's inputs, the layer scan's partial evaluation hoisted both out of the loop as
+    # constants of the forward scan (llama3-8b, s=8192: an 8 GiB f32 and a 2 GiB pred buffer live
+    # at the peak). Now only the [s, s] bias is hoisted. Same probabilities (exp underflows to 0 on
+    # masked entries either way) and gradients; bitwise equal op by op.
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    scores = jnp.where(causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    bias = jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)  # (s, s)
+    scores = scores.astype(jnp.float32) + bias
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (b, g, r, s, s)
     ctx = jnp.einsum("bgrqt,btgd->bqgrd", probs, v)
     return ctx.reshape(b, s, a, d)

@@ -18,8 +18,8 @@ Writes ``experiments/results/analyze/``:
   code-generation-only options or on the shared kernel cache.
 
 Expected on a 2-core x86 VM, jax 0.10.2, H100 target: llama3-8b b=1 s=8192 all 13 policies in
-~20-30 s wall when the machine is otherwise idle (about 30 CPU-seconds: 13 lowerings, one full
-compile, the rest sharing its GPU kernels); save-nothing peaks at 83.0 GiB, full remat keeps
+~20-35 s wall when the machine is otherwise idle (about 30-35 CPU-seconds: 13 lowerings, one full
+compile, the rest sharing its GPU kernels); save-nothing peaks at 81.2 GiB, full remat keeps
 exactly 2sbh per layer on the H100 target.
 """
 

@@ -23,7 +23,7 @@ with the estimates.
 
 Expected on a 2-core x86 VM, jax 0.10.2, shared machine (load average 5-10): h100_default ~1.5
 min, 13 compiles (12 named programs + 1 for the shorter-sequence advice), nothing fits at
-75.15 GiB (least: offload-layer-inputs at 81.30 GiB), seq 4096 fits (compiled).
+75.15 GiB (least: offload-layer-inputs at 80.17 GiB), seq 6656 fits (compiled).
 """
 
 from __future__ import annotations

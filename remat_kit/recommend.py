@@ -869,8 +869,8 @@ def _advice(
             lines.append(
                 f"more devices: {n} devices sharding parameters, gradients and optimizer state "
                 f"(FSDP / ZeRO-3), each at batch {batch} (global batch {n * batch}), would bring "
-                f"{spec.name} to about {_gib(estimate)} per device (estimate, not compiled: the "
-                "analyzer compiles one device)"
+                f"{spec.name} to about {_gib(estimate)} per device (estimate, not compiled: check "
+                f"it with remat-kit analyze --devices {n} --mesh fsdp={n})"
             )
             break
     else:

@@ -31,6 +31,7 @@ output, resuming onto another config's results, a missing, empty or binary ``--d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    import dataclasses
-
     from rich.console import Console
 
     from remat_kit import plots, results, sweep

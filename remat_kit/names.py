@@ -26,19 +26,33 @@ MLPWI_0: Final = "mlpwi_0"
 MLPWI_1: Final = "mlpwi_1"
 MLPWO: Final = "mlpwo"
 
-#: Every tag the bundled modules can emit, with the tensor it names and its shape.
+#: Every tag the bundled modules can emit: the tensor it names and its shape (dimension names).
+_TAGS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
+    DECODER_LAYER_INPUT: ("input of a transformer block (residual stream)",
+                          ("batch", "seq", "d_model")),
+    QUERY_PROJ: ("query projection output x @ W_q (before RoPE)",
+                 ("batch", "seq", "heads", "head_dim")),
+    KEY_PROJ: ("key projection output x @ W_k (before RoPE)",
+               ("batch", "seq", "kv_heads", "head_dim")),
+    VALUE_PROJ: ("value projection output x @ W_v", ("batch", "seq", "kv_heads", "head_dim")),
+    CONTEXT: ("attention output softmax(q k^T) v before the output projection",
+              ("batch", "seq", "heads", "head_dim")),
+    OUT_PROJ: ("attention output projection context @ W_o", ("batch", "seq", "d_model")),
+    MLPWI: ("plain (GELU) MLP input projection x @ W_i, before the activation",
+            ("batch", "seq", "d_ff")),
+    MLPWI_0: ("gated (SwiGLU) MLP gate projection x @ W_gate, before SiLU",
+              ("batch", "seq", "d_ff")),
+    MLPWI_1: ("gated (SwiGLU) MLP up projection x @ W_up", ("batch", "seq", "d_ff")),
+    MLPWO: ("MLP output projection h @ W_o", ("batch", "seq", "d_model")),
+}  # fmt: skip
+
+#: Tag -> its shape as dimension names (``("batch", "seq", "heads", "head_dim")``).
+CHECKPOINT_SHAPES: Final[dict[str, tuple[str, ...]]] = {t: shape for t, (_, shape) in _TAGS.items()}
+
+#: Tag -> the tensor it names and its shape, e.g. ``"value projection output x @ W_v, [batch,
+#: seq, kv_heads, head_dim]"``.
 CHECKPOINT_NAMES: Final[dict[str, str]] = {
-    DECODER_LAYER_INPUT: "input of a transformer block (residual stream), [batch, seq, d_model]",
-    QUERY_PROJ: "query projection output x @ W_q (before RoPE), [batch, seq, heads, head_dim]",
-    KEY_PROJ: "key projection output x @ W_k (before RoPE), [batch, seq, kv_heads, head_dim]",
-    VALUE_PROJ: "value projection output x @ W_v, [batch, seq, kv_heads, head_dim]",
-    CONTEXT: "attention output softmax(q k^T) v before the output projection, "
-    "[batch, seq, heads, head_dim]",
-    OUT_PROJ: "attention output projection context @ W_o, [batch, seq, d_model]",
-    MLPWI: "plain (GELU) MLP input projection x @ W_i, before the activation, [batch, seq, d_ff]",
-    MLPWI_0: "gated (SwiGLU) MLP gate projection x @ W_gate, before SiLU, [batch, seq, d_ff]",
-    MLPWI_1: "gated (SwiGLU) MLP up projection x @ W_up, [batch, seq, d_ff]",
-    MLPWO: "MLP output projection h @ W_o, [batch, seq, d_model]",
+    t: f"{what}, [{', '.join(shape)}]" for t, (what, shape) in _TAGS.items()
 }
 
 #: Tags emitted by a block with a plain GELU MLP (GPT-2 family).

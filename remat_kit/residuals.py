@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -22,7 +21,7 @@ from jax.extend import core as jcore
 
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import BlockGroup
-from remat_kit.names import CHECKPOINT_NAMES
+from remat_kit.names import CHECKPOINT_NAMES, CHECKPOINT_SHAPES
 from remat_kit.sharding import LOGICAL_RULES
 
 MemoryKind = Literal["device", "host"]
@@ -33,7 +32,6 @@ _DIM_AXES = {
     "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
     "head_dim": "head_dim", "d_ff": "mlp",
 }  # fmt: skip
-_SHAPE_DOC = re.compile(r"\[([\w, ]+)\]\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,16 +252,11 @@ def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[
 
 
 def tag_axes(tag: str) -> tuple[str, ...] | None:
-    """Logical axes of a tagged tensor, read from its shape in
-    :data:`remat_kit.names.CHECKPOINT_NAMES`: ``tag_axes("query_proj") == ("batch", "seq",
-    "heads", "head_dim")``; None for an unknown tag or one whose shape is not documented."""
-    m = _SHAPE_DOC.search(CHECKPOINT_NAMES.get(tag, ""))
-    if m is None:
-        return None
-    dims = [d.strip() for d in m.group(1).split(",")]
-    if not all(d in _DIM_AXES for d in dims):
-        return None
-    return tuple(_DIM_AXES[d] for d in dims)
+    """Logical axes of a tagged tensor, from its shape in
+    :data:`remat_kit.names.CHECKPOINT_SHAPES`: ``tag_axes("query_proj") == ("batch", "seq",
+    "heads", "head_dim")``; None for an unknown tag."""
+    dims = CHECKPOINT_SHAPES.get(tag)
+    return None if dims is None else tuple(_DIM_AXES[d] for d in dims)
 
 
 def tp_split_axes() -> frozenset[str]:

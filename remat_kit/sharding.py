@@ -65,6 +65,11 @@ class MeshSpec:
     def __str__(self) -> str:
         return ",".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
 
+    @classmethod
+    def of(cls, mesh: Mesh) -> MeshSpec:
+        """The sizes of a mesh made by :func:`make_mesh` (axes dp, fsdp, tp)."""
+        return cls(**{a: int(mesh.shape[a]) for a in MESH_AXES})
+
 
 def parse_mesh(text: str | MeshSpec | None, num_devices: int | None = None) -> MeshSpec:
     """Parse ``"fsdp=8"`` or ``"dp=2,fsdp=4,tp=1"`` (axes not named have size 1).
@@ -245,7 +250,7 @@ def check_batch(batch_size: int, mesh: Mesh, micro_batches: int = 1) -> None:
         per = f" / micro_batches={micro_batches}" if micro_batches > 1 else ""
         raise ValueError(
             f"batch_size={batch_size}{per} does not split evenly over dp*fsdp={split} devices "
-            f"of mesh {MeshSpec(*mesh.devices.shape)}; use a multiple of {split * micro_batches}"
+            f"of mesh {MeshSpec.of(mesh)}; use a multiple of {split * micro_batches}"
         )
 
 

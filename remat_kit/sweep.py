@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -540,14 +539,12 @@ def _mesh(point: Point) -> Mesh | None:
     return None if point.mesh is None else S.local_mesh(point.mesh)
 
 
-def _device_batch(batcher: Any, step: int, mesh: Mesh | None = None) -> dict[str, jax.Array]:
-    inputs, targets = batcher.batch_at(step)  # int32 [b, s] each
-    if mesh is None:
-        batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
-    else:  # split over (dp, fsdp); each process places its own rows
-        sharding = S.batch_sharding(mesh)
-        batch = S.put_global({"inputs": inputs, "targets": targets}, {"inputs": sharding,
-                             "targets": sharding})  # fmt: skip
+def _device_batch(batcher: Any, step: int, sharding: Any) -> dict[str, jax.Array]:
+    """Batch ``step`` (int32 [b, s] inputs and targets) placed as the compiled step takes it
+    (``sharding``: its input shardings of the batch; on a mesh, split over (dp, fsdp), each
+    process placing its own rows)."""
+    inputs, targets = batcher.batch_at(step)
+    batch = S.put_global({"inputs": inputs, "targets": targets}, sharding)
     return jax.block_until_ready(batch)
 
 
@@ -654,20 +651,15 @@ def measure_point(
       FloatingPointError: a loss was not finite.
       Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
     """
-    config = point.model_config()
-    host = _host_state(point, config, state_cache)
-    mesh = _mesh(point)
-    if mesh is None:
-        state = jax.device_put(host)
-    else:  # laid out as the compiled step takes it
-        optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
-        state = S.put_global(host, S.sharded_train_state(config, optimizer, mesh)[1])
-    state = jax.block_until_ready(state)
+    host = _host_state(point, point.model_config(), state_cache)
+    # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
+    (state_sharding, batch_sharding), _ = compiled.input_shardings
+    state = jax.block_until_ready(S.put_global(host, state_sharding))
     batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
     before = _peak_bytes_in_use()
     losses, times, cpu_times = [], [], []
     for i in range(point.warmup_steps + point.timed_steps):
-        batch = _device_batch(batcher, i, mesh)
+        batch = _device_batch(batcher, i, batch_sharding)
         start, cpu_start = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch)
         jax.block_until_ready((state, metrics))

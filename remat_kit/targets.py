@@ -485,7 +485,7 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
             else ""
         )
         raise ValueError(
-            f"target {t.name!r} has {len(devices)} local device(s), {num_devices} asked{fix}"
+            f"target {t.name!r} has {len(devices)} device(s), {num_devices} asked{fix}"
         )
     return devices[:num_devices]
 

@@ -688,7 +688,7 @@ def train(
         step_time_s=float(np.mean(step_times[1:] or step_times)) if step_times else float("nan"),
         wall_time_s=time.perf_counter() - t_start,
         data=corpus.info(),
-        mesh=str(S.MeshSpec(*mesh.devices.shape)),
+        mesh=str(S.MeshSpec.of(mesh)),
         num_processes=jax.process_count(),
     )
 

@@ -23,15 +23,10 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+from remat_kit import units, validation
+
 PROG = "remat-kit"
 GIB = 2**30
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class UsageError(Exception):
@@ -46,54 +41,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_bytes(text: str) -> int:
-    """A size in bytes from ``"80GiB"`` (2**30), ``"80GB"`` (10**9), ``"8e10"`` or ``"512MiB"``.
-
-    Units (case-insensitive): B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers
-    of 1024); no unit means bytes.
-
-    Raises:
-      argparse.ArgumentTypeError: not a positive size with a known unit.
-    """
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text!r} as a size: write a number with an optional unit, e.g. 80GiB, "
-            "80GB, 8e10 (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return int(value)
+    """argparse type: :func:`remat_kit.units.parse_bytes`, errors as ``ArgumentTypeError``."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def positive_int(text: str) -> int:
-    """An integer > 0.
+    """argparse type: an integer > 0.
 
     Raises:
       argparse.ArgumentTypeError: otherwise.
     """
     try:
-        value = int(text)
+        return validation.parse_positive_int("value", text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
-def _gib(n: float | int | None, digits: int = 2) -> str:
-    return "-" if n is None else f"{n / GIB:.{digits}f}"
-
-
-def _size(n: float | int | None) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1."""
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+_gib = units.gib
+_size = units.format_bytes
 
 
 def _console():

@@ -12,8 +12,10 @@ heads, ``== heads`` without grouped-query attention), ``head_dim = d_model // he
 
 from __future__ import annotations
 
-import difflib
 from typing import Final
+
+from remat_kit.validation import closest as closest  # noqa: F401  (re-export)
+from remat_kit.validation import unknown_value_error as unknown_value_error
 
 DECODER_LAYER_INPUT: Final = "decoder_layer_input"
 QUERY_PROJ: Final = "query_proj"
@@ -64,19 +66,6 @@ SWIGLU_BLOCK_NAMES: Final = (
     DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTEXT, OUT_PROJ, MLPWI_0, MLPWI_1,
     MLPWO,
 )  # fmt: skip
-
-
-def closest(name: str, valid: list[str] | tuple[str, ...]) -> str | None:
-    """The closest valid string to ``name`` (difflib ratio >= 0.5), or None."""
-    matches = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    return matches[0] if matches else None
-
-
-def unknown_value_error(kind: str, value: object, valid: list[str] | tuple[str, ...]) -> ValueError:
-    """A one-line ``ValueError`` naming the bad value, the valid ones and the closest match."""
-    hint = closest(str(value), valid) if isinstance(value, str) else None
-    did_you_mean = f" Did you mean {hint!r}?" if hint else ""
-    return ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
 
 
 def validate_name(name: str) -> str:

@@ -485,7 +485,7 @@ def _rank(c: Candidate) -> tuple:
 
 def parse_budget(budget: int | float | str) -> int:
     """Bytes from an int, a float (``8e10``) or a string (``"76GiB"``, ``"80GB"``, ``"8e10"``;
-    the units of :func:`remat_kit.cli.parse_bytes`: kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB
+    the units of :func:`remat_kit.units.parse_bytes`: kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB
     powers of 1024).
 
     Raises:
@@ -497,11 +497,11 @@ def parse_budget(budget: int | float | str) -> int:
         if not 0 < budget < math.inf:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         return int(budget)
-    from remat_kit.cli import parse_bytes  # here: the CLI imports this module
+    from remat_kit.units import parse_bytes
 
     try:
         return parse_bytes(str(budget))
-    except argparse.ArgumentTypeError as err:
+    except ValueError as err:
         raise ValueError(f"budget: {err}") from None
 
 

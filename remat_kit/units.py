@@ -1,0 +1,63 @@
+"""Leaf unit helpers: sizes in bytes, parsed and formatted. Imports nothing from remat_kit.
+
+Example::
+
+    >>> parse_bytes("80GiB")
+    85899345920
+    >>> format_bytes(3 * 2**20)
+    '3.00 MiB'
+    >>> gib(None)
+    '-'
+"""
+
+from __future__ import annotations
+
+import re
+
+KIB = 2**10
+MIB = 2**20
+GIB = 2**30
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": KIB, "mib": MIB, "gib": GIB, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """A size in bytes from ``"80GiB"`` (2**30), ``"80GB"`` (10**9), ``"8e10"`` or ``512``.
+
+    Units (case-insensitive): B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers
+    of 1024); no unit means bytes.
+
+    Raises:
+      ValueError: not a positive size with a known unit.
+    """
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {str(text)!r} as a size: write a number with an optional unit, e.g. "
+            "80GiB, 80GB, 8e10 (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {str(text)!r}")
+    return int(value)
+
+
+def format_bytes(n: float | int | None, digits: int = 2) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``"-"`` for unknown)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def gib(n: float | int | None, digits: int = 2) -> str:
+    """Bytes as a bare GiB figure (``"-"`` for unknown), for columns headed "GiB"."""
+    return "-" if n is None else f"{n / GIB:.{digits}f}"

@@ -1,0 +1,107 @@
+"""Leaf validation helpers: one wording per kind of bad input.
+
+Imports nothing from remat_kit. Every check raises a one-line ``ValueError`` that names the bad
+value and what is valid; the CLI turns ``ValueError`` into exit code 2.
+
+Example::
+
+    >>> positive_int("batch_size", 4)
+    4
+    >>> closest("save-dot", ["save-dots", "save-nothing"])
+    'save-dots'
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from collections.abc import Iterable
+
+
+def closest(name: str, valid: Iterable[str]) -> str | None:
+    """The closest valid string to ``name`` (difflib ratio >= 0.5), or None."""
+    matches = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def unknown_value_error(kind: str, value: object, valid: Iterable[str]) -> ValueError:
+    """A one-line ``ValueError`` naming the bad value, the valid ones and the closest match.
+
+    Args:
+      kind: what the value names, e.g. ``"policy"`` or ``"checkpoint name"``.
+      value: the value given.
+      valid: the accepted values, in the order to print them.
+    """
+    valid = list(valid)
+    hint = closest(str(value), valid) if isinstance(value, str) else None
+    did_you_mean = f" Did you mean {hint!r}?" if hint else ""
+    return ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
+
+
+def positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an integer >= 1 (bool excluded).
+
+    Raises:
+      ValueError: ``"{name} must be a positive integer, got {value!r}"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def parse_positive_int(name: str, text: str) -> int:
+    """An integer >= 1 from text (a command-line value).
+
+    Raises:
+      ValueError: not an integer, or < 1 (same wording as :func:`positive_int`).
+    """
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}") from None
+    return positive_int(name, value)
+
+
+def check_seq_len(seq_len: int, max_seq_len: int, model: str | None = None) -> int:
+    """Return ``seq_len`` if it is a positive integer no longer than ``max_seq_len``.
+
+    Raises:
+      ValueError: ``seq_len`` is not a positive integer, or exceeds the model's ``max_seq_len``
+        (message says how to raise it).
+    """
+    positive_int("seq_len", seq_len)
+    if seq_len > max_seq_len:
+        of = f" of {model!r}" if model else ""
+        raise ValueError(
+            f"seq_len={seq_len} exceeds max_seq_len={max_seq_len}{of}; use a shorter sequence or "
+            "override max_seq_len"
+        )
+    return seq_len
+
+
+def check_batch_split(
+    batch_size: int, split: int, *, micro_batches: int = 1, mesh: str = ""
+) -> int:
+    """Return ``batch_size`` if each micro-batch splits evenly over ``split`` = dp*fsdp devices.
+
+    Args:
+      batch_size: global batch (sequences per step).
+      split: product of the mesh's batch axes (dp * fsdp).
+      micro_batches: gradient-accumulation micro-batches per step.
+      mesh: the mesh's text form, for the message.
+
+    Raises:
+      ValueError: ``batch_size / micro_batches`` is not an integer multiple of ``split``.
+    """
+    positive_int("batch_size", batch_size)
+    positive_int("micro_batches", micro_batches)
+    if batch_size % micro_batches or (batch_size // micro_batches) % split:
+        per = ""
+        if micro_batches > 1:
+            per = f" ({micro_batches} micro-batches of {batch_size / micro_batches:g})"
+        of = f" of mesh {mesh}" if mesh else ""
+        raise ValueError(
+            f"batch_size={batch_size}{per} does not split evenly over dp*fsdp={split} devices{of}; "
+            f"use a multiple of {split * micro_batches} or another mesh"
+        )
+    return batch_size

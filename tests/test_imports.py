@@ -1,0 +1,117 @@
+"""The import graph points one way (issue 13): no cycle among remat_kit modules, the library never
+imports the CLI, and leaf modules import nothing from remat_kit. Read statically with ``ast``
+(every import statement, at module level or inside functions), so a cycle dodged by a
+function-level import still counts."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "remat_kit"
+LEAVES = ("remat_kit.validation", "remat_kit.units")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _resolve(name: str, known: dict[str, pathlib.Path]) -> str | None:
+    """The longest known module that ``name`` (a dotted import target) refers to."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            hit = _resolve(t, known)
+            if hit and hit != module:
+                out.add(hit)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    # A submodule importing its own package's __init__ (for re-exported names) is not a cycle
+    # through the package's other submodules; drop package edges from inside the package.
+    for m, deps in graph.items():
+        graph[m] = {d for d in deps if not (known[d].name == "__init__.py" and m.startswith(d + "."))}
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (cycle := visit(n)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_library_never_imports_the_cli():
+    bad = {
+        m: sorted(d for d in deps if d == "remat_kit.cli" or d.startswith("remat_kit.cli."))
+        for m, deps in _graph().items()
+        if not (m == "remat_kit.cli" or m.startswith("remat_kit.cli."))
+    }
+    assert not {m: d for m, d in bad.items() if d}
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaf_modules_import_nothing_from_remat_kit(leaf):
+    assert _graph()[leaf] == set()
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_public_api_imports():
+    import remat_kit
+
+    missing = [n for n in remat_kit.__all__ if not hasattr(remat_kit, n)]
+    assert not missing
+    assert list(remat_kit.__all__) == sorted(remat_kit.__all__, key=str)

@@ -68,13 +68,17 @@ SWIGLU_BLOCK_NAMES: Final = (
 )  # fmt: skip
 
 
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is a known checkpoint name.
+def validate_name(name: object) -> str:
+    """Return ``name`` if it can be a ``checkpoint_name``: a non-empty string without surrounding
+    whitespace. Any such name is accepted (the vocabulary is open: a user's model tags its own
+    tensors); whether a program emits it is checked where the program is at hand
+    (:func:`remat_kit.policies.check_tags`, the doctor's ``unknown-tag``).
 
     Raises:
-      ValueError: ``name`` is not in :data:`CHECKPOINT_NAMES` (message lists the valid names and
-        the closest match).
+      ValueError: ``name`` is not a non-empty string, or has leading/trailing whitespace.
     """
-    if name not in CHECKPOINT_NAMES:
-        raise unknown_value_error("checkpoint name", name, tuple(CHECKPOINT_NAMES))
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(
+            f"checkpoint name must be a non-empty string without surrounding spaces, got {name!r}"
+        )
     return name

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, get_args
 
 import jax
@@ -249,9 +249,12 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
     """A :class:`PolicySpec` from a per-tag mapping ``{checkpoint_name: "save" | "offload" |
     "recompute"}``; every tag not listed is recomputed.
 
+    Any ``checkpoint_name`` is accepted (the bundled models' MaxText tags or a user model's own);
+    :func:`check_tags` checks a spec against the names a program emits.
+
     Raises:
-      ValueError: an unknown checkpoint name or action (message names it, the valid ones and the
-        closest match).
+      ValueError: a tag that is not a non-empty string, or an unknown action (message names it,
+        the valid ones and the closest match).
     """
     save, offload = set(), set()
     for tag, act in spec.items():
@@ -271,6 +274,29 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
         offload=frozenset(offload),
         source="user spec",
     )
+
+
+def check_tags(spec: PolicySpec, emitted: Iterable[str], program: str = "the program") -> None:
+    """Check that every tag ``spec`` saves or offloads is one the program emits.
+
+    Args:
+      spec: the policy.
+      emitted: the ``checkpoint_name`` tags the program emits (e.g. from the walker).
+      program: what to call the program in the message.
+
+    Raises:
+      ValueError: a tag the program never emits (the policy would silently recompute it); the
+        message names it, the emitted names and the closest one.
+    """
+    emitted = sorted(set(emitted))
+    for tag in sorted(spec.tags):
+        if tag not in emitted:
+            if not emitted:
+                raise ValueError(
+                    f"policy {spec.name!r} names checkpoint name {tag!r}, but {program} emits no "
+                    "checkpoint_name tags; tag its tensors with jax.ad_checkpoint.checkpoint_name"
+                )
+            raise N.unknown_value_error(f"checkpoint name (not emitted by {program})", tag, emitted)
 
 
 def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import remat_kit
 from remat_kit import names as N
+from remat_kit.policies import check_tags
 from remat_kit.residuals import block_residuals, group_by_tag
 from remat_kit.train import abstract_batch, loss_fn, make_optimizer, make_train_step
 
@@ -135,7 +136,11 @@ def test_compiled_temp_bytes_ordered_under_scan():
     [
         (lambda: remat_kit.policy("save-dot"), r"unknown policy 'save-dot'.*Did you mean 'save-dots'"),
         (lambda: remat_kit.policy("fast"), r"unknown policy 'fast'; valid: no-remat"),
-        (lambda: remat_kit.custom_policy({"query_prj": "save"}), r"'query_prj'.*'query_proj'"),
+        (lambda: remat_kit.custom_policy({"": "save"}), r"checkpoint name must be a non-empty string"),
+        (lambda: remat_kit.custom_policy({3: "save"}), r"checkpoint name must be .* got 3"),
+        (lambda: check_tags(remat_kit.custom_spec({"query_prj": "save"}), ["query_proj", "out_proj"]),
+         r"not emitted by the program.*'query_prj'.*Did you mean 'query_proj'"),
+        (lambda: check_tags(remat_kit.custom_spec({"mlp_hidden": "save"}), []), r"emits no checkpoint_name"),
         (lambda: remat_kit.custom_policy({"out_proj": "keep"}), r"'keep'.*save, offload, recompute"),
         (
             lambda: remat_kit.PolicySpec("x", "d", save=frozenset({"out_proj"}),
@@ -213,3 +218,23 @@ def test_public_api_imports():
     for name in remat_kit.__all__:
         assert hasattr(remat_kit, name), name
     assert remat_kit.__all__ == sorted(remat_kit.__all__)
+
+
+def test_custom_policy_takes_a_users_own_tag_names(capsys):
+    """Open vocabulary: a tag of the user's own (not MaxText's) is saved or offloaded by name."""
+
+    def block(w, x):
+        h = checkpoint_name(jnp.sin(x @ w), "mlp_hidden")
+        return jnp.sum(jnp.cos(h @ w))
+
+    w = jnp.ones((8, 8)) * 0.1
+    x = jnp.ones((4, 8))
+    kept = {}
+    for name, spec in {"save": {"mlp_hidden": "save"}, "recompute": {"mlp_hidden": "recompute"}}.items():
+        f = jax.checkpoint(block, policy=remat_kit.custom_policy(spec))
+        print_saved_residuals(f, w, x)
+        kept[name] = capsys.readouterr().out
+        chex.assert_trees_all_close(jax.grad(f)(w, x), jax.grad(block)(w, x), rtol=1e-6)
+    assert "named 'mlp_hidden'" in kept["save"], kept
+    assert "mlp_hidden" not in kept["recompute"], kept
+    check_tags(remat_kit.custom_spec({"mlp_hidden": "offload"}), ["mlp_hidden"])  # no error

@@ -230,7 +230,10 @@ def test_custom_policy_takes_a_users_own_tag_names(capsys):
     w = jnp.ones((8, 8)) * 0.1
     x = jnp.ones((4, 8))
     kept = {}
-    for name, spec in {"save": {"mlp_hidden": "save"}, "recompute": {"mlp_hidden": "recompute"}}.items():
+    for name, spec in {
+        "save": {"mlp_hidden": "save"},
+        "recompute": {"mlp_hidden": "recompute"},
+    }.items():
         f = jax.checkpoint(block, policy=remat_kit.custom_policy(spec))
         print_saved_residuals(f, w, x)
         kept[name] = capsys.readouterr().out

@@ -33,6 +33,8 @@ from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
+from remat_kit.tagging import tag_linen as tag_linen
+from remat_kit.tagging import tag_nnx as tag_nnx
 from remat_kit.targets import get_target as get_target
 from remat_kit.targets import target_names as target_names
 from remat_kit.train import TrainState as TrainState
@@ -81,5 +83,7 @@ __all__ = [
     "policy_specs",
     "preset_names",
     "recommend",
+    "tag_linen",
+    "tag_nnx",
     "target_names",
 ]

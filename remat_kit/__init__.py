@@ -31,6 +31,7 @@ from remat_kit.policies import get_policy_spec as get_policy_spec
 from remat_kit.policies import policy as policy
 from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
+from remat_kit.program import Program as Program
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.tagging import tag_linen as tag_linen
@@ -56,6 +57,7 @@ __all__ = [
     "ModelConfig",
     "PRESETS",
     "PolicySpec",
+    "Program",
     "Recommendation",
     "TrainState",
     "Transformer",

@@ -59,7 +59,9 @@ def _graph() -> dict[str, set[str]]:
     # A submodule importing its own package's __init__ (for re-exported names) is not a cycle
     # through the package's other submodules; drop package edges from inside the package.
     for m, deps in graph.items():
-        graph[m] = {d for d in deps if not (known[d].name == "__init__.py" and m.startswith(d + "."))}
+        graph[m] = {
+            d for d in deps if not (known[d].name == "__init__.py" and m.startswith(d + "."))
+        }
     return graph
 
 

@@ -23,12 +23,14 @@ import optax
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.programs import analyze_program
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.runner import Job, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.program import Program
 from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
 from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
 
@@ -376,14 +378,32 @@ def analyze_model(
     """
     config = _resolve_config(config)
     chosen = policy if policy is not None else config.remat_policy
-    (report,) = analyze_policies(
+    (report,) = analyze_model_policies(
         config, batch_size, seq_len, [chosen], target, optimizer, budget_bytes, top_k,
         fast_compile, workers=1, compare_offload=compare_offload, mesh=mesh,
     )  # fmt: skip
     return report  # type: ignore[return-value]
 
 
-def analyze_policies(
+def analyze_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: Any):
+    """Compare policies on one program: a bundled model or the user's own.
+
+    - ``analyze_policies(config, batch_size, seq_len, policies, target=..., ...)``: a
+      :class:`ModelConfig` or preset name (:func:`analyze_model_policies`).
+    - ``analyze_policies(program, policies, target=..., ...)``: a user's
+      :class:`~remat_kit.program.Program` (their own linen, NNX or plain-JAX step; policies may
+      be per-tag specs in the program's own tag names): :func:`analyze_program`.
+
+    Returns:
+      One :class:`MemoryReport` per policy (or :class:`CompileError` with
+      ``raise_errors=False``), in order.
+    """
+    if isinstance(config, Program):
+        return analyze_program(config, *args, **kwargs)
+    return analyze_model_policies(config, *args, **kwargs)
+
+
+def analyze_model_policies(
     config: ModelConfig | str,
     batch_size: int,
     seq_len: int,

@@ -74,15 +74,22 @@ class Decoder(nn.Module):
         return nn.Dense(c.vocab_size, name="logits")(nn.LayerNorm()(x))
 
 
-def make_step(policy, config: Config = Config(), apply_wrapper=None):
-    """``step(params, opt_state, tokens) -> (params, opt_state, loss)`` with ``policy``."""
+def make_loss(policy, config: Config = Config(), apply_wrapper=None):
+    """``loss(params, tokens)``: next-token cross-entropy with ``policy``."""
     model = Decoder(dataclasses.replace(config, remat_policy=policy))
     apply = model.apply if apply_wrapper is None else apply_wrapper(model.apply)
-    tx = optax.adamw(1e-3)
 
     def loss_fn(params, tokens):
         logits = apply(params, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss_fn
+
+
+def make_step(policy, config: Config = Config(), apply_wrapper=None):
+    """``step(params, opt_state, tokens) -> (params, opt_state, loss)`` with ``policy``."""
+    loss_fn = make_loss(policy, config, apply_wrapper)
+    tx = optax.adamw(1e-3)
 
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)

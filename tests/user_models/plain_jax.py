@@ -44,8 +44,8 @@ def layer(x, w):
     return x + h @ w["w2"]
 
 
-def make_step(policy):
-    tx = optax.adamw(1e-3)
+def make_loss(policy):
+    """``loss(params, tokens)`` with each layer under ``jax.checkpoint(policy=policy)``."""
     body = jax.checkpoint(layer, policy=policy) if policy is not None else layer
 
     def loss_fn(params, tokens):
@@ -53,6 +53,13 @@ def make_step(policy):
         x, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params["layers"])
         logits = _norm(x) @ params["head"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss_fn
+
+
+def make_step(policy):
+    tx = optax.adamw(1e-3)
+    loss_fn = make_loss(policy)
 
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)

@@ -1,0 +1,324 @@
+"""A user's training program as remat-kit reads it: a step (or loss) factory and its arguments.
+
+remat-kit's tools ask one question of a program: *what does this step cost under policy P?* A
+:class:`Program` answers it for any JAX/Flax code, written the way its author writes it:
+
+- :meth:`Program.from_loss`: a factory ``make_loss(policy) -> loss(*args)`` (the function the
+  user differentiates, with ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat`` inside taking
+  ``policy``); remat-kit builds the training step around it (``value_and_grad`` over
+  ``argnums`` plus an optax update, parameters and optimizer state donated).
+- :meth:`Program.from_step`: a factory ``make_step(policy) -> step(*args)`` for the user's own
+  step (an idiomatic NNX step that mutates its model and ``nnx.Optimizer`` included); give
+  ``make_loss`` too for the residual table and the doctor.
+
+The factory receives a ``jax.checkpoint`` policy callable, or ``None`` for ``no-remat``: build
+the step *without* remat then (``jax.checkpoint(f, policy=None)`` would save nothing).
+Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, or NNX objects (``nnx.Module``,
+``nnx.Optimizer``, real or from ``nnx.eval_shape``): NNX objects are split into their state and
+merged inside the traced function, and their updated state is returned, so a step that mutates
+them keeps its backward pass and update (a plain ``jax.jit`` of such a step drops both).
+
+The bundled presets are one such program (:func:`remat_kit.memory.api.preset_program`).
+
+Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.ad_checkpoint import checkpoint_name
+    >>> def make_loss(policy):
+    ...     def layer(x, w):
+    ...         return jnp.tanh(checkpoint_name(x @ w, "hidden"))
+    ...     body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    ...     return lambda w, x: body(x, w).sum()
+    >>> prog = Program.from_loss(make_loss, jnp.ones((4, 4)), jnp.ones((2, 4)), name="toy")
+    >>> prog.name, prog.argument_names
+    ('toy', ('opt_state', 'w', 'x'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from remat_kit.policies import PolicySpec
+from remat_kit.validation import unknown_value_error
+
+#: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
+Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
+
+_OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-4), "sgd": lambda: optax.sgd(1e-3)}
+
+
+def jax_policy(spec: PolicySpec) -> Callable[..., Any] | None:
+    """The policy a factory receives: ``None`` for ``no-remat`` (build without remat)."""
+    return spec.to_jax() if spec.wrap else None
+
+
+def _is_nnx(x: Any) -> bool:
+    return nnx.graph.is_graph_node(x)
+
+
+def _leaf_bytes(tree: Any) -> int:
+    """Bytes per device of every array leaf (a leaf carrying a sharding counts its shard)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            continue
+        shape = x.shape
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and hasattr(sharding, "shard_shape"):
+            shape = sharding.shard_shape(shape)
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _param_names(fn: Callable[..., Any], n: int) -> list[str]:
+    target = inspect.unwrap(fn)
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(target).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pure:
+    """A function of arrays only, made from a user's function whose arguments may hold NNX
+    objects: ``fn(*args)`` runs the user's function and returns ``(result, new_nnx_state)``
+    when NNX objects were present, else the user's result."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    names: tuple[str, ...]
+    nnx_index: int | None  # position of the merged NNX state among ``args``
+
+
+def purify(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str]) -> Pure:
+    """Make ``fn(*args)`` a function of arrays: NNX objects among ``args`` are split into one
+    state (first argument of the result) and merged back inside; their updated state is an
+    output, so mutations (an optimizer update) are part of the program.
+
+    Raises:
+      ValueError: an NNX object nested inside a container argument (pass it as its own
+        argument).
+    """
+    args = tuple(args)
+    graph = [i for i, a in enumerate(args) if _is_nnx(a)]
+    for i, a in enumerate(args):
+        if i not in graph and any(_is_nnx(x) for x in jax.tree.leaves(a, is_leaf=_is_nnx)):
+            raise ValueError(
+                f"argument {names[i]!r} holds an NNX object inside a container; pass each "
+                "nnx.Module / nnx.Optimizer as its own argument"
+            )
+    if not graph:
+        return Pure(fn, args, tuple(names), None)
+    graphdef, state = nnx.split(tuple(args[i] for i in graph))
+    rest = [i for i in range(len(args)) if i not in graph]
+
+    def pure(nnx_state, *others):
+        objs = nnx.merge(graphdef, nnx_state)
+        full = list(args)
+        for i, obj in zip(graph, objs, strict=True):
+            full[i] = obj
+        for i, value in zip(rest, others, strict=True):
+            full[i] = value
+        out = fn(*full)
+        return out, nnx.split(objs)[1]
+
+    nnx_name = "+".join(names[i] for i in graph)
+    return Pure(pure, (state, *(args[i] for i in rest)), (nnx_name, *(names[i] for i in rest)), 0)
+
+
+def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
+    """Bytes of each argument by role; the parts add up to the arguments' bytes.
+
+    The merged NNX state is split per object: an ``nnx.Optimizer``'s variables count as
+    ``opt_state``; a module's ``nnx.Param`` variables as ``params`` and its other variables
+    (RNG counters, batch statistics) as ``other``. Other arguments count under their names.
+
+    Args:
+      pure: from :func:`purify`.
+      originals: the arguments given to :func:`purify` (to tell optimizers from modules).
+    """
+    parts: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        parts[key] = parts.get(key, 0) + n
+
+    for i, (name, arg) in enumerate(zip(pure.names, pure.args, strict=True)):
+        if i != pure.nnx_index:
+            add(name, _leaf_bytes(arg))
+            continue
+        objs = [a for a in originals if _is_nnx(a)]
+        for k in arg.keys():
+            obj = objs[k] if k < len(objs) else None
+            if isinstance(obj, nnx.Optimizer):
+                add("opt_state", _leaf_bytes(arg[k]))
+            else:
+                params, rest = nnx.split_state(arg[k], nnx.Param, ...)
+                add("params", _leaf_bytes(params))
+                if _leaf_bytes(rest):
+                    add("other", _leaf_bytes(rest))
+    return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A training program: what remat-kit compiles and walks for each policy.
+
+    Attributes:
+      name: shown in reports.
+      make_step: ``policy -> step``; ``step(*args)`` is one training step.
+      args: the step's arguments (arrays, ``ShapeDtypeStruct`` pytrees, NNX objects).
+      donate_argnums: step arguments donated to its outputs (updated in place).
+      make_loss: ``policy -> loss``; the differentiated function, for residuals by tag and the
+        doctor (None: not given).
+      loss_args: the loss's arguments.
+      argnums: which loss arguments are differentiated (integer arrays never are).
+      argument_names: names of the step's arguments (from its signature).
+    """
+
+    name: str
+    make_step: Factory
+    args: tuple[Any, ...]
+    donate_argnums: tuple[int, ...] = ()
+    make_loss: Factory | None = None
+    loss_args: tuple[Any, ...] = ()
+    argnums: tuple[int, ...] = (0,)
+    argument_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_loss(
+        cls,
+        make_loss: Factory,
+        *args: Any,
+        optimizer: str | optax.GradientTransformation = "adamw",
+        argnums: int | Sequence[int] = 0,
+        name: str | None = None,
+    ) -> Program:
+        """A program whose step is ``value_and_grad(loss, argnums)`` plus an optax update.
+
+        Args:
+          make_loss: ``policy -> loss(*args) -> scalar``.
+          *args: the loss's arguments; those in ``argnums`` are the parameters (pytrees of
+            float arrays), updated by ``optimizer``.
+          optimizer: ``"adamw"``, ``"sgd"`` or an optax transformation; its state is an
+            argument of the step (donated, with the parameters).
+          argnums: the differentiated arguments.
+          name: for reports (default: the factory's name).
+
+        Raises:
+          ValueError: ``argnums`` out of range or naming an integer array; unknown optimizer.
+        """
+        nums = _argnums(argnums, args)
+        if isinstance(optimizer, str):
+            if optimizer not in _OPTIMIZERS:
+                raise unknown_value_error("optimizer", optimizer, sorted(_OPTIMIZERS))
+            tx = _OPTIMIZERS[optimizer]()
+        else:
+            tx = optimizer
+        params = tuple(args[i] for i in nums)
+        opt_state = jax.eval_shape(tx.init, params)
+
+        def make_step(policy):
+            loss = make_loss(policy)
+
+            def step(opt_state, *loss_args):
+                value, grads = jax.value_and_grad(loss, argnums=nums)(*loss_args)
+                params = tuple(loss_args[i] for i in nums)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, value
+
+            return step
+
+        names = ("opt_state", *_param_names(make_loss(None), len(args)))
+        return cls(
+            name=name or getattr(make_loss, "__name__", "program"),
+            make_step=make_step,
+            args=(opt_state, *args),
+            donate_argnums=(0, *(1 + i for i in nums)),
+            make_loss=make_loss,
+            loss_args=tuple(args),
+            argnums=nums,
+            argument_names=names,
+        )
+
+    @classmethod
+    def from_step(
+        cls,
+        make_step: Factory,
+        *args: Any,
+        donate_argnums: int | Sequence[int] = (),
+        make_loss: Factory | None = None,
+        loss_args: Sequence[Any] = (),
+        argnums: int | Sequence[int] = 0,
+        name: str | None = None,
+    ) -> Program:
+        """A program from the user's own step factory (see the module docstring).
+
+        Raises:
+          ValueError: ``donate_argnums`` or ``argnums`` out of range.
+        """
+        donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        for i in donate:
+            if not 0 <= i < len(args):
+                raise ValueError(
+                    f"donate_argnums {i} out of range for a step of {len(args)} arguments"
+                )
+        return cls(
+            name=name or getattr(make_step, "__name__", "program"),
+            make_step=make_step,
+            args=tuple(args),
+            donate_argnums=donate,
+            make_loss=make_loss,
+            loss_args=tuple(loss_args),
+            argnums=_argnums(argnums, loss_args) if make_loss is not None else (0,),
+            argument_names=tuple(_param_names(make_step(None), len(args))),
+        )
+
+    def step(self, spec: PolicySpec) -> Pure:
+        """The step under ``spec`` as a function of arrays (NNX objects split and merged)."""
+        return purify(self.make_step(jax_policy(spec)), self.args, self.argument_names)
+
+    def loss(self, spec: PolicySpec) -> Pure | None:
+        """The loss under ``spec`` as a function of arrays (NNX objects split), or None without
+        ``make_loss``."""
+        if self.make_loss is None:
+            return None
+        loss = self.make_loss(jax_policy(spec))
+        names = _param_names(loss, len(self.loss_args))
+        pure = purify(loss, self.loss_args, names)
+        if pure.nnx_index is not None:
+            return pure
+        return pure
+
+    def donated(self, pure: Pure) -> tuple[int, ...]:
+        """``donate_argnums`` of the pure step: the NNX state is donated (updated in place)."""
+        if pure.nnx_index is None:
+            return self.donate_argnums
+        return (pure.nnx_index,)
+
+
+def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for i in nums:
+        if not 0 <= i < len(args):
+            raise ValueError(f"argnums {i} out of range for a function of {len(args)} arguments")
+        leaves = jax.tree.leaves(args[i])
+        if any(hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+            raise ValueError(
+                f"argnums {i}: argument {i} holds integer or boolean arrays, which are not "
+                "differentiated; pass the float parameters' position"
+            )
+    return nums

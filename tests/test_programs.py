@@ -1,0 +1,99 @@
+"""Bring your own model (issue 15): programs written elsewhere (tests/user_models) get what the
+bundled presets get: every named policy plus a spec in their own tag names, compiled for a GPU
+target, with residuals by tag and recompute ratios; NNX objects as arguments; unknown tags named."""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat_kit
+from remat_kit import Program
+from tests.user_models import linen_lm, nnx_lm, plain_jax
+
+OWN_SPEC = {"mlp_hidden": "save", "attn_in": "offload"}
+
+
+@pytest.fixture(scope="module")
+def plain_reports():
+    params, _, tokens = plain_jax.abstract_args(batch=2, seq=33)
+    program = Program.from_loss(plain_jax.make_loss, params, tokens, name="plain-jax")
+    policies = [*remat_kit.policy_names(), OWN_SPEC]
+    reports = remat_kit.analyze_policies(program, policies, target="h100-sxm")
+    return dict(zip([*remat_kit.policy_names(), "own"], reports, strict=True))
+
+
+def test_plain_jax_all_named_policies_and_own_spec(plain_reports):
+    r = plain_reports
+    for name, rep in r.items():
+        assert rep.peak_bytes > 0 and rep.recompute_ratio is not None, name
+    assert r["no-remat"].recompute_ratio == pytest.approx(1.0)
+    # Full remat recomputes the layers (at most one extra forward: <= 4/3 of the FLOPs).
+    assert 1.05 < r["save-nothing"].recompute_ratio <= 4 / 3 + 1e-6
+    assert r["save-nothing"].peak_bytes < r["save-dots"].peak_bytes < r["no-remat"].peak_bytes
+    # The user's own tags: mlp_hidden saved on device, attn_in offloaded to host, per layer.
+    own = {(t.tag, t.memory): t for t in r["own"].residuals}
+    layers, b, s = 3, 2, 32
+    assert own[("mlp_hidden", "device")].nbytes == layers * b * s * plain_jax.F * 4
+    assert own[("attn_in", "host")].nbytes == layers * b * s * 3 * plain_jax.D * 4
+    assert r["own"].host_bytes > 0
+    # MaxText-named policies on a model that emits none of their tags: said, not silent.
+    assert any("runs as save-nothing" in w for w in r["minimal"].warnings)
+    assert r["minimal"].peak_bytes == r["save-nothing"].peak_bytes
+    assert not any("runs as save-nothing" in w for w in r["save-nothing"].warnings)
+
+
+def test_misspelled_own_tag_names_the_emitted_ones():
+    params, _, tokens = plain_jax.abstract_args(batch=1, seq=9)
+    program = Program.from_loss(plain_jax.make_loss, params, tokens)
+    with pytest.raises(
+        ValueError, match=r"'mlp_hiden'.*valid: attn_in, attn_out, mlp_hidden.*'mlp_hidden'"
+    ):
+        remat_kit.analyze_policies(program, [{"mlp_hiden": "save"}], target="h100-sxm")
+
+
+def test_tagged_linen_model_from_elsewhere_under_named_policies():
+    tags = {"*/MlpBlock_0/Dense_0": "mlpwi", "*/MlpBlock_0/Dense_1": "mlpwo"}
+
+    def wrap(apply):
+        return remat_kit.tag_linen(apply, tags)
+
+    params, opt_state, tokens = linen_lm.abstract_args()
+    program = Program.from_step(
+        lambda p: linen_lm.make_step(p, apply_wrapper=wrap), params, opt_state, tokens,
+        donate_argnums=(0, 1), make_loss=lambda p: linen_lm.make_loss(p, apply_wrapper=wrap),
+        loss_args=(params, tokens), name="linen-lm",
+    )  # fmt: skip
+    minimal, nothing = remat_kit.analyze_policies(
+        program, ["minimal", "save-nothing"], target="h100-sxm"
+    )
+    assert not any("runs as save-nothing" in w for w in minimal.warnings)
+    kept = {t.tag: t.nbytes for t in minimal.residuals}
+    b, s, cfg = 2, 32, linen_lm.Config()
+    assert kept["mlpwi"] == cfg.num_layers * b * s * cfg.mlp_dim * 4  # per layer, float32
+    assert "mlpwo" not in kept  # only added to the residual stream: the backward needs none
+    assert "mlpwi" not in {t.tag for t in nothing.residuals}
+    assert minimal.recompute_ratio < nothing.recompute_ratio
+
+
+def test_nnx_step_that_mutates_its_model_keeps_backward_and_update():
+    """An idiomatic NNX step (mutates model and optimizer) passed un-jitted: the update is part
+    of the compiled program, so its figures equal nnx.jit's, and argument parts add up."""
+    model = nnx.eval_shape(lambda: nnx_lm.make_model())
+    opt = nnx.eval_shape(lambda: nnx_lm.make_optimizer(nnx_lm.make_model()))
+    tokens = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+
+    def make_step(policy):
+        def train_step(model, optimizer, tokens):
+            model.policy = policy
+            return nnx_lm.train_step(model, optimizer, tokens)
+
+        return train_step
+
+    program = Program.from_step(make_step, model, opt, tokens, name="nnx-lm")
+    (rep,) = remat_kit.analyze_policies(program, ["no-remat"], target="cpu")
+    assert rep.arguments["params"] > 0 and rep.arguments["opt_state"] > 2 * rep.arguments["params"]
+    assert sum(rep.arguments.values()) == rep.argument_bytes
+    assert min(rep.arguments.values()) >= 0
+    # The updated state is an output (donated: aliased), so the update was not dropped.
+    assert rep.alias_bytes >= rep.arguments["params"] + rep.arguments["opt_state"]

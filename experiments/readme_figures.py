@@ -18,15 +18,20 @@ A generated section in README.md::
     ...                                  (everything here is rewritten)
     <!-- end generated: per-layer -->
 
-The "(from ...)" part of the opening marker is rewritten too. To add one, in
-``experiments/readme_sections.py``: write ``def my_table(r: Results) -> str`` returning the
-markdown (ending in a newline; ``r.json("sub/file.json")`` reads a results file), add
-``Section("my-table", ("sub/file.json",), my_table)`` to ``SECTIONS``, and put the two markers
-(with an empty body) where it belongs in README.md; then run the script. To check figures in prose
-instead: write ``def my_claims(r: Results) -> list[str]`` returning the exact words the file must
-contain and add ``Claims("README.md", ("sub/file.json",), my_claims)`` to ``CLAIMS`` (any file
-under the repository root, e.g. an experiment's docstring). ``experiments/readme_format.py``
-holds the reader and the number formats (``pct``, ``span``, ``sci``, ``table``, ``wrap``).
+The "(from ...)" part of the opening marker is rewritten too.
+
+To add a section: in ``experiments/readme_sections.py`` write ``def my_table(r: Results) -> str``
+returning the markdown, ending in a newline (``r.json("sub/file.json")``, ``r.jsonl(...)`` and
+``r.text(...)`` read files under the results folder); add
+``Section("my-table", ("sub/file.json",), S.my_table)`` to ``SECTIONS`` below; put the two markers,
+with nothing between them, where the table belongs in README.md; run this script.
+
+To check figures in prose instead: write ``def my_claims(r: Results) -> list[str]`` returning the
+exact words the file must contain, and add ``Claims(PATH, ("sub/file.json",), S.my_claims)`` to
+``CLAIMS`` below; ``PATH`` is README.md or any file under the repository root (the experiments'
+docstrings: their renderers are in ``experiments/readme_docstrings.py``).
+``experiments/readme_format.py`` holds the reader and README's number formats (``pct``, ``span``,
+``sci``, ``table``, ``wrap``).
 """
 
 from __future__ import annotations
@@ -37,10 +42,46 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+# The sibling modules, whether this runs as a script or is loaded by path (tests); sys.path is
+# left as it was, so experiments/*.py do not shadow other modules afterwards.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _HERE)
+try:
+    import readme_docstrings as D
+    import readme_sections as S
+    from readme_format import RESULTS, ROOT, Claims, Results, Section
+finally:
+    sys.path.remove(_HERE)
 
-from readme_format import RESULTS, ROOT, Results  # noqa: E402
-from readme_sections import CLAIMS, SECTIONS  # noqa: E402
+# ---------------------------------------------------------------- registry
+
+#: README sections by name; see the module docstring to add one.
+SECTIONS: dict[str, Section] = {
+    s.name: s
+    for s in (
+        Section("sweep-cpu", (S.SWEEP, S.SWEEP_SUMMARY), S.sweep_cpu),
+        Section("analyze", (S.ANALYZE,), S.analyze_table),
+        Section("per-layer", (S.PER_LAYER,), S.per_layer_table),
+        Section("recommend", S.RECOMMEND_RUNS, S.recommend_table),
+        Section("sharding", (S.SHARDING,), S.sharding_table),
+        Section("train-demos", S.TRAIN, S.train_demos),
+    )
+}
+
+
+#: Figures checked in prose, README and the experiments' docstrings.
+CLAIMS: tuple[Claims, ...] = (
+    Claims("README.md", (S.SWEEP, S.SWEEP_SUMMARY), S.sweep_claims_readme),
+    Claims("README.md", (S.ANALYZE, S.ANALYZE_BENCH, S.ANALYZE_RUNS), S.analyze_claims),
+    Claims("README.md", (S.PER_LAYER,), S.per_layer_claims),
+    Claims("README.md", (*S.RECOMMEND_RUNS, S.RECOMMEND_BENCH), S.recommend_claims),
+    Claims("README.md", (S.SHARDING,), S.sharding_claims),
+    Claims("experiments/configs/cpu.py", (S.SWEEP, S.SWEEP_SUMMARY), D.sweep_claims_cpu_doc),
+    Claims("experiments/bench_analyze.py", (S.ANALYZE, S.PER_LAYER), D.analyze_claims_doc),
+    Claims("experiments/bench_recommend.py", (S.RECOMMEND_RUNS[0],), D.recommend_claims_doc),
+    Claims("experiments/train_demos.py", S.TRAIN, D.train_claims_doc),
+)
+
 
 # ---------------------------------------------------------------- rewrite and check
 

@@ -13,11 +13,8 @@ from readme_format import (
     GIB,
     MIB,
     MINUS,
-    Claims,
     Results,
-    Section,
     joined,
-    order_of,
     pct,
     sci,
     span,
@@ -38,19 +35,19 @@ SWEEP_ROWS = (
 )
 
 
-def _sweep(r: Results, local: bool = True) -> dict[tuple[str, str, int], dict[str, Any]]:
+def sweep_rows(r: Results, local: bool = True) -> dict[tuple[str, str, int], dict[str, Any]]:
     rows = [x for x in r.jsonl(SWEEP) if x["status"] == "ok" and (x["target"] == "local") == local]
     return {(x["model"], x["policy"], x["seq_len"]): x for x in rows}
 
 
-def _sweep_local(r: Results) -> tuple[str, list[int], dict[tuple[str, int], dict[str, Any]]]:
-    rows = _sweep(r)
+def sweep_local(r: Results) -> tuple[str, list[int], dict[tuple[str, int], dict[str, Any]]]:
+    rows = sweep_rows(r)
     model = next(iter(rows))[0]
     seqs = sorted({s for (_, _, s) in rows})
     return model, seqs, {(p, s): x for (m, p, s), x in rows.items() if m == model}
 
 
-def _summary_run(r: Results) -> tuple[int, int, str]:
+def summary_run(r: Results) -> tuple[int, int, str]:
     """Points, seconds and command of the committed sweep, from its summary.md."""
     text = r.text(SWEEP_SUMMARY)
     points, seconds = re.search(r"(\d+) point\(s\) in (\d+) s", text).groups()
@@ -58,9 +55,9 @@ def _summary_run(r: Results) -> tuple[int, int, str]:
 
 
 def sweep_cpu(r: Results) -> str:
-    _, seqs, rows = _sweep_local(r)
+    _, seqs, rows = sweep_local(r)
     first = next(iter(rows.values()))
-    points, seconds, command = _summary_run(r)
+    points, seconds, command = summary_run(r)
     seq_text = " / ".join(f"s={s}" for s in seqs)
     intro = wrap(
         f"Committed run (`experiments/results/cpu/`, {points} points in {seconds} s on a "
@@ -88,7 +85,7 @@ def sweep_cpu(r: Results) -> str:
 
 
 def _gpu_savings(r: Results, policy: str = "save-nothing") -> tuple[list[str], list[float]]:
-    rows = _sweep(r, local=False)
+    rows = sweep_rows(r, local=False)
     models = list(dict.fromkeys(m for (m, _, _) in rows))
     changes = [
         rows[m, policy, s]["peak_bytes"] / rows[m, "no-remat", s]["peak_bytes"]
@@ -98,10 +95,23 @@ def _gpu_savings(r: Results, policy: str = "save-nothing") -> tuple[list[str], l
     return models, changes
 
 
+def grid_text(r: Results, digits: int) -> tuple[str, dict[str, Any]]:
+    """``gpt-10m (11M parameters`` and one row of the measured grid."""
+    model, _, rows = sweep_local(r)
+    first = next(iter(rows.values()))
+    return f"{model} ({first['num_params'] / 1e6:.{digits}f}M parameters", first
+
+
 def sweep_claims_readme(r: Results) -> list[str]:
-    """Figures of the README paragraph under the sweep table."""
-    _, seqs, rows = _sweep_local(r)
-    out = []
+    """Figures of the README paragraphs around the sweep table."""
+    _, seqs, rows = sweep_local(r)
+    grid, first = grid_text(r, 0)
+    policies = {p for (p, _) in rows}
+    gpu_models, _ = _gpu_savings(r)
+    out = [
+        f"{grid}) × all {len(policies)} policies × s ∈ {{{', '.join(map(str, seqs))}}}, batch "
+        f"{first['batch_size']}, plus {joined(gpu_models)} analysed for a deviceless H100"
+    ]
     acts = {
         pct(rows["save-nothing", s]["activation_bytes"], rows["no-remat", s]["activation_bytes"])
         for s in seqs
@@ -154,49 +164,6 @@ def _slower_than_no_remat(rows: dict[tuple[str, int], dict[str, Any]], seqs: lis
     return "; ".join(parts) if parts else "no remat policy slower than no-remat"
 
 
-def sweep_claims_cpu_doc(r: Results) -> list[str]:
-    """Figures of experiments/configs/cpu.py's docstring (ASCII minus, as the docstring has)."""
-    _, seqs, rows = _sweep_local(r)
-    _, seconds, _ = _summary_run(r)
-    out = [f"took {seconds // 60} min {seconds % 60} s of wall time"]
-
-    def peak(policy: str, s: int) -> str:
-        return pct(rows[policy, s]["peak_bytes"], rows["no-remat", s]["peak_bytes"], "-")
-
-    s1, s2 = seqs
-    out.append(
-        f"predicted peak {peak('save-nothing', s1)} (s={s1}) / {peak('save-nothing', s2)} (s={s2}) "
-        f"with full remat, {peak('save-dots-no-batch', s1)} / {peak('save-dots-no-batch', s2)} "
-        f"with ``save-dots-no-batch``; compiled matmul FLOPs "
-        f"x{span((rows['save-nothing', s]['recompute_ratio'] for s in seqs), dash='-')} and "
-        f"x{span((rows['save-dots-no-batch', s]['recompute_ratio'] for s in seqs), dash='-')}"
-    )
-    cpu = [
-        100 * (x["step_cpu_s"] / rows["no-remat", s]["step_cpu_s"] - 1)
-        for (p, s), x in rows.items()
-        if p != "no-remat"
-    ]
-    out.append(f"(the others {min(cpu):+.1f}% to {max(cpu):+.1f}%)")
-    worst = max(
-        max(abs(a - b) for a, b in zip(x["losses"], rows["no-remat", s]["losses"], strict=True))
-        for (p, s), x in rows.items()
-    )
-    out.append(f"every policy trains to the same losses (within {order_of(worst)} nats)")
-    gpu = _sweep(r, local=False)
-    big = [
-        (m, x["peak_bytes"] / GIB)
-        for (m, p, s), x in gpu.items()
-        if p == "no-remat" and not x["fits"]
-    ]
-    fit = all(x["fits"] for (m, p, s), x in gpu.items() if p != "no-remat" and m in dict(big))
-    sizes = " and ".join(f"{g:.0f}" for _, g in big)
-    out.append(
-        f"do not fit without remat ({sizes} GiB predicted) and fit with "
-        f"{'either' if fit else 'not every'} remat"
-    )
-    return out
-
-
 # ---------------------------------------------------------------- analyze
 
 ANALYZE = "analyze/llama3-8b_b1_s8192_h100-sxm.json"
@@ -215,12 +182,12 @@ PER_LAYER_POLICIES = ("no-remat", "save-dots-no-batch", "save-nothing")
 PER_LAYER_TARGET = "h100-sxm"
 
 
-def _reports(r: Results) -> dict[str, dict[str, Any]]:
+def policy_reports(r: Results) -> dict[str, dict[str, Any]]:
     return {x["policy"]: x for x in r.json(ANALYZE)["reports"]}
 
 
 def analyze_table(r: Results) -> str:
-    reports = _reports(r)
+    reports = policy_reports(r)
     rows = []
     for policy in ANALYZE_POLICIES:
         x = reports[policy]
@@ -231,7 +198,7 @@ def analyze_table(r: Results) -> str:
 
 
 def analyze_claims(r: Results) -> list[str]:
-    reports = _reports(r)
+    reports = policy_reports(r)
     first = next(iter(reports.values()))
     out = [f"{first['model']}, b={first['batch_size']}, s={first['seq_len']}, bf16 parameters"]
     buffers = [b for b in reports["save-nothing"]["peak_buffers"] if b["kind"] == "attention"][:2]
@@ -313,21 +280,6 @@ def per_layer_claims(r: Results) -> list[str]:
     return out
 
 
-def analyze_claims_doc(r: Results) -> list[str]:
-    """experiments/bench_analyze.py's docstring."""
-    peak = _reports(r)["save-nothing"]["peak_bytes"] / GIB
-    rows = [
-        x
-        for x in r.jsonl(PER_LAYER)
-        if x["target"] == PER_LAYER_TARGET and x["policy"] == "save-nothing"
-    ]
-    full = all(x["compiled_bytes"] == x["textbook_bytes"] for x in rows)
-    return [
-        f"save-nothing peaks at {peak:.1f} GiB",
-        f"full remat keeps {'exactly' if full else 'more than'} 2sbh per layer on the H100 target",
-    ]
-
-
 # ---------------------------------------------------------------- recommend
 
 RECOMMEND_RUNS = (
@@ -339,7 +291,7 @@ RECOMMEND_BENCH = "recommend/bench.json"
 OPTIMIZERS = {"adamw": "AdamW", "adafactor": "Adafactor"}
 
 
-def _shorter_seq(rec: dict[str, Any]) -> dict[str, Any] | None:
+def shorter_seq(rec: dict[str, Any]) -> dict[str, Any] | None:
     fits = [
         c
         for c in rec["candidates"]
@@ -354,7 +306,7 @@ def _pick_text(rec: dict[str, Any]) -> str:
         named = [c for c in rec["candidates"] if c["found_by"] == "named"]
         least = min(named, key=lambda c: c["peak_bytes"])
         text = f"nothing fits (least: {least['policy']}, {least['peak_bytes'] / GIB:.2f} GiB)"
-        shorter = _shorter_seq(rec)
+        shorter = shorter_seq(rec)
         if shorter:
             text += (
                 f"; seq {shorter['seq_len']} fits ({shorter['peak_bytes'] / GIB:.2f} GiB, compiled)"
@@ -393,22 +345,6 @@ def recommend_claims(r: Results) -> list[str]:
     return [
         f"{span(compiles, '{:.0f}')} compiles against the goal of ≤ 2 × {named} named policies",
         f"({machine['cpus']}-core CPU, deviceless targets, jax {machine['jax']};",
-    ]
-
-
-def recommend_claims_doc(r: Results) -> list[str]:
-    """experiments/bench_recommend.py's docstring."""
-    rec = r.json(RECOMMEND_RUNS[0])
-    advice = sum(c["found_by"] == "advice" for c in rec["candidates"])
-    named = [c for c in rec["candidates"] if c["found_by"] == "named"]
-    least = min(named, key=lambda c: c["peak_bytes"])
-    shorter = _shorter_seq(rec)
-    budget = f"{rec['budget_bytes'] / GIB:.2f} GiB"
-    return [
-        f"default budget (memory less 5% = {budget})",
-        f"{rec['compiles']} compiles ({rec['compiles'] - advice} named programs + {advice} for the "
-        f"shorter-sequence advice), nothing fits at {budget} (least: {least['policy']} at "
-        f"{least['peak_bytes'] / GIB:.2f} GiB), seq {shorter['seq_len']} fits (compiled)",
     ]
 
 
@@ -501,45 +437,3 @@ def train_demos(r: Results) -> str:
         "optimizer temporaries do not shrink)."
     )
     return intro + "\n\n" + "\n".join(wrap(line, bullet=True) for line in lines) + "\n"
-
-
-def train_claims_doc(r: Results) -> list[str]:
-    """experiments/train_demos.py's docstring."""
-    pol, _, acc = (r.json(p) for p in TRAIN)
-    losses = pol["runs"]["no-remat"]["losses"]
-    ratios = [m["temp_ratio"] for m in acc["memory"].values()]
-    return [
-        f"loss {losses[0]:.1f} -> ~{losses[-1]:.1f} nats/byte in {len(losses)} steps",
-        f"within ~{order_of(pol['max_abs_loss_diff'])} nats of no-remat",
-        f"accumulation gradients within ~{order_of(acc['first_update']['grads_max_abs_diff'])}, "
-        f"temp memory ~{span(ratios, '{:.1f}', '-')}x smaller with "
-        f"{acc['micro_batches']} micro-batches",
-    ]
-
-
-# ---------------------------------------------------------------- registry
-
-SECTIONS: dict[str, Section] = {
-    s.name: s
-    for s in (
-        Section("sweep-cpu", (SWEEP, SWEEP_SUMMARY), sweep_cpu),
-        Section("analyze", (ANALYZE,), analyze_table),
-        Section("per-layer", (PER_LAYER,), per_layer_table),
-        Section("recommend", RECOMMEND_RUNS, recommend_table),
-        Section("sharding", (SHARDING,), sharding_table),
-        Section("train-demos", TRAIN, train_demos),
-    )
-}
-
-
-CLAIMS: tuple[Claims, ...] = (
-    Claims("README.md", (SWEEP, SWEEP_SUMMARY), sweep_claims_readme),
-    Claims("README.md", (ANALYZE, ANALYZE_BENCH, ANALYZE_RUNS), analyze_claims),
-    Claims("README.md", (PER_LAYER,), per_layer_claims),
-    Claims("README.md", (*RECOMMEND_RUNS, RECOMMEND_BENCH), recommend_claims),
-    Claims("README.md", (SHARDING,), sharding_claims),
-    Claims("experiments/configs/cpu.py", (SWEEP, SWEEP_SUMMARY), sweep_claims_cpu_doc),
-    Claims("experiments/bench_analyze.py", (ANALYZE, PER_LAYER), analyze_claims_doc),
-    Claims("experiments/bench_recommend.py", (RECOMMEND_RUNS[0],), recommend_claims_doc),
-    Claims("experiments/train_demos.py", TRAIN, train_claims_doc),
-)

@@ -250,15 +250,16 @@ def per_layer_table(r: Results) -> str:
             cells.append(f"{x['textbook_bytes'] / MIB:.0f} / {x['compiled_bytes'] / MIB:.0f}")
         body.append(cells)
     out = table(["block", *PER_LAYER_POLICIES], ["---", "---:", "---:", "---:"], body)
-    ratios = [
+    names = ", ".join("GPT block" if b.startswith("gpt-block") else b for b in PER_LAYER_BLOCKS)
+    ratios = "; ".join(
         f"{policy} "
         + ", ".join(
             f"{rows[b, policy]['compiled_bytes'] / rows[b, policy]['textbook_bytes']:.2f}×"
             for b in PER_LAYER_BLOCKS
         )
         for policy in PER_LAYER_POLICIES
-    ]
-    return out + f"\nCompiled / textbook, rows in the order above: {'; '.join(ratios)}.\n"
+    )
+    return out + "\n" + wrap(f"Compiled / textbook ({names}): {ratios}.") + "\n"
 
 
 def per_layer_claims(r: Results) -> list[str]:

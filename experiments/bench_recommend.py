@@ -22,7 +22,7 @@ the machine and its load). No GPU was available: the picks' measured step times 
 with the estimates.
 
 Expected on a 2-core x86 VM, jax 0.10.2, shared machine (load average 5-10): h100_default ~1.5
-min, 13 compiles (12 named programs + 1 for the shorter-sequence advice), nothing fits at
+min, 14 compiles (12 named programs + 2 for the shorter-sequence advice), nothing fits at
 75.15 GiB (least: offload-layer-inputs at 80.17 GiB), seq 6656 fits (compiled).
 """
 

@@ -17,7 +17,7 @@ Command (from the repository root)::
 Hardware: measured on 2 CPU cores (see ``environment`` in each JSON). Expected: loss 5.6 ->
 ~2.7 nats/byte in 200 steps; the three remat policies bitwise equal to each other and within
 ~1e-6 nats of no-remat; resume bitwise equal; accumulation gradients within ~1e-6, temp memory
-~3.4-3.9x smaller with 4 micro-batches.
+~3.4-3.8x smaller with 4 micro-batches.
 
 Writes ``{policies,resume,accumulation}.json`` and ``.png`` to ``--out``
 (default ``experiments/results/train``).

@@ -18,13 +18,17 @@ Training batches come from :class:`Batcher`, whose :meth:`Batcher.batch_at` is a
 batches as the uninterrupted run. Validation batches come from :meth:`Corpus.val_batches`, which
 walks the validation split sequentially.
 
-Example::
+Example (``load_corpus()`` reads the stdlib, first 8 MiB; here its first 64 KiB)::
 
-    corpus = load_corpus()                       # stdlib, first 8 MiB
-    batcher = corpus.batcher(batch_size=8, seq_len=256, seed=0)
-    inputs, targets = batcher.batch_at(0)        # int32 [8, 256] each
-    for inputs, targets in corpus.val_batches(8, 256, max_batches=4):
-        ...
+    >>> corpus = load_corpus(max_bytes=2**16)
+    >>> batcher = corpus.batcher(batch_size=8, seq_len=256, seed=0)
+    >>> inputs, targets = batcher.batch_at(0)
+    >>> inputs.shape, inputs.dtype.name  # [batch, seq]
+    ((8, 256), 'int32')
+    >>> bool((inputs[:, 1:] == targets[:, :-1]).all())  # targets are inputs shifted by one
+    True
+    >>> len(list(corpus.val_batches(2, 256, max_batches=4)))
+    4
 """
 
 from __future__ import annotations
@@ -305,7 +309,7 @@ class Batcher:
         """The batch for ``step``: ``(inputs, targets)``, each int32 of shape [batch, seq].
 
         Depends only on the tokens, ``seed``, ``batch_size``, ``seq_len`` and ``step``; it does
-        not read or change :attr:`step`. Raises ValueError for a negative step.
+        not read or change ``self.step``. Raises ValueError for a negative step.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")

@@ -76,6 +76,15 @@ def validate_name(name: object) -> str:
 
     Raises:
       ValueError: ``name`` is not a non-empty string, or has leading/trailing whitespace.
+
+    Example::
+
+        >>> validate_name("query_proj"), validate_name("my_own_tag")
+        ('query_proj', 'my_own_tag')
+        >>> validate_name(" query_proj")
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpoint name must be a non-empty string without surrounding spaces, ...
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(

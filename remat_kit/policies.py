@@ -12,13 +12,21 @@ and ``flax.nnx.remat`` take. Tag-based specs are built from name sets
 JAX's newer remat implementation (``jax_remat3``) reads policies as data and turns a composed
 callable into full remat without a word.
 
-Example::
+Example (a scalar function here; a block's input is [batch, seq, d_model]):
 
-    import flax.linen as nn
-    import remat_kit
-
-    RematBlock = nn.remat(Block, policy=remat_kit.policy("save-dots-no-batch"))
-    custom = remat_kit.custom_policy({"query_proj": "offload", "out_proj": "save"})
+    >>> import flax.linen as nn
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import remat_kit
+    >>> RematBlock = nn.remat(remat_kit.Block, policy=remat_kit.policy("save-dots-no-batch"))
+    >>> custom = remat_kit.custom_policy({"query_proj": "offload", "out_proj": "save"})
+    >>> f = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), policy=remat_kit.policy("save-nothing"))
+    >>> float(jax.grad(f)(0.0))  # cos(sin 0) * cos 0: remat changes memory, not the maths
+    1.0
+    >>> remat_kit.policy("save-dot")
+    Traceback (most recent call last):
+    ...
+    ValueError: ...
 """
 
 from __future__ import annotations

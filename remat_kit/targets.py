@@ -571,10 +571,14 @@ def abstract_sharding(
 ) -> NamedSharding:
     """``NamedSharding(make_mesh(...), spec)``: the sharding for abstract arguments.
 
-    Example::
+    Example (the local device here; ``abstract_sharding("h100-sxm", 8, ...)`` for 8 GPUs
+    compiled deviceless)::
 
-        s = abstract_sharding("h100-sxm", 8, PartitionSpec("x"))
-        x = jax.ShapeDtypeStruct((8, 2048, 4096), jnp.bfloat16, sharding=s)
+        >>> import jax.numpy as jnp
+        >>> s = abstract_sharding("local", 1, PartitionSpec("x"))
+        >>> x = jax.ShapeDtypeStruct((8, 16, 32), jnp.bfloat16, sharding=s)  # [batch, seq, d_model]
+        >>> x.sharding.spec == PartitionSpec("x"), x.sharding.mesh.axis_names
+        (True, ('x',))
 
     Raises:
         ValueError: as :func:`make_mesh`.

@@ -7,7 +7,7 @@ Command::
     python experiments/sweep.py --config cpu      # the same, explicitly
 
 Runtime: ~6 CPU-minutes (x86-64 with AVX-512, jax 0.10.2, CPU backend): the committed run in
-``experiments/results/cpu/`` took 4 min 43 s of wall time on 2 cores shared with other jobs (load
+``experiments/results/cpu/`` took 5 min 17 s of wall time on 2 cores shared with other jobs (load
 average 1-4), about two thirds of it compiling (each policy is compiled twice per sequence
 length, by the analyzer and for the real step, two at a time). Hardware: any CPU; part (b) needs
 the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
@@ -25,8 +25,9 @@ the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it
 Expected (the committed run): every policy trains to the same losses (within 1e-6 nats);
 predicted peak -43% (s=128) / -59% (s=256) with full remat, -37% / -51% with
 ``save-dots-no-batch``; compiled matmul FLOPs x1.23 and x1.02-1.03. On this CPU the step is not
-matmul-bound: no-remat, which stores every intermediate, is the *slowest* policy in process CPU
-time (the others -18% to +1%), and among remat policies time does not track the FLOPs ratio.
+matmul-bound: no-remat, which stores every intermediate, is the slowest policy in process CPU
+time or within 1% of it (the others -23.4% to +0.4%), and among remat policies time does not
+track the FLOPs ratio.
 Wall times on a shared machine are noisy (XLA uses the second core only when it is free); the
 rows keep CPU times beside them. On the H100, ``llama3.2-1b`` (b=4, s=2048) and ``llama3-8b``
 (b=1, s=4096) do not fit without remat (109 and 244 GiB predicted) and fit with either remat

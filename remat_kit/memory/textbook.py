@@ -86,6 +86,15 @@ def korthikanti_bytes(
 
     Returns:
       Bytes, or None for a policy the paper has no formula for.
+
+    Example (llama3-8b's block, b=1, s=8192, h=4096, a=32: README's per-layer table)::
+
+        >>> korthikanti_bytes(8192, 1, 4096, 32, "no-remat") / 2**20  # MiB
+        11328.0
+        >>> korthikanti_bytes(8192, 1, 4096, 32, "save-nothing") / 2**20  # 2*s*b*h
+        64.0
+        >>> korthikanti_bytes(8192, 1, 4096, 32, "offload-to-host") is None
+        True
     """
     s, b, h, a = seq_len, batch_size, d_model, num_heads
     scale = itemsize / 2

@@ -267,6 +267,16 @@ def get_config(name: str, **overrides) -> ModelConfig:
     Raises:
       ValueError: unknown preset or field (message lists the valid ones and the closest match),
         or an invalid value (see :class:`ModelConfig`).
+
+    Example::
+
+        >>> config = get_config("llama3-8b", remat_policy="save-dots", scan_layers=True)
+        >>> config.d_model, config.num_layers, config.num_kv_heads, config.remat_policy
+        (4096, 32, 8, 'save-dots')
+        >>> get_config("llama-8b")
+        Traceback (most recent call last):
+        ...
+        ValueError: ...
     """
     if name not in PRESETS:
         raise N.unknown_value_error("preset", name, preset_names())

@@ -18,8 +18,6 @@ Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, or NNX objects (``nnx.Mo
 merged inside the traced function, and their updated state is returned, so a step that mutates
 them keeps its backward pass and update (a plain ``jax.jit`` of such a step drops both).
 
-The bundled presets are one such program (:func:`remat_kit.memory.api.preset_program`).
-
 Example::
 
     >>> import jax, jax.numpy as jnp

@@ -59,8 +59,13 @@ def jax_policy(spec: PolicySpec) -> Callable[..., Any] | None:
     return spec.to_jax() if spec.wrap else None
 
 
+#: NNX objects with state: modules and optimizers (``nnx.Pytree`` in flax >= 0.11,
+#: ``nnx.Object`` before).
+_NNX_OBJECT = getattr(nnx, "Pytree", None) or nnx.Object
+
+
 def _is_nnx(x: Any) -> bool:
-    return nnx.graph.is_graph_node(x)
+    return isinstance(x, _NNX_OBJECT)
 
 
 def _leaf_bytes(tree: Any) -> int:

@@ -30,7 +30,8 @@ from remat_kit.memory.runner import Job, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.program import Program
+from remat_kit.program import Program, purify
+from remat_kit.program import argument_parts as nnx_argument_parts
 from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
 from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
 
@@ -101,7 +102,11 @@ def analyze(
       fn: any jittable function, or a ``jax.jit``-wrapped one (its ``donate_argnums`` kept).
       *args: real arrays or ``jax.ShapeDtypeStruct`` (pytrees of them); each array leaf is
         recompiled for ``target`` as a ``ShapeDtypeStruct`` with the target's single-device
-        sharding.
+        sharding. ``nnx.Module`` / ``nnx.Optimizer`` arguments (real or from
+        ``nnx.eval_shape``) are split into their state, merged inside the compiled function
+        and their updated state returned (and donated), so a step that mutates them keeps its
+        backward pass and update; their bytes are reported as ``params``, ``opt_state`` and
+        ``other``.
       target: a name from :func:`remat_kit.targets.target_names` (``local``, ``cpu``,
         ``h100-sxm``, ...) or a :class:`~remat_kit.targets.Target`.
       policy: a label for the report (the remat policy ``fn`` uses), if any.
@@ -126,15 +131,23 @@ def analyze(
     """
     tgt = T.get_target(target)
     sharding = T.abstract_sharding(tgt)
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
-    abstract = [T.abstractify(a, sharding) for a in args]
     label = name or getattr(getattr(fn, "__wrapped__", fn), "__name__", "fn")
+    pure = purify(fn, args, _arg_names(fn, len(args)))
+    if pure.nnx_index is not None:  # NNX objects: split, merged inside, updated state returned
+        jitted = jax.jit(pure.fn, donate_argnums=(pure.nnx_index,))
+        parts_of = lambda abstract: nnx_argument_parts(  # noqa: E731
+            dataclasses.replace(pure, args=tuple(abstract)), args
+        )
+    else:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+        parts_of = lambda abstract: argument_parts(abstract, pure.names)  # noqa: E731
+    abstract = [T.abstractify(a, sharding) for a in pure.args]
     job = Job(
         name=label,
         what=f"{label!r} on target {tgt.name!r}" + (f" (policy {policy!r})" if policy else ""),
         target=tgt,
         lower=lambda: jitted.lower(*abstract),
-        arguments=argument_parts(abstract, _arg_names(fn, len(args))),
+        arguments=parts_of(abstract),
         policy=policy,
     )
     return run_jobs([job], top_k, budget_bytes, fast_compile, workers=1)[0]  # type: ignore[return-value]

@@ -32,6 +32,7 @@ from remat_kit.policies import policy as policy
 from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
 from remat_kit.program import Program as Program
+from remat_kit.program import load_program as load_program
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.tagging import tag_linen as tag_linen
@@ -76,6 +77,7 @@ __all__ = [
     "get_target",
     "init_train_state",
     "korthikanti_bytes",
+    "load_program",
     "make_model",
     "make_optimizer",
     "make_train_step",

@@ -35,8 +35,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -325,3 +329,66 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
                 "differentiated; pass the float parameters' position"
             )
     return nums
+
+
+def load_program(ref: str) -> Program:
+    """The :class:`Program` a reference names: ``"pkg.module:factory"`` or
+    ``"path/to/file.py:factory"``, where ``factory()`` (no arguments) returns a Program.
+
+    This is how the command line takes a user's model (``remat-kit analyze --model
+    my_models.gpt:program``) beside the bundled preset names.
+
+    Raises:
+      ValueError: ``ref`` without ``:``, a module or file that cannot be found or imported, a
+        missing factory, or a factory that does not return a Program (one line naming which).
+    """
+    module_ref, sep, attr = ref.rpartition(":")
+    if not sep or not module_ref or not attr:
+        raise ValueError(
+            f"cannot read {ref!r} as a program: write MODULE:FACTORY (my_pkg.models:program) or "
+            "FILE.py:FACTORY (models/gpt.py:program), or give a preset name"
+        )
+    if module_ref.endswith(".py"):
+        path = os.path.abspath(module_ref)
+        if not os.path.isfile(path):
+            raise ValueError(f"program file {module_ref!r} does not exist (from {ref!r})")
+        name = f"_remat_kit_user_{os.path.splitext(os.path.basename(path))[0]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_ref)
+        except ModuleNotFoundError as err:
+            if err.name and module_ref.startswith(err.name):
+                raise ValueError(
+                    f"cannot import module {module_ref!r} (from {ref!r}): not on the Python path; "
+                    "run from its folder, set PYTHONPATH, or give a FILE.py:FACTORY path"
+                ) from None
+            raise
+    factory = getattr(module, attr, None)
+    if factory is None:
+        found = sorted(
+            n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n])
+        )
+        raise unknown_value_error(f"factory in {module_ref}", attr, found)
+    if callable(factory) and not isinstance(factory, Program):
+        try:
+            inspect.signature(factory).bind()
+        except TypeError:
+            raise ValueError(
+                f"{ref}: the factory must take no arguments (remat-kit calls {attr}()); wrap it, "
+                "e.g. def program(): return Program.from_loss(...)"
+            ) from None
+        except ValueError:  # no signature (a builtin): just call it
+            pass
+        program = factory()
+    else:
+        program = factory
+    if not isinstance(program, Program):
+        raise ValueError(
+            f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
+            "Program.from_loss(...) or Program.from_step(...)"
+        )
+    return program

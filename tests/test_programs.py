@@ -117,3 +117,28 @@ def test_analyze_an_unjitted_nnx_step_equals_nnx_jit():
     assert plain.peak_bytes == ref.peak_bytes and plain.temp_bytes == ref.temp_bytes
     assert sum(plain.arguments.values()) == plain.argument_bytes
     assert min(plain.arguments.values()) >= 0 and plain.arguments["opt_state"] > 0
+
+
+@pytest.mark.parametrize(
+    "ref, match",
+    [
+        ("nocolon", r"write MODULE:FACTORY"),
+        ("tests/user_models/nope.py:program", r"program file .* does not exist"),
+        ("no_such_pkg.models:program", r"cannot import module 'no_such_pkg.models'"),
+        (
+            "tests.user_models.plain_jax:progrm",
+            r"unknown factory .*'progrm'.*Did you mean 'program'",
+        ),
+        ("tests.user_models.plain_jax:init", r"factory must take no arguments"),
+        ("tests.user_models.plain_jax:TAGS", r"returned tuple, not a remat_kit.Program"),
+    ],
+)
+def test_load_program_bad_refs_say_which_form(ref, match):
+    with pytest.raises(ValueError, match=match):
+        remat_kit.load_program(ref)
+
+
+def test_load_program_by_module_and_by_file():
+    by_module = remat_kit.load_program("tests.user_models.plain_jax:program")
+    by_file = remat_kit.load_program("tests/user_models/plain_jax.py:program")
+    assert by_module.name == by_file.name == "plain-jax"

@@ -76,3 +76,11 @@ def abstract_args(batch: int = 2, seq: int = 33):
         jax.eval_shape(optax.adamw(1e-3).init, params),
         jax.ShapeDtypeStruct((batch, seq), jnp.int32),
     )
+
+
+def program():
+    """The program the command line loads: ``--model tests/user_models/plain_jax.py:program``."""
+    from remat_kit import Program
+
+    params, _, tokens = abstract_args(batch=2, seq=33)
+    return Program.from_loss(make_loss, params, tokens, name="plain-jax")

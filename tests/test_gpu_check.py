@@ -1,0 +1,94 @@
+"""experiments/gpu_check.py: the CPU mode end to end (same code path as on a GPU), the budget,
+timeouts and error rows, so the script cannot rot between the times an H200 is available."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import gpu_check  # noqa: E402
+import gpu_check_report  # noqa: E402
+import gpu_check_worker  # noqa: E402
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, (out / "gpu_check.jsonl").read_text().splitlines())}
+
+
+def test_cpu_mode_runs_every_point(tmp_path):
+    assert gpu_check.main(["--cpu", "--out", str(tmp_path), "--budget-s", "900"]) == 0
+    rows = _rows(tmp_path)
+    expected = {"versions", "preflight", "predict/h200", "recommend/h200", "grads"}
+    expected |= {f"measure/{p}" for p in gpu_check.MODES["cpu"]["policies"]}
+    assert expected <= set(rows)
+    assert {rows[k]["status"] for k in expected} == {"ok"}, {k: rows[k] for k in expected}
+    for policy in gpu_check.MODES["cpu"]["policies"]:
+        m = rows[f"measure/{policy}"]
+        assert m["step_time_s"] > 0 and len(m["step_times_s"]) == 2
+        assert all(x > 0 for x in m["losses"])
+        # What a CPU cannot give is None with a note, never 0.
+        assert (
+            m["measured_peak_bytes"] is None and "no peak_bytes_in_use" in m["measured_peak_note"]
+        )
+        assert m["mfu"] is None and m["mfu_note"]
+        assert m["predicted_local"]["peak_bytes"] > 0 and m["compiled_peak_bytes"] > 0
+    preds = rows["predict/h200"]["predictions"]
+    assert preds["no-remat"]["peak_bytes"] > preds["save-nothing"]["peak_bytes"] > 0
+    rec = rows["recommend/h200"]
+    # The budget excludes no-remat (largest predicted peak), so the pick is the other policy.
+    assert (
+        preds["save-nothing"]["peak_bytes"] < rec["budget_bytes"] < preds["no-remat"]["peak_bytes"]
+    )
+    assert rec["pick"] == "save-nothing"
+    custom = gpu_check_report.label(gpu_check.CUSTOM)
+    assert rows["grads"]["policies"][custom]["equal"] is True
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| save-nothing |" in summary and "pick **save-nothing**" in summary
+    assert "- none" in summary  # no point failed
+
+
+def test_budget_is_kept_points_skipped_not_started(tmp_path):
+    gpu_check.main(["--cpu", "--out", str(tmp_path), "--budget-s", "1"])
+    rows = _rows(tmp_path)
+    points = [r for r in rows.values() if r["kind"] != "versions"]
+    assert len(points) >= 6
+    assert {r["status"] for r in points} == {"skipped"}
+    assert all("left of the budget" in r["error"] for r in points)
+
+
+def test_timeout_is_a_row(tmp_path):
+    mode = {**gpu_check.MODES["cpu"], "timeout_s": {"preflight": 0.2}}
+    runner = gpu_check.Runner(gpu_check.Results(tmp_path, mode, False), mode, 60.0, cpu=True)
+    row = runner.run("preflight", "preflight", {})
+    assert row["status"] == "timeout" and "killed after" in row["error"]
+    assert _rows(tmp_path)["preflight"]["status"] == "timeout"
+
+
+def test_worker_error_is_a_result_not_a_crash():
+    result = gpu_check_worker.run("predict", {"model": "no-such-model", "seq_len": 8,
+                                              "batch_size": 1, "target": "h200", "policies": []})  # fmt: skip
+    assert result["status"] == "error" and "no-such-model" in result["error"]
+    assert gpu_check_worker.classify("XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory") == "oom"
+
+
+def test_version_warnings_and_budget_choice():
+    found = {**gpu_check.TESTED, "jax": "0.11.2", "flax": "0.12.8"}
+    assert gpu_check.version_warnings(found) == [
+        "jax 0.11.2 was not tested (tested: 0.10.2); results may differ"
+    ]
+    pred = {"status": "ok", "predictions": {"a": {"peak_bytes": 100}, "b": {"peak_bytes": 20}}}
+    assert gpu_check_report.choice_budget(pred, ["a", "b"]) == 60
+    assert gpu_check_report.choice_budget({"status": "error"}, ["a", "b"]) is None
+
+
+def test_bad_budget_exits_2(tmp_path, capsys):
+    assert gpu_check.main(["--cpu", "--out", str(tmp_path), "--budget-s", "0"]) == 2
+    assert "--budget-s must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [b"x\xffy", "text", None])
+def test_text_of_captured_streams(stream):
+    assert isinstance(gpu_check._text(stream), str)

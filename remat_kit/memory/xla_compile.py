@@ -161,6 +161,10 @@ class CompileResult:
     thread: int
     start: float
     end: float
+    #: Instructions XLA's own rematerialisation pass cloned (``fusion.3.remat``).
+    xla_remat_instructions: int = 0
+    #: The same program compiled with that pass off (when it fired and that was asked for).
+    policy_only: CompileResult | None = None
 
     def log_lines(self) -> list[LogLine]:
         """The compiler log lines of this compile (call after the capture ended)."""
@@ -191,8 +195,23 @@ def first_line(err: BaseException) -> str:
     return type(err).__name__
 
 
+#: The compiler option that switches XLA's own rematerialisation pass off (works deviceless).
+WITHOUT_XLA_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
+_INSTR_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ", re.MULTILINE)
+
+
+def count_xla_remat(hlo_text: str | None) -> int:
+    """Instructions of an optimized HLO module cloned by XLA's rematerialisation pass."""
+    return sum(hlo.is_xla_remat(n) for n in _INSTR_NAME.findall(hlo_text or ""))
+
+
 def compile_with_dump(
-    lowered: Any, platform: str, what: str, fast: bool = True, options: dict | None = None
+    lowered: Any,
+    platform: str,
+    what: str,
+    fast: bool = True,
+    options: dict | None = None,
+    policy_only: bool = False,
 ) -> CompileResult:
     """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
 
@@ -204,6 +223,8 @@ def compile_with_dump(
       what: names the compile in errors (``"policy 'save-dots' on target 'h100-sxm'"``).
       fast: add the code-generation-only :data:`FAST_COMPILE_OPTIONS`.
       options: more XLA compiler options.
+      policy_only: when XLA's own rematerialisation pass cloned instructions, compile again
+        with it off (:data:`WITHOUT_XLA_REMAT`) into ``CompileResult.policy_only``.
 
     Raises:
       CompileError: XLA failed; the message is ``"{what} failed to compile: {first line}"``.
@@ -224,7 +245,13 @@ def compile_with_dump(
         end = time.time()
         capture_compiler_log.claim(thread, start, end)
         dump = hlo.read_dump(Path(folder))
-    return CompileResult(compiled, compile_s, dump, thread, start, end)
+    result = CompileResult(compiled, compile_s, dump, thread, start, end)
+    result.xla_remat_instructions = count_xla_remat(dump.hlo)
+    if policy_only and result.xla_remat_instructions:
+        result.policy_only = compile_with_dump(
+            lowered, platform, what, fast, {**(options or {}), **WITHOUT_XLA_REMAT}
+        )
+    return result
 
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:

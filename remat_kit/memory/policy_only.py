@@ -4,7 +4,7 @@ When a program exceeds the target's memory, XLA's GPU compiler recomputes instru
 own (``hlo_rematerialization.cc``: "Can't reduce memory use below ..."), cloning them as
 ``name.remat``: compiled FLOPs and peaks then mix what the policy asks for with what XLA added
 (llama3-8b b=1 s=8192 save-nothing on h100-sxm: x1.53 FLOPs compiled against x1.25 for the
-policy). :func:`~remat_kit.memory.xla_compile.compile_with_dump` compiles such a step a second
+policy). :func:`~remat_kit.memory.xla_compile.add_policy_only` compiles such a step a second
 time with the pass off (``xla_disable_hlo_passes=rematerialization``), only when the pass
 cloned something; this module turns that compile into :class:`~remat_kit.memory.report.
 PolicyOnly` and the one line that says what XLA did.

@@ -38,6 +38,7 @@ from remat_kit.memory.timeline import build_timeline
 from remat_kit.memory.xla_compile import (
     CompileError,
     CompileResult,
+    add_policy_only,
     capture_compiler_log,
     compile_with_dump,
     jax_backend_description,
@@ -247,9 +248,12 @@ def run_jobs(
     def compile_one(job: Job, lowered: Any, seeding: bool) -> CompileResult | CompileError:
         try:
             opts = caches.options(job.target, seeding)
-            return compile_with_dump(
-                lowered, job.target.platform, job.what, fast_compile, opts, job.policy_only
+            result = compile_with_dump(
+                lowered, job.target.platform, job.what, fast=fast_compile, options=opts
             )
+            if job.policy_only:  # XLA's own remat told apart: the pass-off compile
+                add_policy_only(result, lowered, job.target.platform, job.what, fast_compile, opts)
+            return result
         except CompileError as err:
             return err
 

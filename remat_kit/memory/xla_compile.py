@@ -211,7 +211,6 @@ def compile_with_dump(
     what: str,
     fast: bool = True,
     options: dict | None = None,
-    policy_only: bool = False,
 ) -> CompileResult:
     """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
 
@@ -223,8 +222,6 @@ def compile_with_dump(
       what: names the compile in errors (``"policy 'save-dots' on target 'h100-sxm'"``).
       fast: add the code-generation-only :data:`FAST_COMPILE_OPTIONS`.
       options: more XLA compiler options.
-      policy_only: when XLA's own rematerialisation pass cloned instructions, compile again
-        with it off (:data:`WITHOUT_XLA_REMAT`) into ``CompileResult.policy_only``.
 
     Raises:
       CompileError: XLA failed; the message is ``"{what} failed to compile: {first line}"``.
@@ -247,10 +244,21 @@ def compile_with_dump(
         dump = hlo.read_dump(Path(folder))
     result = CompileResult(compiled, compile_s, dump, thread, start, end)
     result.xla_remat_instructions = count_xla_remat(dump.hlo)
-    if policy_only and result.xla_remat_instructions:
-        result.policy_only = compile_with_dump(
-            lowered, platform, what, fast, {**(options or {}), **WITHOUT_XLA_REMAT}
-        )
+    return result
+
+
+def add_policy_only(
+    result: CompileResult, lowered: Any, platform: str, what: str, fast: bool, options: dict
+) -> CompileResult:
+    """When XLA's own rematerialisation pass cloned instructions in ``result``, compile
+    ``lowered`` again with the pass off (:data:`WITHOUT_XLA_REMAT`) into
+    ``result.policy_only``; otherwise nothing is compiled. Returns ``result``."""
+    if result.xla_remat_instructions:
+        opts = {**options, **WITHOUT_XLA_REMAT}
+        try:
+            result.policy_only = compile_with_dump(lowered, platform, what, fast, opts)
+        except CompileError:  # the as-run figures stand alone (policy_only stays None)
+            pass
     return result
 
 

@@ -7,6 +7,7 @@ rematerialisation pass fires and the pass-off compile runs.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 
@@ -171,3 +172,10 @@ def test_xla_remat_told_apart_deviceless():
     assert r.recompute_ratio == po.recompute_ratio < r.compiled_recompute_ratio
     assert 1.15 < po.recompute_ratio < 1.34  # one extra forward of the blocks, at most 4/3
     assert any(w.startswith("XLA recomputed") for w in r.warnings)
+
+
+def test_timeline_cli_argument():
+    parser = argparse.ArgumentParser()
+    T.add_timeline_args(parser)
+    assert parser.parse_args(["--timeline", "out.png"]).timeline == "out.png"
+    assert parser.parse_args([]).timeline is None

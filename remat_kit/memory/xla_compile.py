@@ -206,11 +206,7 @@ def count_xla_remat(hlo_text: str | None) -> int:
 
 
 def compile_with_dump(
-    lowered: Any,
-    platform: str,
-    what: str,
-    fast: bool = True,
-    options: dict | None = None,
+    lowered: Any, platform: str, what: str, fast: bool = True, options: dict | None = None
 ) -> CompileResult:
     """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
 

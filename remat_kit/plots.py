@@ -15,6 +15,8 @@ needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
 * :func:`slowdown_vs_flops`: measured slowdown against the compiled FLOPs ratio.
 * :func:`layer_activations`: per-layer activation bytes against Korthikanti et al. 2022, for
   rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
+* :func:`timeline`: live device bytes over XLA's schedule of one step, stacked by category,
+  one panel per report (``MemoryReport.timeline``; takes reports, not sweep rows).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from remat_kit import results as R
+from remat_kit.memory.report import MemoryReport
+from remat_kit.memory.timeline import Timeline
 
 __all__ = [
     "layer_activations",
@@ -38,6 +42,7 @@ __all__ = [
     "predicted_vs_measured",
     "save_figures",
     "slowdown_vs_flops",
+    "timeline",
 ]
 
 _PANEL_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size")
@@ -407,3 +412,89 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
             continue
         written.append(folder / name)
     return written
+
+
+_FIXED_COLORS = {
+    "params": "tab:blue", "opt_state": "lightsteelblue", "gradients": "tab:green",
+    "logits": "tab:purple", "temporaries": "lightgray", "residual:other": "dimgray",
+}  # fmt: skip
+_RESIDUAL_COLORS = ("tab:orange", "tab:red", "tab:brown", "gold", "tab:pink", "tab:cyan",
+                    "tab:olive", "darkorange", "firebrick", "peru", "orchid", "teal")  # fmt: skip
+_PHASE_COLORS = {"forward": "#eef5ff", "backward": "#fff3e6", "optimizer": "#eefbea"}
+
+
+def _category_colors(categories: Sequence[str]) -> dict[str, Any]:
+    """One color per category, the same in every panel."""
+    residuals = sorted({c for c in categories if c not in _FIXED_COLORS and c.startswith("resid")})
+    colors = {c: _RESIDUAL_COLORS[i % len(_RESIDUAL_COLORS)] for i, c in enumerate(residuals)}
+    others = {c: "silver" for c in categories if c not in _FIXED_COLORS and c not in colors}
+    return {**others, **colors, **_FIXED_COLORS}
+
+
+def timeline(
+    reports: Sequence[MemoryReport | Mapping[str, Any]],
+    path: str | os.PathLike[str] | None = None,
+    columns: int = 2,
+    share_y: bool = False,
+):
+    """Live device bytes at each point of XLA's schedule, one panel per report (small
+    multiples): stacked by category (parameters, optimizer state, residuals by checkpoint
+    tag, gradients, logits, XLA temporaries), forward / backward / optimizer phases shaded, the
+    peak marked with its phase, host bytes dashed, the target's memory dotted.
+
+    Args:
+      reports: ``MemoryReport`` objects (or their ``to_dict()``) with a ``timeline``.
+      path: save the figure there as a PNG. columns: panels per row.
+      share_y: one y scale for all panels (off by default: a no-remat panel at 760 GiB
+        flattens the others; the target's memory line, dotted, gives the scale).
+
+    Raises:
+      ValueError: no report has a timeline.
+    """
+    reps = [r if isinstance(r, MemoryReport) else MemoryReport.from_dict(dict(r)) for r in reports]
+    reps = [r for r in reps if r.timeline is not None]
+    if not reps:
+        raise ValueError("no report with a timeline to plot (the compile wrote no live ranges)")
+    unit, unit_name = _unit([r.timeline.peak_bytes for r in reps])
+    colors = _category_colors([c for r in reps for c in r.timeline.categories])
+    cols = min(columns, len(reps))
+    rows = (len(reps) + cols - 1) // cols
+    fig = Figure(figsize=(6.0 * cols, 3.8 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=share_y)
+    _ = [ax.set_visible(False) for ax in axes.flat[len(reps) :]]
+    seen: dict[str, Any] = {}
+    for ax, r in zip(axes.flat, reps, strict=False):
+        _timeline_panel(ax, r, r.timeline, unit, unit_name, colors, seen)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(6, len(seen)),
+               fontsize=7, frameon=False)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.04 + 0.02 * (len(seen) // 6), 1, 1))
+    return _save(fig, path, layout=False)
+
+
+def _timeline_panel(ax, r: MemoryReport, tl: Timeline, unit, unit_name, colors, seen) -> None:
+    for phase, a, b in tl.phases:
+        ax.axvspan(a, b, color=_PHASE_COLORS.get(phase, "white"), zorder=0)
+        ax.text((a + b) / 2, 0.98, phase, transform=ax.get_xaxis_transform(), ha="center",
+                va="top", fontsize=7, color="gray")  # fmt: skip
+    ys = [[v / unit for v in row] for row in tl.device_bytes]
+    polys = ax.stackplot(tl.positions, ys, colors=[colors[c] for c in tl.categories], lw=0)
+    for cat, poly in zip(tl.categories, polys, strict=True):
+        seen.setdefault(cat, poly)
+    if tl.host_bytes:
+        (line,) = ax.plot(tl.positions, [h / unit for h in tl.host_bytes], "--", color="black")
+        seen.setdefault("host (offloaded)", line)
+    if r.memory_bytes:
+        ax.axhline(r.memory_bytes / unit, ls=":", color="tab:red", lw=1)
+    phase = tl.phase_at(tl.peak_position) or "step"
+    ax.plot([tl.peak_position], [tl.peak_bytes / unit], "v", color="black", ms=5)
+    left = tl.peak_position > tl.length / 2
+    ax.annotate(f"peak {tl.peak_bytes / unit:.2f} {unit_name} ({phase}) ",
+                (tl.peak_position, tl.peak_bytes / unit), xytext=(-8 if left else 8, -4),
+                textcoords="offset points", ha="right" if left else "left", va="top",
+                fontsize=7)  # fmt: skip
+    ratio = f", FLOPs x{r.recompute_ratio:.2f}" if r.recompute_ratio else ""
+    ax.set_title(f"{r.policy or r.name}{ratio}", fontsize=9)
+    ax.set_xlabel("position in XLA's schedule (loop bodies once)", fontsize=7)
+    ax.set_ylabel(f"live device bytes ({unit_name})", fontsize=8)
+    ax.set_xlim(0, tl.length)
+    ax.set_ylim(0, max(tl.peak_bytes, r.memory_bytes or 0) / unit * 1.12)

@@ -5,17 +5,25 @@ report), :mod:`~remat_kit.memory.runner` (lowering and compiling many steps, con
 kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps and log captured),
 :mod:`~remat_kit.memory.reading` (turning them into report pieces), :mod:`~remat_kit.memory.hlo`
 (parsing XLA's text dumps), :mod:`~remat_kit.memory.flops` (jaxpr FLOPs),
-:mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes).
+:mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes),
+:mod:`~remat_kit.memory.timeline` (live bytes over XLA's schedule, by category),
+:mod:`~remat_kit.memory.policy_only` (the policy's own figures, XLA's own remat told apart),
+:mod:`~remat_kit.memory.diff` (two policies side by side).
 """
 
 from remat_kit.memory.api import analyze as analyze
 from remat_kit.memory.api import analyze_model as analyze_model
 from remat_kit.memory.api import analyze_policies as analyze_policies
 from remat_kit.memory.api import model_residuals as model_residuals
+from remat_kit.memory.diff import PolicyDiff as PolicyDiff
+from remat_kit.memory.diff import diff_reports as diff_reports
 from remat_kit.memory.report import LogitsLine as LogitsLine
 from remat_kit.memory.report import MemoryReport as MemoryReport
 from remat_kit.memory.report import PeakBuffer as PeakBuffer
+from remat_kit.memory.report import PolicyOnly as PolicyOnly
 from remat_kit.memory.textbook import LayerActivations as LayerActivations
 from remat_kit.memory.textbook import korthikanti_bytes as korthikanti_bytes
 from remat_kit.memory.textbook import per_layer_activations as per_layer_activations
+from remat_kit.memory.timeline import Timeline as Timeline
+from remat_kit.memory.timeline import TimelineBuffer as TimelineBuffer
 from remat_kit.memory.xla_compile import CompileError as CompileError

@@ -430,6 +430,7 @@ def analyze_model_policies(
     raise_errors: bool = True,
     compare_offload: bool = True,
     mesh: str | S.MeshSpec | None = None,
+    separate_xla_remat: bool = True,
 ) -> list[MemoryReport | CompileError]:
     """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
 
@@ -438,6 +439,10 @@ def analyze_model_policies(
     time (default ``min(4, cpu_count)``), identical programs once, GPU kernels shared
     (:mod:`remat_kit.memory.runner`). An offloading policy's on-device counterpart (see
     ``compare_offload``) is usually another registered policy and then costs nothing extra.
+
+    With ``separate_xla_remat`` (default), a policy whose program XLA's own rematerialisation
+    pass changed is compiled again with the pass off: ``recompute_ratio`` and ``policy_only``
+    are then the policy's own figures (see :mod:`remat_kit.memory.policy_only`).
 
     Returns:
       One report per policy, in order; with ``raise_errors=False`` a policy that fails to
@@ -451,6 +456,8 @@ def analyze_model_policies(
     specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
     setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
     jobs = _model_jobs(setup, specs, compare_offload)
+    for job in jobs:
+        job.policy_only = separate_xla_remat and job.visible
     with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
     return results[: len(specs)]

@@ -13,6 +13,7 @@ from typing import Any
 from remat_kit import names as N
 from remat_kit.memory import hlo
 from remat_kit.memory.report import PeakBuffer
+from remat_kit.memory.timeline import live_at_peak
 from remat_kit.memory.xla_compile import CompileResult
 
 #: Flax module names -> the checkpoint name of their output. The bundled model names each
@@ -183,7 +184,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
         )
     instrs = hlo.instructions_by_name(comps)
     slots = hlo.parse_buffer_slots(dump.buffer_assignment or "")
-    live = hlo.parse_live_at_peak(dump.live_range or "")
+    live = live_at_peak(dump) or []  # where the most bytes are live, aliases counted once
     # Values that alias (a loop's carry, the body's parameter, the in-place update) share one
     # slot of one allocation: count each slot once, named after its most telling value.
     groups: dict[object, list[PeakBuffer]] = {}
@@ -216,7 +217,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
         buffers.append(dataclasses.replace(best, nbytes=max(b.nbytes for b in group)))
     logits_live = sum(b.nbytes for b in buffers if b.kind in ("logits", "logits_grad"))
     buffers.sort(key=lambda b: -b.nbytes)
-    n_xla_remat = sum(1 for i in instrs if i.endswith(".remat") or ".remat." in i)
+    n_xla_remat = sum(1 for i in instrs if hlo.is_xla_remat(i))
     if n_xla_remat:
         warnings.append(
             f"XLA's rematerialisation pass recomputed {n_xla_remat} instruction(s) on its own to "

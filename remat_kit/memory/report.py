@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+from remat_kit.memory.timeline import Timeline
 from remat_kit.residuals import TagResiduals
 
 GIB = 2**30
@@ -60,6 +61,32 @@ class LogitsLine:
 
 
 @dataclasses.dataclass(frozen=True)
+class PolicyOnly:
+    """The step compiled with XLA's own rematerialisation pass off: the policy's own figures.
+
+    XLA's GPU compiler recomputes instructions on its own when a program exceeds the device's
+    memory ("Can't reduce memory use below ..."); the as-run figures then mix the policy's
+    recomputation with XLA's. This is the same step compiled with
+    ``xla_disable_hlo_passes=rematerialization`` (compiled only when the pass changed the
+    program).
+
+    Attributes:
+      xla_remat_instructions: instructions XLA's pass cloned to recompute (as run).
+      peak_bytes: the device peak of the policy alone (argument + output + temp - alias).
+      live_peak_bytes: the most device bytes live at one point of that schedule.
+      flops: its matmul FLOPs; recompute_ratio: ``flops / flops_no_remat``.
+      compile_s: seconds of that compile.
+    """
+
+    xla_remat_instructions: int
+    peak_bytes: int
+    live_peak_bytes: int | None
+    flops: float | None
+    recompute_ratio: float | None
+    compile_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Memory (and FLOPs) of one compiled step on one target. Integers are bytes.
 
@@ -84,14 +111,17 @@ class MemoryReport:
       flops: matmul FLOPs of the compiled program (loops counted by trip count).
       flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr (on a mesh:
         per device, the compiled step's matmuls less those recomputed); None for an arbitrary
-        function. recompute_ratio: ``flops / flops_no_remat``.
+        function. recompute_ratio: the policy's own: ``flops / flops_no_remat``, or, when XLA's
+        own rematerialisation pass changed the program, ``policy_only.recompute_ratio``.
+        compiled_recompute_ratio: ``flops / flops_no_remat`` as compiled (XLA's pass included).
       residuals: saved residuals (from the jaxpr) grouped by checkpoint tag, for all layers:
         count, shape of one, dtype, total bytes, memory kind (``device`` or ``host``).
       activation_bytes: device bytes of those residuals; offloaded_bytes: host bytes.
       logits: the logits line (models only).
       peak_buffers: the largest buffers live at XLA's peak, largest first.
-      live_peak_bytes: the device bytes of all buffers live at that point (XLA's live-range
-        peak, aliased values counted once; below ``peak_bytes`` by what buffer packing loses).
+      live_peak_bytes: the device bytes of all buffers live at that point: the most live at any
+        point of XLA's schedule, aliased values counted once (below ``peak_bytes`` by what
+        buffer packing loses; see :mod:`remat_kit.memory.timeline`).
       memory_bytes: the target's device memory; budget_bytes: the budget judged against
         (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
       compile_s: wall seconds of XLA's compile (lowering excluded).
@@ -102,6 +132,11 @@ class MemoryReport:
         the device peak of the same policy keeping its offloaded tensors on device instead:
         offloading lowered the device peak only if ``peak_bytes`` is below it (reported, never
         assumed; a warning says when it did not).
+      timeline: live device bytes at each point of XLA's schedule, by category, with phases
+        and the peak (:class:`~remat_kit.memory.timeline.Timeline`); its ``peak_bytes`` is
+        ``live_peak_bytes``.
+      policy_only: the step compiled without XLA's own rematerialisation pass, when that pass
+        changed the program (:class:`PolicyOnly`); None when it did not.
     """
 
     name: str
@@ -134,6 +169,9 @@ class MemoryReport:
     batch_size: int | None = None
     seq_len: int | None = None
     peak_bytes_without_offload: int | None = None
+    compiled_recompute_ratio: float | None = None
+    timeline: Timeline | None = None
+    policy_only: PolicyOnly | None = None
 
     @property
     def peak_gib(self) -> float:
@@ -164,6 +202,10 @@ class MemoryReport:
                 **{**data["logits"], "shape": tuple(data["logits"]["shape"])}
             )
         data["warnings"] = tuple(data["warnings"])
+        if data.get("timeline") is not None:
+            data["timeline"] = Timeline.from_dict(data["timeline"])
+        if data.get("policy_only") is not None:
+            data["policy_only"] = PolicyOnly(**data["policy_only"])
         return cls(**data)
 
     @classmethod

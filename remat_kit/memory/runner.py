@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from remat_kit import targets as T
+from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
     Hints,
     log_warnings,
@@ -33,9 +34,11 @@ from remat_kit.memory.reading import (
     read_dump,
 )
 from remat_kit.memory.report import LogitsLine, MemoryReport
+from remat_kit.memory.timeline import build_timeline
 from remat_kit.memory.xla_compile import (
     CompileError,
     CompileResult,
+    add_policy_only,
     capture_compiler_log,
     compile_with_dump,
     jax_backend_description,
@@ -74,6 +77,9 @@ class Job:
     #: is the traced step's even share per device, and the report's baseline is read from the
     #: compile instead (see :func:`_per_device_baseline`).
     mesh_devices: int | None = None
+    #: When XLA's own rematerialisation pass changed the program, compile it again with the
+    #: pass off for the policy's own figures (``MemoryReport.policy_only``).
+    policy_only: bool = True
 
 
 #: Compiled per-device matmul work above this multiple of the even split is reported as
@@ -164,6 +170,8 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     ratio = None
     if reading.flops and baseline:
         ratio = reading.flops / baseline
+    policy_only = policy_only_figures(result, baseline)  # XLA's own remat told apart
+    xla_line = (xla_remat_line(peak, ratio, policy_only),) if policy_only else ()
     return MemoryReport(
         name=job.name,
         target=job.target.name,
@@ -175,7 +183,10 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         arguments=arguments,
         flops=reading.flops,
         flops_no_remat=baseline,
-        recompute_ratio=ratio,
+        recompute_ratio=policy_only.recompute_ratio if policy_only else ratio,
+        compiled_recompute_ratio=ratio,
+        timeline=build_timeline(result.dump, job.hints),
+        policy_only=policy_only,
         residuals=job.residuals,
         activation_bytes=job.activation_bytes,
         offloaded_bytes=job.offloaded_bytes,
@@ -189,7 +200,8 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         warnings=job.notes
         + tuple(log_warnings(result))
         + reading.warnings
-        + tuple(baseline_warnings),
+        + tuple(baseline_warnings)
+        + xla_line,
         model=job.model,
         batch_size=job.batch_size,
         seq_len=job.seq_len,
@@ -236,9 +248,12 @@ def run_jobs(
     def compile_one(job: Job, lowered: Any, seeding: bool) -> CompileResult | CompileError:
         try:
             opts = caches.options(job.target, seeding)
-            return compile_with_dump(
+            result = compile_with_dump(
                 lowered, job.target.platform, job.what, fast=fast_compile, options=opts
             )
+            if job.policy_only:  # XLA's own remat told apart: the pass-off compile
+                add_policy_only(result, lowered, job.target.platform, job.what, fast_compile, opts)
+            return result
         except CompileError as err:
             return err
 

@@ -161,6 +161,10 @@ class CompileResult:
     thread: int
     start: float
     end: float
+    #: Instructions XLA's own rematerialisation pass cloned (``fusion.3.remat``).
+    xla_remat_instructions: int = 0
+    #: The same program compiled with that pass off (when it fired and that was asked for).
+    policy_only: CompileResult | None = None
 
     def log_lines(self) -> list[LogLine]:
         """The compiler log lines of this compile (call after the capture ended)."""
@@ -189,6 +193,16 @@ def first_line(err: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(err).__name__
+
+
+#: The compiler option that switches XLA's own rematerialisation pass off (works deviceless).
+WITHOUT_XLA_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
+_INSTR_NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ", re.MULTILINE)
+
+
+def count_xla_remat(hlo_text: str | None) -> int:
+    """Instructions of an optimized HLO module cloned by XLA's rematerialisation pass."""
+    return sum(hlo.is_xla_remat(n) for n in _INSTR_NAME.findall(hlo_text or ""))
 
 
 def compile_with_dump(
@@ -224,7 +238,24 @@ def compile_with_dump(
         end = time.time()
         capture_compiler_log.claim(thread, start, end)
         dump = hlo.read_dump(Path(folder))
-    return CompileResult(compiled, compile_s, dump, thread, start, end)
+    result = CompileResult(compiled, compile_s, dump, thread, start, end)
+    result.xla_remat_instructions = count_xla_remat(dump.hlo)
+    return result
+
+
+def add_policy_only(
+    result: CompileResult, lowered: Any, platform: str, what: str, fast: bool, options: dict
+) -> CompileResult:
+    """When XLA's own rematerialisation pass cloned instructions in ``result``, compile
+    ``lowered`` again with the pass off (:data:`WITHOUT_XLA_REMAT`) into
+    ``result.policy_only``; otherwise nothing is compiled. Returns ``result``."""
+    if result.xla_remat_instructions:
+        opts = {**options, **WITHOUT_XLA_REMAT}
+        try:
+            result.policy_only = compile_with_dump(lowered, platform, what, fast, opts)
+        except CompileError:  # the as-run figures stand alone (policy_only stays None)
+            pass
+    return result
 
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:

@@ -1,0 +1,181 @@
+"""The live-bytes timeline, the policy diff, and XLA's own rematerialisation told apart.
+
+CPU tests compile tiny scanned models (remat survives on XLA:CPU only inside a scan); the GPU
+test compiles tiny-llama deviceless for an H100 model with 4 MB of memory, so that XLA's own
+rematerialisation pass fires and the pass-off compile runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from remat_kit import plots, targets
+from remat_kit.memory import MemoryReport, analyze_policies, hlo
+from remat_kit.memory import timeline as T
+from remat_kit.memory import xla_compile as X
+from remat_kit.memory.diff import diff_reports
+
+needs_cuda_plugin = pytest.mark.skipif(
+    targets.cuda_plugin_module() is None,
+    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
+)
+
+
+@pytest.fixture(scope="module")
+def cpu_reports() -> dict[str, MemoryReport]:
+    """tiny-llama, b=2, s=64, scanned, on the CPU."""
+    reports = analyze_policies("tiny-llama", 2, 64, ["no-remat", "save-nothing"], target="cpu")
+    return {r.policy: r for r in reports}
+
+
+@pytest.fixture(scope="module")
+def scanned_dump() -> hlo.DumpFiles:
+    """XLA's dumps of the gradient of a 4-layer scanned MLP under full remat (one compile)."""
+
+    def loss(ws, x):
+        def layer(h, w):
+            return jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w), None
+
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h**2)
+
+    args = (jnp.zeros((4, 64, 64)), jnp.zeros((32, 64)))
+    with X.capture_compiler_log():
+        result = X.compile_with_dump(jax.jit(jax.grad(loss)).lower(*args), "cpu", "mlp")
+    return result.dump
+
+
+def test_timeline_maximum_is_the_reported_live_peak(cpu_reports):
+    for r in cpu_reports.values():
+        tl = r.timeline
+        assert max(tl.totals()) == tl.peak_bytes == r.live_peak_bytes
+        assert r.live_peak_bytes <= r.peak_bytes  # live bytes never exceed XLA's allocations
+        assert tl.peak_position in tl.positions
+        assert len(tl.positions) <= T.DEFAULT_MAX_POINTS
+        assert sum(tl.at_peak().values()) == tl.peak_bytes
+
+
+def test_timeline_categories_and_phases(cpu_reports):
+    r = cpu_reports["save-nothing"]
+    tl = r.timeline
+    assert [p for p, _, _ in tl.phases] == ["forward", "backward", "optimizer"]
+    assert tl.phases[0][1] == 0 and tl.phases[-1][2] == tl.length
+    assert all(a[2] == b[1] for a, b in zip(tl.phases, tl.phases[1:], strict=False))
+    peak = tl.at_peak()
+    # The donated train state is live throughout: the parameters and AdamW state at the peak
+    # are exactly the arguments.
+    assert peak["params"] == r.arguments["params"]
+    assert peak["opt_state"] == r.arguments["opt_state"]
+    # Full remat saves each layer's input, stacked over the 4 layers: [4, b, s, d] float32.
+    residual = dict(zip(tl.categories, tl.device_bytes, strict=True))
+    assert max(residual["residual:decoder_layer_input"]) == 4 * 2 * 64 * 64 * 4
+
+
+def test_residuals_shrink_under_remat(cpu_reports):
+    def most_residual(r):
+        rows = [row for c, row in zip(r.timeline.categories, r.timeline.device_bytes, strict=True)
+                if c.startswith("residual:")]  # fmt: skip
+        return max(sum(col) for col in zip(*rows, strict=True))
+
+    assert most_residual(cpu_reports["save-nothing"]) < most_residual(cpu_reports["no-remat"]) / 4
+
+
+def test_report_with_timeline_round_trips_through_json(cpu_reports):
+    r = cpu_reports["save-nothing"]
+    assert MemoryReport.from_json(r.to_json()) == r
+
+
+def test_timeline_at_xlas_peak_moment_matches_its_listing(scanned_dump):
+    """At the moment XLA itself prints as its peak, the timeline's bytes are the values XLA
+    lists there, each slot (aliases) once; the timeline's own maximum is at least that."""
+    tl = T.build_timeline(scanned_dump, max_points=10**6)
+    moment = int(re.search(r"Live ranges at (\d+)", scanned_dump.live_range).group(1))
+    slots = hlo.parse_buffer_slots(scanned_dump.buffer_assignment)
+    listed: dict[object, int] = {}
+    for buf in hlo.parse_live_at_peak(scanned_dump.live_range):
+        slot = slots.get(buf.value)
+        key = (slot.allocation, slot.offset) if slot else buf.value
+        listed[key] = max(listed.get(key, 0), buf.nbytes)
+    assert tl.positions == tuple(range(tl.length))
+    assert tl.totals()[moment] == sum(listed.values())
+    assert tl.peak_bytes >= sum(listed.values())
+
+
+def test_thinning_keeps_the_peak(scanned_dump):
+    full = T.build_timeline(scanned_dump, max_points=10**6)
+    thin = T.build_timeline(scanned_dump, max_points=7)
+    assert len(thin.positions) <= 7
+    assert thin.peak_position in thin.positions and max(thin.totals()) == full.peak_bytes
+
+
+def test_live_at_peak_sums_to_the_timeline_peak(scanned_dump):
+    live = T.live_at_peak(scanned_dump)
+    slots = hlo.parse_buffer_slots(scanned_dump.buffer_assignment)
+    by_slot: dict[object, int] = {}
+    for buf in live:
+        slot = slots[buf.value]
+        key = (slot.allocation, slot.offset)
+        by_slot[key] = max(by_slot.get(key, 0), buf.nbytes)
+    assert sum(by_slot.values()) == T.build_timeline(scanned_dump).peak_bytes
+
+
+def test_no_dump_no_timeline():
+    assert T.build_timeline(hlo.DumpFiles(None, None, None, None)) is None
+    assert T.live_at_peak(hlo.DumpFiles(None, None, None, None)) is None
+
+
+def test_cpu_pass_does_not_fire(cpu_reports):
+    for r in cpu_reports.values():
+        assert r.policy_only is None
+        assert r.recompute_ratio == r.compiled_recompute_ratio
+
+
+def test_diff_of_two_policies(cpu_reports):
+    d = diff_reports(cpu_reports["no-remat"], cpu_reports["save-nothing"])
+    rows = {row.name: row for row in d.figures}
+    assert rows["peak (as run)"].change < 0  # full remat lowers the peak
+    assert rows["recompute ratio (policy's own)"].change > 0.1
+    assert any(row.name.startswith("decoder_layer_input") for row in d.residuals)
+    assert d.peak_buffers[0] and d.peak_buffers[1]
+    text = d.to_text()
+    assert "no-remat" in text and "save-nothing" in text and "largest buffers" in text
+    other = dataclasses.replace(cpu_reports["no-remat"], target="h100-sxm")
+    with pytest.raises(ValueError, match="same step and target"):
+        diff_reports(other, cpu_reports["save-nothing"])
+
+
+def test_timeline_figure(cpu_reports, tmp_path):
+    fig = plots.timeline(list(cpu_reports.values()), tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2
+    with pytest.raises(ValueError, match="no report with a timeline"):
+        plots.timeline([dataclasses.replace(cpu_reports["no-remat"], timeline=None)])
+
+
+@needs_cuda_plugin
+def test_xla_remat_told_apart_deviceless():
+    """An H100 with 4 MB: XLA's pass fires; the pass-off compile gives the policy's own
+    figures; the timeline's maximum is the live peak on the GPU backend too."""
+    small = dataclasses.replace(
+        targets.get_target("h100-sxm"), name="h100-4mb", memory_bytes=4_000_000
+    )
+    (r,) = analyze_policies("tiny-llama", 2, 128, ["save-nothing"], target=small, optimizer="sgd")
+    assert max(r.timeline.totals()) == r.live_peak_bytes
+    po = r.policy_only
+    assert po is not None and po.xla_remat_instructions > 0
+    assert r.recompute_ratio == po.recompute_ratio < r.compiled_recompute_ratio
+    assert 1.15 < po.recompute_ratio < 1.34  # one extra forward of the blocks, at most 4/3
+    assert any(w.startswith("XLA recomputed") for w in r.warnings)
+
+
+def test_timeline_cli_argument():
+    parser = argparse.ArgumentParser()
+    T.add_timeline_args(parser)
+    assert parser.parse_args(["--timeline", "out.png"]).timeline == "out.png"
+    assert parser.parse_args([]).timeline is None

@@ -25,7 +25,13 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 
 Exit codes: 0 done (rows with status ``oom`` / ``error`` included); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
-output, resuming onto another config's results, a missing, empty or binary ``--data`` path).
+output, resuming onto another config's results (the line names the first field that differs;
+the file is left as it was), a missing, empty or binary ``--data`` path).
+
+Crash safety: each row is one write, flushed and fsync-ed, as its point finishes. Killed at any
+moment, ``--resume`` keeps every finished row, drops a torn last line, runs only the missing
+points, and rebuilds ``summary.md`` and the figures from all the rows (they are written to a
+temporary name and renamed, so a kill never leaves them torn either).
 """
 
 from __future__ import annotations
@@ -164,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if not primary:
         return 0
     results.print_summary(run.rows, console)
-    (out.parent / "summary.md").write_text(
-        _summary_header(run, argv) + results.summary_markdown(run.rows)
-    )
+    # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
+    part = out.parent / ".summary.md.part"
+    part.write_text(_summary_header(run, argv) + results.summary_markdown(run.rows))
+    part.replace(out.parent / "summary.md")
     written = [out.parent / "summary.md"]
     if not args.no_plot:
         written += plots.save_figures(run.rows, out.parent)

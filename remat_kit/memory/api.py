@@ -25,7 +25,7 @@ from remat_kit import targets as T
 from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, run_jobs
+from remat_kit.memory.runner import CompileEngine, Job, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
@@ -397,6 +397,7 @@ def analyze_policies(
     raise_errors: bool = True,
     compare_offload: bool = True,
     mesh: str | S.MeshSpec | None = None,
+    engine: CompileEngine | None = None,
 ) -> list[MemoryReport | CompileError]:
     """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
 
@@ -405,6 +406,9 @@ def analyze_policies(
     time (default ``min(4, cpu_count)``), identical programs once, GPU kernels shared
     (:mod:`remat_kit.memory.runner`). An offloading policy's on-device counterpart (see
     ``compare_offload``) is usually another registered policy and then costs nothing extra.
+
+    ``engine``: compile through this :class:`~remat_kit.memory.runner.CompileEngine` and leave
+    the executables in it (the sweep then runs them instead of compiling its steps again).
 
     Returns:
       One report per policy, in order; with ``raise_errors=False`` a policy that fails to
@@ -419,7 +423,7 @@ def analyze_policies(
     setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
     jobs = _model_jobs(setup, specs, compare_offload)
     with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
-        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     return results[: len(specs)]
 
 

@@ -123,6 +123,29 @@ def _summary_header(run, argv: list[str] | None) -> str:
     )
 
 
+def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
+    """The table, summary.md and the figures, rebuilt from every row of the run's file."""
+    from remat_kit import plots, results
+
+    results.print_summary(run.rows, console)
+    # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
+    part = out.parent / ".summary.md.part"
+    part.write_text(_summary_header(run, argv) + results.summary_markdown(run.rows))
+    part.replace(out.parent / "summary.md")
+    written = [out.parent / "summary.md"]
+    if not args.no_plot:
+        written += plots.save_figures(run.rows, out.parent)
+    bad = [r for r in run.new_rows if r["status"] != "ok"]
+    console.print(
+        f"{len(run.new_rows)} point(s) run, {run.skipped} skipped (already in {out.name}), "
+        f"{len(bad)} failed; {run.wall_s:.0f} s. Wrote {', '.join(str(w) for w in written)}"
+    )
+    for r in bad:
+        console.print(
+            f"  [red]{r['status']}[/] {r['model']} s={r['seq_len']} {r['policy']}: {r['error']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # before anything starts JAX's backends
@@ -132,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     from rich.console import Console
 
-    from remat_kit import plots, results, sweep
+    from remat_kit import sweep
 
     primary = distributed.is_primary()
     width = None if sys.stdout.isatty() else 120
@@ -167,25 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not primary:
-        return 0
-    results.print_summary(run.rows, console)
-    # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
-    part = out.parent / ".summary.md.part"
-    part.write_text(_summary_header(run, argv) + results.summary_markdown(run.rows))
-    part.replace(out.parent / "summary.md")
-    written = [out.parent / "summary.md"]
-    if not args.no_plot:
-        written += plots.save_figures(run.rows, out.parent)
-    bad = [r for r in run.new_rows if r["status"] != "ok"]
-    console.print(
-        f"{len(run.new_rows)} point(s) run, {run.skipped} skipped (already in {out.name}), "
-        f"{len(bad)} failed; {run.wall_s:.0f} s. Wrote {', '.join(str(w) for w in written)}"
-    )
-    for r in bad:
-        console.print(
-            f"  [red]{r['status']}[/] {r['model']} s={r['seq_len']} {r['policy']}: {r['error']}"
-        )
+    if primary:
+        _write_outputs(run, out, args, argv, console)
     return 0
 
 

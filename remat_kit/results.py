@@ -383,41 +383,40 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     for r in records:
         if r.get("policy") == "no-remat" and r.get("status") == "ok":
             base[group_key(r)] = r
-    out = []
-    for r in records:
-        b = base.get(group_key(r), {})
-        ok = r.get("status") == "ok"
-        peak = r.get("peak_bytes") if ok else None
-        act = device_residual_bytes(r) if ok else None
-        step = r.get("step_time_s") if ok else None
-        peak_ratio = _ratio(peak, b.get("peak_bytes"))
-        act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
-        step_ratio = _ratio(step, b.get("step_time_s"))
-        cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
-        out.append(
-            {
-                **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
-                "remat_group_size": r.get("remat_group_size"),
-                "mesh": r.get("mesh"),
-                "policy": r.get("policy"),
-                "status": r.get("status"),
-                "peak_bytes": peak,
-                "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
-                "activation_bytes": act,
-                "activation_saved": None if act_ratio is None else 1 - act_ratio,
-                "step_time_s": step,
-                "slowdown": None if step_ratio is None else step_ratio - 1,
-                "step_cpu_s": r.get("step_cpu_s") if ok else None,
-                "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
-                "backend": r.get("backend"),
-                "tokens_per_s": r.get("tokens_per_s") if ok else None,
-                "flops_ratio": r.get("recompute_ratio") if ok else None,
-                "fits": r.get("fits") if ok else None,
-                "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
-                "mfu": r.get("mfu") if ok else None,
-            }
-        )
-    return out
+    return [_summary_record(r, base.get(group_key(r), {})) for r in records]
+
+
+def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """One :func:`summarize` record: row ``r`` against its group's no-remat row ``b``."""
+    ok = r.get("status") == "ok"
+    peak = r.get("peak_bytes") if ok else None
+    act = device_residual_bytes(r) if ok else None
+    step = r.get("step_time_s") if ok else None
+    peak_ratio = _ratio(peak, b.get("peak_bytes"))
+    act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
+    step_ratio = _ratio(step, b.get("step_time_s"))
+    cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
+    return {
+        **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
+        "remat_group_size": r.get("remat_group_size"),
+        "mesh": r.get("mesh"),
+        "policy": r.get("policy"),
+        "status": r.get("status"),
+        "peak_bytes": peak,
+        "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
+        "activation_bytes": act,
+        "activation_saved": None if act_ratio is None else 1 - act_ratio,
+        "step_time_s": step,
+        "slowdown": None if step_ratio is None else step_ratio - 1,
+        "step_cpu_s": r.get("step_cpu_s") if ok else None,
+        "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
+        "backend": r.get("backend"),
+        "tokens_per_s": r.get("tokens_per_s") if ok else None,
+        "flops_ratio": r.get("recompute_ratio") if ok else None,
+        "fits": r.get("fits") if ok else None,
+        "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
+        "mfu": r.get("mfu") if ok else None,
+    }
 
 
 # -- Tables ----------------------------------------------------------------------------------

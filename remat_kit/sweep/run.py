@@ -133,14 +133,7 @@ def run_sweep(
     if any(p.measure for p in points):  # a bad data path fails before the output is touched
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
-    # Several processes (jax.distributed) run every point together; process 0 owns the file.
-    done: dict | ValueError = {}
-    if primary:
-        try:
-            done = prepare_output(path, identity, resume, overwrite)
-        except ValueError as err:
-            done = err
-    todo = agreed_todo(points, done)
+    done, todo = _todo(points, path, identity, resume, overwrite, primary)
     if not any(p.measure for p in todo):
         corpus = None
     common = _common_fields(config, identity, corpus)
@@ -154,6 +147,26 @@ def run_sweep(
     by_key = {**done, **{r["key"]: r for r in runner.rows}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, runner.rows, len(points) - len(todo), time.perf_counter() - start)
+
+
+def _todo(
+    points: Sequence[Point],
+    path: Path,
+    identity: Mapping[str, Any],
+    resume: bool,
+    overwrite: bool,
+    primary: bool,
+) -> tuple[dict[str, dict], list[Point]]:
+    """The rows already in ``path`` (by key) and the points still to run. Several processes
+    (jax.distributed) run every point together; process 0 owns the file and says which."""
+    done: dict | ValueError = {}
+    if primary:
+        try:
+            done = prepare_output(path, identity, resume, overwrite)
+        except ValueError as err:
+            done = err
+    todo = agreed_todo(points, done)  # raises process 0's error in every process
+    return done, todo  # type: ignore[return-value]
 
 
 _progress_bar = progress  # run_sweep's argument of the same name hides the function

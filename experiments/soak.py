@@ -5,7 +5,8 @@ Not part of the test suite. ``--kills N`` (default 20) times each:
 * ``experiments/train.py`` (tiny settings: tiny-gpt d_model=32, 8 steps, a checkpoint every 2
   steps, an evaluation every 4) is started in a fresh workdir, killed with SIGKILL at a moment
   drawn uniformly over the wall time of an uninterrupted run (start-up, first compile, steps,
-  saves), then run again with ``--resume`` to the end. Checked against an uninterrupted run: the
+  saves; redrawn over the run's own length when it finished first), then run again with
+  ``--resume`` to the end. Checked against an uninterrupted run: the
   resume exits 0; ``result.json`` has one loss per step (none lost or duplicated) and the same
   losses and validation losses, bit for bit; the final checkpoint's parameters and optimizer
   state (restored with orbax through :func:`remat_kit.training.load_checkpoint`) are bitwise
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +76,7 @@ def _kill_at(cmd: list[str], delay: float) -> dict[str, Any]:
         [sys.executable, *cmd], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
+    t0 = time.perf_counter()
     try:
         proc.wait(timeout=delay)
         killed = False
@@ -81,7 +84,25 @@ def _kill_at(cmd: list[str], delay: float) -> dict[str, Any]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         killed = True
-    return {"kill_at_s": round(delay, 2), "killed": killed, "exit": proc.returncode}
+    ran = time.perf_counter() - t0
+    return {"kill_at_s": round(delay, 2), "killed": killed, "ran_s": ran, "exit": proc.returncode}
+
+
+def _kill_somewhere(cmd: list[str], delay: float, rng: random.Random, folder: Path) -> dict:
+    """:func:`_kill_at`; when the run finished before the kill (the machine was faster than
+    during the uninterrupted run), start again from an empty ``folder`` with a moment drawn
+    over the length that run took (at most 3 tries)."""
+    tries = 0
+    while True:
+        tries += 1
+        record = _kill_at(cmd, delay)
+        if record["killed"] or tries == 3:
+            break
+        shutil.rmtree(folder, ignore_errors=True)
+        delay = rng.uniform(0, record["ran_s"])
+    record["tries"] = tries
+    record["ran_s"] = round(record["ran_s"], 2)
+    return record
 
 
 def _timed(cmd: list[str]) -> float:
@@ -112,9 +133,10 @@ def _trees_equal(a: Any, b: Any) -> bool:
     )
 
 
-def _train_trial(base: Path, folder: Path, delay: float, steps: int) -> dict[str, Any]:
+def _train_trial(base: Path, folder: Path, delay: float, rng: random.Random) -> dict[str, Any]:
     workdir = folder / "train"
-    record = _kill_at([*TRAIN, "--workdir", str(workdir)], delay)
+    steps = int(TRAIN[TRAIN.index("--steps") + 1])
+    record = _kill_somewhere([*TRAIN, "--workdir", str(workdir)], delay, rng, workdir)
     done = _run([*TRAIN, "--workdir", str(workdir), "--resume"])
     record.update(resume_exit=done.returncode, error=done.stderr.strip()[-500:] or None)
     if done.returncode:
@@ -151,11 +173,13 @@ def _lines(path: Path) -> list[bytes]:
     return path.read_bytes().splitlines(keepends=True) if path.exists() else []
 
 
-def _sweep_trial(base_rows: list[dict], folder: Path, delay: float) -> dict[str, Any]:
+def _sweep_trial(
+    base_rows: list[dict], folder: Path, delay: float, rng: random.Random
+) -> dict[str, Any]:
     from remat_kit import results
 
     out = folder / "sweep" / "sweep.jsonl"
-    record = _kill_at([*SWEEP, "--out", str(out)], delay)
+    record = _kill_somewhere([*SWEEP, "--out", str(out)], delay, rng, out.parent)
     kept = [ln for ln in _lines(out) if ln.endswith(b"\n")]
     record["rows_at_kill"] = len(kept)
     record["torn_at_kill"] = out.exists() and not out.read_bytes().endswith(b"\n")
@@ -213,19 +237,19 @@ def _soak(kind: str, kills: int, rng: random.Random, scratch: Path) -> dict[str,
     base = scratch / f"{kind}-base"
     if kind == "train":
         wall = _timed([*TRAIN, "--workdir", str(base)])
-        steps = int(TRAIN[TRAIN.index("--steps") + 1])
-        trial = lambda folder, delay: _train_trial(base, folder, delay, steps)  # noqa: E731
+        reference: Any = base
+        trial = _train_trial
         ok = _train_ok
     else:
         from remat_kit import results
 
         wall = _timed([*SWEEP, "--out", str(base / "sweep.jsonl")])
-        base_rows = results.read_rows(base / "sweep.jsonl")
-        trial = lambda folder, delay: _sweep_trial(base_rows, folder, delay)  # noqa: E731
+        reference = results.read_rows(base / "sweep.jsonl")
+        trial = _sweep_trial
         ok = _sweep_ok
     records = []
     for i in range(kills):
-        record = trial(scratch / f"{kind}-{i}", rng.uniform(0, wall))
+        record = trial(reference, scratch / f"{kind}-{i}", rng.uniform(0, wall), rng)
         record["ok"] = ok(record)
         records.append(record)
         print(f"{kind} {i + 1}/{kills}: {json.dumps(record)}", flush=True)

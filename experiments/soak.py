@@ -41,12 +41,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax
+import numpy as np
+
+from remat_kit import results
+from remat_kit.training import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["experiments/train.py", "--steps", "8", "--batch", "4", "--seq", "32", "--eval-every",
          "4", "--eval-batches", "1", "--ckpt-every", "2", "--set", "d_model=32", "--set",
          "d_ff=64", "--log-every", "1"]  # fmt: skip
@@ -116,16 +122,7 @@ def _timed(cmd: list[str]) -> float:
 # -- Training ------------------------------------------------------------------------------
 
 
-def _final_state(workdir: Path) -> tuple[Any, dict]:
-    from remat_kit.training import load_checkpoint
-
-    return load_checkpoint(workdir)
-
-
 def _trees_equal(a: Any, b: Any) -> bool:
-    import jax
-    import numpy as np
-
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
         np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
@@ -151,7 +148,7 @@ def _train_trial(base: Path, folder: Path, delay: float, rng: random.Random) -> 
         losses_equal=got["losses"] == want["losses"],
         val_losses_equal=got["val_losses"] == want["val_losses"],
     )
-    (state, meta), (ref, ref_meta) = _final_state(workdir), _final_state(base)
+    (state, meta), (ref, ref_meta) = load_checkpoint(workdir), load_checkpoint(base)
     record["state_equal"] = meta["step"] == ref_meta["step"] and _trees_equal(state, ref)
     record["error"] = None
     return record
@@ -176,8 +173,6 @@ def _lines(path: Path) -> list[bytes]:
 def _sweep_trial(
     base_rows: list[dict], folder: Path, delay: float, rng: random.Random
 ) -> dict[str, Any]:
-    from remat_kit import results
-
     out = folder / "sweep" / "sweep.jsonl"
     record = _kill_somewhere([*SWEEP, "--out", str(out)], delay, rng, out.parent)
     kept = [ln for ln in _lines(out) if ln.endswith(b"\n")]
@@ -241,8 +236,6 @@ def _soak(kind: str, kills: int, rng: random.Random, scratch: Path) -> dict[str,
         trial = _train_trial
         ok = _train_ok
     else:
-        from remat_kit import results
-
         wall = _timed([*SWEEP, "--out", str(base / "sweep.jsonl")])
         reference = results.read_rows(base / "sweep.jsonl")
         trial = _sweep_trial
@@ -265,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.kills < 1:
         p.exit(2, f"error: --kills must be a positive integer, got {args.kills}\n")
-    import jax
-
     rng = random.Random(args.seed)
     summary: dict[str, Any] = {
         "command": "python experiments/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -347,7 +347,7 @@ def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child):
     summary = out.parent / "summary.md"
     assert (out.parent / "pareto.png").stat().st_size > 0
     assert "| save-nothing |" in summary.read_text()
-    # Killed after its last row, before the summary: a resume runs nothing, rebuilds both.
+    # As if killed after its last row, before the summary: a resume runs nothing, rebuilds both.
     summary.unlink()
     (out.parent / "pareto.png").unlink()
     again = cli("--resume")

@@ -2,15 +2,15 @@
 
 Not part of the test suite. ``--kills N`` (default 20) times each:
 
-* ``experiments/train.py`` (tiny settings: tiny-gpt d_model=32, 8 steps, a checkpoint every 2
-  steps, an evaluation every 4) is started in a fresh workdir, killed with SIGKILL at a moment
-  drawn uniformly over the wall time of an uninterrupted run (start-up, first compile, steps,
-  saves; redrawn over the run's own length when it finished first), then run again with
-  ``--resume`` to the end. Checked against an uninterrupted run: the
-  resume exits 0; ``result.json`` has one loss per step (none lost or duplicated) and the same
-  losses and validation losses, bit for bit; the final checkpoint's parameters and optimizer
-  state (restored with orbax through :func:`remat_kit.training.load_checkpoint`) are bitwise
-  equal.
+* ``experiments/train.py`` (tiny settings: tiny-gpt d_model=32, 24 steps, a checkpoint every 2
+  steps so that saves take a fair share of the run, an evaluation every 8) is started in a
+  fresh workdir, killed with SIGKILL at a moment drawn uniformly over the wall time of an
+  uninterrupted run (start-up, first compile, steps, saves; redrawn over the run's own length
+  when it finished first), then run again with ``--resume`` to the end. Checked against an
+  uninterrupted run: the resume exits 0; ``result.json`` has one loss per step (none lost or
+  duplicated) and the same losses and validation losses, bit for bit; the final checkpoint's
+  parameters and optimizer state (restored with orbax through
+  :func:`remat_kit.training.load_checkpoint`) are bitwise equal.
 * ``experiments/sweep.py --config quick`` likewise, resumed with ``--resume``. Checked: the resume
   exits 0; every point has exactly one row (none lost, none duplicated); the file ends with a
   whole line and every line parses (no torn line); the rows finished before the kill are kept
@@ -53,8 +53,8 @@ from remat_kit import results
 from remat_kit.training import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ["experiments/train.py", "--steps", "8", "--batch", "4", "--seq", "32", "--eval-every",
-         "4", "--eval-batches", "1", "--ckpt-every", "2", "--set", "d_model=32", "--set",
+TRAIN = ["experiments/train.py", "--steps", "24", "--batch", "4", "--seq", "32", "--eval-every",
+         "8", "--eval-batches", "1", "--ckpt-every", "2", "--set", "d_model=32", "--set",
          "d_ff=64", "--log-every", "1"]  # fmt: skip
 SWEEP = ["experiments/sweep.py", "--config", "quick", "--no-progress"]
 #: Row fields that do not depend on timing: equal to the uninterrupted run's, or a bug.
@@ -177,7 +177,8 @@ def _sweep_trial(
     record = _kill_somewhere([*SWEEP, "--out", str(out)], delay, rng, out.parent)
     kept = [ln for ln in _lines(out) if ln.endswith(b"\n")]
     record["rows_at_kill"] = len(kept)
-    record["torn_at_kill"] = out.exists() and not out.read_bytes().endswith(b"\n")
+    at_kill = out.read_bytes() if out.exists() else b""
+    record["torn_at_kill"] = bool(at_kill) and not at_kill.endswith(b"\n")
     done = _run([*SWEEP, "--out", str(out), "--resume"])
     record.update(resume_exit=done.returncode, error=done.stderr.strip()[-500:] or None)
     if done.returncode:

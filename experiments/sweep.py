@@ -25,7 +25,13 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 
 Exit codes: 0 done (rows with status ``oom`` / ``error`` included); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
-output, resuming onto another config's results, a missing, empty or binary ``--data`` path).
+output, resuming onto another config's results (the line names the first field that differs;
+the file is left as it was), a missing, empty or binary ``--data`` path).
+
+Crash safety: each row is one write, flushed and fsync-ed, as its point finishes. Killed at any
+moment, ``--resume`` keeps every finished row, drops a torn last line, runs only the missing
+points, and rebuilds ``summary.md`` and the figures from all the rows (they are written to a
+temporary name and renamed, so a kill never leaves them torn either).
 """
 
 from __future__ import annotations
@@ -117,6 +123,29 @@ def _summary_header(run, argv: list[str] | None) -> str:
     )
 
 
+def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
+    """The table, summary.md and the figures, rebuilt from every row of the run's file."""
+    from remat_kit import plots, results
+
+    results.print_summary(run.rows, console)
+    # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
+    part = out.parent / ".summary.md.part"
+    part.write_text(_summary_header(run, argv) + results.summary_markdown(run.rows))
+    part.replace(out.parent / "summary.md")
+    written = [out.parent / "summary.md"]
+    if not args.no_plot:
+        written += plots.save_figures(run.rows, out.parent)
+    bad = [r for r in run.new_rows if r["status"] != "ok"]
+    console.print(
+        f"{len(run.new_rows)} point(s) run, {run.skipped} skipped (already in {out.name}), "
+        f"{len(bad)} failed; {run.wall_s:.0f} s. Wrote {', '.join(str(w) for w in written)}"
+    )
+    for r in bad:
+        console.print(
+            f"  [red]{r['status']}[/] {r['model']} s={r['seq_len']} {r['policy']}: {r['error']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # before anything starts JAX's backends
@@ -126,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     from rich.console import Console
 
-    from remat_kit import plots, results, sweep
+    from remat_kit import sweep
 
     primary = distributed.is_primary()
     width = None if sys.stdout.isatty() else 120
@@ -161,24 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not primary:
-        return 0
-    results.print_summary(run.rows, console)
-    (out.parent / "summary.md").write_text(
-        _summary_header(run, argv) + results.summary_markdown(run.rows)
-    )
-    written = [out.parent / "summary.md"]
-    if not args.no_plot:
-        written += plots.save_figures(run.rows, out.parent)
-    bad = [r for r in run.new_rows if r["status"] != "ok"]
-    console.print(
-        f"{len(run.new_rows)} point(s) run, {run.skipped} skipped (already in {out.name}), "
-        f"{len(bad)} failed; {run.wall_s:.0f} s. Wrote {', '.join(str(w) for w in written)}"
-    )
-    for r in bad:
-        console.print(
-            f"  [red]{r['status']}[/] {r['model']} s={r['seq_len']} {r['policy']}: {r['error']}"
-        )
+    if primary:
+        _write_outputs(run, out, args, argv, console)
     return 0
 
 

@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from remat_kit import results as R
+from remat_kit import units
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.timeline import Timeline
 
@@ -50,11 +51,6 @@ _PANEL_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size")
 
 def _ok(rows: Any) -> list[dict[str, Any]]:
     return [r for r in R.as_records(rows) if r.get("status") == "ok"]
-
-
-def _unit(values: Sequence[float]) -> tuple[float, str]:
-    top = max((v for v in values if v), default=0)
-    return (2**30, "GiB") if top >= 2**32 else (2**20, "MiB")
 
 
 def _panels(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
@@ -84,8 +80,12 @@ def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
     if layout:
         fig.tight_layout()
     if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written beside, then renamed: a kill mid-write never leaves a torn figure.
+        part = path.with_name(f".{path.name}.part")
+        fig.savefig(part, dpi=120, format=path.suffix.lstrip(".") or None)
+        os.replace(part, path)
     return fig
 
 
@@ -134,7 +134,7 @@ def pareto(
         xlabel = "compiled matmul FLOPs / no-remat FLOPs"
     styles = _policy_styles([r["policy"] for r in usable])
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
-        unit, unit_name = _unit([r[y] for r in members])
+        unit, unit_name = units.table_unit([r[y] for r in members])
         xs = [r[x] * xscale for r in members]
         ys = [r[y] / unit for r in members]
         front = pareto_frontier(xs, ys)
@@ -229,7 +229,7 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
     colors = {t: cmap((i + 4) % 20) for i, t in enumerate(tags)}  # 0-3: params, opt_state
     colors["untagged"] = "dimgray"
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
-        unit, unit_name = _unit([r["peak_bytes"] for r in members])
+        unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
         names = [r["policy"] for r in members]
         bottoms = [0.0] * len(members)
 
@@ -283,7 +283,7 @@ def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None)
     fig = Figure(figsize=(5, 4.5))
     ax = fig.subplots()
     if both:
-        unit, unit_name = _unit([r["peak_bytes"] for r in both])
+        unit, unit_name = units.table_unit([r["peak_bytes"] for r in both])
         px = [r["peak_bytes"] / unit for r in both]
         my = [r["measured_peak_bytes"] / unit for r in both]
         ax.scatter(px, my, s=20)
@@ -360,7 +360,7 @@ def layer_activations(rows: Any, path: str | os.PathLike[str] | None = None):
     recs = [r for r in R.as_records(rows) if r.get("compiled_bytes") is not None]
     if not recs:
         raise ValueError("no records with per-layer activation bytes (compiled_bytes) to plot")
-    unit, unit_name = _unit([r["compiled_bytes"] for r in recs])
+    unit, unit_name = units.table_unit([r["compiled_bytes"] for r in recs])
     fig = Figure(figsize=(1.2 * len(recs) + 2, 4.5))
     ax = fig.subplots()
     width = 0.27
@@ -455,7 +455,7 @@ def timeline(
     reps = [r for r in reps if r.timeline is not None]
     if not reps:
         raise ValueError("no report with a timeline to plot (the compile wrote no live ranges)")
-    unit, unit_name = _unit([r.timeline.peak_bytes for r in reps])
+    unit, unit_name = units.table_unit([r.timeline.peak_bytes for r in reps])
     colors = _category_colors([c for r in reps for c in r.timeline.categories])
     cols = min(columns, len(reps))
     rows = (len(reps) + cols - 1) // cols

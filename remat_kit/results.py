@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 
+from remat_kit import units
 from remat_kit.policies import policy_names
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "device_residual_bytes",
     "environment",
     "fingerprint",
+    "first_difference",
     "point_key",
     "print_summary",
     "read_rows",
@@ -86,7 +88,15 @@ def fingerprint(config: Mapping[str, Any]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Where a row was measured: library versions, backend, device kind, machine (JSON-ready)."""
+    """Provenance of a result: where and with what it was measured (JSON-ready, flat).
+
+    The one provenance dict of remat-kit: sweep rows carry these fields, training results
+    carry it as ``environment``. Keys: library versions (``jax``, ``jaxlib``, ``flax``,
+    ``optax``, ``orbax-checkpoint``, ``numpy``; None when not installed), ``python``,
+    ``backend``, ``device_kind`` (of device 0), ``device_count`` (every process's devices),
+    ``process_count``, ``platform``, ``machine``, ``processor``, ``cpu_model`` (None when
+    ``/proc/cpuinfo`` has none) and ``cpu_count``.
+    """
 
     def version(dist: str) -> str | None:
         try:
@@ -95,19 +105,32 @@ def environment() -> dict[str, Any]:
             return None
 
     device = jax.devices()[0]
+    libraries = ("jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
     return {
         "jax": jax.__version__,
-        "jaxlib": version("jaxlib"),
-        "flax": version("flax"),
-        "optax": version("optax"),
+        **{name: version(name) for name in libraries},
         "python": sys.version.split()[0],
         "backend": jax.default_backend(),
         "device_kind": str(device.device_kind),
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
+        "platform": platform.platform(),
         "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def now_utc() -> str:
@@ -187,18 +210,23 @@ def repair(path: str | os.PathLike[str]) -> int:
 
 
 def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
-    """Append ``row`` as one JSON line: a single ``write()`` of the full line, then flush and
-    ``os.fsync``, so a kill leaves either the whole row or a torn line :func:`repair` removes.
+    """Append ``row`` as one JSON line: one ``os.write`` of the whole line to a file opened
+    with ``O_APPEND``, then ``os.fsync``, so a kill leaves either the whole row or a torn last
+    line that :func:`read_rows` ignores and :func:`repair` removes.
 
     Raises:
       OSError: the file cannot be written.
       TypeError: a value is not JSON-serialisable.
     """
-    line = json.dumps(row, allow_nan=False, default=_json_default) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    line = (json.dumps(row, allow_nan=False, default=_json_default) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(line)
+        while view:  # a regular file takes the whole line in one write; loop if it does not
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _json_default(value: Any) -> Any:
@@ -209,19 +237,68 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable: {value!r}")
 
 
-def check_resumable(rows: Sequence[Mapping[str, Any]], config_fingerprint: str, path: str) -> None:
+def check_resumable(
+    rows: Sequence[Mapping[str, Any]],
+    config_fingerprint: str,
+    path: str,
+    config: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse to resume onto rows written by another sweep configuration.
 
+    Args:
+      rows: the rows in the file.
+      config_fingerprint: :func:`fingerprint` of ``config``.
+      path: the file, for the message.
+      config: what the fingerprint is made of (the sweep's config and data argument); rows
+        store it as ``sweep_config``, so the message can name the first field that differs.
+
     Raises:
-      ValueError: a row's ``config_fingerprint`` differs from ``config_fingerprint`` (the message
-        names both and the fix: a new ``--out`` file, or ``--overwrite``).
+      ValueError: a row's ``config_fingerprint`` differs (one line: what differs, and the fix:
+        a new ``--out`` file, or ``--overwrite``).
     """
-    other = sorted({str(r.get("config_fingerprint")) for r in rows} - {config_fingerprint})
-    if other:
-        raise ValueError(
-            f"{path} holds rows of a different sweep config (fingerprint {', '.join(other)}, "
-            f"this config {config_fingerprint}); write to a new --out file or pass --overwrite"
+    other = [r for r in rows if r.get("config_fingerprint") != config_fingerprint]
+    if not other:
+        return
+    first = other[0]
+    if "config_fingerprint" not in first:
+        what = "rows that are not sweep rows (no config_fingerprint)"
+    elif config is not None and isinstance(first.get("sweep_config"), Mapping):
+        what = "a different sweep config: " + first_difference(first["sweep_config"], config)
+    else:
+        what = (
+            f"rows of a different sweep config (sweep {first.get('sweep')!r}, fingerprint "
+            f"{first['config_fingerprint']}; this config {config_fingerprint})"
         )
+    raise ValueError(f"{path} holds {what}; write to a new --out file or pass --overwrite")
+
+
+def first_difference(old: Any, new: Any, where: str = "") -> str:
+    """The first field where two JSON-like values differ, as one line:
+    ``"grids[0].seq_lens: [32] in the file, [64] now"`` (``""``: no difference)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        for k in sorted(set(old) | set(new), key=str):
+            sub = f"{where}.{k}" if where else str(k)
+            if k not in old or k not in new:
+                was, now = _short(old.get(k, "(absent)")), _short(new.get(k, "(absent)"))
+                return f"{sub}: {was} in the file, {now} now"
+            found = first_difference(old[k], new[k], sub)
+            if found:
+                return found
+        return ""
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            found = first_difference(a, b, f"{where}[{i}]")
+            if found:
+                return found
+        return ""
+    if _canonical(old) == _canonical(new):
+        return ""
+    return f"{where or 'config'}: {_short(old)} in the file, {_short(new)} now"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = _canonical(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- Reading rows --------------------------------------------------------------------------
@@ -306,48 +383,43 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     for r in records:
         if r.get("policy") == "no-remat" and r.get("status") == "ok":
             base[group_key(r)] = r
-    out = []
-    for r in records:
-        b = base.get(group_key(r), {})
-        ok = r.get("status") == "ok"
-        peak = r.get("peak_bytes") if ok else None
-        act = device_residual_bytes(r) if ok else None
-        step = r.get("step_time_s") if ok else None
-        peak_ratio = _ratio(peak, b.get("peak_bytes"))
-        act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
-        step_ratio = _ratio(step, b.get("step_time_s"))
-        cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
-        out.append(
-            {
-                **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
-                "remat_group_size": r.get("remat_group_size"),
-                "mesh": r.get("mesh"),
-                "policy": r.get("policy"),
-                "status": r.get("status"),
-                "peak_bytes": peak,
-                "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
-                "activation_bytes": act,
-                "activation_saved": None if act_ratio is None else 1 - act_ratio,
-                "step_time_s": step,
-                "slowdown": None if step_ratio is None else step_ratio - 1,
-                "step_cpu_s": r.get("step_cpu_s") if ok else None,
-                "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
-                "backend": r.get("backend"),
-                "tokens_per_s": r.get("tokens_per_s") if ok else None,
-                "flops_ratio": r.get("recompute_ratio") if ok else None,
-                "fits": r.get("fits") if ok else None,
-                "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
-                "mfu": r.get("mfu") if ok else None,
-            }
-        )
-    return out
+    return [_summary_record(r, base.get(group_key(r), {})) for r in records]
+
+
+def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """One :func:`summarize` record: row ``r`` against its group's no-remat row ``b``."""
+    ok = r.get("status") == "ok"
+    peak = r.get("peak_bytes") if ok else None
+    act = device_residual_bytes(r) if ok else None
+    step = r.get("step_time_s") if ok else None
+    peak_ratio = _ratio(peak, b.get("peak_bytes"))
+    act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
+    step_ratio = _ratio(step, b.get("step_time_s"))
+    cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
+    return {
+        **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
+        "remat_group_size": r.get("remat_group_size"),
+        "mesh": r.get("mesh"),
+        "policy": r.get("policy"),
+        "status": r.get("status"),
+        "peak_bytes": peak,
+        "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
+        "activation_bytes": act,
+        "activation_saved": None if act_ratio is None else 1 - act_ratio,
+        "step_time_s": step,
+        "slowdown": None if step_ratio is None else step_ratio - 1,
+        "step_cpu_s": r.get("step_cpu_s") if ok else None,
+        "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
+        "backend": r.get("backend"),
+        "tokens_per_s": r.get("tokens_per_s") if ok else None,
+        "flops_ratio": r.get("recompute_ratio") if ok else None,
+        "fits": r.get("fits") if ok else None,
+        "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
+        "mfu": r.get("mfu") if ok else None,
+    }
 
 
 # -- Tables ----------------------------------------------------------------------------------
-
-
-def _fmt_bytes(n: float | None, unit: int) -> str:
-    return "-" if n is None else f"{n / unit:,.1f}"
 
 
 def _fmt_pct(x: float | None) -> str:
@@ -374,8 +446,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     out = []
     for (model, target, b, k, mesh), recs in tables.items():
         recs = sorted(recs, key=lambda r: (r["seq_len"], order.get(r["policy"], len(order))))
-        peaks = [r["peak_bytes"] for r in recs if r["peak_bytes"]]
-        unit, unit_name = (2**30, "GiB") if peaks and max(peaks) >= 2**32 else (2**20, "MiB")
+        unit, unit_name = units.table_unit([r["peak_bytes"] for r in recs])
         measured = any(r["step_time_s"] is not None for r in recs)
         header = ["policy", "s", f"peak {unit_name}", "peak Δ", "act. Δ", "FLOPs x"]
         cpu = measured and any(
@@ -396,7 +467,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             line = [
                 r["policy"],
                 str(r["seq_len"]),
-                _fmt_bytes(r["peak_bytes"], unit),
+                units.in_unit(r["peak_bytes"], unit),
                 _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),
                 _fmt_pct(None if r["activation_saved"] is None else -r["activation_saved"]),
                 "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}",

@@ -61,3 +61,16 @@ def format_bytes(n: float | int | None, digits: int = 2) -> str:
 def gib(n: float | int | None, digits: int = 2) -> str:
     """Bytes as a bare GiB figure (``"-"`` for unknown), for columns headed "GiB"."""
     return "-" if n is None else f"{n / GIB:.{digits}f}"
+
+
+def table_unit(values: list[float | int | None]) -> tuple[int, str]:
+    """``(bytes per unit, unit name)`` for a column of byte figures: GiB when the largest is at
+    least 4 GiB, else MiB."""
+    top = max((abs(v) for v in values if v is not None), default=0)
+    return (GIB, "GiB") if top >= 4 * GIB else (MIB, "MiB")
+
+
+def in_unit(n: float | int | None, unit: int, digits: int = 1) -> str:
+    """Bytes as a bare figure in ``unit`` bytes, thousands separated (``"-"`` for unknown), for
+    columns whose header names the unit (see :func:`table_unit`)."""
+    return "-" if n is None else f"{n / unit:,.{digits}f}"

@@ -166,7 +166,7 @@ def test_grid_mesh_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"grid 'g': unknown mesh axis 'x'"):
         SweepConfig("s", (Grid(**{**grid.__dict__, "mesh": "x=2"}),)).points()
     three = Grid(**{**grid.__dict__, "mesh": "dp=3", "targets": ("h100-sxm",)})
-    with pytest.raises(ValueError, match=r"batch size 4 does not split over dp\*fsdp=3"):
+    with pytest.raises(ValueError, match=r"batch_size=4 does not split evenly over dp\*fsdp=3"):
         SweepConfig("s", (three,)).points()
 
 

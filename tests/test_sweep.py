@@ -15,12 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from remat_kit import plots, results, sweep
+from remat_kit.memory.runner import CompileEngine
 from remat_kit.sweep import Grid, SweepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,14 +139,17 @@ def _config_file(tmp_path, **grid):
     return path
 
 
+class _Compiled(BaseException):
+    """Raised by the compile engine in tests of bad input (no ``except Exception`` eats it)."""
+
+
 @pytest.fixture
 def no_compile(monkeypatch):
     def fail(*args, **kwargs):
-        raise AssertionError("bad input must be caught before anything compiles")
+        raise _Compiled("bad input must be caught before anything compiles")
 
-    monkeypatch.setattr(sweep, "_analyze_group", fail)
-    monkeypatch.setattr(sweep, "measure_point", fail)
-    monkeypatch.setattr(sweep, "compile_steps", fail)
+    # Every compile of the sweep (analysis and measured steps) goes through the engine.
+    monkeypatch.setattr(CompileEngine, "compile_all", fail)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +157,7 @@ def no_compile(monkeypatch):
     [
         ({"models": "('gpt-10n',)"}, "unknown preset 'gpt-10n'.*Did you mean 'gpt-10m'"),
         ({"policies": "('save-dot',)"}, "unknown policy 'save-dot'"),
-        ({"seq_lens": "(0,)"}, "seq_lens must hold positive integers"),
+        ({"seq_lens": "(0,)"}, r"seq_lens\[0\] must be a positive integer, got 0"),
         ({"seq_lens": "(4096,)"}, "exceeds max_seq_len=128"),
         ({"remat_group_sizes": "(3,)"}, "remat_group_size=3 does not divide"),
         ({"targets": "('h100',)"}, "unknown target 'h100'"),
@@ -192,32 +195,61 @@ def test_bad_output_and_data_exit_2(tmp_path, capsys, no_compile):
 def test_resume_onto_another_config_exits_2(tmp_path, capsys, no_compile):
     out = tmp_path / "o.jsonl"
     results.append_row(out, {"key": "x", "config_fingerprint": "0123456789abcdef"})
+    before = out.read_bytes()
     cfg = str(_config_file(tmp_path))
     cli = _cli()
     assert cli.main(["--config", cfg, "--out", str(out), "--resume", "--no-plot"]) == 2
-    assert "different sweep config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different sweep config" in err and err.count("\n") == 1, err
     assert cli.main(["--config", cfg, "--out", str(out), "--no-plot"]) == 2
     assert "pass --resume" in capsys.readouterr().err
+    assert out.read_bytes() == before  # nothing overwritten
+
+
+def test_first_difference_names_the_field():
+    a = _tiny().identity()
+    b = _tiny(timed_steps=2).identity()
+    assert results.first_difference(a, b) == "grids[0].timed_steps: 1 in the file, 2 now"
+    assert results.first_difference(a, a) == ""
+    assert results.first_difference({"x": 1}, {}) == 'x: 1 in the file, "(absent)" now'
+    row = {"config_fingerprint": results.fingerprint(a), "sweep_config": a}
+    with pytest.raises(ValueError, match=r"grids\[0\].timed_steps: 1 in the file, 2 now"):
+        results.check_resumable([row], results.fingerprint(b), "f.jsonl", b)
+    with pytest.raises(ValueError, match="not sweep rows"):
+        results.check_resumable([{"a": 1}], results.fingerprint(b), "f.jsonl", b)
 
 
 # -- End to end -----------------------------------------------------------------------------------
 
 QUICK = ROOT / "experiments" / "configs" / "quick.py"
-# Child process: the quick config, stalled in its second point's measurement so that the test can
-# kill it mid-way deterministically (one row written, the next point in progress).
+# Child process: the real command line on the quick config, killed (SIGKILL, by itself) in the
+# middle of writing its second row: half the line is on disk, as if the kill hit the write.
 _CHILD = r"""
-import sys, time
-from remat_kit import sweep
-measure = sweep.measure_point
+import os, runpy, signal, sys
+from pathlib import Path
+from remat_kit import results
+real = results.append_row
 calls = []
-def stalled(*args, **kwargs):
+def append_and_die(path, row):
     calls.append(1)
-    if len(calls) == 2:
-        time.sleep(600)
-    return measure(*args, **kwargs)
-sweep.measure_point = stalled
-sweep.run_sweep(sweep.load_config(sys.argv[1]), sys.argv[2], progress=False)
+    if len(calls) < 2:
+        return real(path, row)
+    scratch = Path(f"{path}.scratch")
+    real(scratch, row)
+    line = scratch.read_bytes()
+    with open(path, "ab") as f:
+        f.write(line[: len(line) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+results.append_row = append_and_die
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+def _sweep_cmd(out: Path, *extra: str) -> list[str]:
+    return [str(SCRIPT), "--config", "quick", "--out", str(out), "--no-progress", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -225,28 +257,17 @@ def killed_child(tmp_path_factory):
     """The child sweep, started once per module: it runs while the in-process test does."""
     out = tmp_path_factory.mktemp("quick") / "sweep.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(QUICK), str(out)],
+        [sys.executable, "-c", _CHILD, *_sweep_cmd(out, "--no-plot")],
         cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         start_new_session=True,
     )
     yield proc, out
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def _wait_for_rows(path: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(results.read_rows(path)) >= n:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"sweep exited ({proc.returncode}) before writing {n} row(s)")
-        time.sleep(0.05)
-    pytest.fail(f"no {n} row(s) in {path} after {timeout} s")
 
 
 def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, killed_child):
@@ -266,6 +287,7 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, kil
         assert r["status"] == "ok", r["error"]
         assert r["peak_bytes"] > 0 and r["report"]["policy"] == policy
         assert r["step_time_s"] > 0 and len(r["losses"]) == 2 and r["tokens_per_s"] > 0
+        assert r["compile_reused"] is True  # the analyzer's executable ran: compiled once
         assert r["measured_peak_bytes"] is None
         assert "no peak_bytes_in_use" in r["measured_peak_note"]
         assert r["mfu"] is None  # the CPU has no known peak FLOP/s
@@ -294,29 +316,54 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, kil
     json.dumps(run.rows)
 
 
-def test_killed_sweep_resumes_without_duplicates(killed_child):
-    """The quick config end to end: killed after its first row, resumed, every point once."""
+def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child):
+    """The quick config end to end: killed mid-write of its second row, resumed (the torn line
+    dropped, every point once, the finished row kept byte for byte), resumed again (nothing
+    run, summary and figures rebuilt from the rows), and refused onto another config."""
     proc, out = killed_child
-    try:
-        _wait_for_rows(out, 1, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    torn = out.read_bytes()
     before = results.read_rows(out)
-    assert len(before) == 1
-    with open(out, "a") as f:
-        f.write('{"key": "torn')  # as if killed inside a write
-    cmd = [sys.executable, str(SCRIPT), "--config", "quick", "--out", str(out), "--no-progress"]
+    assert len(before) == 1 and not torn.endswith(b"\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True)
+
+    def cli(*extra):
+        cmd = [sys.executable, *_sweep_cmd(out, *extra)]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+
+    done = cli("--resume")
     assert done.returncode == 0, done.stdout + done.stderr
+    data = out.read_bytes()
+    assert data.startswith(torn[: torn.rindex(b"\n") + 1]) and data.endswith(b"\n")
     rows = results.read_rows(out)
     keys = [r["key"] for r in rows]
     assert sorted(keys) == sorted(p.key for p in sweep.load_config(QUICK).points())
-    assert len(set(keys)) == len(keys) == 3
-    assert rows[0] == before[0]  # the completed row kept as it was
+    assert len(set(keys)) == len(keys) == 3 == len(data.splitlines())
+    assert rows[0] == before[0]
     assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
     assert "1 skipped" in done.stdout
     assert "no-remat" in done.stdout and "step ms" in done.stdout  # the table
+    summary = out.parent / "summary.md"
     assert (out.parent / "pareto.png").stat().st_size > 0
-    assert "| save-nothing |" in (out.parent / "summary.md").read_text()
+    assert "| save-nothing |" in summary.read_text()
+    # As if killed after its last row, before the summary: a resume runs nothing, rebuilds both.
+    summary.unlink()
+    (out.parent / "pareto.png").unlink()
+    again = cli("--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "0 point(s) run, 3 skipped" in again.stdout
+    assert out.read_bytes() == data
+    assert "| save-nothing |" in summary.read_text()
+    assert (out.parent / "pareto.png").stat().st_size > 0
+    # Another config onto these rows: one line naming the field, exit 2, nothing touched.
+    other = tmp_path / "quick.py"
+    other.write_text(QUICK.read_text().replace("timed_steps=1", "timed_steps=2"))
+    refused = subprocess.run(
+        [sys.executable, str(SCRIPT), "--config", str(other), "--out", str(out), "--resume"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert "grids[0].timed_steps: 1 in the file, 2 now" in refused.stderr
+    assert out.read_bytes() == data

@@ -26,7 +26,7 @@ from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.programs import analyze_program
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, run_jobs
+from remat_kit.memory.runner import CompileEngine, Job, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
@@ -431,6 +431,7 @@ def analyze_model_policies(
     compare_offload: bool = True,
     mesh: str | S.MeshSpec | None = None,
     separate_xla_remat: bool = True,
+    engine: CompileEngine | None = None,
 ) -> list[MemoryReport | CompileError]:
     """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
 
@@ -443,6 +444,8 @@ def analyze_model_policies(
     With ``separate_xla_remat`` (default), a policy whose program XLA's own rematerialisation
     pass changed is compiled again with the pass off: ``recompute_ratio`` and ``policy_only``
     are then the policy's own figures (see :mod:`remat_kit.memory.policy_only`).
+    ``engine``: compile through this :class:`~remat_kit.memory.runner.CompileEngine` and leave
+    the executables in it (the sweep then runs them instead of compiling its steps again).
 
     Returns:
       One report per policy, in order; with ``raise_errors=False`` a policy that fails to
@@ -459,7 +462,7 @@ def analyze_model_policies(
     for job in jobs:
         job.policy_only = separate_xla_remat and job.visible
     with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
-        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     return results[: len(specs)]
 
 

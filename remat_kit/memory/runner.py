@@ -1,6 +1,7 @@
 """Compile many steps quickly: lower in order, compile in a thread pool, share GPU kernels.
 
-Each job is lowered in the calling thread (tracing needs the GIL) while earlier jobs compile in
+The engine is :class:`CompileEngine` (the analyzer and the sweep share it). Each job is lowered
+in the calling thread (tracing needs the GIL) while earlier jobs compile in
 worker threads (XLA's compile releases it). Jobs whose lowered programs are identical compile
 once. For GPU targets, most of a deviceless compile is code generation of kernels that are the
 same from one policy to the next (optimizer update, embedding, loss): XLA's kernel cache
@@ -224,6 +225,113 @@ def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -
     )
 
 
+class CompileEngine:
+    """The one compile engine: lower in the calling thread, compile in a thread pool, one
+    compile per distinct program, executables kept by program until :meth:`clear`.
+
+    A program is identified by its target, whether the fast code-generation options are on
+    (:data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`) and the sha256 of its lowered
+    text (StableHLO, which carries argument shardings and donation): two requests with the same
+    key would compile the same executable, so the second gets the first's. The analyzer
+    (:func:`run_jobs`) and the sweep (its measured steps) compile through it; a sweep passes one
+    engine to the analyzer and then asks it for the step it will run, which costs no compile
+    when the analyzer compiled that very program.
+
+    Results kept from an earlier :meth:`compile_all` call keep their executable, but their
+    compiler log lines belong to that call (read them before the next one).
+
+    Args:
+      workers: concurrent compiles (default :func:`default_workers`).
+
+    Use as a context manager (it owns a temporary folder of GPU kernel caches).
+    """
+
+    def __init__(self, workers: int | None = None):
+        self.workers = max(1, workers or default_workers())
+        self._done: dict[str, CompileResult | CompileError] = {}
+        self._folder = tempfile.TemporaryDirectory(prefix="remat-kit-kernels-")
+        self._caches = _KernelCaches(self._folder.name)
+        self._seeded = False
+
+    def __enter__(self) -> CompileEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop every executable and the kernel caches."""
+        self._done.clear()
+        self._folder.cleanup()
+
+    def held(self) -> frozenset[str]:
+        """Keys of the programs compiled so far (and not cleared)."""
+        return frozenset(self._done)
+
+    def clear(self) -> None:
+        """Drop the executables kept so far (their device memory is freed with them)."""
+        self._done.clear()
+
+    def _compile(self, item: Any, lowered: Any, fast: bool, seeding: bool):
+        try:
+            opts = self._caches.options(item.target, seeding)
+            result = compile_with_dump(
+                lowered, item.target.platform, item.what, fast=fast, options=opts
+            )
+            if getattr(item, "policy_only", False):  # XLA's own remat told apart: pass off
+                add_policy_only(result, lowered, item.target.platform, item.what, fast, opts)
+            return result
+        except CompileError as err:
+            return err
+
+    def compile_all(
+        self, items: Sequence[Any], fast: bool = True
+    ) -> list[tuple[str, CompileResult | CompileError]]:
+        """Lower and compile every item, each distinct program once.
+
+        Args:
+          items: objects with ``what`` (names it in errors), ``target`` (a
+            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``)
+            and ``program_key`` (items with equal non-None keys are lowered once), e.g.
+            :class:`Job`.
+          fast: compile with the fast code-generation options (same memory figures, slower
+            machine code: for analysis only, not for a step that will be timed).
+
+        Returns:
+          ``(program key, CompileResult or CompileError)`` per item, in order.
+        """
+        keys: list[str] = []
+        futures: dict[str, Future] = {}
+        by_item_key: dict[str, str] = {}
+        pending: list[tuple[str, Any, Any]] = []
+        with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:
+            for item in items:
+                if item.program_key is not None and item.program_key in by_item_key:
+                    keys.append(by_item_key[item.program_key])
+                    continue
+                lowered = item.lower()
+                text = f"{item.target.name}\n{fast}\n{lowered.as_text()}"
+                key = hashlib.sha256(text.encode()).hexdigest()
+                keys.append(key)
+                if item.program_key is not None:
+                    by_item_key[item.program_key] = key
+                if key in self._done or key in futures or any(key == k for k, _, _ in pending):
+                    continue
+                if self._seeded:
+                    futures[key] = pool.submit(self._compile, item, lowered, fast, False)
+                elif not futures:  # seeds the kernel cache; the others compile after it
+                    futures[key] = pool.submit(self._compile, item, lowered, fast, True)
+                else:
+                    pending.append((key, item, lowered))
+            if futures:
+                next(iter(futures.values())).result()
+                self._seeded = True
+            for key, item, lowered in pending:
+                futures[key] = pool.submit(self._compile, item, lowered, fast, False)
+            self._done.update({key: future.result() for key, future in futures.items()})
+        return [(key, self._done[key]) for key in keys]
+
+
 def run_jobs(
     jobs: Sequence[Job],
     top_k: int,
@@ -231,8 +339,13 @@ def run_jobs(
     fast_compile: bool = True,
     workers: int | None = None,
     raise_errors: bool = True,
+    engine: CompileEngine | None = None,
 ) -> list[MemoryReport | CompileError]:
     """Lower, compile (identical programs once, ``workers`` at a time) and report every job.
+
+    Args:
+      engine: compile through this :class:`CompileEngine` (its executables stay available to
+        the caller); None: a private one for this call (``workers`` at a time).
 
     Returns:
       One report per job, in order; a job that failed to compile gives its
@@ -241,53 +354,13 @@ def run_jobs(
     Raises:
       CompileError: with ``raise_errors``, for the first visible job (in order) that failed.
     """
-    n = max(1, workers or default_workers())
-    keys: list[str] = []
-    futures: dict[str, Future] = {}
-
-    def compile_one(job: Job, lowered: Any, seeding: bool) -> CompileResult | CompileError:
-        try:
-            opts = caches.options(job.target, seeding)
-            result = compile_with_dump(
-                lowered, job.target.platform, job.what, fast=fast_compile, options=opts
-            )
-            if job.policy_only:  # XLA's own remat told apart: the pass-off compile
-                add_policy_only(result, lowered, job.target.platform, job.what, fast_compile, opts)
-            return result
-        except CompileError as err:
-            return err
-
-    with tempfile.TemporaryDirectory(prefix="remat-kit-kernels-") as folder:
-        caches = _KernelCaches(folder)
-        with capture_compiler_log(), ThreadPoolExecutor(max_workers=n) as pool:
-            # The first program compiles while the others are lowered; it seeds the kernel
-            # cache, so the others compile after it, ``n`` at a time.
-            pending: list[tuple[str, Job, Any]] = []
-            by_program: dict[str, str] = {}
-            for job in jobs:
-                if job.program_key is not None and job.program_key in by_program:
-                    keys.append(by_program[job.program_key])
-                    continue
-                lowered = job.lower()
-                text = lowered.as_text()
-                key = hashlib.sha256(f"{job.target.name}\n{text}".encode()).hexdigest()
-                keys.append(key)
-                if job.program_key is not None:
-                    by_program[job.program_key] = key
-                if key in futures or any(key == k for k, _, _ in pending):
-                    continue
-                if not futures:
-                    futures[key] = pool.submit(compile_one, job, lowered, True)
-                else:
-                    pending.append((key, job, lowered))
-            if futures:
-                next(iter(futures.values())).result()
-            for key, job, lowered in pending:
-                futures[key] = pool.submit(compile_one, job, lowered, False)
-            results = {key: future.result() for key, future in futures.items()}
+    if engine is None:
+        with CompileEngine(workers) as own:
+            compiled = own.compile_all(jobs, fast_compile)
+    else:
+        compiled = engine.compile_all(jobs, fast_compile)
     out: list[MemoryReport | CompileError] = []
-    for job, key in zip(jobs, keys, strict=True):
-        result = results[key]
+    for job, (_, result) in zip(jobs, compiled, strict=True):
         if isinstance(result, CompileError):
             err = CompileError(job.what, result.xla_message, job.policy)
             if raise_errors and job.visible:

@@ -1,0 +1,137 @@
+"""The results file of a sweep run (checked, resumed, owned by process 0), the progress bar,
+and what a run returns."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from remat_kit import results as R
+from remat_kit.sweep.config import Point
+
+
+@dataclasses.dataclass
+class SweepRun:
+    """What :func:`run_sweep` did.
+
+    Attributes:
+      path: the results file.
+      rows: every row of this config now in the file (earlier runs' included), in point order.
+      new_rows: rows written by this call.
+      skipped: points skipped because their key was already in the file (``resume``).
+      wall_s: seconds this call took.
+    """
+
+    path: Path
+    rows: list[dict[str, Any]]
+    new_rows: list[dict[str, Any]]
+    skipped: int
+    wall_s: float
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder")
+        with open(path, "a", encoding="utf-8"):
+            pass
+        if not os.access(path, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as err:
+        raise ValueError(f"cannot write results to {str(path)!r}: {err}") from None
+
+
+def prepare_output(
+    path: Path, identity: Mapping[str, Any], resume: bool, overwrite: bool
+) -> dict[str, dict]:
+    """Check the output can be written and return the rows already there (by key).
+
+    Nothing in the file changes unless the run may go on: then a torn last line (a kill
+    mid-write) is truncated away (``resume``), or every row is dropped (``overwrite``).
+
+    Args:
+      identity: the sweep's :meth:`~remat_kit.sweep.SweepConfig.identity` (config and data).
+
+    Raises:
+      ValueError: both flags; ``path`` not writable; rows there without either flag; rows of
+        another config (the message names what differs).
+    """
+    if resume and overwrite:
+        raise ValueError("pass --resume or --overwrite, not both")
+    _check_writable(path)
+    rows = R.read_rows(path)
+    if rows and overwrite:
+        with open(path, "w", encoding="utf-8") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        return {}
+    if rows and not resume:
+        raise ValueError(
+            f"{path} already holds {len(rows)} row(s); pass --resume to continue that sweep, "
+            "--overwrite to start again, or --out for a new file"
+        )
+    R.check_resumable(rows, R.fingerprint(identity), str(path), identity)
+    R.repair(path)
+    return {r["key"]: r for r in rows if "key" in r}
+
+
+def agreed_todo(points: Sequence[Point], done: Mapping[str, Any] | ValueError) -> list[Point]:
+    """The points still to run, as process 0 sees them (broadcast to every process of a
+    ``jax.distributed`` run, whose steps must run in the same order everywhere).
+
+    Raises:
+      ValueError: process 0 could not prepare the output (``done`` is its error there).
+    """
+    failed = isinstance(done, ValueError)
+    mask = np.array([failed] + [failed or p.key not in done for p in points], np.int32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
+    if failed:
+        raise done
+    if mask[0]:
+        raise ValueError("process 0 could not prepare the results file (its error says why)")
+    return [p for p, todo in zip(points, mask[1:], strict=True) if todo]
+
+
+@contextlib.contextmanager
+def progress(enabled: bool, console: Any, total: int):
+    """Yields ``advance(n, description)``: a rich progress bar, or nothing when disabled."""
+    if not enabled:
+        yield lambda n, description: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("[bold]sweep"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        console=console or Console(stderr=True),
+    ) as bar:
+        task = bar.add_task("", total=total)
+
+        def advance(n: int | None, description: str) -> None:
+            bar.update(task, advance=n or 0, description=description)
+
+        yield advance

@@ -14,15 +14,15 @@ import math
 import pytest
 
 from remat_kit import targets
+from remat_kit.cli.recommend import add as add_parser
+from remat_kit.cli.recommend import run
 from remat_kit.recommend import (
+    BatchBracket,
     CompileCache,
     Recommendation,
-    _Bracket,
-    add_parser,
     host_link_source,
     parse_budget,
     recommend,
-    run,
     step_time,
 )
 
@@ -98,7 +98,7 @@ def test_batch_bracket_converges_on_an_affine_peak():
             self.fits = self.peak_bytes <= budget
 
     for budget in (1300, 1350, 2000, 4000, 31_000):
-        br = _Bracket(spec=None, lo=C(1, budget), hi=None, points={1: 1300})  # type: ignore[arg-type]
+        br = BatchBracket(spec=None, lo=C(1, budget), hi=None, points={1: 1300})  # type: ignore[arg-type]
         while (b := br.next_probe(budget, fixed=900)) is not None:
             br.record(C(b, budget), b)
         want = (budget - 1000) // 300

@@ -24,7 +24,8 @@ def group_search(
     batch: int,
 ) -> list[Candidate]:
     """Other ``remat_group_size`` values, compiled only where the bound says one could fit and
-    be faster (see :mod:`remat_kit.recommend`). Group sizes in increasing order, one compile round each."""
+    be faster (see :mod:`remat_kit.recommend`). Group sizes in increasing order, one compile
+    round each."""
     g0 = session.config.remat_group_size
     best = min((c.step_time_s for _, c, _ in named if c.fits), default=math.inf)
     open_: dict[PolicySpec, tuple[PolicySpec, Candidate, int]] = {}

@@ -55,7 +55,8 @@ def _cpu_s() -> float:
 
 def run(name: str, kwargs: dict) -> dict:
     """One fresh :func:`recommend` call (no shared cache: every compile counted)."""
-    from remat_kit.recommend import print_recommendation, recommend
+    from remat_kit.cli.recommend import print_recommendation
+    from remat_kit.recommend import recommend
 
     load = [round(x, 2) for x in os.getloadavg()]
     t0, c0 = time.perf_counter(), _cpu_s()

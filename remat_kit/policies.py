@@ -32,6 +32,7 @@ Example (a scalar function here; a block's input is [batch, seq, d_model]):
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, get_args
 
@@ -305,6 +306,88 @@ def check_tags(spec: PolicySpec, emitted: Iterable[str], program: str = "the pro
                     "checkpoint_name tags; tag its tensors with jax.ad_checkpoint.checkpoint_name"
                 )
             raise N.unknown_value_error(f"checkpoint name (not emitted by {program})", tag, emitted)
+
+
+#: How one command-line ``--policy`` value is written (shown in ``--help``).
+POLICY_ARG_HELP = (
+    "a registered policy name (see `remat-kit policies`), or a per-tag spec: "
+    "'query_proj=offload,out_proj=save' or its JSON form '{\"query_proj\": \"offload\"}' "
+    f"(actions: {', '.join(TAG_ACTIONS)}; checkpoint names not listed are recomputed)"
+)
+
+
+def _no_duplicates(text: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        tags = [k for k, _ in pairs]
+        twice = sorted({k for k in tags if tags.count(k) > 1})
+        if twice:
+            raise ValueError(f"policy {text!r}: checkpoint name(s) {twice} given twice")
+        return dict(pairs)
+
+    return hook
+
+
+def _parse_tag_list(text: str) -> dict[str, str]:
+    mapping: dict[str, str] = {}
+    for item in text.split(","):
+        tag, sep, act = (part.strip() for part in item.partition("="))
+        if not sep or not tag:
+            raise ValueError(
+                f"cannot read policy {text!r}: write tag=action pairs separated by commas, e.g. "
+                f"query_proj=offload,out_proj=save (got {item.strip()!r})"
+            )
+        if tag in mapping:
+            raise ValueError(f"policy {text!r}: checkpoint name(s) [{tag!r}] given twice")
+        mapping[tag] = act
+    return mapping
+
+
+def parse_policy_arg(text: str) -> PolicySpec:
+    """A :class:`PolicySpec` from one command-line ``--policy`` value (the one syntax every
+    command takes).
+
+    Three forms: a registered name (``save-dots``); per-tag actions
+    ``query_proj=offload,out_proj=save``; or the same as a JSON object
+    ``{"query_proj": "offload", "out_proj": "save"}``. The per-tag forms go through
+    :func:`custom_spec` (checkpoint names not listed are recomputed), so they accept what it
+    accepts and fail as it fails.
+
+    Example::
+
+        >>> parse_policy_arg("query_proj=offload,out_proj=save").offload
+        frozenset({'query_proj'})
+        >>> parse_policy_arg('{"out_proj": "save"}') == custom_spec({"out_proj": "save"})
+        True
+
+    Raises:
+      ValueError: an unknown policy name (message lists the valid ones and the closest match);
+        an unknown checkpoint name or action (the errors of :func:`custom_spec`); text that is
+        neither form, JSON that is not an object of strings, or a checkpoint name given twice.
+    """
+    text = str(text).strip()
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text, object_pairs_hook=_no_duplicates(text))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cannot read policy {text!r} as JSON: {err.msg}") from None
+        if not all(isinstance(v, str) for v in mapping.values()):
+            raise ValueError(
+                f"policy {text!r}: the JSON form maps checkpoint names to one of "
+                f"{', '.join(TAG_ACTIONS)}"
+            )
+        return custom_spec(mapping)
+    if "=" in text:
+        return custom_spec(_parse_tag_list(text))
+    return get_policy_spec(text)
+
+
+def policy_label(spec: PolicySpec) -> str:
+    """A short name for a spec in tables: its registry name, or for a custom spec its per-tag
+    actions (``custom: out_proj=save, query_proj=offload``)."""
+    if spec.name != "custom":
+        return spec.name
+    parts = [f"{t}={spec.action(t)}" for t in sorted(spec.tags)]
+    return "custom: " + (", ".join(parts) or "recompute all")
 
 
 def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:

@@ -14,15 +14,16 @@ import math
 import pytest
 
 from remat_kit import targets
+from remat_kit.cli.recommend import add as add_parser
+from remat_kit.cli.recommend import run
+from remat_kit.policies import custom_spec, parse_policy_arg
 from remat_kit.recommend import (
+    BatchBracket,
     CompileCache,
     Recommendation,
-    _Bracket,
-    add_parser,
     host_link_source,
     parse_budget,
     recommend,
-    run,
     step_time,
 )
 
@@ -98,7 +99,7 @@ def test_batch_bracket_converges_on_an_affine_peak():
             self.fits = self.peak_bytes <= budget
 
     for budget in (1300, 1350, 2000, 4000, 31_000):
-        br = _Bracket(spec=None, lo=C(1, budget), hi=None, points={1: 1300})  # type: ignore[arg-type]
+        br = BatchBracket(spec=None, lo=C(1, budget), hi=None, points={1: 1300})  # type: ignore[arg-type]
         while (b := br.next_probe(budget, fixed=900)) is not None:
             br.record(C(b, budget), b)
         want = (budget - 1000) // 300
@@ -135,6 +136,10 @@ def test_cli_parser_and_bad_input():
     )
     assert args.batch == "auto" and args.budget == 76 * 2**30 and args.func is run
     assert parser.parse_args(["recommend", "--model", MODEL, "--seq", "8"]).batch == 1
+    args = parser.parse_args(
+        ["recommend", "--model", MODEL, "--seq", "8", "--policy", "query_proj=offload"]
+    )
+    assert args.policy == [custom_spec({"query_proj": "offload"})]
     args = parser.parse_args(["recommend", "--model", MODEL, "--seq", "64", "--target", "cpu"])
     with pytest.raises(ValueError, match="no peak FLOP/s"):
         run(args)
@@ -282,3 +287,20 @@ def test_solve_returns_only_verified_choices(first, cache):
     if rec.pick.actions is not None:
         assert "remat_kit.custom_policy({" in rec.line()
     assert rec.compiles <= len(s.verified) + 1
+
+
+@needs_cuda_plugin
+def test_a_per_tag_policy_is_a_candidate(first, cache):
+    """A per-tag spec equal to save-qkv-proj compiles to the same program (reused, no compile)
+    and comes back as a custom candidate with its actions."""
+    spec = parse_policy_arg("query_proj=save,key_proj=save,value_proj=save")
+    rec = recommend(
+        MODEL, SEQ, TARGET, batch_size=BATCH, budget=10**9, policies=[spec], group_sizes=[1],
+        cache=cache,
+    )  # fmt: skip
+    assert rec.compiles == 0 and rec.reused == 1
+    (c,) = rec.candidates
+    named = next(x for x in first.candidates if x.policy == "save-qkv-proj")
+    assert c.policy == "custom" and c.actions == {t: "save" for t in spec.save}
+    assert c.peak_bytes == named.peak_bytes and c.step_time_s == named.step_time_s
+    assert rec.pick is c and "remat_kit.custom_policy({" in rec.line()

@@ -1,0 +1,74 @@
+"""The ``remat-kit`` command: ``analyze``, ``policies``, ``targets``, ``doctor``, ``recommend``.
+
+Examples::
+
+    remat-kit analyze --model llama3-8b --batch 1 --seq 8192 --target h100-sxm --all-policies
+    remat-kit analyze --model gpt2-medium --batch 8 --seq 1024 --policy save-nothing \\
+        --policy save-dots-no-batch --target a100-40gb --budget 40GB --json
+    remat-kit analyze --model tiny-gpt --batch 1 --seq 32 --target h100-sxm \\
+        --policy 'query_proj=offload,out_proj=save'
+    remat-kit policies
+    remat-kit targets
+    remat-kit doctor --model tiny-gpt --policy '{"query_proj": "offload"}'
+    remat-kit recommend --model llama3-8b --seq 8192 --target h200 --solve
+
+Every ``--policy`` takes one syntax (:func:`remat_kit.policies.parse_policy_arg`): a registered
+name, per-tag actions ``query_proj=offload,out_proj=save``, or the JSON form
+``{"query_proj": "offload"}``.
+
+Layout: :mod:`remat_kit.cli.args` defines the shared arguments and the parser;
+:mod:`remat_kit.cli.console` the rendering helpers; one module per command
+(``analyze``, ``policies``, ``targets``, ``doctor``, ``recommend``), each with ``add(subparsers)``
+registering its parser with ``func`` set to its handler ``(args) -> exit code``, and its
+rendering beside it. Add a command by adding its module to :data:`COMMANDS`. Exit codes: 0
+success, 1 a compile failed (or, for ``doctor``, an error finding; for ``recommend``, nothing
+fits), 2 bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from remat_kit.cli import analyze, doctor, policies, recommend, targets
+from remat_kit.cli.args import PROG as PROG
+from remat_kit.cli.args import Parser
+from remat_kit.cli.args import UsageError as UsageError
+from remat_kit.cli.args import parse_bytes as parse_bytes
+from remat_kit.cli.args import positive_int as positive_int
+
+#: Subcommand registrars, in help order.
+COMMANDS: list[Callable[[argparse._SubParsersAction], object]] = [
+    analyze.add,
+    policies.add,
+    targets.add,
+    doctor.add,
+    recommend.add,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``remat-kit`` parser with every command of :data:`COMMANDS`."""
+    parser = Parser(
+        prog=PROG,
+        description="Choose, measure and verify rematerialization policies for JAX/Flax "
+        "transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 compile failed, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (UsageError, ValueError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["COMMANDS", "PROG", "UsageError", "build_parser", "main", "parse_bytes", "positive_int"]

@@ -1,0 +1,138 @@
+"""``remat-kit recommend``: arguments and rendering of :func:`remat_kit.recommend.recommend`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from remat_kit.cli import args as A
+from remat_kit.cli.console import add_row, console, table
+from remat_kit.recommend import DEFAULT_MARGIN, Candidate, Recommendation, recommend
+from remat_kit.units import GIB, MIB
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def add(subparsers) -> argparse.ArgumentParser:
+    """Register ``recommend`` on an argparse ``subparsers``; sets ``func=run``."""
+    p = subparsers.add_parser(
+        "recommend",
+        help="the fastest remat configuration that fits a memory budget, verified by compiling",
+        description="Compile the training step per named policy (and other remat group sizes, "
+        "larger batches, per-tag choices with --solve) for a target, and pick the one with the "
+        "least estimated step time (compiled FLOPs / peak FLOP/s + host transfers that cannot "
+        "hide) whose compiled peak fits the budget.",
+    )
+    A.add_model(p)
+    A.add_seq(p)
+    A.add_target(p, "h100-sxm")
+    A.add_budget(p, "target memory less --margin")
+    p.add_argument(
+        "--batch", type=A.batch_or_auto, default=1, help="sequences per step, or 'auto' (default 1)"
+    )
+    p.add_argument("--solve", action="store_true", help="also search per-tag choices")
+    A.add_policy(p, "limit to these policies")
+    p.add_argument(
+        "--group-size", type=A.positive_int, action="append", default=None, dest="group_sizes",
+        help="remat_group_size values to consider (default: every divisor of num_layers)",
+    )  # fmt: skip
+    A.add_optimizer(p)
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="memory fraction kept free")
+    p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
+    A.add_workers(p)
+    A.add_json(p, "the recommendation")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handle ``remat-kit recommend``: 0 a pick, 1 nothing fits (what would is printed).
+
+    Raises:
+      ValueError: bad input (one line; the CLI exits 2).
+    """
+    rec = recommend(
+        args.model, args.seq, args.target, batch_size=args.batch, budget=args.budget,
+        solve=args.solve, policies=args.policy, group_sizes=args.group_sizes,
+        optimizer=args.optimizer, margin=args.margin, max_compiles=args.max_compiles,
+        workers=args.workers,
+    )  # fmt: skip
+    if args.json:
+        print(rec.to_json(indent=1))
+    else:
+        print_recommendation(rec)
+    return 0 if rec.pick is not None else 1
+
+
+def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float]]:
+    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and us below."""
+    big = max((c.peak_bytes for c in candidates), default=0) >= GIB
+    slow = max((c.step_time_s for c in candidates if c.step_time_s < math.inf), default=0) >= 1e-3
+    return (("GiB", GIB) if big else ("MiB", MIB)), (("ms", 1e3) if slow else ("us", 1e6))
+
+
+def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
+    (bu, bs), (tu, ts) = _units(candidates)
+    header = [
+        "candidate", "group", "batch", f"peak {bu}", f"host {bu}", "fits", f"step {tu}",
+        f"transfer {tu}", "tokens/s", "found by",
+    ]  # fmt: skip
+    t = table(title, header, right=[h for h in header if h not in ("candidate", "found by")])
+    for c in candidates:
+        where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
+        add_row(
+            t, ("* " if c is rec.pick else "") + c.label, str(c.remat_group_size),
+            str(c.batch_size), f"{c.peak_bytes / bs:.2f}", f"{c.host_bytes / bs:.2f}",
+            "yes" if c.fits else "no", f"{c.step_time_s * ts:.1f}", f"{c.transfer_s * ts:.1f}",
+            f"{c.tokens_per_s:,.0f}", where,
+        )  # fmt: skip
+    return t
+
+
+def _lines(rec: Recommendation) -> list[str]:
+    lines = [
+        f"budget {_gib(rec.budget_bytes)} per device ({rec.budget_note})",
+        "arguments: " + ", ".join(f"{k} {_gib(v)}" for k, v in rec.arguments.items()),
+        f"host link: {rec.host_link}",
+    ]
+    if rec.solve is not None:
+        s = rec.solve
+        lines.append(
+            f"solve: {s.combinations} per-tag choices enumerated, {s.predicted_fit} predicted to "
+            f"fit (slack {_gib(s.peak_slack_bytes)}), {len(s.verified)} compiled"
+        )
+    lines.append(f"compiles: {rec.compiles} (+{rec.reused} reused), {rec.wall_s:.1f} s")
+    lines += [f"note: {n}" for n in rec.notes]
+    if rec.pick is None:
+        lines.append("nothing fits the budget; what would:")
+        lines += [f"  - {a}" for a in rec.advice]
+    else:
+        p = rec.pick
+        lines.append(
+            f"pick: {p.label} (group {p.remat_group_size}, batch {p.batch_size}): peak "
+            f"{_gib(p.peak_bytes)} of {_gib(rec.budget_bytes)}, est. {p.step_time_s * 1e3:.1f} "
+            f"ms/step, {p.tokens_per_s:,.0f} tokens/s"
+        )
+    return lines
+
+
+def print_recommendation(rec: Recommendation) -> None:
+    """Print the candidates (fits first, then by estimated step time; ``*`` marks the pick),
+    the budget and its source, the compiles spent, and the pick as one line of code, or what
+    would fit."""
+    out = console()
+    batch = "auto" if rec.batch_size is None else rec.batch_size
+    title = f"{rec.model}  seq={rec.seq_len} batch={batch}  on {rec.target} ({rec.optimizer})"
+    tables = [(title, sorted(rec.candidates, key=lambda c: (not c.fits, c.step_time_s)))]
+    if rec.largest_batch:
+        best = sorted(rec.largest_batch, key=lambda c: -c.tokens_per_s)
+        tables.insert(0, ("largest batch that fits, per policy", best))
+    for name, cands in tables:
+        out.print(_table(rec, name, cands))
+    for line in _lines(rec):
+        out.print(line, highlight=False, markup=False)
+    if rec.pick is not None:
+        print(rec.line())

@@ -1,0 +1,108 @@
+"""``recommend``: the fastest remat configuration that fits a memory budget, verified by compiling.
+
+Every configuration considered is compiled for the target (deviceless for GPU models, see
+:mod:`remat_kit.targets`) by :func:`remat_kit.memory.analyze_policies`; its peak is XLA's own
+figure and its FLOPs the compiled program's. Nothing is recommended that was not compiled and
+found to fit.
+
+**Estimated step time** (seconds), per candidate::
+
+    compute_s  = compiled matmul FLOPs / target.peak_flops_bf16            # FLOP / (FLOP/s)
+    fwd_s      = (FLOPs of the step without remat / 3) / peak              # forward = 1/3 of 3F
+    bwd_s      = compute_s - fwd_s                                         # backward + recompute
+    link_s     = host_bytes / target.host_link_bytes_per_s                 # per direction
+    transfer_s = max(0, link_s - fwd_s) + max(0, link_s - bwd_s)
+    step_time_s = compute_s + transfer_s
+
+Offloaded residuals go device -> host during the forward pass and come back during the backward
+pass, each direction at the link's full rate and overlapped with that pass's compute; only what
+cannot hide behind it counts. This is a lower bound on the real step (100% of peak on matmuls,
+elementwise ops and HBM traffic ignored): it ranks configurations, it does not predict wall time.
+Host-link figures: :func:`host_link_source`.
+
+**Search** (:func:`recommend`, stages in :mod:`remat_kit.recommend.api`):
+
+1. The named policies (:func:`remat_kit.policy_names`) at the config's ``remat_group_size``,
+   compiled together (programs the analyzer finds identical compile once).
+2. Other group sizes k, bounded: grouping k blocks into one remat segment drops the saved inputs of
+   the inner blocks and recomputes at least as much, so a policy is compiled at k only if it does
+   not fit at the base group size, is faster there than the best fit so far, and
+   ``peak - (1 - k0/k) * (segment-input bytes)`` would fit.
+3. ``batch_size="auto"``: the largest batch that fits, per policy (peak is close to affine in the
+   batch: extrapolate, compile, bracket, bisect), and the tokens per second each would give.
+4. ``solve=True``: a per-tag choice (recompute, save, offload), found by enumerating every
+   combination (3^9 = 19,683 for a SwiGLU block) under an additive model, then verified by
+   compiling the best predicted few (see :func:`solve_tags`).
+5. Nothing fits: a shorter sequence (compiled), a smaller batch (compiled) and more devices
+   (estimated) that would.
+
+The pick is the fitting candidate with the least estimated step time (ties, as when offload
+transfers hide completely: no host traffic first, then less device memory); with ``"auto"``, the
+one with the most tokens per second.
+
+Where each part lives:
+
+=====================  ==========================================================================
+``types``              :class:`Candidate`, :class:`TagCost`, :class:`SolveSummary`,
+                       :class:`Recommendation`
+``timing``             the time model (:func:`step_time`, :func:`host_link_source`)
+``budget``             :func:`parse_budget`, the default budget and :data:`DEFAULT_MARGIN`
+``session``            the compile session and :class:`CompileCache`
+``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
+``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`)
+``advice``             stage 5 (nothing fits)
+``api``                :func:`recommend`, a short sequence of named stages
+=====================  ==========================================================================
+
+The command line (``remat-kit recommend``: arguments and rendering) is
+:mod:`remat_kit.cli.recommend`; this package never imports the CLI.
+
+Example::
+
+    from remat_kit.recommend import recommend
+
+    rec = recommend("llama3-8b", seq_len=8192, target="h200", solve=True)
+    print(rec.line())   # nn.remat(Block, policy=remat_kit.custom_policy({...}))  # batch 1, ...
+"""
+
+from remat_kit.recommend.advice import DEVICE_COUNTS as DEVICE_COUNTS
+from remat_kit.recommend.advice import SEQ_HALVINGS as SEQ_HALVINGS
+from remat_kit.recommend.api import recommend as recommend
+from remat_kit.recommend.budget import DEFAULT_MARGIN as DEFAULT_MARGIN
+from remat_kit.recommend.budget import parse_budget as parse_budget
+from remat_kit.recommend.search import BATCH_PROBES as BATCH_PROBES
+from remat_kit.recommend.search import BatchBracket as BatchBracket
+from remat_kit.recommend.session import CompileCache as CompileCache
+from remat_kit.recommend.solver import SOLVE_ROUNDS as SOLVE_ROUNDS
+from remat_kit.recommend.solver import SOLVE_VERIFY as SOLVE_VERIFY
+from remat_kit.recommend.solver import solve_tags as solve_tags
+from remat_kit.recommend.solver import tag_costs as tag_costs
+from remat_kit.recommend.timing import host_link_source as host_link_source
+from remat_kit.recommend.timing import step_time as step_time
+from remat_kit.recommend.types import Candidate as Candidate
+from remat_kit.recommend.types import FoundBy as FoundBy
+from remat_kit.recommend.types import Recommendation as Recommendation
+from remat_kit.recommend.types import SolveSummary as SolveSummary
+from remat_kit.recommend.types import TagCost as TagCost
+
+__all__ = [
+    "BATCH_PROBES",
+    "DEFAULT_MARGIN",
+    "DEVICE_COUNTS",
+    "SEQ_HALVINGS",
+    "SOLVE_ROUNDS",
+    "SOLVE_VERIFY",
+    "BatchBracket",
+    "Candidate",
+    "CompileCache",
+    "FoundBy",
+    "Recommendation",
+    "SolveSummary",
+    "TagCost",
+    "host_link_source",
+    "parse_budget",
+    "recommend",
+    "solve_tags",
+    "step_time",
+    "tag_costs",
+]

@@ -1,0 +1,126 @@
+"""When nothing fits: what would (a smaller batch and a shorter sequence, compiled; more
+devices, estimated), and the message for a budget below the parameters and optimizer state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.recommend.budget import format_gib as _gib
+from remat_kit.recommend.search import largest_batch
+from remat_kit.recommend.session import Session
+from remat_kit.recommend.types import Candidate
+
+#: Halvings of the sequence tried when nothing fits.
+SEQ_HALVINGS = 3
+#: Device counts tried for the "more devices" estimate.
+DEVICE_COUNTS = (2, 4, 8, 16, 32, 64)
+
+
+def advice(
+    session: Session, named: Sequence[tuple[PolicySpec, Candidate, Any]], batch: int
+) -> tuple[list[str], list[Candidate]]:
+    """What would fit: a smaller batch and a shorter sequence (both compiled, with the
+    least-memory named policy), more devices (estimated)."""
+    if not named:
+        return ["no candidate compiled (see the notes)"], []
+    spec, least, _ = min(named, key=lambda x: (x[1].peak_bytes, x[1].step_time_s))
+    g0 = session.config.remat_group_size
+    lines = [
+        f"the least-memory configuration, {spec.name} at batch {batch}, peaks at "
+        f"{_gib(least.peak_bytes)}: {_gib(least.peak_bytes - session.budget)} over the budget"
+    ]
+    extra: list[Candidate] = []
+    if batch > 1 and session.room() > 0:
+        first = session.candidates([spec], g0, 1, "advice")
+        if first:
+            best, probes = largest_batch(session, [(spec, first[0][1])])
+            extra += [first[0][1], *probes]
+            if best:
+                lines.append(
+                    f"smaller batch: batch {best[0].batch_size} fits with {spec.name} (peak "
+                    f"{_gib(best[0].peak_bytes)}, compiled)"
+                )
+            else:
+                lines.append(f"smaller batch: even batch 1 does not fit with {spec.name}")
+    lines.append(shorter_sequence(session, spec, least, batch, extra))
+    state = 2 * session.fixed_bytes - session.opt_state_bytes  # params, grads, opt state
+    for n in DEVICE_COUNTS:
+        estimate = least.peak_bytes - (1 - 1 / n) * state
+        if estimate <= session.budget:
+            lines.append(
+                f"more devices: {n} devices sharding parameters, gradients and optimizer state "
+                f"(FSDP / ZeRO-3), each at batch {batch} (global batch {n * batch}), would bring "
+                f"{spec.name} to about {_gib(estimate)} per device (estimate, not compiled: check "
+                f"it with remat-kit analyze --devices {n} --mesh fsdp={n})"
+            )
+            break
+    else:
+        lines.append(f"more devices: not even {DEVICE_COUNTS[-1]} FSDP devices (estimate)")
+    return lines, extra
+
+
+def shorter_sequence(
+    session: Session, spec: PolicySpec, over: Candidate, batch: int, extra: list[Candidate]
+) -> str:
+    """The longest sequence found to fit: halve until one fits (at most :data:`SEQ_HALVINGS`),
+    then one compile at the length where the chord between the fitting and the failing length
+    meets the budget (rounded down to a multiple of 256). Peak grows at least linearly in the
+    sequence (attention scores quadratically), so the chord crosses the budget at or before
+    the true curve: the probe is conservative."""
+    g0 = session.config.remat_group_size
+    seq, fit, tried = session.seq_len, None, None
+    for _ in range(SEQ_HALVINGS):
+        if seq // 2 < 1 or session.room() <= 0:
+            break
+        tried = seq // 2
+        found = session.candidates([spec], g0, batch, "advice", seq_len=tried)
+        if not found:
+            break
+        c = found[0][1]
+        extra.append(c)
+        if c.fits:
+            fit = c
+            break
+        seq, over = tried, c
+    if fit is None:
+        if tried is None:
+            return "shorter sequence: not tried (compile cap reached)"
+        return f"shorter sequence: {spec.name} is still over the budget at seq {tried}"
+    step = 256  # sequence lengths are multiples of 256 in practice (and of the kernels' tiles)
+    span = over.peak_bytes - fit.peak_bytes
+    if span > 0 and session.room() > 0:
+        chord = fit.seq_len + (session.budget - fit.peak_bytes) * (seq - fit.seq_len) / span
+        guess = int(chord) // step * step
+        if fit.seq_len < guess < seq:
+            found = session.candidates([spec], g0, batch, "advice", seq_len=guess)
+            if found:
+                extra.append(found[0][1])
+                if found[0][1].fits:
+                    fit = found[0][1]
+    return (
+        f"shorter sequence: seq {fit.seq_len} fits with {spec.name} at batch {batch} (peak "
+        f"{_gib(fit.peak_bytes)}, compiled); run recommend at that length"
+    )
+
+
+def too_small(session: Session, budget: int, batch: int, params: int, opt_state: int) -> str:
+    """The one-line message for a budget below the parameters and optimizer state, with the
+    smallest compiled peak of the least-memory policies."""
+    low = ["save-nothing"] + (["offload-layer-inputs"] if session.target.supports_host_offload
+                              else [])  # fmt: skip
+    found = session.candidates(
+        [get_policy_spec(n) for n in low], session.config.remat_group_size, batch, "advice"
+    )
+    least = min(((c.peak_bytes, s.name) for s, c, _ in found), default=None)
+    smallest = (
+        f"{_gib(least[0])} ({least[1]} at batch {batch}, compiled)"
+        if least
+        else f"above {_gib(params + opt_state)}"
+    )
+    return (
+        f"budget {_gib(budget)} is smaller than the parameters and optimizer state alone "
+        f"({_gib(params + opt_state)}: params {_gib(params)} + {session.optimizer} state "
+        f"{_gib(opt_state)}); the smallest budget that could work is {smallest}"
+    )

@@ -1,0 +1,328 @@
+"""The entry point :func:`recommend`: a short sequence of named stages.
+
+1. :func:`resolve_request`: every input checked and resolved (nothing compiled).
+2. :func:`open_session`: the compile session, and the budget checked against the state.
+3. :func:`compile_named`: every named policy at the base group size.
+4. :func:`search_largest_batch` (``"auto"``) or :func:`search_fixed_batch` (group sizes, solver).
+5. :func:`advise`: when nothing fits, what would.
+6. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from remat_kit import targets as T
+from remat_kit.memory.api import argument_parts
+from remat_kit.models.config import ModelConfig, get_config
+from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
+from remat_kit.recommend.advice import advice, too_small
+from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
+from remat_kit.recommend.search import distinct, group_search, largest_batch
+from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
+from remat_kit.recommend.solver import solve
+from remat_kit.recommend.timing import host_link_source, rank, time_model_note
+from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
+from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer
+from remat_kit.validation import check_seq_len
+
+#: A compiled named policy: its spec, its candidate and the analyzer's report.
+Named = tuple[PolicySpec, Candidate, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What :func:`recommend` was asked, checked and resolved (see its arguments).
+
+    Attributes:
+      batch: the batch compiled first (1 with ``auto``). specs: the policies kept, in order.
+      groups: the group sizes to consider. arguments: bytes of the step's arguments at ``batch``.
+      notes: what resolving dropped (offloading policies on a target that does not offload).
+    """
+
+    config: ModelConfig
+    target: T.Target
+    optimizer: str
+    seq_len: int
+    batch: int
+    auto: bool
+    solve: bool
+    budget_bytes: int
+    budget_note: str
+    specs: tuple[PolicySpec, ...]
+    groups: tuple[int, ...]
+    arguments: dict[str, int]
+    notes: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class Found:
+    """What the search stages found: every candidate compiled, the pick, and with ``auto`` the
+    largest batch per policy; with ``solve`` the solver's summary; ``advice`` when nothing fits."""
+
+    candidates: list[Candidate]
+    pick: Candidate | None
+    largest: list[Candidate] = dataclasses.field(default_factory=list)
+    summary: SolveSummary | None = None
+    advice: list[str] = dataclasses.field(default_factory=list)
+
+
+def recommend(
+    model: str | ModelConfig,
+    seq_len: int,
+    target: str | T.Target = "h100-sxm",
+    *,
+    batch_size: int | Literal["auto"] = 1,
+    budget: int | float | str | None = None,
+    solve: bool = False,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    group_sizes: Sequence[int] | None = None,
+    optimizer: str = "adamw",
+    margin: float = DEFAULT_MARGIN,
+    max_compiles: int | None = None,
+    workers: int | None = None,
+    cache: CompileCache | None = None,
+) -> Recommendation:
+    """The configuration with the least estimated step time whose compiled peak fits the budget.
+
+    Args:
+      model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig`; its
+        ``remat_group_size`` is the base group size.
+      seq_len: tokens per sequence.
+      target: a GPU target name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"a100-40gb"``,
+        ``"l4"``) or a :class:`~remat_kit.targets.Target` with known peak FLOP/s.
+      batch_size: sequences per step, or ``"auto"``: the largest batch that fits per policy,
+        the pick being the one with the most tokens per second.
+      budget: per-device bytes (int or float), or a size string (``"76GiB"``, ``"80GB"``,
+        ``"8e10"``); default the target's memory less ``margin``.
+      solve: also search per-tag choices (:func:`solve_tags`); not with ``"auto"``.
+      policies: the policies to consider: registered names, :class:`~remat_kit.PolicySpec`
+        objects or per-tag mappings (default every registered policy; offloading ones are
+        skipped on targets where offload is not real).
+      group_sizes: ``remat_group_size`` values to consider (default every divisor of
+        ``num_layers``; ignored with ``"auto"``, which keeps the base group size).
+      optimizer: ``"adamw"``, ``"sgd"`` or ``"adafactor"``.
+      margin: fraction of device memory kept free by the default budget, in [0, 1) (default
+        :data:`DEFAULT_MARGIN`).
+      max_compiles: cap on compiles after the first stage, which always compiles every named
+        policy (default 2x the named policies; 6x with ``"auto"``). A stage stopped by the cap
+        says so in ``notes``.
+      workers: concurrent compiles (see :func:`remat_kit.memory.analyze_policies`).
+      cache: a :class:`CompileCache` shared between calls.
+
+    Returns:
+      A :class:`Recommendation`: the pick (None when nothing fits, with ``advice``), every
+      candidate compiled, and the compiles spent.
+
+    Raises:
+      ValueError: unknown model, target, policy or optimizer; ``seq_len`` or ``batch_size`` not
+        positive, or ``seq_len`` above the model's ``max_seq_len``; a group size that does not
+        divide ``num_layers``; ``solve`` with ``"auto"``; a target without peak FLOP/s, or
+        without memory and no ``budget``; a budget smaller than the parameters and optimizer
+        state (the message gives the smallest budget that could work, compiled).
+    """
+    t_start = time.perf_counter()
+    request = resolve_request(
+        model, seq_len, target, batch_size=batch_size, budget=budget, solve=solve,
+        policies=policies, group_sizes=group_sizes, optimizer=optimizer, margin=margin,
+    )  # fmt: skip
+    with counting() as counter:
+        session = open_session(request, counter, cache, workers, max_compiles)
+        named = compile_named(session, request)
+        if request.auto:
+            found = search_largest_batch(session, named)
+        else:
+            found = search_fixed_batch(session, request, named)
+        if found.pick is None:
+            advise(session, request, named, found)
+        compiles = counter.count
+    return assemble(request, session, found, compiles, time.perf_counter() - t_start)
+
+
+def _check_inputs(
+    config: ModelConfig, tgt: T.Target, seq_len: int, batch_size: Any, solve: bool, margin: float
+) -> None:
+    """The checks on shape, target and margin, in the order their errors are reported."""
+    check_seq_len(seq_len, config.max_seq_len, config.name)
+    auto = batch_size == "auto"
+    if not auto and (
+        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
+    ):
+        raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
+    if auto and solve:
+        raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
+    if not tgt.peak_flops_bf16:
+        gpus = [n for n in T.target_names() if T.get_target(n).deviceless]
+        raise ValueError(
+            f"target {tgt.name!r} has no peak FLOP/s, so step time cannot be estimated; pick "
+            f"one of {', '.join(gpus)}"
+        )
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+
+
+def _resolve_specs(
+    tgt: T.Target, policies: Sequence[str | PolicySpec | Mapping[str, str]] | None
+) -> tuple[list[PolicySpec], list[str]]:
+    """The policies to compile (offloading ones dropped where offload is not real) and notes."""
+    given = list(policies) if policies is not None else policy_names()
+    if not given:
+        raise ValueError("policies is empty: give at least one policy name")
+    specs = list(dict.fromkeys(get_policy_spec(p) for p in given))  # raises on an unknown name
+    if tgt.supports_host_offload:
+        return specs, []
+    dropped = [s.name for s in specs if s.offloads]
+    specs = [s for s in specs if not s.offloads]
+    notes = [f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}"] if dropped else []
+    if not specs:
+        raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
+    return specs, notes
+
+
+def _resolve_groups(config: ModelConfig, group_sizes: Sequence[int] | None) -> list[int]:
+    """The group sizes to consider (default every divisor of ``num_layers``)."""
+    valid = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
+    groups = list(group_sizes) if group_sizes is not None else valid
+    for g in groups:
+        if g not in valid:
+            raise ValueError(
+                f"group size {g!r} does not divide num_layers={config.num_layers} of "
+                f"{config.name!r}; valid: {valid}"
+            )
+    return groups
+
+
+def resolve_request(
+    model: str | ModelConfig,
+    seq_len: int,
+    target: str | T.Target,
+    *,
+    batch_size: int | Literal["auto"],
+    budget: int | float | str | None,
+    solve: bool,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    group_sizes: Sequence[int] | None,
+    optimizer: str,
+    margin: float,
+) -> Request:
+    """Stage 1: check and resolve every input of :func:`recommend`; traces nothing.
+
+    Raises:
+      ValueError: see :func:`recommend`.
+    """
+    config = get_config(model) if isinstance(model, str) else model
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"model must be a preset name or a ModelConfig, got {model!r}")
+    tgt = T.get_target(target)
+    opt = make_optimizer(optimizer)  # raises on an unknown name
+    _check_inputs(config, tgt, seq_len, batch_size, solve, margin)
+    auto = batch_size == "auto"
+    batch = 1 if auto else int(batch_size)
+    budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
+    specs, notes = _resolve_specs(tgt, policies)
+    groups = _resolve_groups(config, group_sizes)
+    arguments = argument_parts(
+        [abstract_train_state(config, opt), abstract_batch(batch, seq_len)], ["state", "batch"]
+    )
+    return Request(
+        config=config, target=tgt, optimizer=optimizer, seq_len=seq_len, batch=batch,
+        auto=auto, solve=solve, budget_bytes=budget_bytes, budget_note=budget_note,
+        specs=tuple(specs), groups=tuple(groups), arguments=arguments, notes=tuple(notes),
+    )  # fmt: skip
+
+
+def open_session(
+    request: Request,
+    counter: CompileCounter,
+    cache: CompileCache | None,
+    workers: int | None,
+    max_compiles: int | None,
+) -> Session:
+    """Stage 2: the compile session; the compile cap defaults to 2x the named policies (6x with
+    ``auto``).
+
+    Raises:
+      ValueError: the budget is below the parameters and optimizer state (the message gives the
+        smallest budget that could work, compiled).
+    """
+    params = request.arguments.get("params", 0)
+    opt_state = request.arguments.get("opt_state", 0)
+    n = len(request.specs)
+    cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n
+    session = Session(
+        config=request.config, seq_len=request.seq_len, target=request.target,
+        optimizer=request.optimizer, budget=request.budget_bytes,
+        cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
+        max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
+        notes=list(request.notes),
+    )  # fmt: skip
+    if request.budget_bytes < params + opt_state:
+        raise ValueError(too_small(session, request.budget_bytes, request.batch, params, opt_state))
+    return session
+
+
+def compile_named(session: Session, request: Request) -> list[Named]:
+    """Stage 3: every policy at the base group size and the batch asked (1 with ``auto``)."""
+    g0 = request.config.remat_group_size
+    return session.candidates(list(request.specs), g0, request.batch, "named")
+
+
+def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
+    """Stage 4 with ``auto``: the largest batch per distinct policy; the pick has the most
+    tokens per second (then the least memory)."""
+    largest, probes = largest_batch(session, distinct(named))
+    pick = max(largest, key=lambda c: (c.tokens_per_s, -c.peak_bytes), default=None)
+    return Found([c for _, c, _ in named] + probes, pick, largest=largest)
+
+
+def search_fixed_batch(session: Session, request: Request, named: Sequence[Named]) -> Found:
+    """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
+    the fitting candidate with the least estimated step time (:func:`~.timing.rank`)."""
+    candidates = [c for _, c, _ in named]
+    candidates += group_search(session, named, request.groups, request.batch)
+    summary = None
+    if request.solve:
+        summary = solve(session, named, request.batch)
+        if summary is not None:
+            candidates += summary.verified
+    pick = min((c for c in candidates if c.fits), key=rank, default=None)
+    return Found(candidates, pick, summary=summary)
+
+
+def advise(session: Session, request: Request, named: Sequence[Named], found: Found) -> None:
+    """Stage 5, when nothing fits: what would, and the candidates compiled to find out."""
+    lines, extra = advice(session, named, request.batch)
+    found.advice = lines
+    found.candidates += extra
+
+
+def assemble(
+    request: Request, session: Session, found: Found, compiles: int, wall_s: float
+) -> Recommendation:
+    """Stage 6: the :class:`~remat_kit.recommend.Recommendation`."""
+    tgt = request.target
+    return Recommendation(
+        model=request.config.name,
+        target=tgt.name,
+        seq_len=request.seq_len,
+        batch_size=None if request.auto else request.batch,
+        optimizer=request.optimizer,
+        budget_bytes=request.budget_bytes,
+        budget_note=request.budget_note,
+        arguments=request.arguments,
+        pick=found.pick,
+        candidates=tuple(found.candidates),
+        largest_batch=tuple(found.largest),
+        compiles=compiles,
+        reused=session.reused,
+        wall_s=round(wall_s, 2),
+        advice=tuple(found.advice),
+        notes=(time_model_note(tgt), *session.notes),
+        solve=found.summary,
+        peak_flops=tgt.peak_flops_bf16,
+        host_link_bytes_per_s=tgt.host_link_bytes_per_s,
+        host_link=host_link_source(tgt),
+    )

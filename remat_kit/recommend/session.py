@@ -1,0 +1,177 @@
+"""The compile session of one :func:`~remat_kit.recommend.recommend` call: configurations
+compiled through :func:`remat_kit.memory.analyze_policies`, memoised in a :class:`CompileCache`,
+turned into :class:`~remat_kit.recommend.Candidate` rows, and XLA compiles counted."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import jax.monitoring
+
+from remat_kit import targets as T
+from remat_kit.memory import CompileError, analyze_policies
+from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec
+from remat_kit.recommend.timing import step_time
+from remat_kit.recommend.types import Candidate, FoundBy
+
+#: JAX's monitoring event for one XLA backend compile.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+#: JAX's name for the jitted train step (``step`` in :func:`remat_kit.train.make_train_step`).
+STEP_FNS = ("jit(step)", "step")
+
+
+class CompileCounter:
+    """Counts XLA compiles of the train step: ``jax.monitoring`` backend-compile events whose
+    function is ``jit(step)`` (:func:`remat_kit.train.make_train_step`). Identical programs that
+    the analyzer dedupes are compiled once, so they count once."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") in STEP_FNS:
+            with self._lock:
+                self.count += 1
+
+
+@contextmanager
+def counting() -> Iterator[CompileCounter]:
+    """A :class:`CompileCounter` listening to JAX's monitoring events inside the block."""
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        yield counter
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+
+
+def spec_key(spec: PolicySpec) -> tuple:
+    """What makes two specs compile the same program (the name does not)."""
+    return (spec.base, tuple(sorted(spec.save)), tuple(sorted(spec.offload)), spec.wrap)
+
+
+class CompileCache:
+    """Compiled reports memoised by (model, seq, target, optimizer, policy, group size, batch).
+
+    Pass one to several :func:`recommend` calls (different budgets, say) to compile each
+    configuration once; a report taken from it counts as ``reused``, not as a compile.
+    """
+
+    def __init__(self):
+        self.reports: dict[tuple, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+
+@dataclasses.dataclass
+class Session:
+    """What one :func:`recommend` call compiles against, and its compile accounting."""
+
+    config: ModelConfig  # at the base group size
+    seq_len: int
+    target: T.Target
+    optimizer: str
+    budget: int
+    cache: CompileCache
+    counter: CompileCounter
+    workers: int | None
+    max_compiles: int
+    fixed_bytes: int  # arguments that do not depend on the batch (params + opt_state)
+    opt_state_bytes: int
+    reused: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def compiles(self) -> int:
+        return self.counter.count
+
+    def room(self) -> int:
+        """Compiles left under ``max_compiles``."""
+        return max(0, self.max_compiles - self.compiles)
+
+    def arguments(self, batch: int, seq_len: int | None = None) -> int:
+        """Argument bytes of the step at ``batch`` (inputs and targets are int32)."""
+        return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4
+
+    def evaluate(
+        self, specs: Sequence[PolicySpec], group: int, batch: int, seq_len: int | None = None
+    ) -> list[Any]:
+        """Reports (or ``CompileError``) of ``specs`` at (group, batch, seq), cached; the
+        uncached ones compiled together by :func:`remat_kit.memory.analyze_policies`."""
+        seq = seq_len or self.seq_len
+        keys = [
+            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch)
+            for s in specs
+        ]
+        todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
+        self.reused += sum(1 for k in keys if k not in todo)
+        if todo:
+            config = self.config.replace(remat_group_size=group)
+            results = analyze_policies(
+                config, batch, seq, list(todo.values()), target=self.target,
+                optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
+                workers=self.workers, raise_errors=False, compare_offload=False,
+            )  # fmt: skip
+            self.cache.reports.update(zip(todo, results, strict=True))
+        return [self.cache.reports[k] for k in keys]
+
+    def candidates(
+        self,
+        specs: Sequence[PolicySpec],
+        group: int,
+        batch: int,
+        found_by: FoundBy,
+        seq_len: int | None = None,
+    ) -> list[tuple[PolicySpec, Candidate, Any]]:
+        """Compile (or reuse) and turn into candidates; compile failures become notes."""
+        out = []
+        for spec, report in zip(specs, self.evaluate(specs, group, batch, seq_len), strict=True):
+            c = self.candidate(report, spec, group, batch, found_by, seq_len or self.seq_len)
+            if c is not None:
+                out.append((spec, c, report))
+        return out
+
+    def candidate(
+        self, report: Any, spec: PolicySpec, group: int, batch: int, found_by: FoundBy, seq: int
+    ) -> Candidate | None:
+        actions = None
+        if spec.name == "custom":
+            actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
+        if isinstance(report, CompileError):
+            self.notes.append(f"{spec.name} (group {group}, batch {batch}): {report}")
+            return None
+        flops = report.flops
+        if flops is None:
+            self.notes.append(f"{spec.name}: no FLOPs in XLA's dump; ranked last")
+            compute, transfer = math.inf, 0.0
+        else:
+            compute, transfer = step_time(
+                self.target, flops, report.flops_no_remat or 0.0, report.host_bytes
+            )
+        total = compute + transfer
+        return Candidate(
+            policy="custom" if actions is not None else spec.name,
+            actions=actions,
+            remat_group_size=group,
+            batch_size=batch,
+            seq_len=seq,
+            peak_bytes=report.peak_bytes,
+            host_bytes=report.host_bytes,
+            flops=flops,
+            flops_no_remat=report.flops_no_remat,
+            compute_s=compute,
+            transfer_s=transfer,
+            step_time_s=total,
+            tokens_per_s=batch * seq / total if 0 < total < math.inf else 0.0,
+            fits=report.peak_bytes <= self.budget,
+            found_by=found_by,
+            warnings=tuple(report.warnings),
+        )

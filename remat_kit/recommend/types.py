@@ -1,0 +1,181 @@
+"""Result types of :func:`remat_kit.recommend.recommend`: candidates, solver summary, answer.
+
+Integers are bytes, times seconds, FLOPs counts of floating-point operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+#: Which stage of the search compiled a candidate.
+FoundBy = Literal["named", "group-size", "batch-search", "solve", "advice"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One compiled configuration and its estimated step time.
+
+    Attributes:
+      policy: a registered policy name, or ``"custom"`` (then ``actions`` says what it does).
+      actions: for a custom policy, ``{tag: "save" | "offload"}`` (tags not listed recomputed).
+      remat_group_size: blocks per remat segment; batch_size, seq_len: the step's shape.
+      peak_bytes: XLA's device peak (bytes, per device). host_bytes: bytes in host memory.
+      flops: compiled matmul FLOPs of the step. flops_no_remat: the same step without remat,
+        counted on its jaxpr (the time model's forward share is a third of it).
+      compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
+      tokens_per_s: ``batch_size * seq_len / step_time_s``.
+      fits: ``peak_bytes <= budget``.
+      found_by: which stage compiled it (``named``, ``group-size``, ``batch-search``, ``solve``).
+      predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
+      warnings: compiler messages (XLA's own rematerialisation, ...).
+    """
+
+    policy: str
+    actions: dict[str, str] | None
+    remat_group_size: int
+    batch_size: int
+    seq_len: int
+    peak_bytes: int
+    host_bytes: int
+    flops: float | None
+    flops_no_remat: float | None
+    compute_s: float
+    transfer_s: float
+    step_time_s: float
+    tokens_per_s: float
+    fits: bool
+    found_by: FoundBy
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """Policy name, or the custom actions (``custom: save key_proj; offload query_proj``)."""
+        if self.actions is None:
+            return self.policy
+        parts = [
+            f"{what} " + ",".join(sorted(t for t, a in self.actions.items() if a == what))
+            for what in ("save", "offload")
+            if what in self.actions.values()
+        ]
+        return "custom: " + ("; ".join(parts) or "recompute all")
+
+    def code(self) -> str:
+        """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch
+        and remat group size to use."""
+        if self.actions is None:
+            policy = f'remat_kit.policy("{self.policy}")'
+        else:
+            body = ", ".join(f'"{t}": "{a}"' for t, a in sorted(self.actions.items()))
+            policy = f"remat_kit.custom_policy({{{body}}})"
+        shape = f"batch {self.batch_size}, seq {self.seq_len}"
+        if self.policy == "no-remat":
+            return f"Block  # no remat: do not wrap the block in nn.remat; {shape}"
+        return (
+            f"nn.remat(Block, policy={policy})  # {shape}, remat_group_size={self.remat_group_size}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TagCost:
+    """One checkpoint tag in the solver's additive model (bytes and FLOPs over all layers).
+
+    Attributes:
+      tag: the checkpoint name.
+      nbytes: device bytes of its residuals when kept (from the jaxpr residual table).
+      base_bytes: bytes of it that ``save-nothing`` keeps anyway (the segment inputs).
+      flops_saved: jaxpr matmul FLOPs not recomputed when it is kept (saved or offloaded):
+        FLOPs of the step saving nothing minus those saving only this tag.
+    """
+
+    tag: str
+    nbytes: int
+    base_bytes: int
+    flops_saved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveSummary:
+    """What :func:`solve_tags` enumerated, predicted and verified.
+
+    Attributes:
+      tags: the model's per-tag costs.
+      actions: the actions allowed per tag (offload only on targets where it is real).
+      combinations: how many per-tag choices were enumerated (all of them: the search is exact
+        under the model). predicted_fit: how many the model predicted to fit (within the slack).
+      peak_slack_bytes: how far above the budget a prediction may be and still be compiled: the
+        model's largest overestimate of a compiled named policy (0 if it never overestimated).
+      flops_scale: compiled / jaxpr FLOPs of ``save-nothing``: predictions are scaled by it.
+      verified: the custom candidates compiled, best predicted first.
+      calibration: (policy, predicted peak, compiled peak) for the named policies the model can
+        express.
+    """
+
+    tags: tuple[TagCost, ...]
+    actions: tuple[str, ...]
+    combinations: int
+    predicted_fit: int
+    peak_slack_bytes: int
+    flops_scale: float
+    verified: tuple[Candidate, ...]
+    calibration: tuple[tuple[str, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The answer of :func:`recommend`. Integers are bytes, times seconds.
+
+    Attributes:
+      model, target, seq_len: what was asked. batch_size: the batch asked (None for ``auto``).
+      budget_bytes: the per-device budget; budget_note: where it comes from.
+      arguments: bytes of the step's arguments (``params``, ``opt_state``, ``batch`` at the
+        batch asked, 1 for ``auto``).
+      pick: the fastest candidate that fits (most tokens/s for ``auto``), or None.
+      candidates: every candidate compiled, in the order found.
+      largest_batch: with ``auto``, the largest batch that fits for each distinct policy.
+      compiles: XLA compiles of the train step this call ran, counted from JAX's own
+        backend-compile events (identical programs are compiled once; persistent-cache hits would
+        count). reused: candidates taken from the ``cache`` (not compiled again).
+      wall_s: seconds this call took.
+      advice: when nothing fits: what would (each line says whether it was compiled).
+      notes: the assumptions and limits of this answer (time model, search bounds, skipped).
+      solve: the solver's summary, with ``solve=True``.
+      peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
+    """
+
+    model: str
+    target: str
+    seq_len: int
+    batch_size: int | None
+    optimizer: str
+    budget_bytes: int
+    budget_note: str
+    arguments: dict[str, int]
+    pick: Candidate | None
+    candidates: tuple[Candidate, ...]
+    largest_batch: tuple[Candidate, ...]
+    compiles: int
+    reused: int
+    wall_s: float
+    advice: tuple[str, ...]
+    notes: tuple[str, ...]
+    solve: SolveSummary | None
+    peak_flops: float
+    host_link_bytes_per_s: float | None
+    host_link: str
+
+    def line(self) -> str:
+        """The pick as one line of code, or what would fit when nothing does."""
+        if self.pick is None:
+            return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
+        return self.pick.code()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (with ``line``)."""
+        return {**dataclasses.asdict(self), "line": self.line()}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)

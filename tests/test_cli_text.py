@@ -106,7 +106,7 @@ def test_parse_policy_arg_forms():
 @pytest.mark.parametrize(
     "text, mapping",
     [
-        ("quer_proj=save", {"quer_proj": "save"}),
+        ('{"": "save"}', {"": "save"}),
         ("query_proj=keep", {"query_proj": "keep"}),
         ('{"query_proj": "offlod"}', {"query_proj": "offlod"}),
     ],

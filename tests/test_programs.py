@@ -142,3 +142,33 @@ def test_load_program_by_module_and_by_file():
     by_module = remat_kit.load_program("tests.user_models.plain_jax:program")
     by_file = remat_kit.load_program("tests/user_models/plain_jax.py:program")
     assert by_module.name == by_file.name == "plain-jax"
+
+
+def test_cli_analyze_takes_a_program_by_file_and_says_which_form_was_meant(capsys):
+    from remat_kit import cli
+
+    ref = "tests/user_models/plain_jax.py:program"
+    code = cli.main(
+        ["analyze", "--model", ref, "--policy", "mlp_hidden=save", "--target", "cpu", "--json"]
+    )
+    assert code == 0
+    import json
+
+    (report,) = json.loads(capsys.readouterr().out)["reports"]
+    assert {r["tag"] for r in report["residuals"]} >= {"mlp_hidden"}
+    for argv, match in [
+        (["--model", ref, "--batch", "4"], "--batch apply to presets"),
+        (
+            ["--model", "llama3-9b", "--batch", "1", "--seq", "8"],
+            "unknown preset 'llama3-9b'.*MODULE:FACTORY",
+        ),
+        (["--model", "tiny-gpt"], "required for a preset: --batch, --seq"),
+        (["--model", ref, "--policy", "mlp_hiden=save"], "'mlp_hiden'.*Did you mean 'mlp_hidden'"),
+        (
+            ["--model", "tiny-gpt", "--batch", "1", "--seq", "8", "--set", "d_modl=8"],
+            "unknown ModelConfig field 'd_modl'",
+        ),
+    ]:
+        assert cli.main(["analyze", *argv, "--target", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err

@@ -15,8 +15,8 @@ from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
-from remat_kit.models.config import get_config
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
+from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.train import make_optimizer
 from remat_kit.units import format_bytes as _size
@@ -35,7 +35,7 @@ def add(subparsers) -> None:
     A.add_model(p)
     A.add_batch(p)
     A.add_seq(p)
-    A.add_policy(p, "remat policy (default: the model's own)")
+    A.add_policy(p, "remat policy (default: the preset's own; every named policy for a program)")
     p.add_argument("--all-policies", action="store_true", help="every registered policy")
     A.add_target(p, "local")
     A.add_optimizer(p)
@@ -63,8 +63,18 @@ def _resolve(args: argparse.Namespace) -> tuple:
     """Validate names before compiling anything (ValueError -> exit 2)."""
     if args.all_policies and args.policy:
         raise A.UsageError("give --policy or --all-policies, not both")
-    config = get_config(args.model)
+    config = A.resolve_model(args)
+    A.require_shape(args, config)
     target = targets.get_target(args.target)
+    if isinstance(config, Program):
+        for flag in ("per_layer", "mesh", "devices"):
+            if getattr(args, flag):
+                raise A.UsageError(
+                    f"--{flag.replace('_', '-')} applies to presets; not to program {config.name!r}"
+                )
+        if args.policy:
+            return config, target, args.policy
+        return config, target, [get_policy_spec(n) for n in policy_names()]
     make_optimizer(args.optimizer)
     mesh = parse_mesh(args.mesh, args.devices)
     A.check_shape(config, args.batch, args.seq, mesh)
@@ -81,11 +91,17 @@ def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed."""
     config, target, specs = _resolve(args)
     try:
-        results = analyze_policies(
-            config, args.batch, args.seq, specs, target=target, optimizer=args.optimizer,
-            budget_bytes=args.budget, top_k=max(args.buffers, 0), workers=args.workers,
-            raise_errors=False, mesh=args.mesh_spec,
-        )  # fmt: skip
+        if isinstance(config, Program):
+            results = analyze_policies(
+                config, specs, target=target, budget_bytes=args.budget,
+                top_k=max(args.buffers, 0), workers=args.workers, raise_errors=False,
+            )  # fmt: skip
+        else:
+            results = analyze_policies(
+                config, args.batch, args.seq, specs, target=target, optimizer=args.optimizer,
+                budget_bytes=args.budget, top_k=max(args.buffers, 0), workers=args.workers,
+                raise_errors=False, mesh=args.mesh_spec,
+            )  # fmt: skip
     except CompileError as err:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
         return 1
@@ -134,9 +150,8 @@ def short_warning(text: str) -> str:
 
 
 def _policy_table(config, target, args, results, labels: Sequence[str]):
-    title = (
-        f"{config.name}  batch={args.batch} seq={args.seq}  on {target.name} ({target.description})"
-    )
+    shape = "" if isinstance(config, Program) else f"  batch={args.batch} seq={args.seq}"
+    title = f"{config.name}{shape}  on {target.name} ({target.description})"
     cols = ("policy", "peak GiB", "host GiB", "activations GiB", "recompute", "fits", "compile s")
     t = table(title, cols, right=cols[1:])
     for label, r in zip(labels, results, strict=True):

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from remat_kit import units, validation
-from remat_kit.models.config import ModelConfig
+from remat_kit.models.config import ModelConfig, get_config, parse_overrides
 from remat_kit.policies import POLICY_ARG_HELP as POLICY_ARG_HELP
 from remat_kit.policies import parse_policy_arg
+from remat_kit.program import Program, load_program
 from remat_kit.sharding import MeshSpec
 
 PROG = "remat-kit"
@@ -73,20 +74,78 @@ policy_arg = arg_type(parse_policy_arg, "policy")
 
 
 def add_model(p: argparse.ArgumentParser, example: str = "llama3-8b") -> None:
-    """``--model``: a preset name (required)."""
-    p.add_argument("--model", required=True, help=f"model preset, e.g. {example}")
+    """``--model`` (a preset name, or the user's program as ``MODULE:FACTORY`` /
+    ``FILE.py:FACTORY``) and ``--set FIELD=VALUE`` (preset overrides)."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a model preset (e.g. {example}; see remat_kit.preset_names()) or your own "
+        "program: MODULE:FACTORY or FILE.py:FACTORY, a function of no arguments returning a "
+        "remat_kit.Program",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+        help="override a preset's ModelConfig field (repeatable), e.g. --set num_layers=4",
+    )  # fmt: skip
+
+
+def is_program_ref(model: str) -> bool:
+    """True when ``--model`` names a user's program (``MODULE:FACTORY``), not a preset."""
+    return ":" in model
+
+
+def resolve_model(args: argparse.Namespace, **fixed: Any) -> ModelConfig | Program:
+    """The preset config (with ``--set`` overrides and ``fixed`` fields) or the user's program.
+
+    Raises:
+      ValueError: an unknown preset (the message also says how to give a program), a bad
+        ``--set``, a program reference that cannot be loaded, or ``--set`` with a program.
+    """
+    if is_program_ref(args.model):
+        if args.overrides:
+            raise ValueError(
+                "--set overrides a preset's fields; a program (MODULE:FACTORY) sets its own"
+            )
+        return load_program(args.model)
+    try:
+        return get_config(args.model, **{**parse_overrides(args.overrides), **fixed})
+    except ValueError as err:
+        if str(err).startswith("unknown preset"):
+            msg = f"{err} For your own model give MODULE:FACTORY or FILE.py:FACTORY."
+            raise ValueError(msg) from None
+        raise
 
 
 def add_batch(p: argparse.ArgumentParser, default: int | None = None) -> None:
-    """``--batch``: sequences per step (required unless ``default`` is given)."""
-    kw: dict[str, Any] = {"required": True} if default is None else {"default": default}
-    p.add_argument("--batch", type=positive_int, help="sequences per step", **kw)
+    """``--batch``: sequences per step (for a preset; a program carries its own arguments)."""
+    p.add_argument("--batch", type=positive_int, default=default,
+                   help="sequences per step (presets; required for them)")  # fmt: skip
 
 
 def add_seq(p: argparse.ArgumentParser, default: int | None = None) -> None:
-    """``--seq``: tokens per sequence (required unless ``default`` is given)."""
-    kw: dict[str, Any] = {"required": True} if default is None else {"default": default}
-    p.add_argument("--seq", type=positive_int, help="tokens per sequence", **kw)
+    """``--seq``: tokens per sequence (for a preset)."""
+    p.add_argument("--seq", type=positive_int, default=default,
+                   help="tokens per sequence (presets; required for them)")  # fmt: skip
+
+
+def require_shape(args: argparse.Namespace, model: ModelConfig | Program) -> None:
+    """``--batch`` and ``--seq`` are given for a preset; for a program (which carries its own
+    arguments) they must not be.
+
+    Raises:
+      UsageError: one line saying which.
+    """
+    if isinstance(model, Program):
+        given = [f for f in ("batch", "seq") if getattr(args, f, None) is not None]
+        if given:
+            raise UsageError(
+                f"--{' and --'.join(given)} apply to presets; program {model.name!r} carries its "
+                "own arguments (set their shapes in its factory)"
+            )
+        return
+    missing = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is None]
+    if missing:
+        raise UsageError(f"the following arguments are required for a preset: {', '.join(missing)}")
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:

@@ -9,7 +9,6 @@ import json
 from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.doctor import check_policies, has_errors
-from remat_kit.models.config import get_config
 from remat_kit.policies import get_policy_spec, policy_label, policy_names
 
 
@@ -37,7 +36,7 @@ def add(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit doctor``: 0 no error finding, 1 some."""
-    config = get_config(args.model, scan_layers=not args.no_scan, remat_group_size=args.group_size)
+    config = A.resolve_model(args, scan_layers=not args.no_scan, remat_group_size=args.group_size)
     targets.get_target(args.target)
     specs = args.policy or [get_policy_spec(n) for n in policy_names()]
     A.check_shape(config, args.batch, args.seq)

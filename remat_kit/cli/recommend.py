@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     Raises:
       ValueError: bad input (one line; the CLI exits 2).
     """
+    model = A.resolve_model(args)
     rec = recommend(
-        args.model, args.seq, args.target, batch_size=args.batch, budget=args.budget,
+        model, args.seq, args.target, batch_size=args.batch, budget=args.budget,
         solve=args.solve, policies=args.policy, group_sizes=args.group_sizes,
         optimizer=args.optimizer, margin=args.margin, max_compiles=args.max_compiles,
         workers=args.workers,

@@ -8,13 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 
+from remat_kit import sharding as S
 from remat_kit.models.attention_support import attention_choices
 from remat_kit.models.config import get_config
 from remat_kit.models.layer_remat import RematLayerStack, layer_plan, sqrt_groups
 from remat_kit.models.loss import chunked_cross_entropy
 from remat_kit.residuals import saved_residuals
-from remat_kit.train import init_params, loss_fn
+from remat_kit.train import init_params, loss_fn, make_optimizer
 
 L = 6
 
@@ -61,8 +63,7 @@ def _regroup(stacked, kw):
     }
 
 
-VARIANTS = [
-    dict(remat_layers=2),
+VARIANTS = [  # "first" placement: test_bundled_model_nested_partial_and_chunked_loss
     dict(remat_layers=3, placement="interleaved"),
     dict(nested_groups=3, policy="no-remat"),
 ]
@@ -139,20 +140,31 @@ def test_config_validation():
     assert get_config("llama3-8b", nested_remat=True).outer_groups == 4
 
 
-def _batch(seq=16):
+def test_nested_params_map_to_mesh_axes():
+    # Flax rejects a logical name used twice; the outer axis is "layers_outer".
+    config = get_config("tiny-llama", nested_remat=True, remat_policy="save-nothing")
+    _, shardings = S.sharded_train_state(config, make_optimizer("adamw"), S.local_mesh("fsdp=1"))
+    kernel = shardings.params["stack"]["layers"]["inner"]["block_0"]["attn"]["query_proj"]["kernel"]
+    assert kernel.spec == PartitionSpec(None, None, "fsdp", "tp", None)
+
+
+def _batch(seq=8):
     tokens = jax.random.randint(jax.random.key(2), (2, seq + 1), 0, 256)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def test_bundled_model_nested_partial_and_chunked_loss():
-    base = get_config("tiny-llama", remat_policy="save-nothing")
+    base = get_config("tiny-llama", num_layers=2, remat_policy="save-nothing")
     params = init_params(base, jax.random.key(0))
     batch = _batch()
     grads = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
     want, want_g = grads(params, base, batch)
     cases = [
         (base.replace(remat_layers=1), dict(remat_layers=1)),
-        (base.replace(nested_remat=True, loss_chunk_size=4), dict(nested_groups=2)),
+        (
+            base.replace(nested_remat=True, nested_groups=2, loss_chunk_size=4),
+            dict(nested_groups=2),
+        ),
     ]
     global L
     saved, L = L, base.num_layers

@@ -180,7 +180,8 @@ class RematLayerStack(nn.Module):
         :func:`sqrt_groups`), each checkpointed whole (nothing saved but its input), the blocks
         inside under ``policy`` / ``rest_policy`` as ``remat_layers`` says (counted per segment:
         ``remat_layers`` must then be given per segment, i.e. at most ``L // nested_groups``).
-      axis_name: logical axis name of the stacked parameters' leading dimension(s).
+      axis_name: logical axis name of the stacked parameters' leading dimension (nested: the
+        outer one is ``axis_name + "_outer"``).
 
     Parameters: ``layers/block_0/...`` with leading dimension L for one run (the plain per-layer
     scan); ``layers_0``, ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with
@@ -213,7 +214,9 @@ class RematLayerStack(nn.Module):
             outer = nn.remat(
                 _Segment, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
             )
-            scan = _scan(outer, self.nested_groups, self.axis_name)
+            # Flax's logical-to-mesh mapping rejects a name used twice: the outer axis gets its
+            # own (absent from the rules, so not split).
+            scan = _scan(outer, self.nested_groups, f"{self.axis_name}_outer")
             x, _ = scan(self.block, runs, self.axis_name, name="layers")(x, *args)
             return x
         for j, (specs, repeats) in enumerate(runs):

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from remat_kit import names as N
 from remat_kit import sharding as S
 from remat_kit.models.config import ModelConfig
+from remat_kit.models.loss import chunked_model_loss
 from remat_kit.models.transformer import make_model
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -73,6 +74,8 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def loss_fn(params: Any, config: ModelConfig, batch: Batch) -> jax.Array:
     """Loss of the model for ``config`` on ``batch`` ({"inputs", "targets"}: [batch, seq])."""
+    if config.loss_chunk_size is not None:  # LM head + loss over sequence chunks, under remat
+        return chunked_model_loss(params, config, batch)
     logits = make_model(config).apply({"params": params}, batch["inputs"])
     return cross_entropy_loss(logits, batch["targets"])
 

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 import jax.numpy as jnp
 
 from remat_kit import names as N
+from remat_kit.models.layer_remat import Placement, check_nested_groups, layer_plan, sqrt_groups
 from remat_kit.policies import PolicySpec, get_policy_spec
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -50,6 +51,18 @@ class ModelConfig:
     remat_policy: str | PolicySpec = "no-remat"  # a name from remat_kit.policy_names() or a spec
     scan_layers: bool = True  # nn.scan over blocks (one compiled block) vs an unrolled loop
     remat_group_size: int = 1  # k consecutive blocks form one remat segment
+    # Partial-layer remat (remat_kit.models.layer_remat): only ``remat_layers`` blocks use
+    # ``remat_policy`` (None: all), placed first or interleaved; the rest ``rest_remat_policy``.
+    remat_layers: int | None = None
+    remat_placement: Placement = "first"
+    rest_remat_policy: str | PolicySpec = "no-remat"
+    # Nested remat: an outer scan over ``nested_groups`` checkpointed segments (None:
+    # sqrt_groups(num_layers)); ``remat_layers`` then counts blocks per segment.
+    nested_remat: bool = False
+    nested_groups: int | None = None
+    # Chunked cross-entropy (remat_kit.models.loss): LM head + loss over sequence chunks of this
+    # many tokens under remat, so the [batch, seq, vocab] logits never exist whole. None: whole.
+    loss_chunk_size: int | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
@@ -85,6 +98,46 @@ class ModelConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         get_policy_spec(self.remat_policy)  # raises on an unknown name
+        self._check_structure()
+
+    def _check_structure(self) -> None:
+        """Validate the partial / nested remat and chunked-loss fields."""
+        get_policy_spec(self.rest_remat_policy)
+        _check_choice("remat_placement", self.remat_placement, get_args(Placement))
+        if self.loss_chunk_size is not None and (
+            not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size <= 0
+        ):
+            raise ValueError(
+                f"loss_chunk_size must be a positive integer or None, got {self.loss_chunk_size!r}"
+            )
+        if self.nested_groups is not None and not self.nested_remat:
+            raise ValueError("nested_groups is set but nested_remat is False; set nested_remat")
+        if not self.layer_structure:
+            return
+        if self.remat_group_size != 1 or not self.scan_layers:
+            raise ValueError(
+                "remat_layers / nested_remat need scan_layers=True and remat_group_size=1, got "
+                f"scan_layers={self.scan_layers}, remat_group_size={self.remat_group_size}"
+            )
+        per_segment = self.num_layers
+        if self.nested_remat:
+            per_segment //= check_nested_groups(self.num_layers, self.outer_groups)
+        layer_plan(per_segment, self.remat_layers, self.remat_placement)
+
+    @property
+    def layer_structure(self) -> bool:
+        """True when partial-layer or nested remat is on (the layer stack is
+        :class:`remat_kit.models.layer_remat.RematLayerStack`)."""
+        return self.remat_layers is not None or self.nested_remat
+
+    @property
+    def outer_groups(self) -> int | None:
+        """Nested remat's outer segment count (None when off)."""
+        if not self.nested_remat:
+            return None
+        return (
+            self.nested_groups if self.nested_groups is not None else sqrt_groups(self.num_layers)
+        )
 
     @property
     def kv_heads(self) -> int:

@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as N
 from remat_kit.models.config import ModelConfig
+from remat_kit.models.layer_remat import RematLayerStack
 from remat_kit.sharding import constrain_batch
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
@@ -199,13 +200,29 @@ def remat_group(config: ModelConfig) -> type[nn.Module]:
     return nn.remat(BlockGroup, policy=spec.to_jax(), prevent_cse=not config.scan_layers)
 
 
+def structured_stack(config: ModelConfig) -> RematLayerStack:
+    """The layer stack with partial-layer / nested remat (``config.layer_structure``)."""
+    return RematLayerStack(
+        lambda name: Block(config, name=name),
+        num_layers=config.num_layers,
+        policy=config.policy_spec,
+        remat_layers=config.remat_layers,
+        placement=config.remat_placement,
+        rest_policy=config.rest_remat_policy,
+        nested_groups=config.outer_groups,
+        name="stack",
+    )
+
+
 class Transformer(nn.Module):
-    """Decoder-only language model. tokens [b, s] int32 -> logits [b, s, V] (compute dtype)."""
+    """Decoder-only language model. tokens [b, s] int32 -> logits [b, s, V] (compute dtype), or
+    with ``return_hidden`` the final-norm output [b, s, h] (the LM head's input, for
+    :func:`remat_kit.models.loss.chunked_cross_entropy`)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, return_hidden: bool = False) -> jax.Array:
         c = self.config
         seq = tokens.shape[-1]
         if seq > c.max_seq_len:
@@ -225,7 +242,9 @@ class Transformer(nn.Module):
             x = x + pos(positions)[None]
         group = remat_group(c)
         num_groups = c.num_layers // c.remat_group_size
-        if c.scan_layers:
+        if c.layer_structure:
+            x = structured_stack(c)(x, positions)
+        elif c.scan_layers:
             stack = nn.scan(
                 group,
                 variable_axes={"params": 0},
@@ -239,6 +258,8 @@ class Transformer(nn.Module):
             for i in range(num_groups):
                 x, _ = group(c, name=f"layers_{i}")(x, positions)
         x = _norm(c, "final_norm")(x)
+        if return_hidden:
+            return x  # (b, s, h)
         if c.tied_embeddings:
             logits = embed.attend(x)  # (b, s, V)
         else:

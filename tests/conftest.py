@@ -15,3 +15,16 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture(scope="session")
 def rng():
     return jax.random.key(0)
+
+
+def _cuda_plugin_installed() -> bool:
+    from remat_kit import targets
+
+    return targets.cuda_plugin_module() is not None
+
+
+#: Skip a test that compiles for a GPU target when JAX's CUDA plugin is not installed.
+needs_cuda_plugin = pytest.mark.skipif(
+    not _cuda_plugin_installed(),
+    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
+)

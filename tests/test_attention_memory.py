@@ -7,12 +7,7 @@ import optax
 import pytest
 
 import remat_kit
-from remat_kit import targets
-
-needs_cuda_plugin = pytest.mark.skipif(
-    targets.cuda_plugin_module() is None,
-    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
-)
+from tests.conftest import needs_cuda_plugin
 
 
 def _elements(shape: str) -> int:

@@ -11,16 +11,13 @@ import contextlib
 import pytest
 
 from remat_kit import names as N
-from remat_kit import sharding, targets
+from remat_kit import sharding
 from remat_kit.memory import analyze_policies, api, hlo, model_residuals
 from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
 from remat_kit.models.config import get_config
 from remat_kit.residuals import split_over_tp, tag_axes
+from tests.conftest import needs_cuda_plugin
 
-needs_cuda_plugin = pytest.mark.skipif(
-    targets.cuda_plugin_module() is None,
-    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
-)
 CONFIG = get_config(
     "tiny-llama", num_heads=8, num_kv_heads=4, d_ff=256, num_layers=2, dtype="bfloat16",
     param_dtype="bfloat16",

@@ -26,11 +26,8 @@ from remat_kit.recommend import (
     recommend,
     step_time,
 )
+from tests.conftest import needs_cuda_plugin
 
-needs_cuda_plugin = pytest.mark.skipif(
-    targets.cuda_plugin_module() is None,
-    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
-)
 MODEL, SEQ, BATCH, TARGET = "tiny-llama", 64, 2, "h100-sxm"
 POLICIES = [
     "no-remat",

@@ -14,13 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from remat_kit import targets
+from tests.conftest import needs_cuda_plugin
 
 GPU_NAMES = [t.name for t in targets.TARGETS.values() if t.gpu is not None]
-
-needs_cuda_plugin = pytest.mark.skipif(
-    targets.cuda_plugin_module() is None,
-    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
-)
 
 
 @pytest.mark.parametrize("name", targets.target_names())

@@ -20,11 +20,7 @@ from remat_kit.memory import MemoryReport, analyze_policies, hlo
 from remat_kit.memory import timeline as T
 from remat_kit.memory import xla_compile as X
 from remat_kit.memory.diff import diff_reports
-
-needs_cuda_plugin = pytest.mark.skipif(
-    targets.cuda_plugin_module() is None,
-    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
-)
+from tests.conftest import needs_cuda_plugin
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from remat_kit.residuals import TagResiduals
+from remat_kit.walker import TagResiduals
 
 GIB = 2**30
 

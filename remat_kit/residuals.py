@@ -13,18 +13,21 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from remat_kit import walker as W
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import BlockGroup
 from remat_kit.names import CHECKPOINT_NAMES, CHECKPOINT_SHAPES
 from remat_kit.sharding import LOGICAL_RULES
+from remat_kit.walker import MemoryKind, Residual, TagResiduals
 
-MemoryKind = Literal["device", "host"]
+__all__ = ["MemoryKind", "Residual", "TagResiduals"]  # data types live in remat_kit.walker
+
 _FORWARD_THROUGH = ("add", "reshape", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 #: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
@@ -32,41 +35,6 @@ _DIM_AXES = {
     "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
     "head_dim": "head_dim", "d_ff": "mlp",
 }  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Residual:
-    """One value saved by the forward pass for the backward pass.
-
-    Attributes:
-      tag: the checkpoint name of the value, or None (untagged).
-      source: "argument NAME" for an input kept as is, else the primitive that produced it.
-      shape: array shape; dtype: numpy dtype name; memory: "device" or "host" (offloaded).
-      nbytes: size in bytes (prod(shape) * itemsize).
-    """
-
-    tag: str | None
-    source: str
-    shape: tuple[int, ...]
-    dtype: str
-    memory: MemoryKind
-    nbytes: int
-
-    @property
-    def is_argument(self) -> bool:
-        return self.source.startswith("argument")
-
-
-@dataclasses.dataclass(frozen=True)
-class TagResiduals:
-    """Residuals of one checkpoint name (or one untagged source) in one remat segment."""
-
-    tag: str
-    count: int
-    shape: tuple[int, ...]
-    dtype: str
-    memory: MemoryKind
-    nbytes: int  # total bytes over ``count`` residuals
 
 
 def _memory_kind(aval) -> MemoryKind:
@@ -102,8 +70,9 @@ class _Graph:
         # add or a reshape: follow single-consumer chains of such ops forward to the name.
         users = self.consumers.get(v, [])
         for c in users:
-            if c.primitive.name == "name":
-                return c.params["name"]
+            tag = W.eqn_tag(c)
+            if tag is not None:
+                return tag
         if depth < 3 and len(users) == 1 and users[0].primitive.name in _FORWARD_THROUGH:
             return self.named_consumer(users[0].outvars[0], depth + 1)
         return None
@@ -115,11 +84,12 @@ class _Graph:
             return None
         eqn = self.producer.get(v)
         if eqn is not None:
-            if eqn.primitive.name == "name":
-                return eqn.params["name"]
+            tag = W.eqn_tag(eqn)
+            if tag is not None:
+                return tag
             if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
                 return self.tag_of(eqn.invars[0], depth + 1)
-            body = _body(eqn)
+            body = W.body(eqn)
             if body is not None:  # e.g. residuals stacked by a layer scan
                 tag = _Graph(body).tag_of(body.outvars[eqn.outvars.index(v)], depth + 1)
                 if tag is not None:
@@ -132,14 +102,20 @@ class _Graph:
         return None
 
 
-def _body(eqn: Any) -> Any:
-    """The sub-jaxpr of a call-like equation whose outputs map one-to-one to the equation's."""
-    sub = eqn.params.get("jaxpr")
-    if isinstance(sub, jcore.ClosedJaxpr):
-        sub = sub.jaxpr
-    if isinstance(sub, jcore.Jaxpr) and len(sub.outvars) == len(eqn.outvars):
-        return sub
-    return None
+def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
+    """The primitive that produced ``v`` inside ``jaxpr`` (through names, copies and nested
+    calls); None for an input of ``jaxpr`` or a literal."""
+    if depth > 16 or not isinstance(v, jcore.Var):
+        return None
+    eqn = _Graph(jaxpr).producer.get(v)
+    if eqn is None:
+        return None
+    if (W.eqn_tag(eqn) is not None or eqn.primitive.name in _PASS_THROUGH) and eqn.invars:
+        return _inner_source(jaxpr, eqn.invars[0], depth + 1)
+    inner = W.body(eqn)
+    if inner is not None:
+        return _inner_source(inner, inner.outvars[eqn.outvars.index(v)], depth + 1)
+    return eqn.primitive.name
 
 
 def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
@@ -178,7 +154,13 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
         eqn = producer.get(v)
         if eqn is None:
             return "constant"
-        if eqn.primitive.name == "name" or eqn.primitive.name in _PASS_THROUGH:
+        inner = W.body(eqn)
+        if inner is not None:
+            # e.g. residuals stacked by a layer scan: name the primitive inside that made them
+            found = _inner_source(inner, inner.outvars[eqn.outvars.index(v)])
+            if found is not None:
+                return found
+        if W.eqn_tag(eqn) is not None or eqn.primitive.name in _PASS_THROUGH:
             if not isinstance(eqn.invars[0], jcore.Var):
                 return "literal"
             return _source(eqn.invars[0], copied or eqn.primitive.name == "device_put")

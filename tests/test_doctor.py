@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
@@ -75,6 +76,8 @@ def test_unrolled_on_cpu_saves_no_memory():
     findings = doctor.check(config, 2, 64, "save-nothing", "cpu")
     assert "no-op-policy" in _codes(findings)
     assert "outside lax.scan" in findings[0].cause
+    # Each figure in its own unit: no "0.00 GiB" on a small model.
+    assert "GiB" not in findings[0].what and "KiB" in findings[0].what
 
 
 def test_composed_policy_acts_as_full_remat_under_remat3():
@@ -142,12 +145,7 @@ def test_static_argnums_counting_self():
     x = jnp.ones(3)
     assert _codes(doctor.check_remat_static_argnums((1,), [x, 4])) == {"static-argnums-self"}
     assert doctor.check_remat_static_argnums((2,), [x, 4]) == []
+    assert doctor.check_remat_static_argnums((1,), [np.ones(3), 4])  # numpy arrays too
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama"])
-def test_no_false_alarms_on_named_policies_under_scan(model):
-    names = remat_kit.policy_names()
-    results = doctor.check_policies(model, 2, 64, names, "cpu")
-    for name, findings in zip(names, results, strict=True):
-        loud = [f.line() for f in findings if f.severity != "info"]
-        assert loud == [], (name, loud)
+# The clean-run matrix (every named policy, h100-sxm, scan and unrolled) is in test_walker.py.

@@ -337,3 +337,32 @@ def test_gpu_config_far_too_large_does_not_fit():
     assert r.target == "l4" and r.memory_bytes == targets.get_target("l4").memory_bytes
     assert r.fits is False and r.peak_bytes > r.memory_bytes
     assert r.logits.f32_bytes == 32 * _S * 128256 * 4  # the logits alone exceed the L4
+
+
+def test_unknown_memory_figures_are_none_and_a_cache_hit_says_so():
+    from types import SimpleNamespace
+
+    from remat_kit.memory import hlo, reading
+
+    class Compiled:
+        def __init__(self, analysis):
+            self.analysis = analysis
+
+        def memory_analysis(self):
+            return self.analysis
+
+    partial = SimpleNamespace(
+        argument_size_in_bytes=10, output_size_in_bytes=-1, temp_size_in_bytes=None,
+        alias_size_in_bytes=0,
+    )  # fmt: skip
+    parts = reading.memory_parts(Compiled(partial), unknown_as_none=True)
+    assert parts["argument_bytes"] == 10
+    assert parts["output_bytes"] is None and parts["temp_bytes"] is None
+    assert reading.peak_bytes_of(parts) is None  # never a figure that "fits"
+    assert reading.unknown_memory_fields(Compiled(partial)) == [
+        "output_size_in_bytes", "temp_size_in_bytes",
+    ]  # fmt: skip
+    assert len(reading.unknown_memory_fields(Compiled(None))) == 4
+    reading_ = reading.read_dump(hlo.DumpFiles(None, None, None, None), 5, reading.Hints())
+    assert reading_.flops is None and reading_.peak_buffers == ()
+    assert "persistent compilation cache" in reading_.warnings[0]

@@ -10,7 +10,8 @@ Matmul FLOPs are counted on the optimized HLO rather than taken from
 ``compiled.cost_analysis()``: XLA's cost analysis counts a ``while`` body once, whatever its trip
 count, so under ``lax.scan`` over layers it misses all layers but one; and it is ``None`` for
 deviceless GPU executables. Here every ``dot`` (and cuBLAS gemm custom call) is counted
-``2 * prod(output) * prod(contracting dims)`` times the ``known_trip_count`` of every loop that
+``2 * prod(output) * prod(contracting dims)``, every convolution and cuDNN fused attention call
+by its matmul work (:func:`instruction_flops`), times the ``known_trip_count`` of every loop that
 encloses it.
 """
 
@@ -200,6 +201,68 @@ def _dot_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(out[0][1]) * contracted
 
 
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_DIM_LABELS = re.compile(r"dim_labels=[0-9a-z]+_([0-9a-z]+)->")
+_FMHA_SCORES = re.compile(
+    r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]'
+)
+#: Matmul FLOPs of a fused attention's backward pass over its forward (FlashAttention-2, Dao
+#: 2023, arXiv:2307.08691: five matmuls against two).
+FMHA_BACKWARD_FACTOR = 2.5
+
+
+def _call_target(instr: Instruction) -> str:
+    m = _CALL_TARGET.search(instr.attributes) if instr.opcode == "custom-call" else None
+    return m.group(1) if m else ""
+
+
+def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    """``2 * prod(output) * prod(kernel) / kernel_output_features`` of a convolution (or a cuDNN
+    convolution call), the kernel's layout read from ``dim_labels`` (``b01f_01io->b01f``)."""
+    out = array_shapes(instr.shape)
+    labels = _DIM_LABELS.search(instr.attributes)
+    if not out or len(instr.operands) < 2 or not labels:
+        return 0.0
+    rhs = array_shapes(shapes.get(instr.operands[1], ""))
+    o = labels.group(1).find("o")
+    if not rhs or o < 0 or o >= len(rhs[0][1]):
+        return 0.0
+    kernel = rhs[0][1]
+    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
+
+
+def _fmha_flops(instr: Instruction) -> float:
+    """A cuDNN fused attention call (``__cudnn$fmha*``): ``4 * prod(output) * kv_len`` (the
+    ``Q K^T`` and ``P V`` matmuls; the first output has the query's shape, the scores
+    ``intermediate_tensor_shape`` is [batch, heads, q_len, kv_len]), halved under a causal
+    mask, times :data:`FMHA_BACKWARD_FACTOR` for a backward call."""
+    config = instr.attributes.replace(" ", "")
+    scores = _FMHA_SCORES.search(config)
+    out = array_shapes(instr.shape)
+    if not scores or not out:
+        return 0.0
+    kv_len = int(scores.group(1).split(",")[-1].strip('"'))
+    flops = 4.0 * math.prod(out[0][1]) * kv_len
+    if re.search(r'"mask_type":"[A-Z_]*CAUSAL"', config):
+        flops /= 2
+    if "Backward" in _call_target(instr):
+        flops *= FMHA_BACKWARD_FACTOR
+    return flops
+
+
+def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    """FLOPs of one instruction: dots and gemm calls, convolutions (and cuDNN convolution
+    calls), cuDNN fused attention calls; 0 for anything else."""
+    if instr.opcode == "dot" or _is_gemm_call(instr):
+        return _dot_flops(instr, shapes)
+    target = _call_target(instr)
+    if instr.opcode == "convolution" or target.startswith("__cudnn$conv"):
+        return _conv_flops(instr, shapes)
+    if target.startswith("__cudnn$fmha"):
+        return _fmha_flops(instr)
+    return 0.0
+
+
 def _is_gemm_call(instr: Instruction) -> bool:
     if instr.opcode != "custom-call":
         return False
@@ -237,7 +300,8 @@ class FlopCount:
 
 
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
-    """Matmul FLOPs of the entry computation: dots and gemm custom calls, each multiplied by the
+    """FLOPs of the entry computation: dots and gemm custom calls, convolutions and fused
+    attention calls (:func:`instruction_flops`), each multiplied by the
     trip counts of the loops around it (``backend_config`` ``known_trip_count``); conditionals
     count their most expensive branch. Elementwise ops are not counted (a transformer step's
     FLOPs are >95% matmuls). Recomputation is counted separately as well (see
@@ -260,8 +324,8 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
 
         for instr in comp.instructions:
             shapes[instr.name] = instr.shape
-            if instr.opcode == "dot" or _is_gemm_call(instr):
-                f = _dot_flops(instr, shapes)
+            f = instruction_flops(instr, shapes)
+            if f:
                 add(f, f if JAX_RECOMPUTE_SCOPE in instr.op_name else 0.0, instr)
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)

@@ -23,6 +23,7 @@ from remat_kit.memory.xla_compile import CompileError
 from remat_kit.policies import PolicySpec, check_tags, get_policy_spec, policy_specs
 from remat_kit.program import Program, argument_parts
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
+from remat_kit.walker import emitted_tags, tags_in
 
 DEFAULT_TOP_K = 10
 
@@ -35,23 +36,6 @@ def on_device_twin(spec: PolicySpec) -> PolicySpec:
         save=spec.save | spec.offload,
         source=f"on-device counterpart of {spec.name}",
     )
-
-
-def emitted_tags(closed: Any) -> set[str]:
-    """TEMPORARY until the walker lands: ``name`` equations in a jaxpr and its sub-jaxprs."""
-    out: set[str] = set()
-    todo = [closed.jaxpr if hasattr(closed, "jaxpr") else closed]
-    while todo:
-        jaxpr = todo.pop()
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                out.add(eqn.params["name"])
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        todo.append(sub)
-    return out
 
 
 @dataclasses.dataclass
@@ -69,7 +53,11 @@ def program_tags(program: Program) -> frozenset[str]:
     """The ``checkpoint_name`` tags the program's step emits (under no remat; the tags do not
     depend on the policy), found by walking its jaxpr and every sub-jaxpr."""
     pure = program.step(get_policy_spec("no-remat"))
-    return frozenset(emitted_tags(jax.make_jaxpr(pure.fn)(*pure.args)))
+    tags = tags_in(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+    loss = program.loss(get_policy_spec("no-remat"))
+    if loss is not None:  # names applied only in a custom_vjp forward rule show up here
+        tags |= emitted_tags(loss.fn, *loss.args)
+    return frozenset(tags)
 
 
 def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:

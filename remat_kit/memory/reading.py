@@ -173,7 +173,11 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
             (),
             None,
             0,
-            ("XLA wrote no dump (compilation cache hit?): no buffers at peak, no FLOPs",),
+            (
+                "XLA wrote no dump: the executable came from JAX's persistent compilation "
+                "cache (jax_compilation_cache_dir), which skips XLA and its dumps: no buffers "
+                "at peak, FLOPs unknown (None); compile with the cache off to see them",
+            ),
         )
     comps = hlo.parse_hlo_module(dump.hlo)
     count = hlo.count_flops(comps)
@@ -245,25 +249,56 @@ def log_warnings(result: CompileResult) -> list[str]:
     return out
 
 
-def memory_parts(compiled: Any) -> dict[str, int]:
-    """``compiled.memory_analysis()`` as integer bytes: argument, output, temp, alias and their
-    host counterparts (XLA's ``*_size_in_bytes`` fields; 0 where absent)."""
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+}
+_HOST_FIELDS = ("host_argument_size_in_bytes", "host_output_size_in_bytes",
+                "host_temp_size_in_bytes", "host_alias_size_in_bytes")  # fmt: skip
+
+
+def _field(m: Any, field: str) -> int | None:
+    """One ``memory_analysis()`` field in bytes; None where the backend does not give it (the
+    analysis is None, the field absent or None, or -1: jax#18954, jax#12848)."""
+    value = getattr(m, field, None) if m is not None else None
+    if value is None or int(value) < 0:
+        return None
+    return int(value)
+
+
+def unknown_memory_fields(compiled: Any) -> list[str]:
+    """The ``memory_analysis()`` fields of the device parts the backend left unknown (all of
+    them when it returns None); empty when every figure is known."""
     m = compiled.memory_analysis()
-    get = lambda field: int(getattr(m, field, 0) or 0)  # noqa: E731
-    return {
-        "argument_bytes": get("argument_size_in_bytes"),
-        "output_bytes": get("output_size_in_bytes"),
-        "temp_bytes": get("temp_size_in_bytes"),
-        "alias_bytes": get("alias_size_in_bytes"),
-        "host_bytes": get("host_argument_size_in_bytes")
-        + get("host_output_size_in_bytes")
-        + get("host_temp_size_in_bytes")
-        - get("host_alias_size_in_bytes"),
-    }
+    return [f for f in _MEMORY_FIELDS.values() if _field(m, f) is None]
 
 
-def peak_bytes_of(parts: Mapping[str, int]) -> int:
-    """``argument + output + temp - alias`` bytes (see :class:`MemoryReport`)."""
+def memory_parts(compiled: Any, unknown_as_none: bool = False) -> dict[str, int | None]:
+    """``compiled.memory_analysis()`` as integer bytes: argument, output, temp, alias and their
+    host counterparts (XLA's ``*_size_in_bytes`` fields).
+
+    An unknown field (see :func:`unknown_memory_fields`) is None with ``unknown_as_none``
+    (then :func:`peak_bytes_of` is None too: never a number that "fits"), else 0 (the host
+    fields are 0 where the backend has no host memory figures)."""
+    m = compiled.memory_analysis()
+    default = None if unknown_as_none else 0
+    parts: dict[str, int | None] = {}
+    for key, field in _MEMORY_FIELDS.items():
+        value = _field(m, field)
+        parts[key] = default if value is None else value
+    host = [_field(m, f) or 0 for f in _HOST_FIELDS]
+    parts["host_bytes"] = host[0] + host[1] + host[2] - host[3]
+    return parts
+
+
+def peak_bytes_of(parts: Mapping[str, int | None]) -> int | None:
+    """``argument + output + temp - alias`` bytes (see :class:`MemoryReport`); None when any
+    part is unknown."""
+    keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
+    if any(parts[k] is None for k in keys):
+        return None
     return (
         parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"] - parts["alias_bytes"]
     )

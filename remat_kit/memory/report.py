@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from remat_kit.memory.timeline import Timeline
-from remat_kit.residuals import TagResiduals
+from remat_kit.walker import TagResiduals
 
 GIB = 2**30
 

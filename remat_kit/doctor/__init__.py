@@ -1,0 +1,53 @@
+"""``remat-kit doctor``: catch the rematerialization failures that raise nothing today.
+
+A remat policy that does not do what it promises fails silently: memory simply does not go down.
+:func:`check` compares the promise (tags to save, to offload, the rest recomputed) with what
+happens: the tags present in the traced program (every nested jaxpr walked by
+:mod:`remat_kit.walker`), the saved residuals by tag and memory kind (from the jaxpr), and the
+compiled memory and FLOPs of the step against the same step compiled with ``no-remat``. Each
+:class:`Finding` is one line: what is wrong, the likely cause, the fix.
+
+Finding codes (severity):
+
+- ``unknown-tag`` (error): the policy names a checkpoint name the program never emits; it saves
+  or offloads nothing for it.
+- ``no-op-policy`` (error): the compiled step needs as much memory as without remat.
+- ``cse-undid-remat`` (error): the jaxpr recomputes, but the compiled program does not (no
+  operation of it recomputes, or no FLOPs over no-remat): XLA merged the recomputation back into
+  the forward pass (CSE).
+- ``acts-as-full-remat`` (error): the policy promises to keep tensors but keeps none.
+- ``remat3-full-remat`` (error): ``jax_remat3`` is on and runs the policy as full remat (it
+  honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
+  ``everything_saveable`` and the dots policies; offload policies put nothing on host).
+- ``saves-everything`` (error): ``save_anything_except_these_names`` (a JAX regression: it saves
+  every value).
+- ``composed-policy`` (warning; error under ``jax_remat3``): a policy built from callables.
+- ``offload-no-host-bytes`` (error): an offload policy on a target with host memory puts nothing
+  in host memory.
+- ``offload-no-device-saving`` (warning): bytes move to host memory but the device peak does not
+  go down (compared with the same policy keeping those tensors on device).
+- ``offload-ignored`` (info): the backend ignores host offload (XLA:CPU).
+- ``static-argnums-self`` (error): ``nn.remat(..., static_argnums=...)`` on a linen module
+  counts ``self`` as argument 0; an index pointing at ``self``, an array or past the arguments
+  is off by one.
+
+Sources: JAX doc "Gradient checkpointing with jax.checkpoint"; ``jax/_src/ad_checkpoint.py``
+(jax 0.10.2, remat3); flax.linen.remat docstring.
+"""
+
+from remat_kit.doctor.checks import check as check
+from remat_kit.doctor.checks import check_function as check_function
+from remat_kit.doctor.checks import check_policies as check_policies
+from remat_kit.doctor.checks import recomputed_ops as recomputed_ops
+from remat_kit.doctor.compare import MIN_EFFECT as MIN_EFFECT
+from remat_kit.doctor.compare import Residuals as Residuals
+from remat_kit.doctor.compare import check_remat_static_argnums as check_remat_static_argnums
+from remat_kit.doctor.compare import compare as compare
+from remat_kit.doctor.findings import SAME as SAME
+from remat_kit.doctor.findings import Finding as Finding
+from remat_kit.doctor.findings import has_errors as has_errors
+from remat_kit.doctor.promise import Promise as Promise
+from remat_kit.doctor.promise import describe_callable as describe_callable
+from remat_kit.doctor.promise import remat3_honours as remat3_honours
+from remat_kit.doctor.promise import resolve_policy as resolve_policy
+from remat_kit.walker import emitted_tags as emitted_tags

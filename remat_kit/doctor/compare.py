@@ -1,0 +1,253 @@
+"""The doctor's comparisons: a policy's promise against what the walk and the compile show."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from remat_kit import names as N
+from remat_kit import targets as T
+from remat_kit import walker as W
+from remat_kit.doctor.findings import SAME, Finding, nbytes
+from remat_kit.doctor.promise import Promise
+from remat_kit.memory import MemoryReport
+
+_MLP_FAMILIES = frozenset({N.MLPWI, N.MLPWI_0, N.MLPWI_1})
+#: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
+_DOT_SOURCES = ("dot_general", "conv_general_dilated")
+#: A policy whose compiled temp bytes go down by less than this fraction of what its jaxpr
+#: residuals promise (against no-remat) has not taken effect.
+MIN_EFFECT = 0.1
+
+
+def unknown_tags(promise: Promise, tags: set[str]) -> list[Finding]:
+    """``unknown-tag`` for each name the policy saves or offloads that the program never emits."""
+    missing = promise.tags - tags
+    if promise.registered and promise.tags & tags & _MLP_FAMILIES:
+        # A registered policy names both MLP families' tags; only one family is emitted.
+        missing -= _MLP_FAMILIES
+    out = []
+    for tag in sorted(missing):
+        hint = N.closest(tag, sorted(tags))
+        out.append(
+            Finding(
+                "unknown-tag", "error",
+                f"policy {promise.name!r} names {tag!r}, which the program never emits "
+                f"(emitted: {', '.join(sorted(tags)) or 'none'}): nothing is "
+                f"{'offloaded' if tag in promise.offload else 'saved'} for it.",
+                "a typo, or a tag of another model family (mlpwi_0/mlpwi_1 are SwiGLU's, mlpwi "
+                "the plain MLP's).",
+                f"use {hint!r}." if hint else "tag the tensor with checkpoint_name, or drop it.",
+            )
+        )  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What the jaxpr keeps: device and host bytes of new buffers (arguments excluded), the tags
+    kept (arguments included: a remat segment's input is kept as an argument), and whether any
+    untagged matmul or convolution output is kept."""
+
+    device_bytes: int
+    host_bytes: int
+    tags: frozenset[str]
+    dots: bool
+
+    @classmethod
+    def of(cls, residuals: Sequence[W.Residual]) -> Residuals:
+        new = [r for r in residuals if not r.is_argument]
+        return cls(
+            device_bytes=sum(r.nbytes for r in new if r.memory == "device"),
+            host_bytes=sum(r.nbytes for r in new if r.memory == "host"),
+            tags=frozenset(r.tag for r in residuals if r.tag is not None),
+            dots=any(r.source in _DOT_SOURCES for r in residuals),
+        )
+
+
+def _recomputes(report: MemoryReport, no_remat: MemoryReport, recomputed_ops: int | None):
+    """Whether the compiled step recomputes: from the recomputed operations of its program
+    where counted, else from its FLOPs (matmuls, convolutions, fused attention) against
+    no-remat's; None when neither can tell (a program without counted FLOPs)."""
+    if recomputed_ops is not None:
+        return recomputed_ops > 0
+    if report.flops is None or not no_remat.flops:
+        return None
+    return report.flops > no_remat.flops * (1 + SAME)
+
+
+def _not_effective(promise, report, no_remat, promised, achieved, target, scan_layers, ops):
+    outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
+    on_cpu = target.platform == "cpu"
+    recomputes = _recomputes(report, no_remat, ops)
+    if recomputes is False:
+        return Finding(
+            "cse-undid-remat", "error",
+            f"policy {promise.name!r} recomputes in the jaxpr, but the compiled step has no "
+            f"recomputation and frees {nbytes(max(achieved, 0))} of the {nbytes(promised)} "
+            "promised.",
+            f"XLA's CSE merged the recomputation back into the forward pass{outside_scan}"
+            + ("; XLA:CPU drops remat's optimisation barriers outside loops." if on_cpu else "."),
+            "keep prevent_cse=True (nn.remat / jax.checkpoint), or run the layers under "
+            "lax.scan / nn.scan.",
+        )  # fmt: skip
+    return Finding(
+        "no-op-policy", "error",
+        f"policy {promise.name!r} recomputes but the compiled step frees only "
+        f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
+        f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
+        f"XLA keeps the forward values alive anyway{outside_scan} (XLA:CPU honours remat only "
+        "inside lax.scan)." if outside_scan or on_cpu
+        else "the peak is outside the layers (optimizer update, logits).",
+        "scan the layers (scan_layers=True); judge remat on a GPU target." if on_cpu
+        else "look at the buffers live at the peak (remat-kit analyze).",
+    )  # fmt: skip
+
+
+def compare(
+    spec: Promise | Any,
+    report: MemoryReport,
+    no_remat: MemoryReport,
+    kept: Residuals,
+    kept_no_remat: Residuals,
+    target: T.Target,
+    scan_layers: bool | None = None,
+    recomputed_ops: int | None = None,
+) -> list[Finding]:
+    """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
+    what each keeps in the jaxpr (:class:`Residuals`).
+
+    Args:
+      spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
+      recomputed_ops: operations of the compiled policy step that recompute the forward pass
+        (JAX's remat scope in their ``op_name``), where counted; else the FLOPs decide.
+    """
+    promise = spec if isinstance(spec, Promise) else Promise.of(spec)
+    out: list[Finding] = []
+    if not promise.wrap:  # no-remat: nothing promised
+        return out
+    promised = kept_no_remat.device_bytes - kept.device_bytes  # device bytes the policy frees
+    achieved = no_remat.temp_bytes - report.temp_bytes
+    offload_real = promise.offloads and target.supports_host_offload
+    if promised <= 0 and not (offload_real and report.host_bytes > 0):
+        out.append(
+            Finding(
+                "no-op-policy", "error",
+                f"policy {promise.name!r} keeps everything no-remat keeps "
+                f"({nbytes(kept.device_bytes)} of residuals): nothing is recomputed.",
+                "it names only tensors the backward pass keeps anyway, or saves every value.",
+                "recompute more: save fewer tags, or use save-dots-no-batch / save-nothing.",
+            )
+        )  # fmt: skip
+    elif promised > 0 and achieved < MIN_EFFECT * promised and not offload_real:
+        # An offload on a real target is judged by its host bytes (below), not by recompute.
+        out.append(
+            _not_effective(
+                promise, report, no_remat, promised, achieved, target, scan_layers, recomputed_ops
+            )
+        )
+    promises = bool(promise.tags) or promise.base in ("dots", "dots_no_batch")
+    keeps = bool(kept.tags & promise.tags) or (promise.base != "names" and kept.dots)
+    if promises and not keeps and not promise.offloads_dots:
+        out.append(
+            Finding(
+                "acts-as-full-remat", "error",
+                f"policy {promise.name!r} promises to keep "
+                f"{', '.join(sorted(promise.tags)) or 'matmul outputs'} but keeps none of them: "
+                "it runs as full remat (save-nothing).",
+                "its tags are not emitted inside the remat segment, or jax_remat3 runs the "
+                "policy as full remat.",
+                "check the tag names (remat-kit doctor lists them) and build the policy from "
+                "name sets.",
+            )
+        )  # fmt: skip
+    if promise.offloads:
+        out.extend(_offload_findings(promise, report, target, kept.host_bytes))
+    return out
+
+
+def _offload_findings(
+    promise: Promise, report: MemoryReport, target: T.Target, host_res: int
+) -> list[Finding]:
+    if not target.supports_host_offload:
+        return [
+            Finding(
+                "offload-ignored", "info",
+                f"target {target.name!r} ignores host offload: the {nbytes(host_res)} policy "
+                f"{promise.name!r} offloads are counted as device memory.",
+                "XLA:CPU compiles offloads as plain copies (host memory is device memory).",
+                "analyze offload policies on a GPU target (e.g. --target h100-sxm).",
+            )
+        ]  # fmt: skip
+    if report.host_bytes == 0:
+        return [
+            Finding(
+                "offload-no-host-bytes", "error",
+                f"policy {promise.name!r} offloads {nbytes(host_res)} in the jaxpr but the "
+                f"compiled step on {target.name!r} has no host memory.",
+                "XLA dropped the offload (the tensor is also needed on device, or the offloaded "
+                "tags are not residuals here), or jax_remat3 ran the policy as full remat.",
+                "offload other tags (offload-layer-inputs / offload-to-host) and check again.",
+            )
+        ]  # fmt: skip
+    without = report.peak_bytes_without_offload
+    if without is not None and report.peak_bytes >= without:
+        return [
+            Finding(
+                "offload-no-device-saving", "warning",
+                f"policy {promise.name!r} moves {nbytes(report.host_bytes)} to host but the "
+                f"device peak ({nbytes(report.peak_bytes)}) is not below keeping them on device "
+                f"({nbytes(without)}).",
+                "the peak is elsewhere (optimizer update, logits, or the copies to and from "
+                "host are live at the peak).",
+                "keep those tensors on device (same peak, no transfer), or offload more.",
+            )
+        ]  # fmt: skip
+    return []
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def check_remat_static_argnums(
+    static_argnums: Sequence[int], call_args: Sequence[Any]
+) -> list[Finding]:
+    """Check ``nn.remat(Module, static_argnums=...)`` against a call's positional arguments.
+
+    flax.linen counts ``self`` as argument 0, so ``static_argnums=(1,)`` marks the first argument
+    after ``self``. An index pointing at ``self``, at an array (``jax.Array``, numpy array,
+    ``jax.ShapeDtypeStruct``) or past the arguments is almost always the off-by-one of counting
+    from the first argument instead.
+
+    Args:
+      static_argnums: the indices passed to ``nn.remat``.
+      call_args: the positional arguments of one ``module(...)`` call, without ``self``.
+    """
+    out = []
+    n = len(call_args)
+    for i in static_argnums:
+        j = i - 1  # position in call_args
+        if 0 <= j < n and not _is_array(call_args[j]):
+            continue
+        what = "self" if j < 0 else ("past the arguments" if j >= n else "an array")
+        # The argument the user most likely meant: the one at call position i, if not an array.
+        meant = i if i < n and not _is_array(call_args[i]) else None
+        fix = (
+            f"use index {i + 1} for the argument at call position {i} (self is 0)."
+            if meant is not None
+            else f"static_argnums index k marks call argument k-1 (self is 0); valid indices "
+            f"here are 1..{n}."
+        )
+        out.append(
+            Finding(
+                "static-argnums-self", "error",
+                f"static_argnums={tuple(static_argnums)}: index {i} points at {what}.",
+                "nn.remat counts self as argument 0 (flax.linen.remat docstring).",
+                fix,
+            )
+        )  # fmt: skip
+    return out

@@ -1,0 +1,167 @@
+"""What a policy promises: read from a remat-kit policy or from a raw ``jax.checkpoint`` policy
+built with JAX's constructors, whatever its names, and what ``jax_remat3`` makes of it.
+
+JAX's constructors keep their data where it can be read back (``jax/_src/ad_checkpoint.py``,
+jax 0.10.2): ``save_only_these_names`` and ``save_any_names_but_these`` return frozen
+dataclasses (``saveable_names``, ``names``); ``save_and_offload_only_these_names`` and
+``offload_dot_with_no_batch_dims`` return closures whose cells hold the name sets and the
+memory kinds. ``jax_remat3`` asks a policy only at ``checkpoint_name`` values (honouring
+``SaveOnlyTheseNames``, ``SaveAnyNamesButThese`` and ``everything_saveable``) and at matmuls
+(``dot_general``, honouring the ``DotsSaveable`` dots policies; not convolutions): every other
+policy (offloading closures, composed callables) runs as full remat there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from remat_kit.doctor.findings import Finding
+from remat_kit.policies import PolicySpec, get_policy_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Promise:
+    """A policy's promise in the terms the doctor checks: tags kept on device (``save``), tags
+    moved to host (``offload``), or a base rule (``everything``, ``dots``, ``dots_no_batch``,
+    ``names``); ``wrap`` False for no remat at all. Unlike :class:`PolicySpec`, names are any
+    strings (a user's own tags, typos included)."""
+
+    name: str
+    base: str = "names"
+    save: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    wrap: bool = True
+    registered: bool = False  # a remat-kit registry policy (names both MLP families' tags)
+    offloads_dots: bool = False  # offload_dot_with_no_batch_dims
+
+    @property
+    def tags(self) -> frozenset[str]:
+        return self.save | self.offload
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.offload) or self.offloads_dots
+
+    @classmethod
+    def of(cls, spec: PolicySpec, registered: bool = False) -> Promise:
+        return cls(spec.name, spec.base, spec.save, spec.offload, spec.wrap, registered)
+
+
+def _closure(policy: Callable[..., Any]) -> dict[str, Any]:
+    code = getattr(policy, "__code__", None)
+    cells = getattr(policy, "__closure__", None) or ()
+    return dict(
+        zip(getattr(code, "co_freevars", ()), (c.cell_contents for c in cells), strict=False)
+    )
+
+
+def _names(value: Any) -> frozenset[str] | None:
+    if isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    return None
+
+
+def _saves_everything() -> Finding:
+    return Finding(
+        "saves-everything", "error",
+        "save_anything_except_these_names saves every value: nothing is recomputed.",
+        "a JAX regression: the policy returns True for everything (jax/_src/ad_checkpoint.py).",
+        "list what to save with save_only_these_names, or use remat_kit.custom_policy.",
+    )  # fmt: skip
+
+
+def _composed(qual: str) -> Finding:
+    on = jax.config.jax_remat3
+    return Finding(
+        "composed-policy", "error" if on else "warning",
+        f"policy {qual!r} is a callable JAX cannot read as data.",
+        "JAX's newer remat implementation (jax_remat3) treats policies as data and runs such "
+        "callables (save_from_both_policies, lambdas) as full remat"
+        + (" — and jax_remat3 is on." if on else "."),
+        "build the policy from name sets: remat_kit.custom_policy({...}) or "
+        "jax.checkpoint_policies.save_only_these_names(...).",
+    )  # fmt: skip
+
+
+def describe_callable(policy: Callable[..., Any]) -> tuple[Promise | None, list[Finding]]:
+    """The :class:`Promise` of a raw ``jax.checkpoint_policies`` policy, read from the data
+    JAX's constructors keep (every name, known to remat-kit or not), plus findings about the
+    callable itself; ``(None, findings)`` for a callable that cannot be read."""
+    cp = jax.checkpoint_policies
+    qual = getattr(policy, "__qualname__", type(policy).__name__)
+    fixed = {
+        id(cp.everything_saveable): Promise("everything_saveable", "everything"),
+        id(cp.nothing_saveable): Promise("nothing_saveable"),
+        id(cp.dots_saveable): Promise("dots_saveable", "dots"),
+        id(cp.dots_with_no_batch_dims_saveable): Promise(
+            "dots_with_no_batch_dims_saveable", "dots_no_batch"
+        ),
+    }  # fmt: skip
+    if id(policy) in fixed:
+        return fixed[id(policy)], []
+    saveable = _names(getattr(policy, "saveable_names", None))
+    if saveable is not None:  # SaveOnlyTheseNames
+        return Promise("save_only_these_names", save=saveable), []
+    if type(policy).__name__ == "SaveAnyNamesButThese":
+        return None, []  # data remat3 reads; what it keeps depends on the names emitted
+    if qual.startswith("save_anything_except_these_names"):
+        return None, [_saves_everything()]
+    cells = _closure(policy)
+    if "names_which_can_be_offloaded" in cells:  # save_and_offload_only_these_names
+        save = _names(cells.get("names_which_can_be_saved")) or frozenset()
+        off = _names(cells["names_which_can_be_offloaded"]) or frozenset()
+        return Promise("save_and_offload_only_these_names", save=save, offload=off), []
+    if qual.startswith("offload_dot_with_no_batch_dims"):
+        return Promise("offload_dot_with_no_batch_dims", "dots_no_batch", offloads_dots=True), []
+    return None, [_composed(qual)]
+
+
+def remat3_honours(policy: Callable[..., Any]) -> bool:
+    """Whether ``jax_remat3`` (jax 0.10.2) applies ``policy`` as written. Its remat rules
+    (``jax/_src/interpreters/remat.py`` ``rules``) consult a policy only at ``checkpoint_name``
+    values, where ``SaveOnlyTheseNames``, ``SaveAnyNamesButThese`` and ``everything_saveable``
+    keep values (``CheckpointName.remat``), and at ``dot_general``, where the ``DotsSaveable``
+    dots policies keep matmul outputs (``lax._dot_general_remat``; convolutions are recomputed).
+    ``nothing_saveable`` keeps nothing either way. Every other policy (offloading closures,
+    composed callables) runs as full remat."""
+    cp = jax.checkpoint_policies
+    if policy is cp.everything_saveable or policy is cp.nothing_saveable:
+        return True
+    return type(policy).__name__ in ("SaveOnlyTheseNames", "SaveAnyNamesButThese", "DotsSaveable")
+
+
+def remat3_finding(name: str, promise: Promise | None) -> Finding:
+    """The error for a policy that ``jax_remat3`` (on) runs as full remat."""
+    what = "offloads nothing to host (host bytes 0) and " if promise and promise.offloads else ""
+    return Finding(
+        "remat3-full-remat", "error",
+        f"policy {name!r} runs as full remat under jax_remat3: it {what}recomputes everything "
+        "it promised to keep.",
+        "jax_remat3 applies policies only at checkpoint_name values (save_only_these_names, "
+        "save_any_names_but_these, everything_saveable) and matmuls (dots policies); "
+        "save_and_offload_only_these_names, offload_dot_with_no_batch_dims and composed "
+        "callables recompute everything.",
+        "turn jax_remat3 off (jax.config.update('jax_remat3', False)) for offload policies, "
+        "or save the tensors on device with save_only_these_names.",
+    )  # fmt: skip
+
+
+def resolve_policy(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
+    """:func:`remat_kit.get_policy_spec`, with ``"none"`` explained: ``policy=None`` in
+    ``jax.checkpoint`` / ``nn.remat`` saves nothing.
+
+    Raises:
+      ValueError: ``"none"`` (use ``save-nothing``; ``no-remat`` is the opposite, it saves
+        everything), or an unknown policy name.
+    """
+    if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
+        raise ValueError(
+            f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "
+            "nothing (full remat): that is 'save-nothing'; 'no-remat' is the opposite (no "
+            "checkpoint, every residual kept)"
+        )
+    return get_policy_spec(policy)

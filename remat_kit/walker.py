@@ -1,0 +1,170 @@
+"""One walk of a program: a jaxpr and every jaxpr JAX nests inside it.
+
+Sub-jaxprs are found generically, not by primitive name: any equation parameter that is a
+``Jaxpr`` / ``ClosedJaxpr`` (or a tuple / list of them) is walked, which covers ``scan``,
+``while``, ``cond``, ``pjit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``,
+``remat2`` (``jax.checkpoint``), ``shard_map`` and whatever JAX nests next. Equations of JAX's
+"hi" primitives (``call_hi_primitive``, used by ``jax_remat3``) carry their sub-jaxprs and
+parameters on the ``_prim`` object; those are walked too.
+
+Checkpoint names come in two forms: the ``name`` primitive (classic remat) and, under
+``jax_remat3``, a ``call_hi_primitive`` whose ``_prim`` is a ``CheckpointName``
+(``jax/_src/ad_checkpoint.py``). :func:`eqn_tag` reads both.
+
+Used by residual attribution (:mod:`remat_kit.residuals`), tag discovery and the doctor
+(:mod:`remat_kit.doctor`) and the jaxpr FLOPs (:mod:`remat_kit.memory.flops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax
+from jax.extend import core as jcore
+
+MemoryKind = Literal["device", "host"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value saved by the forward pass for the backward pass.
+
+    Attributes:
+      tag: the checkpoint name of the value, or None (untagged).
+      source: "argument NAME" for an input kept as is, else the primitive that produced it.
+      shape: array shape; dtype: numpy dtype name; memory: "device" or "host" (offloaded).
+      nbytes: size in bytes (prod(shape) * itemsize).
+    """
+
+    tag: str | None
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+    memory: MemoryKind
+    nbytes: int
+
+    @property
+    def is_argument(self) -> bool:
+        return self.source.startswith("argument")
+
+
+@dataclasses.dataclass(frozen=True)
+class TagResiduals:
+    """Residuals of one checkpoint name (or one untagged source) in one remat segment."""
+
+    tag: str
+    count: int
+    shape: tuple[int, ...]
+    dtype: str
+    memory: MemoryKind
+    nbytes: int  # total bytes over ``count`` residuals
+
+
+#: Primitives whose equations bind a hi-level primitive object with its own parameters.
+HI_CALL = "call_hi_primitive"
+
+
+def _jaxprs_in(value: Any) -> Iterator[jcore.Jaxpr]:
+    if isinstance(value, jcore.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jcore.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs_in(v)
+
+
+def eqn_params(eqn: Any) -> dict[str, Any]:
+    """An equation's parameters, with those of a hi primitive's ``_prim`` object merged in."""
+    params = dict(eqn.params)
+    prim = params.get("_prim")
+    inner = getattr(prim, "params", None)
+    if isinstance(inner, dict):
+        params.update({k: v for k, v in inner.items() if k not in params})
+    return params
+
+
+def sub_jaxprs(eqn: Any) -> list[jcore.Jaxpr]:
+    """Every jaxpr nested directly in ``eqn`` (any parameter holding one), in parameter order."""
+    return [j for value in eqn_params(eqn).values() for j in _jaxprs_in(value)]
+
+
+def body(eqn: Any) -> jcore.Jaxpr | None:
+    """The one sub-jaxpr of a call-like equation whose outputs map one-to-one to the equation's
+    outputs (a jit / closed_call / remat / custom_vjp body, a scan body without carries), or
+    None when there is no such single sub-jaxpr."""
+    subs = [j for j in sub_jaxprs(eqn) if len(j.outvars) == len(eqn.outvars)]
+    return subs[0] if len(subs) == 1 else None
+
+
+def eqn_tag(eqn: Any) -> str | None:
+    """The checkpoint name an equation applies (``checkpoint_name``), in either representation
+    (classic ``name`` primitive or ``jax_remat3``'s ``CheckpointName``), else None."""
+    if eqn.primitive.name == "name":
+        return eqn.params["name"]
+    if eqn.primitive.name == HI_CALL:
+        prim = eqn.params.get("_prim")
+        if type(prim).__name__ == "CheckpointName":
+            name = getattr(prim, "name", None) or getattr(prim, "params", {}).get("name")
+            return name if isinstance(name, str) else None
+    return None
+
+
+def walk(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of all jaxprs nested in it, depth first."""
+    todo = [jaxpr]
+    seen: set[int] = set()
+    while todo:
+        j = todo.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        for eqn in j.eqns:
+            yield eqn
+            todo.extend(reversed(sub_jaxprs(eqn)))
+
+
+def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float]) -> float:
+    """Sum ``cost(eqn)`` over a program as it runs: a ``scan`` body times its ``length``, a
+    ``cond`` its most expensive branch, a ``while`` body once (its trip count is not static),
+    every other nested jaxpr (jit, checkpoint, custom_vjp, shard_map...) once per equation."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        total += cost(eqn)
+        subs = sub_jaxprs(eqn)
+        if not subs:
+            continue
+        name = eqn.primitive.name
+        if name == "scan":
+            total += eqn.params["length"] * sum(fold(j, cost) for j in subs)
+        elif name == "cond":
+            total += max(fold(j, cost) for j in subs)
+        elif name == "while":
+            body_jaxpr = eqn.params.get("body_jaxpr")
+            bodies = list(_jaxprs_in(body_jaxpr)) if body_jaxpr is not None else subs
+            total += sum(fold(j, cost) for j in bodies)
+        elif name.startswith("custom_vjp") or name.startswith("custom_jvp"):
+            total += fold(subs[0], cost)  # the primal; the fwd / jvp rules are thunks or alike
+        else:
+            total += sum(fold(j, cost) for j in subs)
+    return total
+
+
+def tags_in(jaxpr: jcore.Jaxpr) -> set[str]:
+    """Checkpoint names applied anywhere in ``jaxpr`` (sub-jaxprs included)."""
+    return {t for t in map(eqn_tag, walk(jaxpr)) if t is not None}
+
+
+def emitted_tags(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """Checkpoint names ``fn(*args)`` emits: in its traced program and in the program of its
+    forward pass for differentiation (``jax.vjp``), where ``custom_vjp`` forward rules are
+    inlined (a name applied only inside a forward rule is seen there). ``args`` may be
+    ``jax.ShapeDtypeStruct``; nothing is compiled."""
+    tags = tags_in(jax.make_jaxpr(fn)(*args).jaxpr)
+    try:
+        vjp_jaxpr = jax.make_jaxpr(lambda *xs: jax.vjp(fn, *xs))(*args).jaxpr
+    except (TypeError, ValueError):  # not differentiable in these arguments (e.g. int inputs)
+        return tags
+    return tags | tags_in(vjp_jaxpr)

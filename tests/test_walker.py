@@ -1,0 +1,403 @@
+"""The walker: every nested jaxpr read, and the doctor right on programs users write.
+
+One small reproducer per kind of issue 14, then a clean-run matrix (every named policy x tiny
+models x scan/unrolled on the h100-sxm target, plus user-style programs) that must report no
+error or warning.
+"""
+
+import os
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import remat_kit
+from remat_kit import doctor, walker
+from remat_kit import residuals as R
+from remat_kit.memory import hlo
+from remat_kit.memory.flops import FUSED_ATTENTION_FWD, traced_flops
+
+cp = jax.checkpoint_policies
+GPU = "h100-sxm"
+pytestmark = pytest.mark.skipif(
+    remat_kit.targets.cuda_plugin_module() is None,
+    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
+)
+
+
+def _codes(findings):
+    return {f.code for f in findings}
+
+
+def _loud(findings):
+    return [f.line() for f in findings if f.severity != "info"]
+
+
+@pytest.fixture
+def remat3():
+    saved = jax.config.jax_remat3
+    jax.config.update("jax_remat3", True)
+    yield
+    jax.config.update("jax_remat3", saved)
+
+
+# -- User-style programs: make_loss(policy) -> loss(w, x) --------------------------------------
+
+W = jax.ShapeDtypeStruct((3, 32, 32), jnp.float32)  # [layers, d, d]
+X = jax.ShapeDtypeStruct((4, 16, 32), jnp.float32)  # [batch, seq, d]
+
+
+def _layers(block, policy):
+    f = jax.checkpoint(block, policy=policy)
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)
+        return (h**2).mean()
+
+    return loss
+
+
+def inner_scan(policy):
+    """Attention-like block whose mixing runs as an inner lax.scan over chunks; output tagged
+    ``context`` (stacked by the inner scan)."""
+
+    def block(h, w):
+        q = h @ w
+
+        def chunk(c, qc):
+            return c, jnp.tanh(qc) * jax.nn.softmax(qc, axis=-1)
+
+        _, ctx = jax.lax.scan(chunk, 0.0, q.reshape(4, -1, q.shape[-1]))
+        ctx = checkpoint_name(ctx.reshape(q.shape), "context")
+        return h + jnp.sin(ctx) @ w.T
+
+    return _layers(block, policy)
+
+
+@jax.custom_vjp
+def _sin(x):
+    return jnp.sin(x)
+
+
+def _sin_fwd(x):
+    y = checkpoint_name(jnp.cos(x), "context")  # named only in the forward rule
+    return jnp.sin(x), (y,)
+
+
+def _sin_bwd(res, ct):
+    return (ct * res[0],)
+
+
+_sin.defvjp(_sin_fwd, _sin_bwd)
+
+
+def custom_vjp(policy):
+    return _layers(lambda h, w: h + _sin(h @ w) @ w.T, policy)
+
+
+def conv_block(policy):
+    """Two 1-D convolutions per layer (x as [batch, seq, channels])."""
+
+    def block(h, w):
+        kernel = jnp.stack([w, w.T, w])  # [width 3, in, out]
+        conv = lambda a: jax.lax.conv_general_dilated(  # noqa: E731
+            a, kernel, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        return h + conv(jnp.tanh(conv(h)))
+
+    return _layers(block, policy)
+
+
+def remat_in_vmap(policy):
+    def block(h, w):
+        a = checkpoint_name(h @ w, "mlpwi")
+        return h + jnp.tanh(a) @ w.T
+
+    f = jax.vmap(jax.checkpoint(block, policy=policy), in_axes=(0, None))
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)
+        return (h**2).mean()
+
+    return loss
+
+
+def elementwise(policy):
+    def block(h, w):
+        a = checkpoint_name(jnp.tanh(h) * w[0, 0], "decoder_layer_input")
+        return jnp.sin(a) * jnp.cos(h)
+
+    return _layers(block, policy)
+
+
+def _offload(*names):
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+        offload_src="device", offload_dst="pinned_host",
+    )  # fmt: skip
+
+
+# -- The walker ---------------------------------------------------------------------------
+
+
+def test_walk_finds_every_nested_jaxpr():
+    def f(x):
+        x = jax.jit(lambda y: checkpoint_name(y, "a"))(x)
+        x = jax.lax.cond(x.sum() > 0, lambda y: checkpoint_name(y, "b"), lambda y: y, x)
+        x = jax.lax.while_loop(
+            lambda c: c[1] < 2, lambda c: (checkpoint_name(c[0], "c"), c[1] + 1), (x, 0)
+        )[0]
+        x = jax.checkpoint(lambda y: checkpoint_name(y, "d"))(x)
+        x, _ = jax.lax.scan(lambda c, _: (checkpoint_name(c, "e"), None), x, length=2)
+        return _sin(x)
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(4))
+    assert walker.tags_in(jaxpr.jaxpr) == {"a", "b", "c", "d", "e"}
+    # The custom_vjp forward rule's name is seen in the program of the forward pass.
+    assert walker.emitted_tags(f, jnp.ones(4)) == {"a", "b", "c", "d", "e", "context"}
+
+
+def test_sub_jaxprs_are_found_under_any_parameter_name():
+    # closed_call keeps its body under "call_jaxpr", pjit under "jaxpr", cond under "branches":
+    # the walker reads any parameter holding jaxprs, and hi primitives' own parameters.
+    closed = jax.make_jaxpr(lambda x: (checkpoint_name(jnp.sin(x), "context"),))(jnp.ones(3))
+    eqn = SimpleNamespace(
+        primitive=SimpleNamespace(name="closed_call"), params={"call_jaxpr": closed},
+        outvars=[object()],
+    )  # fmt: skip
+    assert walker.body(eqn) is closed.jaxpr
+    hi = SimpleNamespace(
+        primitive=SimpleNamespace(name="call_hi_primitive"),
+        params={"_prim": SimpleNamespace(params={"jaxpr": closed})}, outvars=[object()],
+    )  # fmt: skip
+    assert walker.sub_jaxprs(hi) == [closed.jaxpr]
+
+
+# -- Kind 1: residuals produced inside nested structures ----------------------------------------
+
+
+def test_residual_stacked_by_an_inner_scan_is_attributed_to_its_tag():
+    loss = inner_scan(cp.save_only_these_names("context"))
+    rows = R.group_by_tag(R.saved_residuals(loss, W, X))
+    assert [r.tag for r in rows if r.tag == "context"] == ["context"]
+    findings = doctor.check_function(
+        inner_scan, W, X, policy=cp.save_only_these_names("context"), target=GPU
+    )
+    assert _loud(findings) == []
+
+
+def test_name_inside_a_custom_vjp_forward_rule_is_emitted():
+    findings = doctor.check_function(
+        custom_vjp, W, X, policy=cp.save_only_these_names("context"), target=GPU
+    )
+    assert "unknown-tag" not in _codes(findings)
+    assert _loud(findings) == []
+
+
+# -- Kind 2: jax_remat3 -------------------------------------------------------------------------
+
+
+def test_remat3_tags_are_read_and_degraded_policies_reported(remat3):
+    loss = inner_scan(cp.save_only_these_names("context"))
+    tags = {r.tag for r in R.saved_residuals(loss, W, X)}
+    assert "context" in tags and not any(t and "call_hi" in t for t in tags)
+    assert walker.emitted_tags(loss, W, X) >= {"context"}
+    assert not doctor.remat3_honours(_offload("context"))
+    assert doctor.remat3_honours(cp.save_only_these_names("context"))
+    findings = doctor.check_function(inner_scan, W, X, policy=_offload("context"), target=GPU)
+    assert "remat3-full-remat" in _codes(findings) and "unknown-tag" not in _codes(findings)
+    remat3_error = next(f for f in findings if f.code == "remat3-full-remat")
+    assert "host" in remat3_error.what
+
+
+def test_remat3_keeps_matmuls_for_dots_policies_but_not_offloads(remat3):
+    def loss_of(policy):
+        return _layers(lambda h, w: h + checkpoint_name(jnp.tanh(h @ w), "mlpwi") @ w.T, policy)
+
+    def kept(policy):
+        return [r for r in R.saved_residuals(loss_of(policy), W, X) if not r.is_argument]
+
+    assert any(r.source == "dot_general" for r in kept(cp.dots_saveable))
+    assert doctor.remat3_honours(cp.dots_saveable)
+    assert not any(r.memory == "host" for r in kept(_offload("mlpwi")))
+    assert len(kept(_offload("mlpwi"))) == len(kept(cp.nothing_saveable))
+
+
+# -- Kind 3: recomputation judged from the compiled program ------------------------------------
+
+
+def test_offload_on_elementwise_layers_is_judged_by_host_bytes():
+    findings = doctor.check_function(
+        elementwise, W, X, policy=_offload("decoder_layer_input"), target=GPU
+    )
+    assert "cse-undid-remat" not in _codes(findings)
+    assert not any("XLA:CPU" in f.cause for f in findings)
+
+
+def test_recomputed_ops_are_counted_in_the_compiled_program():
+    g = jax.grad(elementwise(cp.nothing_saveable))
+    target = remat_kit.targets.get_target(GPU)
+    assert doctor.recomputed_ops(g, (W, X), target) > 0
+
+
+# -- Kind 4: convolutions and fused attention -------------------------------------------------
+
+
+def test_convolutions_count_as_dots_and_flops():
+    assert traced_flops(conv_block(cp.nothing_saveable), W, X) > 0
+    findings = doctor.check_function(conv_block, W, X, policy=cp.dots_saveable, target=GPU)
+    assert "acts-as-full-remat" not in _codes(findings)
+    assert _loud(findings) == []
+
+
+def test_fused_attention_flops_in_jaxpr_and_compiled_hlo():
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    g = jax.grad(loss, argnums=(0, 1, 2))
+    fwd = 4 * 2 * 4 * 128 * 128 * 64 / 2  # causal: half of 4*b*h*s*s*d
+    assert traced_flops(g, q, q, q) == pytest.approx(fwd * (1 + 2.5))
+    report = remat_kit.analyze(g, q, q, q, target=GPU)
+    assert report.flops == pytest.approx(fwd * (1 + 2.5))
+
+
+def test_recomputed_fused_attention_is_counted_and_can_be_kept():
+    """A selective policy with cuDNN attention re-runs the fused kernel in the backward pass (its
+    output and softmax statistics are residuals of the kernel's custom_vjp, not named); saving
+    the outputs of the kernel's forward primitive keeps them, and the kernel runs once."""
+    names = cp.save_only_these_names("context")
+
+    def keep_fused(prim, *args, **params):  # classic remat only: a callable
+        return prim.name in FUSED_ATTENTION_FWD or names(prim, *args, **params)
+
+    def grad_of(policy):
+        def block(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return checkpoint_name(out, "context")
+
+        f = jax.checkpoint(block, policy=policy)
+        loss = lambda q, k, v: jnp.tanh(f(q, k, v)).astype(jnp.float32).sum()  # noqa: E731
+        return loss, jax.grad(loss, argnums=(0, 1, 2))
+
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    fwd = 4 * 2 * 4 * 128 * 128 * 64 / 2
+    (_, g_names), (loss_keep, g_keep) = grad_of(names), grad_of(keep_fused)
+    assert remat_kit.analyze(g_names, q, q, q, target=GPU).flops == pytest.approx(fwd * 4.5)
+    assert remat_kit.analyze(g_keep, q, q, q, target=GPU).flops == pytest.approx(fwd * 3.5)
+    kept = {r.source for r in R.saved_residuals(loss_keep, q, q, q)}
+    assert "dot_product_attention_fwd_wrapper" in kept
+
+
+# -- Kind 5: unknown memory figures -----------------------------------------------------------
+
+
+def test_hlo_conv_flops_parse():
+    text = """HloModule m
+
+ENTRY %main (p0: f32[4,16,32], p1: f32[3,32,32]) -> f32[4,16,32] {
+  %p0 = f32[4,16,32]{2,1,0} parameter(0)
+  %p1 = f32[3,32,32]{2,1,0} parameter(1)
+  ROOT %conv = f32[4,16,32]{2,1,0} convolution(%p0, %p1), window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f
+}
+"""
+    count = hlo.count_flops(hlo.parse_hlo_module(text))
+    assert count.flops == 2 * 4 * 16 * 32 * 3 * 32
+
+
+# -- Kind 6: policies read whatever their names ------------------------------------------------
+
+
+def test_raw_offload_policy_with_a_typo_is_reported():
+    def mlp(policy):
+        return _layers(lambda h, w: h + checkpoint_name(h @ w, "decoder_layer_input"), policy)
+
+    policy = _offload("decoder_layer_input_typo")
+    promise, _ = doctor.describe_callable(policy)
+    assert promise.offload == {"decoder_layer_input_typo"}
+    findings = doctor.check_function(mlp, W, X, policy=policy, target=GPU)
+    assert "unknown-tag" in _codes(findings)
+
+
+# -- Kind 7: advice --------------------------------------------------------------------------
+
+
+def test_policy_none_means_save_nothing():
+    with pytest.raises(ValueError, match="save-nothing"):
+        doctor.resolve_policy("none")
+
+
+def test_static_argnums_numpy_and_past_the_arguments():
+    x = np.ones(3)
+    findings = doctor.check_remat_static_argnums((1,), [x, True])
+    assert _codes(findings) == {"static-argnums-self"} and "index 2" in findings[0].fix
+    past = doctor.check_remat_static_argnums((3,), [x, True])
+    assert past and "valid indices here are 1..2" in past[0].fix
+    assert doctor.check_remat_static_argnums((2,), [x, True]) == []
+
+
+def test_static_argnums_checked_by_check_function():
+    findings = doctor.check_function(
+        _mlp_unrolled, W, X, policy=None, target="cpu",
+        remat_static_argnums=(1,), remat_call_args=[np.ones(2)],
+    )  # fmt: skip
+    assert "static-argnums-self" in _codes(findings)
+
+
+def _mlp_unrolled(policy):
+    f = jax.checkpoint(lambda h, w: h + jnp.tanh(h @ w) @ w.T, policy=policy)
+
+    def loss(ws, x):
+        for i in range(ws.shape[0]):
+            x = f(x, ws[i])
+        return (x**2).mean()
+
+    return loss
+
+
+# -- The clean-run matrix ---------------------------------------------------------------------
+
+USER_PROGRAMS = [
+    ("inner-scan", inner_scan, cp.save_only_these_names("context")),
+    ("custom-vjp", custom_vjp, cp.save_only_these_names("context")),
+    ("conv-block", conv_block, cp.dots_saveable),
+    ("remat-in-vmap", remat_in_vmap, cp.save_only_these_names("mlpwi")),
+    ("remat-in-vmap-nothing", remat_in_vmap, cp.nothing_saveable),
+]
+
+
+#: The default suite runs one model and layout (SwiGLU + RoPE, unrolled: 13 policies); set
+#: REMAT_KIT_FULL_MATRIX=1 for every model x layout (4 x 13 policies, ~10 min on 2 cores).
+MATRIX = (
+    [(m, scan) for m in ("tiny-gpt", "tiny-llama") for scan in (True, False)]
+    if os.environ.get("REMAT_KIT_FULL_MATRIX") == "1"
+    else [("tiny-llama", False)]
+)
+#: Measured, not inferred: the offloading step's device peak against the same step keeping
+#: those tensors on device, both compiled. On these tiny models offloading does not lower the
+#: peak (the transfers' buffers outweigh kilobytes of residuals): a true finding.
+MEASURED = ("offload-no-device-saving",)
+
+
+def false_alarms(matrix=MATRIX) -> list[tuple[str, str]]:
+    """(case, finding line) for every error or warning of the clean-run matrix."""
+    out = []
+    names = remat_kit.policy_names()
+    for model, scan in matrix:
+        config = remat_kit.get_config(model, scan_layers=scan)
+        results = doctor.check_policies(config, 2, 64, names, GPU)
+        for name, findings in zip(names, results, strict=True):
+            loud = [f.line() for f in findings if f.severity != "info" and f.code not in MEASURED]
+            out += [(f"{model} scan={scan} {name}", line) for line in loud]
+    for label, make_loss, policy in USER_PROGRAMS:
+        findings = doctor.check_function(make_loss, W, X, policy=policy, target=GPU)
+        out += [(label, line) for line in _loud(findings)]
+    return out
+
+
+def test_clean_run_matrix_has_no_false_alarms():
+    assert false_alarms() == []

@@ -249,6 +249,12 @@ def get_policy_spec(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
         return policy
     if isinstance(policy, Mapping):
         return custom_spec(policy)
+    if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
+        raise ValueError(
+            f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "
+            "nothing (full remat): that is 'save-nothing'; 'no-remat' is the opposite (no "
+            "checkpoint, every residual kept)"
+        )
     if not isinstance(policy, str) or policy not in _REGISTRY:
         raise N.unknown_value_error("policy", policy, policy_names())
     return _REGISTRY[policy]

@@ -366,3 +366,26 @@ def test_unknown_memory_figures_are_none_and_a_cache_hit_says_so():
     reading_ = reading.read_dump(hlo.DumpFiles(None, None, None, None), 5, reading.Hints())
     assert reading_.flops is None and reading_.peak_buffers == ()
     assert "persistent compilation cache" in reading_.warnings[0]
+
+
+@pytest.mark.parametrize("analysis", ["none", "minus_one"])
+def test_unknown_memory_figures_are_none_never_fits(monkeypatch, analysis):
+    """jax#18954 / #12848: memory_analysis() is None or has -1 fields on some backends. The
+    report then has peak None, fits None and a warning naming the unknown fields, never 0."""
+    import jax.stages
+
+    real = jax.stages.Compiled.memory_analysis
+
+    def fake(self):
+        if analysis == "none":
+            return None
+        m = real(self)
+        m.temp_size_in_bytes = -1
+        return m
+
+    monkeypatch.setattr(jax.stages.Compiled, "memory_analysis", fake)
+    r = remat_kit.analyze(
+        lambda x: jnp.sin(x) @ x, jnp.ones((8, 8)), target="cpu", budget_bytes=2**30
+    )
+    assert r.peak_bytes is None and r.fits is None
+    assert any("unknown" in w and "temp" in w for w in r.warnings), r.warnings

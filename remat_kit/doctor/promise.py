@@ -158,10 +158,4 @@ def resolve_policy(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
       ValueError: ``"none"`` (use ``save-nothing``; ``no-remat`` is the opposite, it saves
         everything), or an unknown policy name.
     """
-    if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
-        raise ValueError(
-            f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "
-            "nothing (full remat): that is 'save-nothing'; 'no-remat' is the opposite (no "
-            "checkpoint, every residual kept)"
-        )
     return get_policy_spec(policy)

@@ -33,6 +33,7 @@ from remat_kit.memory.reading import (
     memory_parts,
     peak_bytes_of,
     read_dump,
+    unknown_memory_fields,
 )
 from remat_kit.memory.report import LogitsLine, MemoryReport
 from remat_kit.memory.timeline import build_timeline
@@ -45,6 +46,7 @@ from remat_kit.memory.xla_compile import (
     jax_backend_description,
 )
 from remat_kit.residuals import TagResiduals
+from remat_kit.units import format_bytes
 
 
 @dataclasses.dataclass
@@ -147,13 +149,21 @@ class _KernelCaches:
 
 
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
-    parts = memory_parts(result.compiled)
-    peak = peak_bytes_of(parts)
+    parts = memory_parts(result.compiled, unknown_as_none=True)
+    peak = peak_bytes_of(parts)  # None when the backend left a field unknown (never 0)
     reading = read_dump(result.dump, top_k, job.hints)
     arguments = dict(job.arguments)
-    unaccounted = parts["argument_bytes"] - sum(arguments.values())
-    if unaccounted:
-        arguments["other"] = unaccounted
+    unknown = unknown_memory_fields(result.compiled)
+    unknown_line = ()
+    if unknown:
+        unknown_line = (
+            f"the backend reports {', '.join(unknown)} as unknown (memory_analysis() gave None "
+            "or -1): the peak and whether it fits are unknown, not 0",
+        )
+    if parts["argument_bytes"] is not None:
+        unaccounted = parts["argument_bytes"] - sum(arguments.values())
+        if unaccounted:
+            arguments["other"] = unaccounted
     logits = None
     if job.logits:
         (b, s, v), dtype = job.logits
@@ -172,7 +182,9 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     if reading.flops and baseline:
         ratio = reading.flops / baseline
     policy_only = policy_only_figures(result, baseline)  # XLA's own remat told apart
-    xla_line = (xla_remat_line(peak, ratio, policy_only),) if policy_only else ()
+    xla_line = ()
+    if policy_only and peak is not None:
+        xla_line = (xla_remat_line(peak, ratio, policy_only),)
     return MemoryReport(
         name=job.name,
         target=job.target.name,
@@ -196,9 +208,10 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         live_peak_bytes=reading.live_peak_bytes,
         memory_bytes=job.target.memory_bytes,
         budget_bytes=budget,
-        fits=None if budget is None else peak <= budget,
+        fits=None if budget is None or peak is None else peak <= budget,
         compile_s=round(result.compile_s, 3),
         warnings=job.notes
+        + unknown_line
         + tuple(log_warnings(result))
         + reading.warnings
         + tuple(baseline_warnings)
@@ -213,12 +226,11 @@ def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -
     if not isinstance(twin, MemoryReport):
         return report
     warnings = report.warnings
-    gib = 2**30
-    if report.peak_bytes >= twin.peak_bytes:
+    if None not in (report.peak_bytes, twin.peak_bytes) and report.peak_bytes >= twin.peak_bytes:
         warnings += (
-            f"offloading did not lower the device peak: {report.peak_bytes / gib:.2f} GiB on "
-            f"device (+{report.host_bytes / gib:.2f} GiB host) against "
-            f"{twin.peak_bytes / gib:.2f} GiB keeping the same tensors on device",
+            f"offloading did not lower the device peak: {format_bytes(report.peak_bytes)} on "
+            f"device (+{format_bytes(report.host_bytes)} host) against "
+            f"{format_bytes(twin.peak_bytes)} keeping the same tensors on device",
         )
     return dataclasses.replace(
         report, peak_bytes_without_offload=twin.peak_bytes, warnings=warnings

@@ -20,11 +20,11 @@ from remat_kit.doctor.compare import (
     unknown_tags,
 )
 from remat_kit.doctor.findings import Finding, dedupe, sort_findings
+from remat_kit.doctor.programs import check_program
 from remat_kit.doctor.promise import (
     Promise,
     describe_callable,
-    remat3_finding,
-    remat3_honours,
+    remat3_findings,
     resolve_policy,
 )
 from remat_kit.memory import analyze, analyze_policies
@@ -32,6 +32,7 @@ from remat_kit.memory.hlo import JAX_RECOMPUTE_SCOPE
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
 from remat_kit.policies import PolicySpec, policy_names
+from remat_kit.program import Program
 from remat_kit.train import init_params
 
 _BOOKKEEPING = re.compile(
@@ -54,14 +55,8 @@ def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target
     )
 
 
-def _remat3(name: str, jax_policy: Any, promise: Promise | None) -> list[Finding]:
-    if jax.config.jax_remat3 and not remat3_honours(jax_policy):
-        return [remat3_finding(name, promise)]
-    return []
-
-
 def check(
-    config: ModelConfig | str,
+    config: ModelConfig | str | Program,
     batch_size: int = 2,
     seq_len: int = 64,
     policy: str | PolicySpec | Mapping[str, str] | None = None,
@@ -74,7 +69,10 @@ def check(
     and traces one remat segment's residuals under each.
 
     Args:
-      config: preset name or config; its ``scan_layers`` / ``remat_group_size`` are used.
+      config: preset name or config; its ``scan_layers`` / ``remat_group_size`` are used. Or a
+        user's :class:`~remat_kit.program.Program` (``batch_size`` / ``seq_len`` then do not
+        apply: ``check(program, policy="save-nothing", target="h100-sxm")``; see
+        :func:`remat_kit.doctor.programs.check_program`).
       batch_size, seq_len: the step's shape ([batch, seq] tokens).
       policy: policy name, spec or custom mapping (default, None: the config's policy).
       target: compile target name.
@@ -87,13 +85,31 @@ def check(
       ValueError: unknown preset, policy or target; bad shapes; the policy name ``"none"``
         (the message says it means ``save-nothing``).
     """
+    if isinstance(config, Program):
+        if policy is None:
+            raise ValueError(f"check(program): give policy= to check on {config.name!r}")
+        return check_program(config, [policy], target)[0]
     if isinstance(config, str):
         config = get_config(config)
     chosen = policy if policy is not None else config.remat_policy
     return check_policies(config, batch_size, seq_len, [chosen], target, optimizer)[0]
 
 
-def check_policies(
+def check_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: Any):
+    """:func:`check` for several policies, compiling ``no-remat`` once:
+    ``check_policies(config, batch_size, seq_len, policies, target, optimizer)`` for a bundled
+    model, ``check_policies(program, policies, target)`` for a user's program
+    (:func:`~remat_kit.doctor.programs.check_program`).
+
+    Returns:
+      One list of findings per policy, in order.
+    """
+    if isinstance(config, Program):
+        return check_program(config, *args, **kwargs)
+    return _check_model_policies(config, *args, **kwargs)
+
+
+def _check_model_policies(
     config: ModelConfig | str,
     batch_size: int,
     seq_len: int,
@@ -128,7 +144,7 @@ def check_policies(
         )
         findings = (
             unknown_tags(promise, tags)
-            + (_remat3(spec.name, spec.to_jax(), promise) if spec.wrap else [])
+            + (remat3_findings(spec.name, spec.to_jax(), promise) if spec.wrap else [])
             + compare(promise, report, reports[-1], kept, kept_base, tgt, config.scan_layers)
         )
         out.append(sort_findings(dedupe(findings)))
@@ -142,6 +158,7 @@ def check_function(
     target: str | T.Target = "cpu",
     remat_static_argnums: Sequence[int] | None = None,
     remat_call_args: Sequence[Any] = (),
+    argnums: int | Sequence[int] | None = None,
 ) -> list[Finding]:
     """Check a policy on a user's own function.
 
@@ -156,6 +173,8 @@ def check_function(
       remat_static_argnums, remat_call_args: the ``static_argnums`` given to ``nn.remat`` and
         the positional arguments of one call of the module (without ``self``), to check the
         off-by-one of ``self`` (:func:`check_remat_static_argnums`).
+      argnums: the arguments to differentiate (default: every argument whose arrays are all
+        floating point; integer token arrays and other non-differentiable inputs are not).
 
     Returns:
       The findings, errors first.
@@ -181,14 +200,15 @@ def check_function(
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     tags = W.emitted_tags(loss_all, *args)
     losses = {"policy": make_loss(jax_policy), "no-remat": loss_all}
-    grads = {k: jax.value_and_grad(f, argnums=tuple(range(len(args)))) for k, f in losses.items()}
+    nums = _float_argnums(args) if argnums is None else argnums
+    grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
     opaque = promise is None
     if opaque:  # an opaque callable: judge by what it does, against no-remat
         promise = Promise("custom-callable")
     else:
         findings += unknown_tags(promise, tags)
-    findings += _remat3(promise.name, jax_policy, promise)
+    findings += remat3_findings(promise.name, jax_policy, promise)
     ops = None
     if not reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
         ops = recomputed_ops(grads["policy"], args, tgt)
@@ -203,7 +223,27 @@ def check_function(
     return sort_findings(dedupe(findings))
 
 
-def _residuals_with_remat3(make_loss, policy, args, remat3: bool) -> Residuals:
+def _float_argnums(args: Sequence[Any]) -> tuple[int, ...]:
+    """Positions of the arguments whose array leaves are all floating point.
+
+    Raises:
+      ValueError: no argument is (nothing to differentiate).
+    """
+    nums = tuple(
+        i
+        for i, a in enumerate(args)
+        if jax.tree.leaves(a)
+        and all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(a))
+    )
+    if not nums:
+        raise ValueError(
+            "no floating-point argument to differentiate: pass the parameters (float arrays) "
+            "among the loss's arguments, or argnums="
+        )
+    return nums
+
+
+def _residuals_withremat3_findings(make_loss, policy, args, remat3: bool) -> Residuals:
     saved = jax.config.jax_remat3
     jax.config.update("jax_remat3", remat3)
     try:
@@ -215,9 +255,9 @@ def _residuals_with_remat3(make_loss, policy, args, remat3: bool) -> Residuals:
 def _opaque_full_remat(make_loss, policy, args) -> list[Finding]:
     """An opaque callable promises what classic remat (which calls it) keeps; find whether the
     remat implementation in use keeps less, i.e. runs it as full remat."""
-    classic = _residuals_with_remat3(make_loss, policy, args, False)
-    current = _residuals_with_remat3(make_loss, policy, args, jax.config.jax_remat3)
-    nothing = _residuals_with_remat3(
+    classic = _residuals_withremat3_findings(make_loss, policy, args, False)
+    current = _residuals_withremat3_findings(make_loss, policy, args, jax.config.jax_remat3)
+    nothing = _residuals_withremat3_findings(
         make_loss, jax.checkpoint_policies.nothing_saveable, args, False
     )
     kept = lambda r: r.device_bytes + r.host_bytes  # noqa: E731

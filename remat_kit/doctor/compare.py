@@ -79,6 +79,17 @@ def _recomputes(report: MemoryReport, no_remat: MemoryReport, recomputed_ops: in
     return report.flops > no_remat.flops * (1 + SAME)
 
 
+def _scan_fix(scan_layers: bool | None) -> str:
+    """The fix for remat undone outside a loop, in the terms of the program's author: the
+    bundled models' config field, or the scan of the user's own layer loop."""
+    if scan_layers is None:  # a user's program: speak of their code
+        return (
+            "run the layer loop under jax.lax.scan (linen: nn.scan; NNX: nnx.scan) with the "
+            "checkpointed layer as its body; judge remat on a GPU target."
+        )
+    return "scan the layers (scan_layers=True); judge remat on a GPU target."
+
+
 def _not_effective(promise, report, no_remat, promised, achieved, target, scan_layers, ops):
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
     on_cpu = target.platform == "cpu"
@@ -100,10 +111,10 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
         f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
         f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
         f"XLA keeps the forward values alive anyway{outside_scan} (XLA:CPU honours remat only "
-        "inside lax.scan)." if outside_scan or on_cpu
+        "inside lax.scan / nn.scan / nnx.scan)." if outside_scan or on_cpu
         else "the peak is outside the layers (optimizer update, logits).",
-        "scan the layers (scan_layers=True); judge remat on a GPU target." if on_cpu
-        else "look at the buffers live at the peak (remat-kit analyze).",
+        _scan_fix(scan_layers) if on_cpu else "look at the buffers live at the peak (remat-kit "
+        "analyze).",
     )  # fmt: skip
 
 

@@ -159,3 +159,11 @@ def resolve_policy(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
         everything), or an unknown policy name.
     """
     return get_policy_spec(policy)
+
+
+def remat3_findings(name: str, jax_policy: Callable[..., Any], promise: Promise | None) -> list:
+    """``[remat3_finding(...)]`` when ``jax_remat3`` is on and runs ``jax_policy`` as full remat,
+    else ``[]``."""
+    if jax.config.jax_remat3 and not remat3_honours(jax_policy):
+        return [remat3_finding(name, promise)]
+    return []

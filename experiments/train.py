@@ -41,8 +41,13 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from rich.console import Console
 
 from remat_kit import distributed
-from remat_kit.train import OPTIMIZERS
-from remat_kit.training import NonFiniteLossError, TrainConfig, environment_info, train
+from remat_kit.training import (
+    OPTIMIZERS,
+    NonFiniteLossError,
+    TrainConfig,
+    environment_info,
+    train,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3

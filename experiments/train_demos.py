@@ -251,7 +251,11 @@ def demo_accumulation(cfg: TrainConfig, steps: int, work: Path, out: Path) -> No
         "the local backend; temp = activations/residuals + gradient buffers + optimizer temps",
     }
     _write(out, "accumulation", payload)
+    _plot_accumulation(one, acc, big, n, memory, traj_diff, out)
 
+
+def _plot_accumulation(one, acc, big: TrainConfig, n: int, memory, traj_diff, out: Path) -> None:
+    steps = len(one.losses)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.6))
     ax.plot(one.losses, color="0.6", lw=4, label=f"1 batch of {big.batch_size}")
     ax.plot(acc.losses, "--", color="C0", label=f"{n} micro-batches of {big.batch_size // n}")

@@ -1,12 +1,14 @@
 """Tests for remat_kit.training and experiments/train.py: short versions of the three training
 demonstrations (policies give the same losses; a killed run resumes bitwise; accumulation equals
-one big batch at a fraction of the activation memory) and the faults (killed mid-save,
-incompatible resume, non-finite loss, bad CLI input).
+one big batch at a fraction of the activation memory) and the faults (killed at a named moment:
+first compile, between micro-batches, before / inside / after an orbax save; incompatible
+resume; non-finite loss; bad CLI input).
 
 Compiling a train step takes ~5 s on 2 CPU cores whatever the model size, so tests share one
 reference run and every test that can reuses its compiled step (same model, optimizer and shapes:
-``remat_kit.training`` caches compiled steps per process). The kill-during-save child process
-is started before the reference run compiles, so the two overlap.
+``remat_kit.training`` caches compiled steps per process). The killed runs are
+``experiments/train.py`` processes with ``REMAT_KIT_KILL_AT`` set, started before the reference
+run compiles, so they overlap with it.
 """
 
 from __future__ import annotations

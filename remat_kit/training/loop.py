@@ -19,7 +19,16 @@ from jax.sharding import Mesh
 from remat_kit import sharding as S
 from remat_kit.data import Batcher, Corpus, load_corpus
 from remat_kit.models.config import ModelConfig
-from remat_kit.training import checkpoint as C
+from remat_kit.training.checkpoint import (
+    FORMAT,
+    check_compatible,
+    checkpoint_dir,
+    compat,
+    open_for_writing,
+    restore,
+    restore_meta,
+    save,
+)
 from remat_kit.training.compiled import compiled_step, eval_fn, initial_state, opt_key
 from remat_kit.training.config import NonFiniteLossError, TrainConfig, TrainResult
 from remat_kit.training.faults import KillAt
@@ -71,8 +80,8 @@ def _set_up(cfg: TrainConfig, workdir: str | os.PathLike[str]) -> _Run:
         corpus=corpus,
         batcher=corpus.batcher(cfg.batch_size, cfg.seq_len, cfg.seed),
         val=val,
-        compat=C.compat(cfg, corpus),
-        directory=C.checkpoint_dir(workdir),
+        compat=compat(cfg, corpus),
+        directory=checkpoint_dir(workdir),
         kill_at=KillAt.from_env(),
     )
 
@@ -87,14 +96,14 @@ def _fresh(run: _Run) -> _Progress:
 def _resume(run: _Run, mgr: ocp.CheckpointManager, latest: int) -> _Progress:
     """The progress saved in checkpoint ``latest``, after checking it fits ``run``."""
     where = f"{run.directory / str(latest)}"
-    meta = C.restore_meta(mgr, latest)
-    if meta.get("format") != C.FORMAT:
+    meta = restore_meta(mgr, latest)
+    if meta.get("format") != FORMAT:
         raise ValueError(
-            f"cannot resume from {where}: not a remat-kit checkpoint of format {C.FORMAT} "
+            f"cannot resume from {where}: not a remat-kit checkpoint of format {FORMAT} "
             f"(found format {meta.get('format')!r}); use a fresh workdir"
         )
-    C.check_compatible(meta["compat"], run.compat, where)
-    state, meta = C.restore(mgr, latest, run.mesh)
+    check_compatible(meta["compat"], run.compat, where)
+    state, meta = restore(mgr, latest, run.mesh)
     losses, val_losses = list(meta["losses"]), [tuple(p) for p in meta["val_losses"]]
     start = int(meta["step"])
     if start > run.cfg.steps:
@@ -138,7 +147,7 @@ def _evaluate(run: _Run, params: Any) -> float:
 
 def _checkpoint(run: _Run, mgr: ocp.CheckpointManager, progress: _Progress, done: int) -> None:
     meta = {
-        "format": C.FORMAT,
+        "format": FORMAT,
         "step": done,
         "config": run.cfg.to_dict(),
         "compat": run.compat,
@@ -149,7 +158,7 @@ def _checkpoint(run: _Run, mgr: ocp.CheckpointManager, progress: _Progress, done
     }
     kill = run.kill_at.check if run.kill_at is not None else lambda point, step: None
     kill("before-save", done)
-    C.save(mgr, done, progress.state, progress.rng_data, meta)
+    save(mgr, done, progress.state, progress.rng_data, meta)
     kill("after-save", done)
 
 
@@ -222,7 +231,7 @@ def train(
     t_start = time.perf_counter()
     run = _set_up(cfg, workdir)
     run.directory.mkdir(parents=True, exist_ok=True)
-    with C.open_for_writing(run.directory, cfg.keep, run.kill_at) as mgr:
+    with open_for_writing(run.directory, cfg.keep, run.kill_at) as mgr:
         progress = _start(run, mgr, resume)
         if run.val and progress.start == 0:
             progress.val_losses.append((0, _evaluate(run, progress.state.params)))

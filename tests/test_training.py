@@ -81,13 +81,24 @@ def _flags(cfg: TrainConfig) -> list[str]:
             "--keep", str(cfg.keep), "--max-bytes", str(cfg.max_bytes)]  # fmt: skip
 
 
+def _kill_point(item: pytest.Item) -> str | None:
+    """The kill point a collected test of this file waits for, if any."""
+    params = getattr(item, "callspec", None)
+    if params is not None and "point" in params.params:
+        return params.params["point"]
+    return getattr(getattr(item, "function", None), "kill_point", None)
+
+
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory):
+def killed(request, tmp_path_factory):
     """{kill point: (process, workdir)}: experiments/train.py runs that SIGKILL themselves at
     the named point (REMAT_KIT_KILL_AT); started before the reference run compiles, so they
-    overlap with it, and waited for by the tests."""
+    overlap with it, and waited for by the tests. Only the points of the selected tests run."""
+    wanted = {_kill_point(item) for item in request.session.items}
     procs = {}
     for point, (cfg, _, _) in KILLS.items():
+        if point not in wanted:
+            continue
         workdir = tmp_path_factory.mktemp("killed")
         cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), "--workdir",
                str(workdir), *_flags(cfg)]  # fmt: skip
@@ -182,6 +193,9 @@ def test_kill_during_save_keeps_previous_checkpoints(reference, killed):
     _resume_after_kill("mid-save@6", *reference, killed)
 
 
+test_kill_during_save_keeps_previous_checkpoints.kill_point = "mid-save@6"
+
+
 @pytest.mark.parametrize("point", ["compile@0", "before-save@4", "after-save@4"])
 def test_killed_at_any_moment_resumes_bitwise(reference, killed, point):
     _resume_after_kill(point, *reference, killed)
@@ -192,6 +206,9 @@ def test_killed_between_micro_batches_resumes_bitwise(killed, tmp_path):
     resume from checkpoint 2 matches an uninterrupted 2-micro-batch run bitwise."""
     uninterrupted = train(MICRO, tmp_path)
     _resume_after_kill("micro-batch@3", uninterrupted, tmp_path, killed)
+
+
+test_killed_between_micro_batches_resumes_bitwise.kill_point = "micro-batch@3"
 
 
 def test_bad_kill_point_is_one_line(monkeypatch, tmp_path):

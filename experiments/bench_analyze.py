@@ -148,7 +148,7 @@ def flops_split(reports_path: Path) -> list[dict]:
     import remat_kit
     from remat_kit import targets
     from remat_kit.memory.flops import traced_flops
-    from remat_kit.train import abstract_batch, abstract_train_state, make_train_step
+    from remat_kit.training.step import abstract_batch, abstract_train_state, make_train_step
 
     reports = json.loads(reports_path.read_text())["reports"]
     opt = remat_kit.make_optimizer("adamw")

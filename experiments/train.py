@@ -22,6 +22,10 @@ gives 4 devices). Several processes (hosts): start the same command once per pro
 nothing: JAX reads SLURM's variables). ``--workdir`` must then be a folder every process sees;
 process 0 prints and writes ``result.json``.
 
+Fault injection (tests, soak): ``REMAT_KIT_KILL_AT=POINT@STEP`` in the environment makes the run
+SIGKILL itself at ``compile``, ``micro-batch``, ``before-save``, ``mid-save`` or ``after-save``
+of that step (:mod:`remat_kit.training.faults`); ``--resume`` then continues bitwise.
+
 Exit codes: 0 done; 2 bad input (one line on stderr, e.g. an unknown policy or an incompatible
 checkpoint); 3 a non-finite loss (the step is named; the last good checkpoint is kept).
 """
@@ -41,8 +45,13 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from rich.console import Console
 
 from remat_kit import distributed
-from remat_kit.train import OPTIMIZERS
-from remat_kit.training import NonFiniteLossError, TrainConfig, environment_info, train
+from remat_kit.training import (
+    OPTIMIZERS,
+    NonFiniteLossError,
+    TrainConfig,
+    environment_info,
+    train,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
@@ -68,9 +77,15 @@ def _parse_set(items: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
     p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--workdir", required=True, help="checkpoints and result.json go here")
+    _add_model_arguments(p, TrainConfig())
+    _add_run_arguments(p, TrainConfig())
+    distributed.add_arguments(p)
+    return p
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument(
         "--preset",
         default=d.preset,
@@ -86,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat-group-size", type=int, default=d.remat_group_size,
                    help="consecutive blocks per remat segment, divides the layers "
                    "(default: %(default)s)")  # fmt: skip
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument(
         "--steps",
         type=int,
@@ -142,8 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-every", type=int, default=10, help="print every N steps (default: %(default)s)"
     )
-    distributed.add_arguments(p)
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -55,6 +55,7 @@ from remat_kit.training import (  # noqa: E402
     train,
     train_step_memory,
 )
+from remat_kit.units import MIB, format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("no-remat", "save-nothing", "save-dots-no-batch", "offload-to-host")
@@ -230,14 +231,16 @@ def demo_accumulation(cfg: TrainConfig, steps: int, work: Path, out: Path) -> No
             "peak_ratio": m1["peak_bytes"] / mn["peak_bytes"],
         }
         ratio = memory[policy]["temp_ratio"]
-        print(f"  {policy:20s} temp {m1['temp_bytes'] / 2**20:.1f} -> "
-              f"{mn['temp_bytes'] / 2**20:.1f} MiB ({ratio:.2f}x)")  # fmt: skip
+        print(f"  {policy:20s} temp {format_bytes(m1['temp_bytes'], 1)} -> "
+              f"{format_bytes(mn['temp_bytes'], 1)} ({ratio:.2f}x)")  # fmt: skip
     payload = {
         "config": big.to_dict(),
         "micro_batches": n,
         "global_batch": big.batch_size,
         "micro_batch": big.batch_size // n,
-        "mechanism": "lax.scan over micro-batches in one compiled step (remat_kit.train.grad_fn)",
+        "mechanism": (
+            "lax.scan over micro-batches in one compiled step (remat_kit.training.grad_fn)"
+        ),
         "first_update": update,
         "trajectory_steps": steps,
         "trajectory_max_abs_loss_diff": traj_diff,
@@ -248,7 +251,11 @@ def demo_accumulation(cfg: TrainConfig, steps: int, work: Path, out: Path) -> No
         "the local backend; temp = activations/residuals + gradient buffers + optimizer temps",
     }
     _write(out, "accumulation", payload)
+    _plot_accumulation(one, acc, big, n, memory, traj_diff, out)
 
+
+def _plot_accumulation(one, acc, big: TrainConfig, n: int, memory, traj_diff, out: Path) -> None:
+    steps = len(one.losses)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.6))
     ax.plot(one.losses, color="0.6", lw=4, label=f"1 batch of {big.batch_size}")
     ax.plot(acc.losses, "--", color="C0", label=f"{n} micro-batches of {big.batch_size // n}")
@@ -258,7 +265,7 @@ def demo_accumulation(cfg: TrainConfig, steps: int, work: Path, out: Path) -> No
     ax.legend()
     names = list(memory)
     x = np.arange(len(names))
-    mib = 2**20
+    mib = MIB
     bx.bar(x - 0.2, [memory[p]["one_batch"]["temp_bytes"] / mib for p in names], 0.4,
            label=f"1 x {big.batch_size}")  # fmt: skip
     bx.bar(x + 0.2, [memory[p]["accumulated"]["temp_bytes"] / mib for p in names], 0.4,

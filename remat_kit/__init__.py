@@ -42,12 +42,12 @@ from remat_kit.tagging import tag_linen as tag_linen
 from remat_kit.tagging import tag_nnx as tag_nnx
 from remat_kit.targets import get_target as get_target
 from remat_kit.targets import target_names as target_names
-from remat_kit.train import TrainState as TrainState
-from remat_kit.train import abstract_batch as abstract_batch
-from remat_kit.train import abstract_train_state as abstract_train_state
-from remat_kit.train import init_train_state as init_train_state
-from remat_kit.train import make_optimizer as make_optimizer
-from remat_kit.train import make_train_step as make_train_step
+from remat_kit.training import TrainState as TrainState
+from remat_kit.training import abstract_batch as abstract_batch
+from remat_kit.training import abstract_train_state as abstract_train_state
+from remat_kit.training import init_train_state as init_train_state
+from remat_kit.training import make_optimizer as make_optimizer
+from remat_kit.training import make_train_step as make_train_step
 
 __version__ = "0.1.0"
 

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from remat_kit.validation import positive_int
+
 __all__ = [
     "DEFAULT_STDLIB_MAX_BYTES",
     "VOCAB_SIZE",
@@ -258,10 +260,8 @@ def _read_files(files: list[Path], cap: int | None, *, strict: bool) -> tuple[li
 def _check_sizes(tokens: np.ndarray, batch_size: int, seq_len: int, what: str) -> None:
     if tokens.ndim != 1:
         raise ValueError(f"{what} tokens must be 1-D [num_tokens], got shape {tokens.shape}")
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(
-            f"batch_size and seq_len must be >= 1, got batch_size={batch_size}, seq_len={seq_len}"
-        )
+    positive_int("batch_size", batch_size)
+    positive_int("seq_len", seq_len)
     if tokens.size < seq_len + 1:
         raise ValueError(
             f"{what} tokens are too short: {tokens.size} tokens, need at least "

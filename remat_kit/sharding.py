@@ -10,7 +10,10 @@ Three mesh axes, each optional (size 1 = unused):
   Shoeybi et al. 2019, arXiv:1909.08053).
 
 The modules name the logical axes of every parameter (``embed``, ``heads``, ``kv_heads``, ``mlp``,
-``vocab``, ``layers`` ...); :data:`LOGICAL_RULES` maps them to mesh axes.
+``vocab``, ``layers`` ...); :data:`LOGICAL_RULES` maps them to mesh axes. Activations carry
+logical names too (``activation_batch`` ...), mapped by :data:`ACTIVATION_RULES` inside
+:func:`activation_sharding`. This module imports no model and no training code; the sharded
+train state is :func:`remat_kit.training.sharded_train_state`.
 """
 
 from __future__ import annotations
@@ -27,12 +30,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit import names as N
+from remat_kit.validation import check_batch_split, unknown_value_error
 
 MESH_AXES: tuple[str, ...] = ("dp", "fsdp", "tp")
 
-#: Logical parameter axis -> mesh axes. Activations are not constrained: XLA's sharding
-#: propagation takes them from the sharded batch and parameters.
+#: Logical parameter axis -> mesh axes.
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("embed", "fsdp"),
     ("heads", "tp"),
@@ -94,7 +96,7 @@ def parse_mesh(text: str | MeshSpec | None, num_devices: int | None = None) -> M
                 )
             axis, size = m.group(1), m.group(2)
             if axis not in MESH_AXES:
-                raise N.unknown_value_error("mesh axis", axis, MESH_AXES)
+                raise unknown_value_error("mesh axis", axis, MESH_AXES)
             if not size.isdigit() or int(size) <= 0:
                 raise ValueError(
                     f"mesh axis {axis} must have a positive integer size, got {size!r}"
@@ -150,7 +152,7 @@ def param_shardings(boxed_params: Any, mesh: Mesh) -> Any:
 
     Args:
       boxed_params: abstract or real parameters as flax ``LogicallyPartitioned`` boxes
-        (``remat_kit.train.init_boxed_params`` under ``jax.eval_shape``).
+        (``remat_kit.training.init_boxed_params`` under ``jax.eval_shape``).
       mesh: a mesh with axes (dp, fsdp, tp).
 
     Raises:
@@ -246,64 +248,31 @@ def check_batch(batch_size: int, mesh: Mesh, micro_batches: int = 1) -> None:
       ValueError: naming the batch size, the micro-batch count and dp*fsdp.
     """
     split = mesh.shape["dp"] * mesh.shape["fsdp"]
-    if batch_size % micro_batches or (batch_size // micro_batches) % split:
-        per = f" / micro_batches={micro_batches}" if micro_batches > 1 else ""
-        raise ValueError(
-            f"batch_size={batch_size}{per} does not split evenly over dp*fsdp={split} devices "
-            f"of mesh {MeshSpec.of(mesh)}; use a multiple of {split * micro_batches}"
-        )
+    check_batch_split(batch_size, split, micro_batches=micro_batches, mesh=str(MeshSpec.of(mesh)))
 
 
-def sharded_train_state(config, optimizer, mesh: Mesh) -> tuple[Any, Any]:
-    """The abstract train state and its shardings on ``mesh`` (nothing allocated).
-
-    Returns:
-      ``(state, shardings)``: ``remat_kit.TrainState`` of ``jax.ShapeDtypeStruct`` leaves carrying
-      their ``NamedSharding``, and the same tree of shardings (for ``jax.jit(in_shardings=...)``).
-
-    Raises:
-      ValueError: a parameter dimension not divisible by its mesh axes.
-    """
-    from remat_kit import train
-
-    boxed = jax.eval_shape(lambda: train.init_boxed_params(config, jax.random.key(0)))
-    p_shard = param_shardings(boxed, mesh)
-    state = train.abstract_train_state(config, optimizer)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = train.TrainState(
-        step=replicated,
-        params=p_shard,
-        opt_state=like_params_shardings(state.opt_state, state.params, p_shard, mesh),
-    )
-    abstract = jax.tree.map(
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
-    )
-    return abstract, shardings
-
-
-_activation_mesh: Mesh | None = None
+#: Logical activation axis -> mesh axes, in force inside :func:`activation_sharding` (the
+#: models constrain ``activation_batch``; axes without a rule stay unsplit).
+ACTIVATION_RULES: tuple[tuple[str, Any], ...] = (("activation_batch", ("dp", "fsdp")),)
 
 
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh | None):
-    """While active (at trace time), :func:`constrain_batch` splits activations' batch
-    dimension over (dp, fsdp) of ``mesh``; ``None`` leaves them to XLA's propagation.
+    """While active (at trace time), activations the models constrain with
+    ``nn.with_logical_constraint`` (a block's input: ``activation_batch``, ...) have their batch
+    dimension split over (dp, fsdp) of ``mesh``; ``None`` leaves them to XLA's propagation.
 
-    Without it XLA's sharding propagation may keep whole activations on every device under
-    fsdp (measured: llama3-8b fsdp=8 on h100-sxm, 185 GiB per device instead of ~44)."""
-    global _activation_mesh
-    saved, _activation_mesh = _activation_mesh, mesh
-    try:
-        yield
-    finally:
-        _activation_mesh = saved
-
-
-def constrain_batch(x: jax.Array) -> jax.Array:
-    """``x`` [batch, ...] with its batch dimension split over (dp, fsdp) when
-    :func:`activation_sharding` is active; otherwise ``x`` unchanged."""
-    mesh = _activation_mesh
+    Scoped flax context (``nn.logical_axis_rules``, :data:`ACTIVATION_RULES`) plus ``mesh``'s
+    abstract mesh (``jax.sharding.use_abstract_mesh``, allowed inside ``jax.jit`` too): no
+    module-level state. Without it XLA's sharding propagation may keep whole activations on
+    every device under fsdp (measured: llama3-8b fsdp=8 on h100-sxm, 185 GiB per device
+    instead of ~44)."""
     if mesh is None:
-        return x
-    spec = PartitionSpec(("dp", "fsdp"), *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        with nn.logical_axis_rules(()):
+            yield
+        return
+    with (
+        nn.logical_axis_rules(ACTIVATION_RULES),
+        jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+    ):
+        yield

@@ -14,7 +14,7 @@ import remat_kit
 from remat_kit import names as N
 from remat_kit.policies import check_tags
 from remat_kit.residuals import block_residuals, group_by_tag
-from remat_kit.train import abstract_batch, loss_fn, make_optimizer, make_train_step
+from remat_kit.training.step import abstract_batch, loss_fn, make_optimizer, make_train_step
 
 POLICIES = remat_kit.policy_names()
 MODELS = ["tiny-gpt", "tiny-llama"]

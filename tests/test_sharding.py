@@ -12,7 +12,12 @@ import pytest
 import remat_kit
 from remat_kit import sharding as S
 from remat_kit import targets
-from remat_kit.train import abstract_batch, make_optimizer, make_train_step
+from remat_kit.training import (
+    abstract_batch,
+    make_optimizer,
+    make_train_step,
+    sharded_train_state,
+)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +43,7 @@ def _compiled_argument_bytes(config, mesh_text, n):
     optimizer = make_optimizer("adamw")
     devices = targets.compile_devices("h100-sxm", n)
     mesh = S.make_mesh(S.parse_mesh(mesh_text, n), devices)
-    state, shardings = S.sharded_train_state(config, optimizer, mesh)
+    state, shardings = sharded_train_state(config, optimizer, mesh)
     batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=S.batch_sharding(mesh)),
         abstract_batch(8, 64),
@@ -60,7 +65,7 @@ def test_indivisible_axis_names_the_numbers():
     config = remat_kit.get_config("tiny-llama")  # 4 heads, 2 kv heads
     mesh = S.make_mesh(S.parse_mesh("tp=8", 8), targets.compile_devices("h100-sxm", 8))
     with pytest.raises(ValueError, match=r"dimension 2 of size 2 is not divisible by mesh axes tp"):
-        S.sharded_train_state(config, make_optimizer("adamw"), mesh)
+        sharded_train_state(config, make_optimizer("adamw"), mesh)
 
 
 def test_dp_fsdp_tp_give_the_loss_of_one_device():

@@ -16,7 +16,7 @@ from remat_kit.models.config import get_config
 from remat_kit.models.layer_remat import RematLayerStack, layer_plan, sqrt_groups
 from remat_kit.models.loss import chunked_cross_entropy
 from remat_kit.residuals import saved_residuals
-from remat_kit.train import init_params, loss_fn, make_optimizer
+from remat_kit.training.step import init_params, loss_fn, make_optimizer
 
 L = 6
 

@@ -1,12 +1,14 @@
 """Tests for remat_kit.training and experiments/train.py: short versions of the three training
 demonstrations (policies give the same losses; a killed run resumes bitwise; accumulation equals
-one big batch at a fraction of the activation memory) and the faults (killed mid-save,
-incompatible resume, non-finite loss, bad CLI input).
+one big batch at a fraction of the activation memory) and the faults (killed at a named moment:
+first compile, between micro-batches, before / inside / after an orbax save; incompatible
+resume; non-finite loss; bad CLI input).
 
 Compiling a train step takes ~5 s on 2 CPU cores whatever the model size, so tests share one
 reference run and every test that can reuses its compiled step (same model, optimizer and shapes:
-``remat_kit.training`` caches compiled steps per process). The kill-during-save child process
-is started before the reference run compiles, so the two overlap.
+``remat_kit.training`` caches compiled steps per process). The killed runs are
+``experiments/train.py`` processes with ``REMAT_KIT_KILL_AT`` set, started before the reference
+run compiles, so they overlap with it.
 """
 
 from __future__ import annotations
@@ -51,53 +53,67 @@ BASE = TrainConfig(
     max_bytes=64 * 1024,
 )
 
-# Child process: train BASE, and SIGKILL itself inside orbax's save of step KILL_AT, after every
-# item of the checkpoint is written to `<step>.orbax-checkpoint-tmp` and before the atomic rename.
-KILL_AT = 6
-_CHILD = r"""
-import json, os, signal, sys
-from orbax.checkpoint._src.path import atomicity
-from remat_kit.training import TrainConfig, train
+MICRO = BASE.replace(micro_batches=2)  # for the kill between micro-batches
 
-kill_at, workdir = sys.argv[2], sys.argv[3]
-finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-async def killing_finalize(self):
-    if self.get_final().name == kill_at:  # the step folder, not one of its items
-        os.kill(os.getpid(), signal.SIGKILL)
-    return await finalize(self)
-
-atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
-train(TrainConfig.from_dict(json.loads(sys.argv[1])), workdir)
-"""
+#: Kill points (remat_kit.training.faults) -> (config, checkpoints left on disk, resumed from).
+KILLS = {
+    "compile@0": (BASE, [], None),  # a fresh run, killed as it starts compiling
+    "micro-batch@3": (MICRO, ["2"], 2),  # inside update 3, between micro-batches 0 and 1
+    "before-save@4": (BASE, ["2"], 2),
+    "mid-save@6": (BASE, ["2", "4", "6.orbax-checkpoint-tmp"], 4),  # items written, not renamed
+    "after-save@4": (BASE, ["2", "4"], 4),
+}
 
 
-def _cpu_env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+def _cpu_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
 
-@pytest.fixture(scope="module")
-def killed_child(tmp_path_factory):
-    """(process, workdir) of the child killed while saving; started early, waited for later."""
-    workdir = tmp_path_factory.mktemp("killed")
-    args = [json.dumps(BASE.to_dict()), str(KILL_AT), str(workdir)]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, *args],
-        env=_cpu_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    yield proc, workdir
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def _flags(cfg: TrainConfig) -> list[str]:
+    """experiments/train.py flags for ``cfg`` (a tiny-gpt config of this file)."""
+    sets = [f for k, v in cfg.overrides.items() for f in ("--set", f"{k}={v}")]
+    return [*sets, "--batch", str(cfg.batch_size), "--seq", str(cfg.seq_len),
+            "--micro-batches", str(cfg.micro_batches), "--steps", str(cfg.steps),
+            "--lr", str(cfg.lr), "--eval-every", str(cfg.eval_every),
+            "--eval-batches", str(cfg.eval_batches), "--ckpt-every", str(cfg.ckpt_every),
+            "--keep", str(cfg.keep), "--max-bytes", str(cfg.max_bytes)]  # fmt: skip
+
+
+def _kill_point(item: pytest.Item) -> str | None:
+    """The kill point a collected test of this file waits for, if any."""
+    params = getattr(item, "callspec", None)
+    if params is not None and "point" in params.params:
+        return params.params["point"]
+    return getattr(getattr(item, "function", None), "kill_point", None)
 
 
 @pytest.fixture(scope="module")
-def reference(killed_child, tmp_path_factory) -> tuple[TrainResult, Path]:
+def killed(request, tmp_path_factory):
+    """{kill point: (process, workdir)}: experiments/train.py runs that SIGKILL themselves at
+    the named point (REMAT_KIT_KILL_AT); started before the reference run compiles, so they
+    overlap with it, and waited for by the tests. Only the points of the selected tests run."""
+    wanted = {_kill_point(item) for item in request.session.items}
+    procs = {}
+    for point, (cfg, _, _) in KILLS.items():
+        if point not in wanted:
+            continue
+        workdir = tmp_path_factory.mktemp("killed")
+        cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), "--workdir",
+               str(workdir), *_flags(cfg)]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=_cpu_env(REMAT_KIT_KILL_AT=point),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        procs[point] = (proc, workdir)
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(killed, tmp_path_factory) -> tuple[TrainResult, Path]:
     """The uninterrupted BASE run and its workdir."""
     workdir = tmp_path_factory.mktemp("reference")
     return train(BASE, workdir), workdir
@@ -149,23 +165,56 @@ def test_killed_run_resumes_bitwise(reference, tmp_path):
     _assert_trees_equal(load_checkpoint(tmp_path)[0], load_checkpoint(ref_dir)[0])
 
 
-def test_kill_during_save_keeps_previous_checkpoints(reference, killed_child):
-    """A process SIGKILLed inside orbax's save of step 6: 2 and 4 survive (keep=2 deletes 2
-    only after 6 is complete); --resume continues from 4 and matches the reference."""
-    proc, workdir = killed_child
-    output, _ = proc.communicate(timeout=120)
+def _resume_after_kill(point: str, reference_run: TrainResult, reference_dir: Path, killed):
+    """Wait for the run killed at ``point``, check what it left, resume it and compare with
+    the uninterrupted ``reference_run``: losses, validation losses and final state bitwise."""
+    cfg, left, resumed_from = KILLS[point]
+    proc, workdir = killed[point]
+    output, _ = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, output  # the hook fired: killed, not finished
     ckpt_dir = workdir / CHECKPOINT_DIR
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
-        "2",
-        "4",
-        f"{KILL_AT}.orbax-checkpoint-tmp",
-    ]
-    assert latest_checkpoint_step(workdir) == 4
-    resumed = train(BASE, workdir, resume=True)
-    assert resumed.resumed_from == 4
-    assert resumed.losses == reference[0].losses
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["4", "6"]  # tmp folder cleaned up
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == left
+    # Reading opens orbax read-only: it must not start deleting the unfinished save (that
+    # deletion racing the resumed run's own was the flaky FileNotFoundError 'process_0').
+    assert latest_checkpoint_step(workdir) == resumed_from
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == left
+    resumed = train(cfg, workdir, resume=True)
+    assert resumed.resumed_from == resumed_from
+    assert resumed.losses == reference_run.losses  # float equality: bitwise
+    assert resumed.val_losses == reference_run.val_losses
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["4", "6"]  # no tmp folder left
+    _assert_trees_equal(load_checkpoint(workdir)[0], load_checkpoint(reference_dir)[0])
+
+
+def test_kill_during_save_keeps_previous_checkpoints(reference, killed):
+    """SIGKILLed inside orbax's save of step 6, after every item is written to
+    6.orbax-checkpoint-tmp and before the rename: 2 and 4 survive (keep=2 deletes 2 only after
+    6 is complete); --resume continues from 4 and ends bitwise where the reference ends."""
+    _resume_after_kill("mid-save@6", *reference, killed)
+
+
+test_kill_during_save_keeps_previous_checkpoints.kill_point = "mid-save@6"
+
+
+@pytest.mark.parametrize("point", ["compile@0", "before-save@4", "after-save@4"])
+def test_killed_at_any_moment_resumes_bitwise(reference, killed, point):
+    _resume_after_kill(point, *reference, killed)
+
+
+def test_killed_between_micro_batches_resumes_bitwise(killed, tmp_path):
+    """Killed inside update 3 between its two micro-batches: nothing of update 3 is saved, the
+    resume from checkpoint 2 matches an uninterrupted 2-micro-batch run bitwise."""
+    uninterrupted = train(MICRO, tmp_path)
+    _resume_after_kill("micro-batch@3", uninterrupted, tmp_path, killed)
+
+
+test_killed_between_micro_batches_resumes_bitwise.kill_point = "micro-batch@3"
+
+
+def test_bad_kill_point_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("REMAT_KIT_KILL_AT", "mid-sav@3")
+    with pytest.raises(ValueError, match="unknown REMAT_KIT_KILL_AT point 'mid-sav'.*'mid-save'"):
+        train(BASE, tmp_path)
 
 
 def test_gradient_accumulation_matches_one_big_batch():
@@ -223,7 +272,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         ({"policy": "save-nothng"}, "Did you mean 'save-nothing'"),
         ({"preset": "gpt3"}, "unknown preset"),
         ({"micro_batches": 3}, "not divisible by micro_batches=3"),
-        ({"seq_len": 64}, "exceeds the model's max_seq_len=32"),
+        ({"seq_len": 64}, "seq_len=64 exceeds max_seq_len=32"),
         ({"remat_group_size": 3}, "does not divide"),
         ({"overrides": {"d_modle": 8}}, "unknown ModelConfig field"),
         ({"overrides": {"remat_policy": "save-dots"}}, "set policy on TrainConfig"),

@@ -18,7 +18,7 @@ from remat_kit.memory import CompileError, analyze_policies, per_layer_activatio
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
-from remat_kit.train import make_optimizer
+from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes as _size
 from remat_kit.units import gib as _gib
 

@@ -33,7 +33,7 @@ from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
 from remat_kit.policies import PolicySpec, policy_names
 from remat_kit.program import Program
-from remat_kit.train import init_params
+from remat_kit.training.step import init_params
 
 _BOOKKEEPING = re.compile(
     r"= \S+ (parameter|constant|get-tuple-element|tuple|bitcast|copy|copy-start|copy-done|"

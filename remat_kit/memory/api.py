@@ -33,7 +33,13 @@ from remat_kit.policies import PolicySpec, get_policy_spec
 from remat_kit.program import Program, purify
 from remat_kit.program import argument_parts as nnx_argument_parts
 from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
-from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
+from remat_kit.training.step import (
+    abstract_batch,
+    abstract_train_state,
+    make_optimizer,
+    make_train_step,
+    sharded_train_state,
+)
 
 DEFAULT_TOP_K = 10
 
@@ -56,7 +62,7 @@ def _leaf_bytes(tree: Any) -> int:
 
 def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
     """Bytes of each positional argument by name; an argument with ``params`` and
-    ``opt_state`` attributes (a :class:`~remat_kit.train.TrainState`) is split into
+    ``opt_state`` attributes (a :class:`~remat_kit.training.TrainState`) is split into
     ``params`` and ``opt_state`` (its step counter counted with the optimizer state)."""
     parts: dict[str, int] = {}
     for name, arg in zip(names, args, strict=True):
@@ -235,7 +241,7 @@ def _setup(
                 f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
             )
         mesh = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
-        state, _ = S.sharded_train_state(config, opt, mesh)
+        state, _ = sharded_train_state(config, opt, mesh)
         batch = T.abstractify(abstract_batch(batch_size, seq_len), S.batch_sharding(mesh))
     return _ModelSetup(
         mesh=mesh,

@@ -16,14 +16,23 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_kit import names as N
 from remat_kit.models.config import ModelConfig
 from remat_kit.models.layer_remat import RematLayerStack
-from remat_kit.sharding import constrain_batch
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
-_partitioned = nn.with_logical_partitioning
+
+
+def _partitioned(init, names: tuple[str, ...]):
+    """``init`` with logical axis ``names`` on its output. ``rules=()``: a parameter is never
+    constrained inside the model, also while :func:`remat_kit.sharding.activation_sharding`'s
+    rules are in force (its layout is the jitted step's input sharding; and flax's
+    ``DenseGeneral`` would apply an N-d constraint to its flattened 2-d kernel)."""
+    return nn.with_logical_partitioning(init, names, rules=())
+
 
 # Logical axis names of every parameter dimension (mapped to mesh axes by
 # remat_kit.sharding.LOGICAL_RULES; without rules they are inert metadata). Scanned parameters get
-# a leading "layers" axis.
+# a leading "layers" axis. Activations: ACTIVATION_AXES, constrained only while flax logical axis
+# rules are in force (remat_kit.sharding.activation_sharding), a no-op otherwise.
+ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")  # [b, s, h]
 _KERNEL_AXES = {
     N.QUERY_PROJ: ("embed", "heads", "head_dim"),
     N.KEY_PROJ: ("embed", "kv_heads", "head_dim"),
@@ -168,7 +177,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
-        x = checkpoint_name(constrain_batch(x), N.DECODER_LAYER_INPUT)
+        x = nn.with_logical_constraint(x, ACTIVATION_AXES)  # (b, s, h)
+        x = checkpoint_name(x, N.DECODER_LAYER_INPUT)
         x = x + Attention(c, name="attn")(_norm(c, "attn_norm")(x), positions)
         return x + Mlp(c, name="mlp")(_norm(c, "mlp_norm")(x))
 
@@ -267,11 +277,8 @@ class Transformer(nn.Module):
         return logits
 
 
-@functools.cache
-def _cached_model(config: ModelConfig) -> Transformer:
-    return Transformer(config)
-
-
+@functools.lru_cache(maxsize=64)
 def make_model(config: ModelConfig) -> Transformer:
-    """The :class:`Transformer` for ``config`` (cached per config)."""
-    return _cached_model(config)
+    """The :class:`Transformer` for ``config`` (the last 64 configs cached, so jitted functions
+    see the same module object; ``make_model.cache_clear()`` empties the cache)."""
+    return Transformer(config)

@@ -26,7 +26,7 @@ from remat_kit.recommend.session import CompileCache, CompileCounter, Session, c
 from remat_kit.recommend.solver import solve
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
-from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer
+from remat_kit.training.step import abstract_batch, abstract_train_state, make_optimizer
 from remat_kit.validation import check_seq_len
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.

@@ -15,7 +15,12 @@ from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.timing import step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
-from remat_kit.train import abstract_batch, abstract_train_state, make_optimizer, make_train_step
+from remat_kit.training.step import (
+    abstract_batch,
+    abstract_train_state,
+    make_optimizer,
+    make_train_step,
+)
 
 #: Custom-policy candidates compiled per verification round of :func:`solve_tags`.
 SOLVE_VERIFY = 3

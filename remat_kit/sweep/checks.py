@@ -9,7 +9,7 @@ from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models.config import get_config, preset_names
-from remat_kit.train import OPTIMIZERS
+from remat_kit.training.step import OPTIMIZERS
 
 _OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "ran out of memory")
 

@@ -19,7 +19,7 @@ from remat_kit.data import Corpus
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
 from remat_kit.sweep.config import Point
-from remat_kit.train import (
+from remat_kit.training.step import (
     TrainState,
     abstract_batch,
     init_params,

@@ -19,7 +19,7 @@ from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.measure import compile_steps
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
 from remat_kit.sweep.rows import point_row
-from remat_kit.train import make_optimizer
+from remat_kit.training.step import make_optimizer
 
 
 def analyze_group(points: Sequence[Point], engine: CompileEngine | None = None) -> dict[str, Any]:

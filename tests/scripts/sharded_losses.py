@@ -10,7 +10,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import remat_kit  # noqa: E402
 from remat_kit import sharding as S  # noqa: E402
-from remat_kit.train import init_train_state, make_optimizer, make_train_step  # noqa: E402
+from remat_kit.training import (  # noqa: E402
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    sharded_train_state,
+)
 
 config = remat_kit.get_config(
     "tiny-llama", remat_policy="save-dots-no-batch", num_kv_heads=4, d_ff=128
@@ -29,7 +34,7 @@ def losses(mesh_text: str) -> list[float]:
     b, out_shardings, in_shardings = batch, None, None
     if mesh_text != "none":
         mesh = S.make_mesh(S.parse_mesh(mesh_text, 8), jax.devices()[:8])
-        _, shardings = S.sharded_train_state(config, optimizer, mesh)
+        _, shardings = sharded_train_state(config, optimizer, mesh)
         state = jax.device_put(state, shardings)
         b = jax.device_put(batch, S.batch_sharding(mesh))
         in_shardings, out_shardings = (shardings, S.batch_sharding(mesh)), (shardings, None)

@@ -16,18 +16,20 @@ import pytest
 
 import remat_kit
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(remat_kit.__path__, "remat_kit."))
+MODULES = sorted(
+    m.name
+    for m in pkgutil.walk_packages(remat_kit.__path__, "remat_kit.")
+    if not m.name.endswith(".__main__")  # importing it runs the command
+)
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 #: Sphinx roles in docstrings: :func:`name`, :class:`~pkg.Name`, ...
 ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):`~?([\w.]+)`")
 #: Top-level packages whose dotted names are resolved by import.
-PACKAGES = ("remat_kit", "jax", "flax", "optax", "orbax", "numpy", "chex")
+PACKAGES = ("remat_kit", "jax", "flax", "optax", "orbax", "numpy", "chex", "rich")
 #: Stale cross-references in modules this file's author does not own (issue 20): reported, not
 #: edited. Remove an entry when its module is fixed (the test then passes and xfail is not strict).
-KNOWN_STALE = {
-    "remat_kit.sweep": "remat_kit.memory.api_policies (no such function; analyze_policies?)",
-}
+KNOWN_STALE: dict[str, str] = {}
 
 
 def _examples(name: str) -> list[doctest.DocTest]:
@@ -76,11 +78,15 @@ def _getattr_path(obj, parts) -> bool:
 
 
 def _resolves(name: str, module) -> bool:
-    """Qualified names by import; short ones in the module, its classes, or ``remat_kit``."""
+    """Qualified names by import; relative ones (``.timing.rank``) from the module's package;
+    short ones in the module, its package, its classes, or ``remat_kit``."""
+    if name.startswith("."):
+        return _resolve_dotted(f"{module.__package__}{name}")
     parts = name.split(".")
     if parts[0] in PACKAGES:
         return _resolve_dotted(name)
-    if _getattr_path(module, parts) or _getattr_path(remat_kit, parts):
+    package = importlib.import_module(module.__package__) if module.__package__ else remat_kit
+    if any(_getattr_path(m, parts) for m in (module, package, remat_kit)):
         return True
     classes = [v for v in vars(module).values() if inspect.isclass(v)]
     return any(

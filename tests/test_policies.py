@@ -11,6 +11,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import remat_kit
+import remat_kit.training
 from remat_kit import names as N
 from remat_kit.policies import check_tags
 from remat_kit.residuals import block_residuals, group_by_tag
@@ -44,7 +45,7 @@ def _all_losses_and_grads(model, scan, group):
     """Loss and gradients under every registered policy, from ONE compiled program (compiling
     the policies together is ~3x faster than one program each)."""
     configs = [_config(model, p, scan, group) for p in POLICIES]
-    params = remat_kit.train.init_params(configs[0], jax.random.key(0))
+    params = remat_kit.training.init_params(configs[0], jax.random.key(0))
     # Values do not depend on XLA's optimisation passes (remat is decided on the jaxpr), and
     # skipping them halves the compile time.
     jax.config.update("jax_disable_most_optimizations", True)

@@ -16,7 +16,7 @@ from remat_kit.models.config import get_config
 from remat_kit.models.layer_remat import RematLayerStack, layer_plan, sqrt_groups
 from remat_kit.models.loss import chunked_cross_entropy
 from remat_kit.residuals import saved_residuals
-from remat_kit.training.step import init_params, loss_fn, make_optimizer
+from remat_kit.training.step import init_params, loss_fn, make_optimizer, sharded_train_state
 
 L = 6
 
@@ -143,7 +143,7 @@ def test_config_validation():
 def test_nested_params_map_to_mesh_axes():
     # Flax rejects a logical name used twice; the outer axis is "layers_outer".
     config = get_config("tiny-llama", nested_remat=True, remat_policy="save-nothing")
-    _, shardings = S.sharded_train_state(config, make_optimizer("adamw"), S.local_mesh("fsdp=1"))
+    _, shardings = sharded_train_state(config, make_optimizer("adamw"), S.local_mesh("fsdp=1"))
     kernel = shardings.params["stack"]["layers"]["inner"]["block_0"]["attn"]["query_proj"]["kernel"]
     assert kernel.spec == PartitionSpec(None, None, "fsdp", "tp", None)
 

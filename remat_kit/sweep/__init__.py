@@ -7,7 +7,7 @@ A :class:`SweepConfig` is one or more :class:`Grid` s, each the product
 (with ModelConfig ``overrides`` applied to every model, e.g. ``scan_layers=True``). For every
 point (:class:`Point`) :func:`run_sweep`
 
-1. analyses the step with :func:`remat_kit.memory.api_policies` (the compiled peak, residuals
+1. analyses the step with :func:`remat_kit.memory.analyze_policies` (the compiled peak, residuals
    by checkpoint name, compiled FLOPs), all policies of one model/shape/target together;
 2. when the target is the local device and the grid asks for it, runs the real training step
    (optax AdamW, train state donated) on real text: ``warmup_steps`` untimed then

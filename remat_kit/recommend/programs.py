@@ -38,7 +38,6 @@ from remat_kit.policies import (
 )
 from remat_kit.program import Program
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
-from remat_kit.recommend.budget import format_gib as _gib
 from remat_kit.recommend.session import counting, to_candidate
 from remat_kit.recommend.solver import (
     SOLVE_ROUNDS,
@@ -51,6 +50,7 @@ from remat_kit.recommend.solver import (
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
 from remat_kit.residuals import group_by_tag, saved_residuals
+from remat_kit.units import format_bytes as _gib
 
 #: A compiled policy: its spec, its candidate and the analyzer's report.
 Named = tuple[PolicySpec, Candidate, Any]

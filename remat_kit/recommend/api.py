@@ -131,14 +131,10 @@ def recommend(
         state (the message gives the smallest budget that could work, compiled).
     """
     if isinstance(model, Program):
-        given = {"seq_len": seq_len, "batch_size": batch_size, "group_sizes": group_sizes,
-                 "optimizer": optimizer, "cache": cache}  # fmt: skip
-        bad = [k for k, v in given.items() if v is not None]
-        if bad:
-            raise ValueError(
-                f"{', '.join(bad)} apply to presets; program {model.name!r} carries its own "
-                "arguments (set their shapes and its optimizer in its factory)"
-            )
+        _refuse_preset_arguments(
+            model, seq_len=seq_len, batch_size=batch_size, group_sizes=group_sizes,
+            optimizer=optimizer, cache=cache,
+        )  # fmt: skip
         return recommend_program(
             model, target, budget=budget, solve=solve, policies=policies, margin=margin,
             max_compiles=max_compiles, workers=workers,
@@ -163,6 +159,20 @@ def recommend(
             advise(session, request, named, found)
         compiles = counter.count
     return assemble(request, session, found, compiles, time.perf_counter() - t_start)
+
+
+def _refuse_preset_arguments(program: Program, **given: Any) -> None:
+    """Arguments of :func:`recommend` that only a preset takes must be None for a program.
+
+    Raises:
+      ValueError: one line naming those given.
+    """
+    bad = [k for k, v in given.items() if v is not None]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} apply to presets; program {program.name!r} carries its own "
+            "arguments (set their shapes and its optimizer in its factory)"
+        )
 
 
 def _check_inputs(

@@ -128,9 +128,13 @@ def add_seq(p: argparse.ArgumentParser, default: int | None = None) -> None:
                    help="tokens per sequence (presets; required for them)")  # fmt: skip
 
 
-def require_shape(args: argparse.Namespace, model: ModelConfig | Program) -> None:
-    """``--batch`` and ``--seq`` are given for a preset; for a program (which carries its own
-    arguments) they must not be.
+def require_shape(
+    args: argparse.Namespace,
+    model: ModelConfig | Program,
+    needed: tuple[str, ...] = ("batch", "seq"),
+) -> None:
+    """``needed`` (of ``--batch`` and ``--seq``) are given for a preset; for a program (which
+    carries its own arguments) neither may be.
 
     Raises:
       UsageError: one line saying which.
@@ -143,7 +147,7 @@ def require_shape(args: argparse.Namespace, model: ModelConfig | Program) -> Non
                 "own arguments (set their shapes in its factory)"
             )
         return
-    missing = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is None]
+    missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
     if missing:
         raise UsageError(f"the following arguments are required for a preset: {', '.join(missing)}")
 
@@ -165,9 +169,12 @@ def add_policy(p: argparse.ArgumentParser, what: str) -> None:
     )  # fmt: skip
 
 
-def add_optimizer(p: argparse.ArgumentParser) -> None:
-    """``--optimizer``: adamw, sgd or adafactor."""
-    p.add_argument("--optimizer", default="adamw", help="adamw, sgd or adafactor")
+def add_optimizer(p: argparse.ArgumentParser, default: str | None = "adamw") -> None:
+    """``--optimizer``: adamw, sgd or adafactor (None: adamw for a preset, and a program's
+    own optimizer can be told from one given)."""
+    p.add_argument(
+        "--optimizer", default=default, help="adamw, sgd or adafactor (presets; default adamw)"
+    )
 
 
 def add_budget(p: argparse.ArgumentParser, default: str) -> None:

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
+from remat_kit.program import Program
 from remat_kit.recommend import DEFAULT_MARGIN, Candidate, Recommendation, recommend
-from remat_kit.units import GIB, MIB
+from remat_kit.units import GIB, MIB, format_bytes
 
 
 def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    """Bytes in GiB at real sizes, MiB / KiB for a small program (:func:`format_bytes`)."""
+    return format_bytes(n)
 
 
 def add(subparsers) -> argparse.ArgumentParser:
@@ -31,15 +33,16 @@ def add(subparsers) -> argparse.ArgumentParser:
     A.add_target(p, "h100-sxm")
     A.add_budget(p, "target memory less --margin")
     p.add_argument(
-        "--batch", type=A.batch_or_auto, default=1, help="sequences per step, or 'auto' (default 1)"
-    )
+        "--batch", type=A.batch_or_auto, default=None,
+        help="sequences per step, or 'auto' (presets; default 1)",
+    )  # fmt: skip
     p.add_argument("--solve", action="store_true", help="also search per-tag choices")
     A.add_policy(p, "limit to these policies")
     p.add_argument(
         "--group-size", type=A.positive_int, action="append", default=None, dest="group_sizes",
         help="remat_group_size values to consider (default: every divisor of num_layers)",
     )  # fmt: skip
-    A.add_optimizer(p)
+    A.add_optimizer(p, default=None)
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="memory fraction kept free")
     p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
     A.add_workers(p)
@@ -55,12 +58,24 @@ def run(args: argparse.Namespace) -> int:
       ValueError: bad input (one line; the CLI exits 2).
     """
     model = A.resolve_model(args)
-    rec = recommend(
-        model, args.seq, args.target, batch_size=args.batch, budget=args.budget,
-        solve=args.solve, policies=args.policy, group_sizes=args.group_sizes,
-        optimizer=args.optimizer, margin=args.margin, max_compiles=args.max_compiles,
-        workers=args.workers,
+    common = dict(
+        budget=args.budget, solve=args.solve, policies=args.policy, margin=args.margin,
+        max_compiles=args.max_compiles, workers=args.workers,
     )  # fmt: skip
+    if isinstance(model, Program):
+        A.require_shape(args, model)
+        for flag, value in (("--group-size", args.group_sizes), ("--optimizer", args.optimizer)):
+            if value is not None:
+                raise A.UsageError(
+                    f"{flag} applies to presets; program {model.name!r} sets its own in its factory"
+                )
+        rec = recommend(model, target=args.target, **common)
+    else:
+        A.require_shape(args, model, needed=("seq",))
+        rec = recommend(
+            model, args.seq, args.target, batch_size=args.batch or 1,
+            group_sizes=args.group_sizes, optimizer=args.optimizer or "adamw", **common,
+        )  # fmt: skip
     if args.json:
         print(rec.to_json(indent=1))
     else:
@@ -69,26 +84,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float]]:
-    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and us below."""
+    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and us (ns for a
+    tiny program) below; the time unit keeps the fastest candidate at 1 or more."""
     big = max((c.peak_bytes for c in candidates), default=0) >= GIB
-    slow = max((c.step_time_s for c in candidates if c.step_time_s < math.inf), default=0) >= 1e-3
-    return (("GiB", GIB) if big else ("MiB", MIB)), (("ms", 1e3) if slow else ("us", 1e6))
+    finite = [c.step_time_s for c in candidates if 0 < c.step_time_s < math.inf]
+    fastest = min(finite, default=1.0)  # the unit keeps the fastest step at >= 1
+    times = ("ms", 1e3) if fastest >= 1e-3 else ("us", 1e6) if fastest >= 1e-6 else ("ns", 1e9)
+    return (("GiB", GIB) if big else ("MiB", MIB)), times
 
 
 def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
+    """One row per candidate; a user's program (no group, batch or tokens) drops those columns."""
     (bu, bs), (tu, ts) = _units(candidates)
+    shaped = rec.seq_len is not None
     header = [
-        "candidate", "group", "batch", f"peak {bu}", f"host {bu}", "fits", f"step {tu}",
-        f"transfer {tu}", "tokens/s", "found by",
+        "candidate", *(["group", "batch"] if shaped else []), f"peak {bu}", f"host {bu}", "fits",
+        f"step {tu}", f"transfer {tu}", *(["tokens/s"] if shaped else []), "found by",
     ]  # fmt: skip
     t = table(title, header, right=[h for h in header if h not in ("candidate", "found by")])
     for c in candidates:
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
+        shape = [str(c.remat_group_size), str(c.batch_size)] if shaped else []
+        tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
         add_row(
-            t, ("* " if c is rec.pick else "") + c.label, str(c.remat_group_size),
-            str(c.batch_size), f"{c.peak_bytes / bs:.2f}", f"{c.host_bytes / bs:.2f}",
-            "yes" if c.fits else "no", f"{c.step_time_s * ts:.1f}", f"{c.transfer_s * ts:.1f}",
-            f"{c.tokens_per_s:,.0f}", where,
+            t, ("* " if c is rec.pick else "") + c.label, *shape, f"{c.peak_bytes / bs:.2f}",
+            f"{c.host_bytes / bs:.2f}", "yes" if c.fits else "no", f"{c.step_time_s * ts:.1f}",
+            f"{c.transfer_s * ts:.1f}", *tokens, where,
         )  # fmt: skip
     return t
 
@@ -99,6 +120,8 @@ def _lines(rec: Recommendation) -> list[str]:
         "arguments: " + ", ".join(f"{k} {_gib(v)}" for k, v in rec.arguments.items()),
         f"host link: {rec.host_link}",
     ]
+    if rec.tags is not None:
+        lines.append(f"checkpoint tags the program emits: {', '.join(rec.tags) or 'none'}")
     if rec.solve is not None:
         s = rec.solve
         lines.append(
@@ -112,10 +135,13 @@ def _lines(rec: Recommendation) -> list[str]:
         lines += [f"  - {a}" for a in rec.advice]
     else:
         p = rec.pick
+        shape = (
+            "" if p.batch_size is None else f" (group {p.remat_group_size}, batch {p.batch_size})"
+        )
+        tokens = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
         lines.append(
-            f"pick: {p.label} (group {p.remat_group_size}, batch {p.batch_size}): peak "
-            f"{_gib(p.peak_bytes)} of {_gib(rec.budget_bytes)}, est. {p.step_time_s * 1e3:.1f} "
-            f"ms/step, {p.tokens_per_s:,.0f} tokens/s"
+            f"pick: {p.label}{shape}: peak {_gib(p.peak_bytes)} of {_gib(rec.budget_bytes)}, "
+            f"est. {p.step_time_s * 1e3:.4g} ms/step{tokens}"
         )
     return lines
 
@@ -125,8 +151,11 @@ def print_recommendation(rec: Recommendation) -> None:
     the budget and its source, the compiles spent, and the pick as one line of code, or what
     would fit."""
     out = console()
-    batch = "auto" if rec.batch_size is None else rec.batch_size
-    title = f"{rec.model}  seq={rec.seq_len} batch={batch}  on {rec.target} ({rec.optimizer})"
+    if rec.seq_len is None:  # a user's program: its own arguments and optimizer
+        title = f"{rec.model} (your program)  on {rec.target}"
+    else:
+        batch = "auto" if rec.batch_size is None else rec.batch_size
+        title = f"{rec.model}  seq={rec.seq_len} batch={batch}  on {rec.target} ({rec.optimizer})"
     tables = [(title, sorted(rec.candidates, key=lambda c: (not c.fits, c.step_time_s)))]
     if rec.largest_batch:
         best = sorted(rec.largest_batch, key=lambda c: -c.tokens_per_s)

@@ -51,6 +51,8 @@ Where each part lives:
 ``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
 ``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`)
 ``advice``             stage 5 (nothing fits)
+``programs``           :func:`recommend` for a user's :class:`~remat_kit.Program`: the named
+                       policies that act on its emitted tags, per-tag solve over them
 ``api``                :func:`recommend`, a short sequence of named stages
 =====================  ==========================================================================
 

@@ -19,8 +19,10 @@ from remat_kit import targets as T
 from remat_kit.memory.api import argument_parts
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
+from remat_kit.program import Program
 from remat_kit.recommend.advice import advice, too_small
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
+from remat_kit.recommend.programs import recommend_program
 from remat_kit.recommend.search import distinct, group_search, largest_batch
 from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
 from remat_kit.recommend.solver import solve
@@ -71,16 +73,16 @@ class Found:
 
 
 def recommend(
-    model: str | ModelConfig,
-    seq_len: int,
+    model: str | ModelConfig | Program,
+    seq_len: int | None = None,
     target: str | T.Target = "h100-sxm",
     *,
-    batch_size: int | Literal["auto"] = 1,
+    batch_size: int | Literal["auto"] | None = None,
     budget: int | float | str | None = None,
     solve: bool = False,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     group_sizes: Sequence[int] | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     margin: float = DEFAULT_MARGIN,
     max_compiles: int | None = None,
     workers: int | None = None,
@@ -89,13 +91,17 @@ def recommend(
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
     Args:
-      model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig`; its
-        ``remat_group_size`` is the base group size.
-      seq_len: tokens per sequence.
+      model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig` (its
+        ``remat_group_size`` is the base group size), or a user's :class:`~remat_kit.Program`
+        (:mod:`remat_kit.recommend.programs`: the named policies that can act on the tags it
+        emits, and with ``solve`` per-tag choices over them; ``seq_len``, ``batch_size``,
+        ``group_sizes``, ``optimizer`` and ``cache`` do not apply, the program carries its own
+        arguments).
+      seq_len: tokens per sequence (required for a preset).
       target: a GPU target name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"a100-40gb"``,
         ``"l4"``) or a :class:`~remat_kit.targets.Target` with known peak FLOP/s.
-      batch_size: sequences per step, or ``"auto"``: the largest batch that fits per policy,
-        the pick being the one with the most tokens per second.
+      batch_size: sequences per step (default 1), or ``"auto"``: the largest batch that fits
+        per policy, the pick being the one with the most tokens per second.
       budget: per-device bytes (int or float), or a size string (``"76GiB"``, ``"80GB"``,
         ``"8e10"``); default the target's memory less ``margin``.
       solve: also search per-tag choices (:func:`solve_tags`); not with ``"auto"``.
@@ -104,7 +110,7 @@ def recommend(
         skipped on targets where offload is not real).
       group_sizes: ``remat_group_size`` values to consider (default every divisor of
         ``num_layers``; ignored with ``"auto"``, which keeps the base group size).
-      optimizer: ``"adamw"``, ``"sgd"`` or ``"adafactor"``.
+      optimizer: ``"adamw"`` (default), ``"sgd"`` or ``"adafactor"``.
       margin: fraction of device memory kept free by the default budget, in [0, 1) (default
         :data:`DEFAULT_MARGIN`).
       max_compiles: cap on compiles after the first stage, which always compiles every named
@@ -124,7 +130,20 @@ def recommend(
         without memory and no ``budget``; a budget smaller than the parameters and optimizer
         state (the message gives the smallest budget that could work, compiled).
     """
+    if isinstance(model, Program):
+        _refuse_preset_arguments(
+            model, seq_len=seq_len, batch_size=batch_size, group_sizes=group_sizes,
+            optimizer=optimizer, cache=cache,
+        )  # fmt: skip
+        return recommend_program(
+            model, target, budget=budget, solve=solve, policies=policies, margin=margin,
+            max_compiles=max_compiles, workers=workers,
+        )  # fmt: skip
+    if seq_len is None:
+        raise ValueError("seq_len is required for a preset or ModelConfig (tokens per sequence)")
     t_start = time.perf_counter()
+    batch_size = 1 if batch_size is None else batch_size
+    optimizer = "adamw" if optimizer is None else optimizer
     request = resolve_request(
         model, seq_len, target, batch_size=batch_size, budget=budget, solve=solve,
         policies=policies, group_sizes=group_sizes, optimizer=optimizer, margin=margin,
@@ -140,6 +159,20 @@ def recommend(
             advise(session, request, named, found)
         compiles = counter.count
     return assemble(request, session, found, compiles, time.perf_counter() - t_start)
+
+
+def _refuse_preset_arguments(program: Program, **given: Any) -> None:
+    """Arguments of :func:`recommend` that only a preset takes must be None for a program.
+
+    Raises:
+      ValueError: one line naming those given.
+    """
+    bad = [k for k, v in given.items() if v is not None]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} apply to presets; program {program.name!r} carries its own "
+            "arguments (set their shapes and its optimizer in its factory)"
+        )
 
 
 def _check_inputs(

@@ -31,20 +31,22 @@ class CompileCounter:
     function is ``jit(step)`` (:func:`remat_kit.train.make_train_step`). Identical programs that
     the analyzer dedupes are compiled once, so they count once."""
 
-    def __init__(self):
+    def __init__(self, fun_names: Sequence[str] = STEP_FNS):
         self.count = 0
+        self.fun_names = tuple(fun_names)
         self._lock = threading.Lock()
 
     def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
-        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") in STEP_FNS:
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") in self.fun_names:
             with self._lock:
                 self.count += 1
 
 
 @contextmanager
-def counting() -> Iterator[CompileCounter]:
-    """A :class:`CompileCounter` listening to JAX's monitoring events inside the block."""
-    counter = CompileCounter()
+def counting(fun_names: Sequence[str] = STEP_FNS) -> Iterator[CompileCounter]:
+    """A :class:`CompileCounter` (of compiles of ``fun_names``) listening to JAX's monitoring
+    events inside the block."""
+    counter = CompileCounter(fun_names)
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
         yield counter
@@ -142,36 +144,60 @@ class Session:
     def candidate(
         self, report: Any, spec: PolicySpec, group: int, batch: int, found_by: FoundBy, seq: int
     ) -> Candidate | None:
-        actions = None
-        if spec.name == "custom":
-            actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
-        if isinstance(report, CompileError):
-            self.notes.append(f"{spec.name} (group {group}, batch {batch}): {report}")
-            return None
-        flops = report.flops
-        if flops is None:
-            self.notes.append(f"{spec.name}: no FLOPs in XLA's dump; ranked last")
-            compute, transfer = math.inf, 0.0
-        else:
-            compute, transfer = step_time(
-                self.target, flops, report.flops_no_remat or 0.0, report.host_bytes
-            )
-        total = compute + transfer
-        return Candidate(
-            policy="custom" if actions is not None else spec.name,
-            actions=actions,
-            remat_group_size=group,
-            batch_size=batch,
-            seq_len=seq,
-            peak_bytes=report.peak_bytes,
-            host_bytes=report.host_bytes,
-            flops=flops,
-            flops_no_remat=report.flops_no_remat,
-            compute_s=compute,
-            transfer_s=transfer,
-            step_time_s=total,
-            tokens_per_s=batch * seq / total if 0 < total < math.inf else 0.0,
-            fits=report.peak_bytes <= self.budget,
-            found_by=found_by,
-            warnings=tuple(report.warnings),
+        """:func:`to_candidate` at this session's target and budget."""
+        return to_candidate(
+            report, spec, self.target, self.budget, self.notes, found_by, group, batch, seq
         )
+
+
+def to_candidate(
+    report: Any,
+    spec: PolicySpec,
+    target: T.Target,
+    budget: int,
+    notes: list[str],
+    found_by: FoundBy,
+    group: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> Candidate | None:
+    """A compiled report as a :class:`Candidate` timed by :func:`~.timing.step_time`; None, with
+    a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
+    program (it carries its own shapes; ``tokens_per_s`` is then None)."""
+    actions = None
+    if spec.name == "custom":
+        actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
+    if isinstance(report, CompileError):
+        where = "" if group is None else f" (group {group}, batch {batch})"
+        notes.append(f"{spec.name}{where}: {report}")
+        return None
+    flops = report.flops
+    if flops is None:
+        notes.append(f"{spec.name}: no FLOPs in XLA's dump; ranked last")
+        compute, transfer = math.inf, 0.0
+    else:
+        compute, transfer = step_time(
+            target, flops, report.flops_no_remat or 0.0, report.host_bytes
+        )
+    total = compute + transfer
+    tokens = None
+    if batch is not None and seq is not None:
+        tokens = batch * seq / total if 0 < total < math.inf else 0.0
+    return Candidate(
+        policy="custom" if actions is not None else spec.name,
+        actions=actions,
+        remat_group_size=group,
+        batch_size=batch,
+        seq_len=seq,
+        peak_bytes=report.peak_bytes,
+        host_bytes=report.host_bytes,
+        flops=flops,
+        flops_no_remat=report.flops_no_remat,
+        compute_s=compute,
+        transfer_s=transfer,
+        step_time_s=total,
+        tokens_per_s=tokens,
+        fits=report.peak_bytes <= budget,
+        found_by=found_by,
+        warnings=tuple(report.warnings),
+    )

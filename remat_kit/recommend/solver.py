@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from remat_kit import targets as T
 from remat_kit.memory import model_residuals
 from remat_kit.memory.flops import traced_flops
 from remat_kit.models.config import ModelConfig
@@ -117,7 +118,7 @@ def solve_tags(
     calibration = _calibration(costs, named, peak0)
     slack = max([0] + [p - c for _, p, c in calibration])
     ranked, combos = _ranked_choices(
-        session, costs, _options(costs, actions), peak0, fj0, scale,
+        session.target, costs, _options(costs, actions), peak0, fj0, scale,
         save_nothing.flops_no_remat or 0.0, session.budget + slack,
     )  # fmt: skip
     return SolveSummary(
@@ -160,7 +161,7 @@ def _calibration(
 
 
 def _ranked_choices(
-    session: Session,
+    target: T.Target,
     costs: Sequence[TagCost],
     options: Sequence[Sequence[str]],
     peak0: int,
@@ -180,9 +181,7 @@ def _ranked_choices(
         peak, host, saved = _predict(costs, choice, peak0)
         if peak > limit:
             continue
-        compute, transfer = step_time(
-            session.target, (jaxpr_flops0 - saved) * scale, flops_no_remat, host
-        )
+        compute, transfer = step_time(target, (jaxpr_flops0 - saved) * scale, flops_no_remat, host)
         kept = sum(a != "recompute" for a in choice)
         ranked.append((compute + transfer, host, peak, kept, choice))
     ranked.sort(key=lambda r: r[:4])

@@ -20,12 +20,13 @@ class Candidate:
     Attributes:
       policy: a registered policy name, or ``"custom"`` (then ``actions`` says what it does).
       actions: for a custom policy, ``{tag: "save" | "offload"}`` (tags not listed recomputed).
-      remat_group_size: blocks per remat segment; batch_size, seq_len: the step's shape.
+      remat_group_size: blocks per remat segment; batch_size, seq_len: the step's shape (all
+        three None for a user's program, which carries its own arguments).
       peak_bytes: XLA's device peak (bytes, per device). host_bytes: bytes in host memory.
       flops: compiled matmul FLOPs of the step. flops_no_remat: the same step without remat,
         counted on its jaxpr (the time model's forward share is a third of it).
       compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
-      tokens_per_s: ``batch_size * seq_len / step_time_s``.
+      tokens_per_s: ``batch_size * seq_len / step_time_s`` (None for a user's program).
       fits: ``peak_bytes <= budget``.
       found_by: which stage compiled it (``named``, ``group-size``, ``batch-search``, ``solve``).
       predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
@@ -34,9 +35,9 @@ class Candidate:
 
     policy: str
     actions: dict[str, str] | None
-    remat_group_size: int
-    batch_size: int
-    seq_len: int
+    remat_group_size: int | None
+    batch_size: int | None
+    seq_len: int | None
     peak_bytes: int
     host_bytes: int
     flops: float | None
@@ -44,7 +45,7 @@ class Candidate:
     compute_s: float
     transfer_s: float
     step_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None
     fits: bool
     found_by: FoundBy
     predicted_peak_bytes: int | None = None
@@ -65,12 +66,16 @@ class Candidate:
 
     def code(self) -> str:
         """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch
-        and remat group size to use."""
+        and remat group size to use; for a user's program, the policy its factory receives."""
         if self.actions is None:
             policy = f'remat_kit.policy("{self.policy}")'
         else:
             body = ", ".join(f'"{t}": "{a}"' for t, a in sorted(self.actions.items()))
             policy = f"remat_kit.custom_policy({{{body}}})"
+        if self.batch_size is None:
+            if self.policy == "no-remat":
+                return "make_step(None)  # no remat: build the step without jax.checkpoint"
+            return f"make_step({policy})  # your factory's jax.checkpoint(..., policy=...)"
         shape = f"batch {self.batch_size}, seq {self.seq_len}"
         if self.policy == "no-remat":
             return f"Block  # no remat: do not wrap the block in nn.remat; {shape}"
@@ -130,6 +135,8 @@ class Recommendation:
 
     Attributes:
       model, target, seq_len: what was asked. batch_size: the batch asked (None for ``auto``).
+        For a user's program (:class:`~remat_kit.Program`): model is its name, and seq_len,
+        batch_size and optimizer are None (the program carries its own arguments).
       budget_bytes: the per-device budget; budget_note: where it comes from.
       arguments: bytes of the step's arguments (``params``, ``opt_state``, ``batch`` at the
         batch asked, 1 for ``auto``).
@@ -144,13 +151,15 @@ class Recommendation:
       notes: the assumptions and limits of this answer (time model, search bounds, skipped).
       solve: the solver's summary, with ``solve=True``.
       peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
+      tags: for a user's program, the ``checkpoint_name`` tags its step emits (None for a
+        preset).
     """
 
     model: str
     target: str
-    seq_len: int
+    seq_len: int | None
     batch_size: int | None
-    optimizer: str
+    optimizer: str | None
     budget_bytes: int
     budget_note: str
     arguments: dict[str, int]
@@ -166,6 +175,7 @@ class Recommendation:
     peak_flops: float
     host_link_bytes_per_s: float | None
     host_link: str
+    tags: tuple[str, ...] | None = None
 
     def line(self) -> str:
         """The pick as one line of code, or what would fit when nothing does."""

@@ -1,0 +1,276 @@
+"""recommend for a user's :class:`~remat_kit.Program` (``recommend(program, target=...)``).
+
+The same answer as for a preset, on the program's own arguments (no batch, sequence or group
+size to vary: the program carries them):
+
+1. The tags the program's step emits (:func:`remat_kit.memory.programs.program_tags`).
+2. The named policies that can do something on it: the ones selecting by kind (``save-dots``,
+   ``save-dots-no-batch``, ``save-everything``...), ``save-nothing``, ``no-remat``, and the
+   name-based ones whose tags the program emits. One that names none of them is skipped (it
+   would run as ``save-nothing``); one that names some it does not emit is compiled restricted to
+   the emitted ones, as a custom policy, so no pick needs a tag the program never emits.
+   All compiled together by :func:`remat_kit.memory.programs.analyze_program`.
+3. ``solve=True`` (and the program gives its loss): the per-tag choices (save, offload,
+   recompute) over the emitted tags, under the additive model of :func:`~.solver.solve_tags`
+   fed with the program's residual bytes by tag and its traced FLOPs; the best predicted few
+   are compiled.
+4. The pick: the fitting compiled candidate with the least estimated step time
+   (:func:`~.timing.rank`); when none fits, the least-memory one and the budget it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from remat_kit import targets as T
+from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.programs import analyze_program, program_tags
+from remat_kit.policies import (
+    TAG_ACTIONS,
+    PolicySpec,
+    custom_spec,
+    get_policy_spec,
+    policy_names,
+    policy_specs,
+)
+from remat_kit.program import Program
+from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
+from remat_kit.recommend.session import counting, to_candidate
+from remat_kit.recommend.solver import (
+    SOLVE_ROUNDS,
+    SOLVE_VERIFY,
+    _calibration,
+    _distinct_choices,
+    _options,
+    _ranked_choices,
+)
+from remat_kit.recommend.timing import host_link_source, rank, time_model_note
+from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
+from remat_kit.residuals import group_by_tag, saved_residuals
+from remat_kit.units import format_bytes as _gib
+
+#: A compiled policy: its spec, its candidate and the analyzer's report.
+Named = tuple[PolicySpec, Candidate, Any]
+
+
+@dataclasses.dataclass
+class _Run:
+    """One call's fixed inputs and its notes."""
+
+    program: Program
+    target: T.Target
+    budget: int
+    tags: frozenset[str]
+    workers: int | None
+    max_compiles: int
+    notes: list[str]
+
+
+def program_specs(
+    target: T.Target,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    tags: frozenset[str],
+    program: str,
+) -> tuple[list[PolicySpec], list[str]]:
+    """The policies worth compiling on a program emitting ``tags``, and what was skipped or
+    restricted (see the module docstring). A user's own spec is kept as given (the analyzer
+    checks its tags against the emitted ones).
+
+    Raises:
+      ValueError: unknown policy; nothing left to compile.
+    """
+    given = list(policies) if policies is not None else policy_names()
+    if not given:
+        raise ValueError("policies is empty: give at least one policy name")
+    registered = policy_specs()
+    specs, notes, skipped = [], [], []
+    for spec in dict.fromkeys(get_policy_spec(p) for p in given):
+        if spec.offloads and not target.supports_host_offload:
+            skipped.append(f"{spec.name} (offloads; {target.name} does not)")
+            continue
+        if registered.get(spec.name) != spec or spec.base != "names" or spec.tags <= tags:
+            specs.append(spec)
+        elif not spec.tags & tags:
+            skipped.append(f"{spec.name} (names none of the emitted tags)")
+        else:
+            actions = {t: "save" for t in spec.save & tags}
+            actions |= {t: "offload" for t in spec.offload & tags}
+            specs.append(custom_spec(actions))
+            notes.append(
+                f"{spec.name} names {', '.join(sorted(spec.tags - tags))}, which {program} does "
+                f"not emit: compiled as {specs[-1].description[len('Custom: ') :]}"
+            )
+    if skipped:
+        notes.append(f"skipped on {program}: {'; '.join(skipped)}")
+    if not specs:
+        raise ValueError(f"no policy given can act on {program} (emits: {', '.join(sorted(tags))})")
+    return list(dict.fromkeys(specs)), notes
+
+
+def _compile(run: _Run, specs: Sequence[PolicySpec], found_by: str) -> list[Named]:
+    """Compile ``specs`` on the program together; failures become notes."""
+    reports = analyze_program(
+        run.program, list(specs), run.target, budget_bytes=run.budget, top_k=0,
+        workers=run.workers, raise_errors=False, compare_offload=False,
+    )  # fmt: skip
+    out = []
+    for spec, report in zip(specs, reports, strict=True):
+        c = to_candidate(report, spec, run.target, run.budget, run.notes, found_by)
+        if c is not None:
+            out.append((spec, c, report))
+    return out
+
+
+def _kept_bytes(program: Program, spec: PolicySpec, tags: frozenset[str]) -> dict[str, int]:
+    """Device bytes of the residuals the loss keeps under ``spec``, by emitted tag."""
+    loss = program.loss(spec)
+    rows = group_by_tag(saved_residuals(loss.fn, *loss.args))
+    return {r.tag: r.nbytes for r in rows if r.memory == "device" and r.tag in tags}
+
+
+def program_tag_costs(program: Program, tags: frozenset[str]) -> tuple[list[TagCost], float]:
+    """The solver's :class:`TagCost` per emitted tag, from the program's loss (residual bytes
+    saving every tag and saving nothing) and its step's jaxpr matmul FLOPs (saving nothing, and
+    saving each tag alone); and the FLOPs saving nothing. Traces only."""
+    kept = _kept_bytes(program, custom_spec({t: "save" for t in tags}), tags)
+    base = _kept_bytes(program, get_policy_spec("save-nothing"), tags)
+
+    def flops(spec: PolicySpec) -> float:
+        pure = program.step(spec)
+        return traced_flops(pure.fn, *pure.args)
+
+    f0 = flops(custom_spec({}))
+    costs = []
+    for t in sorted(tags):
+        nbytes, base_bytes = kept.get(t, 0), base.get(t, 0)
+        saved = max(0.0, f0 - flops(custom_spec({t: "save"}))) if nbytes > base_bytes else 0.0
+        costs.append(TagCost(tag=t, nbytes=nbytes, base_bytes=base_bytes, flops_saved=saved))
+    return costs, f0
+
+
+def solve_program(run: _Run, named: list[Named], compiles: Any) -> SolveSummary | None:
+    """Per-tag choices over the emitted tags (see :func:`~.solver.solve_tags` for the model),
+    the best predicted compiled; None, with a note, without a loss or a compiled save-nothing."""
+    if run.program.make_loss is None:
+        run.notes.append("solve skipped: it needs the program's loss for residuals by tag")
+        return None
+    if not run.tags:
+        run.notes.append("solve skipped: the program emits no checkpoint_name tags")
+        return None
+    sn = next((c for s, c, _ in named if s.name == "save-nothing"), None)
+    if sn is None:
+        found = _compile(run, [get_policy_spec("save-nothing")], "named")
+        named += found
+        sn = found[0][1] if found else None
+    if sn is None:
+        run.notes.append("solve skipped: save-nothing did not compile")
+        return None
+    costs, fj0 = program_tag_costs(run.program, run.tags)
+    actions = TAG_ACTIONS if run.target.supports_host_offload else ("save", "recompute")
+    scale = (sn.flops or fj0) / fj0 if fj0 else 1.0
+    calibration = _calibration(costs, named, sn.peak_bytes)
+    slack = max([0] + [p - c for _, p, c in calibration])
+    ranked, combos = _ranked_choices(
+        run.target, costs, _options(costs, actions), sn.peak_bytes, fj0, scale,
+        sn.flops_no_remat or 0.0, run.budget + slack,
+    )  # fmt: skip
+    distinct = _distinct_choices(ranked)
+    verified: list[Candidate] = []
+    for r in range(SOLVE_ROUNDS):
+        room = max(0, run.max_compiles - compiles.count)
+        todo = distinct[r * SOLVE_VERIFY : r * SOLVE_VERIFY + min(SOLVE_VERIFY, room)]
+        if not todo:
+            if r * SOLVE_VERIFY < len(distinct):
+                run.notes.append("solve: compile cap reached before a verified fit")
+            break
+        specs = [
+            custom_spec({tc.tag: a for tc, a in zip(costs, ch, strict=True) if a != "recompute"})
+            for *_, ch in todo
+        ]
+        predicted = {spec: (t, p) for spec, (t, _, p, _, _) in zip(specs, todo, strict=True)}
+        for spec, c, _ in _compile(run, specs, "solve"):
+            t_pred, p_pred = predicted[spec]
+            verified.append(
+                dataclasses.replace(c, predicted_peak_bytes=p_pred, predicted_step_time_s=t_pred)
+            )
+        if any(c.fits for c in verified):
+            break
+    return SolveSummary(
+        tags=tuple(costs), actions=tuple(actions), combinations=combos,
+        predicted_fit=len(ranked), peak_slack_bytes=int(slack), flops_scale=scale,
+        verified=tuple(verified), calibration=tuple(calibration),
+    )  # fmt: skip
+
+
+def program_advice(run: _Run, candidates: Sequence[Candidate]) -> list[str]:
+    """When nothing fits: the least-memory candidate, the budget it needs (compiled), and what
+    to change in the program."""
+    if not candidates:
+        return ["no candidate compiled (see the notes)"]
+    least = min(candidates, key=lambda c: (c.peak_bytes, c.step_time_s))
+    return [
+        f"the least-memory configuration, {least.label}, peaks at {_gib(least.peak_bytes)}: "
+        f"{_gib(least.peak_bytes - run.budget)} over the budget; a budget of "
+        f"{_gib(least.peak_bytes)} fits it (compiled)",
+        f"smaller batch or shorter sequence: change the argument shapes {run.program.name!r} "
+        "is built with (its factory) and run recommend again",
+        "more devices: shard parameters and optimizer state in the program (FSDP) and check it "
+        "with remat-kit analyze",
+    ]
+
+
+def recommend_program(
+    program: Program,
+    target: str | T.Target = "h100-sxm",
+    *,
+    budget: int | float | str | None = None,
+    solve: bool = False,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    margin: float = DEFAULT_MARGIN,
+    max_compiles: int | None = None,
+    workers: int | None = None,
+) -> Recommendation:
+    """:func:`remat_kit.recommend.recommend` for a user's program (its arguments there).
+
+    Raises:
+      ValueError: unknown target or policy; a target without peak FLOP/s, or without memory
+        and no ``budget``; a bad ``budget`` or ``margin``; a user's spec naming a tag the
+        program does not emit; no policy that can act on the program.
+    """
+    t_start = time.perf_counter()
+    tgt = T.get_target(target)
+    if not tgt.peak_flops_bf16:
+        raise ValueError(
+            f"target {tgt.name!r} has no peak FLOP/s, so step time cannot be estimated"
+        )
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
+    tags = program_tags(program)
+    specs, notes = program_specs(tgt, policies, tags, f"program {program.name!r}")
+    cap = max_compiles if max_compiles is not None else 2 * len(specs)
+    run = _Run(program, tgt, budget_bytes, tags, workers, max(cap, len(specs)), notes)
+    fn = program.step(get_policy_spec("no-remat")).fn
+    name = getattr(fn, "__name__", "step")
+    summary = None
+    with counting((name, f"jit({name})")) as counter:
+        named = _compile(run, specs, "named")
+        if solve:
+            summary = solve_program(run, named, counter)
+        compiles = counter.count
+    candidates = [c for _, c, _ in named] + list(summary.verified if summary else ())
+    pick = min((c for c in candidates if c.fits), key=rank, default=None)
+    arguments = next((dict(r.arguments) for _, _, r in named), {})
+    return Recommendation(
+        model=program.name, target=tgt.name, seq_len=None, batch_size=None, optimizer=None,
+        budget_bytes=budget_bytes, budget_note=budget_note, arguments=arguments, pick=pick,
+        candidates=tuple(candidates), largest_batch=(), compiles=compiles, reused=0,
+        wall_s=round(time.perf_counter() - t_start, 2),
+        advice=() if pick is not None else tuple(program_advice(run, candidates)),
+        notes=(time_model_note(tgt), *run.notes), solve=summary, peak_flops=tgt.peak_flops_bf16,
+        host_link_bytes_per_s=tgt.host_link_bytes_per_s, host_link=host_link_source(tgt),
+        tags=tuple(sorted(tags)),
+    )  # fmt: skip

@@ -1,0 +1,114 @@
+"""recommend on a user's program (issue 15): the plain-JAX model of tests/user_models (its own tag
+names, batch 2, seq 33) on the H100 target, deviceless. Every pick is compiled, fits the budget
+and needs only tags the program emits; a budget between two compiled peaks decides the pick."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat_kit import cli, targets
+from remat_kit.recommend import recommend
+from remat_kit.units import format_bytes
+from tests.user_models import plain_jax
+
+needs_cuda_plugin = pytest.mark.skipif(
+    targets.cuda_plugin_module() is None,
+    reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
+)
+TARGET = "h100-sxm"
+REF = "tests/user_models/plain_jax.py:program"
+# minimal names MaxText tags only (the plain-JAX model emits none of them): skipped, said so.
+POLICIES = ["no-remat", "save-nothing", "save-dots", "save-dots-no-batch", "minimal"]
+
+
+@pytest.fixture(scope="module")
+def program():
+    return plain_jax.program()
+
+
+@pytest.fixture(scope="module")
+def free(program):
+    """Every policy at the default budget (the target's memory less the margin)."""
+    return recommend(program, target=TARGET, policies=POLICIES)
+
+
+def _needs_only_emitted(pick, tags):
+    return pick.actions is None or set(pick.actions) <= set(tags)
+
+
+def test_program_arguments_that_do_not_apply(program):
+    for kwargs in ({"seq_len": 64}, {"batch_size": 2}, {"optimizer": "sgd"}):
+        with pytest.raises(ValueError, match="apply to presets; program 'plain-jax'") as err:
+            recommend(program, target=TARGET, **kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="seq_len is required for a preset"):
+        recommend("tiny-llama", target=TARGET)
+
+
+@needs_cuda_plugin
+def test_free_budget_picks_a_compiled_named_policy(free):
+    assert free.tags == tuple(sorted(plain_jax.TAGS))
+    assert free.seq_len is None and free.batch_size is None and free.optimizer is None
+    names = [c.policy for c in free.candidates]
+    assert "minimal" not in names and any("minimal (names none" in n for n in free.notes)
+    assert sorted(names) == sorted(POLICIES[:-1])
+    assert 1 <= free.compiles <= len(names)
+    pick = free.pick
+    assert pick is not None and pick.fits and pick.flops is not None
+    assert pick.step_time_s == min(c.step_time_s for c in free.candidates)
+    assert pick.tokens_per_s is None and pick.batch_size is None
+    assert free.line().startswith("make_step(remat_kit.policy(")
+    assert set(free.arguments) == {"params", "opt_state", "tokens"}
+    assert json.loads(free.to_json())["pick"]["peak_bytes"] == pick.peak_bytes
+
+
+@needs_cuda_plugin
+def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free):
+    fastest = min(free.candidates, key=lambda c: (c.step_time_s, c.peak_bytes))
+    lower = [c for c in free.candidates if c.peak_bytes < fastest.peak_bytes]
+    assert lower, "the fastest policy is also the smallest: no budget can make the choice matter"
+    budget = (fastest.peak_bytes + max(c.peak_bytes for c in lower)) // 2
+    rec = recommend(program, target=TARGET, budget=budget, solve=True, policies=POLICIES)
+    pick = rec.pick
+    assert pick is not None and pick.fits and pick.peak_bytes <= budget
+    assert pick.step_time_s == min(c.step_time_s for c in rec.candidates if c.fits)
+    slower = [c for c in rec.candidates if c.policy == fastest.policy and not c.fits]
+    assert slower and slower[0].step_time_s < pick.step_time_s  # the budget excluded the fastest
+    assert _needs_only_emitted(pick, rec.tags)
+    s = rec.solve
+    assert s is not None and [t.tag for t in s.tags] == sorted(plain_jax.TAGS)
+    assert s.combinations >= 2 and s.verified  # per-tag choices enumerated, some compiled
+    for c in s.verified:
+        assert c.found_by == "solve" and c.predicted_peak_bytes is not None
+        assert set(c.actions) <= set(plain_jax.TAGS) and c in rec.candidates
+
+
+@needs_cuda_plugin
+def test_budget_below_everything_says_what_would_fit(program):
+    rec = recommend(program, target=TARGET, budget=1000, policies=["save-nothing"])
+    assert rec.pick is None
+    (least,) = rec.candidates
+    assert any(f"a budget of {format_bytes(least.peak_bytes)} fits it" in a for a in rec.advice)
+    assert rec.line().startswith("nothing fits: the least-memory configuration, save-nothing")
+
+
+@needs_cuda_plugin
+def test_cli_recommend_program(capsys):
+    argv = ["recommend", "--model", REF, "--target", TARGET, "--policy", "save-nothing"]
+    assert cli.main([*argv, "--policy", "save-dots"]) == 0
+    out = capsys.readouterr().out
+    assert "plain-jax (your program)" in out and "checkpoint tags the program emits" in out
+    assert out.strip().splitlines()[-1].startswith('make_step(remat_kit.policy("save-')
+
+
+def test_cli_shape_flags(capsys):
+    for argv, match in [
+        (["--model", REF, "--seq", "64"], "--seq apply to presets; program 'plain-jax'"),
+        (["--model", REF, "--group-size", "1"], "--group-size applies to presets"),
+        (["--model", "tiny-llama"], "required for a preset: --seq"),
+    ]:
+        assert cli.main(["recommend", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and match in err, err

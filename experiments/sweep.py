@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="results file (default: runs/<config>/sweep.jsonl); summary.md and the figures "
         "are written in its folder, so give each sweep its own folder",
     )
+    p.add_argument(
+        "--policy", action="append", default=None,
+        help="run these policies instead of the config's (repeatable): a name or a per-tag spec "
+        "'query_proj=offload,out_proj=save' / its JSON form",
+    )  # fmt: skip
     p.add_argument("--resume", action="store_true", help="skip points already in --out")
     p.add_argument("--overwrite", action="store_true", help="empty --out first")
     p.add_argument("--data", help="text file or folder to train on (default: Python's stdlib)")
@@ -174,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.mesh is not None:
             grids = tuple(dataclasses.replace(g, mesh=args.mesh) for g in config.grids)
             config = dataclasses.replace(config, grids=grids)
+        if args.policy:
+            grids = tuple(dataclasses.replace(g, policies=tuple(args.policy)) for g in config.grids)
+            config = dataclasses.replace(config, grids=grids)
+            sweep.validate(config)
         out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")

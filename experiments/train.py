@@ -96,7 +96,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument(
         "--policy",
         default=d.policy,
-        help="remat policy (remat-kit policies) (default: %(default)s)",
+        help="remat policy: a name (remat-kit policies) or a per-tag spec "
+        "'query_proj=offload,out_proj=save' / its JSON form (default: %(default)s)",
     )
     p.add_argument("--remat-group-size", type=int, default=d.remat_group_size,
                    help="consecutive blocks per remat segment, divides the layers "

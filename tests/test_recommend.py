@@ -132,7 +132,9 @@ def test_cli_parser_and_bad_input():
         ["recommend", "--model", MODEL, "--seq", "64", "--batch", "auto", "--budget", "76GiB"]
     )
     assert args.batch == "auto" and args.budget == 76 * 2**30 and args.func is run
-    assert parser.parse_args(["recommend", "--model", MODEL, "--seq", "8"]).batch is None  # 1 in run
+    assert (
+        parser.parse_args(["recommend", "--model", MODEL, "--seq", "8"]).batch is None
+    )  # 1 in run
     args = parser.parse_args(
         ["recommend", "--model", MODEL, "--seq", "8", "--policy", "query_proj=offload"]
     )

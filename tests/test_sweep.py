@@ -157,6 +157,7 @@ def no_compile(monkeypatch):
     [
         ({"models": "('gpt-10n',)"}, "unknown preset 'gpt-10n'.*Did you mean 'gpt-10m'"),
         ({"policies": "('save-dot',)"}, "unknown policy 'save-dot'"),
+        ({"policies": "('query_proj=keep',)"}, "unknown action for 'query_proj' 'keep'"),
         ({"seq_lens": "(0,)"}, r"seq_lens\[0\] must be a positive integer, got 0"),
         ({"seq_lens": "(4096,)"}, "exceeds max_seq_len=128"),
         ({"remat_group_sizes": "(3,)"}, "remat_group_size=3 does not divide"),
@@ -367,3 +368,26 @@ def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child):
     assert refused.stderr.count("\n") == 1, refused.stderr
     assert "grids[0].timed_steps: 1 in the file, 2 now" in refused.stderr
     assert out.read_bytes() == data
+
+
+def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
+    """--policy takes the command line's one per-tag syntax; a valid spec reaches the compile
+    (stopped here by no_compile), a bad one exits 2 before it."""
+    cfg = _config_file(tmp_path)
+    out = str(tmp_path / "o.jsonl")
+    code = _cli().main(
+        ["--config", str(cfg), "--out", out, "--no-plot", "--policy", "query_prj=sve"]
+    )
+    assert code == 2 and "unknown action for 'query_prj' 'sve'" in capsys.readouterr().err
+    with pytest.raises(_Compiled):
+        _cli().main(
+            [
+                "--config",
+                str(cfg),
+                "--out",
+                out,
+                "--no-plot",
+                "--policy",
+                "query_proj=offload,out_proj=save",
+            ]
+        )

@@ -332,3 +332,11 @@ def test_cli_trains_and_writes_result(reference, tmp_path, capsys):
     assert result["losses"] == reference[0].losses[:2]
     assert result["checkpoints"] == [1, 2] and result["environment"]["backend"] == "cpu"
     assert "done (fresh)" in capsys.readouterr().out
+
+
+def test_train_config_takes_a_per_tag_policy():
+    config = BASE.replace(policy="query_proj=offload,out_proj=save")
+    spec = config.model_config().policy_spec
+    assert spec.offload == {"query_proj"} and spec.save == {"out_proj"}
+    with pytest.raises(ValueError, match="unknown action for 'out_proj' 'keep'"):
+        BASE.replace(policy="out_proj=keep")

@@ -9,6 +9,7 @@ from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models.config import get_config, preset_names
+from remat_kit.policies import parse_policy_arg
 from remat_kit.training.step import OPTIMIZERS
 
 _OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "ran out of memory")
@@ -39,6 +40,20 @@ def _names(where: str, label: str, values: Any, valid: Sequence[str], kind: str)
             raise within(where, V.unknown_value_error(kind, v, list(valid)))
     if len(set(values)) != len(values):
         raise ValueError(f"{where}: {label} lists a value twice: {values!r}")
+
+
+def _policies(where: str, values: Any) -> None:
+    """Each entry a registered name or a per-tag spec (``query_proj=offload,out_proj=save``),
+    parsed by :func:`remat_kit.policies.parse_policy_arg`, the command line's one syntax."""
+    if not isinstance(values, tuple) or not values:
+        raise ValueError(f"{where}: policies must be a non-empty tuple, got {values!r}")
+    for v in values:
+        try:
+            parse_policy_arg(v)
+        except ValueError as err:
+            raise within(where, err) from None
+    if len(set(values)) != len(values):
+        raise ValueError(f"{where}: policies lists a value twice: {values!r}")
 
 
 def _positive_ints(where: str, label: str, values: Any) -> None:
@@ -105,7 +120,7 @@ def check_grid(g: Any, policies: Sequence[str]) -> None:
     """
     where = f"grid {g.name!r}"
     _names(where, "models", g.models, preset_names(), "preset")
-    _names(where, "policies", g.policies, policies, "policy")
+    _policies(where, g.policies)
     for label in ("batch_sizes", "seq_lens", "remat_group_sizes"):
         _positive_ints(where, label, getattr(g, label))
     _check_targets(where, g.targets)

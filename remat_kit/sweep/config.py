@@ -16,7 +16,7 @@ from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models.config import ModelConfig, get_config
-from remat_kit.policies import policy_names
+from remat_kit.policies import parse_policy_arg, policy_names
 from remat_kit.sweep.checks import check_grid, error_message, within
 
 #: Every registered policy name, in registry order.
@@ -121,7 +121,7 @@ class Point:
         """The preset with the policy, group size and overrides applied (validated)."""
         return get_config(
             self.model,
-            remat_policy=self.policy,
+            remat_policy=parse_policy_arg(self.policy),
             remat_group_size=self.remat_group_size,
             **dict(self.overrides),
         )

@@ -21,8 +21,8 @@ ANALYSIS_KEYS = (
     "dtype",
     "peak_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "host_bytes",
     "params_bytes", "opt_state_bytes", "activation_bytes", "offloaded_bytes", "flops",
-    "flops_no_remat", "recompute_ratio", "memory_bytes", "fits", "analysis_compile_s",
-    "warnings", "report",
+    "flops_no_remat", "recompute_ratio", "compiled_recompute_ratio", "memory_bytes", "fits",
+    "analysis_compile_s", "warnings", "report",
 )  # fmt: skip
 #: Row fields from running the step (None in an analysis-only or failed row).
 #: ``compile_reused``: the step that ran is the analyzer's executable (compiled once).
@@ -47,7 +47,8 @@ def _analysis_fields(report: Any) -> dict[str, Any]:
         "offloaded_bytes": report.offloaded_bytes,
         "flops": report.flops,
         "flops_no_remat": report.flops_no_remat,
-        "recompute_ratio": report.recompute_ratio,
+        "recompute_ratio": report.recompute_ratio,  # the policy's own (XLA's remat told apart)
+        "compiled_recompute_ratio": report.compiled_recompute_ratio,  # as XLA compiled it
         "memory_bytes": report.memory_bytes,
         "fits": report.fits,
         "analysis_compile_s": report.compile_s,

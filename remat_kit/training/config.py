@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from remat_kit.models.config import ModelConfig, get_config, preset_names
-from remat_kit.policies import get_policy_spec
+from remat_kit.policies import parse_policy_arg
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import OPTIMIZERS, check_micro_batches
 from remat_kit.validation import check_seq_len, positive_int, unknown_value_error
@@ -75,7 +75,7 @@ class TrainConfig:
 
     preset: str = "tiny-gpt"  # a name from remat_kit.preset_names()
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # ModelConfig fields
-    policy: str = "no-remat"  # a name from remat_kit.policy_names()
+    policy: str = "no-remat"  # a policy name, or a per-tag spec "query_proj=offload,out_proj=save"
     remat_group_size: int = 1  # consecutive blocks per remat segment (divides num_layers)
     batch_size: int = 8  # global batch: rows per optimizer update
     seq_len: int = 128  # tokens per row
@@ -103,7 +103,7 @@ class TrainConfig:
                 raise ValueError(f"set {field} on TrainConfig, not {key!r} in overrides")
         if self.preset not in preset_names():
             raise unknown_value_error("preset", self.preset, preset_names())
-        get_policy_spec(self.policy)  # raises on an unknown name
+        parse_policy_arg(self.policy)  # a registered name or a per-tag spec; raises if neither
         if self.optimizer not in OPTIMIZERS:
             raise unknown_value_error("optimizer", self.optimizer, OPTIMIZERS)
         for field in _POSITIVE:
@@ -125,7 +125,7 @@ class TrainConfig:
         return get_config(
             self.preset,
             **self.overrides,
-            remat_policy=self.policy,
+            remat_policy=parse_policy_arg(self.policy),
             remat_group_size=self.remat_group_size,
         )
 

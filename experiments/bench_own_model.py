@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))  # tests/user_models: the model written elsewhere
 import remat_kit  # noqa: E402
 from remat_kit import Program  # noqa: E402
 from remat_kit.doctor import check_policies  # noqa: E402
+from remat_kit.recommend import recommend  # noqa: E402
 from tests.user_models import linen_lm  # noqa: E402
 
 OUT = REPO / "experiments" / "results" / "own_model" / "linen_lm_h100-sxm.json"
@@ -102,6 +103,26 @@ def main() -> None:
     }  # fmt: skip
     doctor_s = time.perf_counter() - t0
     print(json.dumps(doctor, indent=1))
+    # A budget half-way between no-remat's and save-dots' compiled peaks: no-remat must not fit.
+    peaks = {row["policy"]: row["peak_bytes"] for row in rows}
+    budget = (peaks["no-remat"] + peaks["save-dots"]) // 2
+    t0 = time.perf_counter()
+    rec = recommend(prog, target=TARGET, budget=budget, solve=True)
+    recommend_s = time.perf_counter() - t0
+    pick = rec.pick
+    recommended = {
+        "budget_bytes": budget,
+        "pick": None if pick is None else pick.label,
+        "pick_peak_bytes": None if pick is None else pick.peak_bytes,
+        "pick.step_time_s": None if pick is None else pick.step_s,
+        "compiles": rec.compiles,
+        "candidates": [
+            {"label": c.label, "peak_bytes": c.peak_bytes, "fits": c.fits, "step_s": c.step_time_s}
+            for c in rec.candidates
+        ],
+        "notes": list(rec.notes),
+    }
+    print(json.dumps(recommended, indent=1, default=str))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "model": prog.name,
@@ -113,6 +134,8 @@ def main() -> None:
         "doctor_s": round(doctor_s, 1),
         "reports": rows,
         "doctor": doctor,
+        "recommend_s": round(recommend_s, 1),
+        "recommend": recommended,
     }
     OUT.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {OUT}")

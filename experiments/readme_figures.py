@@ -48,6 +48,7 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, _HERE)
 try:
     import readme_docstrings as D
+    import readme_features as F
     import readme_sections as S
     from readme_format import RESULTS, ROOT, Claims, Results, Section
 finally:
@@ -65,6 +66,11 @@ SECTIONS: dict[str, Section] = {
         Section("recommend", S.RECOMMEND_RUNS, S.recommend_table),
         Section("sharding", (S.SHARDING,), S.sharding_table),
         Section("train-demos", S.TRAIN, S.train_demos),
+        Section("timeline", (F.TIMELINE,), F.timeline_table),
+        Section("structure", F.STRUCTURE, F.structure_table),
+        Section("chen", (F.CHEN,), F.chen_table),
+        Section("soak", (F.SOAK,), F.soak_table),
+        Section("own-model", (F.OWN_MODEL,), F.own_model_table),
     )
 }
 

@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import os
 from collections.abc import Iterable
 
 
 def closest(name: str, valid: Iterable[str]) -> str | None:
-    """The closest valid string to ``name`` (difflib ratio >= 0.5), or None."""
-    matches = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    """The closest valid string to ``name``: a valid one that ``name`` extends or abbreviates
+    (``mlpwi_typo`` -> ``mlpwi``; the longest such), else the best difflib ratio >= 0.5, or None.
+
+    >>> closest("mlpwi_typo", ["mlpwo", "mlpwi"])
+    'mlpwi'
+    """
+    valid = list(valid)
+    nested = [v for v in valid if v and (name.startswith(v) or v.startswith(name))]
+    if name and nested:
+        return max(nested, key=lambda v: (len(os.path.commonprefix([v, name])), -len(v)))
+    matches = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     return matches[0] if matches else None
 
 

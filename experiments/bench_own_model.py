@@ -114,7 +114,7 @@ def main() -> None:
         "budget_bytes": budget,
         "pick": None if pick is None else pick.label,
         "pick_peak_bytes": None if pick is None else pick.peak_bytes,
-        "pick.step_time_s": None if pick is None else pick.step_s,
+        "pick_step_s": None if pick is None else pick.step_time_s,
         "compiles": rec.compiles,
         "candidates": [
             {"label": c.label, "peak_bytes": c.peak_bytes, "fits": c.fits, "step_s": c.step_time_s}

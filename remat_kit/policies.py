@@ -422,3 +422,14 @@ def policy(name: str | PolicySpec | Mapping[str, str]) -> Callable[..., Any]:
 def describe(name: str | PolicySpec | Mapping[str, str]) -> str:
     """The one-sentence description of a policy (what it saves, offloads and recomputes)."""
     return get_policy_spec(name).description
+
+
+def on_device_twin(spec: PolicySpec) -> PolicySpec:
+    """``spec`` with its offloaded tags kept on device instead: the comparison that says whether
+    an offload lowered the device peak (measured, never assumed)."""
+    return PolicySpec(
+        f"{spec.name} (on device)",
+        f"{spec.name} keeping its offloaded tensors on device.",
+        save=spec.save | spec.offload,
+        source=f"on-device counterpart of {spec.name}",
+    )

@@ -72,7 +72,7 @@ def _is_nnx(x: Any) -> bool:
     return isinstance(x, _NNX_OBJECT)
 
 
-def _leaf_bytes(tree: Any) -> int:
+def leaf_bytes(tree: Any) -> int:
     """Bytes per device of every array leaf (a leaf carrying a sharding counts its shard)."""
     total = 0
     for x in jax.tree.leaves(tree):
@@ -86,7 +86,8 @@ def _leaf_bytes(tree: Any) -> int:
     return total
 
 
-def _param_names(fn: Callable[..., Any], n: int) -> list[str]:
+def param_names(fn: Callable[..., Any], n: int) -> list[str]:
+    """Names of ``fn``'s first ``n`` positional parameters (``arg{i}`` where unknown)."""
     target = inspect.unwrap(fn)
     try:
         params = [
@@ -165,18 +166,18 @@ def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
 
     for i, (name, arg) in enumerate(zip(pure.names, pure.args, strict=True)):
         if i != pure.nnx_index:
-            add(name, _leaf_bytes(arg))
+            add(name, leaf_bytes(arg))
             continue
         objs = [a for a in originals if _is_nnx(a)]
         for k in arg.keys():
             obj = objs[k] if k < len(objs) else None
             if isinstance(obj, nnx.Optimizer):
-                add("opt_state", _leaf_bytes(arg[k]))
+                add("opt_state", leaf_bytes(arg[k]))
             else:
                 params, rest = nnx.split_state(arg[k], nnx.Param, ...)
-                add("params", _leaf_bytes(params))
-                if _leaf_bytes(rest):
-                    add("other", _leaf_bytes(rest))
+                add("params", leaf_bytes(params))
+                if leaf_bytes(rest):
+                    add("other", leaf_bytes(rest))
     return parts
 
 
@@ -249,7 +250,7 @@ class Program:
 
             return step
 
-        names = ("opt_state", *_param_names(make_loss(None), len(args)))
+        names = ("opt_state", *param_names(make_loss(None), len(args)))
         return cls(
             name=name or getattr(make_loss, "__name__", "program"),
             make_step=make_step,
@@ -291,7 +292,7 @@ class Program:
             make_loss=make_loss,
             loss_args=tuple(loss_args),
             argnums=_argnums(argnums, loss_args) if make_loss is not None else (0,),
-            argument_names=tuple(_param_names(make_step(None), len(args))),
+            argument_names=tuple(param_names(make_step(None), len(args))),
         )
 
     def step(self, spec: PolicySpec) -> Pure:
@@ -304,7 +305,7 @@ class Program:
         if self.make_loss is None:
             return None
         loss = self.make_loss(jax_policy(spec))
-        names = _param_names(loss, len(self.loss_args))
+        names = param_names(loss, len(self.loss_args))
         pure = purify(loss, self.loss_args, names)
         if pure.nnx_index is not None:
             return pure

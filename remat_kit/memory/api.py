@@ -11,8 +11,6 @@ GPU kernels shared between compiles (:mod:`remat_kit.memory.runner`).
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,11 +24,11 @@ from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.programs import analyze_program
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import CompileEngine, Job, run_jobs
+from remat_kit.memory.runner import CompileEngine, Job, add_offload_jobs, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.program import Program, purify
+from remat_kit.program import Program, leaf_bytes, param_names, purify
 from remat_kit.program import argument_parts as nnx_argument_parts
 from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
 from remat_kit.training.step import (
@@ -47,19 +45,6 @@ DEFAULT_TOP_K = 10
 # -- Arguments and shardings ----------------------------------------------------------------
 
 
-def _leaf_bytes(tree: Any) -> int:
-    """Bytes per device: a leaf carrying a sharding counts its shard's shape."""
-
-    def nbytes(x) -> int:
-        shape = x.shape
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None:
-            shape = sharding.shard_shape(shape)
-        return math.prod(shape) * jnp.dtype(x.dtype).itemsize
-
-    return sum(nbytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
-
-
 def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
     """Bytes of each positional argument by name; an argument with ``params`` and
     ``opt_state`` attributes (a :class:`~remat_kit.training.TrainState`) is split into
@@ -67,25 +52,12 @@ def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
     parts: dict[str, int] = {}
     for name, arg in zip(names, args, strict=True):
         if hasattr(arg, "params") and hasattr(arg, "opt_state"):
-            params = _leaf_bytes(arg.params)
+            params = leaf_bytes(arg.params)
             parts["params"] = parts.get("params", 0) + params
-            parts["opt_state"] = parts.get("opt_state", 0) + _leaf_bytes(arg) - params
+            parts["opt_state"] = parts.get("opt_state", 0) + leaf_bytes(arg) - params
         else:
-            parts[name] = parts.get(name, 0) + _leaf_bytes(arg)
+            parts[name] = parts.get(name, 0) + leaf_bytes(arg)
     return parts
-
-
-def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
-    target = getattr(fn, "__wrapped__", fn)
-    try:
-        params = [
-            p.name
-            for p in inspect.signature(target).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"arg{i}" for i in range(n)]
 
 
 # -- Public API -----------------------------------------------------------------------------
@@ -138,7 +110,7 @@ def analyze(
     tgt = T.get_target(target)
     sharding = T.abstract_sharding(tgt)
     label = name or getattr(getattr(fn, "__wrapped__", fn), "__name__", "fn")
-    pure = purify(fn, args, _arg_names(fn, len(args)))
+    pure = purify(fn, args, param_names(fn, len(args)))
     if pure.nnx_index is not None:  # NNX objects: split, merged inside, updated state returned
         jitted = jax.jit(pure.fn, donate_argnums=(pure.nnx_index,))
         parts_of = lambda abstract: nnx_argument_parts(  # noqa: E731
@@ -321,32 +293,14 @@ def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Jo
     )
 
 
-def on_device_twin(spec: PolicySpec) -> PolicySpec:
-    """``spec`` with its offloaded tags kept on device instead (the offload's comparison)."""
-    return PolicySpec(
-        f"{spec.name} (on device)",
-        f"{spec.name} keeping its offloaded tensors on device.",
-        save=spec.save | spec.offload,
-        source=f"on-device counterpart of {spec.name}",
-    )
-
-
 def _model_jobs(
     setup: _ModelSetup, specs: Sequence[PolicySpec], compare_offload: bool
 ) -> list[Job]:
     jobs = [_model_job(setup, spec) for spec in specs]
-    for job, spec in zip(jobs, specs, strict=True):
-        if spec.offloads and not setup.target.supports_host_offload:
-            job.notes = (
-                f"target {setup.target.name!r} does not offload: the tensors this policy "
-                "offloads are counted as device memory (host_bytes is 0)",
-            )
-    if compare_offload and setup.target.supports_host_offload:
-        for i, spec in enumerate(specs):
-            if spec.offloads:
-                jobs[i].on_device_twin = len(jobs)
-                jobs.append(_model_job(setup, on_device_twin(spec), visible=False))
-    return jobs
+    return add_offload_jobs(
+        jobs, specs, setup.target, compare_offload,
+        lambda twin: _model_job(setup, twin, visible=False),
+    )  # fmt: skip
 
 
 def analyze_model(

@@ -18,7 +18,7 @@ import jax
 from remat_kit import targets as T
 from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, run_jobs
+from remat_kit.memory.runner import Job, add_offload_jobs, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.policies import PolicySpec, check_tags, get_policy_spec, policy_specs
 from remat_kit.program import Program, argument_parts
@@ -26,16 +26,6 @@ from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
 from remat_kit.walker import emitted_tags, tags_in
 
 DEFAULT_TOP_K = 10
-
-
-def on_device_twin(spec: PolicySpec) -> PolicySpec:
-    """``spec`` with its offloaded tags kept on device instead (the offload's comparison)."""
-    return PolicySpec(
-        f"{spec.name} (on device)",
-        f"{spec.name} keeping its offloaded tensors on device.",
-        save=spec.save | spec.offload,
-        source=f"on-device counterpart of {spec.name}",
-    )
 
 
 @dataclasses.dataclass
@@ -167,17 +157,9 @@ def analyze_program(
                 "it runs as save-nothing; tag the model (remat_kit.tag_linen / tag_nnx) or write "
                 "a per-tag spec in its own names",
             )
-    for job, spec in zip(jobs, specs, strict=True):
-        if spec.offloads and not setup.target.supports_host_offload:
-            job.notes = (
-                *job.notes,
-                f"target {setup.target.name!r} does not offload: the tensors this policy "
-                "offloads are counted as device memory (host_bytes is 0)",
-            )
-    if compare_offload and setup.target.supports_host_offload:
-        for i, spec in enumerate(specs):
-            if spec.offloads:
-                jobs[i].on_device_twin = len(jobs)
-                jobs.append(_program_job(setup, on_device_twin(spec), visible=False))
+    add_offload_jobs(
+        jobs, specs, setup.target, compare_offload,
+        lambda twin: _program_job(setup, twin, visible=False),
+    )  # fmt: skip
     results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
     return results[: len(specs)]

@@ -45,6 +45,7 @@ from remat_kit.memory.xla_compile import (
     compile_with_dump,
     jax_backend_description,
 )
+from remat_kit.policies import on_device_twin
 from remat_kit.residuals import TagResiduals
 from remat_kit.units import format_bytes
 
@@ -220,6 +221,32 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         batch_size=job.batch_size,
         seq_len=job.seq_len,
     )
+
+
+def add_offload_jobs(
+    jobs: list[Job],
+    specs: Sequence[Any],
+    target: T.Target,
+    compare_offload: bool,
+    make_job: Callable[[Any], Job],
+) -> list[Job]:
+    """Note on each offloading policy's job when ``target`` does not offload, and, where it
+    does and ``compare_offload``, append the job of its on-device twin
+    (:func:`remat_kit.policies.on_device_twin`, built by ``make_job``; not visible) and link it,
+    so the report says whether offloading lowered the device peak."""
+    for job, spec in zip(jobs, specs, strict=False):
+        if spec.offloads and not target.supports_host_offload:
+            job.notes = (
+                *job.notes,
+                f"target {target.name!r} does not offload: the tensors this policy offloads are "
+                "counted as device memory (host_bytes is 0)",
+            )
+    if compare_offload and target.supports_host_offload:
+        for i, spec in enumerate(list(specs)):
+            if spec.offloads:
+                jobs[i].on_device_twin = len(jobs)
+                jobs.append(make_job(on_device_twin(spec)))
+    return jobs
 
 
 def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -> MemoryReport:

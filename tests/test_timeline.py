@@ -175,3 +175,18 @@ def test_timeline_cli_argument():
     T.add_timeline_args(parser)
     assert parser.parse_args(["--timeline", "out.png"]).timeline == "out.png"
     assert parser.parse_args([]).timeline is None
+
+
+def test_cli_analyze_writes_the_timeline_png(tmp_path, capsys):
+    from remat_kit import cli
+
+    png = tmp_path / "t.png"
+    argv = ["analyze", "--model", "tiny-llama", "--batch", "1", "--seq", "16", "--target", "cpu",
+            "--set", "scan_layers=true", "--policy", "save-nothing", "--policy", "no-remat",
+            "--timeline", str(png), "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    import json
+
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert all(r["timeline"]["peak_bytes"] == r["live_peak_bytes"] for r in reports)

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from remat_kit import targets
+from remat_kit import plots, targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
+from remat_kit.memory.timeline import add_timeline_args
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
@@ -49,6 +50,7 @@ def add(subparsers) -> None:
         "(Korthikanti et al. 2022)",
     )
     A.add_workers(p)
+    add_timeline_args(p)
     p.add_argument("--devices", type=A.positive_int, default=None,
                    help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
     p.add_argument(
@@ -116,9 +118,12 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except CompileError as err:
             errors.append(err)
+    if args.timeline and reports:
+        plots.timeline(reports, args.timeline)
+        print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
     if args.json:
         out = {
-            "reports": [r.to_dict() for r in reports],
+            "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
             "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
         }
         if layers:
@@ -129,6 +134,15 @@ def run(args: argparse.Namespace) -> int:
     for err in errors:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _report_dict(report, with_timeline: bool) -> dict:
+    """``report.to_dict()``; its timeline (a few hundred points per policy) only with
+    ``--timeline``."""
+    d = report.to_dict()
+    if not with_timeline:
+        d.pop("timeline", None)
+    return d
 
 
 _REMAT_WARNING = re.compile(

@@ -157,7 +157,7 @@ def test_cli_analyze_takes_a_program_by_file_and_says_which_form_was_meant(capsy
     (report,) = json.loads(capsys.readouterr().out)["reports"]
     assert {r["tag"] for r in report["residuals"]} >= {"mlp_hidden"}
     for argv, match in [
-        (["--model", ref, "--batch", "4"], "--batch apply to presets"),
+        (["--model", ref, "--batch", "4"], "--batch applies to presets"),
         (
             ["--model", "llama3-9b", "--batch", "1", "--seq", "8"],
             "unknown preset 'llama3-9b'.*MODULE:FACTORY",
@@ -172,3 +172,16 @@ def test_cli_analyze_takes_a_program_by_file_and_says_which_form_was_meant(capsy
         assert cli.main(["analyze", *argv, "--target", "cpu"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
+
+
+def test_cli_doctor_on_a_program(capsys):
+    from remat_kit import cli
+
+    ref = "tests/user_models/plain_jax.py:program"
+    argv = ["doctor", "--model", ref, "--target", "h100-sxm", "--policy", "mlp_hiden=save"]
+    assert cli.main(argv) == 1  # an error finding
+    out = capsys.readouterr().out
+    assert "unknown-tag" in out and "'mlp_hidden'" in out
+    for bad in (["--batch", "2"], ["--no-scan"], ["--group-size", "2"]):
+        assert cli.main(["doctor", "--model", ref, *bad]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -105,7 +105,7 @@ def test_cli_recommend_program(capsys):
 
 def test_cli_shape_flags(capsys):
     for argv, match in [
-        (["--model", REF, "--seq", "64"], "--seq apply to presets; program 'plain-jax'"),
+        (["--model", REF, "--seq", "64"], "--seq applies to presets; program 'plain-jax'"),
         (["--model", REF, "--group-size", "1"], "--group-size applies to presets"),
         (["--model", "tiny-llama"], "required for a preset: --seq"),
     ]:

@@ -143,7 +143,8 @@ def require_shape(
         given = [f for f in ("batch", "seq") if getattr(args, f, None) is not None]
         if given:
             raise UsageError(
-                f"--{' and --'.join(given)} apply to presets; program {model.name!r} carries its "
+                f"--{' and --'.join(given)} {'apply' if len(given) > 1 else 'applies'} to presets; "
+                f"program {model.name!r} carries its "
                 "own arguments (set their shapes in its factory)"
             )
         return

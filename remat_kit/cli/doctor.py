@@ -23,25 +23,42 @@ def add(subparsers) -> None:
     )
     A.add_model(p, "tiny-gpt or llama3-8b")
     A.add_policy(p, "policy to check (default: every registered policy)")
-    A.add_batch(p, default=2)
-    A.add_seq(p, default=64)
+    A.add_batch(p)  # presets: 2 when not given
+    A.add_seq(p)  # presets: 64 when not given
     A.add_target(p, "cpu")
     p.add_argument(
-        "--no-scan", action="store_true", help="unrolled layers instead of nn.scan (scan_layers)"
-    )
-    p.add_argument("--group-size", type=A.positive_int, default=1, help="remat_group_size")
+        "--no-scan", action="store_true",
+        help="presets: unrolled layers instead of nn.scan (scan_layers)",
+    )  # fmt: skip
+    p.add_argument("--group-size", type=A.positive_int, default=None,
+                   help="presets: remat_group_size (default 1)")  # fmt: skip
     A.add_json(p, "findings")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit doctor``: 0 no error finding, 1 some."""
-    config = A.resolve_model(args, scan_layers=not args.no_scan, remat_group_size=args.group_size)
-    targets.get_target(args.target)
-    specs = args.policy or [get_policy_spec(n) for n in policy_names()]
-    A.check_shape(config, args.batch, args.seq)
+    if A.is_program_ref(args.model):
+        program = A.resolve_model(args)
+        A.require_shape(args, program)
+        for flag, given in (("--no-scan", args.no_scan), ("--group-size", args.group_size)):
+            if given:
+                raise A.UsageError(f"{flag} applies to presets; program {program.name!r} "
+                                   "sets its own layer structure")  # fmt: skip
+        targets.get_target(args.target)
+        specs = args.policy or [get_policy_spec(n) for n in policy_names()]
+        results = check_policies(program, specs, args.target)
+    else:
+        config = A.resolve_model(
+            args, scan_layers=not args.no_scan, remat_group_size=args.group_size or 1
+        )
+        args.batch = args.batch or 2
+        args.seq = args.seq or 64
+        targets.get_target(args.target)
+        specs = args.policy or [get_policy_spec(n) for n in policy_names()]
+        A.check_shape(config, args.batch, args.seq)
+        results = check_policies(config, args.batch, args.seq, specs, args.target)
     labels = [policy_label(s) for s in specs]
-    results = check_policies(config, args.batch, args.seq, specs, args.target)
     if args.json:
         out = {
             label: [dataclasses.asdict(f) for f in findings]

@@ -105,6 +105,18 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
             "keep prevent_cse=True (nn.remat / jax.checkpoint), or run the layers under "
             "lax.scan / nn.scan.",
         )  # fmt: skip
+    if recomputes is True and not on_cpu:
+        # It does recompute on a real target: the peak is set elsewhere, not a no-op.
+        return Finding(
+            "remat-not-lowering-peak", "warning",
+            f"policy {promise.name!r} recomputes, but the compiled step frees only "
+            f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
+            f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
+            "the peak is outside the layers (optimizer update, logits, parameters): activations "
+            "do not set it at this size.",
+            "look at the buffers live at the peak (remat-kit analyze --timeline); a cheaper "
+            "policy may fit as well.",
+        )  # fmt: skip
     return Finding(
         "no-op-policy", "error",
         f"policy {promise.name!r} recomputes but the compiled step frees only "

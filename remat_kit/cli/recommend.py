@@ -42,6 +42,11 @@ def add(subparsers) -> argparse.ArgumentParser:
         "--group-size", type=A.positive_int, action="append", default=None, dest="group_sizes",
         help="remat_group_size values to consider (default: every divisor of num_layers)",
     )  # fmt: skip
+    p.add_argument(
+        "--structure", action=argparse.BooleanOptionalAction, default=None,
+        help="also search cuDNN attention, chunked loss and partial-layer remat (default: on "
+        "unless --policy is given)",
+    )  # fmt: skip
     A.add_optimizer(p, default=None)
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="memory fraction kept free")
     p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
@@ -74,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         A.require_shape(args, model, needed=("seq",))
         rec = recommend(
             model, args.seq, args.target, batch_size=args.batch or 1,
-            group_sizes=args.group_sizes, optimizer=args.optimizer or "adamw", **common,
+            group_sizes=args.group_sizes, optimizer=args.optimizer or "adamw",
+            structure=args.structure, **common,
         )  # fmt: skip
     if args.json:
         print(rec.to_json(indent=1))
@@ -98,13 +104,15 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
     (bu, bs), (tu, ts) = _units(candidates)
     shaped = rec.seq_len is not None
     header = [
-        "candidate", *(["group", "batch"] if shaped else []), f"peak {bu}", f"host {bu}", "fits",
+        "candidate", *(["options", "group", "batch"] if shaped else []), f"peak {bu}",
+        f"host {bu}", "fits",
         f"step {tu}", f"transfer {tu}", *(["tokens/s"] if shaped else []), "found by",
     ]  # fmt: skip
-    t = table(title, header, right=[h for h in header if h not in ("candidate", "found by")])
+    left = ("candidate", "options", "found by")
+    t = table(title, header, right=[h for h in header if h not in left])
     for c in candidates:
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
-        shape = [str(c.remat_group_size), str(c.batch_size)] if shaped else []
+        shape = [c.options_label, str(c.remat_group_size), str(c.batch_size)] if shaped else []
         tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
         add_row(
             t, ("* " if c is rec.pick else "") + c.label, *shape, f"{c.peak_bytes / bs:.2f}",
@@ -139,10 +147,13 @@ def _lines(rec: Recommendation) -> list[str]:
             "" if p.batch_size is None else f" (group {p.remat_group_size}, batch {p.batch_size})"
         )
         tokens = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
+        opts = "" if not p.options else f" [{p.options_label}]"
         lines.append(
-            f"pick: {p.label}{shape}: peak {_gib(p.peak_bytes)} of {_gib(rec.budget_bytes)}, "
-            f"est. {p.step_time_s * 1e3:.4g} ms/step{tokens}"
+            f"pick: {p.label}{opts}{shape}: peak {_gib(p.peak_bytes)} of "
+            f"{_gib(rec.budget_bytes)}, est. {p.step_time_s * 1e3:.4g} ms/step{tokens}"
         )
+        if rec.made_fit:
+            lines.append(f"options: {rec.made_fit}")
     return lines
 
 

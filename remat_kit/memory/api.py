@@ -30,10 +30,17 @@ from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec
 from remat_kit.program import Program, leaf_bytes, param_names, purify
 from remat_kit.program import argument_parts as nnx_argument_parts
-from remat_kit.residuals import TagResiduals, block_residuals, group_by_tag, split_over_tp
+from remat_kit.residuals import (
+    TagResiduals,
+    block_residuals,
+    group_by_tag,
+    saved_residuals,
+    split_over_tp,
+)
 from remat_kit.training.step import (
     abstract_batch,
     abstract_train_state,
+    loss_fn,
     make_optimizer,
     make_train_step,
     sharded_train_state,
@@ -138,6 +145,11 @@ def model_residuals(
     tag, from the jaxpr of one remat segment (:func:`remat_kit.residuals.block_residuals`) times
     the number of segments (``num_layers // remat_group_size``).
 
+    A structured config (``remat_layers``, ``nested_remat`` or ``loss_chunk_size`` set) is not a
+    uniform stack of segments: its rows are the saved values of the whole loss's VJP
+    (:func:`remat_kit.residuals.saved_residuals`, parameters and the batch left out), each row's
+    shape the stacked one (e.g. [layers, batch, seq, d_model]).
+
     Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
     for every segment. Parameters and the positions are not residuals here (they are arguments
     of the step). Untagged residuals are grouped as ``"<primitive>"``.
@@ -153,6 +165,14 @@ def model_residuals(
     Raises:
       ValueError: ``tp`` is not a positive integer.
     """
+    if config.layer_structure or config.loss_chunk_size is not None:
+        # Not a uniform stack of segments: the forward's saved values of the whole loss.
+        state = abstract_train_state(config, make_optimizer("sgd"))
+        whole = saved_residuals(
+            lambda p, b: loss_fn(p, config, b), state.params, abstract_batch(batch_size, seq_len)
+        )
+        kept = [r for r in whole if not r.is_argument]
+        return tuple(group_by_tag(split_over_tp(kept, tp)))
     segments = config.num_layers // config.remat_group_size
     rows = []
     kept = [
@@ -231,6 +251,10 @@ def _setup(
 def _baseline_flops(setup: _ModelSetup) -> float:
     """The no-remat step's matmul FLOPs from its trace; on a mesh, the even share per device.
 
+    The plain step: no remat on any layer, no nested scan, whole logits; the config's
+    ``attention`` is kept (cuDNN's fused attention is counted by its matmul work, see
+    :mod:`remat_kit.memory.flops`), so the ratio is against the same attention without remat.
+
     The trace counts the whole (global) step. On a mesh this even share is not the report's
     baseline: a device may compute more than ``1/devices`` of the step (what XLA leaves
     replicated or pads), remat or not, so the runner takes the baseline per device from the
@@ -238,10 +262,19 @@ def _baseline_flops(setup: _ModelSetup) -> float:
     figure to tell replicated work.
     """
     if setup.flops_no_remat is None:
-        config = setup.config.replace(remat_policy="no-remat")
+        config = setup.config.replace(
+            remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
+            loss_chunk_size=None,
+        )  # fmt: skip
         step = make_train_step(config, setup.optimizer, jit=False)
         devices = setup.mesh.size if setup.mesh is not None else 1
-        setup.flops_no_remat = traced_flops(step, setup.state, setup.batch) / devices
+        # A layer structure stacks its parameters differently: the plain step's own state.
+        state = (
+            abstract_train_state(config, setup.optimizer)
+            if setup.config.layer_structure
+            else setup.state
+        )
+        setup.flops_no_remat = traced_flops(step, state, setup.batch) / devices
     return setup.flops_no_remat
 
 

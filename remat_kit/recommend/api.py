@@ -4,13 +4,17 @@
 2. :func:`open_session`: the compile session, and the budget checked against the state.
 3. :func:`compile_named`: every named policy at the base group size.
 4. :func:`search_largest_batch` (``"auto"``) or :func:`search_fixed_batch` (group sizes, solver).
-5. :func:`advise`: when nothing fits, what would.
-6. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
+5. :func:`search_structure_options` (fixed batch, ``structure``): cuDNN attention and chunked
+   cross-entropy when nothing fits, then fewer rematerialised layers when a full-remat pick fits
+   with room (:mod:`remat_kit.recommend.structure`).
+6. :func:`advise`: when nothing fits, what would.
+7. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -26,6 +30,12 @@ from remat_kit.recommend.programs import recommend_program
 from remat_kit.recommend.search import distinct, group_search, largest_batch
 from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
 from remat_kit.recommend.solver import solve
+from remat_kit.recommend.structure import (
+    STRUCTURE_COMPILES,
+    made_fit,
+    search_partial_layers,
+    search_structure,
+)
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
 from remat_kit.training.step import abstract_batch, abstract_train_state, make_optimizer
@@ -58,6 +68,7 @@ class Request:
     groups: tuple[int, ...]
     arguments: dict[str, int]
     notes: tuple[str, ...]
+    structure: bool = False
 
 
 @dataclasses.dataclass
@@ -70,6 +81,7 @@ class Found:
     largest: list[Candidate] = dataclasses.field(default_factory=list)
     summary: SolveSummary | None = None
     advice: list[str] = dataclasses.field(default_factory=list)
+    made_fit: str | None = None
 
 
 def recommend(
@@ -87,6 +99,7 @@ def recommend(
     max_compiles: int | None = None,
     workers: int | None = None,
     cache: CompileCache | None = None,
+    structure: bool | None = None,
 ) -> Recommendation:
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
@@ -118,6 +131,12 @@ def recommend(
         says so in ``notes``.
       workers: concurrent compiles (see :func:`remat_kit.memory.analyze_policies`).
       cache: a :class:`CompileCache` shared between calls.
+      structure: also search the model's structure (fixed batch only): ``attention="cudnn"``
+        where the target has it and ``loss_chunk_size`` when nothing fits, then ``remat_layers``
+        (the first k layers under the policy, the rest not rematerialised) when a full-remat pick
+        fits with room (:mod:`remat_kit.recommend.structure`). Default: on when ``policies`` is
+        None (the full search), off when the policies are given (exactly those are compiled).
+        The compile cap grows by :data:`STRUCTURE_COMPILES` when on.
 
     Returns:
       A :class:`Recommendation`: the pick (None when nothing fits, with ``advice``), every
@@ -147,6 +166,7 @@ def recommend(
     request = resolve_request(
         model, seq_len, target, batch_size=batch_size, budget=budget, solve=solve,
         policies=policies, group_sizes=group_sizes, optimizer=optimizer, margin=margin,
+        structure=structure,
     )  # fmt: skip
     with counting() as counter:
         session = open_session(request, counter, cache, workers, max_compiles)
@@ -155,6 +175,8 @@ def recommend(
             found = search_largest_batch(session, named)
         else:
             found = search_fixed_batch(session, request, named)
+            if request.structure:
+                search_structure_options(session, request, named, found)
         if found.pick is None:
             advise(session, request, named, found)
         compiles = counter.count
@@ -240,6 +262,7 @@ def resolve_request(
     group_sizes: Sequence[int] | None,
     optimizer: str,
     margin: float,
+    structure: bool | None = None,
 ) -> Request:
     """Stage 1: check and resolve every input of :func:`recommend`; traces nothing.
 
@@ -257,6 +280,9 @@ def resolve_request(
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     specs, notes = _resolve_specs(tgt, policies)
     groups = _resolve_groups(config, group_sizes)
+    on = policies is None if structure is None else bool(structure)
+    if on and auto:
+        notes.append("structure search (attention, loss chunks, remat_layers) needs a fixed batch")
     arguments = argument_parts(
         [abstract_train_state(config, opt), abstract_batch(batch, seq_len)], ["state", "batch"]
     )
@@ -264,6 +290,7 @@ def resolve_request(
         config=config, target=tgt, optimizer=optimizer, seq_len=seq_len, batch=batch,
         auto=auto, solve=solve, budget_bytes=budget_bytes, budget_note=budget_note,
         specs=tuple(specs), groups=tuple(groups), arguments=arguments, notes=tuple(notes),
+        structure=on and not auto,
     )  # fmt: skip
 
 
@@ -284,7 +311,8 @@ def open_session(
     params = request.arguments.get("params", 0)
     opt_state = request.arguments.get("opt_state", 0)
     n = len(request.specs)
-    cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n
+    extra = STRUCTURE_COMPILES if request.structure else 0
+    cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n + extra
     session = Session(
         config=request.config, seq_len=request.seq_len, target=request.target,
         optimizer=request.optimizer, budget=request.budget_bytes,
@@ -325,6 +353,24 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
     return Found(candidates, pick, summary=summary)
 
 
+def search_structure_options(
+    session: Session, request: Request, named: Sequence[Named], found: Found
+) -> None:
+    """Stage 5 (``structure``): cuDNN attention / chunked loss when nothing fits, then fewer
+    rematerialised layers when a full-remat pick fits (:mod:`remat_kit.recommend.structure`);
+    the pick is chosen again over every candidate, and ``made_fit`` says what its options did."""
+    pool: list[Named] = list(named)
+    if found.pick is None:
+        extra = search_structure(session, named, request.batch, math.inf)
+        pool += extra
+        found.candidates += [c for _, c, _ in extra]
+        found.pick = min((c for c in found.candidates if c.fits), key=rank, default=None)
+    partial = search_partial_layers(session, pool, found.pick, request.batch)
+    found.candidates += [c for _, c, _ in partial]
+    found.pick = min((c for c in found.candidates if c.fits), key=rank, default=None)
+    found.made_fit = made_fit(found.pick, found.candidates, request.config.num_layers)
+
+
 def advise(session: Session, request: Request, named: Sequence[Named], found: Found) -> None:
     """Stage 5, when nothing fits: what would, and the candidates compiled to find out."""
     lines, extra = advice(session, named, request.batch)
@@ -358,4 +404,5 @@ def assemble(
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,
         host_link=host_link_source(tgt),
+        made_fit=found.made_fit,
     )

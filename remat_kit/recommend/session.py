@@ -15,10 +15,10 @@ import jax.monitoring
 
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
-from remat_kit.models.config import ModelConfig
+from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec
 from remat_kit.recommend.timing import step_time
-from remat_kit.recommend.types import Candidate, FoundBy
+from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
 #: JAX's monitoring event for one XLA backend compile.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -104,19 +104,25 @@ class Session:
         return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4
 
     def evaluate(
-        self, specs: Sequence[PolicySpec], group: int, batch: int, seq_len: int | None = None
+        self,
+        specs: Sequence[PolicySpec],
+        group: int,
+        batch: int,
+        seq_len: int | None = None,
+        structure: Structure = (),
     ) -> list[Any]:
-        """Reports (or ``CompileError``) of ``specs`` at (group, batch, seq), cached; the
-        uncached ones compiled together by :func:`remat_kit.memory.analyze_policies`."""
+        """Reports (or ``CompileError``) of ``specs`` at (group, batch, seq) with the structural
+        overrides ``structure``, cached; the uncached ones compiled together by
+        :func:`remat_kit.memory.analyze_policies`."""
         seq = seq_len or self.seq_len
         keys = [
-            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch)
+            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch, structure)
             for s in specs
         ]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
         self.reused += sum(1 for k in keys if k not in todo)
         if todo:
-            config = self.config.replace(remat_group_size=group)
+            config = self.config.replace(remat_group_size=group, **dict(structure))
             results = analyze_policies(
                 config, batch, seq, list(todo.values()), target=self.target,
                 optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
@@ -132,22 +138,52 @@ class Session:
         batch: int,
         found_by: FoundBy,
         seq_len: int | None = None,
+        structure: Structure = (),
     ) -> list[tuple[PolicySpec, Candidate, Any]]:
         """Compile (or reuse) and turn into candidates; compile failures become notes."""
         out = []
-        for spec, report in zip(specs, self.evaluate(specs, group, batch, seq_len), strict=True):
-            c = self.candidate(report, spec, group, batch, found_by, seq_len or self.seq_len)
+        reports = self.evaluate(specs, group, batch, seq_len, structure)
+        for spec, report in zip(specs, reports, strict=True):
+            c = self.candidate(
+                report, spec, group, batch, found_by, seq_len or self.seq_len, structure
+            )
             if c is not None:
                 out.append((spec, c, report))
         return out
 
     def candidate(
-        self, report: Any, spec: PolicySpec, group: int, batch: int, found_by: FoundBy, seq: int
+        self,
+        report: Any,
+        spec: PolicySpec,
+        group: int,
+        batch: int,
+        found_by: FoundBy,
+        seq: int,
+        structure: Structure = (),
     ) -> Candidate | None:
-        """:func:`to_candidate` at this session's target and budget."""
-        return to_candidate(
+        """:func:`to_candidate` at this session's target and budget, carrying the config's
+        structural options."""
+        c = to_candidate(
             report, spec, self.target, self.budget, self.notes, found_by, group, batch, seq
         )
+        if c is None:
+            return None
+        config = self.config.replace(**dict(structure))
+        return dataclasses.replace(
+            c, model=preset_name(self.config), attention=config.attention,
+            loss_chunk_size=config.loss_chunk_size, remat_layers=config.remat_layers,
+        )  # fmt: skip
+
+
+def preset_name(config: ModelConfig) -> str | None:
+    """``config.name`` where ``config`` is that preset up to its remat fields (so
+    ``get_config(name, ...)`` rebuilds it); None for a config of the user's own."""
+    preset = PRESETS.get(config.name)
+    if preset is None:
+        return None
+    remat = ("remat_policy", "remat_group_size", "scan_layers", "attention", "loss_chunk_size")
+    same = config.replace(**{f: getattr(preset, f) for f in remat})
+    return config.name if same == preset else None
 
 
 def to_candidate(

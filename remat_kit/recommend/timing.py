@@ -1,6 +1,16 @@
 """The time model of recommend: estimated step time from compiled FLOPs and host transfers.
 
 See :mod:`remat_kit.recommend` for the formula; :func:`host_link_source` for the link figures.
+
+FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
+the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]
+scores, masked or not: ``4 * b * heads * s^2 * head_dim`` forward, twice that backward. cuDNN's
+fused attention call is counted by the same matmul formula, halved under a causal mask (the flash
+kernel skips the masked tiles) and times 2.5 backward (it recomputes the scores; FlashAttention-2,
+arXiv:2307.08691); the traced baseline (:mod:`remat_kit.memory.flops`) uses the same rules. Both
+are then timed at the same dense bf16 peak, so xla and cudnn candidates are compared on executed
+matmul work; what the model leaves out (the softmax and HBM traffic of the materialised scores,
+which cuDNN avoids) would only widen cuDNN's lead.
 """
 
 from __future__ import annotations

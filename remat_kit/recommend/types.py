@@ -10,7 +10,12 @@ import json
 from typing import Any, Literal
 
 #: Which stage of the search compiled a candidate.
-FoundBy = Literal["named", "group-size", "batch-search", "solve", "advice"]
+FoundBy = Literal[
+    "named", "group-size", "batch-search", "solve", "advice", "structure", "partial-layers"
+]
+#: Structural ``ModelConfig`` overrides of a candidate, as sorted ``(field, value)`` pairs
+#: (``attention``, ``loss_chunk_size``, ``remat_layers``); ``()`` is the config as given.
+Structure = tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +33,15 @@ class Candidate:
       compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
       tokens_per_s: ``batch_size * seq_len / step_time_s`` (None for a user's program).
       fits: ``peak_bytes <= budget``.
-      found_by: which stage compiled it (``named``, ``group-size``, ``batch-search``, ``solve``).
+      found_by: which stage compiled it (``named``, ``group-size``, ``batch-search``, ``solve``,
+        ``structure``: cuDNN attention / chunked loss; ``partial-layers``: fewer layers remat).
       predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
       warnings: compiler messages (XLA's own rematerialisation, ...).
+      model: the preset or config name (None for a user's program).
+      attention: ``ModelConfig.attention`` compiled (``"xla"`` or ``"cudnn"``; None for a user's
+        program). loss_chunk_size: tokens per chunk of the chunked cross-entropy (None: whole
+        logits). remat_layers: the first ``remat_layers`` of the layers under ``policy``, the
+        rest not rematerialised (None: every layer under ``policy``).
     """
 
     policy: str
@@ -51,6 +62,34 @@ class Candidate:
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     warnings: tuple[str, ...] = ()
+    model: str | None = None
+    attention: str | None = None
+    loss_chunk_size: int | None = None
+    remat_layers: int | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The structural options set away from the plain step (``attention`` other than xla,
+        ``loss_chunk_size``, ``remat_layers``), as ``ModelConfig`` overrides."""
+        out: dict[str, Any] = {}
+        if self.attention not in (None, "xla"):
+            out["attention"] = self.attention
+        if self.loss_chunk_size is not None:
+            out["loss_chunk_size"] = self.loss_chunk_size
+        if self.remat_layers is not None:
+            out["remat_layers"] = self.remat_layers
+        return out
+
+    @property
+    def options_label(self) -> str:
+        """``"cudnn, loss chunk 1024, remat 24 layers"``, or ``"-"`` for the plain step."""
+        o = self.options
+        parts = [o["attention"]] if "attention" in o else []
+        if "loss_chunk_size" in o:
+            parts.append(f"loss chunk {o['loss_chunk_size']}")
+        if "remat_layers" in o:
+            parts.append(f"remat {o['remat_layers']} layers")
+        return ", ".join(parts) or "-"
 
     @property
     def label(self) -> str:
@@ -77,11 +116,24 @@ class Candidate:
                 return "make_step(None)  # no remat: build the step without jax.checkpoint"
             return f"make_step({policy})  # your factory's jax.checkpoint(..., policy=...)"
         shape = f"batch {self.batch_size}, seq {self.seq_len}"
+        if self.options:
+            return self._config_code(policy, shape)
         if self.policy == "no-remat":
             return f"Block  # no remat: do not wrap the block in nn.remat; {shape}"
         return (
             f"nn.remat(Block, policy={policy})  # {shape}, remat_group_size={self.remat_group_size}"
         )
+
+    def _config_code(self, policy: str, shape: str) -> str:
+        """The bundled model's config with the structural options (``get_config(...)``)."""
+        value = f'"{self.policy}"' if self.actions is None else policy
+        fields = [f"remat_policy={value}"]
+        fields += [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"'
+                   for k, v in self.options.items()]  # fmt: skip
+        if self.remat_group_size not in (None, 1):
+            fields.append(f"remat_group_size={self.remat_group_size}")
+        head = f'get_config("{self.model}", ' if self.model else "config.replace("
+        return f"{head}{', '.join(fields)}, scan_layers=True)  # {shape}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +205,9 @@ class Recommendation:
       peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
       tags: for a user's program, the ``checkpoint_name`` tags its step emits (None for a
         preset).
+      made_fit: which structural options (``attention``, ``loss_chunk_size``, ``remat_layers``)
+        the pick carries and what they did (made it fit, or made it faster), with the compiled
+        figures; None when the pick is a plain step.
     """
 
     model: str
@@ -176,6 +231,7 @@ class Recommendation:
     host_link_bytes_per_s: float | None
     host_link: str
     tags: tuple[str, ...] | None = None
+    made_fit: str | None = None
 
     def line(self) -> str:
         """The pick as one line of code, or what would fit when nothing does."""

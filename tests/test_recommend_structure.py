@@ -1,0 +1,121 @@
+"""recommend's structure search: cuDNN attention / chunked loss when nothing fits, partial-layer
+remat when a full-remat policy fits with room (issue 17).
+
+tiny-llama in bfloat16 (so cuDNN flash attention qualifies) at b=2, s=64 on h100-sxm,
+deviceless; one shared :class:`CompileCache` (about 7 compiles in all).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from remat_kit import targets as T
+from remat_kit.memory.api import _baseline_flops, _setup, model_residuals
+from remat_kit.models.config import get_config
+from remat_kit.recommend import CompileCache, Recommendation, recommend
+from remat_kit.recommend.session import CompileCounter, Session
+from remat_kit.recommend.structure import loss_chunk, structural_options
+from remat_kit.recommend.types import Candidate
+from tests.conftest import needs_cuda_plugin
+
+CONFIG = get_config("tiny-llama", dtype="bfloat16", param_dtype="bfloat16")
+SEQ, BATCH, TARGET = 64, 2, "h100-sxm"
+KW = dict(batch_size=BATCH, policies=["no-remat", "save-nothing"], group_sizes=[1], structure=True)
+
+
+@pytest.fixture(scope="module")
+def cache() -> CompileCache:
+    return CompileCache()
+
+
+@pytest.fixture(scope="module")
+def first(cache) -> Recommendation:
+    return recommend(CONFIG, SEQ, TARGET, budget=10**9, cache=cache, **KW)
+
+
+def _options(config) -> list[str]:
+    """The structural options' labels on the deviceless h100-sxm (nothing compiled)."""
+    session = Session(
+        config=config, seq_len=SEQ, target=T.get_target(TARGET), optimizer="adamw", budget=1,
+        cache=CompileCache(), counter=CompileCounter(), workers=1, max_compiles=0, fixed_bytes=0,
+        opt_state_bytes=0,
+    )  # fmt: skip
+    return [label for label, _ in structural_options(session)]
+
+
+def _named(rec: Recommendation, policy: str) -> Candidate:
+    return next(c for c in rec.candidates if c.policy == policy and c.found_by == "named")
+
+
+# -- No compiles ----------------------------------------------------------------------------
+
+
+def test_options_and_the_line_to_paste():
+    assert loss_chunk(8192) == 1024 and loss_chunk(64) == 8 and loss_chunk(12) is None
+    c = Candidate(
+        policy="save-nothing", actions=None, remat_group_size=1, batch_size=1, seq_len=8192,
+        peak_bytes=1, host_bytes=0, flops=1.0, flops_no_remat=1.0, compute_s=1.0,
+        transfer_s=0.0, step_time_s=1.0, tokens_per_s=1.0, fits=True, found_by="structure",
+        model="llama3-8b", attention="cudnn", loss_chunk_size=None, remat_layers=24,
+    )  # fmt: skip
+    assert c.code() == (
+        'get_config("llama3-8b", remat_policy="save-nothing", attention="cudnn", '
+        "remat_layers=24, scan_layers=True)  # batch 1, seq 8192"
+    )
+    assert c.options_label == "cudnn, remat 24 layers"
+    assert _options(CONFIG) == [
+        "attention='cudnn'", "loss_chunk_size=8", "attention='cudnn' + loss_chunk_size=8",
+    ]  # fmt: skip
+    assert _options(get_config("tiny-llama")) == ["loss_chunk_size=8"]  # float32: no cuDNN
+
+
+def test_structured_baseline_and_residuals_are_the_plain_steps():
+    """The recompute baseline of a structured config is the plain no-remat step (same
+    attention); its residuals come from the whole loss, between save-nothing's and no-remat's."""
+    plain = _baseline_flops(_setup(CONFIG, BATCH, SEQ, "cpu", "adamw"))
+    partial = CONFIG.replace(remat_policy="save-nothing", remat_layers=2, loss_chunk_size=8)
+    assert _baseline_flops(_setup(partial, BATCH, SEQ, "cpu", "adamw")) == plain
+
+    def device_bytes(config):
+        return sum(r.nbytes for r in model_residuals(config, BATCH, SEQ) if r.memory == "device")
+
+    low = device_bytes(CONFIG.replace(remat_policy="save-nothing"))
+    high = device_bytes(CONFIG.replace(remat_policy="no-remat"))
+    assert low < device_bytes(partial.replace(loss_chunk_size=None)) < high
+
+
+# -- Compiled (deviceless h100-sxm) ---------------------------------------------------------
+
+
+@needs_cuda_plugin
+def test_only_a_structural_option_fits(first, cache):
+    sn = _named(first, "save-nothing")
+    budget = sn.peak_bytes - 1  # every plain candidate is over
+    rec = recommend(CONFIG, SEQ, TARGET, budget=budget, cache=cache, **KW)
+    assert not any(c.fits for c in rec.candidates if not c.options)
+    pick = rec.pick
+    assert pick is not None and pick.fits and pick.peak_bytes <= budget
+    assert pick.found_by in ("structure", "partial-layers") and pick.options
+    assert pick.attention == "cudnn" or pick.loss_chunk_size is not None
+    assert all(c.fits == (c.peak_bytes <= budget) for c in rec.candidates)
+    assert "made it fit" in rec.made_fit
+    line = rec.line()
+    assert line.startswith("config.replace(remat_policy=") and "scan_layers=True" in line
+    assert ('attention="cudnn"' in line) == (pick.attention == "cudnn")
+
+
+@needs_cuda_plugin
+def test_room_gives_fewer_rematerialised_layers(first, cache):
+    sn, nr = _named(first, "save-nothing"), _named(first, "no-remat")
+    budget = (sn.peak_bytes + nr.peak_bytes) // 2  # save-nothing fits with room, no-remat not
+    rec = recommend(CONFIG, SEQ, TARGET, budget=budget, cache=cache, **KW)
+    pick = rec.pick
+    assert pick is not None and pick.fits and pick.peak_bytes <= budget
+    assert pick.found_by == "partial-layers" and pick.policy == "save-nothing"
+    assert 0 < pick.remat_layers < CONFIG.num_layers
+    assert pick.step_time_s < sn.step_time_s
+    assert f"remat_layers={pick.remat_layers}" in rec.line()
+    assert "less" in rec.made_fit
+    # Every remat_layers below the pick's that was compiled does not fit.
+    partial = [c for c in rec.candidates if c.found_by == "partial-layers"]
+    assert all(not c.fits for c in partial if c.remat_layers < pick.remat_layers)

@@ -147,3 +147,27 @@ def own_model_table(r: Results) -> str:
         f"GiB, {rec['compiles']} compiles in {d['recommend_s']:.0f} s.\n"
     )
     return out
+
+
+RECOMMEND_STRUCTURE = ("recommend/h100_structure.json", "recommend/h200_structure.json")
+
+
+def recommend_structure_table(r: Results) -> str:
+    """recommend with the structure dimensions: the pick, its options and what they did."""
+    rows = []
+    for path in RECOMMEND_STRUCTURE:
+        d = r.json(path)
+        p = d["pick"]
+        opts = ", ".join(
+            f"{k}={p[k]!r}" for k in ("attention", "loss_chunk_size", "remat_layers")
+            if p.get(k) not in (None, "xla")
+        )  # fmt: skip
+        rows.append([
+            f"{d['model']} s={d['seq_len']} b={d['batch_size']}, {d['target']}, "
+            f"budget {_gib(d['budget_bytes'])} GiB",
+            f"{p['policy']}" + (f" ({opts})" if opts else ""),
+            _gib(p["peak_bytes"]), f"{1000 * p['step_time_s']:.1f}", str(d["compiles"]),
+            d.get("made_fit") or "-",
+        ])  # fmt: skip
+    header = ["run", "pick", "peak GiB", "est. step ms", "compiles", "what the options did"]
+    return table(header, ["---", "---", "---:", "---:", "---:", "---"], rows)

@@ -154,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = Results(args.results)
     old = args.readme.read_text()
-    new = rewrite(old, results)
-    files = {c.path: (args.root / c.path).read_text() for c in CLAIMS if c.path != "README.md"}
-    failures = failed_claims({**files, "README.md": new}, results)
+    try:
+        new = rewrite(old, results)
+        files = {c.path: (args.root / c.path).read_text() for c in CLAIMS if c.path != "README.md"}
+        failures = failed_claims({**files, "README.md": new}, results)
+    except FileNotFoundError as err:  # a results file the README quotes is missing
+        print(f"error: {err.filename} is missing: re-run the experiment that writes it")
+        return 1
     if new != old and args.check:
         sys.stdout.writelines(
             difflib.unified_diff(

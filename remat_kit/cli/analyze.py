@@ -221,7 +221,7 @@ def buffer_table(report):
     t = table(f"largest buffers live at XLA's peak ({report.policy})", ("GiB", "shape", "what",
               "phase", "op"), right=("GiB",))  # fmt: skip
     for b in report.peak_buffers:
-        add_row(t, _gib(b.nbytes, 3), b.shape, b.kind, b.phase, b.op_name[-70:])
+        add_row(t, _gib(b.nbytes, 3), b.shape, b.kind, b.phase, b.op_name)
     return t
 
 

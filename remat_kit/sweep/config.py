@@ -121,7 +121,9 @@ class Point:
         """The preset with the policy, group size and overrides applied (validated)."""
         return get_config(
             self.model,
-            remat_policy=parse_policy_arg(self.policy),
+            remat_policy=self.policy
+            if self.policy in ALL_POLICIES
+            else parse_policy_arg(self.policy),
             remat_group_size=self.remat_group_size,
             **dict(self.overrides),
         )

@@ -70,7 +70,8 @@ def _model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[st
         "tokens_per_step": tokens,
         "model_flops_per_step": model_flops_per_token(config, point.seq_len, matmul) * tokens,
         "dtype": config.dtype,
-        "model_config": dataclasses.asdict(config),
+        # the policy as written (a name or a per-tag spec), not the spec's frozensets
+        "model_config": {**dataclasses.asdict(config), "remat_policy": point.policy},
     }
 
 

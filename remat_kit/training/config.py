@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from remat_kit.models.config import ModelConfig, get_config, preset_names
-from remat_kit.policies import parse_policy_arg
+from remat_kit.policies import parse_policy_arg, policy_names
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import OPTIMIZERS, check_micro_batches
 from remat_kit.validation import check_seq_len, positive_int, unknown_value_error
@@ -125,7 +125,9 @@ class TrainConfig:
         return get_config(
             self.preset,
             **self.overrides,
-            remat_policy=parse_policy_arg(self.policy),
+            remat_policy=self.policy
+            if self.policy in policy_names()
+            else parse_policy_arg(self.policy),
             remat_group_size=self.remat_group_size,
         )
 

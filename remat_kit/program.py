@@ -50,12 +50,11 @@ import optax
 from flax import nnx
 
 from remat_kit.policies import PolicySpec
+from remat_kit.training.step import make_optimizer
 from remat_kit.validation import unknown_value_error
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
-
-_OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-4), "sgd": lambda: optax.sgd(1e-3)}
 
 
 def jax_policy(spec: PolicySpec) -> Callable[..., Any] | None:
@@ -221,7 +220,9 @@ class Program:
           make_loss: ``policy -> loss(*args) -> scalar``.
           *args: the loss's arguments; those in ``argnums`` are the parameters (pytrees of
             float arrays), updated by ``optimizer``.
-          optimizer: ``"adamw"``, ``"sgd"`` or an optax transformation; its state is an
+          optimizer: a name of :func:`remat_kit.training.make_optimizer` (``"adamw"``,
+            ``"sgd"``, ``"adafactor"``, the bundled models' settings) or an optax transformation;
+            its state is an
             argument of the step (donated, with the parameters).
           argnums: the differentiated arguments.
           name: for reports (default: the factory's name).
@@ -230,12 +231,7 @@ class Program:
           ValueError: ``argnums`` out of range or naming an integer array; unknown optimizer.
         """
         nums = _argnums(argnums, args)
-        if isinstance(optimizer, str):
-            if optimizer not in _OPTIMIZERS:
-                raise unknown_value_error("optimizer", optimizer, sorted(_OPTIMIZERS))
-            tx = _OPTIMIZERS[optimizer]()
-        else:
-            tx = optimizer
+        tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
         params = tuple(args[i] for i in nums)
         opt_state = jax.eval_shape(tx.init, params)
 

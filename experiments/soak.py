@@ -4,21 +4,26 @@ Not part of the test suite. ``--kills N`` (default 20) times each:
 
 * ``experiments/train.py`` (tiny settings: tiny-gpt d_model=32, 24 steps, a checkpoint every 2
   steps so that saves take a fair share of the run, an evaluation every 8) is started in a
-  fresh workdir, killed with SIGKILL at a moment drawn uniformly over the wall time of an
-  uninterrupted run (start-up, first compile, steps, saves; redrawn over the run's own length
-  when it finished first), then run again with ``--resume`` to the end. Checked against an
+  fresh workdir, killed with SIGKILL (the whole process group) at a random moment, then run
+  again with ``--resume`` to the end. Moments alternate between two draws: uniformly over the
+  wall time of an uninterrupted run (redrawn over the run's own length when it finished first;
+  start-up and the first compile fill most of it), and a uniform offset (up to the mean time
+  between steps) after a uniformly drawn ``step`` line of its output, so that steps and the
+  asynchronous saves behind them are hit as often as start-up. Checked against an
   uninterrupted run: the resume exits 0; ``result.json`` has one loss per step (none lost or
   duplicated) and the same losses and validation losses, bit for bit; the final checkpoint's
   parameters and optimizer state (restored with orbax through
   :func:`remat_kit.training.load_checkpoint`) are bitwise equal.
-* ``experiments/sweep.py --config quick`` likewise, resumed with ``--resume``. Checked: the resume
+* ``experiments/sweep.py --config quick`` likewise (the second draw counts rows written to the
+  results file instead of step lines: a kill after the last row lands while the summary and
+  figures are written), resumed with ``--resume``. Checked: the resume
   exits 0; every point has exactly one row (none lost, none duplicated); the file ends with a
   whole line and every line parses (no torn line); the rows finished before the kill are kept
   byte for byte; each row's losses and analysis figures (peak, argument, output, temp bytes,
   FLOPs, recompute ratio, residual bytes) equal the uninterrupted run's (timings differ by
   nature); ``summary.md`` and ``pareto.png`` exist.
 
-Command (about 1 min per kill pair on 2 CPU cores, jax 0.10.2)::
+Command (about 20 s per kill and resume on 2 idle CPU cores, jax 0.10.2; minutes under load)::
 
     python experiments/soak.py --kills 20      # writes experiments/results/soak/soak.json
 
@@ -37,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +72,7 @@ TIMEOUT_S = 900
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -76,47 +82,103 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _kill_at(cmd: list[str], delay: float) -> dict[str, Any]:
-    """Start ``cmd``, SIGKILL its process group after ``delay`` seconds (if still running)."""
-    proc = subprocess.Popen(
-        [sys.executable, *cmd], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
+class _Progress:
+    """Counts a run's progress events while it runs: lines starting with ``step`` on its
+    standard output (training; read by a thread) or whole lines of a file (sweep rows)."""
+
+    def __init__(self, proc: subprocess.Popen, rows: Path | None):
+        self.rows, self.count, self.times = rows, 0, []
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            if self.rows is None and line.startswith("step"):
+                self.count += 1
+                self.times.append(time.perf_counter() - self._t0)
+
+    def poll(self) -> int:
+        if self.rows is not None:
+            lines = _lines(self.rows)
+            n = sum(ln.endswith(b"\n") for ln in lines)
+            self.times += [time.perf_counter() - self._t0] * (n - self.count)
+            self.count = n
+        return self.count
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *cmd], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )  # fmt: skip
+
+
+def _kill_at(cmd: list[str], moment: dict[str, Any], rows: Path | None) -> dict[str, Any]:
+    """Start ``cmd`` and SIGKILL its process group at ``moment`` (if still running):
+    ``{"mode": "time", "at_s": t}`` t seconds after the start, or ``{"mode": "event", "after":
+    n, "offset_s": d}`` d seconds after its n-th progress event (:class:`_Progress`)."""
+    proc = _start(cmd)
+    progress = _Progress(proc, rows)
     t0 = time.perf_counter()
-    try:
-        proc.wait(timeout=delay)
-        killed = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed = True
-    ran = time.perf_counter() - t0
-    return {"kill_at_s": round(delay, 2), "killed": killed, "ran_s": ran, "exit": proc.returncode}
+    deadline = t0 + moment["at_s"] if moment["mode"] == "time" else None
+    while proc.poll() is None:
+        now = time.perf_counter()
+        if deadline is None and progress.poll() >= moment["after"]:
+            deadline = now + moment["offset_s"]
+        if deadline is not None and now >= deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    killed = proc.returncode == -signal.SIGKILL
+    return {**moment, "killed": killed, "ran_s": time.perf_counter() - t0,
+            "events_at_kill": progress.poll(), "exit": proc.returncode}  # fmt: skip
 
 
-def _kill_somewhere(cmd: list[str], delay: float, rng: random.Random, folder: Path) -> dict:
-    """:func:`_kill_at`; when the run finished before the kill (the machine was faster than
-    during the uninterrupted run), start again from an empty ``folder`` with a moment drawn
-    over the length that run took (at most 3 tries)."""
+def _kill_somewhere(
+    cmd: list[str], moment: dict[str, Any], rng: random.Random, folder: Path, rows: Path | None
+) -> dict:
+    """:func:`_kill_at`; when the run finished before a ``time`` kill (the machine was faster
+    than during the uninterrupted run), start again from an empty ``folder`` with a moment
+    drawn over the length that run took (at most 3 tries)."""
     tries = 0
     while True:
         tries += 1
-        record = _kill_at(cmd, delay)
+        record = _kill_at(cmd, moment, rows)
         if record["killed"] or tries == 3:
             break
         shutil.rmtree(folder, ignore_errors=True)
-        delay = rng.uniform(0, record["ran_s"])
+        moment = {**moment, "at_s": round(rng.uniform(0, record["ran_s"]), 3)}
     record["tries"] = tries
     record["ran_s"] = round(record["ran_s"], 2)
     return record
 
 
-def _timed(cmd: list[str]) -> float:
+def _moment(i: int, wall: float, events: list[float], rng: random.Random) -> dict[str, Any]:
+    """Kill ``i``'s moment: even ``i`` uniformly over the uninterrupted run's wall time (start-up
+    and compiling dominate it); odd ``i`` a uniform offset (up to the run's mean time between
+    events) after a uniformly drawn progress event, so that steps, saves and rows are hit too."""
+    if i % 2 == 0 or not events:
+        return {"mode": "time", "at_s": round(rng.uniform(0, wall), 3)}
+    gap = (events[-1] - events[0]) / max(1, len(events) - 1) if len(events) > 1 else 0.1
+    return {"mode": "event", "after": rng.randint(1, len(events)),
+            "offset_s": round(rng.uniform(0, gap), 4)}  # fmt: skip
+
+
+def _timed(cmd: list[str], rows: Path | None) -> tuple[float, list[float]]:
+    """The uninterrupted run: its wall time (s) and the moments of its progress events."""
     t0 = time.perf_counter()
-    done = _run(cmd)
-    if done.returncode:
-        raise SystemExit(f"uninterrupted run failed: {done.stderr[-2000:]}")
-    return time.perf_counter() - t0
+    proc = _start(cmd)
+    progress = _Progress(proc, rows)
+    while proc.poll() is None:
+        progress.poll()
+        time.sleep(0.005)
+    progress._thread.join()
+    progress.poll()
+    if proc.returncode:
+        raise SystemExit(f"uninterrupted run failed (exit {proc.returncode}): {' '.join(cmd)}")
+    return time.perf_counter() - t0, progress.times
 
 
 # -- Training ------------------------------------------------------------------------------
@@ -130,10 +192,10 @@ def _trees_equal(a: Any, b: Any) -> bool:
     )
 
 
-def _train_trial(base: Path, folder: Path, delay: float, rng: random.Random) -> dict[str, Any]:
+def _train_trial(base: Path, folder: Path, moment: dict, rng: random.Random) -> dict[str, Any]:
     workdir = folder / "train"
     steps = int(TRAIN[TRAIN.index("--steps") + 1])
-    record = _kill_somewhere([*TRAIN, "--workdir", str(workdir)], delay, rng, workdir)
+    record = _kill_somewhere([*TRAIN, "--workdir", str(workdir)], moment, rng, workdir, None)
     done = _run([*TRAIN, "--workdir", str(workdir), "--resume"])
     record.update(resume_exit=done.returncode, error=done.stderr.strip()[-500:] or None)
     if done.returncode:
@@ -171,10 +233,10 @@ def _lines(path: Path) -> list[bytes]:
 
 
 def _sweep_trial(
-    base_rows: list[dict], folder: Path, delay: float, rng: random.Random
+    base_rows: list[dict], folder: Path, moment: dict, rng: random.Random
 ) -> dict[str, Any]:
     out = folder / "sweep" / "sweep.jsonl"
-    record = _kill_somewhere([*SWEEP, "--out", str(out)], delay, rng, out.parent)
+    record = _kill_somewhere([*SWEEP, "--out", str(out)], moment, rng, out.parent, out)
     kept = [ln for ln in _lines(out) if ln.endswith(b"\n")]
     record["rows_at_kill"] = len(kept)
     at_kill = out.read_bytes() if out.exists() else b""
@@ -221,6 +283,9 @@ def _totals(records: list[dict[str, Any]], ok) -> dict[str, Any]:
     return {
         "kills": len(records),
         "killed_while_running": sum(r["killed"] for r in records),
+        "killed_after_first_event": sum(r["killed"] and r["events_at_kill"] > 0 for r in records),
+        "resumed_from_checkpoint": sum(r.get("resumed_from") is not None for r in records),
+        "rows_kept_at_kill": sum((r.get("rows_at_kill") or 0) > 0 for r in records),
         "failed_resumes": sum(r["resume_exit"] != 0 for r in records),
         "lost": sum(r.get("lost") or 0 for r in records),
         "duplicated": sum(r.get("duplicated") or 0 for r in records),
@@ -232,22 +297,27 @@ def _totals(records: list[dict[str, Any]], ok) -> dict[str, Any]:
 def _soak(kind: str, kills: int, rng: random.Random, scratch: Path) -> dict[str, Any]:
     base = scratch / f"{kind}-base"
     if kind == "train":
-        wall = _timed([*TRAIN, "--workdir", str(base)])
+        wall, events = _timed([*TRAIN, "--workdir", str(base)], None)
         reference: Any = base
         trial = _train_trial
         ok = _train_ok
     else:
-        wall = _timed([*SWEEP, "--out", str(base / "sweep.jsonl")])
+        wall, events = _timed([*SWEEP, "--out", str(base / "sweep.jsonl")], base / "sweep.jsonl")
         reference = results.read_rows(base / "sweep.jsonl")
         trial = _sweep_trial
         ok = _sweep_ok
     records = []
     for i in range(kills):
-        record = trial(reference, scratch / f"{kind}-{i}", rng.uniform(0, wall), rng)
+        record = trial(reference, scratch / f"{kind}-{i}", _moment(i, wall, events, rng), rng)
         record["ok"] = ok(record)
         records.append(record)
         print(f"{kind} {i + 1}/{kills}: {json.dumps(record)}", flush=True)
-    return {"uninterrupted_wall_s": round(wall, 1), **_totals(records, ok), "trials": records}
+    return {
+        "uninterrupted_wall_s": round(wall, 1),
+        "uninterrupted_events_s": [round(t, 2) for t in events],
+        **_totals(records, ok),
+        "trials": records,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

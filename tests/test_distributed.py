@@ -3,17 +3,19 @@
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from remat_kit import distributed
 from remat_kit.sweep import Grid, SweepConfig, run_sweep
-from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig
+from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, str(ROOT / "experiments" / "train.py")]
@@ -34,17 +36,22 @@ def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def _two_processes(cmd: list[str]) -> None:
-    """Run ``cmd`` as processes 0 and 1 of one jax.distributed run; fail on a non-zero exit."""
+def _start_two(cmd: list[str], env: dict[int, dict[str, str]] | None = None):
     port = str(_free_port())
-    procs = [
+    return [
         subprocess.Popen(
             [*cmd, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(i)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {}).get(i, {})},
         )
         for i in range(2)
     ]  # fmt: skip
+
+
+def _two_processes(cmd: list[str]) -> None:
+    """Run ``cmd`` as processes 0 and 1 of one jax.distributed run; fail on a non-zero exit."""
+    procs = _start_two(cmd)
     outs = [p.communicate(timeout=300) for p in procs]
     for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {i}: {err[-2000:]}"
@@ -123,6 +130,51 @@ def test_train_script_over_two_processes_matches_one(tmp_path):
     resumed = json.loads((two / "result.json").read_text())
     assert resumed["resumed_from"] == 4 and resumed["num_processes"] == 1
     np.testing.assert_allclose(resumed["losses"], r1["losses"], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> Path:
+    """An uninterrupted 6-step run over 2 processes (checkpoints every 2 steps)."""
+    workdir = tmp_path_factory.mktemp("two-uninterrupted")
+    _two_processes([*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN])
+    return workdir
+
+
+@pytest.mark.parametrize(
+    "victim, point",
+    [(1, "before-save@4"), (0, "mid-save@4")],
+    ids=["process-1-before-save", "process-0-mid-save"],
+)
+def test_one_process_killed_resumes_bitwise(two_process_run, tmp_path, victim, point):
+    """One process of a 2-process run SIGKILLs itself at checkpoint 4 (process 1 before its
+    save; process 0, which finalises orbax saves, after every item is written and before the
+    rename); the other is then killed as a scheduler tears the job down (left alone it would
+    abort on the coordinator's heartbeat timeout). Resumed over 2 processes, the run continues
+    from checkpoint 2 and ends bitwise where the uninterrupted run ends."""
+    workdir = tmp_path / "run"
+    cmd = [*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN]
+    procs = _start_two(cmd, {victim: {"REMAT_KIT_KILL_AT": point}})
+    _, err = procs[victim].communicate(timeout=300)
+    assert procs[victim].returncode == -signal.SIGKILL, err[-2000:]  # the hook fired
+    other = procs[1 - victim]
+    other.kill()
+    other.communicate(timeout=60)
+    ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert "2" in ckpts and "6" not in ckpts, ckpts
+    _two_processes([*cmd, "--resume"])
+    got = json.loads((workdir / "result.json").read_text())
+    want = json.loads((two_process_run / "result.json").read_text())
+    assert got["resumed_from"] == 2 and got["num_processes"] == 2
+    assert got["losses"] == want["losses"]  # float equality: bitwise
+    assert got["val_losses"] == want["val_losses"]
+    # Same checkpoints kept as the uninterrupted run, and no unfinished save left behind.
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == sorted(
+        p.name for p in (two_process_run / "checkpoints").iterdir()
+    )
+    (state, meta), (ref, ref_meta) = load_checkpoint(workdir), load_checkpoint(two_process_run)
+    assert meta["step"] == ref_meta["step"] == 6
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 SWEEP_CONFIG = """

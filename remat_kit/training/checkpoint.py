@@ -115,7 +115,13 @@ def restore(
     meta = restore_meta(mgr, step)
     cfg = TrainConfig.from_dict(meta["config"])
     if mesh is None:
-        state = abstract_train_state(cfg.model_config(), optimizer_for(cfg))
+        # Shapes with the default device's sharding: without one, orbax restores onto the
+        # devices the checkpoint was saved from (a 2-process run's are not all here).
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            abstract_train_state(cfg.model_config(), optimizer_for(cfg)),
+        )
     else:
         state = sharded_train_state(cfg.model_config(), optimizer_for(cfg), mesh)[0]
     # The run's key is a host (numpy) array: every process holds it whole.

@@ -7,7 +7,8 @@ otherwise. Rows go to ``runs/<config name>/sweep.jsonl`` (git-ignored; the commi
 at the end the summary table is printed and written beside them (``summary.md``) with the
 figures (:func:`remat_kit.plots.save_figures`): ``pareto.png`` (peak memory against step time,
 one point per policy, frontier drawn), ``pareto_analysis.png``, ``slowdown_vs_flops.png``,
-``memory_breakdown.png``.
+``memory_breakdown.png``; with option grids (rows of one shape differing in ``overrides``,
+``--config options``) also ``options.png`` and an options table in ``summary.md``.
 
 Command (the default CPU config: ~6 CPU-minutes; the committed run took 4 min 43 s on 2 cores
 shared with other jobs, jax 0.10.2)::
@@ -130,12 +131,17 @@ def _summary_header(run, argv: list[str] | None) -> str:
 
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
     """The table, summary.md and the figures, rebuilt from every row of the run's file."""
-    from remat_kit import plots, results
+    from remat_kit import option_plots, plots, results
 
     results.print_summary(run.rows, console)
     # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
     part = out.parent / ".summary.md.part"
-    part.write_text(_summary_header(run, argv) + results.summary_markdown(run.rows))
+    options = option_plots.option_markdown(run.rows)  # "" unless rows differ in overrides
+    part.write_text(
+        _summary_header(run, argv)
+        + results.summary_markdown(run.rows)
+        + ("\n" + options if options else "")
+    )
     part.replace(out.parent / "summary.md")
     written = [out.parent / "summary.md"]
     if not args.no_plot:

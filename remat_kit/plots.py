@@ -15,6 +15,8 @@ needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
 * :func:`slowdown_vs_flops`: measured slowdown against the compiled FLOPs ratio.
 * :func:`layer_activations`: per-layer activation bytes against Korthikanti et al. 2022, for
   rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
+* :func:`option_effects`: each option's effect (``remat_layers``, ``nested_remat``,
+  ``loss_chunk_size``, ``attention``) against the plain step (:mod:`remat_kit.option_plots`).
 * :func:`timeline`: live device bytes over XLA's schedule of one step, stacked by category,
   one panel per report (``MemoryReport.timeline``; takes reports, not sweep rows).
 """
@@ -34,10 +36,12 @@ from remat_kit import results as R
 from remat_kit import units
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.timeline import Timeline
+from remat_kit.option_plots import option_effects, option_sets, own_overrides
 
 __all__ = [
     "layer_activations",
     "memory_breakdown",
+    "option_effects",
     "pareto",
     "pareto_frontier",
     "predicted_vs_measured",
@@ -54,16 +58,19 @@ def _ok(rows: Any) -> list[dict[str, Any]]:
 
 
 def _panels(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, Any]]]:
+    """Rows by model / target / shape and, where the rows differ in ``overrides``, by the
+    overrides not every row shares (an option grid's variants get panels of their own)."""
     panels: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
-        panels.setdefault(tuple(r.get(f) for f in _PANEL_FIELDS), []).append(r)
+        own = ", ".join(f"{k}={v}" for k, v in own_overrides(r, rows).items())
+        panels.setdefault((*(r.get(f) for f in _PANEL_FIELDS), own), []).append(r)
     return panels
 
 
 def _title(key: tuple) -> str:
-    model, target, b, s, k = key
+    model, target, b, s, k, own = key
     grp = f" k={k}" if k not in (None, 1) else ""
-    return f"{model} @{target}\nb={b} s={s}{grp}"
+    return f"{model} @{target}\nb={b} s={s}{grp}" + (f"\n{own}" if own else "")
 
 
 def _grid(n: int, size: tuple[float, float] = (5.0, 4.0)):
@@ -385,7 +392,9 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
     * ``pareto.png``: measured rows, predicted peak against median step time;
     * ``pareto_analysis.png``: analysis-only rows, predicted peak against compiled FLOPs ratio;
     * ``slowdown_vs_flops.png``: measured slowdown against compiled FLOPs ratio;
-    * ``memory_breakdown.png``: every group's predicted peak by part.
+    * ``memory_breakdown.png``: every group's predicted peak by part;
+    * ``options.png``: each option's effect (:func:`option_effects`), when rows of one shape
+      differ in ``overrides``.
 
     A figure with no rows to show is skipped.
     """
@@ -402,6 +411,7 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
             title="Predicted peak memory vs compiled FLOPs (analysis only)")),
         ("slowdown_vs_flops.png", measured, lambda p: slowdown_vs_flops(ok, path=p)),
         ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
+        ("options.png", option_sets(rows), lambda p: option_effects(rows, path=p)),
     ]  # fmt: skip
     for name, needed, draw in jobs:
         if not needed:

@@ -373,10 +373,10 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     * ``flops_ratio``: compiled matmul FLOPs over the no-remat step's (``recompute_ratio``).
 
     Returns:
-      Records in row order: ``model, target, batch_size, seq_len, remat_group_size, policy,
-      status, peak_bytes, peak_saved, activation_bytes, activation_saved, step_time_s, slowdown,
-      step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits, measured_peak_bytes,
-      mfu``.
+      Records in row order: ``model, target, batch_size, seq_len, remat_group_size, mesh,
+      overrides, policy, status, peak_bytes, peak_saved, activation_bytes, activation_saved,
+      step_time_s, slowdown, step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits,
+      measured_peak_bytes, mfu``.
     """
     records = as_records(rows)
     base: dict[tuple, Mapping[str, Any]] = {}
@@ -400,6 +400,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
         "remat_group_size": r.get("remat_group_size"),
         "mesh": r.get("mesh"),
+        "overrides": r.get("overrides"),
         "policy": r.get("policy"),
         "status": r.get("status"),
         "peak_bytes": peak,
@@ -440,11 +441,12 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     records = summarize(rows)
     order = {name: i for i, name in enumerate(policy_names())}
     tables: dict[tuple, list[dict[str, Any]]] = {}
+    varied = len({_canonical(r["overrides"]) for r in records}) > 1  # an option grid
     for r in records:
         key = (r["model"], r["target"], r["batch_size"], r["remat_group_size"], r["mesh"])
-        tables.setdefault(key, []).append(r)
+        tables.setdefault((*key, _canonical(r["overrides"]) if varied else ""), []).append(r)
     out = []
-    for (model, target, b, k, mesh), recs in tables.items():
+    for (model, target, b, k, mesh, overrides), recs in tables.items():
         recs = sorted(recs, key=lambda r: (r["seq_len"], order.get(r["policy"], len(order))))
         unit, unit_name = units.table_unit([r["peak_bytes"] for r in recs])
         measured = any(r["step_time_s"] is not None for r in recs)
@@ -485,7 +487,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             body.append(line)
         grp = f", remat_group_size={k}" if k != 1 else ""
         where = f"{target}, mesh {mesh} (figures per device)" if mesh else target
-        out.append((f"{model} on {where}, batch {b}{grp}", header, body))
+        opts = f", overrides {overrides}" if overrides else ""
+        out.append((f"{model} on {where}, batch {b}{grp}{opts}", header, body))
     return out
 
 

@@ -7,11 +7,14 @@ from typing import Any
 
 from readme_format import GIB, MIB, Results, table
 
+from remat_kit.option_plots import option_markdown
+
 TIMELINE = "timeline/bench.json"
 STRUCTURE = ("structure/llama3-8b.jsonl", "structure/llama3-8b-cudnn.jsonl")
 CHEN = "structure/chen.jsonl"
 SOAK = "soak/soak.json"
 OWN_MODEL = "own_model/linen_lm_h100-sxm.json"
+OPTIONS = "options/sweep.jsonl"
 
 
 def _gib(n: float | None) -> str:
@@ -171,3 +174,14 @@ def recommend_structure_table(r: Results) -> str:
         ])  # fmt: skip
     header = ["run", "pick", "peak GiB", "est. step ms", "compiles", "what the options did"]
     return table(header, ["---", "---", "---:", "---:", "---:", "---"], rows)
+
+
+def options_table(r: Results) -> str:
+    """The options sweep (one option at a time against the plain step), as the sweep's own
+    summary writes it (:func:`remat_kit.option_plots.option_markdown`)."""
+    rows = r.jsonl(OPTIONS)
+    first = rows[0]
+    return option_markdown(rows) + (
+        f"\n{first['cpu_count']}-CPU {first['machine']} ({first['backend']} backend), jax "
+        f"{first['jax']}; GPU targets compiled deviceless (no step time: `-`).\n"
+    )

@@ -72,6 +72,7 @@ SECTIONS: dict[str, Section] = {
         Section("soak", (F.SOAK,), F.soak_table),
         Section("own-model", (F.OWN_MODEL,), F.own_model_table),
         Section("recommend-structure", F.RECOMMEND_STRUCTURE, F.recommend_structure_table),
+        Section("options", (F.OPTIONS,), F.options_table),
     )
 }
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import plots, targets
+from remat_kit.cli.args import add_timeline
 from remat_kit.memory import MemoryReport, analyze_policies, hlo
 from remat_kit.memory import timeline as T
 from remat_kit.memory import xla_compile as X
@@ -172,7 +173,7 @@ def test_xla_remat_told_apart_deviceless():
 
 def test_timeline_cli_argument():
     parser = argparse.ArgumentParser()
-    T.add_timeline_args(parser)
+    add_timeline(parser)
     assert parser.parse_args(["--timeline", "out.png"]).timeline == "out.png"
     assert parser.parse_args([]).timeline is None
 

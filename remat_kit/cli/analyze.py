@@ -15,13 +15,12 @@ from remat_kit import plots, targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
-from remat_kit.memory.timeline import add_timeline_args
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes as _size
-from remat_kit.units import gib as _gib
+from remat_kit.units import in_unit, table_unit
 
 
 def add(subparsers) -> None:
@@ -50,7 +49,7 @@ def add(subparsers) -> None:
         "(Korthikanti et al. 2022)",
     )
     A.add_workers(p)
-    add_timeline_args(p)
+    A.add_timeline(p)
     p.add_argument("--devices", type=A.positive_int, default=None,
                    help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
     p.add_argument(
@@ -166,7 +165,10 @@ def short_warning(text: str) -> str:
 def _policy_table(config, target, args, results, labels: Sequence[str]):
     shape = "" if isinstance(config, Program) else f"  batch={args.batch} seq={args.seq}"
     title = f"{config.name}{shape}  on {target.name} ({target.description})"
-    cols = ("policy", "peak GiB", "host GiB", "activations GiB", "recompute", "fits", "compile s")
+    ok = [r for r in results if not isinstance(r, CompileError)]
+    unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
+    cols = ("policy", f"peak {name}", f"host {name}", f"activations {name}", "recompute", "fits",
+            "compile s")  # fmt: skip
     t = table(title, cols, right=cols[1:])
     for label, r in zip(labels, results, strict=True):
         if isinstance(r, CompileError):
@@ -176,8 +178,9 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         style = "" if r.fits is None else ("green" if r.fits else "red")
         ratio = "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x"
         add_row(
-            t, label, _gib(r.peak_bytes), _gib(r.host_bytes), _gib(r.activation_bytes), ratio,
-            Text(fits, style=style), f"{r.compile_s:.1f}",
+            t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
+            in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
+            f"{r.compile_s:.1f}",
         )  # fmt: skip
     return t
 
@@ -187,29 +190,29 @@ def _summary_lines(target, args, reports) -> list[str]:
     budget = args.budget if args.budget is not None else target.memory_bytes
     lines = [
         f"{first.backend}; peak = argument + output + temp - alias (per device)"
-        + (f"; budget {_gib(budget)} GiB" if budget else "; target memory unknown (CPU)"),
-        "arguments: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in first.arguments.items()),
+        + (f"; budget {_size(budget)}" if budget else "; target memory unknown (CPU)"),
+        "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
     ]
     if target.platform == "cpu":
         lines.append("CPU backend: these are XLA:CPU numbers, not GPU numbers; offload is not real")
     if first.logits:
         lg = first.logits
         lines.append(
-            f"logits {list(lg.shape)} {lg.dtype}: {_gib(lg.logits_bytes)} GiB, float32 copy in "
-            f"the loss {_gib(lg.f32_bytes)} GiB, gradient {_gib(lg.grad_bytes)} GiB; remat "
+            f"logits {list(lg.shape)} {lg.dtype}: {_size(lg.logits_bytes)}, float32 copy in "
+            f"the loss {_size(lg.f32_bytes)}, gradient {_size(lg.grad_bytes)}; remat "
             "does not shrink them"
         )
     for r in reports:
         if r.peak_bytes_without_offload is not None:
             delta = r.peak_bytes_without_offload - r.peak_bytes
             verdict = (
-                f"offloading lowers the device peak by {_gib(delta)} GiB"
+                f"offloading lowers the device peak by {_size(delta)}"
                 if delta > 0
-                else f"offloading does not lower the device peak (+{_gib(-delta)} GiB)"
+                else f"offloading does not lower the device peak (+{_size(-delta)})"
             )
             lines.append(
-                f"{r.policy}: {_gib(r.peak_bytes)} GiB on device + {_gib(r.host_bytes)} GiB host, "
-                f"against {_gib(r.peak_bytes_without_offload)} GiB keeping the same tensors on "
+                f"{r.policy}: {_size(r.peak_bytes)} on device + {_size(r.host_bytes)} host, "
+                f"against {_size(r.peak_bytes_without_offload)} keeping the same tensors on "
                 f"device: {verdict}"
             )
     return lines
@@ -218,10 +221,11 @@ def _summary_lines(target, args, reports) -> list[str]:
 def buffer_table(report):
     """The largest buffers live at XLA's peak: size, XLA shape (``f32[1,8,8192,8192]``), kind,
     phase and the op that made it."""
-    t = table(f"largest buffers live at XLA's peak ({report.policy})", ("GiB", "shape", "what",
-              "phase", "op"), right=("GiB",))  # fmt: skip
+    unit, name = table_unit([b.nbytes for b in report.peak_buffers])
+    t = table(f"largest buffers live at XLA's peak ({report.policy})", (name, "shape", "what",
+              "phase", "op"), right=(name,))  # fmt: skip
     for b in report.peak_buffers:
-        add_row(t, _gib(b.nbytes, 3), b.shape, b.kind, b.phase, b.op_name)
+        add_row(t, in_unit(b.nbytes, unit, 3), b.shape, b.kind, b.phase, b.op_name)
     return t
 
 

@@ -206,3 +206,16 @@ def check_shape(config: ModelConfig, batch: int, seq: int, mesh: MeshSpec | None
     validation.check_seq_len(seq, config.max_seq_len, config.name)
     if mesh is not None:
         validation.check_batch_split(batch, mesh.dp * mesh.fsdp, mesh=str(mesh))
+
+
+def add_timeline(parser: argparse.ArgumentParser) -> None:
+    """Add ``--timeline PATH`` (a PNG of the live-bytes timeline of every analysed policy, one
+    panel each: :func:`remat_kit.plots.timeline`) to a command's parser."""
+    parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        default=None,
+        help="write the live device bytes over XLA's schedule of each policy (stacked by "
+        "parameters, optimizer state, residuals by tag, gradients, logits, temporaries; phases "
+        "and the peak marked) as a PNG",
+    )

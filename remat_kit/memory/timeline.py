@@ -22,7 +22,6 @@ are read from the JAX ``op_name`` of the instructions (``transpose(...)`` marks 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
@@ -481,16 +480,3 @@ def live_at_peak(dump: hlo.DumpFiles) -> list[hlo.LiveBuffer] | None:
         for v, (a, b) in live.ranges.items()
         if a <= t <= b
     ]
-
-
-def add_timeline_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--timeline PATH`` (a PNG of the live-bytes timeline of every analysed policy, one
-    panel each: :func:`remat_kit.plots.timeline`) to a command's parser."""
-    parser.add_argument(
-        "--timeline",
-        metavar="PATH",
-        default=None,
-        help="write the live device bytes over XLA's schedule of each policy (stacked by "
-        "parameters, optimizer state, residuals by tag, gradients, logits, temporaries; phases "
-        "and the peak marked) as a PNG",
-    )

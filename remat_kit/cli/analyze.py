@@ -167,9 +167,8 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     title = f"{config.name}{shape}  on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
-    cols = ("policy", f"peak {name}", f"host {name}", f"activations {name}", "recompute", "fits",
-            "compile s")  # fmt: skip
-    t = table(title, cols, right=cols[1:])
+    cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "compile s")
+    t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
     for label, r in zip(labels, results, strict=True):
         if isinstance(r, CompileError):
             add_row(t, label, "compile failed", "", "", "", "", "")

@@ -164,7 +164,9 @@ def flops_split(reports_path: Path) -> list[dict]:
             {
                 "policy": r["policy"],
                 "jaxpr_ratio": round(traced / r["flops_no_remat"], 3),
-                "compiled_ratio": round(r["recompute_ratio"], 3),
+                "compiled_ratio": round(
+                    r.get("compiled_recompute_ratio") or r["recompute_ratio"], 3
+                ),
                 "xla_extra": round(r["flops"] / traced, 3),
             }
         )

@@ -95,27 +95,30 @@ def chen_table(r: Results) -> str:
 
 
 def soak_table(r: Results) -> str:
-    """Kills and resumes of the soak benchmark."""
+    """Kills and resumes of the soak benchmark, with where the kills landed."""
     d = r.json(SOAK)
     rows = [
-        [what, str(x["kills"]), str(x["killed_while_running"]), str(x["failed_resumes"]),
-         str(x["lost"]), str(x["duplicated"]), f"{x['final_equal']}/{x['kills']}"]
-        for what, x in (
-            ("experiments/train.py", d["train"]),
-            ("experiments/sweep.py --config quick", d["sweep"]),
+        [what, str(x["kills"]), str(x["killed_while_running"]),
+         f"{x.get('killed_after_first_event', '-')} / {x.get(landed, '-')}",
+         str(x["failed_resumes"]), str(x["lost"]), str(x["duplicated"]),
+         f"{x['final_equal']}/{x['kills']}"]
+        for what, x, landed in (
+            ("experiments/train.py", d["train"], "resumed_from_checkpoint"),
+            ("experiments/sweep.py --config quick", d["sweep"], "rows_kept_at_kill"),
         )
     ]  # fmt: skip
     header = [
         "run",
         "kills",
         "killed mid-run",
+        "after the first step or row / with a checkpoint or row to resume from",
         "failed resumes",
         "lost",
         "duplicated",
         "bitwise equal to uninterrupted",
     ]
-    return table(header, ["---", *["---:"] * 6], rows) + (
-        f"\n`{d['command']}`, {d['machine']}, jax {d['jax']}.\n"
+    return table(header, ["---", *["---:"] * 7], rows) + (
+        f"\n`{d['command']}`, {d['machine']}, jax {d['jax']}, {d['wall_s'] / 60:.0f} min.\n"
     )
 
 

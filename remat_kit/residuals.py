@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -187,14 +187,16 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
 
 
 def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> list[TagResiduals]:
-    """Sum residuals per (tag or source, memory kind). Arguments (parameters, the segment input)
-    are left out unless ``include_arguments``; untagged values are grouped as ``"<primitive>"``."""
-    groups: dict[tuple[str, str], list[Residual]] = defaultdict(list)
+    """Sum residuals per (tag or source, memory kind, shape, dtype): one row per distinct array
+    of a tag (a tag whose values differ in shape gets a row per shape; :func:`bytes_by_tag` sums
+    them). Arguments (parameters, the segment input) are left out unless ``include_arguments``;
+    untagged values are grouped as ``"<primitive>"``."""
+    groups: dict[tuple[str, str, tuple[int, ...], str], list[Residual]] = defaultdict(list)
     for r in residuals:
         if r.is_argument and not include_arguments:
             continue
         key = r.tag if r.tag is not None else f"<{r.source}>"
-        groups[(key, r.memory)].append(r)
+        groups[(key, r.memory, tuple(r.shape), str(r.dtype))].append(r)
     rows = [
         TagResiduals(
             tag=key,
@@ -204,9 +206,19 @@ def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> 
             memory=mem,
             nbytes=sum(r.nbytes for r in rs),
         )
-        for (key, mem), rs in groups.items()
+        for (key, mem, _, _), rs in groups.items()
     ]
     return sorted(rows, key=lambda t: (-t.nbytes, t.tag))
+
+
+def bytes_by_tag(rows: Iterable[TagResiduals], memory: str | None = "device") -> dict[str, int]:
+    """Bytes per tag over ``rows`` (:func:`group_by_tag`), every shape of a tag summed; only
+    rows in ``memory`` (``"device"`` / ``"host"``; None: both)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if memory is None or r.memory == memory:
+            out[r.tag] = out.get(r.tag, 0) + r.nbytes
+    return out
 
 
 def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[Residual]:

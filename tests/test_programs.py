@@ -5,10 +5,12 @@ target, with residuals by tag and recompute ratios; NNX objects as arguments; un
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import remat_kit
 from remat_kit import Program
+from tests.conftest import needs_cuda_plugin
 from tests.user_models import linen_lm, nnx_lm, plain_jax
 
 OWN_SPEC = {"mlp_hidden": "save", "attn_in": "offload"}
@@ -185,3 +187,38 @@ def test_cli_doctor_on_a_program(capsys):
     for bad in (["--batch", "2"], ["--no-scan"], ["--group-size", "2"]):
         assert cli.main(["doctor", "--model", ref, *bad]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _unrolled(prevent_cse: bool):
+    """plain_jax's layers in a Python loop (no scan), each under jax.checkpoint."""
+
+    def make_loss(policy):
+        def body(x, w):
+            if policy is None:
+                return plain_jax.layer(x, w)
+            return jax.checkpoint(plain_jax.layer, policy=policy, prevent_cse=prevent_cse)(x, w)
+
+        def loss_fn(params, tokens):
+            x = params["embed"][tokens[:, :-1]]
+            for i in range(params["layers"]["w1"].shape[0]):
+                x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
+            logits = plain_jax._norm(x) @ params["head"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return loss_fn
+
+    params, _, tokens = plain_jax.abstract_args()
+    return Program.from_loss(make_loss, params, tokens, name=f"unrolled-cse-{prevent_cse}")
+
+
+@needs_cuda_plugin
+def test_analyze_says_when_cse_undid_the_recomputation():
+    """prevent_cse=False outside a scan: the jaxpr recomputes, XLA's CSE (GPU target) merges it
+    away; the report says so. With prevent_cse=True the step recomputes and nothing is said."""
+    said = "but the compiled step recomputes none: XLA's CSE"
+    (undone,) = remat_kit.analyze_policies(_unrolled(False), ["save-nothing"], "h100-sxm")
+    assert undone.recompute_ratio == pytest.approx(1.0)
+    assert any(said in w for w in undone.warnings), undone.warnings
+    (kept,) = remat_kit.analyze_policies(_unrolled(True), ["save-nothing"], "h100-sxm")
+    assert kept.recompute_ratio > 1.1
+    assert not any(said in w for w in kept.warnings), kept.warnings

@@ -401,3 +401,21 @@ def false_alarms(matrix=MATRIX) -> list[tuple[str, str]]:
 
 def test_clean_run_matrix_has_no_false_alarms():
     assert false_alarms() == []
+
+
+def test_residual_rows_keep_each_shape_apart():
+    """Values of one tag (or untagged values of one primitive) with different shapes get a row
+    per shape, each with its own bytes; bytes_by_tag sums a tag over its shapes."""
+
+    def loss(w, x):
+        h = checkpoint_name(jnp.tanh(x @ w), "proj")  # [4, 16, 32]
+        wide = checkpoint_name(jnp.tanh(jnp.concatenate([h, h], -1)), "proj")  # [4, 16, 64]
+        return jnp.sum(jnp.sin(wide @ jnp.ones((64, 8))))  # untagged [4, 16, 8] too
+
+    f = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names("proj"))
+    rows = R.group_by_tag(R.saved_residuals(f, jax.ShapeDtypeStruct((32, 32), jnp.float32), X))
+    proj = {r.shape: r.nbytes for r in rows if r.tag == "proj"}
+    assert proj == {(4, 16, 32): 4 * 16 * 32 * 4, (4, 16, 64): 4 * 16 * 64 * 4}
+    assert R.bytes_by_tag(rows)["proj"] == sum(proj.values())
+    for r in rows:  # every row's bytes are count arrays of its own shape
+        assert r.nbytes == r.count * int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize, r

@@ -3,7 +3,6 @@ policies of one model, no-remat compiled once) and :func:`check_function` (a use
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,32 +26,22 @@ from remat_kit.doctor.promise import (
     remat3_findings,
     resolve_policy,
 )
-from remat_kit.memory import analyze, analyze_policies
-from remat_kit.memory.hlo import JAX_RECOMPUTE_SCOPE
+from remat_kit.memory import analyze, analyze_policies, hlo
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
 from remat_kit.policies import PolicySpec, policy_names
 from remat_kit.program import Program
 from remat_kit.training.step import init_params
 
-_BOOKKEEPING = re.compile(
-    r"= \S+ (parameter|constant|get-tuple-element|tuple|bitcast|copy|copy-start|copy-done|"
-    r"opt-barrier)\("
-)
-
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
-    """Operations of ``fn``'s compiled program for ``target`` that recompute the forward pass:
-    instructions whose ``op_name`` carries JAX's remat scope (``rematted_computation``), data
-    movement and tuples excluded. 0 when XLA merged the recomputation away (CSE)."""
+    """Operations of ``fn``'s compiled program for ``target`` that recompute the forward pass
+    (:func:`remat_kit.memory.hlo.count_recomputed_ops`). 0 when XLA merged the recomputation
+    away (CSE)."""
     sharding = T.abstract_sharding(target)
     abstract = [T.abstractify(a, sharding) for a in args]
     text = jax.jit(fn).lower(*abstract).compile().as_text()
-    return sum(
-        1
-        for line in text.splitlines()
-        if JAX_RECOMPUTE_SCOPE in line and " = " in line and not _BOOKKEEPING.search(line)
-    )
+    return hlo.count_recomputed_ops(hlo.parse_hlo_module(text))
 
 
 def check(

@@ -281,6 +281,26 @@ def is_xla_remat(name: str) -> bool:
     return bool(re.search(r"\.remat\d*(\.|$)", name))
 
 
+#: Opcodes that move or name data rather than compute (not counted as recomputation).
+BOOKKEEPING_OPCODES = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "copy-start",
+    "copy-done", "opt-barrier",
+})  # fmt: skip
+
+
+def count_recomputed_ops(comps: dict[str, Computation]) -> int:
+    """Instructions of a compiled module that recompute the forward pass: those whose
+    ``op_name`` carries JAX's remat scope (:data:`JAX_RECOMPUTE_SCOPE`), bookkeeping excluded
+    (:data:`BOOKKEEPING_OPCODES`). 0 when the program has no rematerialisation left: the policy
+    saves everything, or XLA's CSE merged the recomputation back into the forward pass."""
+    return sum(
+        1
+        for comp in comps.values()
+        for instr in comp.instructions
+        if JAX_RECOMPUTE_SCOPE in instr.op_name and instr.opcode not in BOOKKEEPING_OPCODES
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class FlopCount:
     """Matmul FLOPs of a compiled module, with loop trip counts applied.

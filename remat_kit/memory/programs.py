@@ -88,6 +88,7 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
         model=program.name,
         visible=visible,
         notes=notes,
+        flops_traced=traced_flops(pure.fn, *pure.args) if spec.wrap else None,
         program_key=repr(
             (id(setup), spec.base, sorted(spec.save), sorted(spec.offload), spec.wrap)
         ),

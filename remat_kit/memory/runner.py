@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from remat_kit import targets as T
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
+    DumpReading,
     Hints,
     log_warnings,
     memory_parts,
@@ -84,11 +85,27 @@ class Job:
     #: When XLA's own rematerialisation pass changed the program, compile it again with the
     #: pass off for the policy's own figures (``MemoryReport.policy_only``).
     policy_only: bool = True
+    #: Matmul FLOPs of the step under this policy, from its trace (None: not traced). Above
+    #: ``flops_no_remat`` the policy recomputes matmuls; a warning says when the compiled step
+    #: recomputes none of them.
+    flops_traced: float | None = None
 
 
 #: Compiled per-device matmul work above this multiple of the even split is reported as
 #: computation replicated over the mesh (padding of small sharded dimensions stays below).
 _REPLICATION_WARN = 1.1
+
+
+def _recompute_undone(job: Job, reading: DumpReading) -> bool:
+    """The traced step recomputes matmuls, the compiled one none (one device only)."""
+    base, traced = job.flops_no_remat, job.flops_traced
+    if job.mesh_devices is not None or not base or traced is None or reading.flops is None:
+        return False
+    return (
+        traced > base * (1 + 1e-3)
+        and not reading.recomputed_flops
+        and (reading.flops <= base * (1 + 1e-3))
+    )
 
 
 def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):
@@ -186,6 +203,13 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     xla_line = ()
     if policy_only and peak is not None:
         xla_line = (xla_remat_line(peak, ratio, policy_only),)
+    if _recompute_undone(job, reading):
+        xla_line += (
+            f"policy {job.policy!r} recomputes {job.flops_traced / job.flops_no_remat:.2f}x the "
+            "matmul FLOPs in the jaxpr, but the compiled step recomputes none: XLA's CSE merged "
+            "the recomputation back into the forward pass (a jax.checkpoint / nn.remat with "
+            "prevent_cse=False outside a scan); its memory is no-remat's",
+        )
     return MemoryReport(
         name=job.name,
         target=job.target.name,

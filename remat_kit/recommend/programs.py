@@ -49,7 +49,7 @@ from remat_kit.recommend.solver import (
 )
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
-from remat_kit.residuals import group_by_tag, saved_residuals
+from remat_kit.residuals import bytes_by_tag, group_by_tag, saved_residuals
 from remat_kit.units import format_bytes as _gib
 
 #: A compiled policy: its spec, its candidate and the analyzer's report.
@@ -128,7 +128,7 @@ def _kept_bytes(program: Program, spec: PolicySpec, tags: frozenset[str]) -> dic
     """Device bytes of the residuals the loss keeps under ``spec``, by emitted tag."""
     loss = program.loss(spec)
     rows = group_by_tag(saved_residuals(loss.fn, *loss.args))
-    return {r.tag: r.nbytes for r in rows if r.memory == "device" and r.tag in tags}
+    return {t: n for t, n in bytes_by_tag(rows).items() if t in tags}
 
 
 def program_tag_costs(program: Program, tags: frozenset[str]) -> tuple[list[TagCost], float]:

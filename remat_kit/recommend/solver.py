@@ -16,6 +16,7 @@ from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.timing import step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
+from remat_kit.residuals import bytes_by_tag
 from remat_kit.training.step import (
     abstract_batch,
     abstract_train_state,
@@ -46,13 +47,9 @@ def tag_costs(
     opt = make_optimizer(optimizer)
     tags = list(config.checkpoint_names)
     everything = config.replace(remat_policy=custom_spec({t: "save" for t in tags}))
-    kept = {r.tag: r.nbytes for r in model_residuals(everything, batch_size, seq_len)}
+    kept = bytes_by_tag(model_residuals(everything, batch_size, seq_len), memory=None)
     nothing = config.replace(remat_policy="save-nothing")
-    base = {
-        r.tag: r.nbytes
-        for r in model_residuals(nothing, batch_size, seq_len)
-        if r.memory == "device"
-    }
+    base = bytes_by_tag(model_residuals(nothing, batch_size, seq_len))
     state = abstract_train_state(config, opt)
     batch = abstract_batch(batch_size, seq_len)
 

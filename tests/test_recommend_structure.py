@@ -144,6 +144,24 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
 
 
 @needs_cuda_plugin
+def test_partial_search_stopped_by_the_compile_cap_says_so(first):
+    """A compile cap that leaves one partial-layer probe: the bracket stays open, and the notes
+    say where the search stopped and that k is not shown to be the least."""
+    sn, nr = _named(first, "save-nothing"), _named(first, "no-remat")
+    budget = (sn.peak_bytes + nr.peak_bytes) // 2
+    rec = recommend(
+        CONFIG, SEQ, TARGET, budget=budget, cache=CompileCache(), max_compiles=3, **KW
+    )  # 2 named policies, then 1 compile left
+    (probe,) = [c for c in rec.candidates if c.found_by == "partial-layers"]
+    assert 1 < probe.remat_layers < CONFIG.num_layers - 1  # one probe cannot close 0..4 here
+    note = next(n for n in rec.notes if "partial-layer search stopped" in n)
+    fit = probe.remat_layers if probe.fits else CONFIG.num_layers
+    assert f"at the compile cap: remat_layers={fit} of {CONFIG.num_layers} fits" in note
+    assert "not shown to be the least that fits" in note
+    assert rec.pick is not None and rec.pick.peak_bytes <= budget
+
+
+@needs_cuda_plugin
 def test_nested_remat_makes_it_fit(capsys):
     """No-remat over the budget and the chunked loss no help: nested remat (2 checkpointed
     groups of 2 layers, no remat inside: Chen et al.'s scheme) fits, and says so."""

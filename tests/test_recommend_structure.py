@@ -141,6 +141,9 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
     assert below and not below[0].fits and below[0].peak_bytes > budget
     assert not any("not shown to be the least" in n for n in rec.notes)
     assert len(partial) <= partial_probes(CONFIG.num_layers)
+    least = min(c.remat_layers for c in partial if c.fits)
+    said = f"remat_layers={least} is the least that fits" in rec.made_fit
+    assert said == (least < pick.remat_layers)
 
 
 @needs_cuda_plugin

@@ -281,19 +281,44 @@ SWAPS = ("attention", "loss_chunk_size", "nested_remat", "nested_groups")
 NESTED = ("nested_remat", "nested_groups")
 
 
+def _without(c: Candidate, drop: Sequence[str]) -> Structure:
+    return tuple((k, v) for k, v in structure_of(c) if k not in drop)
+
+
+def _same_step(a: Candidate, b: Candidate) -> bool:
+    """Same policy, actions, batch, sequence and group size."""
+    return (
+        a.policy == b.policy and a.actions == b.actions and a.batch_size == b.batch_size
+        and a.seq_len == b.seq_len and a.remat_group_size == b.remat_group_size
+    )  # fmt: skip
+
+
 def _twin(pick: Candidate, candidates: Sequence[Candidate], drop: Sequence[str]):
     """The candidate compiled like ``pick`` (policy, actions, batch, seq, group size) with the
     structural options ``drop`` left out; None if none was compiled."""
-    want = tuple((k, v) for k, v in structure_of(pick) if k not in drop)
-    return next(
+    want = _without(pick, drop)
+    return next((c for c in candidates if _same_step(c, pick) and structure_of(c) == want), None)
+
+
+def _least_layers(pick: Candidate, candidates: Sequence[Candidate]) -> str:
+    """When a smaller ``remat_layers`` than the pick's was compiled to fit (the least that fits,
+    slower by the time model): which, with its peak and estimated step; else ``""``."""
+    base = _without(pick, ("remat_layers",))
+    least = min(
         (
             c for c in candidates
-            if c.policy == pick.policy and c.actions == pick.actions
-            and c.batch_size == pick.batch_size and c.seq_len == pick.seq_len
-            and c.remat_group_size == pick.remat_group_size and structure_of(c) == want
+            if c.fits and c.remat_layers is not None and _same_step(c, pick)
+            and _without(c, ("remat_layers",)) == base
         ),
-        None,
+        key=lambda c: c.remat_layers,
     )  # fmt: skip
+    if least.remat_layers >= pick.remat_layers:
+        return ""
+    return (
+        f"; remat_layers={least.remat_layers} is the least that fits ({_g(least.peak_bytes)}, "
+        f"est. {least.step_time_s * 1e3:.4g} ms from its compiled FLOPs, XLA's own "
+        "rematerialisation included)"
+    )
 
 
 def _swap_line(pick: Candidate, candidates: Sequence[Candidate], swap: Sequence[str]) -> str:
@@ -338,5 +363,5 @@ def made_fit(pick: Candidate | None, candidates: Sequence[Candidate], layers: in
                 f"with {pick.policy} on every layer ({gain:.1%} less), peak "
                 f"{_g(pick.peak_bytes)} vs {_g(full.peak_bytes)} (compiled)"
             )
-        parts.append(line)
+        parts.append(line + _least_layers(pick, candidates))
     return "; ".join(parts)

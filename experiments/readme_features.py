@@ -164,10 +164,9 @@ def recommend_structure_table(r: Results) -> str:
     for path in RECOMMEND_STRUCTURE:
         d = r.json(path)
         p = d["pick"]
-        opts = ", ".join(
-            f"{k}={p[k]!r}" for k in ("attention", "loss_chunk_size", "remat_layers")
-            if p.get(k) not in (None, "xla")
-        )  # fmt: skip
+        q = {**p, "nested_remat": True} if p.get("nested_groups") else p
+        keys = ("attention", "loss_chunk_size", "nested_remat", "nested_groups", "remat_layers")
+        opts = ", ".join(f"{k}={q[k]!r}" for k in keys if q.get(k) not in (None, "xla"))
         rows.append([
             f"{d['model']} s={d['seq_len']} b={d['batch_size']}, {d['target']}, "
             f"budget {_gib(d['budget_bytes'])} GiB",

@@ -1,21 +1,26 @@
-"""recommend's structure search: cuDNN attention / chunked loss when nothing fits, partial-layer
-remat when a full-remat policy fits with room (issue 17).
+"""recommend's structure search: cuDNN attention / chunked loss / nested remat when nothing
+fits, partial-layer remat when a full-remat policy fits with room (issue 17).
 
 tiny-llama in bfloat16 (so cuDNN flash attention qualifies) at b=2, s=64 on h100-sxm,
-deviceless; one shared :class:`CompileCache` (about 7 compiles in all).
+deviceless; one shared :class:`CompileCache` (about 9 compiles in all); nested remat on
+tiny-llama in float32 (no cuDNN: 3 compiles).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from remat_kit import targets as T
+from remat_kit.cli.recommend import print_recommendation
 from remat_kit.memory.api import _baseline_flops, _setup, model_residuals
 from remat_kit.models.config import get_config
-from remat_kit.recommend import CompileCache, Recommendation, recommend
+from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
 from remat_kit.recommend.session import CompileCounter, Session
-from remat_kit.recommend.structure import loss_chunk, structural_options
+from remat_kit.recommend.structure import loss_chunk, structural_options, structure_of
 from remat_kit.recommend.types import Candidate
+from remat_kit.units import format_bytes
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config("tiny-llama", dtype="bfloat16", param_dtype="bfloat16")
@@ -63,10 +68,22 @@ def test_options_and_the_line_to_paste():
         "remat_layers=24, scan_layers=True)  # batch 1, seq 8192"
     )
     assert c.options_label == "cudnn, remat 24 layers"
+    nested = dataclasses.replace(c, attention="xla", remat_layers=None, nested_groups=4)
+    assert nested.code() == (
+        'get_config("llama3-8b", remat_policy="save-nothing", nested_remat=True, '
+        "nested_groups=4, scan_layers=True)  # batch 1, seq 8192"
+    )
+    assert nested.options_label == "nested 4 groups"
+    nest = "nested_remat=True, nested_groups=2"  # sqrt_groups(4) == 2
     assert _options(CONFIG) == [
-        "attention='cudnn'", "loss_chunk_size=8", "attention='cudnn' + loss_chunk_size=8",
+        "attention='cudnn'", "loss_chunk_size=8", "attention='cudnn' + loss_chunk_size=8", nest,
+        f"attention='cudnn' + loss_chunk_size=8 + {nest}",
     ]  # fmt: skip
-    assert _options(get_config("tiny-llama")) == ["loss_chunk_size=8"]  # float32: no cuDNN
+    f32 = get_config("tiny-llama")  # float32: no cuDNN
+    assert _options(f32) == ["loss_chunk_size=8", nest, f"loss_chunk_size=8 + {nest}"]
+    assert _options(f32.replace(nested_remat=True)) == ["loss_chunk_size=8"]  # nested already
+    # Secant probes, then bisection: enough to close any bracket of 1..L-1.
+    assert [partial_probes(n) for n in (2, 4, 5, 32, 80)] == [3, 4, 5, 7, 9]
 
 
 def test_structured_baseline_and_residuals_are_the_plain_steps():
@@ -116,6 +133,62 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
     assert pick.step_time_s < sn.step_time_s
     assert f"remat_layers={pick.remat_layers}" in rec.line()
     assert "less" in rec.made_fit
-    # Every remat_layers below the pick's that was compiled does not fit.
+    # Every remat_layers below the pick's that was compiled does not fit, and k - 1 was compiled
+    # (k - 1 == 0 is no-remat): the least k is proven, so no note says otherwise.
     partial = [c for c in rec.candidates if c.found_by == "partial-layers"]
     assert all(not c.fits for c in partial if c.remat_layers < pick.remat_layers)
+    below = [c for c in partial if c.remat_layers == pick.remat_layers - 1] or [nr]
+    assert below and not below[0].fits and below[0].peak_bytes > budget
+    assert not any("not shown to be the least" in n for n in rec.notes)
+    assert len(partial) <= partial_probes(CONFIG.num_layers)
+    least = min(c.remat_layers for c in partial if c.fits)
+    said = f"remat_layers={least} is the least that fits" in rec.made_fit
+    assert said == (least < pick.remat_layers)
+
+
+@needs_cuda_plugin
+def test_partial_search_stopped_by_the_compile_cap_says_so(first):
+    """A compile cap that leaves one partial-layer probe: the bracket stays open, and the notes
+    say where the search stopped and that k is not shown to be the least."""
+    sn, nr = _named(first, "save-nothing"), _named(first, "no-remat")
+    budget = (sn.peak_bytes + nr.peak_bytes) // 2
+    rec = recommend(
+        CONFIG, SEQ, TARGET, budget=budget, cache=CompileCache(), max_compiles=3, **KW
+    )  # 2 named policies, then 1 compile left
+    (probe,) = [c for c in rec.candidates if c.found_by == "partial-layers"]
+    assert 1 < probe.remat_layers < CONFIG.num_layers - 1  # one probe cannot close 0..4 here
+    note = next(n for n in rec.notes if "partial-layer search stopped" in n)
+    fit = probe.remat_layers if probe.fits else CONFIG.num_layers
+    assert f"at the compile cap: remat_layers={fit} of {CONFIG.num_layers} fits" in note
+    assert "not shown to be the least that fits" in note
+    assert rec.pick is not None and rec.pick.peak_bytes <= budget
+
+
+@needs_cuda_plugin
+def test_nested_remat_makes_it_fit(capsys):
+    """No-remat over the budget and the chunked loss no help: nested remat (2 checkpointed
+    groups of 2 layers, no remat inside: Chen et al.'s scheme) fits, and says so."""
+    config = get_config("tiny-llama")  # float32: no cuDNN; options: loss chunk, nested, both
+    kw = dict(batch_size=BATCH, policies=["no-remat"], group_sizes=[1], structure=True)
+    cache = CompileCache()
+    plain = recommend(config, SEQ, TARGET, budget=10**9, cache=cache, **kw).pick
+    assert plain is not None and plain.policy == "no-remat" and not plain.options
+    budget = plain.peak_bytes - 1
+    rec = recommend(config, SEQ, TARGET, budget=budget, cache=cache, **kw)
+    pick = rec.pick
+    assert pick is not None and pick.fits and pick.peak_bytes <= budget
+    assert pick.found_by == "structure" and pick.nested_groups == 2 and pick.policy == "no-remat"
+    assert not any(c.fits for c in rec.candidates if c.nested_groups is None)
+    config_again = config.replace(remat_policy=pick.policy, **dict(structure_of(pick)))
+    assert config_again.nested_remat and config_again.outer_groups == 2
+    assert rec.line() == (
+        'get_config("tiny-llama", remat_policy="no-remat", nested_remat=True, nested_groups=2, '
+        f"scan_layers=True)  # batch {BATCH}, seq {SEQ}"
+    )
+    assert rec.made_fit.startswith("nested_remat=True + nested_groups=2 made it fit: no-remat on")
+    with_and_without = f"peaks at {format_bytes(plain.peak_bytes)} without it, "
+    assert with_and_without + f"{format_bytes(pick.peak_bytes)} with it" in rec.made_fit
+    print_recommendation(rec)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "options: nested_remat=True + nested_groups=2 made it fit" in out
+    assert "nested 2 groups" in out

@@ -34,10 +34,12 @@ Host-link figures: :func:`host_link_source`.
    combination (3^9 = 19,683 for a SwiGLU block) under an additive model, then verified by
    compiling the best predicted few (see :func:`solve_tags`).
 5. ``structure`` (fixed batch; on by default when ``policies`` is not given): when nothing fits,
-   cuDNN flash attention (where the target has it), then chunked cross-entropy, then both, on
+   cuDNN flash attention (where the target has it), then chunked cross-entropy, then both,
+   then nested remat (sqrt(L) checkpointed groups of layers), alone and with the others, on
    the candidates closest to fitting; when a full-remat policy fits with room, the least number
    of layers under it (the first k of L, the rest not rematerialised) that still fits, by
-   secant and bisection over k (:mod:`remat_kit.recommend.structure`). The pick's options are
+   secant and bisection over k until k fits and k - 1 does not
+   (:mod:`remat_kit.recommend.structure`). The pick's options are
    in the line to paste (``get_config(..., attention="cudnn", remat_layers=24, ...)``) and
    ``Recommendation.made_fit`` says what they did, against the same policy compiled without.
 6. Nothing fits: a shorter sequence (compiled), a smaller batch (compiled) and more devices
@@ -57,7 +59,7 @@ Where each part lives:
 ``session``            the compile session and :class:`CompileCache`
 ``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
 ``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`)
-``structure``          stage 5 (attention, chunked loss, partial-layer remat)
+``structure``          stage 5 (attention, chunked loss, nested and partial-layer remat)
 ``advice``             stage 6 (nothing fits)
 ``programs``           :func:`recommend` for a user's :class:`~remat_kit.Program`: the named
                        policies that act on its emitted tags, per-tag solve over them
@@ -87,8 +89,10 @@ from remat_kit.recommend.solver import SOLVE_ROUNDS as SOLVE_ROUNDS
 from remat_kit.recommend.solver import SOLVE_VERIFY as SOLVE_VERIFY
 from remat_kit.recommend.solver import solve_tags as solve_tags
 from remat_kit.recommend.solver import tag_costs as tag_costs
-from remat_kit.recommend.structure import PARTIAL_PROBES as PARTIAL_PROBES
+from remat_kit.recommend.structure import SECANT_PROBES as SECANT_PROBES
 from remat_kit.recommend.structure import STRUCTURE_PROBES as STRUCTURE_PROBES
+from remat_kit.recommend.structure import partial_probes as partial_probes
+from remat_kit.recommend.structure import structure_compiles as structure_compiles
 from remat_kit.recommend.timing import host_link_source as host_link_source
 from remat_kit.recommend.timing import step_time as step_time
 from remat_kit.recommend.types import Candidate as Candidate
@@ -101,7 +105,7 @@ __all__ = [
     "BATCH_PROBES",
     "DEFAULT_MARGIN",
     "DEVICE_COUNTS",
-    "PARTIAL_PROBES",
+    "SECANT_PROBES",
     "SEQ_HALVINGS",
     "SOLVE_ROUNDS",
     "SOLVE_VERIFY",
@@ -115,8 +119,10 @@ __all__ = [
     "TagCost",
     "host_link_source",
     "parse_budget",
+    "partial_probes",
     "recommend",
     "solve_tags",
     "step_time",
+    "structure_compiles",
     "tag_costs",
 ]

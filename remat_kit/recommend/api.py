@@ -4,9 +4,9 @@
 2. :func:`open_session`: the compile session, and the budget checked against the state.
 3. :func:`compile_named`: every named policy at the base group size.
 4. :func:`search_largest_batch` (``"auto"``) or :func:`search_fixed_batch` (group sizes, solver).
-5. :func:`search_structure_options` (fixed batch, ``structure``): cuDNN attention and chunked
-   cross-entropy when nothing fits, then fewer rematerialised layers when a full-remat pick fits
-   with room (:mod:`remat_kit.recommend.structure`).
+5. :func:`search_structure_options` (fixed batch, ``structure``): cuDNN attention, chunked
+   cross-entropy and nested remat when nothing fits, then fewer rematerialised layers when a
+   full-remat pick fits with room (:mod:`remat_kit.recommend.structure`).
 6. :func:`advise`: when nothing fits, what would.
 7. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
 """
@@ -31,10 +31,10 @@ from remat_kit.recommend.search import distinct, group_search, largest_batch
 from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
 from remat_kit.recommend.solver import solve
 from remat_kit.recommend.structure import (
-    STRUCTURE_COMPILES,
     made_fit,
     search_partial_layers,
     search_structure,
+    structure_compiles,
 )
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
@@ -136,7 +136,8 @@ def recommend(
         (the first k layers under the policy, the rest not rematerialised) when a full-remat pick
         fits with room (:mod:`remat_kit.recommend.structure`). Default: on when ``policies`` is
         None (the full search), off when the policies are given (exactly those are compiled).
-        The compile cap grows by :data:`STRUCTURE_COMPILES` when on.
+        The compile cap grows by :func:`~remat_kit.recommend.structure.structure_compiles`
+        (``num_layers``) when on.
 
     Returns:
       A :class:`Recommendation`: the pick (None when nothing fits, with ``advice``), every
@@ -311,7 +312,7 @@ def open_session(
     params = request.arguments.get("params", 0)
     opt_state = request.arguments.get("opt_state", 0)
     n = len(request.specs)
-    extra = STRUCTURE_COMPILES if request.structure else 0
+    extra = structure_compiles(request.config.num_layers) if request.structure else 0
     cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n + extra
     session = Session(
         config=request.config, seq_len=request.seq_len, target=request.target,
@@ -356,9 +357,10 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
 def search_structure_options(
     session: Session, request: Request, named: Sequence[Named], found: Found
 ) -> None:
-    """Stage 5 (``structure``): cuDNN attention / chunked loss when nothing fits, then fewer
-    rematerialised layers when a full-remat pick fits (:mod:`remat_kit.recommend.structure`);
-    the pick is chosen again over every candidate, and ``made_fit`` says what its options did."""
+    """Stage 5 (``structure``): cuDNN attention / chunked loss / nested remat when nothing fits,
+    then fewer rematerialised layers when a full-remat pick fits
+    (:mod:`remat_kit.recommend.structure`); the pick is chosen again over every candidate, and
+    ``made_fit`` says what its options did."""
     pool: list[Named] = list(named)
     if found.pick is None:
         extra = search_structure(session, named, request.batch, math.inf)

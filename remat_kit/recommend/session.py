@@ -172,6 +172,7 @@ class Session:
         return dataclasses.replace(
             c, model=preset_name(self.config), attention=config.attention,
             loss_chunk_size=config.loss_chunk_size, remat_layers=config.remat_layers,
+            nested_groups=config.outer_groups,
         )  # fmt: skip
 
 

@@ -14,7 +14,8 @@ FoundBy = Literal[
     "named", "group-size", "batch-search", "solve", "advice", "structure", "partial-layers"
 ]
 #: Structural ``ModelConfig`` overrides of a candidate, as sorted ``(field, value)`` pairs
-#: (``attention``, ``loss_chunk_size``, ``remat_layers``); ``()`` is the config as given.
+#: (``attention``, ``loss_chunk_size``, ``nested_groups``, ``nested_remat``, ``remat_layers``);
+#: ``()`` is the config as given.
 Structure = tuple[tuple[str, Any], ...]
 
 
@@ -41,7 +42,9 @@ class Candidate:
       attention: ``ModelConfig.attention`` compiled (``"xla"`` or ``"cudnn"``; None for a user's
         program). loss_chunk_size: tokens per chunk of the chunked cross-entropy (None: whole
         logits). remat_layers: the first ``remat_layers`` of the layers under ``policy``, the
-        rest not rematerialised (None: every layer under ``policy``).
+        rest not rematerialised (None: every layer under ``policy``). nested_groups: nested
+        remat's outer segment count (``ModelConfig.nested_remat`` with ``nested_groups``: only
+        the segments' inputs stored, each segment recomputed whole; None: not nested).
     """
 
     policy: str
@@ -66,27 +69,35 @@ class Candidate:
     attention: str | None = None
     loss_chunk_size: int | None = None
     remat_layers: int | None = None
+    nested_groups: int | None = None
 
     @property
     def options(self) -> dict[str, Any]:
         """The structural options set away from the plain step (``attention`` other than xla,
-        ``loss_chunk_size``, ``remat_layers``), as ``ModelConfig`` overrides."""
+        ``loss_chunk_size``, ``nested_remat`` with ``nested_groups``, ``remat_layers``), as
+        ``ModelConfig`` overrides."""
         out: dict[str, Any] = {}
         if self.attention not in (None, "xla"):
             out["attention"] = self.attention
         if self.loss_chunk_size is not None:
             out["loss_chunk_size"] = self.loss_chunk_size
+        if self.nested_groups is not None:
+            out["nested_remat"] = True
+            out["nested_groups"] = self.nested_groups
         if self.remat_layers is not None:
             out["remat_layers"] = self.remat_layers
         return out
 
     @property
     def options_label(self) -> str:
-        """``"cudnn, loss chunk 1024, remat 24 layers"``, or ``"-"`` for the plain step."""
+        """``"cudnn, loss chunk 1024, nested 4 groups, remat 24 layers"``, or ``"-"`` for the
+        plain step."""
         o = self.options
         parts = [o["attention"]] if "attention" in o else []
         if "loss_chunk_size" in o:
             parts.append(f"loss chunk {o['loss_chunk_size']}")
+        if "nested_groups" in o:
+            parts.append(f"nested {o['nested_groups']} groups")
         if "remat_layers" in o:
             parts.append(f"remat {o['remat_layers']} layers")
         return ", ".join(parts) or "-"

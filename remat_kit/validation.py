@@ -20,13 +20,19 @@ from collections.abc import Iterable
 
 
 def closest(name: str, valid: Iterable[str]) -> str | None:
-    """The closest valid string to ``name``: a valid one that ``name`` extends or abbreviates
+    """The closest valid string to ``name``: a near-exact one (difflib ratio >= 0.85: a dropped
+    or doubled character), else a valid one that ``name`` extends or abbreviates
     (``mlpwi_typo`` -> ``mlpwi``; the longest such), else the best difflib ratio >= 0.5, or None.
 
-    >>> closest("mlpwi_typo", ["mlpwo", "mlpwi"])
+    >>> closest("mlpwi_typo", ["mlpwo", "mlpwi", "mlpwi_0"])
     'mlpwi'
+    >>> closest("save-dots-nobatch", ["save-dots", "save-dots-no-batch"])
+    'save-dots-no-batch'
     """
     valid = list(valid)
+    near = difflib.get_close_matches(name, valid, n=1, cutoff=0.85)
+    if near:
+        return near[0]
     nested = [v for v in valid if v and (name.startswith(v) or v.startswith(name))]
     if name and nested:
         return max(nested, key=lambda v: (len(os.path.commonprefix([v, name])), -len(v)))

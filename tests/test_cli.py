@@ -116,3 +116,18 @@ def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
         "remat-kit: error: policy 'save-dots' on target 'cpu' failed to compile: "
         "INTERNAL: ptxas exited with status 1"
     ) in err
+
+
+def test_doctor_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
+    """XLA failing to compile the step is said in one line by the doctor too (no traceback)."""
+    from remat_kit.memory import xla_compile as mc
+
+    def fail(lowered, platform, what, fast=True, options=None):
+        raise mc.CompileError(what, "INTERNAL: Couldn't find output tile sizes")
+
+    monkeypatch.setattr("remat_kit.memory.runner.compile_with_dump", fail)
+    code = cli.main(["doctor", "--model", "tiny-gpt", "--batch", "1", "--seq", "16",
+                     "--target", "cpu", "--policy", "save-nothing"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("remat-kit: error: ") and "output tile sizes" in err[0]

@@ -86,13 +86,15 @@ def test_buffer_table_keeps_shapes_intact():
         "tiny-gpt", 1, 8, ["save-nothing"], target="cpu", top_k=5
     )
     fake = SimpleNamespace(nbytes=2**30, shape="f32[1,8,8192,8192]", kind="[batch, seq, d_model]",
-                           phase="[seq, seq]", op_name="jit(step)/[bold]dot_general")  # fmt: skip
+                           phase="[seq, seq]", op_name="jit(step)/[bold]dot_general",
+                           memory="host")  # fmt: skip
     report = SimpleNamespace(policy="[b, s]", peak_buffers=[*report.peak_buffers, fake])
     out = _printed(buffer_table(report))
     for b in report.peak_buffers:
         for field in (b.shape, b.kind, b.phase, b.op_name[-70:]):
             assert field in out, field
     assert "([b, s])" in out
+    assert "[batch, seq, d_model] (host)" in out  # a host buffer says so
 
 
 def test_parse_policy_arg_forms():

@@ -59,7 +59,7 @@ def test_free_budget_picks_a_compiled_named_policy(free):
     assert pick is not None and pick.fits and pick.flops is not None
     assert pick.step_time_s == min(c.step_time_s for c in free.candidates)
     assert pick.tokens_per_s is None and pick.batch_size is None
-    assert free.line().startswith("make_step(remat_kit.policy(")
+    assert free.line().startswith("policy = remat_kit.policy(")
     assert set(free.arguments) == {"params", "opt_state", "tokens"}
     assert json.loads(free.to_json())["pick"]["peak_bytes"] == pick.peak_bytes
 
@@ -100,7 +100,7 @@ def test_cli_recommend_program(capsys):
     assert cli.main([*argv, "--policy", "save-dots"]) == 0
     out = capsys.readouterr().out
     assert "plain-jax (your program)" in out and "checkpoint tags the program emits" in out
-    assert out.strip().splitlines()[-1].startswith('make_step(remat_kit.policy("save-')
+    assert out.strip().splitlines()[-1].startswith('policy = remat_kit.policy("save-')
 
 
 def test_cli_shape_flags(capsys):

@@ -114,6 +114,26 @@ def test_user_block_residuals_follow_the_structure():
     assert _layer_inputs(residuals({"policy": "save-nothing"}), (2, 8, 64)) == []
 
 
+def test_user_block_takes_what_a_program_factory_receives():
+    """The policy a Program factory is given (a jax policy callable, None for no remat) drives
+    the stack as the equivalent name does."""
+    x = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
+
+    def residuals(kw):
+        model = UserModel(kw)
+        params = jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
+        rows = saved_residuals(lambda p, h: model.apply({"params": p}, h).sum(), params, x)
+        return sorted((r.shape, r.dtype) for r in rows if not r.is_argument)
+
+    nothing = jax.checkpoint_policies.nothing_saveable
+    assert residuals({"policy": nothing}) == residuals({"policy": "save-nothing"})
+    assert residuals({"policy": None}) == residuals({"policy": "no-remat"})
+    assert residuals({"policy": nothing}) != residuals({"policy": None})
+    assert residuals({"policy": nothing, "remat_layers": 2}) == residuals(
+        {"policy": "save-nothing", "remat_layers": 2}
+    )
+
+
 def test_layer_plan_and_groups():
     assert layer_plan(8) == (((True,), 8),)
     assert layer_plan(8, 0) == (((False,), 8),)

@@ -224,7 +224,8 @@ def buffer_table(report):
     t = table(f"largest buffers live at XLA's peak ({report.policy})", (name, "shape", "what",
               "phase", "op"), right=(name,))  # fmt: skip
     for b in report.peak_buffers:
-        add_row(t, in_unit(b.nbytes, unit, 3), b.shape, b.kind, b.phase, b.op_name)
+        kind = f"{b.kind} (host)" if b.memory == "host" else b.kind
+        add_row(t, in_unit(b.nbytes, unit, 3), b.shape, kind, b.phase, b.op_name)
     return t
 
 

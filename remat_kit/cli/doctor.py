@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.doctor import check_policies, has_errors
+from remat_kit.memory import CompileError
 from remat_kit.policies import get_policy_spec, policy_label, policy_names
 
 
@@ -37,7 +39,16 @@ def add(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handle ``remat-kit doctor``: 0 no error finding, 1 some."""
+    """Handle ``remat-kit doctor``: 0 no error finding, 1 some (or a step XLA cannot compile:
+    one line, as ``analyze`` says it)."""
+    try:
+        return _run(args)
+    except CompileError as err:
+        print(f"{A.PROG}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if A.is_program_ref(args.model):
         program = A.resolve_model(args)
         A.require_shape(args, program)

@@ -112,26 +112,45 @@ def stored_layer_inputs(num_layers: int, groups: int | None = None) -> int:
     return groups + num_layers // check_nested_groups(num_layers, groups)
 
 
+def resolve_block_policy(policy: Any) -> PolicySpec | Callable[..., bool] | None:
+    """A block's policy as the stack applies it: None for no remat (``"no-remat"``, or None as
+    a :class:`~remat_kit.program.Program` factory receives for no-remat), a jax policy callable
+    as given (``jax.checkpoint_policies.*``, :func:`remat_kit.custom_policy`: what a factory
+    receives otherwise), else the :class:`PolicySpec` of a name, spec or per-tag mapping.
+
+    Raises:
+      ValueError: an unknown policy name or a bad mapping (:func:`get_policy_spec`).
+    """
+    if policy is None:
+        return None
+    if callable(policy) and not isinstance(policy, (str, PolicySpec)):
+        return policy
+    spec = get_policy_spec(policy)
+    return spec if spec.wrap else None
+
+
 def _apply(module: nn.Module, x: jax.Array, *args: Any) -> jax.Array:
     return module(x, *args)
 
 
 class _Step(nn.Module):
-    """One scan step: ``len(specs)`` blocks, block ``i`` under ``specs[i]`` (None: no remat)."""
+    """One scan step: ``len(specs)`` blocks, block ``i`` under ``specs[i]`` (None: no remat; see
+    :func:`resolve_block_policy`)."""
 
     block: Callable[[str], nn.Module]
-    specs: tuple[PolicySpec | None, ...]
+    specs: tuple[PolicySpec | Callable[..., bool] | None, ...]
 
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any):
         for i, spec in enumerate(self.specs):
             module = self.block(f"block_{i}")
-            if spec is None or not spec.wrap:
+            if spec is None:
                 x = module(x, *args)
             else:
+                policy = spec.to_jax() if isinstance(spec, PolicySpec) else spec
                 # Under a scan, prevent_cse=False: CSE cannot merge the recompute across loop
                 # iterations, and the barriers only cost speed (flax.linen.remat docstring).
-                x = nn.remat(_apply, policy=spec.to_jax(), prevent_cse=False)(module, x, *args)
+                x = nn.remat(_apply, policy=policy, prevent_cse=False)(module, x, *args)
         return x, None
 
 
@@ -172,7 +191,9 @@ class RematLayerStack(nn.Module):
     Attributes:
       block: the block factory.
       num_layers: blocks in the stack (L).
-      policy: remat policy of the rematerialised blocks (a name, :class:`PolicySpec` or mapping).
+      policy: remat policy of the rematerialised blocks: a name, :class:`PolicySpec`, per-tag
+        mapping, or what a :class:`~remat_kit.program.Program` factory receives (a jax policy
+        callable, None for no remat); see :func:`resolve_block_policy`.
       remat_layers: how many blocks use ``policy`` (None: all); the rest use ``rest_policy``.
       placement: ``"first"`` or ``"interleaved"`` (see :func:`layer_plan`).
       rest_policy: policy of the other blocks (default ``"no-remat"``).
@@ -202,7 +223,7 @@ class RematLayerStack(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
-        spec, rest = get_policy_spec(self.policy), get_policy_spec(self.rest_policy)
+        spec, rest = resolve_block_policy(self.policy), resolve_block_policy(self.rest_policy)
         per_scan = self.num_layers
         if self.nested_groups is not None:
             per_scan //= check_nested_groups(self.num_layers, self.nested_groups)

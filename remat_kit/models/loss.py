@@ -37,7 +37,12 @@ def chunked_cross_entropy(
       hidden: [batch, seq, d_model], the LM head's input.
       targets: [batch, seq] int token ids.
       logits_fn: ``x [batch, chunk, d_model] -> logits [batch, chunk, vocab]`` (any float dtype,
-        upcast to float32); may close over traced parameters (their gradients flow).
+        upcast to float32); may close over traced parameters (their gradients flow). A function
+        of arrays: inside a linen module it must not call a submodule (``nn.Dense`` called
+        under this function's ``jax.checkpoint`` / ``lax.scan`` leaks tracers, flax's
+        ``UnexpectedTracerError``); take the head's kernel as an array instead, e.g.
+        ``kernel = self.param("head", init, (d_model, vocab))`` then
+        ``lambda x: x @ kernel``, or call it outside ``apply`` with the params tree.
       chunk_size: tokens per chunk; must divide ``seq``.
 
     Returns:

@@ -124,8 +124,13 @@ class Candidate:
             policy = f"remat_kit.custom_policy({{{body}}})"
         if self.batch_size is None:
             if self.policy == "no-remat":
-                return "make_step(None)  # no remat: build the step without jax.checkpoint"
-            return f"make_step({policy})  # your factory's jax.checkpoint(..., policy=...)"
+                return (
+                    "policy = None  # no remat: your factory builds the step without jax.checkpoint"
+                )
+            return (
+                f"policy = {policy}  # give it to your factory (make_loss / make_step): "
+                "jax.checkpoint(..., policy=policy)"
+            )
         shape = f"batch {self.batch_size}, seq {self.seq_len}"
         if self.options:
             return self._config_code(policy, shape)

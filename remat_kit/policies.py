@@ -314,6 +314,68 @@ def check_tags(spec: PolicySpec, emitted: Iterable[str], program: str = "the pro
             raise N.unknown_value_error(f"checkpoint name (not emitted by {program})", tag, emitted)
 
 
+@dataclasses.dataclass(frozen=True)
+class TagFit:
+    """What a set of policies does on a program emitting a given set of tags
+    (:func:`policies_for_tags`).
+
+    Attributes:
+      specs: the specs worth compiling, in the given order, duplicates removed.
+      restricted: ``(named spec, the custom spec it was cut down to)`` for each registered
+        name-based policy naming some tags the program does not emit.
+      skipped: registered name-based policies naming none of the emitted tags (they would run as
+        ``save-nothing``).
+    """
+
+    specs: tuple[PolicySpec, ...]
+    restricted: tuple[tuple[PolicySpec, PolicySpec], ...]
+    skipped: tuple[PolicySpec, ...]
+
+    def notes(self, program: str) -> list[str]:
+        """One line per restricted policy and one for all the skipped ones."""
+        out = [
+            f"{named.name} names {', '.join(sorted(named.tags - cut.tags))}, which {program} "
+            f"does not emit: compiled as {cut.description[len('Custom: ') :]}"
+            for named, cut in self.restricted
+        ]
+        if self.skipped:
+            out.append(
+                f"not compiled on {program}: {', '.join(s.name for s in self.skipped)} (they name "
+                "none of its checkpoint names and would run as save-nothing)"
+            )
+        return out
+
+
+def policies_for_tags(
+    policies: Iterable[str | PolicySpec | Mapping[str, str]], tags: Iterable[str]
+) -> TagFit:
+    """The policies that can act on a program emitting ``tags``.
+
+    Kept as given: the kind-based specs (``save-nothing``, ``save-dots``, ``no-remat``...), a
+    registered name-based spec whose tags the program all emits, and every spec that is not a
+    registered one (a user's own: check it with :func:`check_tags`). A registered name-based spec
+    naming some tags the program does not emit is cut down to the emitted ones (a custom spec);
+    one naming none of them is skipped.
+
+    Raises:
+      ValueError: an unknown policy name (see :func:`get_policy_spec`).
+    """
+    tags = frozenset(tags)
+    specs, restricted, skipped = [], [], []
+    for spec in dict.fromkeys(get_policy_spec(p) for p in policies):
+        if _REGISTRY.get(spec.name) != spec or spec.base != "names" or spec.tags <= tags:
+            specs.append(spec)
+        elif not spec.tags & tags:
+            skipped.append(spec)
+        else:
+            actions = {t: "save" for t in spec.save & tags}
+            actions |= {t: "offload" for t in spec.offload & tags}
+            cut = custom_spec(actions)
+            specs.append(cut)
+            restricted.append((spec, cut))
+    return TagFit(tuple(dict.fromkeys(specs)), tuple(restricted), tuple(skipped))
+
+
 #: How one command-line ``--policy`` value is written (shown in ``--help``).
 POLICY_ARG_HELP = (
     "a registered policy name (see `remat-kit policies`), or a per-tag spec: "

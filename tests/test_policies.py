@@ -13,7 +13,13 @@ from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 import remat_kit
 import remat_kit.training
 from remat_kit import names as N
-from remat_kit.policies import check_tags
+from remat_kit.policies import (
+    check_tags,
+    custom_spec,
+    get_policy_spec,
+    policies_for_tags,
+    policy_names,
+)
 from remat_kit.residuals import block_residuals, group_by_tag
 from remat_kit.training.step import abstract_batch, loss_fn, make_optimizer, make_train_step
 
@@ -242,3 +248,26 @@ def test_custom_policy_takes_a_users_own_tag_names(capsys):
     assert "named 'mlp_hidden'" in kept["save"], kept
     assert "mlp_hidden" not in kept["recompute"], kept
     check_tags(remat_kit.custom_spec({"mlp_hidden": "offload"}), ["mlp_hidden"])  # no error
+
+
+def test_policies_for_tags_keeps_cuts_and_skips_by_emitted_tags():
+    own = custom_spec({"attn_in": "save"})
+    fit = policies_for_tags(
+        ["save-nothing", "save-dots", "save-qkv-proj", "offload-qkv-proj", "save-out-proj", own],
+        ["attn_in", "query_proj", "value_proj"],
+    )
+    names = [s.name for s in fit.specs]
+    assert names[:2] == ["save-nothing", "save-dots"] and fit.specs[-1] is own
+    assert [n.name for n, _ in fit.restricted] == ["save-qkv-proj", "offload-qkv-proj"]
+    cut_save, cut_offload = (c for _, c in fit.restricted)
+    assert cut_save.save == {"query_proj", "value_proj"} and not cut_save.offload
+    assert cut_offload.offload == {"query_proj", "value_proj"} and not cut_offload.save
+    assert [s.name for s in fit.skipped] == ["save-out-proj"]
+    notes = fit.notes("'mine'")
+    assert "key_proj" in notes[0] and "save-out-proj" in notes[-1]
+    # every tag emitted: nothing cut or skipped; no tag emitted: every name-based one skipped
+    full = policies_for_tags(["save-qkv-proj"], ["query_proj", "key_proj", "value_proj"])
+    assert full.specs == (get_policy_spec("save-qkv-proj"),) and not full.restricted
+    bare = policies_for_tags(policy_names(), [])
+    assert {s.name for s in bare.skipped} >= {"save-qkv-proj", "minimal", "offload-to-host"}
+    assert all(not s.tags for s in bare.specs)

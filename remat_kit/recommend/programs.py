@@ -33,8 +33,8 @@ from remat_kit.policies import (
     PolicySpec,
     custom_spec,
     get_policy_spec,
+    policies_for_tags,
     policy_names,
-    policy_specs,
 )
 from remat_kit.program import Program
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
@@ -85,29 +85,15 @@ def program_specs(
     given = list(policies) if policies is not None else policy_names()
     if not given:
         raise ValueError("policies is empty: give at least one policy name")
-    registered = policy_specs()
-    specs, notes, skipped = [], [], []
-    for spec in dict.fromkeys(get_policy_spec(p) for p in given):
-        if spec.offloads and not target.supports_host_offload:
-            skipped.append(f"{spec.name} (offloads; {target.name} does not)")
-            continue
-        if registered.get(spec.name) != spec or spec.base != "names" or spec.tags <= tags:
-            specs.append(spec)
-        elif not spec.tags & tags:
-            skipped.append(f"{spec.name} (names none of the emitted tags)")
-        else:
-            actions = {t: "save" for t in spec.save & tags}
-            actions |= {t: "offload" for t in spec.offload & tags}
-            specs.append(custom_spec(actions))
-            notes.append(
-                f"{spec.name} names {', '.join(sorted(spec.tags - tags))}, which {program} does "
-                f"not emit: compiled as {specs[-1].description[len('Custom: ') :]}"
-            )
-    if skipped:
-        notes.append(f"skipped on {program}: {'; '.join(skipped)}")
+    fit = policies_for_tags(given, tags)
+    specs = [s for s in fit.specs if target.supports_host_offload or not s.offloads]
+    notes = fit.notes(program)
+    no_host = [s.name for s in fit.specs if s not in specs]
+    if no_host:
+        notes.append(f"not compiled: {', '.join(no_host)} (offload; {target.name} does not)")
     if not specs:
         raise ValueError(f"no policy given can act on {program} (emits: {', '.join(sorted(tags))})")
-    return list(dict.fromkeys(specs)), notes
+    return specs, notes
 
 
 def _compile(run: _Run, specs: Sequence[PolicySpec], found_by: str) -> list[Named]:

@@ -17,6 +17,15 @@ shared with other jobs, jax 0.10.2)::
     python experiments/sweep.py --resume             # continue a killed run
     python experiments/sweep.py --data my_texts/     # train on your own text
 
+Your own program: ``--model FILE.py:FACTORY`` (or ``MODULE:FACTORY``), a function of no
+arguments returning a :class:`remat_kit.Program`, instead of ``--config``
+(:func:`remat_kit.sweep.run_program_sweep`): every policy acting on the program's
+``checkpoint_name`` tags (or those given with ``--policy``) is analysed and its step run on the
+local device (the program's own arrays, or values materialised from its ``ShapeDtypeStruct`` s;
+``--warmup-steps`` / ``--timed-steps``); rows go to ``runs/<program name>/sweep.jsonl``::
+
+    python experiments/sweep.py --model tests/user_models/plain_jax.py:program
+
 Several devices: measured points run on every device JAX sees (data parallel, or ``--mesh
 fsdp=4`` / ``dp=2,fsdp=2,tp=2``, which also sets the mesh GPU targets are analysed on; on a CPU,
 ``JAX_NUM_CPU_DEVICES=4`` gives 4 devices); figures are per device. Several processes: the same
@@ -66,10 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--config",
-        default="auto",
+        default=None,
         help=f"a config name ({', '.join(names)}) or a .py path (default: auto, i.e. gpu on "
         "a GPU machine, else cpu)",
     )
+    p.add_argument(
+        "--model",
+        help="sweep your own program instead of a config: MODULE:FACTORY or FILE.py:FACTORY, a "
+        "function of no arguments returning a remat_kit.Program",
+    )
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="--model: untimed steps per policy (default 2)")  # fmt: skip
+    p.add_argument("--timed-steps", type=int, default=None,
+                   help="--model: timed steps per policy (default 5)")  # fmt: skip
     p.add_argument(
         "--out",
         help="results file (default: runs/<config>/sweep.jsonl); summary.md and the figures "
@@ -88,6 +106,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the figures (pareto.png, ...)")
     distributed.add_arguments(p)
     return p
+
+
+#: Options of a preset sweep that a program sweep (``--model``) does not take.
+_PRESET_ONLY = ("config", "data", "max_data_bytes", "mesh", "coordinator", "num_processes",
+                "process_id")  # fmt: skip
+
+
+def _program_sweep(args: argparse.Namespace, console):
+    """``--model``: load the program and sweep it (:func:`remat_kit.sweep.run_program_sweep`).
+
+    Raises:
+      ValueError: a preset-sweep option given with ``--model``; a program that cannot be
+        loaded; what :func:`run_program_sweep` raises.
+    """
+    from rich.console import Console
+
+    from remat_kit import sweep
+    from remat_kit.program import load_program
+
+    given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not with --model (a program sweep runs the "
+                         "program's own arguments on this device)")  # fmt: skip
+    program = load_program(args.model)
+    out = Path(args.out) if args.out else RUNS / program.name / "sweep.jsonl"
+    console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")
+    console.print(f"results: {out}")
+    run = sweep.run_program_sweep(
+        program, out, policies=args.policy,
+        warmup_steps=2 if args.warmup_steps is None else args.warmup_steps,
+        timed_steps=5 if args.timed_steps is None else args.timed_steps,
+        resume=args.resume, overwrite=args.overwrite,
+        ref=args.model, progress=not args.no_progress, console=Console(stderr=True),
+    )  # fmt: skip
+    for note in run.notes:
+        console.print(f"note: {note}")
+    return run, out
 
 
 def config_path(name: str) -> Path:
@@ -119,7 +174,7 @@ def _summary_header(run, argv: list[str] | None) -> str:
             f"{r.get('device_kind')} in {r.get('process_count', 1)} process(es), "
             f"{r.get('cpu_count')} CPUs ({r.get('machine')}); jax {r.get('jax')}, "
             f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
-            f"- Measured rows train on {data}" if r.get("data_source") else "- Analysis only",
+            _measured_line(r, data),
             "- peak: the analyzer's predicted peak; peak Δ / act. Δ / step Δ: change vs no-remat "
             "(act.: residual bytes kept for the backward pass); FLOPs x: compiled matmul FLOPs "
             "over the no-remat step's",
@@ -127,6 +182,16 @@ def _summary_header(run, argv: list[str] | None) -> str:
             "",
         ]
     )
+
+
+def _measured_line(r: dict, data: str) -> str:
+    """What the measured rows ran on: the corpus, or a program's own arguments."""
+    if r.get("data_source"):
+        return f"- Measured rows train on {data}"
+    if r.get("arguments"):
+        note = f" ({r['arguments_note']})" if r.get("arguments_note") else ""
+        return f"- Program `{r.get('program')}`, run on its arguments: {r['arguments']}{note}"
+    return "- Analysis only"
 
 
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
@@ -152,9 +217,8 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
         f"{len(bad)} failed; {run.wall_s:.0f} s. Wrote {', '.join(str(w) for w in written)}"
     )
     for r in bad:
-        console.print(
-            f"  [red]{r['status']}[/] {r['model']} s={r['seq_len']} {r['policy']}: {r['error']}"
-        )
+        seq = f" s={r['seq_len']}" if r.get("seq_len") is not None else ""
+        console.print(f"  [red]{r['status']}[/] {r['model']}{seq} {r['policy']}: {r['error']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,10 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     primary = distributed.is_primary()
     width = None if sys.stdout.isatty() else 120
     console = Console(width=width, quiet=not primary)
+    if args.model is not None:
+        try:
+            run, out = _program_sweep(args, console)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        _write_outputs(run, out, args, argv, console)
+        return 0
     try:
+        steps = [o for o in ("warmup_steps", "timed_steps") if getattr(args, o) is not None]
+        if steps:
+            names = ", ".join(f"--{o.replace('_', '-')}" for o in steps)
+            raise ValueError(f"{names}: only with --model (a config sets its grids' steps)")
         if args.max_data_bytes is not None and args.max_data_bytes < 1:
             raise ValueError(f"--max-data-bytes must be >= 1, got {args.max_data_bytes}")
-        path = config_path(args.config)
+        path = config_path(args.config or "auto")
         if not path.is_file():
             names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
             raise ValueError(

@@ -70,7 +70,10 @@ def _panels(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, 
 def _title(key: tuple) -> str:
     model, target, b, s, k, own = key
     grp = f" k={k}" if k not in (None, 1) else ""
-    return f"{model} @{target}\nb={b} s={s}{grp}" + (f"\n{own}" if own else "")
+    # a user's program has no batch size or sequence length (its arguments carry the shapes)
+    shape = " ".join(f"{n}={v}" for n, v in (("b", b), ("s", s)) if v is not None)
+    line2 = f"{shape}{grp}".strip()
+    return f"{model} @{target}" + (f"\n{line2}" if line2 else "") + (f"\n{own}" if own else "")
 
 
 def _grid(n: int, size: tuple[float, float] = (5.0, 4.0)):
@@ -295,7 +298,8 @@ def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None)
         my = [r["measured_peak_bytes"] / unit for r in both]
         ax.scatter(px, my, s=20)
         for xi, yi, r in zip(px, my, both, strict=True):
-            ax.annotate(f"{r['policy']} s={r['seq_len']}", (xi, yi), fontsize=6)
+            seq = "" if r.get("seq_len") is None else f" s={r['seq_len']}"
+            ax.annotate(f"{r['policy']}{seq}", (xi, yi), fontsize=6)
         top = max(px + my) * 1.05
         ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="y = x")
         ax.set_xlabel(f"predicted peak ({unit_name})")
@@ -338,11 +342,13 @@ def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
     lo = min(r["flops_ratio"] for r in recs)
     hi = max(r["flops_ratio"] for r in recs)
     for ax, (field, label) in zip(axes[0], panels, strict=True):
-        for s in sorted({r["seq_len"] for r in recs}):
+        for s in sorted({r["seq_len"] for r in recs}, key=lambda v: (v is not None, v or 0)):
             sub = [r for r in recs if r["seq_len"] == s and r[field] is not None]
             xs = [r["flops_ratio"] for r in sub]
             ys = [100 * r[field] for r in sub]
-            ax.scatter(xs, ys, label=f"s={s}", s=22)
+            # rows without a sequence length (a user's program): labelled with the program
+            legend = f"s={s}" if s is not None else ", ".join(sorted({r["model"] for r in sub}))
+            ax.scatter(xs, ys, label=legend, s=22)
             for x, y, r in zip(xs, ys, sub, strict=True):
                 ax.annotate(r["policy"], (x, y), fontsize=6)
         ax.plot([lo, hi], [100 * (lo - 1), 100 * (hi - 1)], ls="--", color="gray",

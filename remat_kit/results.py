@@ -435,8 +435,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     Each body row is one policy at one sequence length: predicted peak, peak saved vs
     ``no-remat``, activation (residual) bytes saved, compiled-FLOPs ratio, and for measured rows
     the median step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
-    and tokens per second; failures show their status. Figures come from :func:`summarize`
-    (nothing is recomputed).
+    and tokens per second; failures show their status. Rows without a shape (a user's program:
+    ``batch_size`` / ``seq_len`` None) leave it out of the title and the columns. Figures come
+    from :func:`summarize` (nothing is recomputed).
     """
     records = summarize(rows)
     order = {name: i for i, name in enumerate(policy_names())}
@@ -447,10 +448,12 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         tables.setdefault((*key, _canonical(r["overrides"]) if varied else ""), []).append(r)
     out = []
     for (model, target, b, k, mesh, overrides), recs in tables.items():
-        recs = sorted(recs, key=lambda r: (r["seq_len"], order.get(r["policy"], len(order))))
+        recs = sorted(recs, key=lambda r: (r["seq_len"] or 0, order.get(r["policy"], len(order))))
         unit, unit_name = units.table_unit([r["peak_bytes"] for r in recs])
         measured = any(r["step_time_s"] is not None for r in recs)
-        header = ["policy", "s", f"peak {unit_name}", "peak Δ", "act. Δ", "FLOPs x"]
+        # a program's rows have no sequence length (its arguments carry the shapes)
+        seq = [] if all(r["seq_len"] is None for r in recs) else ["s"]
+        header = ["policy", *seq, f"peak {unit_name}", "peak Δ", "act. Δ", "FLOPs x"]
         cpu = measured and any(
             r["backend"] == "cpu" and r["cpu_slowdown"] is not None for r in recs
         )
@@ -462,13 +465,12 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         body = []
         for r in recs:
             if r["status"] != "ok":
-                body.append(
-                    [r["policy"], str(r["seq_len"]), r["status"]] + [""] * (len(header) - 3)
-                )
+                lead = [r["policy"], *([str(r["seq_len"])] if seq else []), r["status"]]
+                body.append(lead + [""] * (len(header) - len(lead)))
                 continue
             line = [
                 r["policy"],
-                str(r["seq_len"]),
+                *([str(r["seq_len"])] if seq else []),
                 units.in_unit(r["peak_bytes"], unit),
                 _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),
                 _fmt_pct(None if r["activation_saved"] is None else -r["activation_saved"]),
@@ -485,10 +487,11 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                     "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
                 ]
             body.append(line)
-        grp = f", remat_group_size={k}" if k != 1 else ""
+        grp = f", remat_group_size={k}" if k not in (None, 1) else ""
         where = f"{target}, mesh {mesh} (figures per device)" if mesh else target
         opts = f", overrides {overrides}" if overrides else ""
-        out.append((f"{model} on {where}, batch {b}{grp}{opts}", header, body))
+        batch = f", batch {b}" if b is not None else ""
+        out.append((f"{model} on {where}{batch}{grp}{opts}", header, body))
     return out
 
 

@@ -21,10 +21,13 @@ point (:class:`Point`) :func:`run_sweep`
 
 Where the code lives: ``config`` (Grid, SweepConfig, Point, config files), ``checks`` (grid
 validation, failure wording), ``measure`` (compiling and timing a step, model FLOPs), ``rows``
-(one row per point), ``output`` (the results file, resume, progress), ``run`` (the loop). Steps
-compile through :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is
-compiled once, by the analysis, when the program it runs is the one the analyzer compiled
-(one device); on a mesh the run fixes its output shardings and compiles its own.
+(one row per point), ``output`` (the results file, resume, progress), ``run`` (the loop). A
+user's own :class:`~remat_kit.program.Program`: ``program_sweep`` (:func:`run_program_sweep`:
+its policies, rows and loop) over ``programs`` (its arguments, compiled and timed, the donated
+state fed back). Steps compile through :class:`remat_kit.memory.runner.CompileEngine`: a
+measured point's step is compiled once, by the analysis, when the program it runs is the one
+the analyzer compiled (one device); on a mesh the run fixes its output shardings and compiles
+its own.
 
 A failure at one point (out of memory, compile error, anything raised) becomes a row with status
 ``oom`` or ``error`` and the message; the sweep goes on. ``resume=True`` skips points whose
@@ -54,6 +57,7 @@ from remat_kit.sweep.measure import compile_steps as compile_steps
 from remat_kit.sweep.measure import measure_point as measure_point
 from remat_kit.sweep.measure import model_flops_per_token as model_flops_per_token
 from remat_kit.sweep.output import SweepRun as SweepRun
+from remat_kit.sweep.program_sweep import run_program_sweep as run_program_sweep
 from remat_kit.sweep.run import run_sweep as run_sweep
 
 __all__ = [
@@ -66,6 +70,7 @@ __all__ = [
     "load_config",
     "measure_point",
     "model_flops_per_token",
+    "run_program_sweep",
     "run_sweep",
     "validate",
 ]

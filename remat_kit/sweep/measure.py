@@ -51,7 +51,7 @@ def model_flops_per_token(config: ModelConfig, seq_len: int, matmul_params: int)
     return 6.0 * matmul_params + 12.0 * config.num_layers * config.d_model * seq_len
 
 
-def _peak_bytes_in_use() -> int | None:
+def peak_bytes_in_use() -> int | None:
     """The largest ``peak_bytes_in_use`` over this process's devices (None: not reported)."""
     peaks = []
     for device in jax.local_devices():
@@ -202,7 +202,7 @@ def measure_point(
     (state_sharding, batch_sharding), _ = compiled.input_shardings
     state = jax.block_until_ready(S.put_global(host, state_sharding))
     batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
-    before = _peak_bytes_in_use()
+    before = peak_bytes_in_use()
     losses, times, cpu_times = [], [], []
     for i in range(point.warmup_steps + point.timed_steps):
         batch = _device_batch(batcher, i, batch_sharding)
@@ -226,12 +226,14 @@ def measure_point(
         "step_cpu_s": statistics.median(cpu_times),
         "tokens_per_s": point.batch_size * point.seq_len / median,
         "losses": losses,
-        **_measured_peak(before),
+        **measured_peak(before),
     }
 
 
-def _measured_peak(before: int | None) -> dict[str, Any]:
-    after = _peak_bytes_in_use()
+def measured_peak(before: int | None) -> dict[str, Any]:
+    """``measured_peak_bytes`` (bytes: :func:`peak_bytes_in_use` now, when it rose above
+    ``before``, the value read before the run; else None) and ``measured_peak_note`` (why)."""
+    after = peak_bytes_in_use()
     if after is None:
         peak, note = None, f"the {jax.default_backend()} backend reports no peak_bytes_in_use"
     elif before is not None and after <= before:

@@ -27,6 +27,8 @@ class SweepRun:
       new_rows: rows written by this call.
       skipped: points skipped because their key was already in the file (``resume``).
       wall_s: seconds this call took.
+      notes: what the run left out and why (a program sweep's policies cut down to the
+        program's tags or skipped).
     """
 
     path: Path
@@ -34,6 +36,7 @@ class SweepRun:
     new_rows: list[dict[str, Any]]
     skipped: int
     wall_s: float
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _check_writable(path: Path) -> None:

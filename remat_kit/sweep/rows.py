@@ -33,7 +33,9 @@ MEASURED_KEYS = (
 )  # fmt: skip
 
 
-def _analysis_fields(report: Any) -> dict[str, Any]:
+def analysis_fields(report: Any) -> dict[str, Any]:
+    """The row fields read from a :class:`~remat_kit.memory.MemoryReport` (bytes, FLOPs,
+    ratios, seconds; ``report``: its ``to_dict()``)."""
     return {
         "peak_bytes": report.peak_bytes,
         "argument_bytes": report.argument_bytes,
@@ -127,7 +129,7 @@ def point_row(
         if isinstance(report, BaseException):
             raise report
         row.update(_model_fields(point, counts))
-        row.update(_analysis_fields(report))
+        row.update(analysis_fields(report))
         if point.measure:
             _measure(point, row, executable, corpus, state_cache, measured)
     except Exception as err:

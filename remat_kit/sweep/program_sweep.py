@@ -1,0 +1,266 @@
+"""Sweep remat policies over a user's own :class:`~remat_kit.program.Program`.
+
+For each policy that acts on the program's ``checkpoint_name`` tags
+(:func:`remat_kit.policies.policies_for_tags`; the policies given, default every registered one)
+:func:`run_program_sweep`
+
+1. analyses the step with :func:`remat_kit.memory.programs.analyze_program`, every policy
+   compiled together: compiled peak, residuals by the program's tags (from its loss), recompute
+   ratio against the same step without remat;
+2. compiles the step for the local device and runs it on the program's arguments (its own
+   arrays, or values materialised from its ``ShapeDtypeStruct`` s:
+   :func:`remat_kit.sweep.programs.host_arguments`), donated state fed back:
+   ``warmup_steps`` untimed then ``timed_steps`` timed steps, each ended by
+   ``jax.block_until_ready``; median step time, process CPU time, the loss of every step (when
+   the step returns one), the measured peak where the backend gives it (None on the CPU);
+3. appends the row to the JSONL results file (:mod:`remat_kit.results`, one fsync-ed write).
+
+Rows have the preset sweep's fields; those that do not apply to a program (``batch_size``,
+``seq_len``, ``model_config``, model FLOPs, ``tokens_per_s``, ``mfu``) are None. A row's key is
+the program's name and the policy's label (its registered name, or ``tag=action,...`` for a
+per-tag spec), with the step counts; ``resume`` skips the keys already in the file. A failure at
+one policy gives a row with status ``oom`` / ``error`` and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from remat_kit import results as R
+from remat_kit.memory.programs import analyze_program, program_tags
+from remat_kit.policies import (
+    PolicySpec,
+    check_tags,
+    get_policy_spec,
+    parse_policy_arg,
+    policies_for_tags,
+    policy_names,
+    policy_specs,
+)
+from remat_kit.program import Program
+from remat_kit.sweep.checks import classify, error_message
+from remat_kit.sweep.output import SweepRun, prepare_output
+from remat_kit.sweep.output import progress as progress_bar
+from remat_kit.sweep.programs import HostArguments, host_arguments, lower_step, run_program_step
+from remat_kit.sweep.rows import ANALYSIS_KEYS, MEASURED_KEYS, analysis_fields
+
+#: Row fields of a program sweep beyond the preset sweep's.
+PROGRAM_KEYS = (
+    "program", "program_tags", "policy_spec", "policy_notes", "residual_bytes_by_tag",
+    "arguments", "arguments_note", "fed_back", "recopied",
+)  # fmt: skip
+
+
+def policy_label(spec: PolicySpec) -> str:
+    """A registered policy's name, or a per-tag spec written as ``--policy`` takes it
+    (``attn_in=save,mlp_hidden=offload``; ``recompute-all`` when it saves nothing)."""
+    if policy_specs().get(spec.name) == spec:
+        return spec.name
+    acts = {**{t: "save" for t in spec.save}, **{t: "offload" for t in spec.offload}}
+    return ",".join(f"{t}={a}" for t, a in sorted(acts.items())) or "recompute-all"
+
+
+def _point(program: Program, label: str, warmup: int, timed: int) -> dict[str, Any]:
+    return {
+        "grid": None, "model": program.name, "policy": label, "batch_size": None,
+        "seq_len": None, "remat_group_size": None, "target": "local", "overrides": None,
+        "measure": True, "warmup_steps": warmup, "timed_steps": timed, "optimizer": None,
+        "learning_rate": None, "seed": None,
+    }  # fmt: skip
+
+
+def _identity(program: Program, host: HostArguments, warmup: int, timed: int) -> dict[str, Any]:
+    """What a resumed run must share with the file's rows (the policies may differ)."""
+    leaves = [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(host.values)]
+    return {
+        "program": program.name,
+        "arguments": R.fingerprint({"leaves": leaves, "source": host.source}),
+        "warmup_steps": warmup,
+        "timed_steps": timed,
+    }
+
+
+def _num_params(program: Program) -> int | None:
+    """Elements of the differentiated loss arguments (None without a loss)."""
+    if program.make_loss is None:
+        return None
+    leaves = jax.tree.leaves([program.loss_args[i] for i in program.argnums])
+    return sum(int(x.size) for x in leaves if hasattr(x, "size"))
+
+
+def _by_tag(report: Any) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in report.residuals:
+        per = out.setdefault(r.tag, {})
+        per[r.memory] = per.get(r.memory, 0) + r.nbytes
+    return out
+
+
+def select_policies(
+    program: Program, policies: Sequence[str | PolicySpec] | None, tags: frozenset[str]
+) -> tuple[list[PolicySpec], list[str], dict[str, list[str]]]:
+    """The specs to sweep, the notes on the policies cut down to the program's tags or skipped
+    (:meth:`remat_kit.policies.TagFit.notes`), and each cut-down spec's note by its label.
+
+    Raises:
+      ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
+        no policy left.
+    """
+    given = list(policies) if policies is not None else policy_names()
+    fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
+    registered = policy_specs()
+    cuts = [cut for _, cut in fit.restricted]
+    for spec in fit.specs:
+        if registered.get(spec.name) != spec and spec not in cuts:
+            check_tags(spec, tags, f"program {program.name!r}")
+    if not fit.specs:
+        emits = ", ".join(sorted(tags)) or "no checkpoint_name tags"
+        raise ValueError(f"no policy given acts on program {program.name!r} (emits: {emits})")
+    notes = fit.notes(f"program {program.name!r}")
+    per_label: dict[str, list[str]] = {}
+    for cut, note in zip(cuts, notes, strict=False):  # one note per restricted spec, in order
+        per_label.setdefault(policy_label(cut), []).append(note)
+    return list(fit.specs), notes, per_label
+
+
+class _Runner:
+    """Runs the policies of one program sweep and writes their rows."""
+
+    def __init__(self, program: Program, path: Path, host: HostArguments, common: dict):
+        self.program, self.path, self.host, self.common = program, path, host, common
+        self.rows: list[dict[str, Any]] = []
+
+    def row(self, spec: PolicySpec, point: dict, report: Any, notes: list[str]) -> dict:
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"format": R.ROW_FORMAT, "key": R.point_key(point), **self.common}
+        row.update(point, status="ok", error=None)
+        row.update(dict.fromkeys(ANALYSIS_KEYS))
+        row.update({k: self.common.get(k) for k in PROGRAM_KEYS})
+        row.update(
+            policy_spec=spec.description,
+            policy_notes=notes,
+            arguments=self.host.source,
+            arguments_note=self.host.note,
+            num_params=_num_params(self.program),
+        )
+        measured: dict[str, Any] = dict.fromkeys(MEASURED_KEYS)
+        try:
+            if isinstance(report, BaseException):
+                raise report
+            row.update(analysis_fields(report), residual_bytes_by_tag=_by_tag(report))
+            pure = self.program.step(spec)
+            start = time.perf_counter()
+            compiled = lower_step(self.program, pure, self.host).compile()
+            measured.update(compile_s=round(time.perf_counter() - start, 3), compile_reused=False)
+            steps = (self.common["sweep_config"][k] for k in ("warmup_steps", "timed_steps"))
+            result = run_program_step(self.program, pure, compiled, self.host, *steps)
+            row.update(fed_back=result.pop("fed_back"), recopied=result.pop("recopied"))
+            measured.update(result)
+            if measured["measured_peak_bytes"]:
+                measured["peak_error"] = row["peak_bytes"] / measured["measured_peak_bytes"] - 1
+        except Exception as err:
+            row["status"], row["error"] = classify(err), error_message(err)
+        row.update(measured)
+        row.update(point_s=round(time.perf_counter() - t0, 3), time=R.now_utc())
+        R.append_row(self.path, row)
+        self.rows.append(row)
+        return row
+
+
+def _analyse(program: Program, specs: dict[str, PolicySpec], failed: dict) -> dict[str, Any]:
+    """Reports (or the exception) by label; ``failed``: labels already failed, with why."""
+    live = {label: s for label, s in specs.items() if label not in failed}
+    try:
+        reports = analyze_program(
+            program, list(live.values()), "local", fast_compile=False, raise_errors=False
+        )
+    except Exception as err:  # the whole analysis failed: every policy gets the error
+        reports = [err] * len(live)
+    return {**failed, **dict(zip(live, reports, strict=True))}
+
+
+def run_program_sweep(
+    program: Program,
+    out: str | os.PathLike[str],
+    *,
+    policies: Sequence[str | PolicySpec] | None = None,
+    warmup_steps: int = 2,
+    timed_steps: int = 5,
+    resume: bool = False,
+    overwrite: bool = False,
+    ref: str | None = None,
+    progress: bool = True,
+    console: Any = None,
+    before_policy: Callable[[str], None] | None = None,
+) -> SweepRun:
+    """Analyse and run ``program`` under each policy not yet in ``out``; one row per policy.
+
+    Args:
+      program: a :class:`~remat_kit.program.Program` (:func:`remat_kit.program.load_program`
+        reads one from ``MODULE:FACTORY`` / ``FILE.py:FACTORY``).
+      out: the JSONL results file (created with its folders).
+      policies: names or specs (default: every registered policy), narrowed to those acting on
+        the program's tags (:func:`remat_kit.policies.policies_for_tags`).
+      warmup_steps: untimed steps per policy (>= 0); timed_steps: timed steps (>= 1).
+      resume: skip policies whose row is in ``out`` (rows of other policies are kept: a resumed
+        run may add policies); overwrite: empty ``out`` first.
+      ref: how the program was named (``FILE.py:FACTORY``), stored in each row's ``program``.
+      progress, console: a rich progress bar (on ``console``, default stderr).
+      before_policy: called with each policy's label before its analysis; an exception it
+        raises becomes that policy's ``error`` row (used to test fault handling).
+
+    Returns:
+      A :class:`~remat_kit.sweep.SweepRun` (``rows``: every row of ``out``, this run's last).
+
+    Raises:
+      ValueError: not a Program; bad step counts; an unknown policy, a per-tag spec naming a
+        tag the program does not emit, or no policy acting on its tags; ``out`` not writable,
+        holding rows without ``resume`` / ``overwrite``, or rows of another program or step
+        counts. Nothing is written then.
+    """
+    start = time.perf_counter()
+    if not isinstance(program, Program):
+        raise ValueError(f"expected a remat_kit.Program, got {type(program).__name__}")
+    if warmup_steps < 0 or timed_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {warmup_steps}, "
+                         f"{timed_steps}")  # fmt: skip
+    if jax.process_count() > 1:
+        raise ValueError("a program sweep runs in one process (jax.distributed is initialised)")
+    tags = program_tags(program)
+    specs, notes, per_label = select_policies(program, policies, tags)
+    host = host_arguments(program.step(get_policy_spec("no-remat")))
+    identity = _identity(program, host, warmup_steps, timed_steps)
+    path = Path(out)
+    done = prepare_output(path, identity, resume, overwrite)
+    by_label: dict[str, PolicySpec] = {}
+    for s in specs:
+        by_label.setdefault(policy_label(s), s)
+    points = {label: _point(program, label, warmup_steps, timed_steps) for label in by_label}
+    todo = {label: s for label, s in by_label.items() if R.point_key(points[label]) not in done}
+    common = {"sweep": program.name, "config_fingerprint": R.fingerprint(identity),
+              "sweep_config": identity, **R.environment(),
+              "program": ref or program.name, "program_tags": sorted(tags)}  # fmt: skip
+    failed: dict[str, BaseException] = {}
+    for label in todo:
+        try:
+            if before_policy is not None:
+                before_policy(label)
+        except Exception as err:
+            failed[label] = err
+    runner = _Runner(program, path, host, common)
+    with progress_bar(progress, console, len(todo)) as advance:
+        advance(None, f"analysing {program.name} ({len(todo)} policies)")
+        reports = _analyse(program, todo, failed) if todo else {}
+        for label, spec in todo.items():
+            advance(None, f"{program.name} {label}")
+            runner.row(spec, points[label], reports[label], per_label.get(label, []))
+            advance(1, f"{program.name} {label}")
+    rows = [*done.values(), *runner.rows]
+    wall = time.perf_counter() - start
+    return SweepRun(path, rows, runner.rows, len(by_label) - len(todo), wall, notes)

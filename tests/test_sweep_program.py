@@ -1,0 +1,141 @@
+"""experiments/sweep.py --model FILE.py:FACTORY: the sweep of a user's own Program.
+
+One program (tests/user_models/plain_jax.py, its own tags attn_in / attn_out / mlp_hidden), three
+policies, one warm-up and two timed steps: run through the command line, resumed (nothing added),
+resumed with one more policy that fails (an error row, the rest kept), and bad input (exit 2,
+nothing in the results file lost). Real compiles and runs on the CPU; nothing is patched but the
+injected failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+from remat_kit import load_program, results, sweep
+from remat_kit.policies import get_policy_spec
+from remat_kit.sweep import programs
+from tests.user_models import plain_jax
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "sweep.py"
+MODEL = "tests/user_models/plain_jax.py:program"
+POLICIES = ("no-remat", "save-nothing", "attn_in=save")
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("sweep_cli_program", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _argv(out: Path, *extra: str) -> list[str]:
+    policies = [a for p in POLICIES for a in ("--policy", p)]
+    return ["--model", MODEL, "--out", str(out), *policies, "--warmup-steps", "1",
+            "--timed-steps", "2", "--no-progress", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """The sweep run once through the command line (with figures), then resumed."""
+    folder = tmp_path_factory.mktemp("program_sweep")
+    out = folder / "sweep.jsonl"
+    cli = _cli()
+    assert cli.main(_argv(out)) == 0
+    first = results.read_rows(out)
+    summary = (folder / "summary.md").read_text()
+    (folder / "summary.md").unlink()
+    assert cli.main(_argv(out, "--resume", "--no-plot")) == 0
+    return out, first, summary
+
+
+def test_rows_measured_on_the_cpu(swept):
+    out, rows, _ = swept
+    assert [r["policy"] for r in rows] == list(POLICIES)
+    assert jax.default_backend() == "cpu"
+    for r in rows:
+        assert r["status"] == "ok", r["error"]
+        assert r["model"] == "plain-jax" and r["program"] == MODEL
+        assert r["program_tags"] == sorted(plain_jax.TAGS)
+        assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
+        assert r["step_cpu_s"] > 0 and r["compile_s"] > 0
+        assert r["measured_peak_bytes"] is None  # the CPU backend reports no peak
+        assert "reports no peak_bytes_in_use" in r["measured_peak_note"]
+        assert r["peak_bytes"] > 0 and r["recompute_ratio"] > 0
+        # from_loss: (params, opt_state, loss); the state fed back, the loss read every step
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+        assert r["losses"][-1] < r["losses"][0]  # AdamW steps on the fed-back state
+        assert sorted(r["fed_back"]) == ["opt_state", "params"] and r["recopied"] == []
+        assert r["arguments"] == "materialised" and "jax.random.key(0)" in r["arguments_note"]
+        for field in ("batch_size", "seq_len", "model_config", "tokens_per_s", "mfu",
+                      "model_flops_per_step"):  # fmt: skip
+            assert r[field] is None, field
+    by = {r["policy"]: r for r in rows}
+    assert "attn_in" in by["attn_in=save"]["residual_bytes_by_tag"]
+    assert "attn_in" not in by["save-nothing"]["residual_bytes_by_tag"]
+    assert by["save-nothing"]["peak_bytes"] < by["no-remat"]["peak_bytes"]
+    assert by["save-nothing"]["recompute_ratio"] > by["no-remat"]["recompute_ratio"]
+
+
+def test_summary_and_figures_from_program_rows(swept):
+    out, _, summary = swept
+    assert "plain-jax on local" in summary and "None" not in summary
+    assert all(f"| {p} |" in summary for p in POLICIES)
+    assert "run on its arguments: materialised" in summary
+    assert (out.parent / "pareto.png").stat().st_size > 0
+    assert (out.parent / "memory_breakdown.png").stat().st_size > 0
+    # the resumed run rebuilt summary.md from the rows it kept
+    assert "3 kept from earlier runs" in (out.parent / "summary.md").read_text()
+
+
+def test_resume_adds_nothing_then_one_failing_policy(swept):
+    out, first, _ = swept
+    assert results.read_rows(out) == first  # the resumed command line added no row
+
+    def fail(label):
+        if label == "save-dots":
+            raise RuntimeError("injected")
+
+    run = sweep.run_program_sweep(
+        load_program(MODEL), out, policies=(*POLICIES, "save-dots"), warmup_steps=1,
+        timed_steps=2, resume=True, progress=False, before_policy=fail,
+    )  # fmt: skip
+    assert run.skipped == 3 and [r["policy"] for r in run.new_rows] == ["save-dots"]
+    bad = run.new_rows[0]
+    assert bad["status"] == "error" and bad["error"] == "RuntimeError: injected"
+    assert bad["step_time_s"] is None and bad["peak_bytes"] is None
+    assert results.read_rows(out) == [*first, bad]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "tests/user_models/plain_jax.py:nope"], "nope"),
+        (["--model", "no_such_module_xyz:program"], "cannot import module"),
+        (["--model", "tests/user_models/plain_jax.py:abstract_args"], "not a remat_kit.Program"),
+        (["--model", MODEL, "--config", "quick"], "--config: not with --model"),
+        (["--model", MODEL, "--policy", "nope=save"], "not emitted"),
+    ],
+)
+def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):
+    out = tmp_path / "sweep.jsonl"
+    out.write_text('{"key": "k", "config_fingerprint": "f"}\n')
+    assert _cli().main([*extra, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert out.read_text() == '{"key": "k", "config_fingerprint": "f"}\n'
+
+
+def test_feedback_matches_donated_arguments_to_the_outputs():
+    # from_loss: step(opt_state, params, tokens) -> ((params,), opt_state, loss), 0 and 1 donated
+    pure = load_program(MODEL).step(get_policy_spec("no-remat"))
+    host = programs.host_arguments(pure)
+    out = jax.eval_shape(pure.fn, *host.values)
+    paths = programs.feedback_paths(host.values, out, (0, 1))
+    assert paths == {0: (1,), 1: (0, 0)}  # opt_state <- out[1], params <- out[0][0]
+    assert programs.loss_path(out, list(paths.values())) == (2,)

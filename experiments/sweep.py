@@ -175,6 +175,7 @@ def _summary_header(run, argv: list[str] | None) -> str:
             f"{r.get('cpu_count')} CPUs ({r.get('machine')}); jax {r.get('jax')}, "
             f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
             _measured_line(r, data),
+            *(f"- Note: {n}" for n in run.notes),
             "- peak: the analyzer's predicted peak; peak Δ / act. Δ / step Δ: change vs no-remat "
             "(act.: residual bytes kept for the backward pass); FLOPs x: compiled matmul FLOPs "
             "over the no-remat step's",

@@ -177,17 +177,19 @@ def pareto(
         Line2D([], [], color=c, marker=m, ls="", label=name) for name, (c, m) in styles.items()
     ]
     handles.append(Line2D([], [], color="tab:red", alpha=0.6, label="Pareto frontier"))
+    ncol = min(5 if len(axes) > 1 else 3, len(handles))  # one 5-inch panel holds 3 labels a row
     fig.legend(
         handles=handles,
         loc="lower center",
-        ncol=min(5, len(handles)),
+        ncol=ncol,
         fontsize=8,
         frameon=False,
         bbox_to_anchor=(0.5, 0.0),
     )
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06 + 0.035 * ((len(handles) - 1) // 5), 1, 1))
+    rows = (len(handles) - 1) // ncol
+    fig.tight_layout(rect=(0, 0.06 + (0.035 if len(axes) > 1 else 0.05) * rows, 1, 1))
     return _save(fig, path, layout=False)
 
 

@@ -435,9 +435,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     Each body row is one policy at one sequence length: predicted peak, peak saved vs
     ``no-remat``, activation (residual) bytes saved, compiled-FLOPs ratio, and for measured rows
     the median step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
-    and tokens per second; failures show their status. Rows without a shape (a user's program:
-    ``batch_size`` / ``seq_len`` None) leave it out of the title and the columns. Figures come
-    from :func:`summarize` (nothing is recomputed).
+    and tokens per second (where known); failures show their status. Rows without a shape (a
+    user's program: ``batch_size`` / ``seq_len`` None) leave it out of the title and the
+    columns. Figures come from :func:`summarize` (nothing is recomputed).
     """
     records = summarize(rows)
     order = {name: i for i, name in enumerate(policy_names())}
@@ -460,8 +460,10 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         fits = any(r["fits"] is not None for r in recs)
         if fits:
             header.append("fits")
+        tokens = measured and any(r["tokens_per_s"] is not None for r in recs)  # not a program's
         if measured:
-            header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else []) + ["tok/s"]
+            header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else [])
+            header += ["tok/s"] if tokens else []
         body = []
         for r in recs:
             if r["status"] != "ok":
@@ -484,8 +486,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                     "-" if step is None else f"{1e3 * step:,.0f}",
                     _fmt_pct(r["slowdown"]),
                     *([_fmt_pct(r["cpu_slowdown"])] if cpu else []),
-                    "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
                 ]
+                if tokens:
+                    line.append("-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}")
             body.append(line)
         grp = f", remat_group_size={k}" if k not in (None, 1) else ""
         where = f"{target}, mesh {mesh} (figures per device)" if mesh else target

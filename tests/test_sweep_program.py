@@ -139,3 +139,37 @@ def test_feedback_matches_donated_arguments_to_the_outputs():
     paths = programs.feedback_paths(host.values, out, (0, 1))
     assert paths == {0: (1,), 1: (0, 0)}  # opt_state <- out[1], params <- out[0][0]
     assert programs.loss_path(out, list(paths.values())) == (2,)
+
+
+def test_nnx_program_with_concrete_arguments(tmp_path):
+    """An idiomatic NNX step (mutates its model and nnx.Optimizer, returns the loss): its
+    concrete arguments are used as given and the merged NNX state is fed back."""
+    from flax import nnx
+
+    from remat_kit import Program
+    from tests.user_models import nnx_lm
+
+    def make_step(policy):
+        def step(model, optimizer, tokens):
+            model.policy = policy
+            return nnx_lm.train_step(model, optimizer, tokens)
+
+        return step
+
+    model = nnx_lm.make_model()
+    tokens = jax.numpy.zeros((2, 17), "int32")
+    program = Program.from_step(make_step, model, nnx_lm.make_optimizer(model), tokens)
+    before = nnx.state(model, nnx.Param)
+    run = sweep.run_program_sweep(
+        program, tmp_path / "s.jsonl", policies=["save-nothing"], warmup_steps=0, timed_steps=2,
+        progress=False,
+    )  # fmt: skip
+    (row,) = run.rows
+    assert row["status"] == "ok", row["error"]
+    assert row["arguments"] == "concrete" and row["arguments_note"] is None
+    assert row["fed_back"] == ["model+optimizer"] and row["step_time_s"] > 0
+    assert len(row["losses"]) == 2 and row["losses"][1] < row["losses"][0]
+    assert row["program_tags"] == [] and row["residual_bytes_by_tag"] is not None
+    # the program's own objects are left as they were (the run works on copies)
+    after = nnx.state(model, nnx.Param)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), before, after))

@@ -5,10 +5,11 @@ For each policy that acts on the program's ``checkpoint_name`` tags
 :func:`run_program_sweep`
 
 1. analyses the step with :func:`remat_kit.memory.programs.analyze_program`, every policy
-   compiled together: compiled peak, residuals by the program's tags (from its loss), recompute
-   ratio against the same step without remat;
-2. compiles the step for the local device and runs it on the program's arguments (its own
-   arrays, or values materialised from its ``ShapeDtypeStruct`` s:
+   compiled together as ``remat-kit analyze --model`` compiles them (the same figures): compiled
+   peak, residuals by the program's tags (from its loss), recompute ratio against the same step
+   without remat;
+2. compiles the step for the local device (full optimisation) and runs it on the program's
+   arguments (its own arrays, or values materialised from its ``ShapeDtypeStruct`` s:
    :func:`remat_kit.sweep.programs.host_arguments`), donated state fed back:
    ``warmup_steps`` untimed then ``timed_steps`` timed steps, each ended by
    ``jax.block_until_ready``; median step time, process CPU time, the loss of every step (when
@@ -177,9 +178,9 @@ def _analyse(program: Program, specs: dict[str, PolicySpec], failed: dict) -> di
     """Reports (or the exception) by label; ``failed``: labels already failed, with why."""
     live = {label: s for label, s in specs.items() if label not in failed}
     try:
-        reports = analyze_program(
-            program, list(live.values()), "local", fast_compile=False, raise_errors=False
-        )
+        # compiled as `remat-kit analyze --model` compiles it (its figures are the same); the
+        # run compiles the step again with full optimisation (analyze_program keeps no executable)
+        reports = analyze_program(program, list(live.values()), "local", raise_errors=False)
     except Exception as err:  # the whole analysis failed: every policy gets the error
         reports = [err] * len(live)
     return {**failed, **dict(zip(live, reports, strict=True))}

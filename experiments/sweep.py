@@ -36,7 +36,10 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 Exit codes: 0 done (rows with status ``oom`` / ``error`` included); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
 output, resuming onto another config's results (the line names the first field that differs;
-the file is left as it was), a missing, empty or binary ``--data`` path).
+the file is left as it was), a missing, empty or binary ``--data`` path; with ``--model``: a
+module, file or factory that cannot be loaded, a factory not returning a Program, ``--config`` /
+``--data`` / ``--mesh`` beside it, a ``--policy`` naming a tag the program does not emit, or no
+policy acting on its tags).
 
 Crash safety: each row is one write, flushed and fsync-ed, as its point finishes. Killed at any
 moment, ``--resume`` keeps every finished row, drops a torn last line, runs only the missing
@@ -129,6 +132,11 @@ def _program_sweep(args: argparse.Namespace, console):
     if given:
         raise ValueError(f"{', '.join(given)}: not with --model (a program sweep runs the "
                          "program's own arguments on this device)")  # fmt: skip
+    if ":" not in args.model:  # a preset name: those are swept through a config
+        raise ValueError(
+            f"--model takes your program as MODULE:FACTORY or FILE.py:FACTORY, got "
+            f"{args.model!r}; bundled presets are swept with --config (see experiments/configs)"
+        )
     program = load_program(args.model)
     out = Path(args.out) if args.out else RUNS / program.name / "sweep.jsonl"
     console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")

@@ -120,6 +120,9 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         (["--model", "tests/user_models/plain_jax.py:abstract_args"], "not a remat_kit.Program"),
         (["--model", MODEL, "--config", "quick"], "--config: not with --model"),
         (["--model", MODEL, "--policy", "nope=save"], "not emitted"),
+        (["--model", "tiny-gpt"], "presets are swept with --config"),
+        (["--config", "quick", "--warmup-steps", "1"], "only with --model"),
+        (["--model", MODEL, "--timed-steps", "0"], "timed_steps must be a positive integer"),
     ],
 )
 def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):

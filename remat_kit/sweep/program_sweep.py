@@ -34,6 +34,7 @@ from typing import Any
 import jax
 
 from remat_kit import results as R
+from remat_kit import validation as V
 from remat_kit.memory.programs import analyze_program, program_tags
 from remat_kit.policies import (
     PolicySpec,
@@ -186,6 +187,19 @@ def _analyse(program: Program, specs: dict[str, PolicySpec], failed: dict) -> di
     return {**failed, **dict(zip(live, reports, strict=True))}
 
 
+def _check(program: Program, warmup_steps: int, timed_steps: int) -> None:
+    if not isinstance(program, Program):
+        raise ValueError(
+            f"expected a remat_kit.Program (Program.from_loss / Program.from_step), got "
+            f"{type(program).__name__}"
+        )
+    V.positive_int("timed_steps", timed_steps)
+    if warmup_steps != 0:
+        V.positive_int("warmup_steps (or 0)", warmup_steps)
+    if jax.process_count() > 1:
+        raise ValueError("a program sweep runs in one process (jax.distributed is initialised)")
+
+
 def run_program_sweep(
     program: Program,
     out: str | os.PathLike[str],
@@ -226,13 +240,7 @@ def run_program_sweep(
         counts. Nothing is written then.
     """
     start = time.perf_counter()
-    if not isinstance(program, Program):
-        raise ValueError(f"expected a remat_kit.Program, got {type(program).__name__}")
-    if warmup_steps < 0 or timed_steps < 1:
-        raise ValueError(f"need warmup_steps >= 0 and timed_steps >= 1, got {warmup_steps}, "
-                         f"{timed_steps}")  # fmt: skip
-    if jax.process_count() > 1:
-        raise ValueError("a program sweep runs in one process (jax.distributed is initialised)")
+    _check(program, warmup_steps, timed_steps)
     tags = program_tags(program)
     specs, notes, per_label = select_policies(program, policies, tags)
     host = host_arguments(program.step(get_policy_spec("no-remat")))

@@ -176,3 +176,19 @@ def test_nnx_program_with_concrete_arguments(tmp_path):
     # the program's own objects are left as they were (the run works on copies)
     after = nnx.state(model, nnx.Param)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), before, after))
+
+
+def test_arguments_materialised_by_kind_and_copied_per_policy():
+    from remat_kit.program import Pure
+
+    f32, keys = jax.ShapeDtypeStruct((64,), "float32"), jax.random.key(0, impl="rbg").dtype
+    args = (f32, jax.ShapeDtypeStruct((2,), "int32"), jax.ShapeDtypeStruct((3,), keys),
+            jax.numpy.full((2,), 7.0))  # fmt: skip
+    host = programs.host_arguments(Pure(None, args, ("w", "t", "k", "c"), None))
+    assert host.source == "partly materialised" and "zeros" in host.note
+    first, second = programs.device_arguments(host.values), programs.device_arguments(host.values)
+    w, t, k, c = first
+    assert w.dtype == "float32" and 0 < float(w.max()) < 0.2 and float(w.min()) >= 0
+    assert t.tolist() == [0, 0] and k.shape == (3,) and k.dtype == keys and c.tolist() == [7, 7]
+    c.delete()  # a step donating its copy leaves the host values and the next copy intact
+    assert second[3].tolist() == [7, 7] and host.values[3].tolist() == [7, 7]

@@ -26,7 +26,7 @@ ARGUMENT_SCALE = 0.02
 MATERIALISED_NOTE = (
     f"abstract (ShapeDtypeStruct) leaves materialised: float ones {ARGUMENT_SCALE} x |N(0, 1)| "
     f"from jax.random.key({ARGUMENT_SEED}) (non-negative, so an optimizer's second moments stay "
-    "valid), integer and boolean ones zeros"
+    f"valid), integer and boolean ones zeros, PRNG keys split from key({ARGUMENT_SEED})"
 )
 
 
@@ -35,7 +35,8 @@ class HostArguments:
     """The step's arguments as host (numpy) arrays, the same for every policy.
 
     Attributes:
-      values: the pure step's arguments (:attr:`remat_kit.program.Pure.args`), numpy leaves.
+      values: the pure step's arguments (:attr:`remat_kit.program.Pure.args`): numpy leaves,
+        :class:`HostKey` for typed PRNG keys (:func:`device_arguments` places them).
       source: ``"concrete"`` (the program's own arrays), ``"materialised"`` (every array leaf
         was a ``ShapeDtypeStruct``) or ``"partly materialised"``.
       note: how abstract leaves got their values (None when there were none).
@@ -46,11 +47,49 @@ class HostArguments:
     note: str | None
 
 
-def _materialise(leaf: jax.ShapeDtypeStruct, key: jax.Array) -> np.ndarray:
-    dtype = jnp.dtype(leaf.dtype)
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        n = max(1, math.prod(leaf.shape))
-        return np.asarray(jax.random.split(key, n)[: math.prod(leaf.shape)].reshape(leaf.shape))
+@dataclasses.dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key array kept on the host: its raw data and its implementation."""
+
+    data: np.ndarray
+    impl: Any
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_host(x: Any) -> Any:
+    if _is_key(x):
+        return HostKey(np.asarray(jax.random.key_data(x)), jax.random.key_impl(x))
+    return np.asarray(jax.device_get(x))
+
+
+def device_arguments(values: Any) -> Any:
+    """Fresh device copies of host arguments (numpy leaves and :class:`HostKey` s), which a
+    step may donate without touching ``values``."""
+
+    def place(x: Any) -> Any:
+        if isinstance(x, HostKey):
+            return jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)
+        return jax.device_put(x) if isinstance(x, np.ndarray) else x
+
+    return jax.block_until_ready(
+        jax.tree.map(place, values, is_leaf=lambda x: isinstance(x, HostKey))
+    )
+
+
+def _materialise(leaf: jax.ShapeDtypeStruct, key: jax.Array) -> Any:
+    """Values for an abstract leaf (see :data:`MATERIALISED_NOTE`); keys from the fixed seed."""
+    dtype = leaf.dtype
+    if _is_key(leaf):  # keys of the argument's own implementation, split from the fixed seed
+        n = math.prod(leaf.shape)
+        impl = str(dtype).removeprefix("key<").removesuffix(">")  # key<rbg>; key<fry>: default
+        try:
+            base = jax.random.key(ARGUMENT_SEED, impl=impl)
+        except ValueError:  # a short name jax.random.key does not take (fry: threefry2x32)
+            base = key
+        return _to_host(jax.random.split(base, max(1, n))[:n].reshape(leaf.shape))
     if jnp.issubdtype(dtype, jnp.inexact):
         values = jnp.abs(jax.random.normal(key, leaf.shape, jnp.float32)) * ARGUMENT_SCALE
         return np.asarray(values.astype(dtype))
@@ -68,7 +107,7 @@ def host_arguments(pure: Pure) -> HostArguments:
             out.append(_materialise(leaf, key))
             abstract += 1
         elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            out.append(np.asarray(jax.device_get(leaf)))
+            out.append(_to_host(leaf))
         else:
             out.append(leaf)
     arrays = sum(hasattr(x, "shape") for x in leaves)
@@ -139,7 +178,7 @@ def lower_step(program: Program, pure: Pure, host: HostArguments) -> Any:
     """``pure`` jitted with the program's donated arguments and lowered for the local device on
     the host arguments' shapes (compile it with ``.compile()``)."""
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
-    return jitted.lower(*host.values)
+    return jitted.lower(*device_arguments(host.values))
 
 
 def run_program_step(
@@ -169,16 +208,16 @@ def run_program_step(
       Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
     """
     donated = program.donated(pure)
-    shapes = jax.eval_shape(pure.fn, *host.values)
-    paths = feedback_paths(host.values, shapes, donated)
+    args = list(device_arguments(host.values))
+    shapes = jax.eval_shape(pure.fn, *args)
+    paths = feedback_paths(args, shapes, donated)
     loss_at = loss_path(shapes, list(paths.values()))
     recopy = [i for i in donated if i not in paths]
-    args = list(jax.block_until_ready(jax.device_put(host.values)))
     before = peak_bytes_in_use()
     losses, times, cpu_times = [], [], []
     for i in range(warmup_steps + timed_steps):
         for j in recopy if i else ():
-            args[j] = jax.block_until_ready(jax.device_put(host.values[j]))
+            args[j] = device_arguments(host.values[j])
         start, cpu_start = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(compiled(*args))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start

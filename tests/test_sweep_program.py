@@ -190,5 +190,7 @@ def test_arguments_materialised_by_kind_and_copied_per_policy():
     w, t, k, c = first
     assert w.dtype == "float32" and 0 < float(w.max()) < 0.2 and float(w.min()) >= 0
     assert t.tolist() == [0, 0] and k.shape == (3,) and k.dtype == keys and c.tolist() == [7, 7]
+    sig = programs.argument_signature(host)
+    assert sig[0] == [[64], "float32"] and sig[2][1].startswith("key<") and len(sig) == 4
     c.delete()  # a step donating its copy leaves the host values and the next copy intact
     assert second[3].tolist() == [7, 7] and host.values[3].tolist() == [7, 7]

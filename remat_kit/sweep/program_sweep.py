@@ -49,7 +49,13 @@ from remat_kit.program import Program
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.output import SweepRun, prepare_output
 from remat_kit.sweep.output import progress as progress_bar
-from remat_kit.sweep.programs import HostArguments, host_arguments, lower_step, run_program_step
+from remat_kit.sweep.programs import (
+    HostArguments,
+    argument_signature,
+    host_arguments,
+    lower_step,
+    run_program_step,
+)
 from remat_kit.sweep.rows import ANALYSIS_KEYS, MEASURED_KEYS, analysis_fields
 
 #: Row fields of a program sweep beyond the preset sweep's.
@@ -79,7 +85,7 @@ def _point(program: Program, label: str, warmup: int, timed: int) -> dict[str, A
 
 def _identity(program: Program, host: HostArguments, warmup: int, timed: int) -> dict[str, Any]:
     """What a resumed run must share with the file's rows (the policies may differ)."""
-    leaves = [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(host.values)]
+    leaves = argument_signature(host)
     return {
         "program": program.name,
         "arguments": R.fingerprint({"leaves": leaves, "source": host.source}),

@@ -79,6 +79,20 @@ def device_arguments(values: Any) -> Any:
     )
 
 
+def argument_signature(host: HostArguments) -> list[list[Any]]:
+    """``[shape, dtype]`` of every leaf of ``host`` (a key: its raw data's, dtype ``key<impl>``;
+    a non-array leaf: its type), for telling whether two runs had the same arguments."""
+
+    def one(x: Any) -> list[Any]:
+        if isinstance(x, HostKey):
+            return [list(x.data.shape), f"key<{x.impl}>"]
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return [list(x.shape), str(x.dtype)]
+        return [None, type(x).__name__]
+
+    return [one(x) for x in jax.tree.leaves(host.values, is_leaf=lambda x: isinstance(x, HostKey))]
+
+
 def _materialise(leaf: jax.ShapeDtypeStruct, key: jax.Array) -> Any:
     """Values for an abstract leaf (see :data:`MATERIALISED_NOTE`); keys from the fixed seed."""
     dtype = leaf.dtype

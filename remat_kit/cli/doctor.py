@@ -24,7 +24,11 @@ def add(subparsers) -> None:
         "wrong, the likely cause, the fix. Exit code 1 when a finding is an error.",
     )
     A.add_model(p, "tiny-gpt or llama3-8b")
-    A.add_policy(p, "policy to check (default: every registered policy)")
+    A.add_policy(
+        p,
+        "policy to check (default: every registered policy; for a MODULE:FACTORY program, "
+        "those that act on its checkpoint names, the rest in one note)",
+    )
     A.add_batch(p)  # presets: 2 when not given
     A.add_seq(p)  # presets: 64 when not given
     A.add_target(p, "cpu")

@@ -87,7 +87,9 @@ def check_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: An
     """:func:`check` for several policies, compiling ``no-remat`` once:
     ``check_policies(config, batch_size, seq_len, policies, target, optimizer)`` for a bundled
     model, ``check_policies(program, policies, target)`` for a user's program
-    (:func:`~remat_kit.doctor.programs.check_program`).
+    (:func:`~remat_kit.doctor.programs.check_program`; ``policies=None``: the registered
+    policies that act on its checkpoint names, see
+    :func:`~remat_kit.doctor.programs.check_program_policies` for their labels and notes).
 
     Returns:
       One list of findings per policy, in order.

@@ -3,6 +3,7 @@ policies of one model, no-remat compiled once) and :func:`check_function` (a use
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from remat_kit.doctor.tags import TagFacts, tag_facts, unknown_tags
 from remat_kit.memory import analyze, analyze_policies, hlo
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
-from remat_kit.policies import PolicySpec, policy_names
+from remat_kit.policies import PolicySpec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.training.step import init_params
 
@@ -130,6 +131,7 @@ def _check_model_policies(
     out = []
     for spec, report in zip(specs, reports, strict=False):
         promise = Promise.of(spec, registered=spec.name in registered)
+        promise = dataclasses.replace(promise, name=policy_label(spec))  # as the CLI prints it
         kept = Residuals.of(
             R.block_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
         )

@@ -9,7 +9,7 @@ import sys
 
 from remat_kit import targets
 from remat_kit.cli import args as A
-from remat_kit.doctor import check_policies, has_errors
+from remat_kit.doctor import check_policies, check_program_policies, has_errors
 from remat_kit.memory import CompileError
 from remat_kit.policies import get_policy_spec, policy_label, policy_names
 
@@ -24,7 +24,11 @@ def add(subparsers) -> None:
         "wrong, the likely cause, the fix. Exit code 1 when a finding is an error.",
     )
     A.add_model(p, "tiny-gpt or llama3-8b")
-    A.add_policy(p, "policy to check (default: every registered policy)")
+    A.add_policy(
+        p,
+        "policy to check (default: every registered policy; for a MODULE:FACTORY program, "
+        "those that act on its checkpoint names, the rest in one note)",
+    )
     A.add_batch(p)  # presets: 2 when not given
     A.add_seq(p)  # presets: 64 when not given
     A.add_target(p, "cpu")
@@ -50,35 +54,58 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if A.is_program_ref(args.model):
-        program = A.resolve_model(args)
-        A.require_shape(args, program)
-        for flag, given in (("--no-scan", args.no_scan), ("--group-size", args.group_size)):
-            if given:
-                raise A.UsageError(f"{flag} applies to presets; program {program.name!r} "
-                                   "sets its own layer structure")  # fmt: skip
-        targets.get_target(args.target)
-        specs = args.policy or [get_policy_spec(n) for n in policy_names()]
-        results = check_policies(program, specs, args.target)
-    else:
-        config = A.resolve_model(
-            args, scan_layers=not args.no_scan, remat_group_size=args.group_size or 1
-        )
-        args.batch = args.batch or 2
-        args.seq = args.seq or 64
-        targets.get_target(args.target)
-        specs = args.policy or [get_policy_spec(n) for n in policy_names()]
-        A.check_shape(config, args.batch, args.seq)
-        results = check_policies(config, args.batch, args.seq, specs, args.target)
+        return _run_program(args)
+    config = A.resolve_model(
+        args, scan_layers=not args.no_scan, remat_group_size=args.group_size or 1
+    )
+    args.batch = args.batch or 2
+    args.seq = args.seq or 64
+    targets.get_target(args.target)
+    specs = args.policy or [get_policy_spec(n) for n in policy_names()]
+    A.check_shape(config, args.batch, args.seq)
+    results = check_policies(config, args.batch, args.seq, specs, args.target)
     labels = [policy_label(s) for s in specs]
+    _print(args, labels, results, [])
+    return 1 if any(has_errors(f) for f in results) else 0
+
+
+def _run_program(args: argparse.Namespace) -> int:
+    """A user's program: without ``--policy``, the registered policies that act on its own
+    checkpoint names (the others in one note line)."""
+    program = A.resolve_model(args)
+    A.require_shape(args, program)
+    for flag, given in (("--no-scan", args.no_scan), ("--group-size", args.group_size)):
+        if given:
+            raise A.UsageError(f"{flag} applies to presets; program {program.name!r} "
+                               "sets its own layer structure")  # fmt: skip
+    targets.get_target(args.target)
+    result = check_program_policies(program, args.policy or None, args.target)
+    labels = [c.label for c in result.checks]
+    notes = [f"program {program.name!r} emits: {', '.join(sorted(result.tags)) or 'no tags'}"]
+    notes += list(result.notes)
+    if args.policy is None and result.tags:
+        example = ",".join(f"{t}=save" for t in sorted(result.tags)[:2])
+        notes.append(f"check a policy in its own names with --policy '{example}'")
+    elif args.policy is None:
+        notes.append("tag its tensors (jax.ad_checkpoint.checkpoint_name, remat_kit.tag_linen / "
+                     "tag_nnx) to check policies that save or offload them")  # fmt: skip
+    _print(args, labels, [list(c.findings) for c in result.checks], notes)
+    return 1 if result.has_errors else 0
+
+
+def _print(args, labels, results, notes) -> None:
     if args.json:
         out = {
             label: [dataclasses.asdict(f) for f in findings]
             for label, findings in zip(labels, results, strict=True)
         }
+        if notes:
+            out = {"policies": out, "notes": notes}
         print(json.dumps(out, indent=2))
-    else:
-        for label, findings in zip(labels, results, strict=True):
-            print(f"{label}: " + ("ok" if not findings else f"{len(findings)} finding(s)"))
-            for f in findings:
-                print(f"  {f.line()}")
-    return 1 if any(has_errors(f) for f in results) else 0
+        return
+    for line in notes:
+        print(f"note: {line}")
+    for label, findings in zip(labels, results, strict=True):
+        print(f"{label}: " + ("ok" if not findings else f"{len(findings)} finding(s)"))
+        for f in findings:
+            print(f"  {f.line()}")

@@ -9,13 +9,19 @@ compiled memory and FLOPs of the step against the same step compiled with ``no-r
 
 Finding codes (severity):
 
-- ``unknown-tag`` (error): the policy names a checkpoint name the program never emits; it saves
-  or offloads nothing for it.
+- ``unknown-tag`` (error): the policy names checkpoint names the program never emits; it saves
+  or offloads nothing for them (one finding per policy: each name with the closest emitted one,
+  and what the policy runs as). Without a policy list, a user's program is checked only with the
+  policies that act on its names (:func:`check_program_policies`); the others are one note.
 - ``no-op-policy`` (error): the compiled step needs as much memory as without remat.
 - ``cse-undid-remat`` (error): the jaxpr recomputes, but the compiled program does not (no
   operation of it recomputes, or no FLOPs over no-remat): XLA merged the recomputation back into
   the forward pass (CSE).
-- ``acts-as-full-remat`` (error): the policy promises to keep tensors but keeps none.
+- ``cse-undid-part-of-remat`` (warning): XLA's CSE merged part of the recomputation back (the
+  analyzer's warning, :func:`remat_kit.memory.runner.cse_undone`).
+- ``acts-as-full-remat`` (error): the policy promises to keep tensors it names (and the program
+  emits) but keeps none; the cause says whether they are applied outside every remat segment or
+  not needed by the backward pass at all.
 - ``remat3-full-remat`` (error): ``jax_remat3`` is on and runs the policy as full remat (it
   honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
   ``everything_saveable`` and the dots policies; offload policies put nothing on host).
@@ -46,8 +52,12 @@ from remat_kit.doctor.compare import compare as compare
 from remat_kit.doctor.findings import SAME as SAME
 from remat_kit.doctor.findings import Finding as Finding
 from remat_kit.doctor.findings import has_errors as has_errors
+from remat_kit.doctor.programs import PolicyCheck as PolicyCheck
+from remat_kit.doctor.programs import ProgramCheck as ProgramCheck
+from remat_kit.doctor.programs import check_program_policies as check_program_policies
 from remat_kit.doctor.promise import Promise as Promise
 from remat_kit.doctor.promise import describe_callable as describe_callable
 from remat_kit.doctor.promise import remat3_honours as remat3_honours
 from remat_kit.doctor.promise import resolve_policy as resolve_policy
+from remat_kit.doctor.tags import TagFacts as TagFacts
 from remat_kit.walker import emitted_tags as emitted_tags

@@ -3,6 +3,7 @@ policies of one model, no-remat compiled once) and :func:`check_function` (a use
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,12 +13,7 @@ import jax.numpy as jnp
 from remat_kit import residuals as R
 from remat_kit import targets as T
 from remat_kit import walker as W
-from remat_kit.doctor.compare import (
-    Residuals,
-    check_remat_static_argnums,
-    compare,
-    unknown_tags,
-)
+from remat_kit.doctor.compare import Residuals, check_remat_static_argnums, compare
 from remat_kit.doctor.findings import Finding, dedupe, sort_findings
 from remat_kit.doctor.programs import check_program
 from remat_kit.doctor.promise import (
@@ -26,10 +22,11 @@ from remat_kit.doctor.promise import (
     remat3_findings,
     resolve_policy,
 )
+from remat_kit.doctor.tags import TagFacts, tag_facts, unknown_tags
 from remat_kit.memory import analyze, analyze_policies, hlo
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
-from remat_kit.policies import PolicySpec, policy_names
+from remat_kit.policies import PolicySpec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.training.step import init_params
 
@@ -76,7 +73,10 @@ def check(
     """
     if isinstance(config, Program):
         if policy is None:
-            raise ValueError(f"check(program): give policy= to check on {config.name!r}")
+            raise ValueError(
+                f"check(program): give policy= to check on {config.name!r}, or use "
+                "check_program_policies(program, target=...) for the policies that act on it"
+            )
         return check_program(config, [policy], target)[0]
     if isinstance(config, str):
         config = get_config(config)
@@ -88,7 +88,9 @@ def check_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: An
     """:func:`check` for several policies, compiling ``no-remat`` once:
     ``check_policies(config, batch_size, seq_len, policies, target, optimizer)`` for a bundled
     model, ``check_policies(program, policies, target)`` for a user's program
-    (:func:`~remat_kit.doctor.programs.check_program`).
+    (:func:`~remat_kit.doctor.programs.check_program`; ``policies=None``: the registered
+    policies that act on its checkpoint names, see
+    :func:`~remat_kit.doctor.programs.check_program_policies` for their labels and notes).
 
     Returns:
       One list of findings per policy, in order.
@@ -121,6 +123,7 @@ def _check_model_policies(
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     tags = W.emitted_tags(lambda p, t: make_model(config).apply({"params": p}, t), params, tokens)
+    facts = TagFacts(frozenset(tags))  # the bundled models tag inside their remat segments
     reports = analyze_policies(config, batch_size, seq_len, [*specs, "no-remat"], tgt, optimizer)
     base = config.replace(remat_policy="no-remat")
     kept_base = Residuals.of(R.block_residuals(base, batch_size, seq_len))
@@ -128,13 +131,23 @@ def _check_model_policies(
     out = []
     for spec, report in zip(specs, reports, strict=False):
         promise = Promise.of(spec, registered=spec.name in registered)
+        promise = dataclasses.replace(promise, name=policy_label(spec))  # as the CLI prints it
         kept = Residuals.of(
             R.block_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
         )
         findings = (
-            unknown_tags(promise, tags)
+            unknown_tags(promise, facts)
             + (remat3_findings(spec.name, spec.to_jax(), promise) if spec.wrap else [])
-            + compare(promise, report, reports[-1], kept, kept_base, tgt, config.scan_layers)
+            + compare(
+                promise,
+                report,
+                reports[-1],
+                kept,
+                kept_base,
+                tgt,
+                config.scan_layers,
+                facts=facts,
+            )  # fmt: skip
         )
         out.append(sort_findings(dedupe(findings)))
     return out
@@ -187,8 +200,8 @@ def check_function(
     if remat_static_argnums is not None:
         findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
-    tags = W.emitted_tags(loss_all, *args)
     losses = {"policy": make_loss(jax_policy), "no-remat": loss_all}
+    facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
@@ -196,7 +209,7 @@ def check_function(
     if opaque:  # an opaque callable: judge by what it does, against no-remat
         promise = Promise("custom-callable")
     else:
-        findings += unknown_tags(promise, tags)
+        findings += unknown_tags(promise, facts)
     findings += remat3_findings(promise.name, jax_policy, promise)
     ops = None
     if not reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
@@ -204,7 +217,7 @@ def check_function(
     findings += compare(
         promise, reports["policy"], reports["no-remat"],
         Residuals.of(R.saved_residuals(losses["policy"], *args)),
-        Residuals.of(R.saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops,
+        Residuals.of(R.saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops, facts=facts,
     )  # fmt: skip
     if opaque:
         findings = [f for f in findings if f.code != "acts-as-full-remat"]

@@ -8,42 +8,19 @@ from typing import Any
 
 import numpy as np
 
-from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit import walker as W
 from remat_kit.doctor.findings import SAME, Finding, nbytes
 from remat_kit.doctor.promise import Promise
+from remat_kit.doctor.tags import TagFacts, own_example
 from remat_kit.memory import MemoryReport
+from remat_kit.memory.runner import cse_undone
 
-_MLP_FAMILIES = frozenset({N.MLPWI, N.MLPWI_0, N.MLPWI_1})
 #: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
 _DOT_SOURCES = ("dot_general", "conv_general_dilated")
 #: A policy whose compiled temp bytes go down by less than this fraction of what its jaxpr
 #: residuals promise (against no-remat) has not taken effect.
 MIN_EFFECT = 0.1
-
-
-def unknown_tags(promise: Promise, tags: set[str]) -> list[Finding]:
-    """``unknown-tag`` for each name the policy saves or offloads that the program never emits."""
-    missing = promise.tags - tags
-    if promise.registered and promise.tags & tags & _MLP_FAMILIES:
-        # A registered policy names both MLP families' tags; only one family is emitted.
-        missing -= _MLP_FAMILIES
-    out = []
-    for tag in sorted(missing):
-        hint = N.closest(tag, sorted(tags))
-        out.append(
-            Finding(
-                "unknown-tag", "error",
-                f"policy {promise.name!r} names {tag!r}, which the program never emits "
-                f"(emitted: {', '.join(sorted(tags)) or 'none'}): nothing is "
-                f"{'offloaded' if tag in promise.offload else 'saved'} for it.",
-                "a typo, or a tag of another model family (mlpwi_0/mlpwi_1 are SwiGLU's, mlpwi "
-                "the plain MLP's).",
-                f"use {hint!r}." if hint else "tag the tensor with checkpoint_name, or drop it.",
-            )
-        )  # fmt: skip
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +116,7 @@ def compare(
     target: T.Target,
     scan_layers: bool | None = None,
     recomputed_ops: int | None = None,
+    facts: TagFacts | None = None,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
     what each keeps in the jaxpr (:class:`Residuals`).
@@ -147,6 +125,10 @@ def compare(
       spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
       recomputed_ops: operations of the compiled policy step that recompute the forward pass
         (JAX's remat scope in their ``op_name``), where counted; else the FLOPs decide.
+      facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`): a tag
+        it never emits is the ``unknown-tag`` finding's, not repeated here; the cause of a tag
+        kept nowhere (outside the remat segment, or not needed by the backward pass) is told
+        from them. None: not known.
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
@@ -172,29 +154,104 @@ def compare(
                 promise, report, no_remat, promised, achieved, target, scan_layers, recomputed_ops
             )
         )
-    promises = bool(promise.tags) or promise.base in ("dots", "dots_no_batch")
-    keeps = bool(kept.tags & promise.tags) or (promise.base != "names" and kept.dots)
-    if promises and not keeps and not promise.offloads_dots:
-        out.append(
-            Finding(
-                "acts-as-full-remat", "error",
-                f"policy {promise.name!r} promises to keep "
-                f"{', '.join(sorted(promise.tags)) or 'matmul outputs'} but keeps none of them: "
-                "it runs as full remat (save-nothing).",
-                "its tags are not emitted inside the remat segment, or jax_remat3 runs the "
-                "policy as full remat.",
-                "check the tag names (remat-kit doctor lists them) and build the policy from "
-                "name sets.",
-            )
-        )  # fmt: skip
-    if promise.offloads:
-        out.extend(_offload_findings(promise, report, target, kept.host_bytes))
+    cse = _cse_findings(promise, report, out)
+    if cse:  # the measured cause, not the guess that the peak is outside the layers
+        out = [f for f in out if f.code != "remat-not-lowering-peak"] + cse
+    full = _full_remat(promise, kept, kept_no_remat, facts)
+    out += full
+    if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
+        out.extend(_offload_findings(promise, report, target, kept, kept_no_remat, facts))
     return out
 
 
-def _offload_findings(
-    promise: Promise, report: MemoryReport, target: T.Target, host_res: int
+def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) -> list[Finding]:
+    """The analyzer's CSE warning (:func:`remat_kit.memory.runner.cse_undone`) as a finding:
+    all of the recomputation merged back is an error (unless already said), part a warning."""
+    undone = cse_undone(report.warnings)
+    if undone is None or any(f.code == "cse-undid-remat" for f in found):
+        return []
+    how, line = undone
+    figures, _, said = line.partition(": XLA's CSE")
+    figures = figures[figures.index("recomputes") :] if "recomputes" in figures else figures
+    return [
+        Finding(
+            "cse-undid-remat" if how == "all" else "cse-undid-part-of-remat",
+            "error" if how == "all" else "warning",
+            f"policy {promise.name!r} {figures}.",
+            f"XLA's CSE{said}.",
+            "keep prevent_cse=True (the default) where layers run outside lax.scan / nn.scan / "
+            "nnx.scan, or run them under a scan.",
+        )
+    ]  # fmt: skip
+
+
+def _full_remat(
+    promise: Promise, kept: Residuals, kept_no_remat: Residuals, facts: TagFacts | None
 ) -> list[Finding]:
+    """``acts-as-full-remat`` when the policy promises tensors and keeps none, with the cause
+    the walk tells (not for names the program never emits: ``unknown-tag`` says those)."""
+    promises = bool(promise.tags) or promise.base in ("dots", "dots_no_batch")
+    keeps = bool(kept.tags & promise.tags) or (promise.base != "names" and kept.dots)
+    if not promises or keeps or promise.offloads_dots:
+        return []
+    named = promise.tags & facts.emitted if facts is not None else promise.tags
+    if facts is not None and promise.base == "names" and not named:
+        return []
+    cause, fix = _why_not_kept(named, kept_no_remat, facts)
+    return [
+        Finding(
+            "acts-as-full-remat", "error",
+            f"policy {promise.name!r} promises to keep "
+            f"{', '.join(sorted(named)) or 'matmul outputs'} but keeps none of them: "
+            "it runs as full remat (save-nothing).",
+            cause, fix,
+        )
+    ]  # fmt: skip
+
+
+def _why_not_kept(
+    named: frozenset[str], kept_no_remat: Residuals, facts: TagFacts | None
+) -> tuple[str, str]:
+    """(cause, fix) for emitted names the policy keeps none of, from the walk: applied only
+    outside every remat segment, or not residuals even without remat (the backward pass does
+    not need them)."""
+    outside = facts.outside_remat(named) if facts is not None else frozenset()
+    unneeded = named - outside - kept_no_remat.tags if facts is not None else frozenset()
+    if named and outside | unneeded == named:
+        parts = []
+        if outside:
+            parts.append(
+                f"{', '.join(sorted(outside))} {'is' if len(outside) == 1 else 'are'} applied "
+                "outside every jax.checkpoint / nn.remat segment, where a policy decides nothing"
+            )
+        if unneeded:
+            parts.append(
+                f"the backward pass does not need {', '.join(sorted(unneeded))}: even without "
+                "remat none is a residual (a value that only feeds additions or the output)"
+            )
+        needed = sorted(kept_no_remat.tags & (facts.in_remat or facts.emitted))
+        fix = (
+            f"save or offload tensors the backward pass keeps ({', '.join(needed)}), "
+            if needed else "save or offload tensors the backward pass keeps, "
+        ) + ("and apply checkpoint_name inside the checkpointed function." if outside
+             else "e.g. a matmul's input or a nonlinearity's.")  # fmt: skip
+        return "; ".join(parts) + ".", fix
+    return (
+        "its tags are not emitted inside the remat segment, or jax_remat3 runs the policy as "
+        "full remat.",
+        "check the tag names (remat-kit doctor lists them) and build the policy from name sets.",
+    )
+
+
+def _offload_findings(
+    promise: Promise,
+    report: MemoryReport,
+    target: T.Target,
+    kept: Residuals,
+    kept_no_remat: Residuals,
+    facts: TagFacts | None,
+) -> list[Finding]:
+    host_res = kept.host_bytes
     if not target.supports_host_offload:
         return [
             Finding(
@@ -205,17 +262,10 @@ def _offload_findings(
                 "analyze offload policies on a GPU target (e.g. --target h100-sxm).",
             )
         ]  # fmt: skip
+    if facts is not None and promise.offload and not promise.offload & facts.emitted:
+        return []  # offloads only names the program never emits: unknown-tag says it
     if report.host_bytes == 0:
-        return [
-            Finding(
-                "offload-no-host-bytes", "error",
-                f"policy {promise.name!r} offloads {nbytes(host_res)} in the jaxpr but the "
-                f"compiled step on {target.name!r} has no host memory.",
-                "XLA dropped the offload (the tensor is also needed on device, or the offloaded "
-                "tags are not residuals here), or jax_remat3 ran the policy as full remat.",
-                "offload other tags (offload-layer-inputs / offload-to-host) and check again.",
-            )
-        ]  # fmt: skip
+        return [_no_host_bytes(promise, target, kept, kept_no_remat, facts)]
     without = report.peak_bytes_without_offload
     if without is not None and report.peak_bytes >= without:
         return [
@@ -230,6 +280,39 @@ def _offload_findings(
             )
         ]  # fmt: skip
     return []
+
+
+def _no_host_bytes(
+    promise: Promise,
+    target: T.Target,
+    kept: Residuals,
+    kept_no_remat: Residuals,
+    facts: TagFacts | None,
+) -> Finding:
+    """``offload-no-host-bytes``; a fix in the program's own names for a user's program."""
+    if kept.host_bytes == 0 and promise.offload:  # nothing offloaded already in the jaxpr
+        cause, _ = _why_not_kept(promise.offload & (facts.emitted if facts else promise.offload),
+                                 kept_no_remat, facts)  # fmt: skip
+    else:
+        cause = (
+            "XLA dropped the offload (the tensor is also needed on device, or the offloaded "
+            "tags are not residuals here), or jax_remat3 ran the policy as full remat."
+        )
+    fix = "offload other tags (offload-layer-inputs / offload-to-host) and check again."
+    if facts is not None and facts.user:
+        needed = kept_no_remat.tags & (facts.in_remat or facts.emitted) - promise.offload
+        example = own_example(facts, "offload", needed) if needed else ""
+        fix = (
+            f"offload a tag the backward pass keeps, e.g. {example}, and check again."
+            if example
+            else "offload a tensor the backward pass keeps (tag it with checkpoint_name)."
+        )
+    return Finding(
+        "offload-no-host-bytes", "error",
+        f"policy {promise.name!r} offloads {nbytes(kept.host_bytes)} in the jaxpr but the "
+        f"compiled step on {target.name!r} has no host memory.",
+        cause, fix,
+    )  # fmt: skip
 
 
 def _is_array(x: Any) -> bool:

@@ -96,23 +96,43 @@ class Job:
 _REPLICATION_WARN = 1.1
 
 
+#: How :func:`_recompute_undone` says XLA's CSE merged all, or part, of the recomputation
+#: back; :func:`cse_undone` reads it back (the doctor judges by the analyzer's own line).
+CSE_UNDID_ALL = "XLA's CSE merged the recomputation back"
+CSE_UNDID_PART = "XLA's CSE merged part of the recomputation back"
+
+
 def _recompute_undone(job: Job, reading: DumpReading) -> str | None:
     """The warning when the traced step recomputes matmuls and the compiled one recomputes
     less than 90% of them (one device only): XLA's CSE merged part or all of it back."""
     base, traced = job.flops_no_remat, job.flops_traced
     if job.mesh_devices is not None or not base or traced is None or reading.flops is None:
         return None
-    wanted, done = traced - base, reading.recomputed_flops or 0.0
+    # What recomputes: the matmuls under JAX's remat scope, or the compiled work over no-remat
+    # (the larger: the scope is not seen on every recomputed dot, e.g. in some scan bodies).
+    done = max(reading.recomputed_flops or 0.0, reading.flops - base)
+    wanted = traced - base
     if wanted <= base * 1e-3 or done >= 0.9 * wanted:
         return None
     how = "none" if done <= base * 1e-3 else f"only {(base + done) / base:.2f}x"
     return (
         f"policy {job.policy!r} recomputes {traced / base:.2f}x the matmul FLOPs in the jaxpr, "
-        f"but the compiled step recomputes {how}: XLA's CSE merged "
-        f"{'the' if how == 'none' else 'part of the'} recomputation back into the forward pass "
+        f"but the compiled step recomputes {how}: "
+        f"{CSE_UNDID_ALL if how == 'none' else CSE_UNDID_PART} into the forward pass "
         "(a jax.checkpoint / nn.remat with prevent_cse=False outside a scan); what it merged "
         "keeps its activations as without remat"
     )
+
+
+def cse_undone(warnings: Sequence[str]) -> tuple[str, str] | None:
+    """``("all" | "part", line)`` when a report's ``warnings`` hold the analyzer's warning that
+    XLA's CSE merged the recomputation back (:func:`_recompute_undone`), else None."""
+    for line in warnings:
+        if CSE_UNDID_ALL in line:
+            return "all", line
+        if CSE_UNDID_PART in line:
+            return "part", line
+    return None
 
 
 def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):

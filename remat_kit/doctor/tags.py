@@ -1,0 +1,144 @@
+"""The doctor's view of a program's checkpoint names: which it emits, which inside a remat
+segment (from :mod:`remat_kit.walker`), and the one ``unknown-tag`` finding per policy.
+
+Advice speaks the program's language: the MLP-family hint (``mlpwi`` vs SwiGLU's
+``mlpwi_0`` / ``mlpwi_1``) only where the program emits remat-kit's (MaxText) names, and a fix
+for a user's program written in its own names (``'attn_in=offload'``), not remat-kit's
+registered policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from remat_kit import names as N
+from remat_kit import walker as W
+from remat_kit.doctor.findings import Finding
+from remat_kit.doctor.promise import Promise
+from remat_kit.validation import closest
+
+_MLP_FAMILIES = frozenset({N.MLPWI, N.MLPWI_0, N.MLPWI_1})
+#: Primitives of a remat segment: classic ``jax.checkpoint`` (``remat2``); under
+#: ``jax_remat3`` a ``call_hi_primitive`` whose ``_prim`` is a ``RematTraced``.
+_REMAT_PRIMITIVES = ("remat2", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class TagFacts:
+    """What the walk of a program shows of its checkpoint names.
+
+    Attributes:
+      emitted: every name the program applies (forward and differentiation program).
+      in_remat: the names applied inside a remat segment (``jax.checkpoint`` / ``nn.remat`` /
+        ``nnx.remat`` body); None when not walked (the bundled models: always inside).
+      user: a user's program or function (advice in its own terms), not a bundled model.
+    """
+
+    emitted: frozenset[str]
+    in_remat: frozenset[str] | None = None
+    user: bool = False
+
+    @property
+    def remat_kit_names(self) -> bool:
+        """Whether the program emits remat-kit's (MaxText) checkpoint names."""
+        return bool(self.emitted & set(N.CHECKPOINT_NAMES))
+
+    def outside_remat(self, tags: Iterable[str]) -> frozenset[str]:
+        """Those of ``tags`` the program emits only outside every remat segment."""
+        if self.in_remat is None:
+            return frozenset()
+        return frozenset(tags) & self.emitted - self.in_remat
+
+
+def _is_remat(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    if name == W.HI_CALL:
+        return "Remat" in type(eqn.params.get("_prim")).__name__
+    return name in _REMAT_PRIMITIVES
+
+
+def tags_in_remat(jaxpr: Any) -> frozenset[str]:
+    """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
+    and sub-jaxprs included)."""
+    return frozenset(
+        t for eqn in W.walk(jaxpr) if _is_remat(eqn) for sub in W.sub_jaxprs(eqn)
+        for t in W.tags_in(sub)
+    )  # fmt: skip
+
+
+def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None = None):
+    """:class:`TagFacts` of a user's function with remat inside (``fn(*args)``, arrays or
+    ``jax.ShapeDtypeStruct``): ``emitted`` as given (else :func:`remat_kit.walker.emitted_tags`),
+    ``in_remat`` from its jaxpr. Traces only."""
+    tags = W.emitted_tags(fn, *args) if emitted is None else emitted
+    inside = tags_in_remat(jax.make_jaxpr(fn)(*args).jaxpr)
+    return TagFacts(frozenset(tags), inside, user=True)
+
+
+def own_example(facts: TagFacts, action: str, prefer: Iterable[str] = ()) -> str:
+    """A per-tag policy in the program's own names: ``'attn_in=offload'`` (the first of
+    ``prefer`` it emits, else its first name); ``""`` when it emits none."""
+    emitted = sorted(facts.emitted)
+    tag = next((t for t in sorted(prefer) if t in facts.emitted), emitted[0] if emitted else None)
+    return f"'{tag}={action}'" if tag else ""
+
+
+def _runs_as(promise: Promise, acting: frozenset[str]) -> str:
+    if promise.base != "names":
+        return f"{promise.name} without them"
+    parts = [f"{t}={'offload' if t in promise.offload else 'save'}" for t in sorted(acting)]
+    return ", ".join(parts) + " (the rest recomputed)" if parts else "save-nothing"
+
+
+def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
+    """One ``unknown-tag`` error for the names the policy saves or offloads that the program
+    never emits: each with its closest emitted name, the emitted names, and what the policy runs
+    as without them."""
+    emitted = facts.emitted
+    missing = promise.tags - emitted
+    if promise.registered and promise.tags & emitted & _MLP_FAMILIES:
+        # A registered policy names both MLP families' tags; only one family is emitted.
+        missing -= _MLP_FAMILIES
+    if not missing:
+        return []
+    hints = {t: closest(t, sorted(emitted)) for t in sorted(missing)}
+    listed = ", ".join(f"{t!r}" + (f" (closest: {h!r})" if h else "") for t, h in hints.items())
+    what = (
+        f"policy {promise.name!r} names {listed}, which the program never emits (emitted: "
+        f"{', '.join(sorted(emitted)) or 'none'}): nothing is saved or offloaded for "
+        f"{'it' if len(missing) == 1 else 'them'}; it runs as "
+        f"{_runs_as(promise, promise.tags & emitted)}."
+    )
+    return [Finding("unknown-tag", "error", what, _cause(promise, facts, missing),
+                    _fix(promise, facts, hints))]  # fmt: skip
+
+
+def _cause(promise: Promise, facts: TagFacts, missing: frozenset[str]) -> str:
+    if facts.remat_kit_names and missing & _MLP_FAMILIES:
+        return (
+            "a typo, or a tag of another model family (mlpwi_0/mlpwi_1 are SwiGLU's, mlpwi "
+            "the plain MLP's)."
+        )
+    if promise.registered and not facts.remat_kit_names and facts.emitted:
+        return (
+            "remat-kit's named policies use its models' (MaxText) names; this program tags its "
+            "tensors with names of its own."
+        )
+    if not facts.emitted:
+        return "the program applies no checkpoint_name at all."
+    return "a typo, or a tensor the program does not tag."
+
+
+def _fix(promise: Promise, facts: TagFacts, hints: dict[str, str | None]) -> str:
+    found = [f"{h!r} for {t!r}" for t, h in hints.items() if h]
+    if found and not (promise.registered and facts.user):
+        return f"use {', '.join(found)}."
+    if facts.user and facts.emitted:
+        action = "offload" if promise.offload else "save"
+        example = own_example(facts, action, [h for h in hints.values() if h])
+        return f"write the policy in the program's own names, e.g. {example}."
+    return "tag the tensor with checkpoint_name, or drop it from the policy."

@@ -1,0 +1,184 @@
+"""The doctor on a user's own program: its own checkpoint names, the default policy set, one
+finding per policy naming names it never emits, tags that are not residuals, partial CSE."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import remat_kit
+from remat_kit import Program, cli, doctor
+from remat_kit.doctor.promise import Promise
+from remat_kit.doctor.tags import TagFacts, unknown_tags
+
+GPU = "h100-sxm"
+D, LAYERS = 32, 2
+W = jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32)
+X = jax.ShapeDtypeStruct((2, 16, D), jnp.float32)
+
+
+def _program(layer, name, outside=None):
+    """A user's loss: ``layer(x, w)`` under jax.checkpoint in a lax.scan over LAYERS weights;
+    ``outside(x)`` applied before the scan (outside every remat segment)."""
+
+    def make_loss(policy):
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+        def loss(ws, x):
+            if outside is not None:
+                x = outside(x)
+            x, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)
+            return (x**2).mean()
+
+        return loss
+
+    return Program.from_loss(make_loss, W, X, name=name)
+
+
+def _own_layer(x, w):  # names of its own choosing, as plain_jax.py
+    h = jnp.tanh(checkpoint_name(x @ w, "attn_in"))
+    return x + checkpoint_name(jnp.sin(h @ w.T), "mlp_hidden")
+
+
+def own_tags_program():
+    """The command line's factory: ``--model tests.test_doctor_programs:own_tags_program``."""
+    return _program(_own_layer, "own-tags")
+
+
+def _maxtext_layer(x, w):  # some of remat-kit's (MaxText) names, not all
+    q = checkpoint_name(x @ w, "query_proj")
+    return x + checkpoint_name(jnp.tanh(q) @ w.T, "mlpwi")
+
+
+def _codes(findings):
+    return [f.code for f in findings]
+
+
+def test_default_set_on_own_tags_is_clean_with_one_note():
+    result = doctor.check_program_policies(own_tags_program(), target="cpu")
+    assert [c.label for c in result.checks] == [
+        "no-remat", "save-nothing", "save-dots", "save-dots-no-batch"
+    ]  # fmt: skip
+    assert not result.has_errors, [f.line() for c in result.checks for f in c.findings]
+    skipped = [n for n in result.notes if "save-qkv-proj" in n]
+    assert len(skipped) == 1 and "offload-to-host" in skipped[0]
+    assert "would run as save-nothing" in skipped[0]
+
+
+def test_named_policies_cut_down_to_the_emitted_names_are_labelled():
+    result = doctor.check_program_policies(_program(_maxtext_layer, "half-maxtext"), target="cpu")
+    labels = [c.label for c in result.checks]
+    assert "save-qkv-proj, save-qkv-out-proj, save-dots-except-mlp -> query_proj=save" in labels
+    assert "minimal -> mlpwi=save, query_proj=save" in labels
+    # Offload policies on a target without host offload: one note, not checked.
+    (no_host,) = [n for n in result.notes if n.startswith("not checked:")]
+    assert "offload-to-host" in no_host and "offload-qkv-proj" in no_host
+    assert not any(c.spec.offloads for c in result.checks)
+    assert not result.has_errors, [f.line() for c in result.checks for f in c.findings]
+
+
+def test_explicit_policy_naming_absent_tags_is_one_error_in_the_programs_terms():
+    results = doctor.check_policies(
+        own_tags_program(),
+        ["save-qkv-proj", "offload-qkv-proj", {"mlp_hiden": "save", "attn_in": "save"}],
+        GPU,
+    )
+    for findings in results:
+        assert _codes(findings) == ["unknown-tag"], [f.line() for f in findings]
+    qkv, offload, typo = (f[0] for f in results)
+    assert "'key_proj', 'query_proj', 'value_proj'" in qkv.what
+    assert "runs as save-nothing" in qkv.what and "emitted: attn_in, mlp_hidden" in qkv.what
+    assert "SwiGLU" not in qkv.cause and "names of its own" in qkv.cause
+    assert "'attn_in=save'" in qkv.fix and "offload-layer-inputs" not in offload.fix
+    assert "=offload'" in offload.fix
+    assert "'mlp_hiden' (closest: 'mlp_hidden')" in typo.what
+    assert "runs as attn_in=save" in typo.what and typo.fix == "use 'mlp_hidden' for 'mlp_hiden'."
+
+
+def test_family_hint_only_where_the_program_emits_maxtext_names():
+    swiglu = Promise("custom", save=frozenset({"mlpwi_0"}))
+    (maxtext,) = unknown_tags(swiglu, TagFacts(frozenset({"mlpwi", "mlpwo"}), user=True))
+    (own,) = unknown_tags(swiglu, TagFacts(frozenset({"ff_in", "ff_out"}), user=True))
+    assert "SwiGLU" in maxtext.cause and "SwiGLU" not in own.cause
+    assert maxtext.fix == "use 'mlpwi' for 'mlpwi_0'."
+
+
+def _unneeded_layer(x, w):  # 'skip' only feeds the residual add: never a residual
+    h = jnp.tanh(checkpoint_name(x @ w, "pre"))
+    return checkpoint_name(h @ w.T, "skip") + x
+
+
+def _outside(x):  # tagged before the scan: outside every remat segment
+    return checkpoint_name(jnp.sin(x), "embed_out")
+
+
+def test_emitted_tag_that_is_not_a_residual_gets_the_right_cause():
+    unneeded = doctor.check_policies(
+        _program(_unneeded_layer, "unneeded"), [{"skip": "save"}, {"skip": "offload"}], GPU
+    )
+    for findings in unneeded:
+        assert _codes(findings) == ["acts-as-full-remat"], [f.line() for f in findings]
+        assert "the backward pass does not need skip" in findings[0].cause
+    (outside,) = doctor.check_policies(
+        _program(_own_layer, "outside", _outside), [{"embed_out": "offload"}], GPU
+    )
+    assert _codes(outside) == ["acts-as-full-remat"], [f.line() for f in outside]
+    assert "embed_out is applied outside every jax.checkpoint" in outside[0].cause
+
+
+def _unrolled(prevent_cse):
+    """Layers in a Python loop, each under jax.checkpoint with its own prevent_cse."""
+
+    def make_loss(policy):
+        def layer(x, w):
+            return jnp.tanh(x @ w) @ w.T + x
+
+        def loss(ws, x):
+            for i, keep in enumerate(prevent_cse):
+                f = layer if policy is None else jax.checkpoint(layer, policy=policy,
+                                                                prevent_cse=keep)  # fmt: skip
+                x = f(x, ws[i])
+            return (x**2).mean()
+
+        return loss
+
+    ws = jax.ShapeDtypeStruct((len(prevent_cse), 64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
+    return Program.from_loss(make_loss, ws, x, name="unrolled")
+
+
+def test_partial_cse_is_a_warning_as_analyze_says():
+    program = _unrolled((True, False, False))
+    (report,) = remat_kit.analyze_policies(program, ["save-nothing"], GPU)
+    assert any("merged part of the recomputation" in w for w in report.warnings)
+    findings = doctor.check(program, policy="save-nothing", target=GPU)
+    assert _codes(findings) == ["cse-undid-part-of-remat"], [f.line() for f in findings]
+    assert findings[0].severity == "warning" and not doctor.has_errors(findings)
+
+
+def test_recomputation_in_a_scan_is_not_reported_as_undone():
+    # Measured (jax 0.10.2, h100-sxm deviceless): the recomputed dot of this scan body carries
+    # no remat scope in its op_name; the compiled FLOPs over no-remat show it recomputes.
+    (report,) = remat_kit.analyze_policies(_program(_unneeded_layer, "scan"), ["save-nothing"], GPU)
+    assert report.recompute_ratio > 1.05
+    assert not any("XLA's CSE merged" in w for w in report.warnings), report.warnings
+
+
+@pytest.mark.parametrize(
+    "extra, code, errors",
+    [([], 0, 0), (["--policy", "save-qkv-proj", "--policy", "save-nothing"], 1, 1)],
+)
+def test_cli_on_own_tags(capsys, extra, code, errors):
+    argv = ["doctor", "--model", "tests.test_doctor_programs:own_tags_program", *extra]
+    assert cli.main([*argv, "--target", "cpu"]) == code
+    out = capsys.readouterr().out
+    assert out.count("error:") == errors, out
+    assert "emits: attn_in, mlp_hidden" in out
+
+
+def test_cli_json_on_own_tags_holds_findings_and_notes(capsys):
+    argv = ["doctor", "--model", "tests.test_doctor_programs:own_tags_program", "--json"]
+    assert cli.main([*argv, "--target", "cpu", "--policy", "attn_in=save"]) == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert out["policies"] == {"custom: attn_in=save": []}
+    assert out["notes"] == ["program 'own-tags' emits: attn_in, mlp_hidden"]

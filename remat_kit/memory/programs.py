@@ -5,6 +5,12 @@ checkpoint tag (from the loss's saved residuals, when the program gives its loss
 ratio against the same step without remat, the on-device twin of an offload policy (whether
 offloading lowered the peak is measured), buffers at the peak; policies compile concurrently and
 identical programs once (:mod:`remat_kit.memory.runner`).
+
+Without policies, the default set is about the program's own ``checkpoint_name`` tags
+(:func:`program_policies`): the registered policies that act on them, and specs in its own tag
+names. Policies that act the same on the program (equal once cut down to the tags it emits) are
+one program: traced and compiled once, each reported under its own name with the same
+``MemoryReport.program_sha256``.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def own_tag_specs(
     if len(names) > max_single:
         notes.append(
             f"{len(names)} checkpoint names emitted: one save-alone policy each for the first "
-            f"{max_single} only (give --policy NAME=save for {', '.join(names[max_single:])})"
+            f"{max_single} only (ask for NAME=save for {', '.join(names[max_single:])})"
         )
     if len(names) > 1:
         specs.append(custom_spec(dict.fromkeys(names, "save")))
@@ -128,7 +134,8 @@ def program_policies(
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
     ]
-    no_host = [policy_label(s) for s in fit.specs if s.offloads and s not in specs]
+    cut = {c: f"{named.name} (cut)" for named, c in fit.restricted}
+    no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
     if no_host:
         notes.append(f"not compiled: {'; '.join(no_host)} (offload; {tgt.name} does not offload)")
     if not tags:
@@ -173,9 +180,8 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
         )
     if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
         notes.append(
-            f"{spec.name} names {', '.join(sorted(spec.tags))}, which {setup.program.name!r} "
-            f"does not emit (it emits: {', '.join(sorted(setup.tags)) or 'none'}): runs as "
-            "save-nothing"
+            f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
+            "so it runs as save-nothing"
         )
     return tuple(notes)
 

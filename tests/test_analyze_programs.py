@@ -6,6 +6,7 @@ offloaded, residuals by its tags in the text output, XLA's remat said once, a sh
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 
 import jax
@@ -60,6 +61,7 @@ def test_default_set_acts_on_the_programs_own_tags():
     # No host offload on the CPU: no offloading spec; two single-tag specs at most: said.
     cpu = program_policies(program, "cpu", max_single=2)
     assert not any(s.offloads for s in cpu.specs)
+    assert any("does not offload" in n for n in cpu.notes)
     assert [policy_label(s) for s in cpu.specs[4:6]] == ["custom: attn_in=save",
                                                         "custom: attn_out=save"]  # fmt: skip
     assert any("first 2 only" in n and "mlp_hidden" in n for n in cpu.notes)
@@ -153,7 +155,7 @@ def test_cli_program_with_asked_policies_json(capsys):
     nothing, minimal = out["reports"]
     assert out["checkpoint_names"] == sorted(plain_jax.TAGS) and out["notes"] == []
     assert minimal["program_sha256"] == nothing["program_sha256"] is not None
-    assert minimal["policy"] == "minimal"
+    assert minimal["policy"] == "minimal" and out["labels"] == ["save-nothing", "minimal"]
 
 
 @needs_cuda_plugin
@@ -175,3 +177,24 @@ def test_program_repr_is_short():
     assert text.startswith("Program('plain-jax'") and "tokens: int32[2, 33]" in text
     assert "params: (6 arrays float32" in text and "donate_argnums=(0, 1)" in text
     assert "loss=yes" in text and "ShapeDtypeStruct" not in text
+
+
+@needs_cuda_plugin
+def test_residual_table_splits_many_tags_to_fit_80_columns(default_run):
+    """Seven tags and untagged: two tables of four columns, each within 80 columns."""
+    from rich.console import Console
+
+    from remat_kit.walker import TagResiduals
+
+    tags = frozenset(f"tag_number_{i}" for i in range(7))
+    rows = tuple(TagResiduals(t, 1, (4, 1024), "float32", "device", (i + 1) * 2**20)
+                 for i, t in enumerate(sorted(tags)))  # fmt: skip
+    report = dataclasses.replace(default_run[2][0], residuals=rows)
+    tables = cli_analyze.residual_tag_tables([report], ["mine"], tags)
+    assert [len(t.columns) for t in tables] == [5, 5]  # policy + 4 columns each
+    console = Console(width=80, record=True, file=io.StringIO())
+    for t in tables:
+        console.print(t)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "tag_number_6" in text and "7.00" in text and "(2/2)" in text

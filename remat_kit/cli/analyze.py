@@ -131,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
+            "labels": [  # the table's row names, one per report
+                label
+                for label, r in zip(_labels(specs, chosen), results, strict=True)
+                if not isinstance(r, CompileError)
+            ],
             "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
         }
         if chosen is not None:
@@ -233,6 +238,10 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
                 f"device: {verdict}"
             )
     return lines
+
+
+def _labels(specs: Sequence[PolicySpec], chosen: ProgramPolicies | None) -> list[str]:
+    return program_labels(chosen) if chosen else [policy_label(s) for s in specs]
 
 
 def program_labels(chosen: ProgramPolicies) -> list[str]:
@@ -359,7 +368,7 @@ def print_reports(
     for a program (``chosen``: its :class:`ProgramPolicies`), the notes on which policies were
     compiled and the residuals by its own checkpoint names."""
     out = console()
-    labels = program_labels(chosen) if chosen else [policy_label(s) for s in specs]
+    labels = _labels(specs, chosen)
     out.print(_policy_table(config, target, args, results, labels))
     reports = [r for r in results if not isinstance(r, CompileError)]
     if not reports:

@@ -103,6 +103,8 @@ def own_tag_specs(
         specs.append(custom_spec(dict.fromkeys(names, "save")))
     if offload and names:
         specs.append(custom_spec(dict.fromkeys(names, "offload")))
+    elif names:
+        notes.append("no offloading policy: the target does not offload to host memory")
     return specs, notes
 
 

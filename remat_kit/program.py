@@ -51,6 +51,7 @@ from flax import nnx
 
 from remat_kit.policies import PolicySpec
 from remat_kit.training.step import make_optimizer
+from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
@@ -83,6 +84,17 @@ def leaf_bytes(tree: Any) -> int:
             shape = sharding.shard_shape(shape)
         total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def _summary(arg: Any) -> str:
+    """``int32[2, 33]`` for one array; ``Model (12 arrays float32, 1.00 MiB)`` otherwise."""
+    tree = nnx.state(arg) if _is_nnx(arg) else arg
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    if len(leaves) == 1 and leaves[0] is tree:
+        return f"{jnp.dtype(tree.dtype).name}{list(tree.shape)}"
+    dtypes = "/".join(sorted({jnp.dtype(x.dtype).name for x in leaves}))
+    kind = f"{type(arg).__name__} " if _is_nnx(arg) else ""
+    return f"{kind}({len(leaves)} arrays {dtypes}, {format_bytes(leaf_bytes(tree))})"
 
 
 def param_names(fn: Callable[..., Any], n: int) -> list[str]:
@@ -204,6 +216,18 @@ class Program:
     loss_args: tuple[Any, ...] = ()
     argnums: tuple[int, ...] = (0,)
     argument_names: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        """Short: name, each argument summarised (one array as ``int32[2, 33]``, a pytree or NNX
+        object as its array count, dtypes and bytes), donated arguments, whether a loss is given
+        (the dataclass repr printed every argument array)."""
+        names = self.argument_names or tuple(f"arg{i}" for i in range(len(self.args)))
+        args = ", ".join(f"{n}: {_summary(a)}" for n, a in zip(names, self.args, strict=False))
+        loss = "yes" if self.make_loss is not None else "no"
+        return (
+            f"Program({self.name!r}, args=({args}), donate_argnums={self.donate_argnums}, "
+            f"loss={loss})"
+        )
 
     @classmethod
     def from_loss(

@@ -10,19 +10,49 @@ import pytest
 
 import remat_kit
 from remat_kit import Program
+from remat_kit.memory.report import same_program_as
 from tests.conftest import needs_cuda_plugin
+from tests.test_analyze_programs import SKIPPED, counting_compiles
 from tests.user_models import linen_lm, nnx_lm, plain_jax
 
 OWN_SPEC = {"mlp_hidden": "save", "attn_in": "offload"}
 
 
 @pytest.fixture(scope="module")
-def plain_reports():
+def plain_run():
     params, _, tokens = plain_jax.abstract_args(batch=2, seq=33)
     program = Program.from_loss(plain_jax.make_loss, params, tokens, name="plain-jax")
     policies = [*remat_kit.policy_names(), OWN_SPEC]
-    reports = remat_kit.analyze_policies(program, policies, target="h100-sxm")
-    return dict(zip([*remat_kit.policy_names(), "own"], reports, strict=True))
+    with counting_compiles() as compiled:
+        reports = remat_kit.analyze_policies(program, policies, target="h100-sxm")
+    return reports, compiled
+
+
+@pytest.fixture(scope="module")
+def plain_reports(plain_run):
+    return dict(zip([*remat_kit.policy_names(), "own"], plain_run[0], strict=True))
+
+
+def test_policies_that_act_the_same_compile_once_and_say_so(plain_run):
+    """The 9 MaxText-named policies name none of plain-jax's tags: the same program as
+    save-nothing, compiled once, reported under their names; no offload comparison for the
+    three offloading ones (they offload nothing it emits), one for the own spec."""
+    reports, compiled = plain_run
+    names = [*remat_kit.policy_names(), "own"]
+    same = dict(zip(names, same_program_as(reports), strict=True))
+    nothing = names.index("save-nothing")
+    assert {n for n, s in same.items() if s == nothing} == set(SKIPPED)
+    assert all(same[n] is None for n in names if n not in SKIPPED)
+    # no-remat, save-nothing, save-dots, save-dots-no-batch, own, own kept on device.
+    assert len(compiled) == 6, compiled
+    r = dict(zip(names, reports, strict=True))
+    assert [r[n].policy for n in SKIPPED] == list(SKIPPED)
+    for n in ("offload-to-host", "offload-layer-inputs", "offload-qkv-proj"):
+        assert r[n].peak_bytes_without_offload is None
+        assert not any("offloading" in w for w in r[n].warnings)
+    assert r["own"].peak_bytes_without_offload is not None
+    (said,) = [w for w in r["minimal"].warnings if "runs as save-nothing" in w]
+    assert said.startswith("names key_proj, mlpwi") and len(said) < 150
 
 
 def test_plain_jax_all_named_policies_and_own_spec(plain_reports):

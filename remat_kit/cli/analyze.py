@@ -15,12 +15,14 @@ from remat_kit import plots, targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
+from remat_kit.memory.programs import ProgramPolicies, program_policies
+from remat_kit.memory.report import same_program_as
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
+from remat_kit.units import KIB, MIB, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
-from remat_kit.units import in_unit, table_unit
 
 
 def add(subparsers) -> None:
@@ -35,7 +37,11 @@ def add(subparsers) -> None:
     A.add_model(p)
     A.add_batch(p)
     A.add_seq(p)
-    A.add_policy(p, "remat policy (default: the preset's own; every named policy for a program)")
+    A.add_policy(
+        p,
+        "remat policy (default: the preset's own; for a program, the named policies that act "
+        "on its checkpoint names and policies in its own names)",
+    )
     p.add_argument("--all-policies", action="store_true", help="every registered policy")
     A.add_target(p, "local")
     A.add_optimizer(p)
@@ -73,9 +79,8 @@ def _resolve(args: argparse.Namespace) -> tuple:
                 raise A.UsageError(
                     f"--{flag.replace('_', '-')} applies to presets; not to program {config.name!r}"
                 )
-        if args.policy:
-            return config, target, args.policy
-        return config, target, [get_policy_spec(n) for n in policy_names()]
+        asked = args.policy or (policy_names() if args.all_policies else None)
+        return config, target, program_policies(config, target, asked)
     make_optimizer(args.optimizer)
     mesh = parse_mesh(args.mesh, args.devices)
     A.check_shape(config, args.batch, args.seq, mesh)
@@ -91,6 +96,9 @@ def _resolve(args: argparse.Namespace) -> tuple:
 def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed."""
     config, target, specs = _resolve(args)
+    chosen = specs if isinstance(specs, ProgramPolicies) else None
+    if chosen is not None:
+        specs = list(chosen.specs)
     try:
         if isinstance(config, Program):
             results = analyze_policies(
@@ -123,13 +131,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
+            "labels": [  # the table's row names, one per report
+                label
+                for label, r in zip(_labels(specs, chosen), results, strict=True)
+                if not isinstance(r, CompileError)
+            ],
             "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
         }
+        if chosen is not None:
+            out["checkpoint_names"] = sorted(chosen.tags)
+            out["notes"] = list(chosen.notes)
         if layers:
             out["per_layer"] = [dataclasses.asdict(x) for x in layers]
         print(json.dumps(out, indent=1))
     else:
-        print_reports(config, target, args, results, layers, specs)
+        print_reports(config, target, args, results, layers, specs, chosen)
     for err in errors:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
     return 1 if errors else 0
@@ -169,22 +185,25 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
     cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "compile s")
     t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
-    for label, r in zip(labels, results, strict=True):
+    for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
             add_row(t, label, "compile failed", "", "", "", "", "")
             continue
+        seconds = f"{r.compile_s:.1f}"
+        if same is not None:  # compiled once, for the first row of that program
+            label, seconds = f"{label} (same program as {labels[same]})", "-"
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")
         style = "" if r.fits is None else ("green" if r.fits else "red")
         ratio = "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x"
         add_row(
             t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
-            in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
-            f"{r.compile_s:.1f}",
+            in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style), seconds,
         )  # fmt: skip
     return t
 
 
-def _summary_lines(target, args, reports) -> list[str]:
+def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
+    reports = [r for r in results if not isinstance(r, CompileError)]
     first = reports[0]
     budget = args.budget if args.budget is not None else target.memory_bytes
     lines = [
@@ -201,8 +220,12 @@ def _summary_lines(target, args, reports) -> list[str]:
             f"the loss {_size(lg.f32_bytes)}, gradient {_size(lg.grad_bytes)}; remat "
             "does not shrink them"
         )
-    for r in reports:
-        if r.peak_bytes_without_offload is not None:
+    for label, r, same in zip(labels, results, same_program_as(results), strict=True):
+        if (
+            not isinstance(r, CompileError)
+            and same is None
+            and r.peak_bytes_without_offload is not None
+        ):
             delta = r.peak_bytes_without_offload - r.peak_bytes
             verdict = (
                 f"offloading lowers the device peak by {_size(delta)}"
@@ -210,11 +233,85 @@ def _summary_lines(target, args, reports) -> list[str]:
                 else f"offloading does not lower the device peak (+{_size(-delta)})"
             )
             lines.append(
-                f"{r.policy}: {_size(r.peak_bytes)} on device + {_size(r.host_bytes)} host, "
+                f"{label}: {_size(r.peak_bytes)} on device + {_size(r.host_bytes)} host, "
                 f"against {_size(r.peak_bytes_without_offload)} keeping the same tensors on "
                 f"device: {verdict}"
             )
     return lines
+
+
+def _labels(specs: Sequence[PolicySpec], chosen: ProgramPolicies | None) -> list[str]:
+    return program_labels(chosen) if chosen else [policy_label(s) for s in specs]
+
+
+def program_labels(chosen: ProgramPolicies) -> list[str]:
+    """Row names for a program's policies: a registered policy cut down to the program's tags
+    is ``minimal (cut)`` (a note says to what); a spec doing one thing with every emitted tag
+    (3 or more) is ``custom: every name=save``; others as :func:`policy_label`."""
+    cut = {c: named.name for named, c in chosen.restricted}
+    labels = []
+    for spec in chosen.specs:
+        actions = {spec.action(t) for t in spec.tags}
+        if spec in cut:
+            labels.append(f"{cut[spec]} (cut)")
+        elif spec.name == "custom" and spec.tags == chosen.tags and len(spec.tags) > 2:
+            labels.append(f"custom: every name={actions.pop()}" if len(actions) == 1 else
+                          policy_label(spec))  # fmt: skip
+        else:
+            labels.append(policy_label(spec))
+    return labels
+
+
+def tag_bytes(report, tags: frozenset[str]) -> dict[str, tuple[int, int]]:
+    """``{column: (device bytes, host bytes)}`` of the residuals ``report`` keeps, per emitted
+    tag (sorted) and ``untagged`` (under no emitted tag)."""
+    out = {}
+    for column in [*sorted(tags), "untagged"]:
+        rows = [r for r in report.residuals if (r.tag not in tags if column == "untagged" else
+                                                r.tag == column)]  # fmt: skip
+        out[column] = (
+            sum(r.nbytes for r in rows if r.memory == "device"),
+            sum(r.nbytes for r in rows if r.memory == "host"),
+        )
+    return out
+
+
+def _tag_cell(device: int, host: int, unit: int) -> str:
+    parts = ([in_unit(device, unit, 2)] if device else []) + (
+        [f"host {in_unit(host, unit, 2)}"] if host else []
+    )
+    return " + ".join(parts) or "-"
+
+
+def residual_tag_tables(results, labels: Sequence[str], tags: frozenset[str], per_table: int = 5):
+    """The residuals each policy keeps, by the program's own checkpoint names: rows are the
+    policies (one per compiled program), columns the emitted tags and ``untagged`` (residuals
+    under no emitted tag), cells the bytes kept on device and offloaded to host (``-``: none),
+    in KiB below 1 MiB, else MiB or GiB; ``per_table`` columns per table at most (more make
+    several tables, for 80 columns). Empty when no report has residuals (no loss given)."""
+    rows = [
+        (label, tag_bytes(r, tags))
+        for label, r, same in zip(labels, results, same_program_as(results), strict=True)
+        if not isinstance(r, CompileError) and same is None and r.activation_bytes is not None
+    ]
+    if not rows:
+        return []
+    top = max(max(cell) for _, cells in rows for cell in cells.values())
+    unit, name = (KIB, "KiB") if top < MIB else table_unit([top])
+    columns = list(rows[0][1])
+    size = -(-len(columns) // -(-len(columns) // per_table))  # even chunks of <= per_table
+    chunks = [columns[i : i + size] for i in range(0, len(columns), size)]
+    out = []
+    for k, chunk in enumerate(chunks):
+        part = f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+        t = table(
+            f"residuals by checkpoint name{part}, bytes in {name} on device ('host': offloaded, "
+            "'-': none)", ("policy", *chunk), right=chunk,
+        )  # fmt: skip
+        for label, cells in rows:
+            add_row(t, label, *(_tag_cell(*cells[c], unit) for c in chunk))
+        out.append(t)
+    return out
 
 
 def buffer_table(report):
@@ -241,23 +338,52 @@ def _layer_table(layers):
     return t
 
 
-def print_reports(config, target, args, results, layers, specs: Sequence[PolicySpec]) -> None:
+def _warning_lines(results, labels: Sequence[str]) -> list[str]:
+    """Each report's warnings, shortened; a row that is the same program as an earlier one
+    gives only the warnings that one did not."""
+    reports = [r for r in results if not isinstance(r, CompileError)]
+    every = [w for w in reports[0].warnings if all(w in r.warnings for r in reports[1:])]
+    lines = []
+    if len(reports) > 1 and every:
+        lines.append("[yellow]every policy:[/yellow] " + text("; ".join(map(short_warning, every))))
+    else:
+        every = []
+    for label, r, same in zip(labels, results, same_program_as(results), strict=True):
+        if isinstance(r, CompileError):
+            continue
+        said = (*every, *(results[same].warnings if same is not None else ()))
+        short = [
+            short_warning(w) for w in r.warnings if "offloading did not" not in w and w not in said
+        ]
+        if short:
+            lines.append(f"[yellow]{text(label)}:[/yellow] " + text("; ".join(short)))
+    return lines
+
+
+def print_reports(
+    config, target, args, results, layers, specs: Sequence[PolicySpec], chosen=None
+) -> None:
     """The reports as tables: one row per policy, the shared figures, XLA's warnings, the
-    largest buffers at the peak (one policy) and the per-layer comparison (``--per-layer``)."""
+    largest buffers at the peak (one policy) and the per-layer comparison (``--per-layer``);
+    for a program (``chosen``: its :class:`ProgramPolicies`), the notes on which policies were
+    compiled and the residuals by its own checkpoint names."""
     out = console()
-    labels = [policy_label(s) for s in specs]
+    labels = _labels(specs, chosen)
     out.print(_policy_table(config, target, args, results, labels))
     reports = [r for r in results if not isinstance(r, CompileError)]
     if not reports:
         return
-    for line in _summary_lines(target, args, reports):
+    if chosen is not None:
+        for t in residual_tag_tables(results, labels, chosen.tags):
+            out.print(t)
+    notes = []
+    if chosen is not None:
+        names = ", ".join(sorted(chosen.tags)) or "none"
+        notes = [f"checkpoint names {config.name!r} emits: {names}", *chosen.notes]
+    for line in _summary_lines(target, args, results, labels) + notes:
         out.print(line, highlight=False, markup=False)
-    for r in reports:
-        short = [short_warning(w) for w in r.warnings if "offloading did not" not in w]
-        if short:
-            out.print(
-                f"[yellow]{text(r.policy)}:[/yellow] " + text("; ".join(short)), highlight=False
-            )
+    for line in _warning_lines(results, labels):
+        out.print(line, highlight=False)
     if args.buffers > 0 and len(reports) == 1:
         out.print(buffer_table(reports[0]))
     if layers:

@@ -5,6 +5,12 @@ checkpoint tag (from the loss's saved residuals, when the program gives its loss
 ratio against the same step without remat, the on-device twin of an offload policy (whether
 offloading lowered the peak is measured), buffers at the peak; policies compile concurrently and
 identical programs once (:mod:`remat_kit.memory.runner`).
+
+Without policies, the default set is about the program's own ``checkpoint_name`` tags
+(:func:`program_policies`): the registered policies that act on them, and specs in its own tag
+names. Policies that act the same on the program (equal once cut down to the tags it emits) are
+one program: traced and compiled once, each reported under its own name with the same
+``MemoryReport.program_sha256``.
 """
 
 from __future__ import annotations
@@ -20,12 +26,23 @@ from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.runner import Job, add_offload_jobs, run_jobs
 from remat_kit.memory.xla_compile import CompileError
-from remat_kit.policies import PolicySpec, check_tags, get_policy_spec, policy_specs
+from remat_kit.policies import (
+    PolicySpec,
+    check_tags,
+    custom_spec,
+    get_policy_spec,
+    policies_for_tags,
+    policy_label,
+    policy_names,
+    policy_specs,
+)
 from remat_kit.program import Program, argument_parts
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
 from remat_kit.walker import emitted_tags, tags_in
 
 DEFAULT_TOP_K = 10
+#: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
+MAX_TAG_SPECS = 8
 
 
 @dataclasses.dataclass
@@ -50,6 +67,101 @@ def program_tags(program: Program) -> frozenset[str]:
     return frozenset(tags)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramPolicies:
+    """The policies to compile on a program (:func:`program_policies`).
+
+    Attributes:
+      specs: the specs, in order.
+      tags: the ``checkpoint_name`` tags the program emits.
+      notes: one line each on what the default set left out, cut down or added.
+      restricted: ``(registered spec, the spec it was cut down to)`` for the registered
+        policies in ``specs`` cut down to the emitted tags (default set only).
+    """
+
+    specs: tuple[PolicySpec, ...]
+    tags: frozenset[str]
+    notes: tuple[str, ...] = ()
+    restricted: tuple[tuple[PolicySpec, PolicySpec], ...] = ()
+
+
+def own_tag_specs(
+    tags: frozenset[str], offload: bool, max_single: int = MAX_TAG_SPECS
+) -> tuple[list[PolicySpec], list[str]]:
+    """Specs in a program's own tag names: each tag saved alone (the first ``max_single`` by
+    name), every tag saved, and, where the target offloads, every tag offloaded; with a note
+    when the single-tag specs were capped."""
+    names = sorted(tags)
+    specs = [custom_spec({t: "save"}) for t in names[:max_single]]
+    notes = []
+    if len(names) > max_single:
+        notes.append(
+            f"{len(names)} checkpoint names emitted: one save-alone policy each for the first "
+            f"{max_single} only (ask for NAME=save for {', '.join(names[max_single:])})"
+        )
+    if len(names) > 1:
+        specs.append(custom_spec(dict.fromkeys(names, "save")))
+    if offload and names:
+        specs.append(custom_spec(dict.fromkeys(names, "offload")))
+    elif names:
+        notes.append("no offloading policy: the target does not offload to host memory")
+    return specs, notes
+
+
+def program_policies(
+    program: Program,
+    target: str | T.Target,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    max_single: int = MAX_TAG_SPECS,
+) -> ProgramPolicies:
+    """The policies :func:`analyze_program` compiles on ``program`` for ``target``.
+
+    ``policies`` given: those, as given. None: the default set, which acts on the program's
+    own tags: the registered policies that can act on them
+    (:func:`remat_kit.policies.policies_for_tags`: kind-based ones kept, name-based ones cut
+    down to the emitted tags or, naming none of them, skipped), less the offloading ones where
+    the target does not offload, plus specs in the program's own tag names
+    (:func:`own_tag_specs`).
+
+    Raises:
+      ValueError: unknown policy or target.
+    """
+    tags = program_tags(program)
+    if policies is not None:
+        return ProgramPolicies(tuple(get_policy_spec(p) for p in policies), tags)
+    tgt = T.get_target(target)
+    fit = policies_for_tags(policy_names(), tags)
+    notes = fit.notes(f"program {program.name!r}")
+    own, own_notes = own_tag_specs(tags, tgt.supports_host_offload, max_single)
+    specs = [
+        s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
+    ]
+    cut = {c: f"{named.name} (cut)" for named, c in fit.restricted}
+    no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
+    if no_host:
+        notes.append(f"not compiled: {'; '.join(no_host)} (offload; {tgt.name} does not offload)")
+    if not tags:
+        notes.append(
+            f"{program.name!r} emits no checkpoint_name tags: only the policies selecting by "
+            "kind act on it; tag tensors with jax.ad_checkpoint.checkpoint_name for per-tag ones"
+        )
+    return ProgramPolicies(tuple(specs), tags, tuple(notes + own_notes), fit.restricted)
+
+
+def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
+    """``spec`` as it acts on a program emitting ``tags``: a name-based spec's saved and
+    offloaded names cut down to the emitted ones (the others select nothing, so the step is the
+    same program)."""
+    if spec.base != "names" or spec.tags <= tags:
+        return spec
+    return dataclasses.replace(spec, save=spec.save & tags, offload=spec.offload & tags)
+
+
+def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
+    eff = effective_spec(spec, tags)
+    return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
+
+
 def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:
     """Residuals the loss keeps under ``spec`` by tag (parameters excluded); None without a
     loss."""
@@ -60,16 +172,28 @@ def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals
     return tuple(rows)
 
 
+def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
+    """What is known about ``spec`` on the program before compiling."""
+    notes = []
+    if setup.program.make_loss is None:
+        notes.append(
+            "no residual table: give the program's loss (Program.from_loss, or make_loss= in "
+            "Program.from_step) for residuals by checkpoint tag"
+        )
+    if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
+        notes.append(
+            f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
+            "so it runs as save-nothing"
+        )
+    return tuple(notes)
+
+
 def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
     program = setup.program
     pure = program.step(spec)
     abstract = tuple(T.abstractify(a, setup.sharding) for a in pure.args)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
     residuals = _program_residuals(program, spec)
-    notes: tuple[str, ...] = ()
-    if residuals is None:
-        notes = ("no residual table: give the program's loss (Program.from_loss, or make_loss= "
-                 "in Program.from_step) for residuals by checkpoint tag",)  # fmt: skip
     return Job(
         name=program.name,
         what=f"policy {spec.name!r} of {program.name!r} on target {setup.target.name!r}",
@@ -87,11 +211,9 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
         else sum(r.nbytes for r in residuals if r.memory == "host"),
         model=program.name,
         visible=visible,
-        notes=notes,
+        notes=_spec_notes(setup, spec),
         flops_traced=traced_flops(pure.fn, *pure.args) if spec.wrap else None,
-        program_key=repr(
-            (id(setup), spec.base, sorted(spec.save), sorted(spec.offload), spec.wrap)
-        ),
+        program_key=repr((id(setup), _effective_key(spec, setup.tags))),
     )
 
 
@@ -110,7 +232,7 @@ def _setup(program: Program, target: str | T.Target) -> _ProgramSetup:
 
 def analyze_program(
     program: Program,
-    policies: Sequence[str | PolicySpec | Mapping[str, str]],
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     target: str | T.Target = "local",
     budget_bytes: int | None = None,
     top_k: int = DEFAULT_TOP_K,
@@ -122,14 +244,22 @@ def analyze_program(
 ) -> list[MemoryReport | CompileError]:
     """Compile a user's program under each policy for ``target`` and report its memory.
 
+    Policies that act the same on the program (equal once cut down to the tags it emits:
+    :func:`effective_spec`) are one program: it is traced and compiled once and each of them
+    gets its report, the later ones a copy with their own name, notes and the same
+    ``program_sha256``.
+
     Args:
       program: a :class:`~remat_kit.program.Program`.
-      policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names.
+      policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names;
+        None: the default set of :func:`program_policies` (the policies that act on the tags it
+        emits and specs in its own tag names; what it leaves out is in that function's notes).
       target, budget_bytes, top_k, fast_compile: as :func:`remat_kit.analyze`.
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
       raise_errors: False: a policy that fails to compile gives its :class:`CompileError`.
-      compare_offload: also compile each offloading policy with its tags kept on device, where
-        the target offloads, and report that peak (``peak_bytes_without_offload``).
+      compare_offload: also compile each policy that offloads a tag the program emits with
+        those tags kept on device, where the target offloads, and report that peak
+        (``peak_bytes_without_offload``).
       strict_tags: raise on a user spec naming a tag the program never emits (False: compile
         it anyway; the doctor reports it as a finding).
 
@@ -142,25 +272,43 @@ def analyze_program(
         (the message lists the emitted tags and the closest).
       CompileError: with ``raise_errors``, the first policy that failed to compile.
     """
-    specs = [get_policy_spec(p) for p in policies]
+    if policies is None:
+        specs = list(program_policies(program, target).specs)
+    else:
+        specs = [get_policy_spec(p) for p in policies]
     setup = _setup(program, target)
     registered = policy_specs()
     for spec in specs:
         if strict_tags and registered.get(spec.name) != spec:  # the user's own spec
             check_tags(spec, setup.tags, f"program {program.name!r}")
-    jobs = [_program_job(setup, spec) for spec in specs]
-    for job, spec in zip(jobs, specs, strict=True):
-        if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
-            job.notes = (
-                *job.notes,
-                f"policy {spec.name!r} names {', '.join(sorted(spec.tags))}, none of which "
-                f"{program.name!r} emits (it emits: {', '.join(sorted(setup.tags)) or 'none'}): "
-                "it runs as save-nothing; tag the model (remat_kit.tag_linen / tag_nnx) or write "
-                "a per-tag spec in its own names",
-            )
+    first: dict[tuple, int] = {}
+    for i, spec in enumerate(specs):
+        first.setdefault(_effective_key(spec, setup.tags), i)
+    distinct = list(dict.fromkeys(first.values()))
+    jobs = [_program_job(setup, specs[i]) for i in distinct]
     add_offload_jobs(
-        jobs, specs, setup.target, compare_offload,
-        lambda twin: _program_job(setup, twin, visible=False),
+        jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
+        compare_offload, lambda twin: _program_job(setup, twin, visible=False),
     )  # fmt: skip
     results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
-    return results[: len(specs)]
+    own = dict(zip(distinct, results, strict=False))
+    out = []
+    for i, spec in enumerate(specs):
+        j = first[_effective_key(spec, setup.tags)]
+        out.append(own[i] if i == j else _same_program(setup, spec, specs[j], own[j]))
+    return out
+
+
+def _same_program(
+    setup: _ProgramSetup, spec: PolicySpec, compiled: PolicySpec, result: MemoryReport | Any
+) -> MemoryReport | CompileError:
+    """The result for ``spec`` when it is the same program as ``compiled`` (whose result is
+    ``result``): renamed, with ``spec``'s own notes and the compile's warnings."""
+    what = f"policy {spec.name!r} of {setup.program.name!r} on target {setup.target.name!r}"
+    if isinstance(result, CompileError):
+        return CompileError(what, result.xla_message, spec.name)
+    theirs = _spec_notes(setup, compiled)
+    warnings = tuple(w for w in result.warnings if w not in theirs)
+    return dataclasses.replace(
+        result, policy=spec.name, warnings=_spec_notes(setup, spec) + warnings
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from remat_kit.memory.timeline import Timeline
@@ -137,6 +138,9 @@ class MemoryReport:
         ``live_peak_bytes``.
       policy_only: the step compiled without XLA's own rematerialisation pass, when that pass
         changed the program (:class:`PolicyOnly`); None when it did not.
+      program_sha256: the compile engine's key of the compiled program (sha256 of the target,
+        compile options and lowered StableHLO text): reports with the same key come from one
+        compile of one program (two policies that act the same); None when not known.
     """
 
     name: str
@@ -172,6 +176,7 @@ class MemoryReport:
     compiled_recompute_ratio: float | None = None
     timeline: Timeline | None = None
     policy_only: PolicyOnly | None = None
+    program_sha256: str | None = None
 
     @property
     def peak_gib(self) -> float:
@@ -223,3 +228,17 @@ class MemoryReport:
             "" if self.fits is None else ("fits" if self.fits else "does not fit"),
         ]
         return ", ".join(p for p in parts if p)
+
+
+def same_program_as(reports: Sequence[MemoryReport | Any]) -> list[int | None]:
+    """For each report, the index of the first earlier report of the same compiled program
+    (equal :attr:`MemoryReport.program_sha256`), else None; entries that are not reports (a
+    :class:`~remat_kit.memory.xla_compile.CompileError`) get None."""
+    first: dict[str, int] = {}
+    out: list[int | None] = []
+    for i, r in enumerate(reports):
+        key = getattr(r, "program_sha256", None)
+        out.append(None if key is None or key not in first else first[key])
+        if key is not None:
+            first.setdefault(key, i)
+    return out

@@ -230,6 +230,10 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     xla_line = ()
     if policy_only and peak is not None:
         xla_line = (xla_remat_line(peak, ratio, policy_only),)
+    # With the pass-off compile, its line says what XLA's pass did (and more): not twice.
+    read = reading.warnings if not xla_line else tuple(
+        w for w in reading.warnings if not w.startswith("XLA's rematerialisation pass recomputed")
+    )  # fmt: skip
     undone = _recompute_undone(job, reading)
     if undone:
         xla_line += (undone,)
@@ -261,7 +265,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         warnings=job.notes
         + unknown_line
         + tuple(log_warnings(result))
-        + reading.warnings
+        + read
         + tuple(baseline_warnings)
         + xla_line,
         model=job.model,
@@ -446,14 +450,15 @@ def run_jobs(
     else:
         compiled = engine.compile_all(jobs, fast_compile)
     out: list[MemoryReport | CompileError] = []
-    for job, (_, result) in zip(jobs, compiled, strict=True):
+    for job, (key, result) in zip(jobs, compiled, strict=True):
         if isinstance(result, CompileError):
             err = CompileError(job.what, result.xla_message, job.policy)
             if raise_errors and job.visible:
                 raise err from result
             out.append(err)
         else:
-            out.append(_report(job, result, top_k, budget_bytes))
+            report = _report(job, result, top_k, budget_bytes)
+            out.append(dataclasses.replace(report, program_sha256=key))
     for i, job in enumerate(jobs):
         if job.on_device_twin is not None and isinstance(out[i], MemoryReport):
             out[i] = _with_twin(out[i], out[job.on_device_twin])  # type: ignore[arg-type]

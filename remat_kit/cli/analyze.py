@@ -241,25 +241,7 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
 
 
 def _labels(specs: Sequence[PolicySpec], chosen: ProgramPolicies | None) -> list[str]:
-    return program_labels(chosen) if chosen else [policy_label(s) for s in specs]
-
-
-def program_labels(chosen: ProgramPolicies) -> list[str]:
-    """Row names for a program's policies: a registered policy cut down to the program's tags
-    is ``minimal (cut)`` (a note says to what); a spec doing one thing with every emitted tag
-    (3 or more) is ``custom: every name=save``; others as :func:`policy_label`."""
-    cut = {c: named.name for named, c in chosen.restricted}
-    labels = []
-    for spec in chosen.specs:
-        actions = {spec.action(t) for t in spec.tags}
-        if spec in cut:
-            labels.append(f"{cut[spec]} (cut)")
-        elif spec.name == "custom" and spec.tags == chosen.tags and len(spec.tags) > 2:
-            labels.append(f"custom: every name={actions.pop()}" if len(actions) == 1 else
-                          policy_label(spec))  # fmt: skip
-        else:
-            labels.append(policy_label(spec))
-    return labels
+    return chosen.labels() if chosen else [policy_label(s) for s in specs]
 
 
 def tag_bytes(report, tags: frozenset[str]) -> dict[str, tuple[int, int]]:

@@ -1,11 +1,12 @@
 """The doctor on a user's :class:`~remat_kit.program.Program`: what each policy promises against
 what the program's traced loss and compiled step do, as for the bundled models.
 
-Without a policy list the doctor checks the registered policies that can act on the program's
-own checkpoint names (:func:`remat_kit.policies.policies_for_tags`, as ``recommend`` does): the
-kind-based ones (``save-nothing``, ``save-dots``...), the name-based ones whose names it emits,
-and those naming some of them cut down to those (labelled with the policy they came from); the
-rest, and offload policies on a target without host offload, are one note each, not errors.
+Without a policy list the doctor checks the default set ``analyze`` compiles on a program
+(:func:`remat_kit.memory.programs.program_policies`): the kind-based policies (``save-nothing``,
+``save-dots``...), the name-based ones whose names it emits, those naming some of them cut down
+to those (labelled ``name (cut)``), and specs in its own names (each saved alone, all saved, all
+offloaded where the target offloads); the rest, and offload policies on a target without host
+offload, are one note each, not errors.
 A policy the user names explicitly is checked as given: one ``unknown-tag`` error for the names
 the program never emits.
 """
@@ -23,11 +24,10 @@ from remat_kit.doctor.compare import Residuals, compare
 from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
 from remat_kit.doctor.promise import Promise, remat3_findings, resolve_policy
 from remat_kit.doctor.tags import TagFacts, tags_in_remat, unknown_tags
-from remat_kit.memory.programs import analyze_program, program_tags
+from remat_kit.memory.programs import analyze_program, program_policies, program_tags
 from remat_kit.policies import (
     PolicySpec,
     get_policy_spec,
-    policies_for_tags,
     policy_label,
     policy_names,
 )
@@ -66,33 +66,6 @@ def _kept(program: Program, spec: PolicySpec) -> Residuals:
     return Residuals.of(R.saved_residuals(loss.fn, *loss.args))
 
 
-def default_policies(
-    tags: frozenset[str], target: T.Target, program: str
-) -> tuple[list[PolicySpec], list[str], list[str]]:
-    """``(specs, labels, notes)``: the registered policies worth checking on a program emitting
-    ``tags`` for ``target`` (see the module docstring)."""
-    fit = policies_for_tags(policy_names(), tags)
-    cut_from: dict[PolicySpec, str] = {}
-    for named, cut in fit.restricted:  # two named policies may cut down to one spec
-        cut_from[cut] = f"{cut_from[cut]}, {named.name}" if cut in cut_from else named.name
-    specs = [s for s in fit.specs if target.supports_host_offload or not s.offloads]
-    notes = fit.notes(program)
-    no_host = [cut_from.get(s, s.name) for s in fit.specs if s not in specs]
-    if no_host:
-        notes.append(
-            f"not checked: {', '.join(no_host)} (they offload to host; target {target.name!r} "
-            "does not)"
-        )
-    if not specs:
-        notes.append(f"no registered policy acts on {program}: nothing to check")
-    labels = [
-        f"{cut_from[s]} -> {policy_label(s).removeprefix('custom: ')}" if s in cut_from
-        else policy_label(s)
-        for s in specs
-    ]  # fmt: skip
-    return specs, labels, notes
-
-
 def check_program_policies(
     program: Program,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
@@ -121,9 +94,11 @@ def check_program_policies(
         )
     tgt = T.get_target(target)
     tags = program_tags(program)
-    what = f"program {program.name!r}"
     if policies is None:
-        specs, labels, notes = default_policies(tags, tgt, what)
+        chosen = program_policies(program, tgt)
+        specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
+        if not specs:
+            notes.append(f"no policy acts on program {program.name!r}: nothing to check")
     else:
         specs = [resolve_policy(p) for p in policies]
         labels, notes = [policy_label(s) for s in specs], []
@@ -167,5 +142,4 @@ __all__ = [
     "ProgramCheck",
     "check_program",
     "check_program_policies",
-    "default_policies",
 ]

@@ -84,6 +84,26 @@ class ProgramPolicies:
     notes: tuple[str, ...] = ()
     restricted: tuple[tuple[PolicySpec, PolicySpec], ...] = ()
 
+    def labels(self) -> list[str]:
+        """Row names, one per spec: a registered policy cut down to the program's tags is
+        ``minimal (cut)`` (several cut to one spec: ``a, b (cut)``; a note says to what); a
+        spec doing one thing with every emitted tag (3 or more) is ``custom: every name=save``;
+        others as :func:`~remat_kit.policies.policy_label`."""
+        cut: dict[PolicySpec, list[str]] = {}
+        for named, c in self.restricted:
+            cut.setdefault(c, []).append(named.name)
+        labels = []
+        for spec in self.specs:
+            actions = {spec.action(t) for t in spec.tags}
+            if spec in cut:
+                labels.append(f"{', '.join(cut[spec])} (cut)")
+            elif spec.name == "custom" and spec.tags == self.tags and len(spec.tags) > 2:
+                labels.append(f"custom: every name={actions.pop()}" if len(actions) == 1 else
+                              policy_label(spec))  # fmt: skip
+            else:
+                labels.append(policy_label(spec))
+        return labels
+
 
 def own_tag_specs(
     tags: frozenset[str], offload: bool, max_single: int = MAX_TAG_SPECS
@@ -121,7 +141,8 @@ def program_policies(
     (:func:`remat_kit.policies.policies_for_tags`: kind-based ones kept, name-based ones cut
     down to the emitted tags or, naming none of them, skipped), less the offloading ones where
     the target does not offload, plus specs in the program's own tag names
-    (:func:`own_tag_specs`).
+    (:func:`own_tag_specs`; where the program gives its loss, only the tags its loss keeps when
+    every tag is saved: saving another changes nothing).
 
     Raises:
       ValueError: unknown policy or target.
@@ -132,7 +153,14 @@ def program_policies(
     tgt = T.get_target(target)
     fit = policies_for_tags(policy_names(), tags)
     notes = fit.notes(f"program {program.name!r}")
-    own, own_notes = own_tag_specs(tags, tgt.supports_host_offload, max_single)
+    kept = _residual_tags(program, tags)
+    own_tags = tags if kept is None else tags & kept
+    own, own_notes = own_tag_specs(own_tags, tgt.supports_host_offload, max_single)
+    if own_tags != tags:
+        own_notes.append(
+            f"no own-name policy for {', '.join(sorted(tags - own_tags))}: not a residual of "
+            f"{program.name!r} even when saved (the backward pass does not use it)"
+        )
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
     ]
@@ -160,6 +188,13 @@ def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
 def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
     eff = effective_spec(spec, tags)
     return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
+
+
+def _residual_tags(program: Program, tags: frozenset[str]) -> frozenset[str] | None:
+    """The tags the loss keeps when a policy saves every tag: those the backward pass can use
+    (None without a loss)."""
+    rows = _program_residuals(program, custom_spec(dict.fromkeys(tags, "save")))
+    return None if rows is None else frozenset(r.tag for r in rows if r.nbytes) & tags
 
 
 def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:

@@ -1,7 +1,9 @@
 """Sweep remat policies over a user's own :class:`~remat_kit.program.Program`.
 
-For each policy that acts on the program's ``checkpoint_name`` tags
-(:func:`remat_kit.policies.policies_for_tags`; the policies given, default every registered one)
+For each policy given (cut down to the program's ``checkpoint_name`` tags,
+:func:`remat_kit.policies.policies_for_tags`), by default the set ``analyze`` compiles on a
+program (:func:`remat_kit.memory.programs.program_policies`: the policies that act on its tags
+and specs in its own tag names),
 :func:`run_program_sweep`
 
 1. analyses the step with :func:`remat_kit.memory.programs.analyze_program`, every policy
@@ -35,14 +37,13 @@ import jax
 
 from remat_kit import results as R
 from remat_kit import validation as V
-from remat_kit.memory.programs import analyze_program, program_tags
+from remat_kit.memory.programs import analyze_program, program_policies, program_tags
 from remat_kit.policies import (
     PolicySpec,
     check_tags,
     get_policy_spec,
     parse_policy_arg,
     policies_for_tags,
-    policy_names,
     policy_specs,
 )
 from remat_kit.program import Program
@@ -120,7 +121,15 @@ def select_policies(
       ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
         no policy left.
     """
-    given = list(policies) if policies is not None else policy_names()
+    if policies is None:  # the default set, as analyze and the doctor have it
+        chosen = program_policies(program, "local")
+        if not chosen.specs:
+            raise ValueError(f"no policy acts on program {program.name!r}")
+        per_label: dict[str, list[str]] = {}
+        for (_, cut), note in zip(chosen.restricted, chosen.notes, strict=False):
+            per_label.setdefault(policy_label(cut), []).append(note)
+        return list(chosen.specs), list(chosen.notes), per_label
+    given = list(policies)
     fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
     registered = policy_specs()
     cuts = [cut for _, cut in fit.restricted]

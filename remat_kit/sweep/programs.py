@@ -35,7 +35,7 @@ class HostArguments:
     """The step's arguments as host (numpy) arrays, the same for every policy.
 
     Attributes:
-      values: the pure step's arguments (:attr:`remat_kit.program.Pure.args`): numpy leaves,
+      values: the pure step's arguments (``args`` of :class:`remat_kit.program.Pure`): numpy leaves,
         :class:`HostKey` for typed PRNG keys (:func:`device_arguments` places them).
       source: ``"concrete"`` (the program's own arrays), ``"materialised"`` (every array leaf
         was a ``ShapeDtypeStruct``) or ``"partly materialised"``.

@@ -83,12 +83,6 @@ def _run_program(args: argparse.Namespace) -> int:
     labels = [c.label for c in result.checks]
     notes = [f"program {program.name!r} emits: {', '.join(sorted(result.tags)) or 'no tags'}"]
     notes += list(result.notes)
-    if args.policy is None and result.tags:
-        example = ",".join(f"{t}=save" for t in sorted(result.tags)[:2])
-        notes.append(f"check a policy in its own names with --policy '{example}'")
-    elif args.policy is None:
-        notes.append("tag its tensors (jax.ad_checkpoint.checkpoint_name, remat_kit.tag_linen / "
-                     "tag_nnx) to check policies that save or offload them")  # fmt: skip
     _print(args, labels, [list(c.findings) for c in result.checks], notes)
     return 1 if result.has_errors else 0
 

@@ -352,6 +352,23 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
     return nums
 
 
+def _factories(module: Any) -> list[str]:
+    """Names in ``module`` that could be a factory: functions defined there (not imported)
+    callable with no arguments."""
+    out = []
+    for n, obj in vars(module).items():
+        if n.startswith("_") or not inspect.isfunction(obj):
+            continue
+        if obj.__module__ != module.__name__:
+            continue
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            continue
+        out.append(n)
+    return sorted(out)
+
+
 def load_program(ref: str) -> Program:
     """The :class:`Program` a reference names: ``"pkg.module:factory"`` or
     ``"path/to/file.py:factory"``, where ``factory()`` (no arguments) returns a Program.
@@ -390,10 +407,8 @@ def load_program(ref: str) -> Program:
             raise
     factory = getattr(module, attr, None)
     if factory is None:
-        found = sorted(
-            n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n])
-        )
-        raise unknown_value_error(f"factory in {module_ref}", attr, found)
+        found = _factories(module)
+        raise unknown_value_error(f"factory in {module_ref}", attr, found or ["(none)"])
     if callable(factory) and not isinstance(factory, Program):
         try:
             inspect.signature(factory).bind()

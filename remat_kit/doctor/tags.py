@@ -10,7 +10,7 @@ registered policies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -36,11 +36,16 @@ class TagFacts:
       in_remat: the names applied inside a remat segment (``jax.checkpoint`` / ``nn.remat`` /
         ``nnx.remat`` body); None when not walked (the bundled models: always inside).
       user: a user's program or function (advice in its own terms), not a bundled model.
+      savers: returns the names applied inside a remat segment whose saving alone keeps them
+        as residuals (saving them removes recompute), matmul outputs first
+        (:func:`recompute_savers`); called only when advice needs it (it traces once per
+        name). None: not known.
     """
 
     emitted: frozenset[str]
     in_remat: frozenset[str] | None = None
     user: bool = False
+    savers: Callable[[], tuple[str, ...]] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def remat_kit_names(self) -> bool:
@@ -61,6 +66,12 @@ def _is_remat(eqn: Any) -> bool:
     return name in _REMAT_PRIMITIVES
 
 
+def has_remat(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a remat segment anywhere (``jax.checkpoint`` / ``nn.remat`` /
+    ``nnx.remat``, nested jaxprs included)."""
+    return any(_is_remat(eqn) for eqn in W.walk(jaxpr))
+
+
 def tags_in_remat(jaxpr: Any) -> frozenset[str]:
     """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
     and sub-jaxprs included)."""
@@ -77,6 +88,39 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     tags = W.emitted_tags(fn, *args) if emitted is None else emitted
     inside = tags_in_remat(jax.make_jaxpr(fn)(*args).jaxpr)
     return TagFacts(frozenset(tags), inside, user=True)
+
+
+def recompute_savers(
+    residuals_saving: Callable[[str], Sequence[W.Residual]], tags: Iterable[str]
+) -> tuple[str, ...]:
+    """Those of ``tags`` whose saving alone keeps them as new residuals (not the remat
+    segment's input, kept anyway): the backward pass then reads them instead of recomputing
+    them. Matmul and convolution outputs first (they save the most FLOPs), then by name.
+
+    Args:
+      residuals_saving: ``residuals_saving(tag)``: the residuals of the loss under a policy
+        saving ``tag`` alone (:func:`remat_kit.residuals.saved_residuals`).
+    """
+    found = {}
+    for tag in sorted(tags):
+        rows = [r for r in residuals_saving(tag) if r.tag == tag and r.nbytes and not r.is_argument]
+        if rows:
+            found[tag] = any(r.source in ("dot_general", "conv_general_dilated") for r in rows)
+    return tuple(sorted(found, key=lambda t: (not found[t], t)))
+
+
+def no_remat_segment(label: str, factory: str) -> Finding:
+    """The error for a policy whose step holds no remat segment: ``factory`` (the user's
+    ``make_loss``) does not apply the policy it receives, so the policy decides nothing."""
+    return Finding(
+        "no-remat-segment", "error",
+        f"policy {label!r} is never applied: the step contains no remat segment (no "
+        "jax.checkpoint / nn.remat / nnx.remat anywhere in its traced jaxpr), so it stores "
+        "what no-remat stores.",
+        f"{factory} does not use the policy it receives.",
+        "pass the policy it receives to jax.checkpoint(layer, policy=policy) / "
+        "nn.remat(Block, policy=policy) / nnx.remat(f, policy=policy) around the layers.",
+    )  # fmt: skip
 
 
 def own_example(facts: TagFacts, action: str, prefer: Iterable[str] = ()) -> str:

@@ -12,7 +12,7 @@ import remat_kit
 from remat_kit import Program, cli, doctor
 from remat_kit.doctor.compare import Residuals, _no_device_saving, _no_op
 from remat_kit.doctor.promise import Promise
-from remat_kit.doctor.tags import TagFacts, unknown_tags
+from remat_kit.doctor.tags import TagFacts, matmul_tags, unknown_tags
 
 GPU = "h100-sxm"
 D, LAYERS = 32, 2
@@ -274,3 +274,15 @@ def test_tag_outside_remat_offload_says_nothing_is_offloadable_and_fix_lists_sav
     (full,) = [f for f in save if f.code == "acts-as-full-remat"]
     assert "does not keep it" in full.what
     assert "removes recompute (attn_in, act; matmul outputs first)" in full.fix
+
+
+def test_matmul_tags_look_through_a_bias_add_and_a_transpose():
+    def layer(x, w, b):
+        y = checkpoint_name(x @ w + b, "biased")  # a Dense layer's output
+        z = checkpoint_name(jnp.einsum("ij,jk->ki", x, w), "transposed")  # einsum, transposed
+        return (jnp.tanh(checkpoint_name(y * 2, "scaled")) + z.T).sum()
+
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.checkpoint(layer))(x, w, w.update(shape=(8,))).jaxpr
+    assert matmul_tags(jaxpr) == {"biased", "transposed"}

@@ -26,6 +26,7 @@ from remat_kit.doctor.promise import (
 from remat_kit.doctor.tags import (
     TagFacts,
     has_remat,
+    matmul_tags,
     no_remat_segment,
     recompute_savers,
     tag_facts,
@@ -195,14 +196,17 @@ def check_function(
     tgt = T.get_target(target)
     promise, findings, jax_policy = _read_policy(policy)
     loss = make_loss(jax_policy)
-    if not has_remat(jax.make_jaxpr(loss)(*args).jaxpr):  # nothing else to say about it
+    jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
+    if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
         return [no_remat_segment(promise.name if promise else "custom-callable", "make_loss")]
     if remat_static_argnums is not None:
         findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
-    facts = dataclasses.replace(facts, savers=_savers(make_loss, args, facts.in_remat or ()))
+    facts = dataclasses.replace(
+        facts, savers=_savers(make_loss, args, facts.in_remat or (), matmul_tags(jaxpr))
+    )
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
@@ -237,14 +241,14 @@ def _read_policy(policy):
     return Promise.of(spec, registered=spec.name in policy_names()), [], spec.to_jax()
 
 
-def _savers(make_loss, args: Sequence[Any], tags: frozenset[str]):
+def _savers(make_loss, args: Sequence[Any], tags: frozenset[str], matmuls: frozenset[str]):
     """:attr:`TagFacts.savers` for a user's function: each name saved alone, on demand."""
 
     def saving(tag: str):
         policy = jax.checkpoint_policies.save_only_these_names(tag)
         return R.saved_residuals(make_loss(policy), *args)
 
-    return functools.cache(lambda: recompute_savers(saving, tags))
+    return functools.cache(lambda: recompute_savers(saving, tags, matmuls))
 
 
 def _float_argnums(args: Sequence[Any]) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from remat_kit.doctor.promise import Promise, remat3_findings, resolve_policy
 from remat_kit.doctor.tags import (
     TagFacts,
     has_remat,
+    matmul_tags,
     no_remat_segment,
     recompute_savers,
     tags_in_remat,
@@ -85,13 +86,14 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     """The program's :class:`TagFacts`: where its names are applied (traced under
     ``save-nothing``), and, on demand, which of those inside a remat segment saving keeps."""
     loss = program.loss(get_policy_spec("save-nothing"))
-    inside = tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
+    jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
+    inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
 
     def saving(tag: str):
         saved = program.loss(custom_spec({tag: "save"}))
         return R.saved_residuals(saved.fn, *saved.args)
 
-    savers = functools.cache(lambda: recompute_savers(saving, inside))
+    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls))
     return TagFacts(tags, inside, user=True, savers=savers)
 
 

@@ -90,23 +90,62 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     return TagFacts(frozenset(tags), inside, user=True)
 
 
+#: Primitives looked through from a name back to the matmul it tags: a bias add, a layout
+#: change, a cast (linen's ``DenseGeneral`` adds its bias; attention's einsum is transposed).
+_THROUGH = frozenset({"add", "transpose", "reshape", "convert_element_type", "copy", "pjit", "jit"})
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _from_matmul(producer: dict, v: Any, depth: int = 0) -> bool:
+    eqn = producer.get(v)
+    if eqn is None or depth > 4:
+        return False
+    if eqn.primitive.name in _MATMULS:
+        return True
+    inner = W.body(eqn)
+    if inner is not None and eqn.primitive.name in _THROUGH:
+        found = inner.outvars[eqn.outvars.index(v)]
+        return _from_matmul({o: e for e in inner.eqns for o in e.outvars}, found, depth + 1)
+    if eqn.primitive.name not in _THROUGH:
+        return False
+    return any(_from_matmul(producer, x, depth + 1) for x in eqn.invars if hasattr(x, "aval"))
+
+
+def matmul_tags(jaxpr: Any) -> frozenset[str]:
+    """Checkpoint names applied to a matmul or convolution output (through a bias add, a
+    transpose, a reshape or a cast) anywhere in ``jaxpr``."""
+    found, todo = set(), [jaxpr]
+    while todo:
+        j = todo.pop()
+        producer = {o: e for e in j.eqns for o in e.outvars}
+        for eqn in j.eqns:
+            tag = W.eqn_tag(eqn)
+            if tag is not None and eqn.invars and _from_matmul(producer, eqn.invars[0]):
+                found.add(tag)
+            todo.extend(W.sub_jaxprs(eqn))
+    return frozenset(found)
+
+
 def recompute_savers(
-    residuals_saving: Callable[[str], Sequence[W.Residual]], tags: Iterable[str]
+    residuals_saving: Callable[[str], Sequence[W.Residual]],
+    tags: Iterable[str],
+    matmuls: Iterable[str] = (),
 ) -> tuple[str, ...]:
     """Those of ``tags`` whose saving alone keeps them as new residuals (not the remat
     segment's input, kept anyway): the backward pass then reads them instead of recomputing
-    them. Matmul and convolution outputs first (they save the most FLOPs), then by name.
+    them. The ``matmuls`` among them (matmul outputs, :func:`matmul_tags`: they save the most
+    FLOPs) first, then by name.
 
     Args:
       residuals_saving: ``residuals_saving(tag)``: the residuals of the loss under a policy
         saving ``tag`` alone (:func:`remat_kit.residuals.saved_residuals`).
     """
-    found = {}
-    for tag in sorted(tags):
-        rows = [r for r in residuals_saving(tag) if r.tag == tag and r.nbytes and not r.is_argument]
-        if rows:
-            found[tag] = any(r.source in ("dot_general", "conv_general_dilated") for r in rows)
-    return tuple(sorted(found, key=lambda t: (not found[t], t)))
+    kept = [
+        t for t in sorted(tags)
+        if any(r.tag == t and r.nbytes and not r.is_argument for r in residuals_saving(t))
+    ]  # fmt: skip
+    first = frozenset(matmuls)
+    return tuple(sorted(kept, key=lambda t: (t not in first, t)))
 
 
 def no_remat_segment(label: str, factory: str) -> Finding:

@@ -1,6 +1,8 @@
 """The doctor on a user's own program: its own checkpoint names, the default policy set, one
 finding per policy naming names it never emits, tags that are not residuals, partial CSE."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -8,8 +10,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit import Program, cli, doctor
+from remat_kit.doctor.compare import Residuals, _no_device_saving, _no_op
 from remat_kit.doctor.promise import Promise
-from remat_kit.doctor.tags import TagFacts, unknown_tags
+from remat_kit.doctor.tags import TagFacts, matmul_tags, unknown_tags
 
 GPU = "h100-sxm"
 D, LAYERS = 32, 2
@@ -128,7 +131,13 @@ def test_emitted_tag_that_is_not_a_residual_gets_the_right_cause():
         _program(_own_layer, "outside", _outside), [{"embed_out": "offload"}], GPU
     )
     assert _codes(outside) == ["acts-as-full-remat"], [f.line() for f in outside]
-    assert "embed_out is applied outside every jax.checkpoint" in outside[0].cause
+    assert outside[0].cause == (
+        "embed_out is applied outside every remat segment: it is stored or not regardless of "
+        "the policy."
+    )
+    # what to save instead: the names whose saving keeps them (attn_in = x @ w), not mlp_hidden
+    # (sin's output, not a residual even when saved)
+    assert "removes recompute (attn_in; matmul outputs first)" in outside[0].fix
 
 
 def _unrolled(prevent_cse):
@@ -187,3 +196,93 @@ def test_cli_json_on_own_tags_holds_findings_and_notes(capsys):
     out = __import__("json").loads(capsys.readouterr().out)
     assert out["policies"] == {"custom: attn_in=save": []}
     assert out["notes"] == ["program 'own-tags' emits: attn_in, mlp_hidden"]
+
+
+def _forgetful(layer):
+    """A factory that never applies the policy it receives (no jax.checkpoint at all)."""
+
+    def make_loss(policy):
+        def loss(ws, x):
+            x, _ = jax.lax.scan(lambda c, w: (layer(c, w), None), x, ws)
+            return (x**2).mean()
+
+        return loss
+
+    return make_loss
+
+
+def test_factory_ignoring_the_policy_is_one_error_per_policy_and_nothing_else():
+    program = Program.from_loss(_forgetful(_own_layer), W, X, name="forgot")
+    result = doctor.check_program_policies(program, ["save-nothing", {"attn_in": "save"}], GPU)
+    for check in result.checks:
+        (only,) = check.findings
+        assert only.code == "no-remat-segment" and only.severity == "error"
+        assert "contains no remat segment" in only.what and check.label in only.what
+        assert "'forgot' does not use the policy it receives" in only.cause
+        assert "jax.checkpoint(layer, policy=policy)" in only.fix
+        assert "save-nothing" not in only.fix  # never the policy being checked
+    # check_function: the same fault, the same single finding
+    (only,) = doctor.check_function(_forgetful(_own_layer), W, X, policy="save-nothing")
+    assert only.code == "no-remat-segment" and "make_loss does not use" in only.cause
+    # a factory that applies it has no such finding
+    assert "no-remat-segment" not in _codes(
+        doctor.check_function(_program(_own_layer, "ok").make_loss, W, X, policy="save-nothing")
+    )
+
+
+def test_no_op_fix_never_advises_the_policy_being_checked():
+    kept = Residuals(0, 0, frozenset(), False)
+    for name in ("save-nothing", "save-dots-no-batch", "save-dots"):
+        finding = _no_op(Promise.of(remat_kit.get_policy_spec(name)), kept)
+        advised = finding.fix.rstrip(".").rpartition(" use ")[2].split(" / ")
+        assert finding.code == "no-op-policy" and name not in advised, finding.fix
+    nothing = _no_op(Promise.of(remat_kit.get_policy_spec("save-nothing")), kept)
+    assert "inside the checkpointed function" in nothing.fix
+
+
+@pytest.mark.parametrize(
+    ("peak", "says"),
+    [(30 << 20, "a lower peak (20.00 MiB vs 30.00 MiB with the offload)"),
+     (20 << 20, "the same peak, 20.00 MiB vs 20.00 MiB with the offload")],
+)  # fmt: skip
+def test_offload_no_device_saving_fix_follows_the_measured_peaks(peak, says):
+    report = types.SimpleNamespace(peak_bytes=peak, host_bytes=1 << 20)
+    finding = _no_device_saving(Promise("custom", offload=frozenset({"a"})), report, 20 << 20)
+    assert finding.code == "offload-no-device-saving" and says in finding.fix, finding.fix
+    assert ("same peak" in finding.fix) == (peak == 20 << 20)
+
+
+def _two_savers_layer(x, w):  # 'act' (tanh's output) and 'attn_in' (a matmul's) both kept
+    h = checkpoint_name(x @ w, "attn_in")
+    return x + checkpoint_name(jnp.tanh(h), "act") @ w.T
+
+
+def test_tag_outside_remat_offload_says_nothing_is_offloadable_and_fix_lists_savers():
+    program = _program(_two_savers_layer, "outside2", _outside)
+    offload, save = doctor.check_policies(
+        program, [{"embed_out": "offload", "act": "save"}, {"embed_out": "save"}], GPU
+    )
+    (nothing,) = [f for f in offload if f.code == "offload-no-host-bytes"]
+    assert "offloads nothing: 0 B to host in the jaxpr, and none in the compiled step" in (
+        nothing.what
+    )
+    assert " but " not in nothing.what
+    assert nothing.cause == (
+        "embed_out is applied outside every remat segment: it is stored or not regardless of "
+        "the policy, so no policy can offload it."
+    )
+    (full,) = [f for f in save if f.code == "acts-as-full-remat"]
+    assert "does not keep it" in full.what
+    assert "removes recompute (attn_in, act; matmul outputs first)" in full.fix
+
+
+def test_matmul_tags_look_through_a_bias_add_and_a_transpose():
+    def layer(x, w, b):
+        y = checkpoint_name(x @ w + b, "biased")  # a Dense layer's output
+        z = checkpoint_name(jnp.einsum("ij,jk->ki", x, w), "transposed")  # einsum, transposed
+        return (jnp.tanh(checkpoint_name(y * 2, "scaled")) + z.T).sum()
+
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.checkpoint(layer))(x, w, w.update(shape=(8,))).jaxpr
+    assert matmul_tags(jaxpr) == {"biased", "transposed"}

@@ -13,15 +13,21 @@ Finding codes (severity):
   or offloads nothing for them (one finding per policy: each name with the closest emitted one,
   and what the policy runs as). Without a policy list, a user's program is checked only with the
   policies that act on its names (:func:`check_program_policies`); the others are one note.
-- ``no-op-policy`` (error): the compiled step needs as much memory as without remat.
+- ``no-remat-segment`` (error): the step traced under the policy holds no remat segment (no
+  ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``): the user's factory does not apply the
+  policy it receives. The only finding for that policy (nothing else follows from a policy
+  never applied); such a policy is not compiled.
+- ``no-op-policy`` (error): the compiled step needs as much memory as without remat (its fix
+  never names the policy being checked).
 - ``cse-undid-remat`` (error): the jaxpr recomputes, but the compiled program does not (no
   operation of it recomputes, or no FLOPs over no-remat): XLA merged the recomputation back into
   the forward pass (CSE).
 - ``cse-undid-part-of-remat`` (warning): XLA's CSE merged part of the recomputation back (the
   analyzer's warning, :func:`remat_kit.memory.runner.cse_undone`).
 - ``acts-as-full-remat`` (error): the policy promises to keep tensors it names (and the program
-  emits) but keeps none; the cause says whether they are applied outside every remat segment or
-  not needed by the backward pass at all.
+  emits) but keeps none; the cause says whether they are applied outside every remat segment
+  (stored or not regardless of the policy) or not needed by the backward pass at all; the fix
+  lists the names whose saving removes recompute (matmul outputs first).
 - ``remat3-full-remat`` (error): ``jax_remat3`` is on and runs the policy as full remat (it
   honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
   ``everything_saveable`` and the dots policies; offload policies put nothing on host).
@@ -31,7 +37,8 @@ Finding codes (severity):
 - ``offload-no-host-bytes`` (error): an offload policy on a target with host memory puts nothing
   in host memory.
 - ``offload-no-device-saving`` (warning): bytes move to host memory but the device peak does not
-  go down (compared with the same policy keeping those tensors on device).
+  go down (compared with the same policy keeping those tensors on device); the fix says
+  whether keeping them on device gives a lower or the same peak, with both figures.
 - ``offload-ignored`` (info): the backend ignores host offload (XLA:CPU).
 - ``static-argnums-self`` (error): ``nn.remat(..., static_argnums=...)`` on a linen module
   counts ``self`` as argument 0; an index pointing at ``self``, an array or past the arguments

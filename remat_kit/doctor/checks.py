@@ -4,6 +4,7 @@ policies of one model, no-remat compiled once) and :func:`check_function` (a use
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,15 @@ from remat_kit.doctor.promise import (
     remat3_findings,
     resolve_policy,
 )
-from remat_kit.doctor.tags import TagFacts, tag_facts, unknown_tags
+from remat_kit.doctor.tags import (
+    TagFacts,
+    has_remat,
+    matmul_tags,
+    no_remat_segment,
+    recompute_savers,
+    tag_facts,
+    unknown_tags,
+)
 from remat_kit.memory import analyze, analyze_policies, hlo
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
@@ -185,23 +194,19 @@ def check_function(
       ValueError: unknown policy name or target.
     """
     tgt = T.get_target(target)
-    findings: list[Finding] = []
-    if policy is None:
-        policy = jax.checkpoint_policies.nothing_saveable
-    if callable(policy) and not isinstance(policy, PolicySpec):
-        promise, findings = describe_callable(policy)
-        jax_policy = policy
-    else:
-        spec = resolve_policy(policy)
-        promise, jax_policy = (
-            Promise.of(spec, registered=spec.name in policy_names()),
-            spec.to_jax(),
-        )
+    promise, findings, jax_policy = _read_policy(policy)
+    loss = make_loss(jax_policy)
+    jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
+    if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
+        return [no_remat_segment(promise.name if promise else "custom-callable", "make_loss")]
     if remat_static_argnums is not None:
         findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
-    losses = {"policy": make_loss(jax_policy), "no-remat": loss_all}
+    losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
+    facts = dataclasses.replace(
+        facts, savers=_savers(make_loss, args, facts.in_remat or (), matmul_tags(jaxpr))
+    )
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
@@ -223,6 +228,27 @@ def check_function(
         findings = [f for f in findings if f.code != "acts-as-full-remat"]
         findings += _opaque_full_remat(make_loss, jax_policy, args)
     return sort_findings(dedupe(findings))
+
+
+def _read_policy(policy):
+    """(promise or None for an opaque callable, findings about the callable, jax policy)."""
+    if policy is None:  # as in jax.checkpoint: save nothing
+        policy = jax.checkpoint_policies.nothing_saveable
+    if callable(policy) and not isinstance(policy, PolicySpec):
+        promise, findings = describe_callable(policy)
+        return promise, findings, policy
+    spec = resolve_policy(policy)
+    return Promise.of(spec, registered=spec.name in policy_names()), [], spec.to_jax()
+
+
+def _savers(make_loss, args: Sequence[Any], tags: frozenset[str], matmuls: frozenset[str]):
+    """:attr:`TagFacts.savers` for a user's function: each name saved alone, on demand."""
+
+    def saving(tag: str):
+        policy = jax.checkpoint_policies.save_only_these_names(tag)
+        return R.saved_residuals(make_loss(policy), *args)
+
+    return functools.cache(lambda: recompute_savers(saving, tags, matmuls))
 
 
 def _float_argnums(args: Sequence[Any]) -> tuple[int, ...]:

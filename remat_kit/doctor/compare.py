@@ -138,15 +138,7 @@ def compare(
     achieved = no_remat.temp_bytes - report.temp_bytes
     offload_real = promise.offloads and target.supports_host_offload
     if promised <= 0 and not (offload_real and report.host_bytes > 0):
-        out.append(
-            Finding(
-                "no-op-policy", "error",
-                f"policy {promise.name!r} keeps everything no-remat keeps "
-                f"({nbytes(kept.device_bytes)} of residuals): nothing is recomputed.",
-                "it names only tensors the backward pass keeps anyway, or saves every value.",
-                "recompute more: save fewer tags, or use save-dots-no-batch / save-nothing.",
-            )
-        )  # fmt: skip
+        out.append(_no_op(promise, kept))
     elif promised > 0 and achieved < MIN_EFFECT * promised and not offload_real:
         # An offload on a real target is judged by its host bytes (below), not by recompute.
         out.append(
@@ -162,6 +154,31 @@ def compare(
     if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
         out.extend(_offload_findings(promise, report, target, kept, kept_no_remat, facts))
     return out
+
+
+#: Kind-based policies the no-op fix suggests (never the policy being checked).
+_RECOMPUTE_MORE = ("save-dots-no-batch", "save-nothing")
+
+
+def _no_op(promise: Promise, kept: Residuals) -> Finding:
+    """``no-op-policy`` from the jaxpr: the policy keeps everything no-remat keeps."""
+    what = (
+        f"policy {promise.name!r} keeps everything no-remat keeps "
+        f"({nbytes(kept.device_bytes)} of residuals): nothing is recomputed."
+    )
+    if promise.base == "names" and not promise.tags:  # save-nothing keeps only segment inputs
+        return Finding(
+            "no-op-policy", "error", what,
+            "its remat segments hold none of the tensors the backward pass keeps (they are "
+            "computed outside every jax.checkpoint / nn.remat / nnx.remat).",
+            "put the layers (where the activations are) inside the checkpointed function.",
+        )  # fmt: skip
+    others = [p for p in _RECOMPUTE_MORE if p not in (promise.name, promise.base)]
+    return Finding(
+        "no-op-policy", "error", what,
+        "it names only tensors the backward pass keeps anyway, or saves every value.",
+        f"recompute more: save fewer tags, or use {' / '.join(others)}.",
+    )  # fmt: skip
 
 
 def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) -> list[Finding]:
@@ -202,7 +219,8 @@ def _full_remat(
         Finding(
             "acts-as-full-remat", "error",
             f"policy {promise.name!r} promises to keep "
-            f"{', '.join(sorted(named)) or 'matmul outputs'} but keeps none of them: "
+            f"{', '.join(sorted(named)) or 'matmul outputs'} but "
+            f"{'does not keep it' if len(named) == 1 else 'keeps none of them'}: "
             "it runs as full remat (save-nothing).",
             cause, fix,
         )
@@ -210,36 +228,49 @@ def _full_remat(
 
 
 def _why_not_kept(
-    named: frozenset[str], kept_no_remat: Residuals, facts: TagFacts | None
+    named: frozenset[str], kept_no_remat: Residuals, facts: TagFacts | None, outcome: str = ""
 ) -> tuple[str, str]:
     """(cause, fix) for emitted names the policy keeps none of, from the walk: applied only
-    outside every remat segment, or not residuals even without remat (the backward pass does
-    not need them)."""
+    outside every remat segment (``outcome`` appended: what that means for this policy), or not
+    residuals even without remat (the backward pass does not need them)."""
     outside = facts.outside_remat(named) if facts is not None else frozenset()
     unneeded = named - outside - kept_no_remat.tags if facts is not None else frozenset()
     if named and outside | unneeded == named:
         parts = []
         if outside:
+            one = len(outside) == 1
             parts.append(
-                f"{', '.join(sorted(outside))} {'is' if len(outside) == 1 else 'are'} applied "
-                "outside every jax.checkpoint / nn.remat segment, where a policy decides nothing"
+                f"{', '.join(sorted(outside))} {'is' if one else 'are'} applied outside every "
+                f"remat segment: {'it is' if one else 'they are'} stored or not regardless of "
+                f"the policy{outcome}"
             )
         if unneeded:
             parts.append(
                 f"the backward pass does not need {', '.join(sorted(unneeded))}: even without "
                 "remat none is a residual (a value that only feeds additions or the output)"
             )
-        needed = sorted(kept_no_remat.tags & (facts.in_remat or facts.emitted))
-        fix = (
-            f"save or offload tensors the backward pass keeps ({', '.join(needed)}), "
-            if needed else "save or offload tensors the backward pass keeps, "
-        ) + ("and apply checkpoint_name inside the checkpointed function." if outside
-             else "e.g. a matmul's input or a nonlinearity's.")  # fmt: skip
-        return "; ".join(parts) + ".", fix
+        where = ", and apply checkpoint_name inside the checkpointed function." if outside else "."
+        return "; ".join(parts) + ".", _save_instead(named, facts) + where
     return (
         "its tags are not emitted inside the remat segment, or jax_remat3 runs the policy as "
         "full remat.",
         "check the tag names (remat-kit doctor lists them) and build the policy from name sets.",
+    )
+
+
+def _save_instead(named: frozenset[str], facts: TagFacts | None) -> str:
+    """What to save instead: the program's names whose saving removes recompute (matmul
+    outputs first), else how to find them."""
+    savers = [t for t in facts.savers() if t not in named] if facts and facts.savers else []
+    if savers:
+        return (
+            f"save (or offload) the tags whose saving removes recompute ({', '.join(savers)}; "
+            "matmul outputs first)"
+        )
+    return (
+        "save (or offload) tags applied inside the checkpointed function whose saving removes "
+        "recompute "
+        "(remat-kit analyze lists each own tag saved alone with its FLOPs)"
     )
 
 
@@ -268,18 +299,35 @@ def _offload_findings(
         return [_no_host_bytes(promise, target, kept, kept_no_remat, facts)]
     without = report.peak_bytes_without_offload
     if without is not None and report.peak_bytes >= without:
-        return [
-            Finding(
-                "offload-no-device-saving", "warning",
-                f"policy {promise.name!r} moves {nbytes(report.host_bytes)} to host but the "
-                f"device peak ({nbytes(report.peak_bytes)}) is not below keeping them on device "
-                f"({nbytes(without)}).",
-                "the peak is elsewhere (optimizer update, logits, or the copies to and from "
-                "host are live at the peak).",
-                "keep those tensors on device (same peak, no transfer), or offload more.",
-            )
-        ]  # fmt: skip
+        return [_no_device_saving(promise, report, without)]
     return []
+
+
+def _no_device_saving(promise: Promise, report: MemoryReport, without: int) -> Finding:
+    """``offload-no-device-saving``: the fix follows the measured comparison of the device
+    peak with and without the offload."""
+    peak, figures = report.peak_bytes, f"{nbytes(without)} vs {nbytes(report.peak_bytes)}"
+    if peak > without * (1 + SAME):
+        cause = (
+            "the copies to and from host are live at the peak, or the peak is elsewhere "
+            "(optimizer update, logits)."
+        )
+        fix = (
+            f"keep those tensors on device: a lower peak ({figures} with the offload) and no "
+            "transfer."
+        )
+    else:
+        cause = "the peak is elsewhere (optimizer update, logits)."
+        fix = (
+            f"keep those tensors on device (the same peak, {figures} with the offload, and no "
+            "transfer), or offload more."
+        )
+    return Finding(
+        "offload-no-device-saving", "warning",
+        f"policy {promise.name!r} moves {nbytes(report.host_bytes)} to host but the device peak "
+        f"({nbytes(peak)}) is not below keeping them on device ({nbytes(without)}).",
+        cause, fix,
+    )  # fmt: skip
 
 
 def _no_host_bytes(
@@ -290,13 +338,22 @@ def _no_host_bytes(
     facts: TagFacts | None,
 ) -> Finding:
     """``offload-no-host-bytes``; a fix in the program's own names for a user's program."""
-    if kept.host_bytes == 0 and promise.offload:  # nothing offloaded already in the jaxpr
-        cause, _ = _why_not_kept(promise.offload & (facts.emitted if facts else promise.offload),
-                                 kept_no_remat, facts)  # fmt: skip
+    offload = promise.offload & (facts.emitted if facts else promise.offload)
+    nothing = kept.host_bytes == 0 and bool(promise.offload)  # already nothing in the jaxpr
+    if nothing:
+        cause, _ = _why_not_kept(offload, kept_no_remat, facts, ", so no policy can offload it")
+        what = (
+            f"policy {promise.name!r} offloads nothing: 0 B to host in the jaxpr, and none in "
+            f"the compiled step on {target.name!r}."
+        )
     else:
         cause = (
             "XLA dropped the offload (the tensor is also needed on device, or the offloaded "
             "tags are not residuals here), or jax_remat3 ran the policy as full remat."
+        )
+        what = (
+            f"policy {promise.name!r} offloads {nbytes(kept.host_bytes)} in the jaxpr, but the "
+            f"compiled step on {target.name!r} has no host memory."
         )
     fix = "offload other tags (offload-layer-inputs / offload-to-host) and check again."
     if facts is not None and facts.user:
@@ -307,12 +364,7 @@ def _no_host_bytes(
             if example
             else "offload a tensor the backward pass keeps (tag it with checkpoint_name)."
         )
-    return Finding(
-        "offload-no-host-bytes", "error",
-        f"policy {promise.name!r} offloads {nbytes(kept.host_bytes)} in the jaxpr but the "
-        f"compiled step on {target.name!r} has no host memory.",
-        cause, fix,
-    )  # fmt: skip
+    return Finding("offload-no-host-bytes", "error", what, cause, fix)
 
 
 def _is_array(x: Any) -> bool:

@@ -14,6 +14,7 @@ the program never emits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -23,10 +24,19 @@ from remat_kit import targets as T
 from remat_kit.doctor.compare import Residuals, compare
 from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
 from remat_kit.doctor.promise import Promise, remat3_findings, resolve_policy
-from remat_kit.doctor.tags import TagFacts, tags_in_remat, unknown_tags
+from remat_kit.doctor.tags import (
+    TagFacts,
+    has_remat,
+    matmul_tags,
+    no_remat_segment,
+    recompute_savers,
+    tags_in_remat,
+    unknown_tags,
+)
 from remat_kit.memory.programs import analyze_program, program_policies, program_tags
 from remat_kit.policies import (
     PolicySpec,
+    custom_spec,
     get_policy_spec,
     policy_label,
     policy_names,
@@ -64,6 +74,27 @@ class ProgramCheck:
 def _kept(program: Program, spec: PolicySpec) -> Residuals:
     loss = program.loss(spec)
     return Residuals.of(R.saved_residuals(loss.fn, *loss.args))
+
+
+def _has_remat(program: Program, spec: PolicySpec) -> bool:
+    """Whether the program's loss under ``spec`` holds a remat segment (traces only)."""
+    loss = program.loss(spec)
+    return has_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
+
+
+def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
+    """The program's :class:`TagFacts`: where its names are applied (traced under
+    ``save-nothing``), and, on demand, which of those inside a remat segment saving keeps."""
+    loss = program.loss(get_policy_spec("save-nothing"))
+    jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
+    inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
+
+    def saving(tag: str):
+        saved = program.loss(custom_spec({tag: "save"}))
+        return R.saved_residuals(saved.fn, *saved.args)
+
+    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls))
+    return TagFacts(tags, inside, user=True, savers=savers)
 
 
 def check_program_policies(
@@ -104,21 +135,26 @@ def check_program_policies(
         labels, notes = [policy_label(s) for s in specs], []
     if not specs:
         return ProgramCheck(program.name, tags, (), tuple(notes))
-    loss = program.loss(get_policy_spec("save-nothing"))
-    facts = TagFacts(tags, tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr), user=True)
-    reports = analyze_program(program, [*specs, "no-remat"], tgt, strict_tags=False)
+    facts = _facts(program, tags)
+    applied = [not spec.wrap or _has_remat(program, spec) for spec in specs]
+    compiled = [s for s, ok in zip(specs, applied, strict=True) if ok]
+    jobs = [*compiled, "no-remat"] if compiled else []  # nothing to compile when none applies
+    reports = analyze_program(program, jobs, tgt, strict_tags=False) if jobs else []
     base = _kept(program, get_policy_spec("no-remat"))
     registered = set(policy_names())
-    checks = []
-    for spec, label, report in zip(specs, labels, reports, strict=False):
+    checks, each = [], iter(reports)
+    for spec, label, ok in zip(specs, labels, applied, strict=True):
+        if not ok:  # the factory ignores the policy: nothing else to say about it
+            findings = [no_remat_segment(label, f"the factory {program.name!r}")]
+            checks.append(PolicyCheck(label, spec, tuple(findings)))
+            continue
         promise = Promise.of(spec, registered=spec.name in registered)
         promise = dataclasses.replace(promise, name=label)
         findings = unknown_tags(promise, facts)
         if spec.wrap:
             findings += remat3_findings(label, spec.to_jax(), promise)
-        findings += compare(
-            promise, report, reports[-1], _kept(program, spec), base, tgt, facts=facts
-        )
+        kept = _kept(program, spec)
+        findings += compare(promise, next(each), reports[-1], kept, base, tgt, facts=facts)
         checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
     return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
 

@@ -10,7 +10,7 @@ registered policies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -36,11 +36,16 @@ class TagFacts:
       in_remat: the names applied inside a remat segment (``jax.checkpoint`` / ``nn.remat`` /
         ``nnx.remat`` body); None when not walked (the bundled models: always inside).
       user: a user's program or function (advice in its own terms), not a bundled model.
+      savers: returns the names applied inside a remat segment whose saving alone keeps them
+        as residuals (saving them removes recompute), matmul outputs first
+        (:func:`recompute_savers`); called only when advice needs it (it traces once per
+        name). None: not known.
     """
 
     emitted: frozenset[str]
     in_remat: frozenset[str] | None = None
     user: bool = False
+    savers: Callable[[], tuple[str, ...]] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def remat_kit_names(self) -> bool:
@@ -61,6 +66,12 @@ def _is_remat(eqn: Any) -> bool:
     return name in _REMAT_PRIMITIVES
 
 
+def has_remat(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a remat segment anywhere (``jax.checkpoint`` / ``nn.remat`` /
+    ``nnx.remat``, nested jaxprs included)."""
+    return any(_is_remat(eqn) for eqn in W.walk(jaxpr))
+
+
 def tags_in_remat(jaxpr: Any) -> frozenset[str]:
     """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
     and sub-jaxprs included)."""
@@ -77,6 +88,78 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     tags = W.emitted_tags(fn, *args) if emitted is None else emitted
     inside = tags_in_remat(jax.make_jaxpr(fn)(*args).jaxpr)
     return TagFacts(frozenset(tags), inside, user=True)
+
+
+#: Primitives looked through from a name back to the matmul it tags: a bias add, a layout
+#: change, a cast (linen's ``DenseGeneral`` adds its bias; attention's einsum is transposed).
+_THROUGH = frozenset({"add", "transpose", "reshape", "convert_element_type", "copy", "pjit", "jit"})
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _from_matmul(producer: dict, v: Any, depth: int = 0) -> bool:
+    eqn = producer.get(v)
+    if eqn is None or depth > 4:
+        return False
+    if eqn.primitive.name in _MATMULS:
+        return True
+    inner = W.body(eqn)
+    if inner is not None and eqn.primitive.name in _THROUGH:
+        found = inner.outvars[eqn.outvars.index(v)]
+        return _from_matmul({o: e for e in inner.eqns for o in e.outvars}, found, depth + 1)
+    if eqn.primitive.name not in _THROUGH:
+        return False
+    return any(_from_matmul(producer, x, depth + 1) for x in eqn.invars if hasattr(x, "aval"))
+
+
+def matmul_tags(jaxpr: Any) -> frozenset[str]:
+    """Checkpoint names applied to a matmul or convolution output (through a bias add, a
+    transpose, a reshape or a cast) anywhere in ``jaxpr``."""
+    found, todo = set(), [jaxpr]
+    while todo:
+        j = todo.pop()
+        producer = {o: e for e in j.eqns for o in e.outvars}
+        for eqn in j.eqns:
+            tag = W.eqn_tag(eqn)
+            if tag is not None and eqn.invars and _from_matmul(producer, eqn.invars[0]):
+                found.add(tag)
+            todo.extend(W.sub_jaxprs(eqn))
+    return frozenset(found)
+
+
+def recompute_savers(
+    residuals_saving: Callable[[str], Sequence[W.Residual]],
+    tags: Iterable[str],
+    matmuls: Iterable[str] = (),
+) -> tuple[str, ...]:
+    """Those of ``tags`` whose saving alone keeps them as new residuals (not the remat
+    segment's input, kept anyway): the backward pass then reads them instead of recomputing
+    them. The ``matmuls`` among them (matmul outputs, :func:`matmul_tags`: they save the most
+    FLOPs) first, then by name.
+
+    Args:
+      residuals_saving: ``residuals_saving(tag)``: the residuals of the loss under a policy
+        saving ``tag`` alone (:func:`remat_kit.residuals.saved_residuals`).
+    """
+    kept = [
+        t for t in sorted(tags)
+        if any(r.tag == t and r.nbytes and not r.is_argument for r in residuals_saving(t))
+    ]  # fmt: skip
+    first = frozenset(matmuls)
+    return tuple(sorted(kept, key=lambda t: (t not in first, t)))
+
+
+def no_remat_segment(label: str, factory: str) -> Finding:
+    """The error for a policy whose step holds no remat segment: ``factory`` (the user's
+    ``make_loss``) does not apply the policy it receives, so the policy decides nothing."""
+    return Finding(
+        "no-remat-segment", "error",
+        f"policy {label!r} is never applied: the step contains no remat segment (no "
+        "jax.checkpoint / nn.remat / nnx.remat anywhere in its traced jaxpr), so it stores "
+        "what no-remat stores.",
+        f"{factory} does not use the policy it receives.",
+        "pass the policy it receives to jax.checkpoint(layer, policy=policy) / "
+        "nn.remat(Block, policy=policy) / nnx.remat(f, policy=policy) around the layers.",
+    )  # fmt: skip
 
 
 def own_example(facts: TagFacts, action: str, prefer: Iterable[str] = ()) -> str:

@@ -35,7 +35,6 @@ from matplotlib.lines import Line2D
 from remat_kit import results as R
 from remat_kit import units
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.timeline import Timeline
 from remat_kit.option_plots import option_effects, option_sets, own_overrides
 
 __all__ = [
@@ -435,9 +434,13 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
 _FIXED_COLORS = {
     "params": "tab:blue", "opt_state": "lightsteelblue", "gradients": "tab:green",
     "logits": "tab:purple", "temporaries": "lightgray", "residual:other": "dimgray",
+    "residual:untagged": "gray",
 }  # fmt: skip
 _RESIDUAL_COLORS = ("tab:orange", "tab:red", "tab:brown", "gold", "tab:pink", "tab:cyan",
                     "tab:olive", "darkorange", "firebrick", "peru", "orchid", "teal")  # fmt: skip
+#: The budget line is drawn when the budget is at most this many times a panel's highest point
+#: (else the y-axis would flatten the data: the budget is stated in the panel's title instead).
+BUDGET_LINE_WITHIN = 2.0
 _PHASE_COLORS = {"forward": "#eef5ff", "backward": "#fff3e6", "optimizer": "#eefbea"}
 
 
@@ -454,23 +457,32 @@ def timeline(
     path: str | os.PathLike[str] | None = None,
     columns: int = 2,
     share_y: bool = False,
+    titles: Sequence[str] | None = None,
 ):
     """Live device bytes at each point of XLA's schedule, one panel per report (small
     multiples): stacked by category (parameters, optimizer state, residuals by checkpoint
     tag, gradients, logits, XLA temporaries), forward / backward / optimizer phases shaded, the
-    peak marked with its phase, host bytes dashed, the target's memory dotted.
+    peak marked with its phase, host bytes dashed. The y-axis is scaled to the data; the
+    budget (the target's memory unless one was given) is a dotted line when it is within
+    :data:`BUDGET_LINE_WITHIN` times the panel's highest point, else stated in the title.
 
     Args:
       reports: ``MemoryReport`` objects (or their ``to_dict()``) with a ``timeline``.
       path: save the figure there as a PNG. columns: panels per row.
       share_y: one y scale for all panels (off by default: a no-remat panel at 760 GiB
-        flattens the others; the target's memory line, dotted, gives the scale).
+        flattens the others).
+      titles: one panel title per report (e.g. the policy labels ``remat-kit analyze``
+        prints); default: each report's policy name.
 
     Raises:
-      ValueError: no report has a timeline.
+      ValueError: no report has a timeline; ``titles`` is not one per report.
     """
     reps = [r if isinstance(r, MemoryReport) else MemoryReport.from_dict(dict(r)) for r in reports]
-    reps = [r for r in reps if r.timeline is not None]
+    if titles is not None and len(titles) != len(reps):
+        raise ValueError(f"titles: {len(titles)} given for {len(reps)} reports; give one each")
+    named = [(r, t) for r, t in zip(reps, titles or [None] * len(reps), strict=True)]
+    named = [(r, t or r.policy or r.name) for r, t in named if r.timeline is not None]
+    reps = [r for r, _ in named]
     if not reps:
         raise ValueError("no report with a timeline to plot (the compile wrote no live ranges)")
     unit, unit_name = units.table_unit([r.timeline.peak_bytes for r in reps])
@@ -481,15 +493,16 @@ def timeline(
     axes = fig.subplots(rows, cols, squeeze=False, sharey=share_y)
     _ = [ax.set_visible(False) for ax in axes.flat[len(reps) :]]
     seen: dict[str, Any] = {}
-    for ax, r in zip(axes.flat, reps, strict=False):
-        _timeline_panel(ax, r, r.timeline, unit, unit_name, colors, seen)
+    for ax, (r, title) in zip(axes.flat, named, strict=False):
+        _timeline_panel(ax, r, title, unit, unit_name, colors, seen)
     fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(6, len(seen)),
                fontsize=7, frameon=False)  # fmt: skip
     fig.tight_layout(rect=(0, 0.04 + 0.02 * (len(seen) // 6), 1, 1))
     return _save(fig, path, layout=False)
 
 
-def _timeline_panel(ax, r: MemoryReport, tl: Timeline, unit, unit_name, colors, seen) -> None:
+def _timeline_panel(ax, r: MemoryReport, title: str, unit, unit_name, colors, seen) -> None:
+    tl = r.timeline
     for phase, a, b in tl.phases:
         ax.axvspan(a, b, color=_PHASE_COLORS.get(phase, "white"), zorder=0)
         ax.text((a + b) / 2, 0.98, phase, transform=ax.get_xaxis_transform(), ha="center",
@@ -501,8 +514,11 @@ def _timeline_panel(ax, r: MemoryReport, tl: Timeline, unit, unit_name, colors, 
     if tl.host_bytes:
         (line,) = ax.plot(tl.positions, [h / unit for h in tl.host_bytes], "--", color="black")
         seen.setdefault("host (offloaded)", line)
-    if r.memory_bytes:
-        ax.axhline(r.memory_bytes / unit, ls=":", color="tab:red", lw=1)
+    top = max(tl.peak_bytes, max(tl.host_bytes or [0]))
+    budget = r.budget_bytes or r.memory_bytes
+    on_scale = budget is not None and budget <= BUDGET_LINE_WITHIN * top
+    if on_scale:
+        seen.setdefault("budget", ax.axhline(budget / unit, ls=":", color="tab:red", lw=1))
     phase = tl.phase_at(tl.peak_position) or "step"
     ax.plot([tl.peak_position], [tl.peak_bytes / unit], "v", color="black", ms=5)
     left = tl.peak_position > tl.length / 2
@@ -511,8 +527,11 @@ def _timeline_panel(ax, r: MemoryReport, tl: Timeline, unit, unit_name, colors, 
                 textcoords="offset points", ha="right" if left else "left", va="top",
                 fontsize=7)  # fmt: skip
     ratio = f", FLOPs x{r.recompute_ratio:.2f}" if r.recompute_ratio else ""
-    ax.set_title(f"{r.policy or r.name}{ratio}", fontsize=9)
+    off = (
+        "" if on_scale or budget is None else f"\n(budget {units.format_bytes(budget)}: off scale)"
+    )
+    ax.set_title(f"{title}{ratio}{off}", fontsize=9)
     ax.set_xlabel("position in XLA's schedule (loop bodies once)", fontsize=7)
     ax.set_ylabel(f"live device bytes ({unit_name})", fontsize=8)
     ax.set_xlim(0, tl.length)
-    ax.set_ylim(0, max(tl.peak_bytes, r.memory_bytes or 0) / unit * 1.12)
+    ax.set_ylim(0, max(top, budget if on_scale else 0) / unit * 1.12)

@@ -53,9 +53,17 @@ def _module_tag(eqn) -> str | None:
 
 
 class _Graph:
-    """Producers and consumers of one jaxpr's variables, for following a value to its tag."""
+    """Producers and consumers of one jaxpr's variables, for following a value to its tag.
+
+    A residual is attributed to a checkpoint name when the name is applied to the very value
+    kept: the name's output or its input (a kind-based policy such as ``dots_saveable`` keeps the
+    matmul's own output variable, which ``checkpoint_name`` then binds to a new one), through
+    identity ops (``reduce_precision``, copies, offloads), in whichever jaxpr the name sits: the
+    body of the scan / jit / remat that produced the value or of a call that consumes it.
+    """
 
     def __init__(self, jaxpr: Any):
+        self.jaxpr = jaxpr
         self.producer: dict[Any, Any] = {}
         self.consumers: dict[Any, list[Any]] = defaultdict(list)
         for eqn in jaxpr.eqns:
@@ -65,16 +73,64 @@ class _Graph:
                 if isinstance(v, jcore.Var):
                     self.consumers[v].append(eqn)
 
-    def named_consumer(self, v: Any, depth: int = 0) -> str | None:
-        # A matmul output saved by a dots policy is named downstream, possibly after the bias
-        # add or a reshape: follow single-consumer chains of such ops forward to the name.
-        users = self.consumers.get(v, [])
-        for c in users:
-            tag = W.eqn_tag(c)
-            if tag is not None:
-                return tag
-        if depth < 3 and len(users) == 1 and users[0].primitive.name in _FORWARD_THROUGH:
-            return self.named_consumer(users[0].outvars[0], depth + 1)
+    def _same_value(self, v: Any) -> list[Any]:
+        """``v`` and every variable of this jaxpr downstream of it holding the same value
+        (through names and identity ops), nearest first."""
+        out, todo = [v], [v]
+        while todo:
+            for c in self.consumers.get(todo.pop(0), []):
+                if _is_identity(c) and c.outvars[0] not in out:
+                    out.append(c.outvars[0])
+                    todo.append(c.outvars[0])
+        return out
+
+    def _bias_add_out(self, eqn: Any, v: Any) -> Any | None:
+        """The output of ``eqn`` when it only adds a bias to ``v`` or reshapes / casts it (the
+        named value of a matmul kept by a dots policy often comes after its bias add)."""
+        if eqn.primitive.name not in _FORWARD_THROUGH or len(eqn.outvars) != 1:
+            return None
+        if eqn.primitive.name == "add":
+            others = [u for u in eqn.invars if u is not v]
+            size = math.prod(v.aval.shape)
+            if len(others) != 1 or math.prod(getattr(others[0].aval, "shape", ())) >= size:
+                return None  # a sum of two activations (a residual stream) is another value
+        return eqn.outvars[0]
+
+    def twins(self, eqn: Any, v: Any) -> list[Any]:
+        """The other outputs of the call ``eqn`` (whose body is this jaxpr) that return the
+        value of its output ``v``: this jaxpr returns one value twice, or a copy of it."""
+        root = self.jaxpr.outvars[eqn.outvars.index(v)]
+        while isinstance(root, jcore.Var) and root in self.producer:
+            e = self.producer[root]
+            if not (_is_identity(e) and isinstance(e.invars[0], jcore.Var)):
+                break
+            root = e.invars[0]
+        same = set(self._same_value(root)) if isinstance(root, jcore.Var) else set()
+        return [u for u, o in zip(eqn.outvars, self.jaxpr.outvars, strict=True)
+                if u is not v and o in same]  # fmt: skip
+
+    def forward_tag(self, v: Any, depth: int = 0) -> str | None:
+        """The checkpoint name applied to ``v`` (or to the same value) downstream of it here
+        or inside a call that consumes it; after a bias add or reshape of a single-use value."""
+        if depth > 16:
+            return None
+        same = self._same_value(v)
+        for u in same:
+            for c in self.consumers.get(u, []):
+                tag = W.eqn_tag(c)
+                if tag is not None:
+                    return tag
+        for u in same:
+            for c in self.consumers.get(u, []):
+                for sub, inner in W.sub_inputs(c, u):
+                    tag = _Graph(sub).forward_tag(inner, depth + 1)
+                    if tag is not None:
+                        return tag
+        uses = [(c, u) for u in same for c in self.consumers.get(u, []) if not _is_identity(c)]
+        if len(uses) == 1 and depth < 3:  # the value's only use (copies of it aside)
+            nxt = self._bias_add_out(*uses[0])
+            if nxt is not None:
+                return self.forward_tag(nxt, depth + 1)
         return None
 
     def tag_of(self, v: Any, depth: int = 0) -> str | None:
@@ -88,18 +144,35 @@ class _Graph:
             if tag is not None:
                 return tag
             if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
-                return self.tag_of(eqn.invars[0], depth + 1)
+                tag = self.tag_of(eqn.invars[0], depth + 1)
+                return tag if tag is not None else self.forward_tag(v)
             body = W.body(eqn)
             if body is not None:  # e.g. residuals stacked by a layer scan
-                tag = _Graph(body).tag_of(body.outvars[eqn.outvars.index(v)], depth + 1)
+                inner = _Graph(body)
+                tag = inner.tag_of(body.outvars[eqn.outvars.index(v)], depth + 1)
                 if tag is not None:
                     return tag
-        forward = self.named_consumer(v)
+                for twin in inner.twins(eqn, v):  # the call returns the same value twice
+                    tag = self.forward_tag(twin)
+                    if tag is not None:
+                        return tag
+        forward = self.forward_tag(v)
         if forward is not None:
             return forward
         if eqn is not None:  # e.g. a dots policy keeps the raw matmul output, not the named one
             return _module_tag(eqn)
         return None
+
+
+def _is_identity(eqn: Any) -> bool:
+    """An equation whose output is its first input's value, bytes unchanged: a checkpoint
+    name, a copy or offload, a no-op ``reduce_precision`` or same-dtype cast."""
+    if W.eqn_tag(eqn) is not None:
+        return True
+    name = eqn.primitive.name
+    if name not in _PASS_THROUGH or not eqn.invars or len(eqn.outvars) != 1:
+        return False
+    return eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype
 
 
 def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:

@@ -99,6 +99,21 @@ def body(eqn: Any) -> jcore.Jaxpr | None:
     return subs[0] if len(subs) == 1 else None
 
 
+def sub_inputs(eqn: Any, v: Any) -> list[tuple[jcore.Jaxpr, Any]]:
+    """Where the input ``v`` of ``eqn`` enters each jaxpr nested in it: (sub-jaxpr, its input
+    variable) for every sub-jaxpr whose inputs are the equation's, position by position (jit,
+    closed_call, checkpoint, custom_jvp / custom_vjp calls, scan, shard_map), or after the
+    branch index (a ``cond``'s branches); a ``while`` is not mapped (its inputs are split
+    between the condition and the body)."""
+    out = []
+    positions = [i for i, u in enumerate(eqn.invars) if u is v]
+    for sub in sub_jaxprs(eqn):
+        offset = len(eqn.invars) - len(sub.invars)
+        if offset == 0 or (offset == 1 and eqn.primitive.name == "cond"):
+            out += [(sub, sub.invars[i - offset]) for i in positions if i >= offset]
+    return out
+
+
 def eqn_tag(eqn: Any) -> str | None:
     """The checkpoint name an equation applies (``checkpoint_name``), in either representation
     (classic ``name`` primitive or ``jax_remat3``'s ``CheckpointName``), else None."""

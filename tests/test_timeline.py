@@ -14,13 +14,15 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
-from remat_kit import plots, targets
+from remat_kit import Program, plots, targets
 from remat_kit.cli.args import add_timeline
 from remat_kit.memory import MemoryReport, analyze_policies, hlo
 from remat_kit.memory import timeline as T
 from remat_kit.memory import xla_compile as X
 from remat_kit.memory.diff import diff_reports
+from remat_kit.policies import parse_policy_arg
 from tests.conftest import needs_cuda_plugin
 
 
@@ -191,3 +193,58 @@ def test_cli_analyze_writes_the_timeline_png(tmp_path, capsys):
 
     reports = json.loads(capsys.readouterr().out)["reports"]
     assert all(r["timeline"]["peak_bytes"] == r["live_peak_bytes"] for r in reports)
+
+
+def _proj_program() -> Program:
+    """A user's scanned layers, ``proj`` [batch 32, 96] named on a matmul: under
+    ``proj=save`` the residuals are ``proj`` stacked [4, 32, 96] and the untagged layer input
+    [4, 32, 64]."""
+
+    def layer(h, w):
+        return h + jnp.tanh(checkpoint_name(h @ w, "proj")) @ w.T
+
+    def make_loss(policy):
+        f = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+        def loss(ws, x):
+            h, _ = jax.lax.scan(lambda c, w: (f(c, w), None), x, ws)
+            return (h**2).mean()
+
+        return loss
+
+    return Program.from_loss(make_loss, jnp.zeros((4, 64, 96)), jnp.zeros((32, 64)),
+                             optimizer="sgd", name="proj")  # fmt: skip
+
+
+def test_program_residuals_are_named_by_its_own_checkpoint_names():
+    """The compiled buffers of a program's residuals take its own tags (from the walker's rows
+    of their shape), every untagged one is ``residual:untagged`` (never an op kind: mul...)."""
+    specs = [parse_policy_arg("proj=save"), parse_policy_arg("save-nothing")]
+    saved, nothing = analyze_policies(_proj_program(), specs, target="cpu")
+    rows = dict(zip(saved.timeline.categories, saved.timeline.device_bytes, strict=True))
+    assert max(rows["residual:proj"]) == 4 * 32 * 96 * 4
+    for r in (saved, nothing):
+        kinds = {c for c in r.timeline.categories if c.startswith("residual:")}
+        assert kinds <= {"residual:proj", "residual:untagged", "residual:other"}, kinds
+    assert "residual:proj" not in nothing.timeline.categories
+    assert "residual:untagged" in nothing.timeline.categories
+
+
+def test_timeline_figure_titles_and_budget_line(cpu_reports):
+    """Panels titled as given; the y-axis scaled to the data, the budget drawn only when within
+    2x of the panel's highest point, else stated in its title."""
+    r = cpu_reports["save-nothing"]
+    peak = r.timeline.peak_bytes
+    far = dataclasses.replace(r, budget_bytes=100 * peak)
+    near = dataclasses.replace(r, budget_bytes=peak * 3 // 2)
+    fig = plots.timeline([far, near], titles=["custom: proj=save", "minimal (cut)"])
+    ax_far, ax_near = [ax for ax in fig.axes if ax.get_visible()][:2]
+    assert ax_far.get_title().startswith("custom: proj=save")
+    assert "off scale" in ax_far.get_title() and "off scale" not in ax_near.get_title()
+    unit = 2**20  # MiB: the data are a few MiB
+    assert ax_far.get_ylim()[1] < 2 * peak / unit
+    assert ax_near.get_ylim()[1] >= near.budget_bytes / unit
+    assert any(line.get_ydata()[0] == near.budget_bytes / unit for line in ax_near.lines)
+    assert not any(line.get_ydata()[0] == far.budget_bytes / unit for line in ax_far.lines)
+    with pytest.raises(ValueError, match="titles"):
+        plots.timeline([far, near], titles=["one"])

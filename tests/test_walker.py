@@ -197,6 +197,67 @@ def test_name_inside_a_custom_vjp_forward_rule_is_emitted():
     assert _loud(findings) == []
 
 
+# -- Kind 1b: a matmul kept by a kind-based policy is the value a name binds -------------------
+
+
+@jax.custom_vjp
+def _proj_vjp(h, w):
+    return h @ w
+
+
+def _proj_fwd(h, w):
+    return checkpoint_name(h @ w, "proj"), (h, w)
+
+
+def _proj_bwd(res, g):
+    h, w = res
+    return g @ w.T, jnp.einsum("bsi,bso->io", h, g)
+
+
+_proj_vjp.defvjp(_proj_fwd, _proj_bwd)
+
+#: Where ``checkpoint_name(h @ w, "proj")`` can sit relative to the matmul a dots policy keeps.
+NAMED_MATMULS = {
+    "direct": lambda h, w: checkpoint_name(h @ w, "proj"),
+    "after-bias": lambda h, w: checkpoint_name(h @ w + w[0], "proj"),  # linen Dense(use_bias)
+    "name-in-jit": lambda h, w: jax.jit(lambda a: checkpoint_name(a, "proj"))(h @ w),
+    "matmul-in-jit": lambda h, w: checkpoint_name(jax.jit(jnp.matmul)(h, w), "proj"),
+    "name-in-remat": lambda h, w: jax.checkpoint(lambda a: checkpoint_name(a, "proj"))(h @ w),
+    "custom-vjp": _proj_vjp,
+}
+PROJ_BYTES = 3 * 4 * 16 * 32 * 4  # [layers, batch, seq, d] float32
+
+
+def _proj_rows(where, policy):
+    block = lambda h, w: h + jnp.tanh(NAMED_MATMULS[where](h, w)) @ w.T  # noqa: E731
+    return R.bytes_by_tag(R.group_by_tag(R.saved_residuals(_layers(block, policy), W, X)))
+
+
+@pytest.mark.parametrize("where", sorted(NAMED_MATMULS))
+@pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_matmul_kept_by_a_dots_policy_is_attributed_to_the_name_it_feeds(where, policy):
+    """The residual is the dot_general's own output (through JAX's reduce_precision); the name
+    binds a new variable, in the same jaxpr or inside a jit / remat / custom_vjp around it."""
+    rows = _proj_rows(where, getattr(cp, policy))
+    assert rows.get("proj") == PROJ_BYTES and "<dot_general>" not in rows, rows
+
+
+@pytest.mark.parametrize("where", ["direct", "after-bias", "name-in-jit", "matmul-in-jit"])
+def test_matmul_kept_under_remat3_is_attributed_to_the_name_it_feeds(remat3, where):
+    rows = _proj_rows(where, cp.dots_saveable)
+    assert rows.get("proj") == PROJ_BYTES and "<dot_general>" not in rows, rows
+
+
+def test_a_sum_of_two_matmuls_is_not_attributed_to_the_name_of_the_sum():
+    """Only the named value itself (or a matmul before its bias add) takes the name: two kept
+    matmuls added together are two other values, not two copies of the tag."""
+    block = lambda h, w: h + jnp.tanh(checkpoint_name(h @ w + h @ w.T, "proj")) @ w.T  # noqa: E731
+    rows = R.bytes_by_tag(R.group_by_tag(R.saved_residuals(_layers(block, cp.dots_saveable), W, X)))
+    assert "proj" not in rows and rows["<dot_general>"] == 2 * PROJ_BYTES, rows
+    named = _layers(block, cp.save_only_these_names("proj"))
+    assert R.bytes_by_tag(R.group_by_tag(R.saved_residuals(named, W, X)))["proj"] == PROJ_BYTES
+
+
 # -- Kind 2: jax_remat3 -------------------------------------------------------------------------
 
 

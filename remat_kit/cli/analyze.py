@@ -125,17 +125,18 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except CompileError as err:
             errors.append(err)
+    labels = [  # the table's row names, one per report
+        label
+        for label, r in zip(_labels(specs, chosen), results, strict=True)
+        if not isinstance(r, CompileError)
+    ]
     if args.timeline and reports:
-        plots.timeline(reports, args.timeline)
+        plots.timeline(reports, args.timeline, titles=labels)
         print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
-            "labels": [  # the table's row names, one per report
-                label
-                for label, r in zip(_labels(specs, chosen), results, strict=True)
-                if not isinstance(r, CompileError)
-            ],
+            "labels": labels,
             "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
         }
         if chosen is not None:

@@ -23,6 +23,7 @@ import jax
 
 from remat_kit import targets as T
 from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.reading import residual_hints
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.runner import Job, add_offload_jobs, run_jobs
 from remat_kit.memory.xla_compile import CompileError
@@ -245,6 +246,7 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
         if residuals is None
         else sum(r.nbytes for r in residuals if r.memory == "host"),
         model=program.name,
+        hints=residual_hints(residuals or ()),
         visible=visible,
         notes=_spec_notes(setup, spec),
         flops_traced=traced_flops(pure.fn, *pure.args) if spec.wrap else None,

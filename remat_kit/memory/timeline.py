@@ -14,10 +14,12 @@ GiB at the true peak).
 Each slot's run of aliasing values is given one category: ``params``, ``opt_state``, ``batch``
 (or another argument name), ``gradients`` (parameter-shaped values made by the backward pass or
 the update), ``residual:<tag>`` (values made in the forward pass and still live when the
-backward pass starts: saved residuals, named by checkpoint tag, or by the operation that made
-them when untagged), ``logits`` (the logits, their float32 copies, softmax and gradient), and
-``temporaries`` (everything else: XLA's scratch buffers). Phases (forward, backward, optimizer)
-are read from the JAX ``op_name`` of the instructions (``transpose(...)`` marks the backward).
+backward pass starts: saved residuals, named by checkpoint tag where the jaxpr walker's residual
+rows of that shape or the instruction's ``op_name`` carry one, else ``residual:untagged``;
+small tags merged into ``residual:other``), ``logits`` (the logits, their float32 copies,
+softmax and gradient), and ``temporaries`` (everything else: XLA's scratch buffers). Phases
+(forward, backward, optimizer) are read from the JAX ``op_name`` of the instructions
+(``transpose(...)`` marks the backward).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ MAX_RESIDUAL_CATEGORIES = 8
 #: ... and so are those never above this fraction of the peak.
 SMALL_FRACTION = 0.002
 TOP_BUFFERS = 10
+#: The residual category of values under no checkpoint name (whatever operation made them).
+UNTAGGED = "untagged"
 
 _RANGE_LINE = re.compile(r"^\s+([\w.\-]+)(\{[0-9,]*\}):(\d+)-(\d+)$")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _ARGUMENT_CATEGORIES = ("params", "opt_state")
-_PLUMBING = ("dynamic_update_slice", "dynamic_slice", "broadcast_in_dim", "while", "copy")
 
 
 class NamingHints(Protocol):
@@ -294,22 +297,32 @@ def _argument_category(op: str) -> str:
 
 
 def _residual_name(ops: Sequence[str], shapes: Sequence[str], hints: NamingHints | None) -> str:
+    """A residual buffer's category after ``residual:``: the checkpoint names of the residuals
+    of its shape (``hints.stacked``, from the jaxpr walker), else a tag in its JAX ``op_name``
+    (a module named after its tag), else ``untagged``."""
     stacked = hints.stacked if hints is not None else {}
     for shape in shapes:
         if shape in stacked:
-            return "|".join(stacked[shape])
-    tags = set(N.CHECKPOINT_NAMES) | {"lm_head", "embed"}
+            names = dict.fromkeys(_tag_or_untagged(t) for t in stacked[shape])
+            return "|".join(sorted(names, key=lambda t: t == UNTAGGED))  # tags first
+    tags = set(N.CHECKPOINT_NAMES) | {"lm_head", "embed"} | _hinted_tags(hints)
     specific = sorted((o for o in ops if o), key=lambda o: -o.count("/"))
     for op in specific:
         parts = op.split("/")
         for part in reversed(parts[:-1]):
             if part in tags:
                 return part
-    for op in specific:
-        prim = re.sub(r"\W+$", "", op.split("/")[-1])
-        if prim and not any(p in prim for p in _PLUMBING):
-            return prim
-    return "other"
+    return UNTAGGED
+
+
+def _tag_or_untagged(tag: str) -> str:
+    """A residual row's tag, or ``untagged`` for an untagged row (``"<mul>"``)."""
+    return UNTAGGED if tag.startswith("<") else tag
+
+
+def _hinted_tags(hints: NamingHints | None) -> set[str]:
+    stacked = hints.stacked if hints is not None else {}
+    return {t for tags in stacked.values() for t in tags if not t.startswith("<")}
 
 
 @dataclasses.dataclass(frozen=True)

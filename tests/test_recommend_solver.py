@@ -107,6 +107,11 @@ def test_the_observed_error_rules_choices_out():
     assert model_error([(("recompute", "recompute"), 1.0, 5, 1.0, 5)]) == (None, 0.0)
 
 
+def test_unmeasured_error_rules_out_choices_adding_bytes_when_save_nothing_does_not_fit():
+    summary, compiler, notes = _solve([ATTN_IN, MLP_UP], 16 * MIB, {"mlp_up": 2 * MIB})
+    assert compiler.compiled == [] and summary.verified == () and not notes
+
+
 def test_the_choices_left_are_named_with_the_reason():
     summary, compiler, notes = _solve([ATTN_IN, MLP_UP], 20 * MIB, {"mlp_up": 2 * MIB}, room=0)
     assert summary.verified == () and compiler.compiled == []

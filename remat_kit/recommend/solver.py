@@ -188,14 +188,16 @@ def _could_win(
     model: ChoiceModel, points: Sequence[_Point], budget: int, best_s: float | None
 ) -> list[tuple]:
     """The uncompiled choices, best predicted first, that could fit ``budget`` and beat the
-    fastest fitting compiled step ``best_s`` (seconds) at the model's observed error (an
-    unmeasured peak error rules nothing out on memory)."""
+    fastest fitting compiled step ``best_s`` (seconds) at the model's observed error. While the
+    peak error is unmeasured, a choice's prediction may be off by all it adds to or takes from
+    save-nothing's peak (so a choice adding bytes is ruled out only when save-nothing itself
+    does not fit)."""
     peak_err, time_err = model_error(points)
     done = {p[0] for p in points}
     return [
         r for r in _distinct_choices(model.ranked)
         if r[4] not in done
-        and (peak_err is None or r[2] - peak_err <= budget)
+        and r[2] - (abs(r[2] - model.peak0) if peak_err is None else peak_err) <= budget
         and (best_s is None or r[0] * (1.0 - time_err) < best_s)
     ]  # fmt: skip
 

@@ -132,9 +132,10 @@ def _lines(rec: Recommendation) -> list[str]:
         lines.append(f"checkpoint tags the program emits: {', '.join(rec.tags) or 'none'}")
     if rec.solve is not None:
         s = rec.solve
+        err = "unmeasured" if s.peak_slack_bytes is None else _gib(s.peak_slack_bytes)
         lines.append(
             f"solve: {s.combinations} per-tag choices enumerated, {s.predicted_fit} predicted to "
-            f"fit (slack {_gib(s.peak_slack_bytes)}), {len(s.verified)} compiled"
+            f"fit within the model's observed peak error ({err}), {len(s.verified)} compiled"
         )
     lines.append(f"compiles: {rec.compiles} (+{rec.reused} reused), {rec.wall_s:.1f} s")
     lines += [f"note: {n}" for n in rec.notes]

@@ -32,7 +32,8 @@ Host-link figures: :func:`host_link_source`.
    batch: extrapolate, compile, bracket, bisect), and the tokens per second each would give.
 4. ``solve=True``: a per-tag choice (recompute, save, offload), found by enumerating every
    combination (3^9 = 19,683 for a SwiGLU block) under an additive model, then verified by
-   compiling the best predicted few (see :func:`solve_tags`).
+   compiling, predicted-fastest first, those that could still beat the pick at the model's
+   error observed on the compiles so far (see :func:`solve_tags`).
 5. ``structure`` (fixed batch; on by default when ``policies`` is not given): when nothing fits,
    cuDNN flash attention (where the target has it), then chunked cross-entropy, then both,
    then nested remat (sqrt(L) checkpointed groups of layers), alone and with the others, on

@@ -39,14 +39,7 @@ from remat_kit.policies import (
 from remat_kit.program import Program
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
 from remat_kit.recommend.session import counting, to_candidate
-from remat_kit.recommend.solver import (
-    SOLVE_ROUNDS,
-    SOLVE_VERIFY,
-    _calibration,
-    _distinct_choices,
-    _options,
-    _ranked_choices,
-)
+from remat_kit.recommend.solver import ChoiceModel, verify_choices
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
 from remat_kit.residuals import bytes_by_tag, group_by_tag, saved_residuals
@@ -67,6 +60,9 @@ class _Run:
     workers: int | None
     max_compiles: int
     notes: list[str]
+    margin: float = DEFAULT_MARGIN
+    #: Registered policies cut down to the emitted tags (compiled as custom specs).
+    derived: frozenset[PolicySpec] = frozenset()
 
 
 def program_specs(
@@ -74,10 +70,11 @@ def program_specs(
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
     tags: frozenset[str],
     program: str,
-) -> tuple[list[PolicySpec], list[str]]:
-    """The policies worth compiling on a program emitting ``tags``, and what was skipped or
-    restricted (see the module docstring). A user's own spec is kept as given (the analyzer
-    checks its tags against the emitted ones).
+) -> tuple[list[PolicySpec], list[str], frozenset[PolicySpec]]:
+    """The policies worth compiling on a program emitting ``tags``, what was skipped or
+    restricted (see the module docstring), and the custom specs registered policies were cut
+    down to. A user's own spec is kept as given (the analyzer checks its tags against the
+    emitted ones).
 
     Raises:
       ValueError: unknown policy; nothing left to compile.
@@ -93,7 +90,7 @@ def program_specs(
         notes.append(f"not compiled: {', '.join(no_host)} (offload; {target.name} does not)")
     if not specs:
         raise ValueError(f"no policy given can act on {program} (emits: {', '.join(sorted(tags))})")
-    return specs, notes
+    return specs, notes, frozenset(cut for _, cut in fit.restricted)
 
 
 def _compile(run: _Run, specs: Sequence[PolicySpec], found_by: str) -> list[Named]:
@@ -105,6 +102,8 @@ def _compile(run: _Run, specs: Sequence[PolicySpec], found_by: str) -> list[Name
     out = []
     for spec, report in zip(specs, reports, strict=True):
         c = to_candidate(report, spec, run.target, run.budget, run.notes, found_by)
+        if c is not None and found_by == "named" and spec in run.derived:
+            c = dataclasses.replace(c, found_by="named")  # a named policy, cut down
         if c is not None:
             out.append((spec, c, report))
     return out
@@ -139,7 +138,8 @@ def program_tag_costs(program: Program, tags: frozenset[str]) -> tuple[list[TagC
 
 def solve_program(run: _Run, named: list[Named], compiles: Any) -> SolveSummary | None:
     """Per-tag choices over the emitted tags (see :func:`~.solver.solve_tags` for the model),
-    the best predicted compiled; None, with a note, without a loss or a compiled save-nothing."""
+    those that could beat the pick compiled (:func:`~.solver.verify_choices`); None, with a
+    note, without a loss or a compiled save-nothing."""
     if run.program.make_loss is None:
         run.notes.append("solve skipped: it needs the program's loss for residuals by tag")
         return None
@@ -156,56 +156,51 @@ def solve_program(run: _Run, named: list[Named], compiles: Any) -> SolveSummary 
         return None
     costs, fj0 = program_tag_costs(run.program, run.tags)
     actions = TAG_ACTIONS if run.target.supports_host_offload else ("save", "recompute")
-    scale = (sn.flops or fj0) / fj0 if fj0 else 1.0
-    calibration = _calibration(costs, named, sn.peak_bytes)
-    slack = max([0] + [p - c for _, p, c in calibration])
-    ranked, combos = _ranked_choices(
-        run.target, costs, _options(costs, actions), sn.peak_bytes, fj0, scale,
-        sn.flops_no_remat or 0.0, run.budget + slack,
-    )  # fmt: skip
-    distinct = _distinct_choices(ranked)
-    verified: list[Candidate] = []
-    for r in range(SOLVE_ROUNDS):
-        room = max(0, run.max_compiles - compiles.count)
-        todo = distinct[r * SOLVE_VERIFY : r * SOLVE_VERIFY + min(SOLVE_VERIFY, room)]
-        if not todo:
-            if r * SOLVE_VERIFY < len(distinct):
-                run.notes.append("solve: compile cap reached before a verified fit")
-            break
-        specs = [
-            custom_spec({tc.tag: a for tc, a in zip(costs, ch, strict=True) if a != "recompute"})
-            for *_, ch in todo
-        ]
-        predicted = {spec: (t, p) for spec, (t, _, p, _, _) in zip(specs, todo, strict=True)}
-        for spec, c, _ in _compile(run, specs, "solve"):
-            t_pred, p_pred = predicted[spec]
-            verified.append(
-                dataclasses.replace(c, predicted_peak_bytes=p_pred, predicted_step_time_s=t_pred)
-            )
-        if any(c.fits for c in verified):
-            break
-    return SolveSummary(
-        tags=tuple(costs), actions=tuple(actions), combinations=combos,
-        predicted_fit=len(ranked), peak_slack_bytes=int(slack), flops_scale=scale,
-        verified=tuple(verified), calibration=tuple(calibration),
-    )  # fmt: skip
+    model = ChoiceModel.around(run.target, costs, actions, sn, fj0)
+
+    def compile_specs(specs: Sequence[PolicySpec]) -> list[Candidate | None]:
+        found = {spec: c for spec, c, _ in _compile(run, specs, "solve")}
+        return [found.get(spec) for spec in specs]
+
+    def room() -> int:
+        return max(0, run.max_compiles - compiles.count)
+
+    return verify_choices(model, named, run.budget, compile_specs, room, run.notes)
 
 
 def program_advice(run: _Run, candidates: Sequence[Candidate]) -> list[str]:
-    """When nothing fits: the least-memory candidate, the budget it needs (compiled), and what
-    to change in the program."""
+    """When nothing fits: the least-memory candidate and the budget it needs (compiled), then
+    only what can be done for a program (its factory's shapes, a GPU with more memory, sharding
+    inside its own step); no command that takes presets only (``analyze --devices/--mesh``)."""
     if not candidates:
         return ["no candidate compiled (see the notes)"]
     least = min(candidates, key=lambda c: (c.peak_bytes, c.step_time_s))
-    return [
+    lines = [
         f"the least-memory configuration, {least.label}, peaks at {_gib(least.peak_bytes)}: "
         f"{_gib(least.peak_bytes - run.budget)} over the budget; a budget of "
         f"{_gib(least.peak_bytes)} fits it (compiled)",
         f"smaller batch or shorter sequence: change the argument shapes {run.program.name!r} "
         "is built with (its factory) and run recommend again",
-        "more devices: shard parameters and optimizer state in the program (FSDP) and check it "
-        "with remat-kit analyze",
     ]
+    usable = run.target.memory_bytes and run.target.memory_bytes * (1 - run.margin)
+    if not usable or usable < least.peak_bytes:
+        bigger = [
+            t.name for t in sorted(T.TARGETS.values(), key=lambda t: t.memory_bytes or 0)
+            if t.memory_bytes and t.peak_flops_bf16 and t.name != run.target.name
+            and t.memory_bytes * (1 - run.margin) >= least.peak_bytes
+        ]  # fmt: skip
+        if bigger:
+            lines.append(
+                f"a GPU with more memory: {', '.join(bigger)} (memory less the "
+                f"{run.margin:.0%} margin holds {_gib(least.peak_bytes)}); run recommend again "
+                f"with --target {bigger[0]} (it compiles there anew)"
+            )
+    lines.append(
+        "more devices: shard parameters and optimizer state inside the program's own step "
+        "(FSDP with jax.sharding); recommend and analyze compile a program on one device "
+        "as given, so they cannot check that sharding for you"
+    )
+    return lines
 
 
 def recommend_program(
@@ -236,9 +231,11 @@ def recommend_program(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
-    specs, notes = program_specs(tgt, policies, tags, f"program {program.name!r}")
+    specs, notes, derived = program_specs(tgt, policies, tags, f"program {program.name!r}")
     cap = max_compiles if max_compiles is not None else 2 * len(specs)
-    run = _Run(program, tgt, budget_bytes, tags, workers, max(cap, len(specs)), notes)
+    run = _Run(
+        program, tgt, budget_bytes, tags, workers, max(cap, len(specs)), notes, margin, derived
+    )
     fn = program.step(get_policy_spec("no-remat")).fn
     name = getattr(fn, "__name__", "step")
     summary = None

@@ -16,7 +16,7 @@ import jax.monitoring
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.models.config import PRESETS, ModelConfig
-from remat_kit.policies import PolicySpec
+from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.recommend.timing import step_time
 from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
@@ -187,6 +187,15 @@ def preset_name(config: ModelConfig) -> str | None:
     return config.name if same == preset else None
 
 
+def given_by(spec: PolicySpec) -> FoundBy:
+    """What a policy given to recommend is: ``named`` (a registered policy as registered),
+    ``per-tag`` (a per-tag spec: ``--policy q=save,k=offload`` or :func:`custom_spec`), or
+    ``given`` (a user's own :class:`PolicySpec` under another name)."""
+    if spec.name in policy_names() and get_policy_spec(spec.name) == spec:
+        return "named"
+    return "per-tag" if spec.name == "custom" else "given"
+
+
 def to_candidate(
     report: Any,
     spec: PolicySpec,
@@ -200,7 +209,8 @@ def to_candidate(
 ) -> Candidate | None:
     """A compiled report as a :class:`Candidate` timed by :func:`~.timing.step_time`; None, with
     a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
-    program (it carries its own shapes; ``tokens_per_s`` is then None)."""
+    program (it carries its own shapes; ``tokens_per_s`` is then None). ``found_by="named"``
+    (the policies given) becomes :func:`given_by` of ``spec``."""
     actions = None
     if spec.name == "custom":
         actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
@@ -235,6 +245,6 @@ def to_candidate(
         step_time_s=total,
         tokens_per_s=tokens,
         fits=report.peak_bytes <= budget,
-        found_by=found_by,
+        found_by=given_by(spec) if found_by == "named" else found_by,
         warnings=tuple(report.warnings),
     )

@@ -1,11 +1,13 @@
 """The per-tag solver of recommend (``solve=True``): an additive model of bytes and FLOPs per
-checkpoint tag, every combination of actions enumerated, the best predicted few compiled."""
+checkpoint tag, every combination of actions enumerated, those that could beat the pick at the
+model's observed error compiled (:func:`verify_choices`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from remat_kit import targets as T
@@ -23,10 +25,11 @@ from remat_kit.training.step import (
     make_optimizer,
     make_train_step,
 )
+from remat_kit.units import format_bytes
 
-#: Custom-policy candidates compiled per verification round of :func:`solve_tags`.
+#: Custom-policy candidates compiled per verification round of :func:`verify_choices`.
 SOLVE_VERIFY = 3
-#: Verification rounds of :func:`solve_tags` before it gives up.
+#: Verification rounds of :func:`verify_choices` at most (a note names the choices left).
 SOLVE_ROUNDS = 2
 
 
@@ -99,35 +102,193 @@ def solve_tags(
     ``scale`` = compiled / jaxpr FLOPs of ``save-nothing`` (what XLA adds on its own). Every
     choice is enumerated (the search is exact under the model; 3^9 = 19,683 for a SwiGLU block,
     fewer once choices that cannot help are dropped: saving a tag that saves no FLOPs, such as
-    ``mlpwo`` or the segment input at group size 1). The choices predicted to fit within
-    ``budget + slack`` are ranked by predicted step time, then (on ties: transfers fully hidden)
-    host bytes, then device peak; choices equal in all three are one candidate (``mlpwi_0`` and
-    ``mlpwi_1`` swapped). They are compiled in that order, :data:`SOLVE_VERIFY` per round, at
-    most :data:`SOLVE_ROUNDS` rounds, stopping after the first round with a fit. ``slack`` is
-    the model's largest overestimate of a compiled named policy it can express, so a choice the
-    compiler would fit is not dropped for the model's pessimism; a choice it underestimates is
-    caught by the compile. Only compiled candidates are returned.
+    ``mlpwo`` or the segment input at group size 1), ranked by predicted step time, then (on
+    ties: transfers fully hidden) host bytes, then device peak; choices equal in all three are
+    one candidate (``mlpwi_0`` and ``mlpwi_1`` swapped). Which are compiled:
+    :func:`verify_choices` (the model's observed error decides). Only compiled candidates are
+    returned.
     """
     costs, fj0 = tag_costs(session.config, batch, session.seq_len, session.optimizer)
     actions = TAG_ACTIONS if session.target.supports_host_offload else ("save", "recompute")
-    peak0 = save_nothing.peak_bytes
-    scale = (save_nothing.flops or fj0) / fj0 if fj0 else 1.0
-    calibration = _calibration(costs, named, peak0)
-    slack = max([0] + [p - c for _, p, c in calibration])
-    ranked, combos = _ranked_choices(
-        session.target, costs, _options(costs, actions), peak0, fj0, scale,
-        save_nothing.flops_no_remat or 0.0, session.budget + slack,
-    )  # fmt: skip
+    model = ChoiceModel.around(session.target, costs, actions, save_nothing, fj0)
+    g0 = session.config.remat_group_size
+
+    def compile_specs(specs: Sequence[PolicySpec]) -> list[Candidate | None]:
+        reports = session.evaluate(specs, g0, batch)
+        return [
+            session.candidate(r, s, g0, batch, "solve", session.seq_len)
+            for s, r in zip(specs, reports, strict=True)
+        ]
+
+    return verify_choices(model, named, session.budget, compile_specs, session.room, session.notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceModel:
+    """The additive model of :func:`solve_tags` around a compiled ``save-nothing``: per-tag
+    costs, the actions allowed, and every choice ranked (see :func:`_ranked_choices`).
+    ``peak0``: save-nothing's compiled peak (bytes); ``fj0``: its jaxpr FLOPs; ``scale``:
+    compiled / jaxpr FLOPs; ``combinations``: how many choices were enumerated."""
+
+    target: T.Target
+    costs: tuple[TagCost, ...]
+    actions: tuple[str, ...]
+    peak0: int
+    fj0: float
+    scale: float
+    flops_no_remat: float
+    ranked: tuple[tuple, ...]
+    combinations: int
+
+    @classmethod
+    def around(
+        cls, target: T.Target, costs: Sequence[TagCost], actions: Sequence[str],
+        save_nothing: Candidate, fj0: float,
+    ) -> ChoiceModel:  # fmt: skip
+        """Enumerate and rank every choice around the compiled ``save_nothing``."""
+        scale = (save_nothing.flops or fj0) / fj0 if fj0 else 1.0
+        peak0, fnr = save_nothing.peak_bytes, save_nothing.flops_no_remat or 0.0
+        ranked, combos = _ranked_choices(
+            target, costs, _options(costs, actions), peak0, fj0, scale, fnr, math.inf
+        )
+        return cls(
+            target, tuple(costs), tuple(actions), peak0, fj0, scale, fnr, tuple(ranked), combos
+        )
+
+    def predict(self, choice: Sequence[str]) -> tuple[float, int]:
+        """(predicted step seconds, predicted device peak bytes) of ``choice``."""
+        peak, host, saved = _predict(self.costs, choice, self.peak0)
+        compute, transfer = step_time(
+            self.target, (self.fj0 - saved) * self.scale, self.flops_no_remat, host
+        )
+        return compute + transfer, peak
+
+    def actions_of(self, choice: Sequence[str]) -> dict[str, str]:
+        """The kept tags of ``choice`` and their actions (recomputed tags left out)."""
+        pairs = zip(self.costs, choice, strict=True)
+        return {tc.tag: a for tc, a in pairs if a != "recompute"}
+
+
+#: A compiled choice: (choice, predicted s, predicted peak bytes, compiled s, compiled peak bytes).
+_Point = tuple[tuple[str, ...], float, int, float, int]
+
+
+def model_error(points: Sequence[_Point]) -> tuple[int | None, float]:
+    """The model's observed error over compiled choices other than recompute-everything (the
+    anchor, exact by construction): the largest |compiled - predicted| peak (bytes; None when
+    no such choice was compiled: unmeasured), and the largest relative step-time error (0.0
+    when unmeasured)."""
+    informative = [p for p in points if any(a != "recompute" for a in p[0])]
+    peak_err = max((abs(p[4] - p[2]) for p in informative), default=None)
+    time_err = max((abs(p[3] - p[1]) / p[1] for p in informative if p[1] > 0), default=0.0)
+    return peak_err, time_err
+
+
+def _could_win(
+    model: ChoiceModel, points: Sequence[_Point], budget: int, best_s: float | None
+) -> list[tuple]:
+    """The uncompiled choices, best predicted first, that could fit ``budget`` and beat the
+    fastest fitting compiled step ``best_s`` (seconds) at the model's observed error. While the
+    peak error is unmeasured, a choice's prediction may be off by all it adds to or takes from
+    save-nothing's peak (so a choice adding bytes is ruled out only when save-nothing itself
+    does not fit)."""
+    peak_err, time_err = model_error(points)
+    done = {p[0] for p in points}
+    return [
+        r for r in _distinct_choices(model.ranked)
+        if r[4] not in done
+        and r[2] - (abs(r[2] - model.peak0) if peak_err is None else peak_err) <= budget
+        and (best_s is None or r[0] * (1.0 - time_err) < best_s)
+    ]  # fmt: skip
+
+
+def verify_choices(
+    model: ChoiceModel,
+    named: Sequence[tuple[PolicySpec, Candidate, Any]],
+    budget: int,
+    compile_specs: Callable[[Sequence[PolicySpec]], list[Candidate | None]],
+    room: Callable[[], int],
+    notes: list[str],
+) -> SolveSummary:
+    """Compile the per-tag choices that could beat the pick, calibrating the model as they come.
+
+    The model's error (:func:`model_error`) is measured on every compiled choice it can
+    express: the named policies selecting by tag, then each solve compile. Each round compiles
+    the :data:`SOLVE_VERIFY` predicted-fastest uncompiled choices whose predicted peak is within
+    that error of ``budget`` and whose predicted time, less that relative error, beats the
+    fastest fitting compiled candidate (:func:`_could_win`); at most :data:`SOLVE_ROUNDS`
+    rounds and ``room()`` compiles. It stops when no uncompiled choice could beat the pick;
+    otherwise a note names those left and why. A choice a named policy already compiled is not
+    compiled again. ``compile_specs``: candidates of the specs (None for a failed compile).
+    """
+    calibration, points = [], []
+    for spec, c, _ in named:
+        choice = _named_choice(model.costs, spec)
+        if choice is not None:
+            t_pred, p_pred = model.predict(choice)
+            calibration.append((spec.name, p_pred, c.peak_bytes))
+            points.append((choice, t_pred, p_pred, c.step_time_s, c.peak_bytes))
+    fitting = [c.step_time_s for _, c, _ in named if c.fits]
+    best_s = min(fitting) if fitting else None
+    verified: list[Candidate] = []
+    failed: set[tuple[str, ...]] = set()
+    for _ in range(SOLVE_ROUNDS):
+        todo = [r for r in _could_win(model, points, budget, best_s) if r[4] not in failed]
+        todo = todo[: min(SOLVE_VERIFY, room())]
+        if not todo:
+            break
+        specs = [custom_spec(model.actions_of(r[4])) for r in todo]
+        for r, c in zip(todo, compile_specs(specs), strict=True):
+            if c is None:
+                failed.add(r[4])
+                continue
+            points.append((r[4], r[0], r[2], c.step_time_s, c.peak_bytes))
+            verified.append(
+                dataclasses.replace(c, predicted_peak_bytes=r[2], predicted_step_time_s=r[0])
+            )
+            if c.fits:
+                best_s = c.step_time_s if best_s is None else min(best_s, c.step_time_s)
+    left = [r for r in _could_win(model, points, budget, best_s) if r[4] not in failed]
+    _note_left(model, left, room(), notes)
+    if not verified and not left and not failed and best_s is not None:
+        notes.append(
+            f"solve: no per-tag choice could beat the fastest fitting candidate ({best_s * 1e6:.3g}"
+            " us) at the model's observed error; none compiled"
+        )
+    peak_err, _ = model_error(points)
     return SolveSummary(
-        tags=tuple(costs),
-        actions=tuple(actions),
-        combinations=combos,
-        predicted_fit=len(ranked),
-        peak_slack_bytes=int(slack),
-        flops_scale=scale,
-        verified=tuple(_verify(session, costs, _distinct_choices(ranked), batch)),
+        tags=model.costs, actions=model.actions, combinations=model.combinations,
+        predicted_fit=sum(r[2] <= budget + (peak_err or 0) for r in model.ranked),
+        peak_slack_bytes=peak_err, flops_scale=model.scale, verified=tuple(verified),
         calibration=tuple(calibration),
+    )  # fmt: skip
+
+
+def _note_left(model: ChoiceModel, left: Sequence[tuple], room: int, notes: list[str]) -> None:
+    """A note naming the uncompiled choices that could still beat the pick, and why."""
+    if not left:
+        return
+    why = "compile cap reached" if room <= 0 else f"{SOLVE_ROUNDS} rounds of {SOLVE_VERIFY} spent"
+
+    def label(choice: Sequence[str]) -> str:
+        acts = model.actions_of(choice)
+        return "; ".join(f"{a} {t}" for t, a in acts.items()) or "recompute all"
+
+    shown = "; ".join(
+        f"[{label(r[4])}] predicted {format_bytes(r[2])}, {r[0] * 1e6:.3g} us" for r in left[:3]
     )
+    more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+    notes.append(
+        f"solve: {len(left)} per-tag choice(s) that could still beat the pick at the model's "
+        f"observed error not compiled ({why}): {shown}{more}"
+    )
+
+
+def _named_choice(costs: Sequence[TagCost], spec: PolicySpec) -> tuple[str, ...] | None:
+    """The per-tag choice a named policy makes, when the model can express it."""
+    if spec.base == "names" and spec.wrap and spec.tags <= {tc.tag for tc in costs}:
+        return tuple(spec.action(tc.tag) for tc in costs)
+    return None
 
 
 def _options(costs: Sequence[TagCost], actions: Sequence[str]) -> list[list[str]]:
@@ -142,19 +303,6 @@ def _options(costs: Sequence[TagCost], actions: Sequence[str]) -> list[list[str]
             opts.append("offload")
         choices.append(opts)
     return choices
-
-
-def _calibration(
-    costs: Sequence[TagCost], named: Sequence[tuple[PolicySpec, Candidate, Any]], peak0: int
-) -> list[tuple[str, int, int]]:
-    """(policy, predicted peak, compiled peak) of the named policies the model can express."""
-    known = {tc.tag for tc in costs}
-    calibration = []
-    for spec, c, _ in named:
-        if spec.base == "names" and spec.wrap and spec.tags <= known:
-            predicted, _, _ = _predict(costs, [spec.action(tc.tag) for tc in costs], peak0)
-            calibration.append((spec.name, predicted, c.peak_bytes))
-    return calibration
 
 
 def _ranked_choices(
@@ -193,39 +341,6 @@ def _distinct_choices(ranked: Sequence[tuple]) -> list[tuple]:
             seen.add(r[:3])
             distinct.append(r)
     return distinct
-
-
-def _verify(
-    session: Session, costs: Sequence[TagCost], distinct: Sequence[tuple], batch: int
-) -> list[Candidate]:
-    """Compile the best predicted choices, :data:`SOLVE_VERIFY` per round, at most
-    :data:`SOLVE_ROUNDS` rounds, stopping after the first round with a fit."""
-    g0 = session.config.remat_group_size
-    verified: list[Candidate] = []
-    tried = 0
-    for _ in range(SOLVE_ROUNDS):
-        todo = distinct[tried : tried + min(SOLVE_VERIFY, session.room())]
-        if not todo:
-            if tried < len(distinct):
-                session.notes.append("solve: compile cap reached before a verified fit")
-            break
-        tried += len(todo)
-        specs = [
-            custom_spec({tc.tag: a for tc, a in zip(costs, ch, strict=True) if a != "recompute"})
-            for *_, ch in todo
-        ]
-        reports = session.evaluate(specs, g0, batch)
-        for (t_pred, _, p_pred, _, _), spec, report in zip(todo, specs, reports, strict=True):
-            c = session.candidate(report, spec, g0, batch, "solve", session.seq_len)
-            if c is not None:
-                verified.append(
-                    dataclasses.replace(
-                        c, predicted_peak_bytes=p_pred, predicted_step_time_s=t_pred
-                    )
-                )
-        if any(c.fits for c in verified):
-            break
-    return verified
 
 
 def solve(

@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 #: Which stage of the search compiled a candidate.
 FoundBy = Literal[
-    "named", "group-size", "batch-search", "solve", "advice", "structure", "partial-layers"
+    "named",
+    "per-tag",
+    "given",
+    "group-size",
+    "batch-search",
+    "solve",
+    "advice",
+    "structure",
+    "partial-layers",
 ]
 #: Structural ``ModelConfig`` overrides of a candidate, as sorted ``(field, value)`` pairs
 #: (``attention``, ``loss_chunk_size``, ``nested_groups``, ``nested_remat``, ``remat_layers``);
@@ -34,7 +42,9 @@ class Candidate:
       compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
       tokens_per_s: ``batch_size * seq_len / step_time_s`` (None for a user's program).
       fits: ``peak_bytes <= budget``.
-      found_by: which stage compiled it (``named``, ``group-size``, ``batch-search``, ``solve``,
+      found_by: which stage compiled it (the policies given: ``named`` a registered policy,
+        ``per-tag`` a per-tag spec, ``given`` a user's own spec; ``group-size``,
+        ``batch-search``, ``solve``,
         ``structure``: cuDNN attention / chunked loss; ``partial-layers``: fewer layers remat).
       predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
       warnings: compiler messages (XLA's own rematerialisation, ...).
@@ -178,9 +188,12 @@ class SolveSummary:
       tags: the model's per-tag costs.
       actions: the actions allowed per tag (offload only on targets where it is real).
       combinations: how many per-tag choices were enumerated (all of them: the search is exact
-        under the model). predicted_fit: how many the model predicted to fit (within the slack).
-      peak_slack_bytes: how far above the budget a prediction may be and still be compiled: the
-        model's largest overestimate of a compiled named policy (0 if it never overestimated).
+        under the model). predicted_fit: how many the model predicted to fit within its observed
+        peak error of the budget.
+      peak_slack_bytes: the model's observed peak error: the largest |compiled - predicted| peak
+        (bytes) over the compiled choices it can express other than recompute-everything (named
+        policies selecting by tag, solve compiles); a choice predicted within it of the budget
+        may be compiled. None when no such choice was compiled (unmeasured).
       flops_scale: compiled / jaxpr FLOPs of ``save-nothing``: predictions are scaled by it.
       verified: the custom candidates compiled, best predicted first.
       calibration: (policy, predicted peak, compiled peak) for the named policies the model can
@@ -191,7 +204,7 @@ class SolveSummary:
     actions: tuple[str, ...]
     combinations: int
     predicted_fit: int
-    peak_slack_bytes: int
+    peak_slack_bytes: int | None
     flops_scale: float
     verified: tuple[Candidate, ...]
     calibration: tuple[tuple[str, int, int], ...]

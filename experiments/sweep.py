@@ -6,8 +6,9 @@ otherwise. Rows go to ``runs/<config name>/sweep.jsonl`` (git-ignored; the commi
 ``experiments/results/cpu/`` was written with ``--out``) as each point finishes;
 at the end the summary table is printed and written beside them (``summary.md``) with the
 figures (:func:`remat_kit.plots.save_figures`): ``pareto.png`` (peak memory against step time,
-one point per policy, frontier drawn), ``pareto_analysis.png``, ``slowdown_vs_flops.png``,
-``memory_breakdown.png``; with option grids (rows of one shape differing in ``overrides``,
+one point per policy, frontier drawn), ``slowdown_vs_flops.png``, ``memory_breakdown.png``;
+``pareto_analysis.png`` when the config has analysis-only points (a program sweep has none);
+with option grids (rows of one shape differing in ``overrides``,
 ``--config options``) also ``options.png`` and an options table in ``summary.md``.
 
 Command (the default CPU config: ~6 CPU-minutes; the committed run took 4 min 43 s on 2 cores

@@ -513,12 +513,14 @@ def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) 
     console = console or Console()
     for title, header, body in summary_lines(rows):
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-        # figures keep their full width (a header wraps at its spaces); the policy column folds
-        widths = [
-            max([len(line[i]) for line in body] + [len(w) for w in h.split()])
-            for i, h in enumerate(header)
-        ]
+        # figures keep their full width; the policy column folds; when the console is narrow,
+        # headers wrap at their spaces
+        cells = [max(len(line[i]) for line in body) if body else 0 for i in range(len(header))]
+        widths = [max(c, len(h)) for c, h in zip(cells, header, strict=True)]
         label = min(_MIN_LABEL_WIDTH, widths[0])
+        if label + sum(widths[1:]) + 3 * len(header) + 1 > console.width:
+            words = [max(len(w) for w in h.split()) for h in header]
+            widths = [max(c, w) for c, w in zip(cells, words, strict=True)]
         table.add_column(header[0], overflow="fold", min_width=label)
         for h, w in zip(header[1:], widths[1:], strict=True):
             table.add_column(h, justify="right", overflow="fold", width=w)

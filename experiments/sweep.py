@@ -6,8 +6,9 @@ otherwise. Rows go to ``runs/<config name>/sweep.jsonl`` (git-ignored; the commi
 ``experiments/results/cpu/`` was written with ``--out``) as each point finishes;
 at the end the summary table is printed and written beside them (``summary.md``) with the
 figures (:func:`remat_kit.plots.save_figures`): ``pareto.png`` (peak memory against step time,
-one point per policy, frontier drawn), ``pareto_analysis.png``, ``slowdown_vs_flops.png``,
-``memory_breakdown.png``; with option grids (rows of one shape differing in ``overrides``,
+one point per policy, frontier drawn), ``slowdown_vs_flops.png``, ``memory_breakdown.png``;
+``pareto_analysis.png`` when the config has analysis-only points (a program sweep has none);
+with option grids (rows of one shape differing in ``overrides``,
 ``--config options``) also ``options.png`` and an options table in ``summary.md``.
 
 Command (the default CPU config: ~6 CPU-minutes; the committed run took 4 min 43 s on 2 cores
@@ -41,6 +42,8 @@ module, file or factory that cannot be loaded, a factory not returning a Program
 ``--data`` / ``--mesh`` beside it, a ``--policy`` naming a tag the program does not emit, or no
 policy acting on its tags).
 
+Ctrl-C: one line (``interrupted: N rows kept in FILE; --resume continues``), exit 130.
+
 Crash safety: each row is one write, flushed and fsync-ed, as its point finishes. Killed at any
 moment, ``--resume`` keeps every finished row, drops a torn last line, runs only the missing
 points, and rebuilds ``summary.md`` and the figures from all the rows (they are written to a
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -116,8 +120,9 @@ _PRESET_ONLY = ("config", "data", "max_data_bytes", "mesh", "coordinator", "num_
                 "process_id")  # fmt: skip
 
 
-def _program_sweep(args: argparse.Namespace, console):
-    """``--model``: load the program and sweep it (:func:`remat_kit.sweep.run_program_sweep`).
+def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
+    """``--model``: load the program and sweep it (:func:`remat_kit.sweep.run_program_sweep`);
+    the results file is appended to ``where`` before the sweep starts.
 
     Raises:
       ValueError: a preset-sweep option given with ``--model``; a program that cannot be
@@ -139,6 +144,7 @@ def _program_sweep(args: argparse.Namespace, console):
         )
     program = load_program(args.model)
     out = Path(args.out) if args.out else RUNS / program.name / "sweep.jsonl"
+    where.append(out)
     console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")
     console.print(f"results: {out}")
     run = sweep.run_program_sweep(
@@ -206,14 +212,22 @@ def _measured_line(r: dict, data: str) -> str:
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
     """The table, summary.md and the figures, rebuilt from every row of the run's file."""
     from remat_kit import option_plots, plots, results
+    from remat_kit.sweep.output import warning_lines
 
     results.print_summary(run.rows, console)
+    warnings = warning_lines(run.rows)  # each policy's analysis warnings, shared ones once
+    if warnings:
+        console.print("analysis warnings:")
+    for line in warnings:
+        console.print(f"  - {line}", highlight=False, markup=False)
     # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
     part = out.parent / ".summary.md.part"
     options = option_plots.option_markdown(run.rows)  # "" unless rows differ in overrides
+    listed = "".join(f"- {line}\n" for line in warnings)
     part.write_text(
         _summary_header(run, argv)
         + results.summary_markdown(run.rows)
+        + (f"\nAnalysis warnings:\n\n{listed}" if warnings else "")
         + ("\n" + options if options else "")
     )
     part.replace(out.parent / "summary.md")
@@ -230,7 +244,27 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
         console.print(f"  [red]{r['status']}[/] {r['model']}{seq} {r['policy']}: {r['error']}")
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd command
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; Ctrl-C ends it with one line and exit 130 (rows written stay)."""
+    where: list[Path] = []  # the results file, once known
+    try:
+        return _main(argv, where)
+    except KeyboardInterrupt:
+        if not where:
+            print("interrupted before the sweep started", file=sys.stderr)
+        else:
+            from remat_kit import results
+
+            kept = len(results.read_rows(where[0])) if where[0].is_file() else 0
+            print(f"interrupted: {kept} rows kept in {where[0]}; --resume continues",
+                  file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None, where: list[Path]) -> int:
     args = build_parser().parse_args(argv)
     try:  # before anything starts JAX's backends
         distributed.initialize_from_args(args)
@@ -246,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=width, quiet=not primary)
     if args.model is not None:
         try:
-            run, out = _program_sweep(args, console)
+            run, out = _program_sweep(args, console, where)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -275,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             config = dataclasses.replace(config, grids=grids)
             sweep.validate(config)
         out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
+        where.append(out)
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
         run = sweep.run_sweep(
@@ -296,4 +331,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_INTERRUPTED:  # XLA's threads, stopped mid-step, can crash the teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

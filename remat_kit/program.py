@@ -257,7 +257,9 @@ class Program:
         nums = _argnums(argnums, args)
         tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
         params = tuple(args[i] for i in nums)
-        opt_state = jax.eval_shape(tx.init, params)
+        concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+        # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
+        opt_state = tx.init(params) if concrete else jax.eval_shape(tx.init, params)
 
         def make_step(policy):
             loss = make_loss(policy)

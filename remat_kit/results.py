@@ -498,8 +498,14 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     return out
 
 
+#: Narrowest the policy column gets before the table is printed wider than the console.
+_MIN_LABEL_WIDTH = 16
+
+
 def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) -> None:
-    """Print :func:`summary_lines` as rich tables."""
+    """Print :func:`summary_lines` as rich tables. Figures are never cut: their columns keep
+    their full width (headers wrap at spaces), a long policy label folds onto more lines, and
+    a console too narrow even then gets the table at the width it needs."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -507,11 +513,27 @@ def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) 
     console = console or Console()
     for title, header, body in summary_lines(rows):
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-        for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+        # figures keep their full width; the policy column folds; when the console is narrow,
+        # headers wrap at their spaces
+        cells = [max(len(line[i]) for line in body) if body else 0 for i in range(len(header))]
+        widths = [max(c, len(h)) for c, h in zip(cells, header, strict=True)]
+        label = min(_MIN_LABEL_WIDTH, widths[0])
+        if label + sum(widths[1:]) + 3 * len(header) + 1 > console.width:
+            words = [max(len(w) for w in h.split()) for h in header]
+            widths = [max(c, w) for c, w in zip(cells, words, strict=True)]
+        table.add_column(header[0], overflow="fold", min_width=label)
+        for h, w in zip(header[1:], widths[1:], strict=True):
+            table.add_column(h, justify="right", overflow="fold", width=w)
         for line in body:
             table.add_row(*line)
-        console.print(table)
+        # narrower than the figures need: print wider (the terminal wraps) rather than cut them
+        needed = label + sum(widths[1:]) + 3 * len(header) + 1  # padding, separators, edges
+        width = console.width
+        console.width = max(width, needed)  # print(width=) cannot exceed the console's width
+        try:
+            console.print(table)
+        finally:
+            console.width = width
 
 
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:

@@ -18,8 +18,10 @@ from remat_kit import Program, targets
 from remat_kit.cli import analyze as cli_analyze
 from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
-from remat_kit.memory.programs import program_policies
+from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
+from remat_kit.memory.programs import analyze_program, program_policies, remat_placement
 from remat_kit.memory.report import same_program_as
+from remat_kit.memory.undone import RematPlacement, undone_cause
 from remat_kit.policies import get_policy_spec, policy_label
 from remat_kit.units import MIB, in_unit
 from tests.conftest import needs_cuda_plugin
@@ -198,3 +200,104 @@ def test_residual_table_splits_many_tags_to_fit_80_columns(default_run):
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "tag_number_6" in text and "7.00" in text and "(2/2)" in text
+
+
+def _user_loop(scan: bool, prevent_cse: bool = True):
+    """plain_jax's layers under jax.checkpoint in a Python loop, or in lax.scan; concrete
+    parameters (the user's own arrays)."""
+
+    def make_loss(policy):
+        def body(x, w):
+            if policy is None:
+                return plain_jax.layer(x, w)
+            return jax.checkpoint(plain_jax.layer, policy=policy, prevent_cse=prevent_cse)(x, w)
+
+        def loss_fn(params, tokens):
+            x = params["embed"][tokens[:, :-1]]
+            if scan:
+                x, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params["layers"])
+            else:
+                for i in range(plain_jax.L):
+                    x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
+            logp = jax.nn.log_softmax(plain_jax._norm(x) @ params["head"])
+            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+        return loss_fn
+
+    params = plain_jax.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, plain_jax.V)
+    return Program.from_loss(make_loss, params, tokens, name=f"loop-scan-{scan}")
+
+
+CPU_CAUSE = "XLA:CPU honours remat only inside lax.scan"
+
+
+def test_remat_undone_on_the_cpu_outside_a_scan_is_said_with_its_cause():
+    """A remat in an unrolled loop on XLA:CPU: every policy keeps the no-remat memory; each
+    policy's warning names the CPU (not prevent_cse, which is True here) and the policy by its
+    label; the same layers under lax.scan get no such warning."""
+    policies = ["no-remat", "save-nothing", {"attn_in": "save"}]
+    loop = analyze_program(_user_loop(scan=False), policies, "local")
+    assert loop[1].temp_bytes >= 0.95 * loop[0].temp_bytes  # the remat was undone
+    for r in loop[1:]:
+        said = [w for w in r.warnings if CPU_CAUSE in w]
+        assert said and "outside any scan" in said[0], r.warnings
+        assert not any("prevent_cse=False" in w for w in r.warnings), r.warnings
+    assert any("'custom: attn_in=save'" in w for w in loop[2].warnings), loop[2].warnings
+    assert not any("'custom'" in w for w in loop[2].warnings)
+    scanned = analyze_program(_user_loop(scan=True), policies, "local")
+    assert scanned[1].temp_bytes < 0.8 * scanned[0].temp_bytes  # honoured inside the scan
+    for r in scanned:
+        assert not any("undid" in w or "merged" in w for w in r.warnings), r.warnings
+
+
+def test_remat_placement_and_cause_from_what_is_known():
+    program = _user_loop(scan=False, prevent_cse=False)
+    pure = program.step(get_policy_spec("save-nothing"))
+    loop = remat_placement(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+    assert loop == RematPlacement(in_loop=0, outside=plain_jax.L, no_cse_outside=plain_jax.L)
+    pure = _user_loop(scan=True).step(get_policy_spec("save-nothing"))
+    scanned = remat_placement(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+    assert scanned.outside == 0 and scanned.in_loop >= 1
+    assert CPU_CAUSE in undone_cause("cpu", loop)
+    assert "3 remat region(s) outside a scan have prevent_cse=False" in undone_cause("cuda", loop)
+    kept = RematPlacement(in_loop=0, outside=3)
+    assert "prevent_cse=True: the cause is not identified" in undone_cause("cuda", kept)
+    assert "not identified" in undone_cause("cpu", scanned)
+
+
+#: XLA's buffer assignment as measured on the H100 target (one host allocation, two of the six
+#: offloaded buffers of an unrolled 3-layer NNX GPT shown), cut down.
+_ASSIGNMENT = """allocation 0: size 262144, parameter 9, shape |f32[128,512]| at ShapeIndex {}:
+ value: <4625 p.1 @0> (size=262144,offset=0): f32[128,512]{1,0}
+allocation 554: size 1310720, color 5, preallocated-temp:
+ value: <4730 copy-start.12{0} @5> (size=262144,offset=1048576): f32[4,128,128]{2,1,0:S(5)}
+ value: <4733 copy-start.1.0{0} @5> (size=1048576,offset=0): f32[4,128,512]{2,1,0:S(5)}
+ value: <4736 copy-start.2.0{0} @5> (size=262144,offset=1048576): f32[4,128,128]{2,1,0:S(5)}
+ value: <4739 copy-start.3.0{0} @5> (size=1048576,offset=0): f32[4,128,512]{2,1,0:S(5)}
+allocation 555: size 19176336, preallocated-temp:
+ value: <4591 f.5{0} @0> (size=2048,offset=786432): f32[4,128]{1,0}
+"""
+
+
+def test_host_bytes_against_the_jaxprs_offloaded_bytes_in_one_line():
+    found = host_buffers(_ASSIGNMENT)
+    assert found == HostBuffers(allocated=1310720, count=4, buffer_bytes=2621440)
+    line = host_line(1310720, 3 * 1310720, found)
+    assert "1.25 MiB on the host at its peak" in line and "offloads 3.75 MiB" in line
+    assert "reuses host space: its 4 host buffers (2.50 MiB) share 1.25 MiB" in line
+    assert "kept the rest on the device" in line  # 2.5 of the 3.75 MiB placed on the host
+    assert host_line(1310720, 1310720, found) is None  # the same figure: nothing to say
+    assert host_buffers(_ASSIGNMENT.split("allocation 554")[0]) is None
+
+
+@needs_cuda_plugin
+def test_offloaded_layers_of_an_unrolled_loop_share_host_space_on_gpu():
+    """Measured on the H100 target: the offloaded tensors of unrolled layers are copied back
+    right away, so they share host space: the compiled host bytes are below the jaxpr's."""
+    (r,) = analyze_program(
+        _user_loop(scan=False), [{"attn_in": "offload"}], "h100-sxm", compare_offload=False
+    )
+    assert 0 < r.host_bytes < r.offloaded_bytes
+    line = [w for w in r.warnings if w.startswith("host memory:")]
+    assert len(line) == 1 and "reuses host space" in line[0], r.warnings

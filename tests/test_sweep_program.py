@@ -10,15 +10,18 @@ injected failure.
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 from pathlib import Path
 
 import jax
 import pytest
+from rich.console import Console
 
-from remat_kit import load_program, results, sweep
+from remat_kit import Program, load_program, results, sweep
 from remat_kit.policies import get_policy_spec
 from remat_kit.sweep import programs
+from remat_kit.sweep.output import warning_lines
 from tests.user_models import plain_jax
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,6 +189,7 @@ def test_arguments_materialised_by_kind_and_copied_per_policy():
             jax.numpy.full((2,), 7.0))  # fmt: skip
     host = programs.host_arguments(Pure(None, args, ("w", "t", "k", "c"), None))
     assert host.source == "partly materialised" and "zeros" in host.note
+    assert host.note.startswith("w, t, k filled in: ")  # by name: c is the caller's own
     first, second = programs.device_arguments(host.values), programs.device_arguments(host.values)
     w, t, k, c = first
     assert w.dtype == "float32" and 0 < float(w.max()) < 0.2 and float(w.min()) >= 0
@@ -194,3 +198,82 @@ def test_arguments_materialised_by_kind_and_copied_per_policy():
     assert sig[0] == [[64], "float32"] and sig[2][1].startswith("key<") and len(sig) == 4
     c.delete()  # a step donating its copy leaves the host values and the next copy intact
     assert second[3].tolist() == [7, 7] and host.values[3].tolist() == [7, 7]
+
+
+def test_concrete_params_give_the_optimizers_own_state_and_the_users_first_loss():
+    """Program.from_loss on concrete arrays: the optimizer state is the optimizer's own init
+    (not materialised), the arguments are all concrete, and the first loss the sweep reads is
+    the user's own loss on those arrays."""
+    params = plain_jax.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, plain_jax.V)
+    program = Program.from_loss(plain_jax.make_loss, params, tokens, optimizer="adamw")
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(program.args[0]))
+    pure = program.step(get_policy_spec("save-nothing"))
+    host = programs.host_arguments(pure)
+    assert host.source == "concrete" and host.note is None
+    compiled = programs.lower_step(program, pure, host).compile()
+    result = programs.run_program_step(program, pure, compiled, host, 0, 2)
+    own = float(plain_jax.make_loss(None)(params, tokens))
+    assert result["losses"][0] == pytest.approx(own, rel=1e-5)
+    assert result["losses"][1] < result["losses"][0]
+
+
+def _table_rows(rows, label):
+    """The swept rows with the per-tag policy renamed to a long label."""
+    return [{**r, "policy": label} if r["policy"] == "attn_in=save" else r for r in rows]
+
+
+@pytest.mark.parametrize("width", [40, 80, 200])
+def test_terminal_table_never_cuts_a_figure(swept, width):
+    label = ",".join(f"{t}=save" for t in ("attn_in", "attn_out", "mlp_hidden", "qkv_out_long"))
+    rows = _table_rows(swept[1], label)
+    console = Console(width=width, record=True, file=io.StringIO())
+    results.print_summary(rows, console)
+    text = console.export_text()
+    assert "…" not in text
+    ((_, header, body),) = results.summary_lines(rows)
+    for line in body:  # every figure whole, on the line where its policy starts
+        start = next(t for t in text.splitlines() if t.strip().startswith(line[0][:12]))
+        assert start.split()[-len(line) + 1 :] == line[1:], (start, line)
+    if width >= 80:
+        assert max(len(t) for t in text.splitlines()) <= width
+
+
+def test_warnings_of_every_policy_printed_once(swept, tmp_path):
+    """Each policy's analysis warnings in the terminal and summary.md: one every policy shares
+    once, a cause several give once."""
+    rows = [dict(r) for r in swept[1]]
+    cause = "XLA:CPU honours remat only inside lax.scan"
+    for r in rows:
+        r["warnings"] = ["shared note"]
+    rows[1]["warnings"] += [f"policy 'save-nothing' undid. Cause: {cause}"]
+    rows[2]["warnings"] += [f"policy 'custom: attn_in=save' undid. Cause: {cause}"]
+    assert warning_lines(rows) == [
+        "all policies: shared note",
+        "save-nothing: policy 'save-nothing' undid. [cause 1]",
+        "attn_in=save: policy 'custom: attn_in=save' undid. [cause 1]",
+        f"cause 1: {cause}",
+    ]
+    run = sweep.SweepRun(tmp_path / "sweep.jsonl", rows, rows, 0, 1.0)
+    args = _cli().build_parser().parse_args(["--model", MODEL, "--no-plot"])
+    console = Console(width=80, record=True, file=io.StringIO())
+    _cli()._write_outputs(run, run.path, args, [], console)
+    printed, summary = console.export_text(), (tmp_path / "summary.md").read_text()
+    for line in warning_lines(rows):
+        assert f"- {line}" in summary
+        assert " ".join(line.split()) in " ".join(printed.split())
+    assert printed.count("shared note") == 1 and summary.count("shared note") == 1
+
+
+def test_ctrl_c_prints_one_line_keeps_the_rows_and_exits_130(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "sweep.jsonl"
+
+    def interrupted(program, path, **kwargs):
+        results.append_row(path, {"key": "a", "policy": "no-remat"})  # one finished row
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_program_sweep", interrupted)
+    assert _cli().main(_argv(out)) == 130
+    err = capsys.readouterr().err
+    assert err == f"interrupted: 1 rows kept in {out}; --resume continues\n"
+    assert results.read_rows(out) == [{"key": "a", "policy": "no-remat"}]

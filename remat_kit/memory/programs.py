@@ -22,10 +22,10 @@ from typing import Any
 import jax
 
 from remat_kit import targets as T
-from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.flops import jaxpr_flops, traced_flops
 from remat_kit.memory.reading import residual_hints
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, add_offload_jobs, run_jobs
+from remat_kit.memory.runner import Job, RematPlacement, add_offload_jobs, run_jobs
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.policies import (
     PolicySpec,
@@ -39,7 +39,7 @@ from remat_kit.policies import (
 )
 from remat_kit.program import Program, argument_parts
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
-from remat_kit.walker import emitted_tags, tags_in
+from remat_kit.walker import emitted_tags, sub_jaxprs, tags_in
 
 DEFAULT_TOP_K = 10
 #: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
@@ -208,6 +208,26 @@ def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals
     return tuple(rows)
 
 
+def remat_placement(jaxpr: Any) -> RematPlacement:
+    """Where the remat regions (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``: the
+    ``remat`` primitive) of a step's jaxpr are: inside a ``scan`` / ``while`` body or not, and
+    how many of those outside one have ``prevent_cse=False``."""
+    counts = {"inside": 0, "outside": 0, "no_cse": 0}
+
+    def visit(j: Any, in_loop: bool) -> None:
+        for eqn in j.eqns:
+            name = eqn.primitive.name
+            if "remat" in name or name == "checkpoint":
+                counts["inside" if in_loop else "outside"] += 1
+                if not in_loop and eqn.params.get("prevent_cse") is False:
+                    counts["no_cse"] += 1
+            for sub in sub_jaxprs(eqn):
+                visit(sub, in_loop or name in ("scan", "while"))
+
+    visit(jaxpr, False)
+    return RematPlacement(counts["inside"], counts["outside"], counts["no_cse"])
+
+
 def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
     """What is known about ``spec`` on the program before compiling."""
     notes = []
@@ -227,6 +247,7 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
 def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
     program = setup.program
     pure = program.step(spec)
+    traced = jax.make_jaxpr(pure.fn)(*pure.args).jaxpr if spec.wrap else None
     abstract = tuple(T.abstractify(a, setup.sharding) for a in pure.args)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
     residuals = _program_residuals(program, spec)
@@ -249,7 +270,9 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
         hints=residual_hints(residuals or ()),
         visible=visible,
         notes=_spec_notes(setup, spec),
-        flops_traced=traced_flops(pure.fn, *pure.args) if spec.wrap else None,
+        flops_traced=None if traced is None else jaxpr_flops(traced),
+        remat=None if traced is None else remat_placement(traced),
+        label=policy_label(spec),
         program_key=repr((id(setup), _effective_key(spec, setup.tags))),
     )
 

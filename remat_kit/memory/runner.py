@@ -26,9 +26,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from remat_kit import targets as T
+from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
-    DumpReading,
     Hints,
     log_warnings,
     memory_parts,
@@ -38,6 +38,14 @@ from remat_kit.memory.reading import (
 )
 from remat_kit.memory.report import LogitsLine, MemoryReport
 from remat_kit.memory.timeline import build_timeline
+from remat_kit.memory.undone import (  # noqa: F401 (cse_undone: the doctor reads it here)
+    CSE_UNDID_ALL,
+    CSE_UNDID_PART,
+    RematPlacement,
+    cse_undone,
+    memory_not_freed,
+    recompute_undone,
+)
 from remat_kit.memory.xla_compile import (
     CompileError,
     CompileResult,
@@ -89,50 +97,16 @@ class Job:
     #: ``flops_no_remat`` the policy recomputes matmuls; a warning says when the compiled step
     #: recomputes none of them.
     flops_traced: float | None = None
+    #: Where the step's remat regions are (None: not known): the cause in the warnings when
+    #: XLA undid the recomputation (:mod:`remat_kit.memory.undone`).
+    remat: RematPlacement | None = None
+    #: The policy as its report's row names it (``custom: attn_in=save``), for warnings.
+    label: str | None = None
 
 
 #: Compiled per-device matmul work above this multiple of the even split is reported as
 #: computation replicated over the mesh (padding of small sharded dimensions stays below).
 _REPLICATION_WARN = 1.1
-
-
-#: How :func:`_recompute_undone` says XLA's CSE merged all, or part, of the recomputation
-#: back; :func:`cse_undone` reads it back (the doctor judges by the analyzer's own line).
-CSE_UNDID_ALL = "XLA's CSE merged the recomputation back"
-CSE_UNDID_PART = "XLA's CSE merged part of the recomputation back"
-
-
-def _recompute_undone(job: Job, reading: DumpReading) -> str | None:
-    """The warning when the traced step recomputes matmuls and the compiled one recomputes
-    less than 90% of them (one device only): XLA's CSE merged part or all of it back."""
-    base, traced = job.flops_no_remat, job.flops_traced
-    if job.mesh_devices is not None or not base or traced is None or reading.flops is None:
-        return None
-    # What recomputes: the matmuls under JAX's remat scope, or the compiled work over no-remat
-    # (the larger: the scope is not seen on every recomputed dot, e.g. in some scan bodies).
-    done = max(reading.recomputed_flops or 0.0, reading.flops - base)
-    wanted = traced - base
-    if wanted <= base * 1e-3 or done >= 0.9 * wanted:
-        return None
-    how = "none" if done <= base * 1e-3 else f"only {(base + done) / base:.2f}x"
-    return (
-        f"policy {job.policy!r} recomputes {traced / base:.2f}x the matmul FLOPs in the jaxpr, "
-        f"but the compiled step recomputes {how}: "
-        f"{CSE_UNDID_ALL if how == 'none' else CSE_UNDID_PART} into the forward pass "
-        "(a jax.checkpoint / nn.remat with prevent_cse=False outside a scan); what it merged "
-        "keeps its activations as without remat"
-    )
-
-
-def cse_undone(warnings: Sequence[str]) -> tuple[str, str] | None:
-    """``("all" | "part", line)`` when a report's ``warnings`` hold the analyzer's warning that
-    XLA's CSE merged the recomputation back (:func:`_recompute_undone`), else None."""
-    for line in warnings:
-        if CSE_UNDID_ALL in line:
-            return "all", line
-        if CSE_UNDID_PART in line:
-            return "part", line
-    return None
 
 
 def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):
@@ -234,9 +208,13 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     read = reading.warnings if not xla_line else tuple(
         w for w in reading.warnings if not w.startswith("XLA's rematerialisation pass recomputed")
     )  # fmt: skip
-    undone = _recompute_undone(job, reading)
+    undone = recompute_undone(job, reading)
     if undone:
         xla_line += (undone,)
+    host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
+    if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
+        xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,
+                               host_buffers(result.dump.buffer_assignment)),)  # fmt: skip
     return MemoryReport(
         name=job.name,
         target=job.target.name,
@@ -462,4 +440,23 @@ def run_jobs(
     for i, job in enumerate(jobs):
         if job.on_device_twin is not None and isinstance(out[i], MemoryReport):
             out[i] = _with_twin(out[i], out[job.on_device_twin])  # type: ignore[arg-type]
+    _add_memory_not_freed(jobs, out)
     return out
+
+
+def _add_memory_not_freed(jobs: Sequence[Job], out: list) -> None:
+    """Warn, on each report of a run that also compiled ``no-remat`` (same target and mesh),
+    when its policy's fewer residuals do not lower the compiled temp memory
+    (:func:`remat_kit.memory.undone.memory_not_freed`; not twice with the CSE warning)."""
+    bases = {
+        (job.target.name, job.mesh_devices): rep
+        for job, rep in zip(jobs, out, strict=True)
+        if job.policy == "no-remat" and isinstance(rep, MemoryReport)
+    }
+    for i, job in enumerate(jobs):
+        base, rep = bases.get((job.target.name, job.mesh_devices)), out[i]
+        if base is None or not isinstance(rep, MemoryReport) or cse_undone(rep.warnings):
+            continue
+        line = memory_not_freed(job, rep, base)
+        if line:
+            out[i] = dataclasses.replace(rep, warnings=(*rep.warnings, line))

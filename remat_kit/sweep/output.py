@@ -138,3 +138,42 @@ def progress(enabled: bool, console: Any, total: int):
             bar.update(task, advance=n or 0, description=description)
 
         yield advance
+
+
+def warning_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The analysis warnings of the ``ok`` rows, one line per distinct warning: a warning every
+    policy of its table (same model, target and shapes: :func:`remat_kit.results.group_key`)
+    shares once as ``all policies: ...``, another after the policies that have it
+    (``save-nothing, attn_in=save: ...``); a cause several warnings give (``... Cause: X``) is
+    written once (``[cause 1]``, then ``cause 1: X``); the table is named first when there are
+    several."""
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            groups.setdefault(R.group_key(r), []).append(r)
+    out = []
+    for members in groups.values():
+        by_warning: dict[str, list[str]] = {}
+        for r in members:
+            for w in dict.fromkeys(r.get("warnings") or ()):
+                by_warning.setdefault(w, []).append(str(r.get("policy")))
+        r0 = members[0]
+        shape = ", ".join(f"{k} {r0[k]}" for k in ("batch_size", "seq_len") if r0.get(k))
+        where = f"{r0.get('model')} on {r0.get('target')}" + (f", {shape}" if shape else "")
+        lead = f"{where}: " if len(groups) > 1 else ""
+        causes: dict[str, int] = {}  # a cause several warnings end with, said once
+        ends = [w.split(_CAUSE, 1)[1] for w in by_warning if _CAUSE in w]
+        shared = [c for c in dict.fromkeys(ends) if ends.count(c) > 1]
+        for w, policies in by_warning.items():
+            who = "all policies" if len(policies) == len(members) > 1 else ", ".join(policies)
+            head, _, cause = w.partition(_CAUSE)
+            if cause in shared:
+                n = causes.setdefault(cause, len(causes) + 1)
+                w = f"{head} [cause {n}]"
+            out.append(f"{lead}{who}: {w}")
+        out += [f"{lead}cause {n}: {cause}" for cause, n in causes.items()]
+    return out
+
+
+#: How the analyzer's warnings give their cause (:mod:`remat_kit.memory.undone`).
+_CAUSE = " Cause: "

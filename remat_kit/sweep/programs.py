@@ -112,23 +112,35 @@ def _materialise(leaf: jax.ShapeDtypeStruct, key: jax.Array) -> Any:
 
 def host_arguments(pure: Pure) -> HostArguments:
     """The arguments of ``pure`` (a program's step under any policy: the arguments do not depend
-    on it) on the host, abstract leaves materialised (see :data:`MATERIALISED_NOTE`)."""
-    leaves, treedef = jax.tree.flatten(pure.args)
-    keys = jax.random.split(jax.random.key(ARGUMENT_SEED), max(1, len(leaves)))
-    out, abstract = [], 0
-    for leaf, key in zip(leaves, keys, strict=False):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            out.append(_materialise(leaf, key))
-            abstract += 1
-        elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            out.append(_to_host(leaf))
-        else:
-            out.append(leaf)
-    arrays = sum(hasattr(x, "shape") for x in leaves)
+    on it) on the host, abstract leaves materialised (see :data:`MATERIALISED_NOTE`); the note
+    names the arguments that had them (``opt_state filled in: ...``)."""
+    seed_keys = iter(jax.random.split(jax.random.key(ARGUMENT_SEED), max(1, _count(pure.args))))
+    values, filled, arrays, abstract = [], [], 0, 0
+    for i, arg in enumerate(pure.args):
+        leaves, treedef = jax.tree.flatten(arg)
+        out, n = [], 0
+        for leaf in leaves:
+            key = next(seed_keys)
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                out.append(_materialise(leaf, key))
+                n += 1
+            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                out.append(_to_host(leaf))
+            else:
+                out.append(leaf)
+        arrays += sum(hasattr(x, "shape") for x in leaves)
+        abstract += n
+        if n:
+            filled.append(pure.names[i] if i < len(pure.names) else f"argument {i}")
+        values.append(jax.tree.unflatten(treedef, out))
     source = "concrete" if not abstract else "materialised" if abstract == arrays else (
         "partly materialised")  # fmt: skip
-    note = MATERIALISED_NOTE if abstract else None
-    return HostArguments(tuple(jax.tree.unflatten(treedef, out)), source, note)
+    note = f"{', '.join(filled)} filled in: {MATERIALISED_NOTE}" if abstract else None
+    return HostArguments(tuple(values), source, note)
+
+
+def _count(args: Any) -> int:
+    return len(jax.tree.leaves(args))
 
 
 def _signature(tree: Any) -> tuple:

@@ -1,0 +1,116 @@
+"""Warnings for a policy whose recomputation the compiled step undid, with the cause told from
+what is known: the target's platform and where the step's remat regions sit (inside a
+``scan`` / ``while`` body or not, and their ``prevent_cse``; :class:`RematPlacement`).
+
+Two symptoms are checked: the compiled step recomputes fewer matmul FLOPs than the jaxpr
+(:func:`recompute_undone`: XLA's CSE merged the recomputation back) and the compiled temp
+memory does not drop though the jaxpr keeps fewer residuals than without remat
+(:func:`memory_not_freed`, against the no-remat step of the same run).
+
+Measured here (jax 0.10.2, XLA:CPU): remat outside a ``lax.scan`` is undone on the CPU whatever
+``prevent_cse`` is (an NNX GPT with ``nnx.remat`` in an unrolled loop compiles every policy to
+the same peak); on GPU targets a remat outside a scan is kept unless ``prevent_cse=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from remat_kit.units import format_bytes
+
+#: How :func:`recompute_undone` says XLA's CSE merged all, or part, of the recomputation
+#: back; :func:`cse_undone` reads it back (the doctor judges by the analyzer's own line).
+CSE_UNDID_ALL = "XLA's CSE merged the recomputation back"
+CSE_UNDID_PART = "XLA's CSE merged part of the recomputation back"
+#: The jaxpr frees residuals but the compiled temp memory does not drop by this share of them.
+_FREED_SHARE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPlacement:
+    """Remat regions of a step's jaxpr: ``in_loop`` inside a scan / while body, ``outside``
+    not, ``no_cse_outside`` of those outside with ``prevent_cse=False``."""
+
+    in_loop: int
+    outside: int
+    no_cse_outside: int = 0
+
+
+def undone_cause(platform: str, remat: RematPlacement | None) -> str:
+    """Why XLA undid the recomputation, from the platform and the remat's placement (None:
+    not known): only what those facts say."""
+    if platform == "cpu":
+        if remat is None:
+            return "XLA:CPU honours remat only inside lax.scan / nn.scan / nnx.scan"
+        if remat.outside:
+            return (
+                f"XLA:CPU honours remat only inside lax.scan / nn.scan / nnx.scan, and "
+                f"{remat.outside} remat region(s) of this step are outside any scan; run the "
+                "layers under a scan, or judge remat on a GPU target"
+            )
+        return "every remat region is inside a scan: the cause is not identified"
+    if remat is None:
+        return "a jax.checkpoint / nn.remat with prevent_cse=False outside a scan lets CSE do so"
+    if remat.no_cse_outside:
+        return (
+            f"{remat.no_cse_outside} remat region(s) outside a scan have prevent_cse=False "
+            "; keep prevent_cse=True, or scan the layers"
+        )
+    return "the remat regions outside a scan keep prevent_cse=True: the cause is not identified"
+
+
+def recompute_undone(job: Any, reading: Any) -> str | None:
+    """The warning when the traced step recomputes matmuls and the compiled one recomputes
+    less than 90% of them (one device only): XLA's CSE merged part or all of it back.
+
+    Args:
+      job: a :class:`remat_kit.memory.runner.Job`; reading: its compile's ``DumpReading``.
+    """
+    base, traced = job.flops_no_remat, job.flops_traced
+    if job.mesh_devices is not None or not base or traced is None or reading.flops is None:
+        return None
+    # What recomputes: the matmuls under JAX's remat scope, or the compiled work over no-remat
+    # (the larger: the scope is not seen on every recomputed dot, e.g. in some scan bodies).
+    done = max(reading.recomputed_flops or 0.0, reading.flops - base)
+    wanted = traced - base
+    if wanted <= base * 1e-3 or done >= 0.9 * wanted:
+        return None
+    how = "none" if done <= base * 1e-3 else f"only {(base + done) / base:.2f}x"
+    return (
+        f"policy {job.label or job.policy!r} recomputes {traced / base:.2f}x the matmul FLOPs "
+        f"in the jaxpr, but the compiled step recomputes {how}: "
+        f"{CSE_UNDID_ALL if how == 'none' else CSE_UNDID_PART} into the forward pass, "
+        "keeping what it merged as without remat. Cause: "
+        f"{undone_cause(job.target.platform, job.remat)}"
+    )
+
+
+def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
+    """The warning when ``job``'s policy keeps fewer residual bytes than the no-remat step
+    (``base``, a report of the same run) in the jaxpr but its compiled temp memory drops by
+    less than a tenth of the difference; None otherwise or when a figure is unknown."""
+    act, base_act = report.activation_bytes, base.activation_bytes
+    if act is None or base_act is None or report.host_bytes:
+        return None
+    promised = base_act - act
+    if promised <= 0 or base.temp_bytes - report.temp_bytes >= _FREED_SHARE * promised:
+        return None
+    return (
+        f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
+        f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's temp "
+        f"memory is {format_bytes(report.temp_bytes)} against {format_bytes(base.temp_bytes)}: "
+        f"XLA undid the remat. Cause: {undone_cause(job.target.platform, job.remat)}"
+    )
+
+
+def cse_undone(warnings: Sequence[str]) -> tuple[str, str] | None:
+    """``("all" | "part", line)`` when a report's ``warnings`` hold the analyzer's warning that
+    XLA's CSE merged the recomputation back (:func:`recompute_undone`), else None."""
+    for line in warnings:
+        if CSE_UNDID_ALL in line:
+            return "all", line
+        if CSE_UNDID_PART in line:
+            return "part", line
+    return None

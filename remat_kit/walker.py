@@ -167,6 +167,33 @@ def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float]) -> float:
     return total
 
 
+#: Primitives of a remat segment: classic ``jax.checkpoint`` (``remat2``); under
+#: ``jax_remat3`` a ``call_hi_primitive`` whose ``_prim`` is a ``RematTraced``.
+REMAT_PRIMITIVES = ("remat2", "checkpoint")
+
+
+def is_remat(eqn: Any) -> bool:
+    """Whether ``eqn`` is a remat segment (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``,
+    classic or ``jax_remat3``)."""
+    name = eqn.primitive.name
+    if name == HI_CALL:
+        return "Remat" in type(eqn.params.get("_prim")).__name__
+    return name in REMAT_PRIMITIVES
+
+
+def has_remat(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a remat segment anywhere (nested jaxprs included)."""
+    return any(is_remat(eqn) for eqn in walk(jaxpr))
+
+
+def tags_in_remat(jaxpr: Any) -> frozenset[str]:
+    """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
+    and sub-jaxprs included)."""
+    return frozenset(
+        t for eqn in walk(jaxpr) if is_remat(eqn) for sub in sub_jaxprs(eqn) for t in tags_in(sub)
+    )
+
+
 def tags_in(jaxpr: jcore.Jaxpr) -> set[str]:
     """Checkpoint names applied anywhere in ``jaxpr`` (sub-jaxprs included)."""
     return {t for t in map(eqn_tag, walk(jaxpr)) if t is not None}

@@ -25,7 +25,6 @@ from remat_kit.doctor.promise import (
 )
 from remat_kit.doctor.tags import (
     TagFacts,
-    has_remat,
     matmul_tags,
     no_remat_segment,
     recompute_savers,
@@ -38,6 +37,7 @@ from remat_kit.models.transformer import make_model
 from remat_kit.policies import PolicySpec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.training.step import init_params
+from remat_kit.walker import has_remat
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:

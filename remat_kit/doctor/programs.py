@@ -26,11 +26,9 @@ from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
 from remat_kit.doctor.promise import Promise, remat3_findings, resolve_policy
 from remat_kit.doctor.tags import (
     TagFacts,
-    has_remat,
     matmul_tags,
     no_remat_segment,
     recompute_savers,
-    tags_in_remat,
     unknown_tags,
 )
 from remat_kit.memory.programs import analyze_program, program_policies, program_tags
@@ -42,6 +40,7 @@ from remat_kit.policies import (
     policy_names,
 )
 from remat_kit.program import Program
+from remat_kit.walker import has_remat, tags_in_remat
 
 
 @dataclasses.dataclass(frozen=True)

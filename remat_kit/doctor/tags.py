@@ -20,11 +20,9 @@ from remat_kit import walker as W
 from remat_kit.doctor.findings import Finding
 from remat_kit.doctor.promise import Promise
 from remat_kit.validation import closest
+from remat_kit.walker import tags_in_remat
 
 _MLP_FAMILIES = frozenset({N.MLPWI, N.MLPWI_0, N.MLPWI_1})
-#: Primitives of a remat segment: classic ``jax.checkpoint`` (``remat2``); under
-#: ``jax_remat3`` a ``call_hi_primitive`` whose ``_prim`` is a ``RematTraced``.
-_REMAT_PRIMITIVES = ("remat2", "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,28 +55,6 @@ class TagFacts:
         if self.in_remat is None:
             return frozenset()
         return frozenset(tags) & self.emitted - self.in_remat
-
-
-def _is_remat(eqn: Any) -> bool:
-    name = eqn.primitive.name
-    if name == W.HI_CALL:
-        return "Remat" in type(eqn.params.get("_prim")).__name__
-    return name in _REMAT_PRIMITIVES
-
-
-def has_remat(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` holds a remat segment anywhere (``jax.checkpoint`` / ``nn.remat`` /
-    ``nnx.remat``, nested jaxprs included)."""
-    return any(_is_remat(eqn) for eqn in W.walk(jaxpr))
-
-
-def tags_in_remat(jaxpr: Any) -> frozenset[str]:
-    """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
-    and sub-jaxprs included)."""
-    return frozenset(
-        t for eqn in W.walk(jaxpr) if _is_remat(eqn) for sub in W.sub_jaxprs(eqn)
-        for t in W.tags_in(sub)
-    )  # fmt: skip
 
 
 def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None = None):

@@ -39,7 +39,7 @@ from remat_kit.policies import (
 )
 from remat_kit.program import Program, argument_parts
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
-from remat_kit.walker import emitted_tags, sub_jaxprs, tags_in
+from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
 
 DEFAULT_TOP_K = 10
 #: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
@@ -157,11 +157,7 @@ def program_policies(
     kept = _residual_tags(program, tags)
     own_tags = tags if kept is None else tags & kept
     own, own_notes = own_tag_specs(own_tags, tgt.supports_host_offload, max_single)
-    if own_tags != tags:
-        own_notes.append(
-            f"no own-name policy for {', '.join(sorted(tags - own_tags))}: not a residual of "
-            f"{program.name!r} even when saved (the backward pass does not use it)"
-        )
+    own_notes += _unsaveable_notes(program, tags - own_tags)
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
     ]
@@ -191,6 +187,28 @@ def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
     return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
 
 
+def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
+    """Why no own-name policy saves ``tags`` (tags the loss does not keep when saved): applied
+    outside every remat segment, or not used by the backward pass."""
+    if not tags:
+        return []
+    loss = program.loss(get_policy_spec("save-nothing"))
+    inside = tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
+    out = []
+    if tags - inside:
+        out.append(
+            f"no own-name policy for {', '.join(sorted(tags - inside))}: applied outside every "
+            "remat segment (jax.checkpoint / nn.remat / nnx.remat), so it is stored or not "
+            "regardless of the policy"
+        )
+    if tags & inside:
+        out.append(
+            f"no own-name policy for {', '.join(sorted(tags & inside))}: saving it keeps "
+            "nothing (the backward pass does not use the value, e.g. a sum or an output)"
+        )
+    return out
+
+
 def _residual_tags(program: Program, tags: frozenset[str]) -> frozenset[str] | None:
     """The tags the loss keeps when a policy saves every tag: those the backward pass can use
     (None without a loss)."""
@@ -217,7 +235,7 @@ def remat_placement(jaxpr: Any) -> RematPlacement:
     def visit(j: Any, in_loop: bool) -> None:
         for eqn in j.eqns:
             name = eqn.primitive.name
-            if "remat" in name or name == "checkpoint":
+            if is_remat(eqn):
                 counts["inside" if in_loop else "outside"] += 1
                 if not in_loop and eqn.params.get("prevent_cse") is False:
                     counts["no_cse"] += 1

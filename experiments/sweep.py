@@ -276,8 +276,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     from remat_kit import sweep
 
     primary = distributed.is_primary()
-    width = None if sys.stdout.isatty() else 120
-    console = Console(width=width, quiet=not primary)
+    console = Console(quiet=not primary)  # COLUMNS, else the terminal's width (80 when piped)
     if args.model is not None:
         try:
             run, out = _program_sweep(args, console, where)

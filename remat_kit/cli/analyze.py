@@ -180,8 +180,8 @@ def short_warning(text: str) -> str:
 
 
 def _policy_table(config, target, args, results, labels: Sequence[str]):
-    shape = "" if isinstance(config, Program) else f"  batch={args.batch} seq={args.seq}"
-    title = f"{config.name}{shape}  on {target.name} ({target.description})"
+    shape = "" if isinstance(config, Program) else f", batch={args.batch} seq={args.seq},"
+    title = f"{config.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
     cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "compile s")

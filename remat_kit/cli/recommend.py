@@ -164,10 +164,10 @@ def print_recommendation(rec: Recommendation) -> None:
     would fit."""
     out = console()
     if rec.seq_len is None:  # a user's program: its own arguments and optimizer
-        title = f"{rec.model} (your program)  on {rec.target}"
+        title = f"{rec.model} (your program) on {rec.target}"
     else:
         batch = "auto" if rec.batch_size is None else rec.batch_size
-        title = f"{rec.model}  seq={rec.seq_len} batch={batch}  on {rec.target} ({rec.optimizer})"
+        title = f"{rec.model}, seq={rec.seq_len} batch={batch}, on {rec.target} ({rec.optimizer})"
     tables = [(title, sorted(rec.candidates, key=lambda c: (not c.fits, c.step_time_s)))]
     if rec.largest_batch:
         best = sorted(rec.largest_batch, key=lambda c: -c.tokens_per_s)

@@ -78,18 +78,22 @@ class ProgramPolicies:
       notes: one line each on what the default set left out, cut down or added.
       restricted: ``(registered spec, the spec it was cut down to)`` for the registered
         policies in ``specs`` cut down to the emitted tags (default set only).
+      saveable: the emitted tags the loss keeps when saved (the own-name specs' tags; default
+        set only).
     """
 
     specs: tuple[PolicySpec, ...]
     tags: frozenset[str]
     notes: tuple[str, ...] = ()
     restricted: tuple[tuple[PolicySpec, PolicySpec], ...] = ()
+    saveable: frozenset[str] = frozenset()
 
     def labels(self) -> list[str]:
         """Row names, one per spec: a registered policy cut down to the program's tags is
         ``minimal (cut)`` (several cut to one spec: ``a, b (cut)``; a note says to what); a
-        spec doing one thing with every emitted tag (3 or more) is ``custom: every name=save``;
-        others as :func:`~remat_kit.policies.policy_label`."""
+        spec doing one thing with every emitted tag (3 or more) is ``custom: every name=save``
+        (``every saveable name`` when some emitted tags cannot be kept); others as
+        :func:`~remat_kit.policies.policy_label`."""
         cut: dict[PolicySpec, list[str]] = {}
         for named, c in self.restricted:
             cut.setdefault(c, []).append(named.name)
@@ -98,9 +102,10 @@ class ProgramPolicies:
             actions = {spec.action(t) for t in spec.tags}
             if spec in cut:
                 labels.append(f"{', '.join(cut[spec])} (cut)")
-            elif spec.name == "custom" and spec.tags == self.tags and len(spec.tags) > 2:
-                labels.append(f"custom: every name={actions.pop()}" if len(actions) == 1 else
-                              policy_label(spec))  # fmt: skip
+            elif (spec.name == "custom" and len(spec.tags) > 2 and len(actions) == 1
+                  and spec.tags in (self.tags, self.saveable)):  # fmt: skip
+                which = "name" if spec.tags == self.tags else "saveable name"
+                labels.append(f"custom: every {which}={actions.pop()}")
             else:
                 labels.append(policy_label(spec))
         return labels
@@ -170,7 +175,9 @@ def program_policies(
             f"{program.name!r} emits no checkpoint_name tags: only the policies selecting by "
             "kind act on it; tag tensors with jax.ad_checkpoint.checkpoint_name for per-tag ones"
         )
-    return ProgramPolicies(tuple(specs), tags, tuple(notes + own_notes), fit.restricted)
+    return ProgramPolicies(
+        tuple(specs), tags, tuple(notes + own_notes), fit.restricted, frozenset(own_tags)
+    )
 
 
 def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:

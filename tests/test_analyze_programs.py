@@ -206,24 +206,7 @@ def _user_loop(scan: bool, prevent_cse: bool = True):
     """plain_jax's layers under jax.checkpoint in a Python loop, or in lax.scan; concrete
     parameters (the user's own arrays)."""
 
-    def make_loss(policy):
-        def body(x, w):
-            if policy is None:
-                return plain_jax.layer(x, w)
-            return jax.checkpoint(plain_jax.layer, policy=policy, prevent_cse=prevent_cse)(x, w)
-
-        def loss_fn(params, tokens):
-            x = params["embed"][tokens[:, :-1]]
-            if scan:
-                x, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params["layers"])
-            else:
-                for i in range(plain_jax.L):
-                    x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
-            logp = jax.nn.log_softmax(plain_jax._norm(x) @ params["head"])
-            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
-
-        return loss_fn
-
+    make_loss = plain_jax.loop_loss(scan, prevent_cse)
     params = plain_jax.init(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, plain_jax.V)
     return Program.from_loss(make_loss, params, tokens, name=f"loop-scan-{scan}")

@@ -5,7 +5,6 @@ target, with residuals by tag and recompute ratios; NNX objects as arguments; un
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
 import remat_kit
@@ -231,21 +230,7 @@ def test_cli_doctor_on_a_program(capsys):
 def _unrolled(prevent_cse: bool):
     """plain_jax's layers in a Python loop (no scan), each under jax.checkpoint."""
 
-    def make_loss(policy):
-        def body(x, w):
-            if policy is None:
-                return plain_jax.layer(x, w)
-            return jax.checkpoint(plain_jax.layer, policy=policy, prevent_cse=prevent_cse)(x, w)
-
-        def loss_fn(params, tokens):
-            x = params["embed"][tokens[:, :-1]]
-            for i in range(params["layers"]["w1"].shape[0]):
-                x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
-            logits = plain_jax._norm(x) @ params["head"]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        return loss_fn
-
+    make_loss = plain_jax.loop_loss(scan=False, prevent_cse=prevent_cse)
     params, _, tokens = plain_jax.abstract_args()
     return Program.from_loss(make_loss, params, tokens, name=f"unrolled-cse-{prevent_cse}")
 

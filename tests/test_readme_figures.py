@@ -97,7 +97,11 @@ def test_tampered_claim_source_fails_the_check(results_copy, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert "experiments/bench_recommend.py: lacks '13 compiles (11 named programs" in out
-    assert "README.md: lacks '13–15 compiles against the goal" in out
+    # the README's span of compiles over the three runs, with h100_default's set to 13
+    runs = ("h100_default", "h200_solve", "h100_adafactor_solve")
+    counts = [13, *(json.loads((results_copy / "recommend" / f"{r}.json").read_text())["compiles"]
+                    for r in runs[1:])]  # fmt: skip
+    assert f"README.md: lacks '{min(counts)}–{max(counts)} compiles against the goal" in out
 
 
 def test_rewrite_restores_a_mangled_readme(tmp_path, capsys):

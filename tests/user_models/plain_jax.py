@@ -57,6 +57,31 @@ def make_loss(policy):
     return loss_fn
 
 
+def loop_loss(scan: bool, prevent_cse: bool = True):
+    """A ``make_loss`` with the layers under ``jax.checkpoint(policy, prevent_cse)`` in
+    ``lax.scan`` (``scan=True``) or an unrolled Python loop."""
+
+    def make(policy):
+        def body(x, w):
+            if policy is None:
+                return layer(x, w)
+            return jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)(x, w)
+
+        def loss_fn(params, tokens):
+            x = params["embed"][tokens[:, :-1]]
+            if scan:
+                x, _ = jax.lax.scan(lambda c, w: (body(c, w), None), x, params["layers"])
+            else:
+                for i in range(params["layers"]["w1"].shape[0]):
+                    x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
+            logits = _norm(x) @ params["head"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return loss_fn
+
+    return make
+
+
 def make_step(policy):
     tx = optax.adamw(1e-3)
     loss_fn = make_loss(policy)

@@ -443,6 +443,15 @@ def parse_buffer_slots(text: str) -> dict[str, BufferSlot]:
     return out
 
 
+def parse_allocation_sizes(text: str) -> dict[int, int]:
+    """Allocation number -> its size in bytes, from a ``*buffer-assignment.txt`` dump."""
+    return {
+        int(m.group(1)): int(m.group(2))
+        for m in map(_ALLOCATION_LINE.match, text.splitlines())
+        if m
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpFiles:
     """The text files XLA wrote for one compiled module (``None`` where missing)."""

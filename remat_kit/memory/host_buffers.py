@@ -12,13 +12,10 @@ live at once), and ``memory_analysis()`` reports that 1.25 MiB.
 from __future__ import annotations
 
 import dataclasses
-import re
 
+from remat_kit.memory.hlo import parse_allocation_sizes, parse_buffer_slots
 from remat_kit.units import format_bytes
 
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+),(.*)$")
-_VALUE = re.compile(r"^ value: <[^>]*> \(size=(\d+),offset=\d+\)")
-_HOST_COLOR = "color 5"
 #: Host bytes and offloaded bytes differing by less than this share are not remarked on.
 _TOLERANCE = 0.01
 
@@ -34,23 +31,14 @@ class HostBuffers:
 
 
 def host_buffers(buffer_assignment: str | None) -> HostBuffers | None:
-    """The host allocations of XLA's buffer-assignment text (None: no dump or no host
-    allocation)."""
+    """The host allocations of XLA's buffer-assignment text, read with
+    :func:`remat_kit.memory.hlo.parse_buffer_slots` (None: no dump or no host buffer)."""
     if not buffer_assignment:
         return None
-    allocated = count = total = 0
-    in_host = False
-    for line in buffer_assignment.splitlines():
-        m = _ALLOCATION.match(line)
-        if m:
-            in_host = _HOST_COLOR in m.group(2)
-            allocated += int(m.group(1)) if in_host else 0
-            continue
-        v = _VALUE.match(line)
-        if v and in_host:
-            count += 1
-            total += int(v.group(1))
-    return HostBuffers(allocated, count, total) if allocated else None
+    host = [s for s in parse_buffer_slots(buffer_assignment).values() if s.on_host]
+    sizes = parse_allocation_sizes(buffer_assignment)
+    allocated = sum(sizes[a] for a in {s.allocation for s in host})
+    return HostBuffers(allocated, len(host), sum(s.nbytes for s in host)) if host else None
 
 
 def host_line(host_bytes: int, offloaded: int | None, found: HostBuffers | None) -> str | None:

@@ -125,6 +125,14 @@ class Target:
     source: str
     #: For GPU targets compiled deviceless: the fields of XLA's ``GpuTargetConfig``.
     gpu: GpuSpec | None = None
+    #: Dense float32 matmul peak in FLOP/s as XLA runs an f32 dot by default (TF32 tensor
+    #: cores on NVIDIA Ampere and newer, JAX's default matmul precision there).
+    peak_flops_f32: float | None = None
+    #: Device-to-device bandwidth in bytes/s per direction per device (NVLink, TPU ICI), used
+    #: for collectives; ``None`` where unknown or there is no such link.
+    interconnect_bytes_per_s: float | None = None
+    #: Fixed cost of one kernel launch in seconds (the time model's per-kernel overhead).
+    launch_s: float | None = None
 
     @property
     def deviceless(self) -> bool:

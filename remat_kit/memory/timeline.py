@@ -42,6 +42,11 @@ MAX_RESIDUAL_CATEGORIES = 8
 #: ... and so are those never above this fraction of the peak.
 SMALL_FRACTION = 0.002
 TOP_BUFFERS = 10
+#: Buffers kept with their live ranges (:attr:`Timeline.spans`): at most this many, largest
+#: first, ...
+MAX_SPANS = 300
+#: ... and none below this fraction of the live peak.
+SPAN_FRACTION = 0.002
 #: The residual category of values under no checkpoint name (whatever operation made them).
 UNTAGGED = "untagged"
 
@@ -77,6 +82,26 @@ class TimelineBuffer:
 
 
 @dataclasses.dataclass(frozen=True)
+class LiveSpan:
+    """One buffer (a slot's run of aliasing values) and the schedule positions it is live at.
+
+    Attributes:
+      value, category, nbytes, shape, op_name: as :class:`TimelineBuffer` (``nbytes``: the
+        most bytes the slot holds while live).
+      start, end: first and last schedule position it is live at (inclusive), in positions of
+        :attr:`Timeline.positions`' schedule.
+    """
+
+    value: str
+    category: str
+    nbytes: int
+    shape: str
+    op_name: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Timeline:
     """Live bytes at each point of XLA's schedule of one compiled step, by category.
 
@@ -94,6 +119,9 @@ class Timeline:
       peak_bytes: the most device bytes live at one position; peak_position: where.
       peak_instruction: the instruction at the peak and its ``op_name``.
       peak_buffers: the largest buffers live at the peak, largest first.
+      spans: the largest device buffers of the whole step with their live ranges (at most
+        ``MAX_SPANS``, none under ``SPAN_FRACTION`` of the peak), largest first: what is live at
+        any point (the interactive report's hover); empty in reports written before it existed.
     """
 
     length: int
@@ -106,6 +134,7 @@ class Timeline:
     peak_position: int
     peak_instruction: str
     peak_buffers: tuple[TimelineBuffer, ...]
+    spans: tuple[LiveSpan, ...] = ()
 
     def totals(self) -> list[int]:
         """Device bytes live at each kept position (all categories)."""
@@ -135,7 +164,12 @@ class Timeline:
             peak_position=data["peak_position"],
             peak_instruction=data["peak_instruction"],
             peak_buffers=tuple(TimelineBuffer(**b) for b in data["peak_buffers"]),
+            spans=tuple(LiveSpan(**b) for b in data.get("spans", ())),
         )
+
+    def live_at(self, position: int) -> list[LiveSpan]:
+        """The buffers of :attr:`spans` live at a schedule position, largest first."""
+        return [s for s in self.spans if s.start <= position <= s.end]
 
 
 # -- Reading the dumps ------------------------------------------------------------------------
@@ -455,6 +489,15 @@ def build_timeline(
         for size in [int(_bytes_over_time(run, len(totals))[1][peak - run.start])]
     ]
     top.sort(key=lambda b: -b.nbytes)
+    spans = sorted(
+        (
+            LiveSpan(value, cat if cat in merged else "residual:other", run.nbytes, shape, op,
+                     run.start, min(run.end, len(totals) - 1))
+            for run, (cat, value, shape, op) in named
+            if not run.on_host and run.nbytes >= SPAN_FRACTION * totals[peak]
+        ),
+        key=lambda b: -b.nbytes,
+    )[:MAX_SPANS]  # fmt: skip
     keep = _thin(totals, max_points)
     name = live.sequence[peak]
     op = _op_name(instrs[name][0], comps) if name in instrs else ""
@@ -469,6 +512,7 @@ def build_timeline(
         peak_position=peak,
         peak_instruction=f"{name} ({op})" if op else name,
         peak_buffers=tuple(top[:TOP_BUFFERS]),
+        spans=tuple(spans),
     )
 
 

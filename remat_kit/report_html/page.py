@@ -1,0 +1,450 @@
+"""Write the report: one HTML file, plotly.js inlined once, the data as JSON, a small script.
+
+The figures are plotly figures built here with ``plotly.graph_objects`` (the trade-off scatter,
+one per x axis; the live-bytes timeline of each policy, stacked by category); ``page.js`` only
+swaps them and fills the tables when a policy is selected, and lists the buffers live where the
+pointer is on a timeline (from :attr:`~remat_kit.memory.Timeline.spans`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from remat_kit.memory.diff import diff_reports
+from remat_kit.memory.report import MemoryReport
+from remat_kit.report_html.entries import Entry, Group
+from remat_kit.units import GIB, KIB, MIB, format_bytes
+
+#: A timeline drawn in the page keeps at most this many schedule points (the highest of each
+#: bucket, so the peak stays): 13 policies stay near 1 MB of data.
+HTML_POINTS = 600
+#: Pairs of policies compared side by side are precomputed for groups up to this size; larger
+#: groups compare every policy with the first.
+ALL_PAIRS_UP_TO = 16
+#: The buffers listed per hovered point.
+LIVE_LISTED = 12
+_HERE = Path(__file__).resolve().parent
+_PALETTE = (
+    "#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#ff9da6",
+    "#9d755d", "#bab0ac", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf",
+)  # fmt: skip
+_FIXED = {"params": "#9ecae9", "opt_state": "#c6dbef", "gradients": "#a1d99b",
+          "logits": "#fdae6b", "temporaries": "#d9d9d9", "batch": "#bcbddc"}  # fmt: skip
+
+
+def _unit(values: Sequence[int | None]) -> tuple[int, str]:
+    top = max((v for v in values if v is not None), default=0)
+    if top >= GIB:
+        return GIB, "GiB"
+    return (MIB, "MiB") if top >= MIB else (KIB, "KiB")
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    for scale, name in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if s >= scale:
+            return f"{s / scale:.3g} {name}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _cell(value: float | None, text: str) -> list:
+    """A table cell: ``[sort value or None, text]``; unknown shows as an em dash, never 0."""
+    return [value, "—" if value is None else text]
+
+
+def _row(e: Entry, unit: int, uname: str) -> dict[str, Any]:
+    fits = None if e.fits is None else int(e.fits)
+    return {
+        "label": e.label,
+        "error": e.error,
+        "has_report": e.report is not None,
+        "cells": [
+            _cell(e.peak_bytes, f"{(e.peak_bytes or 0) / unit:,.2f}"),
+            _cell(e.host_bytes, f"{(e.host_bytes or 0) / unit:,.2f}"),
+            _cell(e.step_time_s, _seconds(e.step_time_s)),
+            _cell(e.measured_step_time_s, _seconds(e.measured_step_time_s)),
+            _cell(e.recompute_ratio, f"x{e.recompute_ratio or 0:.3f}"),
+            [fits, "—" if fits is None else ("yes" if fits else "no")],
+        ],
+    }
+
+
+COLUMNS = ("policy", "peak {u}", "host {u}", "est. step", "measured step", "FLOPs ratio", "fits")
+
+
+def _x_options(entries: Sequence[Entry]) -> list[tuple[str, str]]:
+    """The x axes the trade-off plot offers: only those some entry has a figure for."""
+    options = [
+        ("step_time_s", "estimated step time (s)"),
+        ("measured_step_time_s", "measured step time (s)"),
+        ("recompute_ratio", "matmul FLOPs / no-remat FLOPs"),
+    ]
+    return [(k, name) for k, name in options if any(getattr(e, k) is not None for e in entries)]
+
+
+def _frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
+    """Indices on the lower-left frontier (less x and less y both better), by x."""
+    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
+    out, best = [], float("inf")
+    for i in order:
+        if ys[i] < best:
+            out.append(i)
+            best = ys[i]
+    return out
+
+
+def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: str) -> dict:
+    import plotly.graph_objects as go
+
+    idx = [
+        i
+        for i, e in enumerate(entries)
+        if getattr(e, key) is not None and e.peak_bytes is not None
+    ]
+    xs = [getattr(entries[i], key) for i in idx]
+    ys = [entries[i].peak_bytes / unit for i in idx]
+    colors = [
+        "#888" if entries[i].fits is None else ("#2ca02c" if entries[i].fits else "#d62728")
+        for i in idx
+    ]
+    fig = go.Figure()
+    front = _frontier(xs, ys)
+    if len(front) > 1:
+        fig.add_trace(
+            go.Scatter(
+                x=[xs[j] for j in front], y=[ys[j] for j in front], mode="lines",
+                line={"color": "#bbb", "dash": "dot"}, hoverinfo="skip", name="frontier",
+            )
+        )  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=xs, y=ys, mode="markers+text", text=[entries[i].label for i in idx],
+            textposition="top center", textfont={"size": 10}, customdata=idx,
+            marker={"size": 11, "color": colors, "line": {"width": [0] * len(idx), "color": "#000"}},
+            hovertemplate="<b>%{text}</b><br>" + xname + ": %{x:.4g}<br>peak: %{y:.2f} "
+            + uname + "<extra></extra>",
+            name="policies",
+        )
+    )  # fmt: skip
+    fig.update_layout(
+        xaxis_title=xname, yaxis_title=f"peak ({uname} per device)", showlegend=False,
+        margin={"l": 60, "r": 20, "t": 30, "b": 50}, height=420, template="plotly_white",
+        clickmode="event", title={"text": "memory vs time (click a point to select)",
+                                  "font": {"size": 13}},
+    )  # fmt: skip
+    return fig.to_plotly_json()
+
+
+def _thin(totals: np.ndarray, n: int) -> np.ndarray:
+    if len(totals) <= n:
+        return np.arange(len(totals))
+    edges = np.linspace(0, len(totals), n + 1).astype(int)
+    return np.array([a + int(np.argmax(totals[a:b])) for a, b in zip(edges, edges[1:]) if b > a])
+
+
+def _color_map(groups_categories: Sequence[str]) -> dict[str, str]:
+    out, k = {}, 0
+    for c in groups_categories:
+        if c in _FIXED:
+            out[c] = _FIXED[c]
+        elif c not in out:
+            out[c] = _PALETTE[k % len(_PALETTE)]
+            k += 1
+    return out
+
+
+def _timeline(r: MemoryReport, colors: dict[str, str], unit: int, uname: str, top: float):
+    """The stacked live-bytes figure of one report (None without a timeline)."""
+    import plotly.graph_objects as go
+
+    tl = r.timeline
+    if tl is None or not tl.categories:
+        return None
+    rows = np.array(tl.device_bytes, dtype=np.float64)
+    keep = _thin(rows.sum(axis=0), HTML_POINTS)
+    x = [tl.positions[i] for i in keep]
+    fig = go.Figure()
+    for c, row in zip(tl.categories, rows, strict=True):
+        fig.add_trace(
+            go.Scatter(
+                x=x, y=np.round(row[keep] / unit, 4), name=c, stackgroup="device",
+                mode="lines", line={"width": 0.5, "color": colors[c]}, fillcolor=colors[c],
+                hovertemplate="%{y:.3f} " + uname,
+            )
+        )  # fmt: skip
+    if tl.host_bytes is not None:
+        host = np.array(tl.host_bytes, dtype=np.float64)[keep] / unit
+        fig.add_trace(
+            go.Scatter(x=x, y=np.round(host, 4), name="host memory", mode="lines",
+                       line={"color": "#000", "dash": "dash", "width": 1.5},
+                       hovertemplate="%{y:.3f} " + uname)
+        )  # fmt: skip
+    for name, a, b in tl.phases:
+        fig.add_vrect(x0=a, x1=b, fillcolor="#000", opacity=0.03 if name == "backward" else 0,
+                      line_width=0, annotation_text=name, annotation_position="top left",
+                      annotation_font_size=10)  # fmt: skip
+    fig.add_vline(x=tl.peak_position, line={"color": "#d62728", "width": 1, "dash": "dot"})
+    fig.update_layout(
+        title={"text": f"live device bytes over XLA's schedule: {r.policy or r.name} (peak "
+               f"{format_bytes(tl.peak_bytes)} at {tl.peak_position} of {tl.length})",
+               "font": {"size": 13}},
+        xaxis_title="position in XLA's schedule (loop bodies once)",
+        yaxis_title=f"{uname} per device", yaxis_range=[0, top * 1.05],
+        hovermode="x unified", template="plotly_white", height=430,
+        margin={"l": 60, "r": 20, "t": 40, "b": 50}, legend={"font": {"size": 10}},
+    )  # fmt: skip
+    return fig.to_plotly_json()
+
+
+def _split_shape(shape: str) -> tuple[str, str]:
+    """``"bf16[32,1,8192]"`` -> ``("bf16", "[32,1,8192]")``."""
+    dtype, sep, rest = shape.partition("[")
+    return (dtype, sep + rest) if sep else (shape, "")
+
+
+def _tag(category: str) -> str:
+    return category.partition(":")[2] if category.startswith("residual:") else ""
+
+
+def _details(e: Entry, unit: int, colors, top: float, uname: str) -> dict[str, Any]:
+    r = e.report
+    out: dict[str, Any] = {
+        "findings": [[f.severity, f.code, f.what, f.cause, f.fix] for f in e.findings],
+        "notes": list(e.notes),
+        "error": e.error,
+    }
+    if r is None:
+        return out
+    tl = r.timeline
+    out["timeline"] = _timeline(r, colors, unit, uname, top)
+    out["peak_position"] = tl.peak_position if tl is not None else None
+    out["spans"] = [
+        [s.start, s.end, s.nbytes, s.value, s.category, _tag(s.category), *_split_shape(s.shape),
+         s.op_name]
+        for s in (tl.spans if tl is not None else ())
+    ]  # fmt: skip
+    if tl is not None:
+        peak = [(b.value, b.category, b.nbytes, b.shape, b.op_name) for b in tl.peak_buffers]
+    else:
+        peak = [(b.value, b.kind, b.nbytes, b.shape, b.op_name) for b in r.peak_buffers]
+    out["peak_buffers"] = [
+        [v, _tag(c) or c, format_bytes(n), *_split_shape(s), op] for v, c, n, s, op in peak
+    ]
+    out["residuals"] = [
+        [t.tag, t.count, "[" + ",".join(map(str, t.shape)) + "]", t.dtype, t.memory,
+         format_bytes(t.nbytes)]
+        for t in sorted(r.residuals, key=lambda t: -t.nbytes)
+    ]  # fmt: skip
+    out["facts"] = [
+        ["peak (argument + output + temp - alias)", format_bytes(r.peak_bytes)],
+        ["live peak (schedule)", format_bytes(r.live_peak_bytes)],
+        ["arguments", ", ".join(f"{k} {format_bytes(v)}" for k, v in r.arguments.items())],
+        ["residuals kept (device / host)",
+         f"{format_bytes(r.activation_bytes)} / {format_bytes(r.offloaded_bytes)}"],
+        ["matmul FLOPs", _flops(r.flops)],
+        ["recompute ratio (policy's own / as compiled)",
+         " / ".join("—" if v is None else f"x{v:.3f}"
+                    for v in (r.recompute_ratio, r.compiled_recompute_ratio))],
+        ["budget", format_bytes(r.budget_bytes)],
+        ["compile", f"{r.compile_s:.1f} s"],
+    ]  # fmt: skip
+    return out
+
+
+def _flops(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+        if n >= scale:
+            return f"{n / scale:.3f} {name}"
+    return f"{n:.0f} FLOP"
+
+
+def _diffs(entries: Sequence[Entry]) -> dict[str, Any]:
+    """``"i,j"`` -> the diff of entries i and j (:func:`remat_kit.memory.diff.diff_reports`)."""
+    have = [i for i, e in enumerate(entries) if e.report is not None]
+    if len(have) <= ALL_PAIRS_UP_TO:
+        pairs = [(i, j) for i in have for j in have if i < j]
+    else:
+        pairs = [(have[0], j) for j in have[1:]]
+    out = {}
+    for i, j in pairs:
+        a, b = entries[i].report, entries[j].report
+        if (a.name, a.target) != (b.name, b.target):
+            continue
+        d = diff_reports(a, b, top=5)
+        rows = []
+        for section, items in (("", d.figures), ("residuals by tag", d.residuals),
+                               ("live at the peak, by category", d.at_peak)):  # fmt: skip
+            rows += [[section, x.name, _fmt(x.a, x.unit), _fmt(x.b, x.unit), _change(x)]
+                     for x in items]  # fmt: skip
+        out[f"{i},{j}"] = {"rows": rows, "moved": list(d.moved)}
+    return out
+
+
+def _fmt(v: float | str | None, unit: str) -> str:
+    if v is None:
+        return "—"
+    if unit == "bytes":
+        return format_bytes(v)
+    if unit == "flops":
+        return _flops(v)
+    if unit == "ratio":
+        return f"x{v:.3f}"
+    return str(v)
+
+
+def _change(row) -> str:
+    c = row.change
+    if c is None or c == 0:
+        return "" if c is None else "0"
+    sign = "+" if c > 0 else "−"
+    return sign + _fmt(abs(c), row.unit).lstrip("x")
+
+
+def _group_data(g: Group) -> dict[str, Any]:
+    entries = g.entries
+    unit, uname = _unit([e.peak_bytes for e in entries])
+    cats = [c for e in entries if e.report and e.report.timeline for c in e.report.timeline.categories]
+    colors = _color_map(list(dict.fromkeys(cats)))
+    tops = [max(e.report.timeline.totals(), default=0) for e in entries
+            if e.report and e.report.timeline]  # fmt: skip
+    hosts = [max(e.report.timeline.host_bytes) for e in entries
+             if e.report and e.report.timeline and e.report.timeline.host_bytes]  # fmt: skip
+    top = max(tops + hosts, default=0) / unit
+    xopts = _x_options(entries)
+    return {
+        "title": g.title,
+        "notes": list(g.notes),
+        "unit": uname,
+        "columns": [c.format(u=uname) for c in COLUMNS],
+        "rows": [_row(e, unit, uname) for e in entries],
+        "xoptions": [[k, name] for k, name in xopts],
+        "scatter": {k: _scatter(entries, k, name, unit, uname) for k, name in xopts},
+        "details": [_details(e, unit, colors, top, uname) for e in entries],
+        "diffs": _diffs(entries),
+        "listed": LIVE_LISTED,
+    }
+
+
+def machine() -> str:
+    """The machine this runs on, in words (CPU model and count, OS), for the report's header."""
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       None)  # fmt: skip
+    except OSError:
+        pass
+    return f"{cpu or platform.processor() or platform.machine()} x{os.cpu_count()}, " + (
+        f"{platform.system()} {platform.release()}"
+    )
+
+
+def _header(groups: Sequence[Group], command: str, title: str, hardware: str | None) -> str:
+    import jax
+    import plotly
+
+    first = next((e.report for g in groups for e in g.entries if e.report is not None), None)
+    backend = first.backend if first is not None else jax.default_backend()
+    target = ""
+    if first is not None:
+        from remat_kit import targets
+
+        try:
+            t = targets.get_target(first.target)
+            target = f"{t.name}: {t.description}"
+        except ValueError:
+            target = first.target
+    items = [
+        ("command", f"<code>{html.escape(command)}</code>"),
+        ("target", html.escape(hardware or target or "—")),
+        ("compiled on", html.escape(machine())),
+        ("backend", html.escape(backend)),
+        ("jax", html.escape(jax.__version__)),
+        ("page", f"remat-kit report, plotly {html.escape(plotly.__version__)} inlined (offline)"),
+    ]
+    dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
+    return f"<header><h1>{html.escape(title)}</h1><dl>{dl}</dl></header>"
+
+
+def render(
+    groups: Sequence[Group],
+    *,
+    command: str | None = None,
+    title: str | None = None,
+    hardware: str | None = None,
+) -> str:
+    """The report page as one HTML string (see :func:`write_report`)."""
+    from plotly.offline import get_plotlyjs
+
+    if not groups or not any(g.entries for g in groups):
+        raise ValueError("nothing to report: no group has an entry")
+    command = command if command is not None else " ".join(["remat-kit", *sys.argv[1:]])
+    title = title or groups[0].title
+    data = json.dumps({"groups": [_group_data(g) for g in groups]}, default=_json_default)
+    data = data.replace("</", "<\\/")  # never ends the script element early
+    css = (_HERE / "page.css").read_text()
+    js = (_HERE / "page.js").read_text()
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{css}</style>"
+        f"<script>{get_plotlyjs()}</script></head><body>"
+        + _header(groups, command, title, hardware)
+        + "<main id='app'></main>"
+        f"<script id='report-data' type='application/json'>{data}</script>"
+        f"<script>{js}</script></body></html>"
+    )
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON: {type(x).__name__}")
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    groups: Sequence[Group],
+    *,
+    command: str | None = None,
+    title: str | None = None,
+    hardware: str | None = None,
+) -> int:
+    """Write the interactive report to ``path`` (one self-contained HTML file, works offline).
+
+    Args:
+      path: the ``.html`` file (its folder is created).
+      groups: what to show (:func:`~remat_kit.report_html.group_of_reports`,
+        :func:`~remat_kit.report_html.groups_of_rows`,
+        :func:`~remat_kit.report_html.group_of_recommendation`).
+      command: the command that made it, shown at the top (default: ``remat-kit`` and this
+        process's arguments).
+      title: the page title (default: the first group's).
+      hardware: the target in words (default: the first report's target and its description).
+
+    Returns:
+      The file's size in bytes.
+
+    Raises:
+      ValueError: no entry to show.
+    """
+    text = render(groups, command=command, title=title, hardware=hardware)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    part = p.with_name(f".{p.name}.part")
+    part.write_text(text, encoding="utf-8")
+    part.replace(p)
+    return p.stat().st_size

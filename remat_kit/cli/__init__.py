@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 compile failed, 2 bad input)."""
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
         return args.func(args)
     except (UsageError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -56,6 +56,7 @@ def add(subparsers) -> None:
     )
     A.add_workers(p)
     A.add_timeline(p)
+    A.add_html(p)
     p.add_argument("--devices", type=A.positive_int, default=None,
                    help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
     p.add_argument(
@@ -73,6 +74,7 @@ def _resolve(args: argparse.Namespace) -> tuple:
     config = A.resolve_model(args)
     A.require_shape(args, config)
     target = targets.get_target(args.target)
+    A.check_output_path(args.html, "--html")
     if isinstance(config, Program):
         for flag in ("per_layer", "mesh", "devices"):
             if getattr(args, flag):
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline and reports:
         plots.timeline(reports, args.timeline, titles=labels)
         print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
+    if args.html and reports:
+        _write_html(args, config, target, results, labels, chosen)
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
@@ -150,6 +154,21 @@ def run(args: argparse.Namespace) -> int:
     for err in errors:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _write_html(args, config, target, results, labels, chosen) -> None:
+    """``--html``: the interactive report of every compiled policy (one line on stderr)."""
+    from remat_kit import report_html
+
+    ok = [r for r in results if not isinstance(r, CompileError)]
+    notes = []
+    if chosen is not None:
+        names = ", ".join(sorted(chosen.tags)) or "none"
+        notes = [f"checkpoint names {config.name!r} emits: {names}", *chosen.notes]
+    notes += _summary_lines(target, args, results, labels)
+    group = report_html.group_of_reports(ok, labels, notes=notes)
+    size = report_html.write_report(args.html, [group], command=A.command_line(args))
+    print(f"{A.PROG}: wrote {args.html} ({size / 2**20:.1f} MiB)", file=sys.stderr)
 
 
 def _report_dict(report, with_timeline: bool) -> dict:

@@ -219,3 +219,43 @@ def add_timeline(parser: argparse.ArgumentParser) -> None:
         "parameters, optimizer state, residuals by tag, gradients, logits, temporaries; phases "
         "and the peak marked) as a PNG",
     )
+
+
+def add_html(parser: argparse.ArgumentParser) -> None:
+    """Add ``--html PATH``: the interactive report (:mod:`remat_kit.report_html`), one
+    self-contained HTML file that works offline."""
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        default=None,
+        help="write an interactive report (one self-contained HTML file, works offline): "
+        "sortable policy table, memory vs time, each policy's live-bytes timeline with the "
+        "buffers live at each point, two policies side by side",
+    )
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as a user would type it (``remat-kit analyze --model ...``), for the top of a
+    report: ``args.argv`` (set by :func:`remat_kit.cli.main`)."""
+    import shlex
+
+    return " ".join([PROG, *(shlex.quote(a) for a in getattr(args, "argv", []))])
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """A file the command will write at its end can be written, checked before compiling.
+
+    Raises:
+      UsageError: ``path`` is a folder, or its folder exists and is not writable.
+    """
+    import os
+
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a folder; give a file name (report.html)")
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path!r}: cannot write in {folder!r}")

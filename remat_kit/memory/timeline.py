@@ -407,7 +407,9 @@ def _category(run: _Run, ctx: _Context) -> tuple[str, str, str, str]:
 # -- Building the timeline --------------------------------------------------------------------
 
 
-def _thin(totals: np.ndarray, max_points: int) -> np.ndarray:
+def thin_positions(totals: np.ndarray, max_points: int) -> np.ndarray:
+    """Indices of at most ``max_points`` of ``totals``: the highest of each of equal buckets
+    (so the maximum is always kept)."""
     if len(totals) <= max_points:
         return np.arange(len(totals))
     edges = np.linspace(0, len(totals), max_points + 1).astype(int)
@@ -498,7 +500,7 @@ def build_timeline(
         ),
         key=lambda b: -b.nbytes,
     )[:MAX_SPANS]  # fmt: skip
-    keep = _thin(totals, max_points)
+    keep = thin_positions(totals, max_points)
     name = live.sequence[peak]
     op = _op_name(instrs[name][0], comps) if name in instrs else ""
     return Timeline(

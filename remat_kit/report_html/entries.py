@@ -156,7 +156,9 @@ def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
         mesh = f" mesh {first['mesh']}" if first.get("mesh") else ""
         overrides = f" {first['overrides']}" if first.get("overrides") else ""
         what = first.get("model") or first.get("program") or "?"
-        out.append(Group(f"{what}{shape}{overrides} on {first.get('target')}{mesh}", tuple(entries)))
+        out.append(
+            Group(f"{what}{shape}{overrides} on {first.get('target')}{mesh}", tuple(entries))
+        )
     return out
 
 

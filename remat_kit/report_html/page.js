@@ -41,9 +41,13 @@
 
   function group() { return DATA.groups[st.g]; }
 
-  function firstWithReport(g) {
-    const i = g.rows.findIndex((r) => r.has_report);
-    return i < 0 ? 0 : i;
+  function firstSelected(g) { // the lowest peak with a report, else the first row
+    let best = -1;
+    g.rows.forEach((r, i) => {
+      if (!r.has_report || r.cells[0][0] === null) return;
+      if (best < 0 || r.cells[0][0] < g.rows[best].cells[0][0]) best = i;
+    });
+    return best < 0 ? 0 : best;
   }
 
   // -- The policy table (sortable; a click selects) -------------------------------------------
@@ -119,7 +123,7 @@
       el("h3", {}, `live at schedule position ${pos}: ${live.length} of the ${d.spans.length} largest buffers` +
         (live.length > listed.length ? ` (largest ${listed.length} shown)` : "")),
       el("table", { class: "plain live" },
-        el("thead", {}, el("tr", {}, ["bytes", "buffer", "checkpoint tag", "dtype", "shape", "op (end)"]
+        el("thead", {}, el("tr", {}, ["bytes", "buffer", "category / tag", "dtype", "shape", "op (end)"]
           .map((h) => el("th", {}, h)))),
         el("tbody", {}, listed.map((s) => el("tr", { title: `${s[4]}: ${s[8] || "no op_name"}` },
           [fmtBytes(s[2]), s[3], s[5] || (s[4].startsWith("residual:") ? "—" : s[4]), s[6], s[7],
@@ -210,12 +214,18 @@
     kids.push(el("div", { class: "row" }, el("div", { id: "cmp-a", class: "plot half" }),
       el("div", { id: "cmp-b", class: "plot half" })));
     box.replaceChildren(...kids);
+    const drawn = [];
     for (const [id, i] of [["cmp-a", a], ["cmp-b", b]]) {
       const t = g.details[i].timeline;
       const div = document.getElementById(id);
-      if (t) Plotly.newPlot(div, t.data, Object.assign({}, t.layout, { height: 360, showlegend: false }), CONFIG);
+      if (t) drawn.push(Plotly.newPlot(div, t.data, Object.assign({}, t.layout, { height: 360, showlegend: false }), CONFIG));
       else div.textContent = "no timeline for " + g.rows[i].label;
     }
+    Promise.all(drawn).then((divs) => { // one y range for both, so heights compare
+      if (divs.length < 2) return;
+      const top = Math.max(...divs.map((d) => d._fullLayout.yaxis.range[1]));
+      divs.forEach((d) => Plotly.relayout(d, { "yaxis.range": [0, top] }));
+    });
   }
 
   function picker(id, which) {
@@ -233,7 +243,7 @@
   function render() {
     const g = group();
     const withReport = g.rows.map((r, i) => (r.has_report ? i : -1)).filter((i) => i >= 0);
-    st.sel = firstWithReport(g);
+    st.sel = firstSelected(g);
     st.a = withReport.length ? withReport[0] : 0;
     st.b = withReport.length > 1 ? withReport[1] : Math.min(1, g.rows.length - 1);
     st.x = g.xoptions.length ? g.xoptions[0][0] : null;

@@ -21,6 +21,7 @@ import numpy as np
 
 from remat_kit.memory.diff import diff_reports
 from remat_kit.memory.report import MemoryReport
+from remat_kit.memory.timeline import thin_positions
 from remat_kit.report_html.entries import Entry, Group
 from remat_kit.units import GIB, KIB, MIB, format_bytes
 
@@ -30,6 +31,8 @@ HTML_POINTS = 600
 #: Pairs of policies compared side by side are precomputed for groups up to this size; larger
 #: groups compare every policy with the first.
 ALL_PAIRS_UP_TO = 16
+#: The trade-off plot writes each point's label up to this many points (then: on hover).
+LABELLED_UP_TO = 6
 #: The buffers listed per hovered point.
 LIVE_LISTED = 12
 _HERE = Path(__file__).resolve().parent
@@ -107,9 +110,7 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
     import plotly.graph_objects as go
 
     idx = [
-        i
-        for i, e in enumerate(entries)
-        if getattr(e, key) is not None and e.peak_bytes is not None
+        i for i, e in enumerate(entries) if getattr(e, key) is not None and e.peak_bytes is not None
     ]
     xs = [getattr(entries[i], key) for i in idx]
     ys = [entries[i].peak_bytes / unit for i in idx]
@@ -128,14 +129,24 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
         )  # fmt: skip
     fig.add_trace(
         go.Scatter(
-            x=xs, y=ys, mode="markers+text", text=[entries[i].label for i in idx],
+            x=xs, y=ys, mode="markers+text" if len(idx) <= LABELLED_UP_TO else "markers",
+            text=[html.escape(entries[i].label) for i in idx],
             textposition="top center", textfont={"size": 10}, customdata=idx,
-            marker={"size": 11, "color": colors, "line": {"width": [0] * len(idx), "color": "#000"}},
+            marker={"size": 11, "color": colors,
+                    "line": {"width": [0] * len(idx), "color": "#000"}},
             hovertemplate="<b>%{text}</b><br>" + xname + ": %{x:.4g}<br>peak: %{y:.2f} "
             + uname + "<extra></extra>",
             name="policies",
         )
     )  # fmt: skip
+    budgets = {entries[i].report.budget_bytes for i in idx if entries[i].report is not None}
+    if len(budgets) == 1 and None not in budgets:
+        budget = budgets.pop() / unit
+        fig.add_hline(y=budget, line={"color": "#d62728", "width": 1, "dash": "dash"},
+                      annotation_text=f"budget {budget:,.2f} {uname}",
+                      annotation_position="bottom right", annotation_font_size=10)  # fmt: skip
+    if ys and min(ys) > 0 and max(ys) / min(ys) > 4:  # a no-remat far above the rest
+        fig.update_yaxes(type="log")
     fig.update_layout(
         xaxis_title=xname, yaxis_title=f"peak ({uname} per device)", showlegend=False,
         margin={"l": 60, "r": 20, "t": 30, "b": 50}, height=420, template="plotly_white",
@@ -143,13 +154,6 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
                                   "font": {"size": 13}},
     )  # fmt: skip
     return fig.to_plotly_json()
-
-
-def _thin(totals: np.ndarray, n: int) -> np.ndarray:
-    if len(totals) <= n:
-        return np.arange(len(totals))
-    edges = np.linspace(0, len(totals), n + 1).astype(int)
-    return np.array([a + int(np.argmax(totals[a:b])) for a, b in zip(edges, edges[1:]) if b > a])
 
 
 def _color_map(groups_categories: Sequence[str]) -> dict[str, str]:
@@ -163,7 +167,7 @@ def _color_map(groups_categories: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _timeline(r: MemoryReport, colors: dict[str, str], unit: int, uname: str, top: float):
+def _timeline(r: MemoryReport, label: str, colors: dict[str, str], unit: int, uname: str):
     """The stacked live-bytes figure of one report (None without a timeline)."""
     import plotly.graph_objects as go
 
@@ -171,13 +175,13 @@ def _timeline(r: MemoryReport, colors: dict[str, str], unit: int, uname: str, to
     if tl is None or not tl.categories:
         return None
     rows = np.array(tl.device_bytes, dtype=np.float64)
-    keep = _thin(rows.sum(axis=0), HTML_POINTS)
+    keep = thin_positions(rows.sum(axis=0), HTML_POINTS)
     x = [tl.positions[i] for i in keep]
     fig = go.Figure()
     for c, row in zip(tl.categories, rows, strict=True):
         fig.add_trace(
             go.Scatter(
-                x=x, y=np.round(row[keep] / unit, 4), name=c, stackgroup="device",
+                x=x, y=np.round(row[keep] / unit, 4), name=html.escape(c), stackgroup="device",
                 mode="lines", line={"width": 0.5, "color": colors[c]}, fillcolor=colors[c],
                 hovertemplate="%{y:.3f} " + uname,
             )
@@ -195,11 +199,11 @@ def _timeline(r: MemoryReport, colors: dict[str, str], unit: int, uname: str, to
                       annotation_font_size=10)  # fmt: skip
     fig.add_vline(x=tl.peak_position, line={"color": "#d62728", "width": 1, "dash": "dot"})
     fig.update_layout(
-        title={"text": f"live device bytes over XLA's schedule: {r.policy or r.name} (peak "
+        title={"text": f"live device bytes over XLA's schedule: {html.escape(label)} (peak "
                f"{format_bytes(tl.peak_bytes)} at {tl.peak_position} of {tl.length})",
                "font": {"size": 13}},
         xaxis_title="position in XLA's schedule (loop bodies once)",
-        yaxis_title=f"{uname} per device", yaxis_range=[0, top * 1.05],
+        yaxis_title=f"{uname} per device", yaxis_rangemode="tozero",
         hovermode="x unified", template="plotly_white", height=430,
         margin={"l": 60, "r": 20, "t": 40, "b": 50}, legend={"font": {"size": 10}},
     )  # fmt: skip
@@ -216,7 +220,7 @@ def _tag(category: str) -> str:
     return category.partition(":")[2] if category.startswith("residual:") else ""
 
 
-def _details(e: Entry, unit: int, colors, top: float, uname: str) -> dict[str, Any]:
+def _details(e: Entry, unit: int, colors, uname: str) -> dict[str, Any]:
     r = e.report
     out: dict[str, Any] = {
         "findings": [[f.severity, f.code, f.what, f.cause, f.fix] for f in e.findings],
@@ -226,7 +230,7 @@ def _details(e: Entry, unit: int, colors, top: float, uname: str) -> dict[str, A
     if r is None:
         return out
     tl = r.timeline
-    out["timeline"] = _timeline(r, colors, unit, uname, top)
+    out["timeline"] = _timeline(r, e.label, colors, unit, uname)
     out["peak_position"] = tl.peak_position if tl is not None else None
     out["spans"] = [
         [s.start, s.end, s.nbytes, s.value, s.category, _tag(s.category), *_split_shape(s.shape),
@@ -315,13 +319,10 @@ def _change(row) -> str:
 def _group_data(g: Group) -> dict[str, Any]:
     entries = g.entries
     unit, uname = _unit([e.peak_bytes for e in entries])
-    cats = [c for e in entries if e.report and e.report.timeline for c in e.report.timeline.categories]
+    cats = [
+        c for e in entries if e.report and e.report.timeline for c in e.report.timeline.categories
+    ]
     colors = _color_map(list(dict.fromkeys(cats)))
-    tops = [max(e.report.timeline.totals(), default=0) for e in entries
-            if e.report and e.report.timeline]  # fmt: skip
-    hosts = [max(e.report.timeline.host_bytes) for e in entries
-             if e.report and e.report.timeline and e.report.timeline.host_bytes]  # fmt: skip
-    top = max(tops + hosts, default=0) / unit
     xopts = _x_options(entries)
     return {
         "title": g.title,
@@ -331,7 +332,7 @@ def _group_data(g: Group) -> dict[str, Any]:
         "rows": [_row(e, unit, uname) for e in entries],
         "xoptions": [[k, name] for k, name in xopts],
         "scatter": {k: _scatter(entries, k, name, unit, uname) for k, name in xopts},
-        "details": [_details(e, unit, colors, top, uname) for e in entries],
+        "details": [_details(e, unit, colors, uname) for e in entries],
         "diffs": _diffs(entries),
         "listed": LIVE_LISTED,
     }

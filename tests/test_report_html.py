@@ -1,0 +1,226 @@
+"""The interactive HTML report, opened in a real browser (headless Chromium through Selenium).
+
+CI installs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run``); the browser tests skip,
+saying why, only where those are absent. A user's plain-JAX program (its own tag names: attn_in,
+attn_out, mlp_hidden; 3 scanned layers, d_model 64) feeds every test: two policies compiled
+through the library, one through ``remat-kit analyze --html``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from remat_kit import report_html as H
+from remat_kit.cli import main as cli_main
+from remat_kit.doctor import Finding
+from remat_kit.memory import analyze_policies
+from remat_kit.policies import parse_policy_arg, policy_label
+from remat_kit.program import load_program
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", "--disable-sync",
+         "--window-size=1400,1800")  # fmt: skip
+PROGRAM = str(Path(__file__).parent / "user_models" / "plain_jax.py") + ":program"
+SPECS = [parse_policy_arg(p) for p in ("attn_in=save", "mlp_hidden=save")]
+LABELS = [policy_label(s) for s in SPECS]  # "custom: attn_in=save", as the CLI names them
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """The plain-JAX program on the CPU under two per-tag policies (scanned: remat survives on
+    XLA:CPU)."""
+    return analyze_policies(load_program(PROGRAM), SPECS, target="cpu")
+
+
+@pytest.fixture(scope="module")
+def page(reports, tmp_path_factory) -> Path:
+    finding = Finding("no-op-policy", "error", "made-up what <b>", "made-up cause", "made-up fix")
+    group = H.group_of_reports(reports, LABELS, findings=[[], [finding]], notes=["a group note"])
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    H.write_report(path, [group], command="pytest plain-jax")
+    return path
+
+
+@pytest.fixture(scope="module")
+def program_page(tmp_path_factory) -> Path:
+    """``remat-kit analyze --html`` of the program, one policy."""
+    path = tmp_path_factory.mktemp("program") / "sub" / "program.html"
+    code = cli_main(["analyze", "--model", PROGRAM, "--policy", "attn_out=save", "--target",
+                     "cpu", "--html", str(path)])  # fmt: skip
+    assert code == 0
+    return path
+
+
+def _data(path: Path) -> dict:
+    text = path.read_text()
+    m = re.search(r"<script id='report-data' type='application/json'>(.*?)</script>", text, re.S)
+    return json.loads(m.group(1))
+
+
+def test_page_is_self_contained_and_unknowns_are_dashes(page, reports):
+    text = page.read_text()
+    assert not re.search(r"<script[^>]+src=", text)  # no CDN, nothing fetched
+    assert not re.search(r"<link[^>]+href=", text)
+    assert text.count("Plotly.newPlot") >= 1 and "plotly.js v" in text  # the library inlined once
+    g = _data(page)["groups"][0]
+    assert [r["label"] for r in g["rows"]] == LABELS
+    row = g["rows"][1]["cells"]
+    measured = row[3]
+    assert measured == [None, "—"]  # unknown: a dash, never 0
+    assert row[0][0] == reports[1].peak_bytes
+    # the buffers under the pointer come from the timeline's spans, sized by buffer assignment
+    spans = g["details"][0]["spans"]
+    tl = reports[0].timeline
+    assert len(spans) == len(tl.spans) > 0
+    at_peak = [s for s in spans if s[0] <= tl.peak_position <= s[1]]
+    assert sum(s[2] for s in at_peak) <= tl.peak_bytes
+    assert g["diffs"]["0,1"]["rows"]  # the policy diff, precomputed
+
+
+def test_entry_of_report_reads_an_estimated_step_time_when_the_report_has_one(reports):
+    assert H.entry_of_report(reports[0]).step_time_s == getattr(reports[0], "step_time_s", None)
+
+
+def test_group_of_reports_rejects_mismatched_labels(reports):
+    with pytest.raises(ValueError, match="one label and one finding list per report"):
+        H.group_of_reports(reports, ["only-one"])
+
+
+def test_rows_make_groups_and_failed_rows_stay(reports):
+    base = {"program": "plain-jax", "target": "cpu"}
+    rows = [
+        {**base, "policy": label, "status": "ok", "report": r.to_dict(), "step_time_s": 0.012}
+        for r, label in zip(reports, LABELS, strict=True)
+    ] + [{**base, "policy": "save-dots", "status": "oom", "error": "out of memory", "report": None}]
+    (g,) = H.groups_of_rows(rows)
+    assert [e.label for e in g.entries] == [*LABELS, "save-dots"]
+    assert g.entries[0].measured_step_time_s == 0.012 and g.entries[2].error == "out of memory"
+
+
+# -- In the browser ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+    for path, pkg in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not Path(path).exists():
+            pytest.skip(f"{path} absent: apt-get install -y {pkg} (.ci/run installs it)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for f in FLAGS:
+        opts.add_argument(f)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+def _actions():
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    return ActionChains
+
+
+def _open(driver, path: Path) -> None:
+    driver.get(path.as_uri())
+    _wait(driver, "return document.querySelectorAll('#timeline .scatterlayer .trace').length > 0")
+
+
+def _wait(driver, script: str, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for: {script}")
+
+
+def _errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_report_renders_without_errors_and_selecting_a_policy_changes_the_page(
+    browser, page, reports, tmp_path
+):
+    _open(browser, page)
+    assert _errors(browser) == []
+    rows = browser.find_elements("css selector", "#policy-table tbody tr")
+    labels = [r.find_element("css selector", "td").text for r in rows]
+    assert labels == LABELS
+    assert reports[0].peak_bytes != reports[1].peak_bytes
+    low = int(reports[1].peak_bytes < reports[0].peak_bytes)  # selected first: the lower peak
+    title = browser.find_element("id", "detail-title")
+    assert title.text == f"selected: {labels[low]}"
+    names = browser.execute_script(
+        "return document.getElementById('timeline').data.map(t => t.name)"
+    )
+    assert "opt_state" in names and any("attn_in" in n or "mlp_hidden" in n for n in names)
+    live = browser.find_elements("css selector", "#live tbody tr")  # buffers live at the peak
+    assert live
+    browser.save_screenshot(str(tmp_path / "report.png"))
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    before = browser.execute_script("return document.getElementById('timeline').layout.title.text")
+    rows[1 - low].click()  # select the other policy
+    _wait(browser, f"return document.getElementById('detail-title').textContent.endsWith("
+                   f"{json.dumps(labels[1 - low])})")  # fmt: skip
+    after = browser.execute_script("return document.getElementById('timeline').layout.title.text")
+    assert labels[1 - low] in after and after != before
+    rows[1].click()  # the finding is the second policy's
+    _wait(browser, f"return document.getElementById('detail-title').textContent.endsWith("
+                   f"{json.dumps(labels[1])})")  # fmt: skip
+    assert "made-up what <b>" in browser.find_element("id", "detail").text  # findings, escaped
+    # sort by peak, twice: the lower peak first, then last
+    for order in (0, -1):
+        browser.find_elements("css selector", "#policy-table th")[1].click()
+        cells = browser.find_elements("css selector", "#policy-table tbody tr td.label")
+        assert cells[order].text == labels[low]
+    # hovering the timeline lists the buffers live at that point (the peak's before)
+    heading = "return document.querySelector('#live h3').textContent"
+    at_peak = browser.execute_script(heading)
+    area = browser.find_element("css selector", "#timeline .nsewdrag")  # the plot area
+    _actions()(browser).move_to_element_with_offset(area, -area.size["width"] // 3, 0).perform()
+    _wait(browser, f"{heading} !== {json.dumps(at_peak)}")
+    assert re.match(r"live at schedule position \d+: \d+ of the", browser.execute_script(heading))
+    assert browser.execute_script(heading) != at_peak
+    assert _errors(browser) == []
+
+
+def test_console_errors_are_caught(browser, page):
+    """The check above can fail: an error logged by the page is seen."""
+    _open(browser, page)
+    browser.execute_script("console.error('deliberate')")
+    assert any("deliberate" in m for m in _errors(browser))
+
+
+def test_analyze_html_of_a_program(browser, program_page):
+    data = _data(program_page)
+    g = data["groups"][0]
+    assert {r[0] for r in g["details"][0]["residuals"]} >= {"attn_out"}
+    assert any("checkpoint names 'plain-jax' emits: attn_in, attn_out, mlp_hidden" in n
+               for n in g["notes"])  # fmt: skip
+    assert "remat-kit analyze --model" in program_page.read_text()  # the command, at the top
+    _open(browser, program_page)
+    assert _errors(browser) == []
+    names = browser.execute_script(
+        "return document.getElementById('timeline').data.map(t => t.name)"
+    )
+    assert any(n.startswith("residual:") and "attn_out" in n for n in names)
+
+
+def test_analyze_html_refuses_a_folder_before_compiling(tmp_path, capsys):
+    code = cli_main(["analyze", "--model", PROGRAM, "--target", "cpu", "--html", str(tmp_path)])
+    assert code == 2
+    assert "is a folder" in capsys.readouterr().err

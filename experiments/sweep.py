@@ -5,7 +5,8 @@ A thin command line over :func:`remat_kit.sweep.run_sweep`. ``--config`` names a
 otherwise. Rows go to ``runs/<config name>/sweep.jsonl`` (git-ignored; the committed run under
 ``experiments/results/cpu/`` was written with ``--out``) as each point finishes;
 at the end the summary table is printed and written beside them (``summary.md``) with the
-figures (:func:`remat_kit.plots.save_figures`): ``pareto.png`` (peak memory against step time,
+figures (:func:`remat_kit.plots.save_figures`) and ``report.html`` (every row in one interactive,
+offline page: :mod:`remat_kit.report_html`): ``pareto.png`` (peak memory against step time,
 one point per policy, frontier drawn), ``slowdown_vs_flops.png``, ``memory_breakdown.png``;
 ``pareto_analysis.png`` when the config has analysis-only points (a program sweep has none);
 with option grids (rows of one shape differing in ``overrides``,
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="text file or folder to train on (default: Python's stdlib)")
     p.add_argument("--max-data-bytes", type=int, help="cap on the corpus size, in bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-plot", action="store_true", help="skip the figures (pareto.png, ...)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="skip the figures (pareto.png, ...) and report.html")  # fmt: skip
     distributed.add_arguments(p)
     return p
 
@@ -234,6 +236,8 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     written = [out.parent / "summary.md"]
     if not args.no_plot:
         written += plots.save_figures(run.rows, out.parent)
+        html = _write_html(run, out, argv)
+        written += [html] if html else []
     bad = [r for r in run.new_rows if r["status"] != "ok"]
     console.print(
         f"{len(run.new_rows)} point(s) run, {run.skipped} skipped (already in {out.name}), "
@@ -242,6 +246,25 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     for r in bad:
         seq = f" s={r['seq_len']}" if r.get("seq_len") is not None else ""
         console.print(f"  [red]{r['status']}[/] {r['model']}{seq} {r['policy']}: {r['error']}")
+
+
+def _write_html(run, out: Path, argv: list[str] | None) -> Path | None:
+    """``report.html`` beside the rows (:mod:`remat_kit.report_html`): every group of rows,
+    rebuilt from all of them; None when no row has an analysis to show."""
+    from remat_kit import report_html
+
+    groups = report_html.groups_of_rows(run.rows)
+    if not any(e.report is not None for g in groups for e in g.entries):
+        return None
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    r = run.rows[-1]
+    hardware = f"{r.get('device_count')} x {r.get('device_kind')} ({r.get('backend')} backend)"
+    path = out.parent / "report.html"
+    report_html.write_report(
+        path, groups, command=f"python experiments/sweep.py {args}".rstrip(),
+        title=f"sweep {r.get('sweep') or r.get('program')}", hardware=hardware,
+    )  # fmt: skip
+    return path
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd command

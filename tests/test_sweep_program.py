@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import math
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def test_summary_and_figures_from_program_rows(swept):
     assert "run on its arguments: materialised" in summary
     assert (out.parent / "pareto.png").stat().st_size > 0
     assert (out.parent / "memory_breakdown.png").stat().st_size > 0
+    html = (out.parent / "report.html").read_text()
+    assert "<!DOCTYPE html>" in html and all(json.dumps(p) in html for p in POLICIES)
     # the resumed run rebuilt summary.md from the rows it kept
     assert "3 kept from earlier runs" in (out.parent / "summary.md").read_text()
 

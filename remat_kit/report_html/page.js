@@ -143,7 +143,7 @@
         el("div", { id: "timeline", class: "plot wide" }),
         el("div", { id: "live", class: "side" })));
     } else if (r.has_report) {
-      kids.push(el("p", {}, "no timeline: XLA wrote no live-range dump for this compile"));
+      kids.push(el("p", {}, "no timeline in this report (XLA wrote no live-range dump, or the report was written before timelines were kept)"));
     } else {
       kids.push(el("p", {}, "figures only: no compiled report kept for this entry"));
     }

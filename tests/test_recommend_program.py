@@ -106,12 +106,15 @@ def test_budget_below_everything_says_what_would_fit(program):
 
 
 @needs_cuda_plugin
-def test_cli_recommend_program(capsys):
+def test_cli_recommend_program(capsys, tmp_path):
     argv = ["recommend", "--model", REF, "--target", TARGET, "--policy", "save-nothing"]
-    assert cli.main([*argv, "--policy", "save-dots"]) == 0
+    html = tmp_path / "report.html"
+    assert cli.main([*argv, "--policy", "save-dots", "--html", str(html)]) == 0
     out = capsys.readouterr().out
     assert "plain-jax (your program)" in out and "checkpoint tags the program emits" in out
     assert out.strip().splitlines()[-1].startswith('policy = remat_kit.policy("save-')
+    page = html.read_text()  # the candidates, the pick marked, the estimated step times
+    assert '"label": "* save-' in page and "est. step" in page and "recommend: plain-jax" in page
 
 
 def test_cli_shape_flags(capsys):

@@ -224,3 +224,23 @@ def test_analyze_html_refuses_a_folder_before_compiling(tmp_path, capsys):
     code = cli_main(["analyze", "--model", PROGRAM, "--target", "cpu", "--html", str(tmp_path)])
     assert code == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_figures_only_entries_render(browser, tmp_path):
+    """Entries without a report (a recommendation's candidates; a failed compile) render: the
+    table, the trade-off against the estimated step time, no timeline, no error."""
+    entries = (
+        H.Entry("a", 3 * 2**30, 0, 0.12, None, 1.0, True),
+        H.Entry("b", 2 * 2**30, 2**30, 0.15, None, 1.3, True),
+        H.Entry("c", None, None, None, None, None, None, error="compile failed: made up"),
+    )
+    path = tmp_path / "figures.html"
+    H.write_report(path, [H.Group("made-up candidates", entries)], command="pytest")
+    browser.get(path.as_uri())
+    _wait(browser, "return !!document.querySelector('#scatter .scatterlayer')")
+    assert _errors(browser) == []
+    assert browser.find_element("id", "xaxis").get_attribute("value") == "step_time_s"
+    cells = [td.text for td in browser.find_elements("css selector", "#policy-table tbody td")]
+    assert "compile failed: made up" in cells and "120 ms" in cells
+    assert browser.find_element("id", "detail-title").text == "selected: b"  # the lower peak
+    assert not browser.find_elements("id", "timeline")

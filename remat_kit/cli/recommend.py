@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 
 from remat_kit.cli import args as A
@@ -52,6 +53,7 @@ def add(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
     A.add_workers(p)
     A.add_json(p, "the recommendation")
+    A.add_html(p)
     p.set_defaults(func=run)
     return p
 
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
       ValueError: bad input (one line; the CLI exits 2).
     """
     model = A.resolve_model(args)
+    A.check_output_path(args.html, "--html")
     common = dict(
         budget=args.budget, solve=args.solve, policies=args.policy, margin=args.margin,
         max_compiles=args.max_compiles, workers=args.workers,
@@ -86,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         print(rec.to_json(indent=1))
     else:
         print_recommendation(rec)
+    if args.html:
+        from remat_kit import report_html
+
+        group = report_html.group_of_recommendation(rec)
+        size = report_html.write_report(args.html, [group], command=A.command_line(args))
+        print(f"{A.PROG}: wrote {args.html} ({size / 2**20:.1f} MiB)", file=sys.stderr)
     return 0 if rec.pick is not None else 1
 
 

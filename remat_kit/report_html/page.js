@@ -41,10 +41,11 @@
 
   function group() { return DATA.groups[st.g]; }
 
-  function firstSelected(g) { // the lowest peak with a report, else the first row
+  function firstSelected(g) { // the lowest peak (with a report, where any has one)
+    const anyReport = g.rows.some((r) => r.has_report);
     let best = -1;
     g.rows.forEach((r, i) => {
-      if (!r.has_report || r.cells[0][0] === null) return;
+      if ((anyReport && !r.has_report) || r.error || r.cells[0][0] === null) return;
       if (best < 0 || r.cells[0][0] < g.rows[best].cells[0][0]) best = i;
     });
     return best < 0 ? 0 : best;

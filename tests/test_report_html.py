@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from remat_kit import doctor
 from remat_kit import report_html as H
 from remat_kit.cli import main as cli_main
 from remat_kit.doctor import Finding
@@ -51,11 +52,22 @@ def page(reports, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def program_page(tmp_path_factory) -> Path:
-    """``remat-kit analyze --html`` of the program, one policy."""
+    """``remat-kit analyze --html --doctor`` of the program, one policy; the doctor's checks
+    (two more compiles) replaced by one made-up finding: what is tested is that its findings
+    reach the page."""
     path = tmp_path_factory.mktemp("program") / "sub" / "program.html"
-    code = cli_main(["analyze", "--model", PROGRAM, "--policy", "attn_out=save", "--target",
-                     "cpu", "--html", str(path)])  # fmt: skip
-    assert code == 0
+    finding = Finding("made-up-code", "warning", "made-up what", "made-up cause", "made-up fix")
+    calls = []
+
+    def check_policies(program, specs, target):
+        calls.append([policy_label(s) for s in specs])
+        return [[finding] for _ in specs]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(doctor, "check_policies", check_policies)
+        code = cli_main(["analyze", "--model", PROGRAM, "--policy", "attn_out=save", "--target",
+                         "cpu", "--html", str(path), "--doctor"])  # fmt: skip
+    assert code == 0 and calls == [["custom: attn_out=save"]]
     return path
 
 
@@ -182,6 +194,8 @@ def test_report_renders_without_errors_and_selecting_a_policy_changes_the_page(
     _wait(browser, f"return document.getElementById('detail-title').textContent.endsWith("
                    f"{json.dumps(labels[1])})")  # fmt: skip
     assert "made-up what <b>" in browser.find_element("id", "detail").text  # findings, escaped
+    rows[0].click()  # checked, nothing found: said so
+    _wait(browser, "return !!document.getElementById('no-findings')")
     # sort by peak, twice: the lower peak first, then last
     for order in (0, -1):
         browser.find_elements("css selector", "#policy-table th")[1].click()
@@ -218,12 +232,17 @@ def test_analyze_html_of_a_program(browser, program_page):
         "return document.getElementById('timeline').data.map(t => t.name)"
     )
     assert any(n.startswith("residual:") and "attn_out" in n for n in names)
+    assert "[made-up-code] made-up what" in browser.find_element("id", "detail").text
 
 
-def test_analyze_html_refuses_a_folder_before_compiling(tmp_path, capsys):
-    code = cli_main(["analyze", "--model", PROGRAM, "--target", "cpu", "--html", str(tmp_path)])
-    assert code == 2
-    assert "is a folder" in capsys.readouterr().err
+def test_analyze_html_refuses_bad_input_before_compiling(tmp_path, capsys):
+    for extra, match in (
+        (["--html", str(tmp_path)], "is a folder"),
+        (["--doctor"], "give --html"),
+    ):
+        assert cli_main(["analyze", "--model", PROGRAM, "--target", "cpu", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and match in err, err
 
 
 def test_figures_only_entries_render(browser, tmp_path):

@@ -57,6 +57,11 @@ def add(subparsers) -> None:
     A.add_workers(p)
     A.add_timeline(p)
     A.add_html(p)
+    p.add_argument(
+        "--doctor", action="store_true",
+        help="with --html: also run the doctor's checks on each policy and show its findings "
+        "(compiles each policy again, and no-remat once)",
+    )  # fmt: skip
     p.add_argument("--devices", type=A.positive_int, default=None,
                    help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
     p.add_argument(
@@ -75,6 +80,15 @@ def _resolve(args: argparse.Namespace) -> tuple:
     A.require_shape(args, config)
     target = targets.get_target(args.target)
     A.check_output_path(args.html, "--html")
+    if args.doctor and not args.html:
+        raise A.UsageError("--doctor adds the doctor's findings to the --html report; give --html")
+    if args.doctor and (args.mesh or args.devices):
+        raise A.UsageError("--doctor checks one device; not with --mesh / --devices")
+    if args.doctor and isinstance(config, Program) and config.make_loss is None:
+        raise A.UsageError(
+            f"--doctor needs program {config.name!r}'s loss (Program.from_loss, or make_loss= "
+            "in Program.from_step)"
+        )
     if isinstance(config, Program):
         for flag in ("per_layer", "mesh", "devices"):
             if getattr(args, flag):
@@ -136,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         plots.timeline(reports, args.timeline, titles=labels)
         print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
     if args.html and reports:
-        _write_html(args, config, target, results, labels, chosen)
+        _write_html(args, config, target, specs, results, labels, chosen)
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
@@ -156,17 +170,29 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def _write_html(args, config, target, results, labels, chosen) -> None:
-    """``--html``: the interactive report of every compiled policy (one line on stderr)."""
-    from remat_kit import report_html
+def _write_html(args, config, target, specs, results, labels, chosen) -> None:
+    """``--html``: the interactive report of every compiled policy, with the doctor's findings
+    under ``--doctor`` (one line on stderr)."""
+    from remat_kit import doctor, report_html
 
-    ok = [r for r in results if not isinstance(r, CompileError)]
+    ok = [i for i, r in enumerate(results) if not isinstance(r, CompileError)]
     notes = []
     if chosen is not None:
         names = ", ".join(sorted(chosen.tags)) or "none"
         notes = [f"checkpoint names {config.name!r} emits: {names}", *chosen.notes]
     notes += _summary_lines(target, args, results, labels)
-    group = report_html.group_of_reports(ok, labels, notes=notes)
+    findings = None
+    if args.doctor:
+        compiled = [specs[i] for i in ok]
+        if isinstance(config, Program):
+            per = doctor.check_policies(config, compiled, target)
+        else:
+            per = doctor.check_policies(config, args.batch, args.seq, compiled, target,
+                                        args.optimizer)  # fmt: skip
+        findings = [list(f) for f in per]
+    group = report_html.group_of_reports(
+        [results[i] for i in ok], labels, findings=findings, notes=notes
+    )
     size = report_html.write_report(args.html, [group], command=A.command_line(args))
     print(f"{A.PROG}: wrote {args.html} ({size / 2**20:.1f} MiB)", file=sys.stderr)
 

@@ -31,7 +31,8 @@ class Entry:
       recompute_ratio: matmul FLOPs over the no-remat step's (the policy's own).
       fits: peak within the budget (None: unknown, e.g. no budget on a CPU).
       report: the full report (timeline, buffers, residuals), when there is one.
-      findings: the doctor's findings for this policy.
+      findings: the doctor's findings for this policy; None when the doctor did not run
+        (``()``: it ran and found nothing).
       notes: lines worth reading (warnings of the compile, how it was chosen).
       error: why there is no analysis (a failed compile, an OOM row), else None.
     """
@@ -44,7 +45,7 @@ class Entry:
     recompute_ratio: float | None
     fits: bool | None
     report: MemoryReport | None = None
-    findings: tuple[Finding, ...] = ()
+    findings: tuple[Finding, ...] | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
 
@@ -62,7 +63,7 @@ def entry_of_report(
     report: MemoryReport,
     label: str | None = None,
     *,
-    findings: Sequence[Finding] = (),
+    findings: Sequence[Finding] | None = None,
     notes: Sequence[str] = (),
     measured_step_time_s: float | None = None,
 ) -> Entry:
@@ -77,7 +78,7 @@ def entry_of_report(
         recompute_ratio=report.recompute_ratio,
         fits=report.fits,
         report=report,
-        findings=tuple(findings),
+        findings=None if findings is None else tuple(findings),
         notes=tuple(notes) + tuple(report.warnings),
     )
 
@@ -97,7 +98,7 @@ def group_of_reports(
       ValueError: ``labels`` or ``findings`` not one per report; no report at all.
     """
     labels = list(labels) if labels is not None else [None] * len(reports)
-    per = list(findings) if findings is not None else [()] * len(reports)
+    per = list(findings) if findings is not None else [None] * len(reports)
     if len(labels) != len(reports) or len(per) != len(reports):
         raise ValueError(
             f"got {len(reports)} reports, {len(labels)} labels and {len(per)} finding lists: "

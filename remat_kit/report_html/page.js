@@ -156,10 +156,15 @@
       kids.push(el("h3", {}, "saved residuals by checkpoint tag (all layers, from the jaxpr)"),
         table(["tag", "count", "shape of one", "dtype", "memory", "bytes"], d.residuals));
     kids.push(el("h3", {}, "doctor findings"));
-    kids.push(d.findings.length
-      ? el("ul", { class: "findings" }, d.findings.map((f) => el("li", { class: f[0] },
-        el("b", {}, `${f[0]} [${f[1]}] `), f[2], el("br"), "cause: ", f[3], el("br"), "fix: ", f[4])))
-      : el("p", { class: "muted" }, "none given (run with the doctor for its checks)"));
+    if (d.findings === null) {
+      kids.push(el("p", { class: "muted" }, "not checked (remat-kit analyze ... --html --doctor " +
+        "runs the doctor's checks)"));
+    } else if (!d.findings.length) {
+      kids.push(el("p", { id: "no-findings" }, "the doctor found nothing wrong with this policy"));
+    } else {
+      kids.push(el("ul", { class: "findings" }, d.findings.map((f) => el("li", { class: f[0] },
+        el("b", {}, `${f[0]} [${f[1]}] `), f[2], el("br"), "cause: ", f[3], el("br"), "fix: ", f[4]))));
+    }
     if (d.notes.length) kids.push(el("h3", {}, "notes"), el("ul", {}, d.notes.map((n) => el("li", {}, n))));
     box.replaceChildren(...kids);
     if (d.timeline) {

@@ -223,7 +223,9 @@ def _tag(category: str) -> str:
 def _details(e: Entry, unit: int, colors, uname: str) -> dict[str, Any]:
     r = e.report
     out: dict[str, Any] = {
-        "findings": [[f.severity, f.code, f.what, f.cause, f.fix] for f in e.findings],
+        "findings": None
+        if e.findings is None
+        else [[f.severity, f.code, f.what, f.cause, f.fix] for f in e.findings],
         "notes": list(e.notes),
         "error": e.error,
     }

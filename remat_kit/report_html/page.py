@@ -141,10 +141,15 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
     )  # fmt: skip
     budgets = {entries[i].report.budget_bytes for i in idx if entries[i].report is not None}
     if len(budgets) == 1 and None not in budgets:
-        budget = budgets.pop() / unit
-        fig.add_hline(y=budget, line={"color": "#d62728", "width": 1, "dash": "dash"},
-                      annotation_text=f"budget {budget:,.2f} {uname}",
-                      annotation_position="bottom right", annotation_font_size=10)  # fmt: skip
+        budget = budgets.pop() / unit  # a trace, not a shape: shapes on a log axis take log10
+        fig.add_trace(
+            go.Scatter(
+                x=[min(xs), max(xs)], y=[budget, budget], mode="lines+text", name="budget",
+                line={"color": "#d62728", "width": 1, "dash": "dash"},
+                text=["", f"budget {budget:,.2f} {uname}"], textposition="bottom left",
+                textfont={"size": 10, "color": "#d62728"}, hoverinfo="skip",
+            )
+        )  # fmt: skip
     if ys and min(ys) > 0 and max(ys) / min(ys) > 4:  # a no-remat far above the rest
         fig.update_yaxes(type="log")
     fig.update_layout(

@@ -371,12 +371,16 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
       backend this is the work done, unlike wall time unaffected by other processes (it does
       count every XLA thread, spinning ones too); on a GPU it is host time only.
     * ``flops_ratio``: compiled matmul FLOPs over the no-remat step's (``recompute_ratio``).
+    * ``predicted_step_time_s``: the roofline's estimated step time (seconds,
+      :mod:`remat_kit.memory.roofline`); ``predicted_slowdown`` against its no-remat row's
+      estimate; ``prediction_error``: ``(1 + predicted_slowdown) / (1 + slowdown) - 1``, the
+      error of the predicted ratio against the measured one (None unless both are known).
 
     Returns:
       Records in row order: ``model, target, batch_size, seq_len, remat_group_size, mesh,
       overrides, policy, status, peak_bytes, peak_saved, activation_bytes, activation_saved,
       step_time_s, slowdown, step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits,
-      measured_peak_bytes, mfu``.
+      measured_peak_bytes, mfu, predicted_step_time_s, predicted_slowdown, prediction_error``.
     """
     records = as_records(rows)
     base: dict[tuple, Mapping[str, Any]] = {}
@@ -396,6 +400,11 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
     step_ratio = _ratio(step, b.get("step_time_s"))
     cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
+    predicted = r.get("predicted_step_time_s") if ok else None
+    predicted_ratio = _ratio(predicted, b.get("predicted_step_time_s"))
+    error = None
+    if predicted_ratio is not None and step_ratio:
+        error = predicted_ratio / step_ratio - 1
     return {
         **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
         "remat_group_size": r.get("remat_group_size"),
@@ -417,10 +426,19 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "fits": r.get("fits") if ok else None,
         "measured_peak_bytes": r.get("measured_peak_bytes") if ok else None,
         "mfu": r.get("mfu") if ok else None,
+        "predicted_step_time_s": predicted,
+        "predicted_slowdown": None if predicted_ratio is None else predicted_ratio - 1,
+        "prediction_error": error,
     }
 
 
 # -- Tables ----------------------------------------------------------------------------------
+
+
+def _fmt_ms(seconds: float) -> str:
+    """Milliseconds with the digits that matter (``"1,234"``, ``"12.3"``, ``"0.0412"``)."""
+    ms = 1e3 * seconds
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def _fmt_pct(x: float | None) -> str:
@@ -434,7 +452,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
 
     Each body row is one policy at one sequence length: predicted peak, peak saved vs
     ``no-remat``, activation (residual) bytes saved, compiled-FLOPs ratio, and for measured rows
-    the median step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
+    the estimated step time and its change vs ``no-remat`` (the roofline), the median measured
+    step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
     and tokens per second (where known); failures show their status. Rows without a shape (a
     user's program: ``batch_size`` / ``seq_len`` None) leave it out of the title and the
     columns. Figures come from :func:`summarize` (nothing is recomputed).
@@ -461,6 +480,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         if fits:
             header.append("fits")
         tokens = measured and any(r["tokens_per_s"] is not None for r in recs)  # not a program's
+        predicted = any(r["predicted_step_time_s"] is not None for r in recs)
+        if predicted:
+            header += ["est. ms", "est. Δ"]
         if measured:
             header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else [])
             header += ["tok/s"] if tokens else []
@@ -480,6 +502,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             ]
             if fits:
                 line.append({True: "yes", False: "no"}.get(r["fits"], "-"))
+            if predicted:
+                est = r["predicted_step_time_s"]
+                line += ["-" if est is None else _fmt_ms(est), _fmt_pct(r["predicted_slowdown"])]
             if measured:
                 step = r["step_time_s"]
                 line += [

@@ -5,6 +5,11 @@ import os
 # Tests run on the CPU even where a GPU is present; GPU targets are compiled deviceless.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# The time model's figures for the local CPU: fixed, so estimates (and recommend's ranking on
+# the local target) do not depend on how busy the machine is while the tests run.
+os.environ.setdefault(
+    "REMAT_KIT_CALIBRATION", os.path.join(os.path.dirname(__file__), "cpu_figures.json")
+)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -138,7 +138,7 @@ def test_found_by_says_what_a_given_policy_is():
 
 def test_found_by_on_a_compiled_report():
     report = SimpleNamespace(flops=2.0 * US, flops_no_remat=US, host_bytes=0, peak_bytes=MIB,
-                             warnings=())  # fmt: skip
+                             warnings=(), step_time=None)  # fmt: skip
     for spec, label in [
         (get_policy_spec("save-nothing"), "named"),
         (custom_spec({"mlp_up": "save"}), "per-tag"),

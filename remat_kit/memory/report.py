@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.timeline import Timeline
 from remat_kit.walker import TagResiduals
 
@@ -138,6 +139,11 @@ class MemoryReport:
         ``live_peak_bytes``.
       policy_only: the step compiled without XLA's own rematerialisation pass, when that pass
         changed the program (:class:`PolicyOnly`); None when it did not.
+      step_time_s: the estimated step time in seconds: the roofline over every kernel of the
+        compiled program (:mod:`remat_kit.memory.roofline`) with the target's device figures
+        (datasheet, or calibrated on the local device); None where the target has no figures.
+      step_time: its breakdown (compute-, memory-bound, launch, host transfers, collectives,
+        allocation) and the kernels that dominate (:class:`~remat_kit.memory.roofline.StepTime`).
       program_sha256: the compile engine's key of the compiled program (sha256 of the target,
         compile options and lowered StableHLO text): reports with the same key come from one
         compile of one program (two policies that act the same); None when not known.
@@ -177,6 +183,8 @@ class MemoryReport:
     timeline: Timeline | None = None
     policy_only: PolicyOnly | None = None
     program_sha256: str | None = None
+    step_time_s: float | None = None
+    step_time: StepTime | None = None
 
     @property
     def peak_gib(self) -> float:
@@ -211,6 +219,8 @@ class MemoryReport:
             data["timeline"] = Timeline.from_dict(data["timeline"])
         if data.get("policy_only") is not None:
             data["policy_only"] = PolicyOnly(**data["policy_only"])
+        if data.get("step_time") is not None:
+            data["step_time"] = StepTime.from_dict(data["step_time"])
         return cls(**data)
 
     @classmethod

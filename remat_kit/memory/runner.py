@@ -26,6 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from remat_kit import targets as T
+from remat_kit.memory import calibrate, hlo, roofline
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
@@ -167,6 +168,19 @@ class _KernelCaches:
         return {"xla_gpu_kernel_cache_file": path}
 
 
+def step_time_of(
+    target: T.Target, hlo_text: str | None, parts: dict[str, int | None]
+) -> roofline.StepTime | None:
+    """The roofline estimate of a compiled step on ``target`` (None without a dump or device
+    figures). ``parts``: :func:`memory_parts` (temp + output - alias bytes are allocated anew
+    at each execution where the backend does so)."""
+    figures = calibrate.device_figures(target)
+    if figures is None or not hlo_text:
+        return None
+    fresh = sum(parts[k] or 0 for k in ("temp_bytes", "output_bytes")) - (parts["alias_bytes"] or 0)
+    return roofline.estimate(hlo.parse_hlo_module(hlo_text), figures, fresh_bytes=max(fresh, 0))
+
+
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
     parts = memory_parts(result.compiled, unknown_as_none=True)
     peak = peak_bytes_of(parts)  # None when the backend left a field unknown (never 0)
@@ -211,6 +225,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     undone = recompute_undone(job, reading)
     if undone:
         xla_line += (undone,)
+    step_time = step_time_of(job.target, result.dump.hlo, parts)
     host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
     if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
         xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,
@@ -249,6 +264,8 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         model=job.model,
         batch_size=job.batch_size,
         seq_len=job.seq_len,
+        step_time_s=step_time.step_time_s if step_time else None,
+        step_time=step_time,
     )
 
 

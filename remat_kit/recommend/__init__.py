@@ -5,20 +5,14 @@ Every configuration considered is compiled for the target (deviceless for GPU mo
 figure and its FLOPs the compiled program's. Nothing is recommended that was not compiled and
 found to fit.
 
-**Estimated step time** (seconds), per candidate::
-
-    compute_s  = compiled matmul FLOPs / target.peak_flops_bf16            # FLOP / (FLOP/s)
-    fwd_s      = (FLOPs of the step without remat / 3) / peak              # forward = 1/3 of 3F
-    bwd_s      = compute_s - fwd_s                                         # backward + recompute
-    link_s     = host_bytes / target.host_link_bytes_per_s                 # per direction
-    transfer_s = max(0, link_s - fwd_s) + max(0, link_s - bwd_s)
-    step_time_s = compute_s + transfer_s
-
-Offloaded residuals go device -> host during the forward pass and come back during the backward
-pass, each direction at the link's full rate and overlapped with that pass's compute; only what
-cannot hide behind it counts. This is a lower bound on the real step (100% of peak on matmuls,
-elementwise ops and HBM traffic ignored): it ranks configurations, it does not predict wall time.
-Host-link figures: :func:`host_link_source`.
+**Estimated step time** (seconds), per candidate: the compiled report's roofline estimate
+(``MemoryReport.step_time_s``, :mod:`remat_kit.memory.roofline`): over every kernel the compiled
+step runs (loop bodies times their trip counts), ``max(matmul FLOPs / peak for their dtype,
+bytes / memory bandwidth, elementwise work / vector rate) + launch``, plus host transfers and
+collectives the schedule cannot hide; device figures from the target's datasheet, or
+calibrated on the local device (:mod:`remat_kit.memory.calibrate`). ``solve`` predicts choices
+it has not compiled with an additive FLOPs model anchored at the compiled save-nothing
+(:func:`flops_step_time`). Host-link figures: :func:`host_link_source`.
 
 **Search** (:func:`recommend`, stages in :mod:`remat_kit.recommend.api`):
 
@@ -55,7 +49,7 @@ Where each part lives:
 =====================  ==========================================================================
 ``types``              :class:`Candidate`, :class:`TagCost`, :class:`SolveSummary`,
                        :class:`Recommendation`
-``timing``             the time model (:func:`step_time`, :func:`host_link_source`)
+``timing``             ranking by the roofline estimate; solve's :func:`flops_step_time`
 ``budget``             :func:`parse_budget`, the default budget and :data:`DEFAULT_MARGIN`
 ``session``            the compile session and :class:`CompileCache`
 ``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
@@ -94,8 +88,8 @@ from remat_kit.recommend.structure import SECANT_PROBES as SECANT_PROBES
 from remat_kit.recommend.structure import STRUCTURE_PROBES as STRUCTURE_PROBES
 from remat_kit.recommend.structure import partial_probes as partial_probes
 from remat_kit.recommend.structure import structure_compiles as structure_compiles
+from remat_kit.recommend.timing import flops_step_time as flops_step_time
 from remat_kit.recommend.timing import host_link_source as host_link_source
-from remat_kit.recommend.timing import step_time as step_time
 from remat_kit.recommend.types import Candidate as Candidate
 from remat_kit.recommend.types import FoundBy as FoundBy
 from remat_kit.recommend.types import Recommendation as Recommendation
@@ -104,26 +98,26 @@ from remat_kit.recommend.types import TagCost as TagCost
 
 __all__ = [
     "BATCH_PROBES",
+    "BatchBracket",
+    "Candidate",
+    "CompileCache",
     "DEFAULT_MARGIN",
     "DEVICE_COUNTS",
+    "FoundBy",
+    "Recommendation",
     "SECANT_PROBES",
     "SEQ_HALVINGS",
     "SOLVE_ROUNDS",
     "SOLVE_VERIFY",
     "STRUCTURE_PROBES",
-    "BatchBracket",
-    "Candidate",
-    "CompileCache",
-    "FoundBy",
-    "Recommendation",
     "SolveSummary",
     "TagCost",
+    "flops_step_time",
     "host_link_source",
     "parse_budget",
     "partial_probes",
     "recommend",
     "solve_tags",
-    "step_time",
     "structure_compiles",
     "tag_costs",
 ]

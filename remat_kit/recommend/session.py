@@ -17,7 +17,7 @@ from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
-from remat_kit.recommend.timing import step_time
+from remat_kit.recommend.timing import candidate_times
 from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
 #: JAX's monitoring event for one XLA backend compile.
@@ -207,7 +207,8 @@ def to_candidate(
     batch: int | None = None,
     seq: int | None = None,
 ) -> Candidate | None:
-    """A compiled report as a :class:`Candidate` timed by :func:`~.timing.step_time`; None, with
+    """A compiled report as a :class:`Candidate` timed by its roofline estimate
+    (:func:`~.timing.candidate_times`); None, with
     a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
     program (it carries its own shapes; ``tokens_per_s`` is then None). ``found_by="named"``
     (the policies given) becomes :func:`given_by` of ``spec``."""
@@ -219,14 +220,9 @@ def to_candidate(
         notes.append(f"{spec.name}{where}: {report}")
         return None
     flops = report.flops
-    if flops is None:
-        notes.append(f"{spec.name}: no FLOPs in XLA's dump; ranked last")
-        compute, transfer = math.inf, 0.0
-    else:
-        compute, transfer = step_time(
-            target, flops, report.flops_no_remat or 0.0, report.host_bytes
-        )
-    total = compute + transfer
+    if report.step_time is None:
+        notes.append(f"{spec.name}: no step-time estimate (no XLA dump); ranked last")
+    compute, transfer, total = candidate_times(report.step_time)
     tokens = None
     if batch is not None and seq is not None:
         tokens = batch * seq / total if 0 < total < math.inf else 0.0

@@ -13,10 +13,11 @@ from typing import Any
 from remat_kit import targets as T
 from remat_kit.memory import model_residuals
 from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.roofline import DeviceFigures
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
 from remat_kit.recommend.session import Session
-from remat_kit.recommend.timing import step_time
+from remat_kit.recommend.timing import figures_for, flops_step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
 from remat_kit.residuals import bytes_by_tag
 from remat_kit.training.step import (
@@ -139,6 +140,9 @@ class ChoiceModel:
     flops_no_remat: float
     ranked: tuple[tuple, ...]
     combinations: int
+    figures: DeviceFigures | None = None
+    #: Seconds added to the additive model to put it on the compiled roofline's scale.
+    offset_s: float = 0.0
 
     @classmethod
     def around(
@@ -148,20 +152,26 @@ class ChoiceModel:
         """Enumerate and rank every choice around the compiled ``save_nothing``."""
         scale = (save_nothing.flops or fj0) / fj0 if fj0 else 1.0
         peak0, fnr = save_nothing.peak_bytes, save_nothing.flops_no_remat or 0.0
+        figures = figures_for(target)
+        # Anchor: save-nothing's compiled roofline time less the additive model's own figure
+        # for it, so predictions and compiled times are on one scale.
+        base = sum(flops_step_time(figures, fj0 * scale, fnr, 0))
+        offset = save_nothing.step_time_s - base if save_nothing.step_time_s < math.inf else 0.0
         ranked, combos = _ranked_choices(
-            target, costs, _options(costs, actions), peak0, fj0, scale, fnr, math.inf
+            figures, costs, _options(costs, actions), peak0, fj0, scale, fnr, math.inf, offset
         )
         return cls(
-            target, tuple(costs), tuple(actions), peak0, fj0, scale, fnr, tuple(ranked), combos
-        )
+            target, tuple(costs), tuple(actions), peak0, fj0, scale, fnr, tuple(ranked), combos,
+            figures, offset,
+        )  # fmt: skip
 
     def predict(self, choice: Sequence[str]) -> tuple[float, int]:
         """(predicted step seconds, predicted device peak bytes) of ``choice``."""
         peak, host, saved = _predict(self.costs, choice, self.peak0)
-        compute, transfer = step_time(
-            self.target, (self.fj0 - saved) * self.scale, self.flops_no_remat, host
+        compute, transfer = flops_step_time(
+            self.figures, (self.fj0 - saved) * self.scale, self.flops_no_remat, host
         )
-        return compute + transfer, peak
+        return self.offset_s + compute + transfer, peak
 
     def actions_of(self, choice: Sequence[str]) -> dict[str, str]:
         """The kept tags of ``choice`` and their actions (recomputed tags left out)."""
@@ -306,7 +316,7 @@ def _options(costs: Sequence[TagCost], actions: Sequence[str]) -> list[list[str]
 
 
 def _ranked_choices(
-    target: T.Target,
+    figures: DeviceFigures,
     costs: Sequence[TagCost],
     options: Sequence[Sequence[str]],
     peak0: int,
@@ -314,6 +324,7 @@ def _ranked_choices(
     scale: float,
     flops_no_remat: float,
     limit: float,
+    offset_s: float = 0.0,
 ) -> tuple[list[tuple], int]:
     """Every per-tag choice enumerated; those predicted at or under ``limit`` bytes, as
     ``(step s, host bytes, peak bytes, tags kept, choice)`` sorted: least time, on a tie (transfers
@@ -326,9 +337,11 @@ def _ranked_choices(
         peak, host, saved = _predict(costs, choice, peak0)
         if peak > limit:
             continue
-        compute, transfer = step_time(target, (jaxpr_flops0 - saved) * scale, flops_no_remat, host)
+        compute, transfer = flops_step_time(
+            figures, (jaxpr_flops0 - saved) * scale, flops_no_remat, host
+        )
         kept = sum(a != "recompute" for a in choice)
-        ranked.append((compute + transfer, host, peak, kept, choice))
+        ranked.append((offset_s + compute + transfer, host, peak, kept, choice))
     ranked.sort(key=lambda r: r[:4])
     return ranked, combos
 

@@ -1,21 +1,30 @@
-"""The time model of recommend: estimated step time from compiled FLOPs and host transfers.
+"""The time model of recommend: each candidate's estimated step time is its compiled report's.
 
-See :mod:`remat_kit.recommend` for the formula; :func:`host_link_source` for the link figures.
+A compiled candidate is timed by the roofline over its compiled kernels
+(:mod:`remat_kit.memory.roofline`: matmul FLOPs at the target's peak for their dtype, bytes at
+its memory bandwidth, elementwise work, launches, host transfers hidden as the schedule allows;
+device figures from the datasheet, or calibrated on the local device by
+:mod:`remat_kit.memory.calibrate`). That estimate is ``MemoryReport.step_time_s``; recommend
+ranks by it.
+
+Before compiling, ``solve`` predicts the per-tag choices it has not compiled with an additive
+model (:func:`flops_step_time`) anchored at the compiled ``save-nothing``: its roofline time plus
+the difference in matmul FLOPs time and exposed host transfers. Every compiled choice measures
+that model's error, which decides what else is compiled (:mod:`remat_kit.recommend.solver`).
 
 FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
 the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]
-scores, masked or not: ``4 * b * heads * s^2 * head_dim`` forward, twice that backward. cuDNN's
-fused attention call is counted by the same matmul formula, halved under a causal mask (the flash
-kernel skips the masked tiles) and times 2.5 backward (it recomputes the scores; FlashAttention-2,
-arXiv:2307.08691); the traced baseline (:mod:`remat_kit.memory.flops`) uses the same rules. Both
-are then timed at the same dense bf16 peak, so xla and cudnn candidates are compared on executed
-matmul work; what the model leaves out (the softmax and HBM traffic of the materialised scores,
-which cuDNN avoids) would only widen cuDNN's lead.
+scores, masked or not; cuDNN's fused attention call is counted by the same matmul formula,
+halved under a causal mask and times 2.5 backward (FlashAttention-2, arXiv:2307.08691). The
+roofline also prices the softmax and the HBM traffic of XLA's materialised scores, which the
+fused kernel avoids.
 """
 
 from __future__ import annotations
 
 from remat_kit import targets as T
+from remat_kit.memory import calibrate
+from remat_kit.memory.roofline import DeviceFigures, StepTime
 from remat_kit.recommend.types import Candidate
 
 
@@ -38,40 +47,76 @@ def host_link_source(target: T.Target) -> str:
     )
 
 
-def step_time(
-    target: T.Target, flops: float, flops_no_remat: float, host_bytes: int
-) -> tuple[float, float]:
-    """``(compute_s, transfer_s)`` of a step (the model: :mod:`remat_kit.recommend`).
-
-    Args:
-      target: gives ``peak_flops_bf16`` (FLOP/s) and ``host_link_bytes_per_s`` (bytes/s).
-      flops: compiled matmul FLOPs; flops_no_remat: FLOPs of the step without remat.
-      host_bytes: bytes offloaded to host memory (each crosses the link once each way).
+def figures_for(target: T.Target) -> DeviceFigures:
+    """The device figures recommend times ``target`` with (datasheet or calibration).
 
     Raises:
-      ValueError: the target's peak FLOP/s is unknown.
+      ValueError: the target has no figures (no peak FLOP/s or bandwidth, and it is not the
+        local device, which would be calibrated).
     """
-    if not target.peak_flops_bf16:
-        raise ValueError(f"target {target.name!r} has no peak FLOP/s; pick a GPU target")
-    peak = target.peak_flops_bf16
+    figures = calibrate.device_figures(target)
+    if figures is None:
+        raise ValueError(
+            f"target {target.name!r} has no peak FLOP/s or memory bandwidth to time steps "
+            f"with; pick one of {', '.join(T.target_names())}"
+        )
+    return figures
+
+
+def flops_step_time(
+    figures: DeviceFigures,
+    flops: float,
+    flops_no_remat: float,
+    host_bytes: int,
+) -> tuple[float, float]:
+    """``(compute_s, transfer_s)`` of the additive model ``solve`` predicts choices with.
+
+    ``compute_s = flops / peak`` (bf16 matmul peak); offloaded bytes cross the host link once
+    each way, device -> host during the forward pass (a third of the no-remat FLOPs) and back
+    during the backward pass; only what cannot hide behind that pass counts.
+
+    Args:
+      figures: the device's figures (:func:`figures_for`).
+      flops: matmul FLOPs of the choice; flops_no_remat: of the step without remat.
+      host_bytes: bytes offloaded to host memory.
+    """
+    peak = figures.matmul_peak("bf16")
     compute = flops / peak
-    if host_bytes <= 0 or not target.host_link_bytes_per_s:
+    link_bw = figures.host_link_bytes_per_s
+    if host_bytes <= 0 or not link_bw:
         return compute, 0.0
     fwd = min(compute, flops_no_remat / 3 / peak)
-    link = host_bytes / target.host_link_bytes_per_s
+    link = host_bytes / link_bw
     return compute, max(0.0, link - fwd) + max(0.0, link - (compute - fwd))
 
 
+def candidate_times(step: StepTime | None) -> tuple[float, float, float]:
+    """``(compute_s, transfer_s, step_time_s)`` of a compiled candidate from its report's
+    roofline (:class:`~remat_kit.memory.roofline.StepTime`): compute is everything but the
+    exposed host transfers. ``inf`` where the report has no estimate (ranked last)."""
+    if step is None:
+        return float("inf"), 0.0, float("inf")
+    return step.step_time_s - step.transfer_s, step.transfer_s, step.step_time_s
+
+
 def rank(c: Candidate) -> tuple:
-    """Least estimated time; on a tie (offload transfers fully hidden), no host traffic over
-    some (the overlap is the least certain part of the model), then least device memory."""
+    """Least estimated time; on a tie, no host traffic over some (the overlap is the least
+    certain part of the model), then least device memory."""
     return (c.step_time_s, c.host_bytes, c.peak_bytes)
 
 
 def time_model_note(target: T.Target) -> str:
-    """The note every :class:`Recommendation` carries about the time model's limits."""
+    """The note every :class:`Recommendation` carries about the time model and its limits."""
+    figures = calibrate.device_figures(target)
+    where = (
+        "device figures calibrated on this machine"
+        if figures is not None and figures.measured
+        else "datasheet device figures"
+    )
     return (
-        f"step time = compiled matmul FLOPs / {target.peak_flops_bf16 / 1e12:.1f} TFLOP/s (bf16 "
-        "dense peak) + host transfers that cannot hide behind the forward (device->host) or "
-        "backward (host->device) pass: a lower bound for ranking, not a measured time"
+        f"step time = roofline over the compiled kernels on {target.name} ({where}): each "
+        "kernel's matmul, memory and elementwise time, whichever is largest, plus launches and "
+        "the host transfers and collectives the schedule cannot hide; it leaves out kernels "
+        "running concurrently, caches beyond one level and latency-bound kernels: an estimate "
+        "to rank by, not a measurement"
     )

@@ -22,7 +22,7 @@ ANALYSIS_KEYS = (
     "peak_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "host_bytes",
     "params_bytes", "opt_state_bytes", "activation_bytes", "offloaded_bytes", "flops",
     "flops_no_remat", "recompute_ratio", "compiled_recompute_ratio", "memory_bytes", "fits",
-    "analysis_compile_s", "warnings", "report",
+    "predicted_step_time_s", "analysis_compile_s", "warnings", "report",
 )  # fmt: skip
 #: Row fields from running the step (None in an analysis-only or failed row).
 #: ``compile_reused``: the step that ran is the analyzer's executable (compiled once).
@@ -53,6 +53,8 @@ def analysis_fields(report: Any) -> dict[str, Any]:
         "compiled_recompute_ratio": report.compiled_recompute_ratio,  # as XLA compiled it
         "memory_bytes": report.memory_bytes,
         "fits": report.fits,
+        # the roofline's estimate (remat_kit.memory.roofline), beside the measured step_time_s
+        "predicted_step_time_s": report.step_time_s,
         "analysis_compile_s": report.compile_s,
         "warnings": list(report.warnings),
         "report": report.to_dict(),

@@ -1,0 +1,320 @@
+"""Device figures for the step-time model: from the datasheet, or timed on the local device.
+
+A GPU or TPU target's :class:`~remat_kit.memory.roofline.DeviceFigures` come from its
+:class:`~remat_kit.targets.Target` fields (vendor figures, cited there). The local device has no
+datasheet here (a CPU's peak depends on its cores, clock, vector width and the libraries XLA
+calls), so :func:`calibrate` times five micro-kernels through JAX itself, each compiled by the
+same XLA backend as the steps it will judge:
+
+- a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;
+- ``x * a + b`` over a 256 MiB float32 array (far past any cache), bytes read + written per s;
+- the same over a 1 MiB array repeated in a ``fori_loop`` (a cache-resident re-read);
+- a chain of 32 multiply-adds per element of a cache-resident array (elementwise op/s);
+- ``tanh`` over the same array (transcendental op/s);
+- a ``fori_loop`` of 2,000 iterations whose body is two tiny kernels (seconds per kernel);
+- the 256 MiB array's ``x * a + b`` into a fresh output against the same in place (donated):
+  the difference is the cost of faulting a fresh allocation's pages in, which XLA:CPU pays
+  for a step's temp and output buffers at every execution (bytes per second).
+
+Each figure is the best of a few runs (the least disturbed by other work on the machine). The
+figures are cached per machine (platform, device kind, CPU model, core count, jax and jaxlib
+versions) in ``$REMAT_KIT_CACHE_DIR/calibration/`` (default ``~/.cache/remat-kit``); delete the
+file, or pass ``refresh=True``, to time again. A calibration takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as _platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from remat_kit import targets as T
+from remat_kit.memory.roofline import DeviceFigures
+
+#: Environment variable naming a calibration file to use instead of timing this machine (the
+#: JSON :func:`calibrate` writes: ``{"figures": {...}, "when": ...}``): figures measured once
+#: on a quiet machine, or fixed ones for reproducible tests.
+CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
+
+#: Version of the calibration's file format and micro-kernels (a change re-times).
+CALIBRATION_VERSION = 2
+
+#: Issue rate of the special-function units per SM per clock for 32-bit transcendental
+#: instructions on compute capability 8.x and 9.0 (CUDA C++ Programming Guide, "Arithmetic
+#: Instructions" throughput table).
+_SFU_PER_SM_PER_CLOCK = 16
+#: Launch cost of one GPU kernel: a few microseconds back to back (NVIDIA Developer Blog,
+#: "Getting Started with CUDA Graphs", 2019, measured ~3 us per short kernel without graphs).
+#: An assumption until the GPU check calibrates it on a real H200.
+GPU_LAUNCH_S = 3e-6
+
+
+def cache_dir() -> Path:
+    """``$REMAT_KIT_CACHE_DIR`` or ``~/.cache/remat-kit``."""
+    root = os.environ.get("REMAT_KIT_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "remat-kit"
+    )
+    return Path(root)
+
+
+def datasheet_figures(target: T.Target) -> DeviceFigures | None:
+    """Figures of a GPU or TPU target from its vendor figures; None where the target lacks a
+    peak FLOP/s or memory bandwidth (the CPU, an unknown local device).
+
+    Elementwise rate: FP32 lanes x SMs x boost clock (one operation per lane per clock);
+    transcendental rate: 16 per SM per clock (see :data:`_SFU_PER_SM_PER_CLOCK`). The GPU's L2
+    bandwidth is not published: every byte is costed at HBM bandwidth (``cache_bytes=0``).
+    A TPU target without a ``gpu`` spec takes its vector rate as a tenth of its matmul peak
+    (its VPU's share; an assumption, stated in ``source``).
+    """
+    if not target.peak_flops_bf16 or not target.hbm_bytes_per_s:
+        return None
+    gpu = target.gpu
+    f32 = target.peak_flops_f32 or target.peak_flops_bf16
+    if gpu is not None:
+        clock = gpu.clock_rate_ghz * 1e9
+        elementwise = gpu.core_count * gpu.fpus_per_core * clock
+        transcendental = gpu.core_count * _SFU_PER_SM_PER_CLOCK * clock
+        vector_source = (
+            f"elementwise {elementwise / 1e12:.1f} Top/s = {gpu.core_count} SMs x "
+            f"{gpu.fpus_per_core} FP32 lanes x {gpu.clock_rate_ghz} GHz; transcendental "
+            f"{transcendental / 1e12:.2f} Top/s = 16/SM/clock (CUDA C++ Programming Guide)"
+        )
+    else:
+        elementwise = target.peak_flops_bf16 / 10
+        transcendental = elementwise / 4
+        vector_source = "vector units assumed at 1/10 of the matmul peak (no published figure)"
+    launch = target.launch_s if target.launch_s is not None else GPU_LAUNCH_S
+    return DeviceFigures(
+        name=target.name,
+        peak_flops={"bf16": target.peak_flops_bf16, "f32": f32, "f16": target.peak_flops_bf16},
+        memory_bytes_per_s=target.hbm_bytes_per_s,
+        cache_bytes=0,
+        cache_bytes_per_s=target.hbm_bytes_per_s,
+        elementwise_per_s=elementwise,
+        transcendental_per_s=transcendental,
+        launch_s=launch,
+        host_link_bytes_per_s=target.host_link_bytes_per_s,
+        interconnect_bytes_per_s=target.interconnect_bytes_per_s,
+        source=(
+            f"datasheet: {target.source}; {vector_source}; launch {launch * 1e6:.1f} us"
+            + ("" if target.launch_s is not None else " (assumed: NVIDIA blog, CUDA Graphs)")
+        ),
+    )
+
+
+def machine_key() -> dict[str, str]:
+    """What the local figures depend on: platform, device kind, CPU model, cores, versions."""
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    cpu_model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        cpu_model = _platform.processor()
+    return {
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "cpu_model": cpu_model,
+        "cpu_count": str(os.cpu_count()),
+        "machine": _platform.machine(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "version": str(CALIBRATION_VERSION),
+    }
+
+
+def _best_of(fn: Callable[[], object], runs: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile + warm
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(runs: int = 5) -> dict[str, float]:
+    """Time the micro-kernels on JAX's default device (see the module docstring).
+
+    Returns rates per second, ``cache_bytes`` and ``launch_s``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(0)
+    out: dict[str, float] = {}
+    n = 1024
+    for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+        a = jax.random.normal(key, (n, n), dtype)
+        b = jax.random.normal(key, (n, n), dtype)
+        mm = jax.jit(lambda x, y: x @ y)
+        out[f"peak_flops_{name}"] = 2 * n**3 / _best_of(lambda mm=mm, a=a, b=b: mm(a, b), runs)
+
+    big = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
+    axpb = jax.jit(lambda x: x * 1.0001 + 0.5)
+    out["memory_bytes_per_s"] = 2 * big.nbytes / _best_of(lambda: axpb(big), max(2, runs // 2))
+    # The same in place (the input donated): no fresh output buffer to fault in.
+    inplace = jax.jit(lambda x: x * 1.0001 + 0.5, donate_argnums=0)
+    state = {"x": big}
+
+    def step():
+        state["x"] = inplace(state["x"])
+        return state["x"]
+
+    t_inplace = _best_of(step, max(2, runs // 2))
+    t_fresh = 2 * big.nbytes / out["memory_bytes_per_s"]
+    out["memory_bytes_per_s"] = 2 * big.nbytes / t_inplace
+    # What a fresh 256 MiB output costs beyond the same work in place: faulting its pages in.
+    out["fresh_bytes_per_s"] = big.nbytes / max(t_fresh - t_inplace, 1e-9)
+    del big, state
+
+    def loop(k):
+        return jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda i, v: v * 1.0001 + 0.5, x))
+
+    # Launch: a loop whose body is two tiny kernels (an [8, 8] matmul and an add), so each
+    # iteration dispatches real kernels (XLA compiles a purely elementwise loop into one).
+    def tiny_loop(k):
+        def body(i, v):
+            return jnp.tanh(v @ v) + 0.5
+
+        return jax.jit(lambda x: jax.lax.fori_loop(0, k, body, x))
+
+    iters = 2000
+    tiny = jnp.eye(8, dtype=jnp.float32)
+    long_loop, one = tiny_loop(iters), tiny_loop(1)
+    t_loop = _best_of(lambda: long_loop(tiny), runs)
+    t_one = _best_of(lambda: one(tiny), runs)
+    out["launch_s"] = max((t_loop - t_one) / (iters - 1) / 2, 1e-9)
+
+    # Cache: 1 MiB re-read 200 times (fits any L2/LLC); the loop's launch cost taken out.
+    small = jnp.ones((2**18,), jnp.float32)
+    reps = 200
+    cached = loop(reps)
+    t_small = _best_of(lambda: cached(small), runs)
+    per = max(t_small / reps - out["launch_s"], 1e-9)
+    out["cache_bytes_per_s"] = 2 * small.nbytes / per
+
+    # Elementwise: 32 dependent multiply-adds per element of a cache-resident array.
+    mid = jnp.ones((2**20,), jnp.float32)  # 4 MiB
+
+    def chain(x):
+        for i in range(32):
+            x = x * 1.0001 + (0.5 + i)
+        return x
+
+    chained, tanh = jax.jit(chain), jax.jit(jnp.tanh)
+    t_chain = _best_of(lambda: chained(mid), runs)
+    out["elementwise_per_s"] = 64 * mid.size / t_chain  # mul and add each one operation
+    t_tanh = _best_of(lambda: tanh(mid), runs)
+    # tanh's own bytes are small beside its arithmetic on a CPU; take the bytes' time out.
+    t_tanh_ops = max(t_tanh - 2 * mid.nbytes / out["cache_bytes_per_s"], t_tanh / 4)
+    out["transcendental_per_s"] = mid.size / t_tanh_ops
+    out["cache_bytes"] = float(_last_level_cache_bytes() or 0)
+    return out
+
+
+def _last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (L3 on most machines), from sysfs; None if unknown."""
+    best = None
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in base.glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        value = int(size.rstrip("KMG")) * mult
+        best = max(best or 0, value)
+    return best
+
+
+def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
+    """Figures for JAX's default device, timed here once per machine and cached.
+
+    Args:
+      refresh: time again even when a cached calibration exists.
+      runs: timed runs per micro-kernel (the best is kept).
+
+    Returns:
+      :class:`DeviceFigures` with ``measured=True``; ``source`` names the machine and the date
+      the figures were timed.
+    """
+    key = machine_key()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "calibration" / f"{digest}.json"
+    given = os.environ.get(CALIBRATION_ENV)
+    data = None
+    if given:  # figures fixed by the user (or the tests): used as they are, never re-timed
+        data = json.loads(Path(given).read_text())
+        data["key"] = key
+        data["when"] = f"{data.get('when', 'unknown date')}, read from ${CALIBRATION_ENV}={given}"
+    elif path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            data = None
+    if data is None or data.get("key") != key:
+        figures = measure(runs)
+        data = {
+            "key": key,
+            "figures": figures,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    f = data["figures"]
+    return DeviceFigures(
+        name=f"local {key['platform']} ({key['cpu_model'] or key['device_kind']})",
+        peak_flops={"f32": f["peak_flops_f32"], "bf16": f["peak_flops_bf16"]},
+        memory_bytes_per_s=f["memory_bytes_per_s"],
+        cache_bytes=int(f["cache_bytes"]),
+        cache_bytes_per_s=f["cache_bytes_per_s"],
+        elementwise_per_s=f["elementwise_per_s"],
+        transcendental_per_s=f["transcendental_per_s"],
+        launch_s=f["launch_s"],
+        host_link_bytes_per_s=None,
+        interconnect_bytes_per_s=None,
+        fresh_bytes_per_s=f["fresh_bytes_per_s"] if key["platform"] == "cpu" else None,
+        source=(
+            f"calibrated on this machine {data['when']} (jax {key['jax']}, {key['cpu_count']} "
+            f"cores): {', '.join(f'{k}={v:.4g}' for k, v in sorted(f.items()))}"
+        ),
+        measured=True,
+    )
+
+
+def device_figures(target: T.Target) -> DeviceFigures | None:
+    """The figures the time model uses for ``target``: the datasheet's for a GPU or TPU model
+    compiled deviceless, the calibration's for the local device (a local GPU of a known model
+    is calibrated too: what this machine does beats what the datasheet says). None when
+    neither is available (a CPU target while JAX's default device is not a CPU)."""
+    import jax
+
+    if not target.deviceless and target.platform == jax.devices()[0].platform:
+        return calibrate()
+    return datasheet_figures(target)
+
+
+__all__ = [
+    "calibrate",
+    "cache_dir",
+    "datasheet_figures",
+    "device_figures",
+    "machine_key",
+    "measure",
+]

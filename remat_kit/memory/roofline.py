@@ -1,0 +1,698 @@
+"""The step-time model: a roofline over every kernel of the compiled program.
+
+The optimized HLO that XLA dumps for a compile (:mod:`remat_kit.memory.hlo`) lists, in schedule
+order, the kernels one step runs: fusions, matmuls (``dot``, cuBLAS / YNNPACK gemm calls),
+cuDNN attention calls, copies, collectives, host transfers, and ``while`` loops whose bodies run
+``known_trip_count`` times. For each executed kernel this module counts, from the HLO alone:
+
+- matmul FLOPs (``2 * prod(output) * prod(contracting)``, :func:`hlo.instruction_flops`) and
+  the dtype of the matmul's operands;
+- elementwise operations and transcendental operations (``exp``, ``tanh``, ``log``, ...), one
+  per output element of every arithmetic instruction inside the kernel;
+- bytes read and written at the kernel's boundary: its operands and its output, except that an
+  operand read only through ``dynamic-slice`` / ``slice`` counts the slice, and an in-place
+  ``dynamic-update-slice`` (a ``lax.scan`` stacking a residual per layer) counts the update it
+  writes, not the whole stacked buffer.
+
+A kernel's time is the roofline (Williams, Waterman, Patterson, "Roofline: an insightful visual
+performance model for multicore architectures", CACM 52(4), 2009) plus a fixed launch cost:
+
+    t = max(flops / peak_flops[dtype], bytes / bandwidth, elementwise / elementwise_rate
+            + transcendental / transcendental_rate) + launch_s
+
+where ``bandwidth`` is the cache's when everything the kernel reads was written or read within
+the last ``cache_bytes`` bytes of traffic (a reuse-distance model over the schedule; the cache is
+the last-level cache of a CPU, the L2 of a GPU), else device memory's. Host transfers
+(``copy-start`` / ``copy-done`` to or from XLA's host memory space ``S(5)``) run at the host
+link, collectives at the interconnect (ring algorithm: an all-reduce moves ``2 (n-1)/n`` of its
+bytes, an all-gather or reduce-scatter ``(n-1)/n``); an asynchronous one (``*-start`` ...
+``*-done``) hides behind the kernels scheduled between its start and its done, and only what is
+left is added. The step time is the sum over the schedule.
+
+The device figures (:class:`DeviceFigures`) come from the target's datasheet
+(:func:`device_figures`) or, for the local device, from a calibration that times a few
+micro-kernels (:mod:`remat_kit.memory.calibrate`). What the model leaves out: overlap of
+independent kernels (XLA:CPU runs some concurrently; GPU streams), caches other than the one
+level, the cost of a kernel that is neither compute- nor bandwidth-bound (latency-bound
+reductions, gathers with poor locality), and the framework's per-step dispatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+from remat_kit.memory import hlo
+
+#: Opcodes that launch no kernel (names, views, control) and move no bytes.
+_FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
+    "after-all", "partition-id", "replica-id", "add-dependency", "domain", "iota",
+})  # fmt: skip
+#: Elementwise opcodes costing a transcendental-unit operation per element.
+_TRANSCENDENTAL = frozenset({
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sqrt",
+    "rsqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf",
+})  # fmt: skip
+#: Opcodes counted as one elementwise operation per output element inside a kernel.
+_ELEMENTWISE = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare",
+    "select", "and", "or", "xor", "not", "convert", "clamp", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "sign", "remainder", "reduce-precision", "is-finite", "shift-left",
+    "shift-right-logical", "shift-right-arithmetic", "stochastic-convert",
+})  # fmt: skip
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                "ragged-all-to-all", "collective-broadcast")  # fmt: skip
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+_REPLICA_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_HOST = re.compile(r"S\(5\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFigures:
+    """What the roofline needs to know about one device. Rates per second, sizes in bytes.
+
+    Attributes:
+      name: the target or machine these figures describe.
+      peak_flops: matmul peak FLOP/s by operand dtype (``"bf16"``, ``"f32"``); a dtype absent
+        here uses the ``"f32"`` figure.
+      memory_bytes_per_s: device-memory bandwidth (HBM; DRAM for a CPU).
+      cache_bytes: capacity of the cache that serves re-reads (GPU L2, CPU last-level cache);
+        0 to switch the reuse model off.
+      cache_bytes_per_s: bandwidth of that cache.
+      elementwise_per_s: elementwise operations per second (FP32 lanes x clock).
+      transcendental_per_s: transcendental operations per second (special-function units).
+      launch_s: fixed cost of one kernel.
+      host_link_bytes_per_s: host<->device bandwidth per direction, None if there is none.
+      interconnect_bytes_per_s: device<->device bandwidth per direction, None if unknown.
+      source: where each figure comes from (datasheet, or the calibration and when it ran).
+      measured: True when the figures were timed on this machine (calibration).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes_per_s: float
+    cache_bytes: int
+    cache_bytes_per_s: float
+    elementwise_per_s: float
+    transcendental_per_s: float
+    launch_s: float
+    host_link_bytes_per_s: float | None
+    interconnect_bytes_per_s: float | None
+    source: str
+    measured: bool = False
+    #: Rate at which the pages of a step's freshly allocated buffers are faulted in, bytes/s;
+    #: None where buffers are reused from one step to the next (a GPU's or TPU's allocator).
+    #: XLA:CPU allocates a step's temp and output buffers at each execution, and the kernel
+    #: zeroes every fresh page of a large (mmap-backed) allocation on first touch.
+    fresh_bytes_per_s: float | None = None
+
+    def matmul_peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype) or self.peak_flops["f32"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of the compiled step, as the roofline costs it.
+
+    Attributes:
+      name: the HLO instruction (``fusion.12``, ``dot.3``, ``copy-start.2``).
+      kind: ``matmul`` (a dot, gemm or a fusion whose time is its matmul), ``attention`` (a
+        fused attention call), ``fusion``, ``copy``, ``collective``, ``host_transfer`` or
+        ``other``.
+      count: executions per step (the trip counts of the loops around it multiplied).
+      flops: matmul FLOPs per execution; dtype: the matmul operands' dtype ("" if none).
+      elementwise, transcendental: operations per execution.
+      bytes_read, bytes_written: bytes at the kernel's boundary per execution.
+      op_name: JAX's ``op_name`` of the instruction (what the user's code called).
+      recompute: under JAX's remat scope or cloned by XLA's rematerialisation pass.
+    """
+
+    name: str
+    kind: str
+    count: int
+    flops: float
+    dtype: str
+    elementwise: float
+    transcendental: float
+    bytes_read: int
+    bytes_written: int
+    op_name: str
+    recompute: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTime:
+    """One kernel's share of the step: its total seconds (all executions) and what bound it
+    (``compute``, ``memory``, ``cache``, ``elementwise``, ``launch``, ``host_link``,
+    ``interconnect``)."""
+
+    name: str
+    kind: str
+    count: int
+    time_s: float
+    bound: str
+    op_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """The estimated time of one step and where it goes. Seconds.
+
+    ``step_time_s = compute_s + memory_s + elementwise_s + launch_s + transfer_s +
+    collective_s + allocation_s``: each kernel's roofline time is assigned to the term that bound it (its
+    launch cost to ``launch_s``); ``transfer_s`` and ``collective_s`` are the host-transfer and
+    collective time the schedule could not hide behind other kernels.
+
+    Attributes:
+      kernels: executed kernels per step (loop bodies times their trip counts).
+      allocation_s: faulting in the step's freshly allocated buffers (temp and outputs not
+        aliased to inputs) where the backend allocates them per execution (XLA:CPU); 0 else.
+      recompute_s: time of the kernels that recompute the forward pass (included above).
+      top: the kernels taking the most time, largest first.
+      figures: the device figures used (name and source).
+      measured_figures: True when they were calibrated on this machine.
+    """
+
+    step_time_s: float
+    compute_s: float
+    memory_s: float
+    elementwise_s: float
+    launch_s: float
+    transfer_s: float
+    collective_s: float
+    allocation_s: float
+    recompute_s: float
+    kernels: int
+    top: tuple[KernelTime, ...]
+    figures: str
+    measured_figures: bool
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepTime:
+        data = dict(data)
+        data["top"] = tuple(KernelTime(**k) for k in data["top"])
+        return cls(**data)
+
+    def summary(self) -> str:
+        """E.g. ``"812 ms (compute 41%, memory 52%, launch 2%, host 5%)"``."""
+        parts = [
+            ("compute", self.compute_s), ("memory", self.memory_s),
+            ("elementwise", self.elementwise_s), ("launch", self.launch_s),
+            ("host", self.transfer_s), ("collectives", self.collective_s),
+            ("allocation", self.allocation_s),
+        ]  # fmt: skip
+        total = self.step_time_s or 1.0
+        shares = ", ".join(f"{k} {v / total:.0%}" for k, v in parts if v / total >= 0.005)
+        return f"{format_seconds(self.step_time_s)} ({shares})"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """A duration in the unit that reads best: ``"1.24 s"``, ``"812 ms"``, ``"68.4 µs"``."""
+    if seconds is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale or unit == "µs":
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{seconds:.3g} s"
+
+
+# -- Counting kernels ------------------------------------------------------------------------
+
+
+def _nbytes(shape: str) -> int:
+    return sum(hlo.shape_bytes(t, d) for t, d in hlo.array_shapes(shape) if t != "token")
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(d) for _, d in hlo.array_shapes(shape))
+
+
+def _dtype_of(shape: str) -> str:
+    arrays = hlo.array_shapes(shape)
+    return arrays[0][0] if arrays else ""
+
+
+def _callees(instr: hlo.Instruction) -> list[str]:
+    names = [c for kind, c in hlo._CALLEE.findall(instr.attributes) if kind != "condition"]
+    calls = hlo._CALLS_SET.search(instr.attributes)
+    if calls:
+        names += [c.strip().lstrip("%") for c in calls.group(1).split(",") if c.strip()]
+    return names
+
+
+@dataclasses.dataclass
+class _Inside:
+    flops: float = 0.0
+    dtype: str = ""
+    elementwise: float = 0.0
+    transcendental: float = 0.0
+
+
+def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside:
+    """Matmul FLOPs and elementwise work of a fused (or called) computation, all nested."""
+    if name in memo:
+        return memo[name]
+    out = _Inside()
+    comp = comps.get(name)
+    if comp is None:
+        memo[name] = out
+        return out
+    shapes = dict(comp.param_shapes)
+    for instr in comp.instructions:
+        shapes[instr.name] = instr.shape
+        f = hlo.instruction_flops(instr, shapes)
+        if f:
+            out.flops += f
+            if not out.dtype and instr.operands:
+                out.dtype = _dtype_of(shapes.get(instr.operands[0], ""))
+        elif instr.opcode in _TRANSCENDENTAL:
+            out.transcendental += _elements(instr.shape)
+        elif instr.opcode in _ELEMENTWISE:
+            out.elementwise += _elements(instr.shape)
+        elif instr.opcode in ("reduce", "reduce-window"):
+            # one combine per input element
+            first = shapes.get(instr.operands[0], "") if instr.operands else ""
+            out.elementwise += _elements(first)
+        for callee in _callees(instr):
+            if instr.opcode in (
+                "reduce",
+                "reduce-window",
+                "scatter",
+                "sort",
+                "map",
+                "select-and-scatter",
+            ):
+                continue  # the reducer runs per element: counted above
+            sub = _inside(comps, callee, memo)
+            out.flops += sub.flops
+            out.dtype = out.dtype or sub.dtype
+            out.elementwise += sub.elementwise
+            out.transcendental += sub.transcendental
+    memo[name] = out
+    return out
+
+
+def _fusion_bytes(
+    instr: hlo.Instruction, comps: dict[str, hlo.Computation], shapes: dict[str, str]
+) -> tuple[int, int]:
+    """``(read, written)`` bytes of a fusion: its operands (a parameter used only through
+    slices counts the slices; the buffer an in-place dynamic-update-slice writes into counts
+    nothing) and its output (an in-place dynamic-update-slice counts its update)."""
+    callees = _callees(instr)
+    comp = comps.get(callees[0]) if callees else None
+    operand_bytes = [_nbytes(shapes.get(op, "")) for op in instr.operands]
+    if comp is None:
+        return sum(operand_bytes), _nbytes(instr.shape)
+    by_name = {i.name: i for i in comp.instructions}
+    params: dict[int, str] = {}
+    for i in comp.instructions:
+        if i.opcode == "parameter":
+            idx = _param_index(i)
+            if idx is not None:
+                params[idx] = i.name
+    users: dict[str, list[hlo.Instruction]] = {}
+    for i in comp.instructions:
+        for op in i.operands:
+            users.setdefault(op, []).append(i)
+    root = comp.instructions[-1] if comp.instructions else None  # XLA prints ROOT last
+    roots = [root] if root is not None else []
+    if root is not None and root.opcode == "tuple":
+        roots = [by_name[o] for o in root.operands if o in by_name]
+    in_place: set[str] = set()
+    written = 0
+    for r in roots:
+        r2 = _through_bitcasts(r, by_name)
+        if r2.opcode == "dynamic-update-slice" and len(r2.operands) > 1:
+            in_place.add(_source(r2.operands[0], by_name))
+            written += _nbytes(_shape_in(comp, r2.operands[1], by_name))
+        else:
+            written += _nbytes(r.shape)
+    read = 0
+    for idx, total in enumerate(operand_bytes):
+        pname = params.get(idx)
+        if pname is None:
+            read += total
+            continue
+        if pname in in_place:
+            continue
+        uses = _uses_through_bitcasts(pname, users)
+        if uses and all(
+            u.opcode in _SLICING and u.operands[0] in _aliases(pname, users) for u in uses
+        ):
+            read += min(total, sum(_nbytes(u.shape) for u in uses))
+        else:
+            read += total
+    return read, written
+
+
+def _param_index(instr: hlo.Instruction) -> int | None:
+    m = re.match(r"\s*(\d+)", instr.operands[0]) if instr.operands else None
+    return int(m.group(1)) if m else None
+
+
+def _through_bitcasts(instr: hlo.Instruction, by_name: dict[str, hlo.Instruction]):
+    while instr.opcode in ("bitcast", "copy") and instr.operands and instr.operands[0] in by_name:
+        instr = by_name[instr.operands[0]]
+    return instr
+
+
+def _source(name: str, by_name: dict[str, hlo.Instruction]) -> str:
+    while name in by_name and by_name[name].opcode == "bitcast" and by_name[name].operands:
+        name = by_name[name].operands[0]
+    return name
+
+
+def _shape_in(comp: hlo.Computation, name: str, by_name: dict[str, hlo.Instruction]) -> str:
+    if name in by_name:
+        return by_name[name].shape
+    return comp.param_shapes.get(name, "")
+
+
+def _aliases(name: str, users: dict[str, list[hlo.Instruction]]) -> set[str]:
+    out, todo = {name}, [name]
+    while todo:
+        for u in users.get(todo.pop(), []):
+            if u.opcode == "bitcast" and u.name not in out:
+                out.add(u.name)
+                todo.append(u.name)
+    return out
+
+
+def _uses_through_bitcasts(name: str, users: dict[str, list[hlo.Instruction]]):
+    return [u for a in _aliases(name, users) for u in users.get(a, []) if u.opcode != "bitcast"]
+
+
+def _group_size(instr: hlo.Instruction) -> int:
+    m = _REPLICA_GROUPS.search(instr.attributes)
+    if m and m.group(1):
+        return len(m.group(1).split(","))
+    m = _IOTA_GROUPS.search(instr.attributes)
+    if m:
+        return int(m.group(2))
+    return 1
+
+
+def _collective_factor(opcode: str, n: int) -> float:
+    """Bytes on the wire per byte of the collective's larger side, ring algorithms (Thakur,
+    Rabenseifner, Gropp, "Optimization of collective communication operations in MPICH",
+    IJHPCA 19(1), 2005)."""
+    if n <= 1:
+        return 0.0
+    if opcode.startswith("all-reduce"):
+        return 2.0 * (n - 1) / n
+    if opcode.startswith("collective-permute") or opcode.startswith("collective-broadcast"):
+        return 1.0
+    return (n - 1) / n
+
+
+def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
+    """Every kernel one step executes, in schedule order, loop bodies once per kernel with
+    ``count`` = the trip counts around it (conditionals: their costliest branch by bytes).
+
+    A loop of unknown trip count is counted once (the memory reader warns about it)."""
+    memo: dict = {}
+    out: list[Kernel] = []
+
+    def walk(name: str, count: int, recompute: bool, depth: int = 0) -> None:
+        comp = comps.get(name)
+        if comp is None or depth > 64:
+            return
+        shapes = dict(comp.param_shapes)
+        for instr in comp.instructions:
+            shapes[instr.name] = instr.shape
+            op = instr.opcode
+            rec = (
+                recompute
+                or hlo.is_xla_remat(instr.name)
+                or (hlo.JAX_RECOMPUTE_SCOPE in instr.op_name)
+            )
+            if op in _FREE:
+                continue
+            if op == "while":
+                body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
+                trip = hlo._TRIP_COUNT.search(instr.attributes)
+                n = int(trip.group(1)) if trip else 1
+                if body:
+                    walk(body.group(1), count * n, rec, depth + 1)
+                continue
+            if op == "conditional":
+                branches = hlo._BRANCHES.search(instr.attributes)
+                names = (
+                    [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                    if branches
+                    else _callees(instr)
+                )
+                best: list[Kernel] = []
+                for b in names:
+                    sub_out: list[Kernel] = []
+                    _walk_into(b, count, rec, depth, sub_out)
+                    if sum(k.bytes_read + k.bytes_written for k in sub_out) >= sum(
+                        k.bytes_read + k.bytes_written for k in best
+                    ):
+                        best = sub_out
+                out.extend(best)
+                continue
+            if op in ("call", "async-start") and not op.startswith("fusion"):
+                for callee in _callees(instr):
+                    walk(callee, count, rec, depth + 1)
+                continue
+            if op in ("async-update", "async-done", "copy-done", "send-done", "recv-done") or (
+                op.endswith("-done")
+            ):
+                out.append(_marker(instr, count, rec))
+                continue
+            out.append(_kernel(instr, comps, shapes, count, rec, memo))
+
+    def _walk_into(name: str, count: int, rec: bool, depth: int, sink: list[Kernel]) -> None:
+        nonlocal out
+        saved, out = out, sink
+        try:
+            walk(name, count, rec, depth + 1)
+        finally:
+            out = saved
+
+    entry = next((c.name for c in comps.values() if c.is_entry), None)
+    if entry:
+        walk(entry, 1, False)
+    return out
+
+
+def _marker(instr: hlo.Instruction, count: int, rec: bool) -> Kernel:
+    """The ``*-done`` of an asynchronous operation: no work of its own (the schedule closes
+    the transfer there)."""
+    return Kernel(instr.name, "done", count, 0.0, "", 0.0, 0.0, 0, 0, instr.op_name, rec)
+
+
+def _kernel(
+    instr: hlo.Instruction,
+    comps: dict[str, hlo.Computation],
+    shapes: dict[str, str],
+    count: int,
+    rec: bool,
+    memo: dict,
+) -> Kernel:
+    op = instr.opcode
+    base = op.removesuffix("-start")
+    read = sum(_nbytes(shapes.get(o, "")) for o in instr.operands)
+    written = _nbytes(instr.shape)
+    flops = hlo.instruction_flops(instr, shapes)
+    dtype = _dtype_of(shapes.get(instr.operands[0], "")) if flops and instr.operands else ""
+    elementwise = transcendental = 0.0
+    kind = "other"
+    if op == "fusion":
+        read, written = _fusion_bytes(instr, comps, shapes)
+        inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
+        flops, dtype = inner.flops, inner.dtype
+        elementwise, transcendental = inner.elementwise, inner.transcendental
+        kind = "matmul" if flops else "fusion"
+    elif flops:
+        target = hlo._call_target(instr)
+        kind = "attention" if target.startswith("__cudnn$fmha") else "matmul"
+    elif op in ("copy-start",) or (op == "copy" and (_HOST.search(instr.shape) or any(
+        _HOST.search(shapes.get(o, "")) for o in instr.operands
+    ))):  # fmt: skip
+        kind = (
+            "host_transfer"
+            if (
+                _HOST.search(instr.shape)
+                or any(_HOST.search(shapes.get(o, "")) for o in instr.operands)
+            )
+            else "copy"
+        )
+        if op == "copy-start":  # (dest, src, context) tuple: the array moved once
+            arrays = hlo.array_shapes(instr.shape)
+            moved = hlo.shape_bytes(*arrays[0]) if arrays else 0
+            read, written = moved, moved
+    elif base in _COLLECTIVES:
+        kind = "collective"
+        n = _group_size(instr)
+        side = max(read, written)
+        read, written = int(side * _collective_factor(base, n)), 0
+    elif op in ("copy", "transpose"):
+        kind = "copy"
+    elif op in ("dynamic-update-slice",) and len(instr.operands) > 1:
+        update = _nbytes(shapes.get(instr.operands[1], ""))
+        read, written = update, update
+    elif op in ("dynamic-slice", "slice"):
+        read = written
+    elif op in _TRANSCENDENTAL:
+        transcendental = _elements(instr.shape)
+    elif op in _ELEMENTWISE:
+        elementwise = _elements(instr.shape)
+    elif op in ("reduce", "reduce-window") and instr.operands:
+        elementwise = _elements(shapes.get(instr.operands[0], ""))
+    if op == "custom-call" and _HOST.search(instr.shape):
+        kind = "host_transfer"
+    return Kernel(
+        name=instr.name,
+        kind=kind,
+        count=count,
+        flops=flops,
+        dtype=dtype,
+        elementwise=elementwise,
+        transcendental=transcendental,
+        bytes_read=read,
+        bytes_written=written,
+        op_name=instr.op_name,
+        recompute=rec,
+    )
+
+
+# -- Timing the schedule ---------------------------------------------------------------------
+
+
+def estimate(
+    comps: dict[str, hlo.Computation],
+    figures: DeviceFigures,
+    fresh_bytes: int = 0,
+    top_k: int = 8,
+) -> StepTime:
+    """The estimated step time of a compiled module on a device (see the module docstring).
+
+    Args:
+      comps: the optimized HLO module (:func:`remat_kit.memory.hlo.parse_hlo_module`).
+      figures: the device's figures (:mod:`remat_kit.memory.calibrate`).
+      fresh_bytes: bytes the step allocates anew at each execution: temp + output - alias
+        (``memory_analysis()``); costed only where ``figures.fresh_bytes_per_s`` is set.
+      top_k: how many of the costliest kernels to keep in :attr:`StepTime.top`.
+    """
+    return time_kernels(executed_kernels(comps), figures, fresh_bytes, top_k)
+
+
+def time_kernels(
+    kernels: Iterable[Kernel], figures: DeviceFigures, fresh_bytes: int = 0, top_k: int = 8
+) -> StepTime:
+    """Sum the roofline over ``kernels`` in schedule order (see the module docstring), plus
+    ``fresh_bytes / figures.fresh_bytes_per_s`` where the backend allocates per step."""
+    terms = dict.fromkeys(
+        ("compute", "memory", "cache", "elementwise", "launch", "host_link", "interconnect"), 0.0
+    )
+    recompute = 0.0
+    per_kernel: list[KernelTime] = []
+    n_kernels = 0
+    # Asynchronous transfers in flight: name -> [seconds left, link]
+    in_flight: dict[str, list] = {}
+    recent = _ReuseWindow(figures.cache_bytes)
+    for k in kernels:
+        if k.kind == "done":
+            start = k.name.replace("-done", "-start")
+            left = in_flight.pop(start, None)
+            if left is None:  # its start is in another computation: match by order
+                left = in_flight.pop(next(iter(in_flight)), None) if in_flight else None
+            if left:
+                terms[left[1]] += left[0] * k.count
+            continue
+        n_kernels += k.count
+        if k.kind in ("host_transfer", "collective"):
+            link = "host_link" if k.kind == "host_transfer" else "interconnect"
+            bw = (
+                figures.host_link_bytes_per_s
+                if link == "host_link"
+                else figures.interconnect_bytes_per_s
+            )
+            seconds = (k.bytes_read + k.bytes_written) / 2 / bw if bw else 0.0
+            if k.kind == "collective":
+                seconds = k.bytes_read / bw if bw else 0.0
+            if (
+                k.name.endswith(("-start",))
+                or ".start" in k.name
+                or "start" in k.name.split(".")[0]
+            ):
+                in_flight[k.name] = [seconds, link]
+            else:
+                terms[link] += seconds * k.count
+            per_kernel.append(
+                KernelTime(k.name, k.kind, k.count, seconds * k.count, link, k.op_name)
+            )
+            continue
+        compute = k.flops / figures.matmul_peak(k.dtype or "f32") if k.flops else 0.0
+        nbytes = k.bytes_read + k.bytes_written
+        cached = recent.hit(k)
+        bw = figures.cache_bytes_per_s if cached else figures.memory_bytes_per_s
+        memory = nbytes / bw
+        vector = (
+            k.elementwise / figures.elementwise_per_s
+            + k.transcendental / figures.transcendental_per_s
+        )
+        body = max(compute, memory, vector)
+        bound = "compute" if body == compute and compute else (
+            ("cache" if cached else "memory") if body == memory else "elementwise"
+        )  # fmt: skip
+        seconds = (body + figures.launch_s) * k.count
+        terms[bound] += body * k.count
+        terms["launch"] += figures.launch_s * k.count
+        if k.recompute:
+            recompute += seconds
+        # Transfers in flight hide behind this kernel.
+        for entry in in_flight.values():
+            entry[0] = max(0.0, entry[0] - seconds)
+        per_kernel.append(KernelTime(k.name, k.kind, k.count, seconds, bound, k.op_name))
+    for seconds, link in in_flight.values():  # never closed: exposed
+        terms[link] += seconds
+    per_kernel.sort(key=lambda t: -t.time_s)
+    allocation = fresh_bytes / figures.fresh_bytes_per_s if figures.fresh_bytes_per_s else 0.0
+    total = sum(terms.values()) + allocation
+    return StepTime(
+        step_time_s=total,
+        compute_s=terms["compute"],
+        memory_s=terms["memory"] + terms["cache"],
+        elementwise_s=terms["elementwise"],
+        launch_s=terms["launch"],
+        transfer_s=terms["host_link"],
+        collective_s=terms["interconnect"],
+        allocation_s=allocation,
+        recompute_s=recompute,
+        kernels=n_kernels,
+        top=tuple(per_kernel[:top_k]),
+        figures=f"{figures.name}: {figures.source}",
+        measured_figures=figures.measured,
+    )
+
+
+class _ReuseWindow:
+    """Whether a kernel's reads were touched within the last ``capacity`` bytes of traffic
+    (then they come from the cache). Kernels inside a loop are seen once per trip in the
+    schedule order the walk gives (the body's kernels in sequence), so a loop body whose
+    traffic fits the cache hits on its own re-reads."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.window: list[int] = []  # bytes of recent kernels, newest last
+        self.total = 0
+
+    def hit(self, k: Kernel) -> bool:
+        traffic = k.bytes_read + k.bytes_written
+        hit = bool(self.capacity) and k.bytes_read + self.total <= self.capacity
+        self.window.append(traffic)
+        self.total += traffic
+        while self.window and self.total > self.capacity:
+            self.total -= self.window.pop(0)
+        return hit

@@ -266,10 +266,27 @@ def _details(e: Entry, unit: int, colors, uname: str) -> dict[str, Any]:
         ["recompute ratio (policy's own / as compiled)",
          " / ".join("—" if v is None else f"x{v:.3f}"
                     for v in (r.recompute_ratio, r.compiled_recompute_ratio))],
+        ["estimated step time (roofline)", _step_time(r)],
         ["budget", format_bytes(r.budget_bytes)],
         ["compile", f"{r.compile_s:.1f} s"],
     ]  # fmt: skip
     return out
+
+
+def _step_time(r: MemoryReport) -> str:
+    """The estimate and its breakdown (:class:`~remat_kit.memory.roofline.StepTime`), where
+    the report has them."""
+    t = getattr(r, "step_time", None)
+    if t is None:
+        return _seconds(getattr(r, "step_time_s", None))
+    parts = [
+        (name, getattr(t, f"{name}_s", None))
+        for name in ("compute", "memory", "elementwise", "launch", "transfer", "collective",
+                     "allocation")
+    ]  # fmt: skip
+    shown = ", ".join(f"{n} {_seconds(v)}" for n, v in parts if v)
+    recompute = f"; recompute {_seconds(t.recompute_s)}" if getattr(t, "recompute_s", 0) else ""
+    return f"{_seconds(t.step_time_s)} ({shown}{recompute}; {t.figures})"
 
 
 def _flops(n: float | None) -> str:

@@ -124,6 +124,26 @@ def test_live_at_peak_sums_to_the_timeline_peak(scanned_dump):
     assert sum(by_slot.values()) == T.build_timeline(scanned_dump).peak_bytes
 
 
+def test_spans_say_what_is_live_at_each_point(scanned_dump):
+    """The buffers kept with their live ranges: largest first, within the schedule; at the
+    peak they are the peak's largest buffers and never sum above the peak; an older report's
+    timeline (no spans in its JSON) still reads."""
+    tl = T.build_timeline(scanned_dump)
+    spans = tl.spans
+    assert spans and len(spans) <= T.MAX_SPANS
+    assert [s.nbytes for s in spans] == sorted((s.nbytes for s in spans), reverse=True)
+    assert all(0 <= s.start <= s.end < tl.length for s in spans)
+    assert min(s.nbytes for s in spans) >= T.SPAN_FRACTION * tl.peak_bytes
+    at_peak = tl.live_at(tl.peak_position)
+    assert sum(s.nbytes for s in at_peak) <= tl.peak_bytes
+    assert {s.value for s in at_peak} >= {
+        b.value for b in tl.peak_buffers if b.nbytes >= T.SPAN_FRACTION * tl.peak_bytes
+    }
+    old = dataclasses.asdict(tl)
+    del old["spans"]
+    assert T.Timeline.from_dict(old).spans == ()
+
+
 def test_no_dump_no_timeline():
     assert T.build_timeline(hlo.DumpFiles(None, None, None, None)) is None
     assert T.live_at_peak(hlo.DumpFiles(None, None, None, None)) is None

@@ -146,12 +146,12 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
             go.Scatter(
                 x=[min(xs), max(xs)], y=[budget, budget], mode="lines+text", name="budget",
                 line={"color": "#d62728", "width": 1, "dash": "dash"},
-                text=["", f"budget {budget:,.2f} {uname}"], textposition="bottom left",
+                text=[f"budget {budget:,.2f} {uname}", ""], textposition="top right",
                 textfont={"size": 10, "color": "#d62728"}, hoverinfo="skip",
             )
         )  # fmt: skip
     if ys and min(ys) > 0 and max(ys) / min(ys) > 4:  # a no-remat far above the rest
-        fig.update_yaxes(type="log")
+        fig.update_yaxes(type="log", tickvals=_log_ticks(min(ys), max(ys)))
     fig.update_layout(
         xaxis_title=xname, yaxis_title=f"peak ({uname} per device)", showlegend=False,
         margin={"l": 60, "r": 20, "t": 30, "b": 50}, height=420, template="plotly_white",
@@ -159,6 +159,17 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
                                   "font": {"size": 13}},
     )  # fmt: skip
     return fig.to_plotly_json()
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """1-2-5 ticks covering ``[lo, hi]`` (plotly's own log ticks label only the decades)."""
+    import math
+
+    out = []
+    for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+        out += [m * 10.0**k for m in (1, 2, 5)]
+    inside = [t for t in out if lo / 1.5 <= t <= hi * 1.5]
+    return inside or out
 
 
 def _color_map(groups_categories: Sequence[str]) -> dict[str, str]:

@@ -93,6 +93,43 @@ def _peak_table(rows: list[dict], mode: dict) -> list[str]:
     return lines
 
 
+def _time_table(rows: list[dict], mode: dict) -> list[str]:
+    """Predicted vs measured step time per policy: the roofline on the local GPU (calibrated
+    there) and on the deviceless h200 target (datasheet figures), each as a ratio against
+    no-remat beside the measured ratio, with the error of the ratio."""
+    preds = predictions(rows)
+    measured = _measure_rows(rows, mode)
+    base = dict(measured).get("no-remat") or {}
+    base_local = (base.get("predicted_local") or {}).get("step_time_s")
+    base_h200 = (preds.get("no-remat") or {}).get("step_time_s")
+    lines = [
+        "| policy | measured s | measured x | est. local s | est. local x | error | "
+        "est. h200 s | est. h200 x | error | local bound by |",
+        "|" + "---|" * 10,
+    ]
+    for name, r in measured:
+        r = r or {}
+        meas = r.get("step_time_s")
+        mx = _ratio(meas, base.get("step_time_s"))
+        local = r.get("predicted_local") or {}
+        lx = _ratio(local.get("step_time_s"), base_local)
+        h200 = (preds.get(name) or {}).get("step_time_s")
+        hx = _ratio(h200, base_h200)
+        step = local.get("step_time") or {}
+        terms = {k: step.get(k) or 0.0 for k in (
+            "compute_s", "memory_s", "elementwise_s", "launch_s", "transfer_s",
+            "collective_s", "allocation_s")}  # fmt: skip
+        bound = max(terms, key=terms.get).removesuffix("_s") if any(terms.values()) else "-"
+        lines.append(
+            f"| {name} | {_num(meas, '.3g')} | {_num(mx, '.3f')} "
+            f"| {_num(local.get('step_time_s'), '.3g')} | {_num(lx, '.3f')} "
+            f"| {_num(_ratio(lx, mx) and _ratio(lx, mx) - 1, '+.1%')} "
+            f"| {_num(h200, '.3g')} | {_num(hx, '.3f')} "
+            f"| {_num(_ratio(hx, mx) and _ratio(hx, mx) - 1, '+.1%')} | {bound} |"
+        )
+    return lines
+
+
 def _notes(rows: list[dict]) -> list[str]:
     """The measure rows' notes on figures a backend cannot give (printed once each)."""
     notes = {
@@ -197,6 +234,10 @@ def summary(rows: list[dict], mode: dict) -> str:
         *_peak_table(rows, mode),
         "",
         *_notes(rows),
+        "## Estimated vs measured step time (roofline, remat_kit.memory.roofline)",
+        "",
+        *_time_table(rows, mode),
+        "",
         f"Goals (x no-remat): {GOALS}; {CLAIMS}. MFU: PaLM appendix B (arXiv:2204.02311).",
         "",
         "## Host offload",

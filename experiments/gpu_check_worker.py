@@ -195,8 +195,20 @@ def _predict_fields(report: Any) -> dict[str, Any]:
         "flops_no_remat": report.flops_no_remat,
         "recompute_ratio": report.recompute_ratio,
         "memory_bytes": report.memory_bytes,
+        # the roofline's estimated step (remat_kit.memory.roofline), set beside the measured one
+        "step_time_s": getattr(report, "step_time_s", None),
+        "step_time": _step_breakdown(getattr(report, "step_time", None)),
         "warnings": list(report.warnings)[:5],
     }
+
+
+def _step_breakdown(step: Any) -> dict[str, Any] | None:
+    """The estimate's terms, its three costliest kernels and its device figures' source."""
+    if step is None:
+        return None
+    d = step.to_dict()
+    d["top"] = d["top"][:3]
+    return d
 
 
 def measure(args: dict[str, Any]) -> dict[str, Any]:

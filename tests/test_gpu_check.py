@@ -35,7 +35,11 @@ def test_cpu_mode_runs_every_point(tmp_path):
         )
         assert m["mfu"] is None and m["mfu_note"]
         assert m["predicted_local"]["peak_bytes"] > 0 and m["compiled_peak_bytes"] > 0
+        # the roofline's estimate recorded beside the measured step
+        assert m["predicted_local"]["step_time_s"] > 0
+        assert m["predicted_local"]["step_time"]["figures"]
     preds = rows["predict/h200"]["predictions"]
+    assert all(p["step_time_s"] > 0 for p in preds.values())
     assert preds["no-remat"]["peak_bytes"] > preds["save-nothing"]["peak_bytes"] > 0
     rec = rows["recommend/h200"]
     # The budget excludes no-remat (largest predicted peak), so the pick is the other policy.
@@ -48,6 +52,10 @@ def test_cpu_mode_runs_every_point(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| save-nothing |" in summary and "pick **save-nothing**" in summary
     assert "- none" in summary  # no point failed
+    assert "## Estimated vs measured step time" in summary
+    section = summary.split("## Estimated vs measured step time")[1].split("Goals")[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| save-nothing | ")]
+    assert "| - |" not in row  # measured, local and h200 estimates, and their errors
 
 
 def test_budget_is_kept_points_skipped_not_started(tmp_path):

@@ -51,7 +51,7 @@ def get_config() -> SweepConfig:
             targets=("local",),
             overrides={"scan_layers": True},
             warmup_steps=1,
-            timed_steps=3,
+            timed_steps=5,
         )
     ]
     if targets.cuda_plugin_module() is not None:

@@ -17,6 +17,7 @@ from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.programs import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
+from remat_kit.memory.roofline import StepTime, format_seconds
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
@@ -229,11 +230,12 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     title = f"{config.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
-    cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "compile s")
+    cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "est. step", "bound by",
+            "compile s")  # fmt: skip
     t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
-            add_row(t, label, "compile failed", "", "", "", "", "")
+            add_row(t, label, "compile failed", "", "", "", "", "", "", "")
             continue
         seconds = f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program
@@ -243,9 +245,37 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         ratio = "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x"
         add_row(
             t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
-            in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style), seconds,
+            in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
+            format_seconds(r.step_time_s), _bound_by(r.step_time), seconds,
         )  # fmt: skip
     return t
+
+
+def _bound_by(step: StepTime | None) -> str:
+    """The largest share of an estimated step (``"memory 61%"``), or "-"."""
+    if step is None or not step.step_time_s:
+        return "-"
+    parts = {
+        "compute": step.compute_s, "memory": step.memory_s, "vector": step.elementwise_s,
+        "launch": step.launch_s, "host": step.transfer_s, "network": step.collective_s,
+        "alloc": step.allocation_s,
+    }  # fmt: skip
+    name, value = max(parts.items(), key=lambda kv: kv[1])
+    return f"{name} {value / step.step_time_s:.0%}"
+
+
+def _time_line(results) -> str | None:
+    """Where the estimated step times come from (one line), or None without estimates."""
+    step = next((r.step_time for r in results if getattr(r, "step_time", None)), None)
+    if step is None:
+        return None
+    figures = step.figures.split(":", 1)[0]
+    how = "calibrated here" if step.measured_figures else "datasheet"
+    return (
+        f"est. step: roofline over the compiled kernels ({figures}, {how} figures; see "
+        "MemoryReport.step_time for the breakdown and the dominant kernels): an estimate, "
+        "not a measurement"
+    )
 
 
 def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
@@ -259,6 +289,9 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     ]
     if target.platform == "cpu":
         lines.append("CPU backend: these are XLA:CPU numbers, not GPU numbers; offload is not real")
+    time_line = _time_line(results)
+    if time_line:
+        lines.append(time_line)
     if first.logits:
         lg = first.logits
         lines.append(

@@ -142,6 +142,11 @@ class Kernel:
     bytes_written: int
     op_name: str
     recompute: bool
+    #: Bytes read per operand: ``((HLO value, bytes), ...)`` (the reuse model's input).
+    reads: tuple[tuple[str, int], ...] = ()
+    #: For an asynchronous start (``copy-start``, ``all-gather-start``, ``async-start``): its
+    #: own name; for a ``*-done``: the start it closes; "" for a synchronous kernel.
+    async_start: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +168,9 @@ class StepTime:
     """The estimated time of one step and where it goes. Seconds.
 
     ``step_time_s = compute_s + memory_s + elementwise_s + launch_s + transfer_s +
-    collective_s + allocation_s``: each kernel's roofline time is assigned to the term that bound it (its
-    launch cost to ``launch_s``); ``transfer_s`` and ``collective_s`` are the host-transfer and
-    collective time the schedule could not hide behind other kernels.
+    collective_s + allocation_s``: each kernel's roofline time is assigned to the term that
+    bound it (its launch cost to ``launch_s``); ``transfer_s`` and ``collective_s`` are the
+    host-transfer and collective time the schedule could not hide behind other kernels.
 
     Attributes:
       kernels: executed kernels per step (loop bodies times their trip counts).
@@ -302,15 +307,15 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
 
 def _fusion_bytes(
     instr: hlo.Instruction, comps: dict[str, hlo.Computation], shapes: dict[str, str]
-) -> tuple[int, int]:
-    """``(read, written)`` bytes of a fusion: its operands (a parameter used only through
-    slices counts the slices; the buffer an in-place dynamic-update-slice writes into counts
-    nothing) and its output (an in-place dynamic-update-slice counts its update)."""
+) -> tuple[list[int], int]:
+    """``(read per operand, written)`` bytes of a fusion: its operands (a parameter used only
+    through slices counts the slices; the buffer an in-place dynamic-update-slice writes into
+    counts nothing) and its output (an in-place dynamic-update-slice counts its update)."""
     callees = _callees(instr)
     comp = comps.get(callees[0]) if callees else None
     operand_bytes = [_nbytes(shapes.get(op, "")) for op in instr.operands]
     if comp is None:
-        return sum(operand_bytes), _nbytes(instr.shape)
+        return operand_bytes, _nbytes(instr.shape)
     by_name = {i.name: i for i in comp.instructions}
     params: dict[int, str] = {}
     for i in comp.instructions:
@@ -335,21 +340,22 @@ def _fusion_bytes(
             written += _nbytes(_shape_in(comp, r2.operands[1], by_name))
         else:
             written += _nbytes(r.shape)
-    read = 0
+    read = []
     for idx, total in enumerate(operand_bytes):
         pname = params.get(idx)
         if pname is None:
-            read += total
+            read.append(total)
             continue
         if pname in in_place:
+            read.append(0)
             continue
         uses = _uses_through_bitcasts(pname, users)
         if uses and all(
             u.opcode in _SLICING and u.operands[0] in _aliases(pname, users) for u in uses
         ):
-            read += min(total, sum(_nbytes(u.shape) for u in uses))
+            read.append(min(total, sum(_nbytes(u.shape) for u in uses)))
         else:
-            read += total
+            read.append(total)
     return read, written
 
 
@@ -460,13 +466,19 @@ def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
                         best = sub_out
                 out.extend(best)
                 continue
-            if op in ("call", "async-start") and not op.startswith("fusion"):
+            if op == "call":
                 for callee in _callees(instr):
                     walk(callee, count, rec, depth + 1)
                 continue
-            if op in ("async-update", "async-done", "copy-done", "send-done", "recv-done") or (
-                op.endswith("-done")
-            ):
+            if op == "async-start":  # the wrapped operation runs until its async-done
+                sub: list[Kernel] = []
+                for callee in _callees(instr):
+                    _walk_into(callee, count, rec, depth, sub)
+                out.extend(dataclasses.replace(k, async_start=instr.name) for k in sub)
+                continue
+            if op == "async-update":
+                continue
+            if op.endswith("-done"):
                 out.append(_marker(instr, count, rec))
                 continue
             out.append(_kernel(instr, comps, shapes, count, rec, memo))
@@ -487,8 +499,9 @@ def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
 
 def _marker(instr: hlo.Instruction, count: int, rec: bool) -> Kernel:
     """The ``*-done`` of an asynchronous operation: no work of its own (the schedule closes
-    the transfer there)."""
-    return Kernel(instr.name, "done", count, 0.0, "", 0.0, 0.0, 0, 0, instr.op_name, rec)
+    the transfer there); ``async_start`` names the start it closes (its operand)."""
+    start = instr.operands[0] if instr.operands else ""
+    return Kernel(instr.name, "done", count, 0.0, "", 0.0, 0.0, 0, 0, instr.op_name, rec, (), start)
 
 
 def _kernel(
@@ -501,14 +514,16 @@ def _kernel(
 ) -> Kernel:
     op = instr.opcode
     base = op.removesuffix("-start")
-    read = sum(_nbytes(shapes.get(o, "")) for o in instr.operands)
+    reads = [_nbytes(shapes.get(o, "")) for o in instr.operands]
+    read = sum(reads)
     written = _nbytes(instr.shape)
     flops = hlo.instruction_flops(instr, shapes)
     dtype = _dtype_of(shapes.get(instr.operands[0], "")) if flops and instr.operands else ""
     elementwise = transcendental = 0.0
     kind = "other"
     if op == "fusion":
-        read, written = _fusion_bytes(instr, comps, shapes)
+        reads, written = _fusion_bytes(instr, comps, shapes)
+        read = sum(reads)
         inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
         flops, dtype = inner.flops, inner.dtype
         elementwise, transcendental = inner.elementwise, inner.transcendental
@@ -551,6 +566,9 @@ def _kernel(
         elementwise = _elements(shapes.get(instr.operands[0], ""))
     if op == "custom-call" and _HOST.search(instr.shape):
         kind = "host_transfer"
+    if read != sum(reads):  # a whole-kernel rule changed the bytes: spread over the operands
+        total = sum(reads) or 1
+        reads = [int(read * r / total) for r in reads]
     return Kernel(
         name=instr.name,
         kind=kind,
@@ -563,6 +581,8 @@ def _kernel(
         bytes_written=written,
         op_name=instr.op_name,
         recompute=rec,
+        reads=tuple(zip(instr.operands, reads, strict=True)),
+        async_start=instr.name if op.endswith("-start") else "",
     )
 
 
@@ -598,65 +618,64 @@ def time_kernels(
     recompute = 0.0
     per_kernel: list[KernelTime] = []
     n_kernels = 0
-    # Asynchronous transfers in flight: name -> [seconds left, link]
+    # Asynchronous work in flight: start name -> [seconds left per execution, term, count].
     in_flight: dict[str, list] = {}
-    recent = _ReuseWindow(figures.cache_bytes)
+    reuse = _ReuseModel(figures.cache_bytes)
     for k in kernels:
         if k.kind == "done":
-            start = k.name.replace("-done", "-start")
-            left = in_flight.pop(start, None)
-            if left is None:  # its start is in another computation: match by order
-                left = in_flight.pop(next(iter(in_flight)), None) if in_flight else None
+            left = in_flight.pop(k.async_start, None)
             if left:
-                terms[left[1]] += left[0] * k.count
+                terms[left[1]] += left[0] * left[2]
             continue
         n_kernels += k.count
         if k.kind in ("host_transfer", "collective"):
-            link = "host_link" if k.kind == "host_transfer" else "interconnect"
+            term = "host_link" if k.kind == "host_transfer" else "interconnect"
             bw = (
                 figures.host_link_bytes_per_s
-                if link == "host_link"
+                if term == "host_link"
                 else figures.interconnect_bytes_per_s
             )
-            seconds = (k.bytes_read + k.bytes_written) / 2 / bw if bw else 0.0
-            if k.kind == "collective":
-                seconds = k.bytes_read / bw if bw else 0.0
-            if (
-                k.name.endswith(("-start",))
-                or ".start" in k.name
-                or "start" in k.name.split(".")[0]
-            ):
-                in_flight[k.name] = [seconds, link]
+            # a transfer's bytes cross once (read on one side, written on the other); a
+            # collective's wire bytes are its bytes_read (see _collective_factor)
+            nbytes = k.bytes_read if k.kind == "collective" else max(k.bytes_read, k.bytes_written)
+            seconds = nbytes / bw if bw else 0.0
+            if k.async_start:
+                in_flight[k.async_start] = [seconds, term, k.count]
             else:
-                terms[link] += seconds * k.count
+                terms[term] += seconds * k.count
+                _hide(in_flight, seconds, k.count)
             per_kernel.append(
-                KernelTime(k.name, k.kind, k.count, seconds * k.count, link, k.op_name)
+                KernelTime(k.name, k.kind, k.count, seconds * k.count, term, k.op_name)
             )
             continue
         compute = k.flops / figures.matmul_peak(k.dtype or "f32") if k.flops else 0.0
-        nbytes = k.bytes_read + k.bytes_written
-        cached = recent.hit(k)
-        bw = figures.cache_bytes_per_s if cached else figures.memory_bytes_per_s
-        memory = nbytes / bw
+        cached, uncached = reuse.split(k)
+        memory = cached / figures.cache_bytes_per_s + uncached / figures.memory_bytes_per_s
         vector = (
             k.elementwise / figures.elementwise_per_s
             + k.transcendental / figures.transcendental_per_s
         )
         body = max(compute, memory, vector)
-        bound = "compute" if body == compute and compute else (
-            ("cache" if cached else "memory") if body == memory else "elementwise"
-        )  # fmt: skip
-        seconds = (body + figures.launch_s) * k.count
+        if body == compute and compute:
+            bound = "compute"
+        elif body == memory:
+            bound = "cache" if cached > uncached else "memory"
+        else:
+            bound = "elementwise"
+        per_exec = body + figures.launch_s
         terms[bound] += body * k.count
         terms["launch"] += figures.launch_s * k.count
         if k.recompute:
-            recompute += seconds
-        # Transfers in flight hide behind this kernel.
-        for entry in in_flight.values():
-            entry[0] = max(0.0, entry[0] - seconds)
-        per_kernel.append(KernelTime(k.name, k.kind, k.count, seconds, bound, k.op_name))
-    for seconds, link in in_flight.values():  # never closed: exposed
-        terms[link] += seconds
+            recompute += per_exec * k.count
+        if k.async_start:  # work wrapped in an async-start (not a transfer): runs alongside
+            in_flight[k.async_start] = [per_exec, bound, k.count]
+            terms[bound] -= body * k.count
+            terms["launch"] -= figures.launch_s * k.count
+            continue
+        _hide(in_flight, per_exec, k.count)
+        per_kernel.append(KernelTime(k.name, k.kind, k.count, per_exec * k.count, bound, k.op_name))
+    for seconds, term, count in in_flight.values():  # never closed: exposed
+        terms[term] += seconds * count
     per_kernel.sort(key=lambda t: -t.time_s)
     allocation = fresh_bytes / figures.fresh_bytes_per_s if figures.fresh_bytes_per_s else 0.0
     total = sum(terms.values()) + allocation
@@ -677,22 +696,38 @@ def time_kernels(
     )
 
 
-class _ReuseWindow:
-    """Whether a kernel's reads were touched within the last ``capacity`` bytes of traffic
-    (then they come from the cache). Kernels inside a loop are seen once per trip in the
-    schedule order the walk gives (the body's kernels in sequence), so a loop body whose
-    traffic fits the cache hits on its own re-reads."""
+def _hide(in_flight: dict[str, list], per_exec: float, count: int) -> None:
+    """Asynchronous work in flight runs while a kernel (``per_exec`` seconds, ``count``
+    executions) does: what is left of each shrinks by the kernel's time per its own execution."""
+    for entry in in_flight.values():
+        entry[0] = max(0.0, entry[0] - per_exec * count / max(entry[2], 1))
+
+
+class _ReuseModel:
+    """Which of a kernel's reads come from the cache: an operand read while the traffic since
+    it was last written or read, plus its own size, fits ``capacity`` bytes (reuse distance,
+    Mattson et al., "Evaluation techniques for storage hierarchies", IBM Systems Journal
+    9(2), 1970). Values never seen before (the step's arguments) come from memory. A loop body
+    is seen once, so its values are judged as in one iteration."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.window: list[int] = []  # bytes of recent kernels, newest last
-        self.total = 0
+        self.position = 0  # bytes of traffic so far
+        self.last: dict[str, int] = {}  # value -> position when last touched
 
-    def hit(self, k: Kernel) -> bool:
+    def split(self, k: Kernel) -> tuple[int, int]:
+        """``(cached, uncached)`` bytes of ``k``'s traffic; its output is written to memory
+        (counted uncached) and becomes recent."""
+        if not self.capacity:
+            return 0, k.bytes_read + k.bytes_written
+        cached = 0
+        for name, nbytes in k.reads:
+            seen = self.last.get(name)
+            if seen is not None and self.position - seen + nbytes <= self.capacity:
+                cached += nbytes
         traffic = k.bytes_read + k.bytes_written
-        hit = bool(self.capacity) and k.bytes_read + self.total <= self.capacity
-        self.window.append(traffic)
-        self.total += traffic
-        while self.window and self.total > self.capacity:
-            self.total -= self.window.pop(0)
-        return hit
+        self.position += traffic
+        for name, _ in k.reads:
+            self.last[name] = self.position
+        self.last[k.name] = self.position
+        return cached, traffic - cached

@@ -12,8 +12,9 @@ from typing import Any
 import jax
 
 from remat_kit import results as R
+from remat_kit import targets as T
 from remat_kit.data import Corpus, load_corpus
-from remat_kit.memory import analyze_policies
+from remat_kit.memory import analyze_policies, calibrate
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.measure import compile_steps
@@ -137,6 +138,10 @@ def run_sweep(
     if not any(p.measure for p in todo):
         corpus = None
     common = _common_fields(config, identity, corpus)
+    if any(not T.get_target(p.target).deviceless for p in todo):
+        # Time the local device for the step-time model before anything else runs (cached
+        # per machine): a calibration beside compiles in flight would time them too.
+        calibrate.device_figures(T.get_target(T.LOCAL))
     groups: dict[tuple, list[Point]] = {}
     for p in todo:
         groups.setdefault(p.group, []).append(p)

@@ -1,0 +1,229 @@
+"""The step-time model's arithmetic on HLO written here (no compiles): a fusion's bytes and
+FLOPs, a loop's trip count, in-place updates and slices, a host transfer hidden behind compute,
+a collective's wire bytes; the calibration's cache and override."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat_kit import targets
+from remat_kit.memory import calibrate, hlo, roofline
+
+MIB = 2**20
+
+#: A fusion computing tanh(x) * y + x over [1024, 1024] f32, then a [1024, 1024] x [1024, 512]
+#: matmul, in a loop of 4 iterations.
+LOOP_MODULE = """
+HloModule step, is_scheduled=true
+
+%fused_elementwise (param_0: f32[1024,1024], param_1: f32[1024,1024]) -> f32[1024,1024] {
+  %param_0 = f32[1024,1024]{1,0} parameter(0)
+  %param_1 = f32[1024,1024]{1,0} parameter(1)
+  %tanh.1 = f32[1024,1024]{1,0} tanh(%param_0)
+  %multiply.1 = f32[1024,1024]{1,0} multiply(%tanh.1, %param_1)
+  ROOT %add.1 = f32[1024,1024]{1,0} add(%multiply.1, %param_0)
+}
+
+%body (state: (s32[], f32[1024,1024], f32[1024,1024], f32[1024,512])) -> (s32[], f32[1024,1024], f32[1024,1024], f32[1024,512]) {
+  %state = (s32[], f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[1024,1024]{1,0} get-tuple-element(%state), index=1
+  %y = f32[1024,1024]{1,0} get-tuple-element(%state), index=2
+  %w = f32[1024,512]{1,0} get-tuple-element(%state), index=3
+  %fusion.1 = f32[1024,1024]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused_elementwise
+  %dot.1 = f32[1024,512]{1,0} dot(%fusion.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %tuple.1 = (s32[], f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,512]{1,0}) tuple(%i, %fusion.1, %y, %dot.1)
+}
+
+%cond (state.1: (s32[], f32[1024,1024], f32[1024,1024], f32[1024,512])) -> pred[] {
+  %state.1 = (s32[], f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,512]{1,0}) parameter(0)
+  ROOT %constant.9 = pred[] constant(true)
+}
+
+ENTRY %main (p0: (s32[], f32[1024,1024], f32[1024,1024], f32[1024,512])) -> (s32[], f32[1024,1024], f32[1024,1024], f32[1024,512]) {
+  %p0 = (s32[], f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,512]{1,0}) parameter(0)
+  ROOT %while.1 = (s32[], f32[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[1024,512]{1,0}) while(%p0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+#: A scan stacking a [4, 256] slice per step into a [16, 4, 256] buffer in place, and reading
+#: one [1, 4, 256] slice of another [16, 4, 256] buffer.
+SLICE_MODULE = """
+HloModule slices, is_scheduled=true
+
+%fused_dus (param_0.1: f32[16,4,256], param_1.1: f32[1,4,256], param_2.1: s32[]) -> f32[16,4,256] {
+  %param_0.1 = f32[16,4,256]{2,1,0} parameter(0)
+  %param_1.1 = f32[1,4,256]{2,1,0} parameter(1)
+  %param_2.1 = s32[] parameter(2)
+  %constant.1 = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[16,4,256]{2,1,0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2.1, %constant.1, %constant.1)
+}
+
+%fused_ds (param_0.2: f32[16,4,256], param_1.2: s32[]) -> f32[1,4,256] {
+  %param_0.2 = f32[16,4,256]{2,1,0} parameter(0)
+  %param_1.2 = s32[] parameter(1)
+  %constant.2 = s32[] constant(0)
+  %dynamic-slice.1 = f32[1,4,256]{2,1,0} dynamic-slice(%param_0.2, %param_1.2, %constant.2, %constant.2), dynamic_slice_sizes={1,4,256}
+  ROOT %negate.1 = f32[1,4,256]{2,1,0} negate(%dynamic-slice.1)
+}
+
+ENTRY %main (stack: f32[16,4,256], src: f32[16,4,256], i: s32[]) -> f32[16,4,256] {
+  %stack = f32[16,4,256]{2,1,0} parameter(0)
+  %src = f32[16,4,256]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %fusion.ds = f32[1,4,256]{2,1,0} fusion(%src, %i), kind=kLoop, calls=%fused_ds
+  ROOT %fusion.dus = f32[16,4,256]{2,1,0} fusion(%stack, %fusion.ds, %i), kind=kLoop, calls=%fused_dus
+}
+"""
+
+#: 64 MiB offloaded to host (S(5)) while a [2048, 2048] x [2048, 2048] bf16 matmul runs, and
+#: an all-reduce of 32 MiB over 4 devices.
+TRANSFER_MODULE = """
+HloModule transfers, is_scheduled=true
+
+ENTRY %main (x: bf16[32,1024,1024], a: bf16[2048,2048], g: f32[8,1024,1024]) -> (bf16[32,1024,1024], bf16[2048,2048], f32[8,1024,1024]) {
+  %x = bf16[32,1024,1024]{2,1,0} parameter(0)
+  %a = bf16[2048,2048]{1,0} parameter(1)
+  %g = f32[8,1024,1024]{2,1,0} parameter(2)
+  %copy-start.1 = (bf16[32,1024,1024]{2,1,0:S(5)}, bf16[32,1024,1024]{2,1,0}, u32[]) copy-start(%x)
+  %dot.2 = bf16[2048,2048]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %copy-done.1 = bf16[32,1024,1024]{2,1,0:S(5)} copy-done(%copy-start.1)
+  %all-reduce.1 = f32[8,1024,1024]{2,1,0} all-reduce(%g), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %tuple.2 = (bf16[32,1024,1024]{2,1,0:S(5)}, bf16[2048,2048]{1,0}, f32[8,1024,1024]{2,1,0}) tuple(%copy-done.1, %dot.2, %all-reduce.1)
+}
+"""
+
+FIGURES = roofline.DeviceFigures(
+    name="test device",
+    peak_flops={"f32": 1e12, "bf16": 4e12},
+    memory_bytes_per_s=1e11,
+    cache_bytes=0,
+    cache_bytes_per_s=1e12,
+    elementwise_per_s=1e12,
+    transcendental_per_s=5e9,
+    launch_s=1e-5,
+    host_link_bytes_per_s=1e10,
+    interconnect_bytes_per_s=1e11,
+    source="written in the test",
+)
+
+
+def _kernels(text: str) -> dict[str, roofline.Kernel]:
+    return {k.name: k for k in roofline.executed_kernels(hlo.parse_hlo_module(text))}
+
+
+def test_fusion_bytes_flops_and_loop_trip_count():
+    kernels = _kernels(LOOP_MODULE)
+    assert set(kernels) == {"fusion.1", "dot.1"}
+    fusion, dot = kernels["fusion.1"], kernels["dot.1"]
+    assert fusion.count == dot.count == 4  # the loop body, 4 trips
+    assert fusion.bytes_read == 2 * 4 * MIB and fusion.bytes_written == 4 * MIB
+    assert fusion.transcendental == 1024 * 1024  # tanh
+    assert fusion.elementwise == 2 * 1024 * 1024  # multiply, add
+    assert fusion.flops == 0 and fusion.kind == "fusion"
+    assert dot.flops == 2 * 1024 * 512 * 1024 and dot.dtype == "f32" and dot.kind == "matmul"
+    assert dot.bytes_read == 4 * MIB + 2 * MIB and dot.bytes_written == 2 * MIB
+
+    step = roofline.estimate(hlo.parse_hlo_module(LOOP_MODULE), FIGURES)
+    # fusion: max(12 MiB / 1e11, 2M elementwise / 1e12 + 1M tanh / 5e9) -> tanh-bound
+    fusion_s = max(12 * MIB / 1e11, 2 * 2**20 / 1e12 + 2**20 / 5e9)
+    assert fusion_s > 12 * MIB / 1e11
+    # dot: max(1.07 GFLOP / 1e12 f32 peak, 8 MiB / 1e11) -> compute-bound
+    dot_s = max(2 * 1024 * 512 * 1024 / 1e12, 8 * MIB / 1e11)
+    assert step.step_time_s == pytest.approx(4 * (fusion_s + dot_s + 2 * 1e-5))
+    assert step.elementwise_s == pytest.approx(4 * fusion_s)
+    assert step.compute_s == pytest.approx(4 * dot_s)
+    assert step.launch_s == pytest.approx(8e-5) and step.kernels == 8
+    assert step.top[0].name == "dot.1" and step.top[0].bound == "compute"
+
+
+def test_in_place_update_and_slice_count_what_they_touch():
+    kernels = _kernels(SLICE_MODULE)
+    ds, dus = kernels["fusion.ds"], kernels["fusion.dus"]
+    one = 4 * 256 * 4  # bytes of one [1, 4, 256] f32 slice
+    # the slice fusion reads its slice (and the 4-byte index), not the [16, 4, 256] buffer
+    assert ds.bytes_read == one + 4 and ds.bytes_written == one
+    # the in-place update writes its slice into the stacked buffer, which it does not read
+    assert dus.bytes_written == one and dus.bytes_read == one + 4
+
+
+def test_host_transfer_hides_behind_compute_and_collective_wire_bytes():
+    kernels = _kernels(TRANSFER_MODULE)
+    start = kernels["copy-start.1"]
+    assert start.kind == "host_transfer" and start.async_start == "copy-start.1"
+    assert start.bytes_written == 64 * MIB  # the array moved once, not the whole tuple
+    reduce = kernels["all-reduce.1"]
+    assert reduce.kind == "collective"
+    assert reduce.bytes_read == int(32 * MIB * 2 * 3 / 4)  # ring all-reduce over 4 devices
+
+    step = roofline.estimate(hlo.parse_hlo_module(TRANSFER_MODULE), FIGURES)
+    link_s = 64 * MIB / 1e10
+    dot_s = 2 * 2048**3 / 4e12 + 1e-5  # bf16 peak, plus launch
+    assert step.transfer_s == pytest.approx(link_s - dot_s)  # the rest hid behind the dot
+    assert step.collective_s == pytest.approx(2 * 3 / 4 * 32 * MIB / 1e11)
+    assert step.step_time_s == pytest.approx(dot_s + (link_s - dot_s) + step.collective_s)
+
+
+def test_allocation_term_only_where_the_backend_allocates_per_step():
+    comps = hlo.parse_hlo_module(LOOP_MODULE)
+    plain = roofline.estimate(comps, FIGURES, fresh_bytes=10**9)
+    assert plain.allocation_s == 0.0
+    cpu_like = roofline.DeviceFigures(**{**FIGURES.__dict__, "fresh_bytes_per_s": 1e9})
+    fresh = roofline.estimate(comps, cpu_like, fresh_bytes=10**9)
+    assert fresh.allocation_s == pytest.approx(1.0)
+    assert fresh.step_time_s == pytest.approx(plain.step_time_s + 1.0)
+
+
+def test_reuse_model_serves_recent_values_from_the_cache():
+    """The dot reads the fusion's output right after it is written: from the cache when the
+    cache holds it, from memory when it is off."""
+    comps = hlo.parse_hlo_module(LOOP_MODULE)
+    cached = roofline.DeviceFigures(**{**FIGURES.__dict__, "cache_bytes": 64 * MIB})
+    kernels = roofline.executed_kernels(comps)
+    model = roofline._ReuseModel(cached.cache_bytes)
+    hits = [model.split(k) for k in kernels]
+    assert hits[0] == (0, 12 * MIB)  # the loop's inputs: never seen before
+    assert hits[1][0] == 4 * MIB  # the fusion's output, just written
+    assert roofline._ReuseModel(0).split(kernels[1]) == (0, 8 * MIB)
+
+
+def test_step_time_round_trips_through_a_report_dict():
+    step = roofline.estimate(hlo.parse_hlo_module(LOOP_MODULE), FIGURES)
+    assert roofline.StepTime.from_dict(json.loads(json.dumps(step.to_dict()))) == step
+    assert roofline.format_seconds(0.8123) == "812 ms"
+    assert roofline.format_seconds(6.836e-8) == "0.0684 µs"
+    assert roofline.format_seconds(1.5) == "1.5 s"
+
+
+def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatch):
+    calls = []
+    fake = {
+        "peak_flops_f32": 1e11, "peak_flops_bf16": 5e10, "memory_bytes_per_s": 2e10,
+        "fresh_bytes_per_s": 1e9, "launch_s": 1e-6, "cache_bytes_per_s": 1e11,
+        "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
+    }  # fmt: skip
+    monkeypatch.setattr(calibrate, "measure", lambda runs=5: calls.append(runs) or dict(fake))
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.CALIBRATION_ENV, raising=False)
+    first = calibrate.calibrate()
+    again = calibrate.calibrate()
+    assert len(calls) == 1 and first == again and first.measured
+    assert first.peak_flops == {"f32": 1e11, "bf16": 5e10} and first.fresh_bytes_per_s == 1e9
+    calibrate.calibrate(refresh=True)
+    assert len(calls) == 2
+    given = tmp_path / "fixed.json"
+    given.write_text(json.dumps({"figures": {**fake, "peak_flops_f32": 3e11}}))
+    monkeypatch.setenv(calibrate.CALIBRATION_ENV, str(given))
+    assert calibrate.calibrate().peak_flops["f32"] == 3e11 and len(calls) == 2
+
+
+def test_datasheet_figures_cite_their_sources():
+    h100 = calibrate.datasheet_figures(targets.get_target("h100-sxm"))
+    assert h100 is not None and not h100.measured
+    assert h100.peak_flops["bf16"] == 989.4e12 and h100.memory_bytes_per_s == 3.35e12
+    assert "datasheet" in h100.source and "CUDA C++ Programming Guide" in h100.source
+    # 132 SMs x 16 special-function results per clock x 1.98 GHz
+    assert h100.transcendental_per_s == pytest.approx(132 * 16 * 1.98e9)
+    assert calibrate.datasheet_figures(targets.get_target("cpu")) is None

@@ -6,7 +6,8 @@ table row), and saves a PNG of the top of the page. The README's image was made 
 
     remat-kit analyze --model llama3-8b --batch 1 --seq 8192 --target h100-sxm --all-policies \\
         --html report.html
-    python experiments/report_screenshot.py report.html docs/images/report-llama3-8b-h100.png --height 1700
+    python experiments/report_screenshot.py report.html \\
+        docs/images/report-llama3-8b-h100.png --height 1700
 
 (3 min 25 s wall, 51 s of CPU, on a 2-core machine shared with 6 other jobs; jax 0.10.2,
 deviceless XLA GPU compile on the CPU; the screenshot ~11 s, Chromium 150.)

@@ -8,6 +8,7 @@ through the library, one through ``remat-kit analyze --html``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -263,3 +264,15 @@ def test_figures_only_entries_render(browser, tmp_path):
     assert "compile failed: made up" in cells and "120 ms" in cells
     assert browser.find_element("id", "detail-title").text == "selected: b"  # the lower peak
     assert not browser.find_elements("id", "timeline")
+
+
+def test_report_without_spans_says_so(browser, reports, tmp_path):
+    """A report written before timelines kept buffer live ranges (an older sweep row): the
+    stacked timeline, and a line instead of the list under the pointer; no error."""
+    old = [dataclasses.replace(r, timeline=dataclasses.replace(r.timeline, spans=()))
+           for r in reports]  # fmt: skip
+    path = tmp_path / "old.html"
+    H.write_report(path, [H.group_of_reports(old, LABELS)], command="pytest")
+    _open(browser, path)
+    assert _errors(browser) == []
+    assert "keeps no buffer live ranges" in browser.find_element("id", "live").text

@@ -117,6 +117,12 @@
 
   // -- The selected policy ---------------------------------------------------------------------
   function liveAt(d, pos) {
+    if (!d.spans.length) {
+      document.getElementById("live").replaceChildren(el("p", { class: "muted" },
+        "this report keeps no buffer live ranges (written before they were kept): the stacked " +
+        "areas only"));
+      return;
+    }
     const live = d.spans.filter((s) => s[0] <= pos && pos <= s[1]);
     const listed = live.slice(0, group().listed);
     const box = document.getElementById("live");

@@ -116,7 +116,7 @@ def pareto(
     y: str = "peak_bytes",
     path: str | os.PathLike[str] | None = None,
     title: str | None = None,
-):
+) -> Figure:
     """Peak memory against step time, one point per policy, the Pareto frontier drawn.
 
     Args:

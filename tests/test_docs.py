@@ -108,6 +108,14 @@ def test_block_failure_names_file_and_line(tmp_path):
         run_blocks(page)
 
 
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)  # relative links, not URLs
+    assert links, "README.md links to the docs"
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert missing == [], f"README.md links to missing files: {missing}"
+
+
 def test_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

@@ -74,6 +74,7 @@ Example::
 
 from remat_kit.recommend.advice import DEVICE_COUNTS as DEVICE_COUNTS
 from remat_kit.recommend.advice import SEQ_HALVINGS as SEQ_HALVINGS
+from remat_kit.recommend.advice import BudgetTooSmall as BudgetTooSmall
 from remat_kit.recommend.api import recommend as recommend
 from remat_kit.recommend.budget import DEFAULT_MARGIN as DEFAULT_MARGIN
 from remat_kit.recommend.budget import parse_budget as parse_budget
@@ -110,6 +111,15 @@ __all__ = [
     "SOLVE_ROUNDS",
     "SOLVE_VERIFY",
     "STRUCTURE_PROBES",
+<<<<<<< HEAD
+=======
+    "BatchBracket",
+    "BudgetTooSmall",
+    "Candidate",
+    "CompileCache",
+    "FoundBy",
+    "Recommendation",
+>>>>>>> docs
     "SolveSummary",
     "TagCost",
     "flops_step_time",

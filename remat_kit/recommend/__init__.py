@@ -100,6 +100,7 @@ from remat_kit.recommend.types import TagCost as TagCost
 __all__ = [
     "BATCH_PROBES",
     "BatchBracket",
+    "BudgetTooSmall",
     "Candidate",
     "CompileCache",
     "DEFAULT_MARGIN",
@@ -111,15 +112,6 @@ __all__ = [
     "SOLVE_ROUNDS",
     "SOLVE_VERIFY",
     "STRUCTURE_PROBES",
-<<<<<<< HEAD
-=======
-    "BatchBracket",
-    "BudgetTooSmall",
-    "Candidate",
-    "CompileCache",
-    "FoundBy",
-    "Recommendation",
->>>>>>> docs
     "SolveSummary",
     "TagCost",
     "flops_step_time",

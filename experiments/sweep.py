@@ -26,7 +26,7 @@ arguments returning a :class:`remat_kit.Program`, instead of ``--config``
 local device (the program's own arrays, or values materialised from its ``ShapeDtypeStruct`` s;
 ``--warmup-steps`` / ``--timed-steps``); rows go to ``runs/<program name>/sweep.jsonl``::
 
-    python experiments/sweep.py --model tests/user_models/plain_jax.py:program
+    python experiments/sweep.py --model remat_kit.examples.plain_jax:program
 
 Several devices: measured points run on every device JAX sees (data parallel, or ``--mesh
 fsdp=4`` / ``dp=2,fsdp=2,tp=2``, which also sets the mesh GPU targets are analysed on; on a CPU,

@@ -116,7 +116,7 @@ def pareto(
     y: str = "peak_bytes",
     path: str | os.PathLike[str] | None = None,
     title: str | None = None,
-):
+) -> Figure:
     """Peak memory against step time, one point per policy, the Pareto frontier drawn.
 
     Args:
@@ -207,10 +207,13 @@ def _policy_styles(policies: Sequence[str]) -> dict[str, tuple[Any, str]]:
 
 
 def _residual_parts(row: Mapping[str, Any]) -> dict[str, int]:
-    """Device residual bytes by checkpoint name; untagged residuals (``"<mul>"``) together."""
+    """Device residual bytes by checkpoint name; untagged residuals (``"<mul>"``) together.
+    Residuals the policy offloads count here too where the compiled program kept them on the
+    device (:func:`remat_kit.results.offload_stayed_on_device`: the CPU backend)."""
+    on_device = {"device", "host"} if R.offload_stayed_on_device(row) else {"device"}
     parts: dict[str, int] = {}
     for res in (row.get("report") or {}).get("residuals", []):
-        if res.get("memory") == "device":
+        if res.get("memory") in on_device:
             tag = "untagged" if res["tag"].startswith("<") else res["tag"]
             parts[tag] = parts.get(tag, 0) + res["nbytes"]
     return parts
@@ -223,8 +226,10 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
     kept on device by checkpoint name (from the jaxpr, all layers; untagged ones together), then
     ``gradients / other``:
     the rest of the compiled peak (gradients, logits, optimizer temporaries, XLA's own copies;
-    shown as 0 where the jaxpr residuals exceed it). Host-offloaded residuals are a hatched bar
-    beside: they are not in the device peak.
+    shown as 0 where the jaxpr residuals exceed it). The bytes the compiled program keeps in host
+    memory (``host_bytes``) are a hatched bar beside: they are not in the device peak. Where the
+    compiled program put nothing in host memory (the CPU backend ignores offload), the residuals
+    the policy offloads are drawn on the device, where they are, and no host bar is drawn.
 
     Raises:
       ValueError: no ``ok`` row with a report.
@@ -266,7 +271,7 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
                 bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
         rest = [max(0, r["peak_bytes"] - b) for r, b in zip(members, bottoms, strict=True)]
         layer(rest, "gradients / other", "lightgray", [b / unit for b in bottoms])
-        host = [r.get("offloaded_bytes") or 0 for r in members]
+        host = [r.get("host_bytes") or 0 for r in members]  # compiled, not the jaxpr's marks
         if any(host):
             ax.bar(
                 [i + 0.38 for i in range(len(members))],
@@ -275,7 +280,7 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
                 color="none",
                 edgecolor="tab:purple",
                 hatch="///",
-                label="host (offloaded)",
+                label="host (compiled)",
             )
         ax.set_xticks(range(len(members)), names, rotation=45, ha="right", fontsize=7)
         ax.set_ylabel(f"bytes ({unit_name})")

@@ -341,6 +341,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def offload_stayed_on_device(row: Mapping[str, Any]) -> bool:
+    """Whether a row's offloaded residuals (``offloaded_bytes``, marked by the jaxpr) were kept on
+    the device by the compiled program: it put nothing in host memory (``host_bytes`` 0 or
+    unknown), as on the CPU backend, which ignores host offload."""
+    return not row.get("host_bytes")
+
+
 def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
     """Bytes of the residuals a row's policy keeps on the device for the backward pass (all
     layers, from the jaxpr: ``activation_bytes``), plus its offloaded residuals when the
@@ -349,7 +356,7 @@ def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
     act = row.get("activation_bytes")
     if act is None:
         return None
-    if not row.get("host_bytes"):
+    if offload_stayed_on_device(row):
         act += row.get("offloaded_bytes") or 0
     return act
 

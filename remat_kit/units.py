@@ -8,6 +8,10 @@ Example::
     '3.00 MiB'
     >>> gib(None)
     '-'
+    >>> format_bytes(1024), format_bytes(512)
+    ('1.00 KiB', '512 B')
+    >>> format_seconds(6.836e-08), format_seconds(0.5862), format_seconds(12.0)
+    ('68.36 ns', '586.2 ms', '12 s')
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def format_bytes(n: float | int | None, digits: int = 2) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.{digits}f} {unit}"
     return f"{n:.0f} B"
+
+
+def format_seconds(s: float | None, digits: int = 4) -> str:
+    """Seconds in the largest of s, ms, µs, ns that keeps the number >= 1, ``digits``
+    significant digits (``"-"`` for unknown or infinite)."""
+    if s is None or s != s or s in (float("inf"), float("-inf")):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.{digits}g} {unit}"
+    return f"{s / 1e-9:.{digits}g} ns"
 
 
 def gib(n: float | int | None, digits: int = 2) -> str:

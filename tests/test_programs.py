@@ -171,7 +171,7 @@ def test_load_program_bad_refs_say_which_form(ref, match):
 
 def test_unknown_factory_lists_only_the_modules_own_no_argument_functions():
     with pytest.raises(ValueError) as err:
-        remat_kit.load_program("tests/user_models/plain_jax.py:nope")
+        remat_kit.load_program("remat_kit/examples/plain_jax.py:nope")
     valid = str(err.value).split("valid: ")[1].rstrip(".").split(", ")
     assert "program" in valid and "abstract_args" in valid
     # imported (checkpoint_name), needing arguments (init, layer, make_loss): not factories

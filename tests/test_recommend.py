@@ -15,11 +15,13 @@ import math
 import pytest
 
 from remat_kit import targets
+from remat_kit.cli import recommend as cli_recommend
 from remat_kit.cli.recommend import add as add_parser
 from remat_kit.cli.recommend import run
 from remat_kit.policies import custom_spec, parse_policy_arg
 from remat_kit.recommend import (
     BatchBracket,
+    BudgetTooSmall,
     CompileCache,
     Recommendation,
     flops_step_time,
@@ -28,6 +30,7 @@ from remat_kit.recommend import (
     recommend,
 )
 from remat_kit.recommend.timing import figures_for
+from remat_kit.units import format_bytes
 from tests.conftest import needs_cuda_plugin
 
 MODEL, SEQ, BATCH, TARGET = "tiny-llama", 64, 2, "h100-sxm"
@@ -148,6 +151,27 @@ def test_cli_parser_and_bad_input():
         run(args)
 
 
+def test_cli_exit_codes_as_documented(monkeypatch, capsys):
+    """docs/recommend.md: 0 a pick, 1 nothing fits (a budget below the parameters and optimizer
+    state included), 2 bad input (raised as ValueError; cli.main turns it into exit 2)."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["recommend", "--model", MODEL, "--seq", "64", "--budget", "1KiB", "--json"]
+    )
+
+    def too_small(*a, **k):
+        raise BudgetTooSmall(f"budget {format_bytes(args.budget)} is smaller than ...")
+
+    monkeypatch.setattr(cli_recommend, "recommend", too_small)
+    assert run(args) == 1
+    assert "nothing fits: budget 1.00 KiB is smaller" in capsys.readouterr().err
+    for pick, code in ((None, 1), (object(), 0)):
+        rec = argparse.Namespace(pick=pick, to_json=lambda indent: "{}")
+        monkeypatch.setattr(cli_recommend, "recommend", lambda *a, rec=rec, **k: rec)
+        assert run(args) == code
+
+
 # -- Compiled -------------------------------------------------------------------------------
 
 
@@ -231,8 +255,9 @@ def test_budget_below_parameters_and_optimizer_state(first, cache):
         for c in first.candidates
         if c.policy in ("save-nothing", "offload-layer-inputs")  # the least-memory policies
     )
-    assert f"smallest budget that could work is {least / 2**30:.2f} GiB" in msg
-    assert f"{(params + opt_state) / 2**30:.2f} GiB" in msg
+    assert f"smallest budget that could work is {format_bytes(least)}" in msg
+    assert f"({format_bytes(params + opt_state)}: params" in msg
+    assert isinstance(err.value, BudgetTooSmall)  # the CLI exits 1 for it: nothing fits
 
 
 @needs_cuda_plugin

@@ -10,8 +10,14 @@ from collections.abc import Sequence
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.program import Program
-from remat_kit.recommend import DEFAULT_MARGIN, Candidate, Recommendation, recommend
-from remat_kit.units import GIB, MIB, format_bytes
+from remat_kit.recommend import (
+    DEFAULT_MARGIN,
+    BudgetTooSmall,
+    Candidate,
+    Recommendation,
+    recommend,
+)
+from remat_kit.units import GIB, MIB, format_bytes, format_seconds
 
 
 def _gib(n: float | None) -> str:
@@ -59,11 +65,20 @@ def add(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handle ``remat-kit recommend``: 0 a pick, 1 nothing fits (what would is printed).
+    """Handle ``remat-kit recommend``: 0 a pick, 1 nothing fits (what would is printed; a budget
+    below the parameters and optimizer state alone included), 2 bad input.
 
     Raises:
       ValueError: bad input (one line; the CLI exits 2).
     """
+    try:
+        return _run(args)
+    except BudgetTooSmall as err:
+        print(f"remat-kit recommend: nothing fits: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     model = A.resolve_model(args)
     A.check_output_path(args.html, "--html")
     common = dict(
@@ -99,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float]]:
-    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and us (ns for a
+    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and µs (ns for a
     tiny program) below; the time unit keeps the fastest candidate at 1 or more."""
     big = max((c.peak_bytes for c in candidates), default=0) >= GIB
     finite = [c.step_time_s for c in candidates if 0 < c.step_time_s < math.inf]
     fastest = min(finite, default=1.0)  # the unit keeps the fastest step at >= 1
-    times = ("ms", 1e3) if fastest >= 1e-3 else ("us", 1e6) if fastest >= 1e-6 else ("ns", 1e9)
+    times = ("ms", 1e3) if fastest >= 1e-3 else ("µs", 1e6) if fastest >= 1e-6 else ("ns", 1e9)
     return (("GiB", GIB) if big else ("MiB", MIB)), times
 
 
@@ -141,10 +156,14 @@ def _lines(rec: Recommendation) -> list[str]:
         lines.append(f"checkpoint tags the program emits: {', '.join(rec.tags) or 'none'}")
     if rec.solve is not None:
         s = rec.solve
-        err = "unmeasured" if s.peak_slack_bytes is None else _gib(s.peak_slack_bytes)
+        allowing = (
+            "the additive model's error not measured yet"
+            if s.peak_slack_bytes is None
+            else f"allowing {_gib(s.peak_slack_bytes)} for the additive model's error seen so far"
+        )
         lines.append(
-            f"solve: {s.combinations} per-tag choices enumerated, {s.predicted_fit} predicted to "
-            f"fit within the model's observed peak error ({err}), {len(s.verified)} compiled"
+            f"solve: {s.combinations:,} per-tag choices enumerated; {s.predicted_fit:,} of them "
+            f"predicted to fit ({allowing}); {len(s.verified)} compiled to check"
         )
     lines.append(f"compiles: {rec.compiles} (+{rec.reused} reused), {rec.wall_s:.1f} s")
     lines += [f"note: {n}" for n in rec.notes]
@@ -160,7 +179,7 @@ def _lines(rec: Recommendation) -> list[str]:
         opts = "" if not p.options else f" [{p.options_label}]"
         lines.append(
             f"pick: {p.label}{opts}{shape}: peak {_gib(p.peak_bytes)} of "
-            f"{_gib(rec.budget_bytes)}, est. {p.step_time_s * 1e3:.4g} ms/step{tokens}"
+            f"{_gib(rec.budget_bytes)}, estimated step {format_seconds(p.step_time_s)}{tokens}"
         )
         if rec.made_fit:
             lines.append(f"options: {rec.made_fit}")

@@ -358,11 +358,14 @@ def analyze_model(
 
     Args:
       config: a :class:`ModelConfig` or a preset name (``"llama3-8b"``).
-      batch_size: sequences per step (b). seq_len: tokens per sequence (s).
+      batch_size: sequences per step (b).
+      seq_len: tokens per sequence (s).
       policy: a policy name, :class:`PolicySpec` or custom mapping; default the config's.
       target: where to compile (see :func:`analyze`).
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
-      budget_bytes, top_k, fast_compile: as :func:`analyze`.
+      budget_bytes: as :func:`analyze`.
+      top_k: as :func:`analyze`.
+      fast_compile: as :func:`analyze`.
       mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.sharding.MeshSpec`:
         compile for that many devices of the target and report per device: arguments and
         peak; the residual table (batch split over dp*fsdp, heads / kv_heads / d_ff dimensions
@@ -391,7 +394,9 @@ def analyze_model(
     return report  # type: ignore[return-value]
 
 
-def analyze_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: Any):
+def analyze_policies(
+    config: ModelConfig | str | Program, *args: Any, **kwargs: Any
+) -> list[MemoryReport | CompileError]:
     """Compare policies on one program: a bundled model or the user's own.
 
     - ``analyze_policies(config, batch_size, seq_len, policies, target=..., ...)``: a

@@ -134,8 +134,9 @@ def diff_reports(a: MemoryReport, b: MemoryReport, top: int = 5) -> PolicyDiff:
     """Compare two reports of the same step (same model, shape and target; any policies).
 
     Args:
-      a, b: reports from :func:`~remat_kit.memory.analyze_model` /
+      a: a report from :func:`~remat_kit.memory.analyze_model` /
         :func:`~remat_kit.memory.analyze_policies`.
+      b: another report of the same step.
       top: how many of the largest buffers at each peak to list.
 
     Raises:

@@ -9,6 +9,7 @@ from typing import Any
 
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.timeline import Timeline
+from remat_kit.units import format_bytes
 from remat_kit.walker import TagResiduals
 
 GIB = 2**30
@@ -228,12 +229,13 @@ class MemoryReport:
         return cls.from_dict(json.loads(text))
 
     def summary(self) -> str:
-        """One line: target, policy, peak and host GiB, recompute ratio, fits."""
+        """One line: target, policy, peak and host bytes (in the unit that fits them), recompute
+        ratio, fits."""
         parts = [
             f"{self.name} on {self.target}",
             f"policy={self.policy}" if self.policy else "",
-            f"peak {self.peak_bytes / GIB:.2f} GiB",
-            f"host {self.host_bytes / GIB:.2f} GiB" if self.host_bytes else "",
+            f"peak {format_bytes(self.peak_bytes)}",
+            f"host {format_bytes(self.host_bytes)}" if self.host_bytes else "",
             f"recompute x{self.recompute_ratio:.2f}" if self.recompute_ratio else "",
             "" if self.fits is None else ("fits" if self.fits else "does not fit"),
         ]

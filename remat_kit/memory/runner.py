@@ -172,13 +172,17 @@ def step_time_of(
     target: T.Target, hlo_text: str | None, parts: dict[str, int | None]
 ) -> roofline.StepTime | None:
     """The roofline estimate of a compiled step on ``target`` (None without a dump or device
-    figures). ``parts``: :func:`memory_parts` (temp + output - alias bytes are allocated anew
-    at each execution where the backend does so)."""
+    figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
+    aliased to inputs are allocated anew at each execution, and where the device figures say
+    that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count."""
     figures = calibrate.device_figures(target)
     if figures is None or not hlo_text:
         return None
-    fresh = sum(parts[k] or 0 for k in ("temp_bytes", "output_bytes")) - (parts["alias_bytes"] or 0)
-    return roofline.estimate(hlo.parse_hlo_module(hlo_text), figures, fresh_bytes=max(fresh, 0))
+    outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
+    fresh = sum(
+        n for n in (parts["temp_bytes"] or 0, outputs) if n >= roofline.FRESH_ALLOCATION_MIN_BYTES
+    )
+    return roofline.estimate(hlo.parse_hlo_module(hlo_text), figures, fresh_bytes=fresh)
 
 
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:

@@ -111,7 +111,7 @@ class Timeline:
         highest of its bucket, so the peak is always kept).
       categories: category names, in stacking order (see the module docstring).
       device_bytes: per category, the device bytes live at each kept position
-        ([categories][points]).
+        (``[categories][points]``).
       host_bytes: host-memory bytes live at each kept position (offloaded values), or None
         when nothing lives in host memory.
       phases: ``(name, start, end)`` schedule spans of ``forward``, ``backward`` and

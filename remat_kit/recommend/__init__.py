@@ -74,6 +74,7 @@ Example::
 
 from remat_kit.recommend.advice import DEVICE_COUNTS as DEVICE_COUNTS
 from remat_kit.recommend.advice import SEQ_HALVINGS as SEQ_HALVINGS
+from remat_kit.recommend.advice import BudgetTooSmall as BudgetTooSmall
 from remat_kit.recommend.api import recommend as recommend
 from remat_kit.recommend.budget import DEFAULT_MARGIN as DEFAULT_MARGIN
 from remat_kit.recommend.budget import parse_budget as parse_budget
@@ -99,6 +100,7 @@ from remat_kit.recommend.types import TagCost as TagCost
 __all__ = [
     "BATCH_PROBES",
     "BatchBracket",
+    "BudgetTooSmall",
     "Candidate",
     "CompileCache",
     "DEFAULT_MARGIN",

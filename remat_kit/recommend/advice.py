@@ -105,6 +105,12 @@ def shorter_sequence(
     )
 
 
+class BudgetTooSmall(ValueError):
+    """The budget is below the parameters and optimizer state alone: nothing can fit it. The
+    message gives the smallest budget that could work (compiled). ``remat-kit recommend`` exits
+    1 for it, as when nothing fits."""
+
+
 def too_small(session: Session, budget: int, batch: int, params: int, opt_state: int) -> str:
     """The one-line message for a budget below the parameters and optimizer state, with the
     smallest compiled peak of the least-memory policies."""

@@ -24,7 +24,7 @@ from remat_kit.memory.api import argument_parts
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.program import Program
-from remat_kit.recommend.advice import advice, too_small
+from remat_kit.recommend.advice import BudgetTooSmall, advice, too_small
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
 from remat_kit.recommend.programs import recommend_program
 from remat_kit.recommend.search import distinct, group_search, largest_batch
@@ -147,7 +147,8 @@ def recommend(
       ValueError: unknown model, target, policy or optimizer; ``seq_len`` or ``batch_size`` not
         positive, or ``seq_len`` above the model's ``max_seq_len``; a group size that does not
         divide ``num_layers``; ``solve`` with ``"auto"``; a target without peak FLOP/s, or
-        without memory and no ``budget``; a budget smaller than the parameters and optimizer
+        without memory and no ``budget``.
+      BudgetTooSmall: (a ``ValueError``) a budget smaller than the parameters and optimizer
         state (the message gives the smallest budget that could work, compiled).
     """
     if isinstance(model, Program):
@@ -322,7 +323,9 @@ def open_session(
         notes=list(request.notes),
     )  # fmt: skip
     if request.budget_bytes < params + opt_state:
-        raise ValueError(too_small(session, request.budget_bytes, request.batch, params, opt_state))
+        raise BudgetTooSmall(
+            too_small(session, request.budget_bytes, request.batch, params, opt_state)
+        )
     return session
 
 

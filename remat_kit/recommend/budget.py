@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from remat_kit import targets as T
-from remat_kit.units import GIB, parse_bytes
+from remat_kit.units import format_bytes, parse_bytes
 
 #: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
 #: cuBLAS/cuDNN workspaces and allocator fragmentation (about 1-3 GiB on an 80 GB GPU). It
@@ -16,8 +16,9 @@ DEFAULT_MARGIN = 0.05
 
 
 def format_gib(n: float | None) -> str:
-    """Bytes as ``"1.23 GiB"`` (``"-"`` for unknown), the unit recommend's messages use."""
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    """Bytes in the unit that fits them (``"75.15 GiB"``, ``"1.00 KiB"``; ``"-"`` for unknown):
+    :func:`remat_kit.units.format_bytes`. The name is kept for imports."""
+    return format_bytes(n)
 
 
 def parse_budget(budget: int | float | str) -> int:

@@ -26,7 +26,7 @@ from remat_kit.training.step import (
     make_optimizer,
     make_train_step,
 )
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, format_seconds
 
 #: Custom-policy candidates compiled per verification round of :func:`verify_choices`.
 SOLVE_VERIFY = 3
@@ -262,8 +262,9 @@ def verify_choices(
     _note_left(model, left, room(), notes)
     if not verified and not left and not failed and best_s is not None:
         notes.append(
-            f"solve: no per-tag choice could beat the fastest fitting candidate ({best_s * 1e6:.3g}"
-            " us) at the model's observed error; none compiled"
+            "solve: no per-tag choice is predicted to beat the fastest fitting candidate "
+            f"({format_seconds(best_s)} per step), even allowing for the prediction error seen "
+            "so far; none compiled"
         )
     peak_err, _ = model_error(points)
     return SolveSummary(
@@ -285,12 +286,12 @@ def _note_left(model: ChoiceModel, left: Sequence[tuple], room: int, notes: list
         return "; ".join(f"{a} {t}" for t, a in acts.items()) or "recompute all"
 
     shown = "; ".join(
-        f"[{label(r[4])}] predicted {format_bytes(r[2])}, {r[0] * 1e6:.3g} us" for r in left[:3]
+        f"[{label(r[4])}] predicted {format_bytes(r[2])}, {format_seconds(r[0])}" for r in left[:3]
     )
     more = f" and {len(left) - 3} more" if len(left) > 3 else ""
     notes.append(
-        f"solve: {len(left)} per-tag choice(s) that could still beat the pick at the model's "
-        f"observed error not compiled ({why}): {shown}{more}"
+        f"solve: {len(left)} per-tag choice(s) that could still beat the pick (allowing for the "
+        f"prediction error seen so far) were not compiled ({why}): {shown}{more}"
     )
 
 

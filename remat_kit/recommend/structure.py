@@ -40,6 +40,7 @@ from remat_kit.policies import PolicySpec
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.types import Candidate, Structure
 from remat_kit.units import format_bytes as _g
+from remat_kit.units import format_seconds
 
 #: Candidates compiled per structural option.
 STRUCTURE_PROBES = 3
@@ -316,7 +317,7 @@ def _least_layers(pick: Candidate, candidates: Sequence[Candidate]) -> str:
         return ""
     return (
         f"; remat_layers={least.remat_layers} is the least that fits ({_g(least.peak_bytes)}, "
-        f"est. {least.step_time_s * 1e3:.4g} ms from its compiled FLOPs, XLA's own "
+        f"est. {format_seconds(least.step_time_s)} from its compiled FLOPs, XLA's own "
         "rematerialisation included)"
     )
 
@@ -359,7 +360,8 @@ def made_fit(pick: Candidate | None, candidates: Sequence[Candidate], layers: in
         if full is not None:
             gain = 1 - pick.step_time_s / full.step_time_s
             line += (
-                f", est. step {pick.step_time_s * 1e3:.4g} ms vs {full.step_time_s * 1e3:.4g} ms "
+                f", est. step {format_seconds(pick.step_time_s)} vs "
+                f"{format_seconds(full.step_time_s)} "
                 f"with {pick.policy} on every layer ({gain:.1%} less), peak "
                 f"{_g(pick.peak_bytes)} vs {_g(full.peak_bytes)} (compiled)"
             )

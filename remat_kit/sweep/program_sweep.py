@@ -241,7 +241,8 @@ def run_program_sweep(
       resume: skip policies whose row is in ``out`` (rows of other policies are kept: a resumed
         run may add policies); overwrite: empty ``out`` first.
       ref: how the program was named (``FILE.py:FACTORY``), stored in each row's ``program``.
-      progress, console: a rich progress bar (on ``console``, default stderr).
+      progress: show a rich progress bar.
+      console: where the progress bar goes (default stderr).
       before_policy: called with each policy's label before its analysis; an exception it
         raises becomes that policy's ``error`` row (used to test fault handling).
 

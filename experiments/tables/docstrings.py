@@ -1,11 +1,11 @@
 """Claims checked in the experiments' docstrings ("Expected: ..."): for each, the exact words
 (ASCII, as the docstrings write them) that the docstring must contain, rendered from the
-committed results. Registered in ``CLAIMS`` of experiments/readme_figures.py."""
+committed results. Registered in ``CLAIMS`` of experiments/tables/registry.py."""
 
 from __future__ import annotations
 
-from readme_format import GIB, Results, order_of, pct, span
-from readme_sections import (
+from fmt import GIB, Results, order_of, pct, span
+from sections import (
     PER_LAYER,
     PER_LAYER_TARGET,
     RECOMMEND_RUNS,

@@ -1,11 +1,11 @@
-"""Renderers of README.md's generated sections for the timeline, layer structure, crash safety
-and your-own-model results (registered in ``readme_figures.SECTIONS``)."""
+"""Renderers of the docs' generated tables for the timeline, layer structure, crash safety
+and your-own-model results (registered in ``registry.TABLES``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from readme_format import GIB, MIB, Results, table
+from fmt import GIB, MIB, Results, table
 
 from remat_kit.option_plots import option_markdown
 

@@ -1,21 +1,19 @@
-"""Shared pieces of experiments/readme_figures.py: the results reader, the registry's record types
-and number formatting as README prints it."""
+"""The results reader and the number formats of the generated tables."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 GIB = 2**30
 MIB = 2**20
-MINUS = "\u2212"  # README prints negative changes with a typographic minus
+MINUS = "\u2212"  # the docs print negative changes with a typographic minus
 
 
 class Results:
@@ -35,25 +33,6 @@ class Results:
 
     def jsonl(self, rel: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.text(rel).splitlines() if line.strip()]
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """A marked block of README.md rewritten by ``render`` from ``sources`` (under results/)."""
-
-    name: str
-    sources: tuple[str, ...]
-    render: Callable[[Results], str]
-
-
-@dataclasses.dataclass(frozen=True)
-class Claims:
-    """Texts ``render`` gives from ``sources`` (under results/) that the file ``path`` (under the
-    repo root) must contain, whitespace-insensitive."""
-
-    path: str
-    sources: tuple[str, ...]
-    render: Callable[[Results], list[str]]
 
 
 # ---------------------------------------------------------------- formatting
@@ -89,7 +68,7 @@ def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
 
 
 def wrap(paragraph: str, bullet: bool = False) -> str:
-    """``paragraph`` wrapped at 100 columns as README's prose is (bullets indented by 2)."""
+    """``paragraph`` wrapped at 100 columns as the docs' prose is (bullets indented by 2)."""
     return textwrap.fill(
         paragraph,
         100,

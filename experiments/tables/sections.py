@@ -1,7 +1,7 @@
-"""Renderers of README.md's generated sections and of the claims checked in prose, one per
-results file family, and their registry (:data:`SECTIONS`, :data:`CLAIMS`).
+"""Renderers of the docs' generated tables and of the claims checked in prose, one per
+results file family, and registered in registry.py.
 
-Each renderer takes a :class:`~readme_format.Results` and returns markdown (a section) or the
+Each renderer takes a :class:`~fmt.Results` and returns markdown (a section) or the
 list of exact texts a file must contain (claims)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from readme_format import (
+from fmt import (
     GIB,
     MIB,
     MINUS,

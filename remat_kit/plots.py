@@ -121,8 +121,9 @@ def pareto(
 
     Args:
       rows: result rows (list of dicts or ``DataFrame``); rows without ``x`` are left out.
-      x: ``"step_time_s"`` (measured median, seconds) or ``"recompute_ratio"`` (compiled matmul
-        FLOPs over the no-remat step's, for analysis-only rows).
+      x: ``"step_time_s"`` (measured median, seconds), ``"predicted_step_time_s"`` (the
+        roofline's estimate, seconds: :mod:`remat_kit.memory.roofline`) or ``"recompute_ratio"``
+        (compiled matmul FLOPs over the no-remat step's).
       y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``.
       path: save the figure there (PNG).
       title: figure title.
@@ -139,6 +140,8 @@ def pareto(
     panels = _panels(usable)
     fig, axes = _grid(len(panels))
     xscale, xlabel = (1e3, "median step time (ms)") if x == "step_time_s" else (1.0, x)
+    if x == "predicted_step_time_s":
+        xscale, xlabel = 1e3, "estimated step time (ms, roofline)"
     if x == "recompute_ratio":
         xlabel = "compiled matmul FLOPs / no-remat FLOPs"
     styles = _policy_styles([r["policy"] for r in usable])
@@ -402,7 +405,8 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
     """Write the sweep's figures into ``folder`` and return the paths written:
 
     * ``pareto.png``: measured rows, predicted peak against median step time;
-    * ``pareto_analysis.png``: analysis-only rows, predicted peak against compiled FLOPs ratio;
+    * ``pareto_analysis.png``: analysis-only rows, predicted peak against the estimated step
+      time (the roofline; the compiled FLOPs ratio for rows without an estimate);
     * ``slowdown_vs_flops.png``: measured slowdown against compiled FLOPs ratio;
     * ``memory_breakdown.png``: every group's predicted peak by part;
     * ``options.png``: each option's effect (:func:`option_effects`), when rows of one shape
@@ -415,12 +419,14 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
     written = []
     measured = [r for r in ok if r.get("step_time_s") is not None]
     analysis = [r for r in ok if r.get("step_time_s") is None and r.get("recompute_ratio")]
+    timed = bool(analysis) and all(r.get("predicted_step_time_s") for r in analysis)
     jobs = [
         ("pareto.png", measured, lambda p: pareto(
             measured, path=p, title="Predicted peak memory vs measured step time")),
         ("pareto_analysis.png", analysis, lambda p: pareto(
-            analysis, x="recompute_ratio", path=p,
-            title="Predicted peak memory vs compiled FLOPs (analysis only)")),
+            analysis, x="predicted_step_time_s" if timed else "recompute_ratio", path=p,
+            title="Predicted peak memory vs estimated step time (analysis only)" if timed
+            else "Predicted peak memory vs compiled FLOPs (analysis only)")),
         ("slowdown_vs_flops.png", measured, lambda p: slowdown_vs_flops(ok, path=p)),
         ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
         ("options.png", option_sets(rows), lambda p: option_effects(rows, path=p)),

@@ -27,14 +27,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+# The sibling modules, whether this runs as a script, is imported by cog (-I) or by the tests;
+# sys.path is left as it was, so these short module names shadow nothing afterwards.
 _HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # run as a script, or imported by cog with -I
-    sys.path.insert(0, str(_HERE))
-
-import docstrings as D  # noqa: E402
-import features as F  # noqa: E402
-import sections as S  # noqa: E402
-from fmt import RESULTS, ROOT, Results  # noqa: E402
+sys.path.insert(0, str(_HERE))
+try:
+    import docstrings as D
+    import features as F
+    import sections as S
+    from fmt import RESULTS, ROOT, Results
+finally:
+    sys.path.remove(str(_HERE))
 
 #: Table name (as in the cog marker) -> renderer.
 TABLES: dict[str, Callable[[Results], str]] = {

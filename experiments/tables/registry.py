@@ -71,8 +71,10 @@ CLAIMS: tuple[tuple[str, Callable[[Results], list[str]]], ...] = (
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
-    """The markdown files cog reads: README.md and every page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """The markdown files cog reads: README.md and every page under docs/ (not the results'
+    own files behind the docs/results/figures link)."""
+    pages = [p for p in (root / "docs").rglob("*.md") if "figures" not in p.parts]
+    return [root / "README.md", *sorted(pages)]
 
 
 class Tables:

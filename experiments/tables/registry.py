@@ -58,7 +58,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
 
 #: Where claims live ("docs": any page under docs/ or README.md) -> renderers of their texts.
 CLAIMS: tuple[tuple[str, Callable[[Results], list[str]]], ...] = (
-    ("docs", S.sweep_claims_readme),
+    ("docs", S.sweep_claims),
     ("docs", S.analyze_claims),
     ("docs", S.per_layer_claims),
     ("docs", S.recommend_claims),

@@ -54,6 +54,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "own-model": F.own_model_table,
     "recommend-structure": F.recommend_structure_table,
     "options": F.options_table,
+    "policies": F.policies_table,  # from the registry, not results
 }
 
 #: Where claims live ("docs": any page under docs/ or README.md) -> renderers of their texts.

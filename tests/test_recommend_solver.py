@@ -117,7 +117,9 @@ def test_the_choices_left_are_named_with_the_reason():
     assert summary.verified == () and compiler.compiled == []
     (note,) = notes
     assert "1 per-tag choice(s) that could still beat the pick" in note
-    assert "(compile cap reached): [save mlp_up] predicted 21.00 MiB, 2.5 us" in note
+    assert (
+        "were not compiled (compile cap reached): [save mlp_up] predicted 21.00 MiB, 2.5 µs" in note
+    )
 
 
 def test_rounds_compile_the_fastest_first():

@@ -208,3 +208,34 @@ def options_table(r: Results) -> str:
         f"\n{first['cpu_count']}-CPU {first['machine']} ({first['backend']} backend), jax "
         f"{first['jax']}; GPU targets compiled deviceless (no step time: `-`).\n"
     )
+
+
+# ---------------------------------------------------------------- the policy registry
+
+#: What a policy selecting by kind keeps on device, in words.
+_KEPT_BY_BASE = {
+    "everything": "everything",
+    "dots": "every matmul output",
+    "dots_no_batch": "weight-matmul outputs",
+}
+
+
+def policies_table(r: Results) -> str:
+    """The registered policies (:func:`remat_kit.policy_specs`): not from results; ``r`` unused."""
+    from remat_kit import policy_specs
+
+    def names(tags: frozenset[str]) -> str:
+        return ", ".join(sorted(tags)) or "\u2014"
+
+    rows = [
+        [
+            f"`{s.name}`",
+            _KEPT_BY_BASE.get(s.base) or names(s.save),
+            names(s.offload),
+            s.description,
+            s.source,
+        ]
+        for s in policy_specs().values()
+    ]
+    header = ["policy", "saved on device", "offloaded to host", "what it does", "source"]
+    return table(header, ["---"] * 5, rows)

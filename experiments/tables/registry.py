@@ -27,14 +27,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+# The sibling modules, whether this runs as a script, is imported by cog (-I) or by the tests;
+# sys.path is left as it was, so these short module names shadow nothing afterwards.
 _HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # run as a script, or imported by cog with -I
-    sys.path.insert(0, str(_HERE))
-
-import docstrings as D  # noqa: E402
-import features as F  # noqa: E402
-import sections as S  # noqa: E402
-from fmt import RESULTS, ROOT, Results  # noqa: E402
+sys.path.insert(0, str(_HERE))
+try:
+    import docstrings as D
+    import features as F
+    import sections as S
+    from fmt import RESULTS, ROOT, Results
+finally:
+    sys.path.remove(str(_HERE))
 
 #: Table name (as in the cog marker) -> renderer.
 TABLES: dict[str, Callable[[Results], str]] = {
@@ -51,11 +54,12 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "own-model": F.own_model_table,
     "recommend-structure": F.recommend_structure_table,
     "options": F.options_table,
+    "policies": F.policies_table,  # from the registry, not results
 }
 
 #: Where claims live ("docs": any page under docs/ or README.md) -> renderers of their texts.
 CLAIMS: tuple[tuple[str, Callable[[Results], list[str]]], ...] = (
-    ("docs", S.sweep_claims_readme),
+    ("docs", S.sweep_claims),
     ("docs", S.analyze_claims),
     ("docs", S.per_layer_claims),
     ("docs", S.recommend_claims),
@@ -68,8 +72,10 @@ CLAIMS: tuple[tuple[str, Callable[[Results], list[str]]], ...] = (
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
-    """The markdown files cog reads: README.md and every page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """The markdown files cog reads: README.md and every page under docs/ (not the results'
+    own files behind the docs/results/figures link)."""
+    pages = [p for p in (root / "docs").rglob("*.md") if "figures" not in p.parts]
+    return [root / "README.md", *sorted(pages)]
 
 
 class Tables:

@@ -102,8 +102,8 @@ def grid_text(r: Results, digits: int) -> tuple[str, dict[str, Any]]:
     return f"{model} ({first['num_params'] / 1e6:.{digits}f}M parameters", first
 
 
-def sweep_claims_readme(r: Results) -> list[str]:
-    """Figures of the README paragraphs around the sweep table."""
+def sweep_claims(r: Results) -> list[str]:
+    """Figures of the paragraphs around the sweep table (docs/sweep.md, docs/results/sweep.md)."""
     _, seqs, rows = sweep_local(r)
     grid, first = grid_text(r, 0)
     policies = {p for (p, _) in rows}

@@ -317,7 +317,7 @@ def _least_layers(pick: Candidate, candidates: Sequence[Candidate]) -> str:
         return ""
     return (
         f"; remat_layers={least.remat_layers} is the least that fits ({_g(least.peak_bytes)}, "
-        f"est. {format_seconds(least.step_time_s)} from its compiled FLOPs, XLA's own "
+        f"est. {format_seconds(least.step_time_s)} from its compiled kernels, XLA's own "
         "rematerialisation included)"
     )
 

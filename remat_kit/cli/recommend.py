@@ -32,8 +32,8 @@ def add(subparsers) -> argparse.ArgumentParser:
         help="the fastest remat configuration that fits a memory budget, verified by compiling",
         description="Compile the training step per named policy (and other remat group sizes, "
         "larger batches, per-tag choices with --solve) for a target, and pick the one with the "
-        "least estimated step time (the roofline over its compiled kernels: FLOPs, bytes, launches, "
-        "host transfers that cannot hide) whose compiled peak fits the budget.",
+        "least estimated step time (the roofline over its compiled kernels: FLOPs, bytes, "
+        "launches, host transfers that cannot hide) whose compiled peak fits the budget.",
     )
     A.add_model(p)
     A.add_seq(p)

@@ -276,7 +276,14 @@ def _effect(spec: PolicySpec, implementation: str, version: str) -> PolicyEffect
         return PolicyEffect(label, implementation, version, promised, observed, "as named")  # type: ignore[arg-type]
     cause, fix = _cause_and_fix(spec, implementation, observed)
     return PolicyEffect(
-        label, implementation, version, promised, observed, _runs_as(spec, observed), cause, fix  # type: ignore[arg-type]
+        label,
+        implementation,
+        version,
+        promised,
+        observed,
+        _runs_as(spec, observed),
+        cause,
+        fix,  # type: ignore[arg-type]
     )
 
 

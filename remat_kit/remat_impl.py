@@ -248,8 +248,8 @@ def _cause_and_fix(spec: PolicySpec, implementation: str, observed: Mapping[str,
             "jax 0.11.0)"
         )
         fix = (
-            "jax.config.update('jax_remat3', False) before tracing, keep the tensors on "
-            f"device with '{twin_name}', or use jax >= 0.11.0"
+            "jax.config.update('jax_remat3', False) (or JAX_REMAT3=0) before tracing, keep the "
+            f"tensors on device with '{twin_name}', or use jax >= 0.11.0"
         )
     else:
         cause = (

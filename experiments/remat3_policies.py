@@ -4,6 +4,7 @@ Command (CPU machine; the GPU target compiles deviceless with the CUDA plugin)::
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python experiments/remat3_policies.py     # ~2-4 min, 2 cores
     python experiments/remat3_policies.py --markdown    # the docs/remat3.md tables, from the JSON
+    python experiments/remat3_policies.py --write-docs docs/remat3.md    # rewrite them there
 
 Writes ``experiments/results/remat3/policies.json``: machine, backend and jax version, and
 
@@ -248,13 +249,38 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+BEGIN, END = "<!-- remat3-table:begin -->", "<!-- remat3-table:end -->"
+
+
+def with_tables(page: str, result: dict) -> str:
+    """``page`` (docs/remat3.md) with the text between its table markers replaced by
+    :func:`markdown` of ``result``.
+
+    Raises:
+      ValueError: the page lacks the markers.
+    """
+    if BEGIN not in page or END not in page:
+        raise ValueError(f"the page has no {BEGIN} ... {END} section")
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{markdown(result)}{END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(OUT), help="output folder")
     parser.add_argument(
         "--markdown", action="store_true", help="print the docs tables from OUT/policies.json"
     )
+    parser.add_argument(
+        "--write-docs", metavar="PAGE", help="rewrite PAGE's table section from OUT/policies.json"
+    )
     args = parser.parse_args(argv)
+    if args.write_docs:
+        page = Path(args.write_docs)
+        result = json.loads((Path(args.out) / "policies.json").read_text())
+        page.write_text(with_tables(page.read_text(), result))
+        return 0
     if args.markdown:
         print(markdown(json.loads((Path(args.out) / "policies.json").read_text())), end="")
         return 0

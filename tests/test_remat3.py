@@ -195,3 +195,24 @@ def test_offload_is_real_or_reported_by_analyze_and_the_sweep(impl):
         fig = plots.timeline([offload], titles=["offload-to-host"])
         titles = [ax.get_title() for ax in fig.axes]
         assert any("runs as save-nothing under jax_remat3" in t for t in titles)
+
+
+def test_docs_table_is_the_committed_run():
+    # docs/remat3.md's tables are generated from the committed JSON, never typed: regenerate with
+    # python experiments/remat3_policies.py --write-docs docs/remat3.md
+    import json
+    import pathlib
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "experiments"))
+    import remat3_policies
+
+    result = json.loads((repo / "experiments/results/remat3/policies.json").read_text())
+    page = (repo / "docs/remat3.md").read_text()
+    assert remat3_policies.with_tables(page, result) == page
+    assert result["jax"] in page and result["target"] in page  # named with the figures
+    for row in result["policies"]:  # the run agrees with the probe of this JAX
+        if row["probe"]["jax_version"] == jax.__version__:
+            effect = RI.policy_effect(row["policy"], row["implementation"])
+            assert effect.runs_as == row["probe"]["runs_as"], row["policy"]

@@ -202,7 +202,7 @@ def _probe(spec: PolicySpec):
 
 
 def _observed(spec: PolicySpec) -> dict[str, str]:
-    from remat_kit.residuals import saved_residuals  # models import the policies: no cycle
+    from remat_kit.residuals import saved_residuals  # (loads the models: only when probing)
 
     loss, args = _probe(spec)
     kept = [r for r in saved_residuals(loss, *args) if not r.is_argument]

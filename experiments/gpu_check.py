@@ -340,6 +340,8 @@ def run_check(out: Path, budget_s: float, cpu: bool, resume: bool = False) -> li
     for policy in policies:
         runner.run(f"measure/{report.label(policy)}", "measure", {**shape, "policy": policy})
     runner.run("grads", "grads", mode["grads"])
+    # The same under jax_remat3 (issue 31): grads equal and host bytes real, or not, there.
+    runner.run("grads/remat3", "grads", {**mode["grads"], "remat_impl": "remat3"})
     lane.join(timeout=max(0.0, runner.remaining()) + 5)
     if not results.done("predict/h200") and not lane.is_alive():
         args = {k: mode[k] for k in ("model", "seq_len", "batch_size")}

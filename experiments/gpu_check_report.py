@@ -148,23 +148,28 @@ def _offload_lines(rows: list[dict], mode: dict) -> list[str]:
         f"{_gib(b)} GiB: {verdict}.",
         "",
     ]
-    g = _ok(rows, "grads")
-    if g is None:
-        return [*lines, "Offload gradients: not run or failed (see the rows)."]
-    lines += [
-        f"Offload gradients on {g.get('backend')} ({g.get('tolerance')}):",
-        "",
-        "| policy | loss diff | max grad diff (rel) | equal | compiled host GiB |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in g.get("policies", {}).items():
-        if r is None:
-            lines.append(f"| {name} | error: {g['errors'].get(name, '')[:80]} | | | |")
+    for point in ("grads", "grads/remat3"):
+        g = _ok(rows, point)
+        if g is None:
+            lines += [f"Offload gradients ({point}): not run or failed (see the rows).", ""]
             continue
-        lines.append(
-            f"| {name} | {r['loss_diff']:.2e} | {r['max_grad_diff_rel']:.2e} "
-            f"| {r['equal']} | {_gib(r.get('compiled_host_bytes'))} |"
-        )
+        lines += [
+            f"Offload gradients on {g.get('backend')}, {g.get('remat_impl')} remat, jax "
+            f"{g.get('jax_version')} ({g.get('tolerance')}):",
+            "",
+            "| policy | loss diff | max grad diff (rel) | equal | compiled host GiB | runs as |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in g.get("policies", {}).items():
+            if r is None:
+                lines.append(f"| {name} | error: {g['errors'].get(name, '')[:80]} | | | | |")
+                continue
+            lines.append(
+                f"| {name} | {r['loss_diff']:.2e} | {r['max_grad_diff_rel']:.2e} "
+                f"| {r['equal']} | {_gib(r.get('compiled_host_bytes'))} "
+                f"| {r.get('runs_as') or '-'} |"
+            )
+        lines.append("")
     return lines
 
 
@@ -225,6 +230,8 @@ def summary(rows: list[dict], mode: dict) -> str:
         f"{mode['seq_len']}, AdamW, scanned; {mode['warmup']} warm-up + {mode['timed']} timed "
         "steps (median).",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in (head.get("versions") or {}).items()),
+        f"Remat implementation (preflight): {pre.get('remat_impl')}, jax {pre.get('jax_version')}"
+        f" (jax_remat3 flag: {pre.get('jax_remat3_flag')}).",
         *[f"Warning: {w}" for w in head.get("warnings", [])],
         f"Device: {pre.get('device_kind')} ({pre.get('backend')}); bytes_limit "
         f"{_gib(stats.get('bytes_limit'))} GiB.",

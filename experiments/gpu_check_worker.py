@@ -21,6 +21,7 @@ import optax
 from gpu_check_report import label
 
 import remat_kit as rk
+from remat_kit import remat_impl
 
 _OOM_MARKERS = ("resource_exhausted", "out of memory", "oom")
 #: A worker's result is the last stdout line with this prefix (JSON after it); a point may print
@@ -198,6 +199,7 @@ def _predict_fields(report: Any) -> dict[str, Any]:
         # the roofline's estimated step (remat_kit.memory.roofline), set beside the measured one
         "step_time_s": getattr(report, "step_time_s", None),
         "step_time": _step_breakdown(getattr(report, "step_time", None)),
+        "runs_as": report.runs_as,  # not None: the remat implementation changed the policy
         "warnings": list(report.warnings)[:5],
     }
 
@@ -267,6 +269,13 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     return {"status": "ok", "errors": errors, "target": args["target"], "predictions": out}
 
 
+def runs_as(policy: str | dict[str, str]) -> str | None:
+    """What ``policy`` runs as under the remat implementation in use when not as named (a
+    traced probe, :func:`remat_kit.remat_impl.policy_effect`), else None."""
+    effect = remat_impl.policy_effect(spec_of(policy))
+    return None if effect.as_named else effect.runs_as
+
+
 def _loss_and_grads(config: rk.ModelConfig, params: Any, batch: dict) -> tuple[Any, Any, dict]:
     model = rk.make_model(config)
 
@@ -315,6 +324,8 @@ def grads(args: dict[str, Any]) -> dict[str, Any]:
                 "max_grad_diff": diff,
                 "max_grad_diff_rel": diff / scale,
                 "equal": diff / scale <= 1e-4 and abs(float(loss - ref_loss)) <= 1e-5,
+                # what the policy runs as under this point's remat implementation (probe)
+                "runs_as": runs_as(policy),
                 **memory,
             }
 
@@ -372,10 +383,23 @@ KINDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+def implementation() -> dict[str, Any]:
+    """The row fields saying what the point was traced with: ``jax_version`` and
+    ``remat_impl`` (``classic`` / ``remat3``, read from a traced ``jax.checkpoint``; the text of
+    the exception where this JAX's API differs), and ``jax_remat3_flag`` (None: no such flag)."""
+    errors: dict[str, str] = {}
+    impl = attempt(errors, "remat_impl", remat_impl.remat_implementation)
+    flag = attempt(errors, "jax_remat3_flag", remat_impl.remat3_flag)
+    return {"jax_version": jax.__version__, "remat_impl": impl or errors.get("remat_impl"),
+            "jax_remat3_flag": flag}  # fmt: skip
+
+
 def run(kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run one point of ``kind``; an exception is the point's result (status error / oom)."""
+    """Run one point of ``kind``; an exception is the point's result (status error / oom).
+    ``args["remat_impl"]`` (optional): trace the point under that remat implementation."""
     try:
-        return {"status": "ok", **KINDS[kind](args)}
+        with remat_impl.using(args.get("remat_impl") or remat_impl.remat_implementation()):
+            return {"status": "ok", **KINDS[kind](args), **implementation()}
     except Exception as err:
         text = f"{type(err).__name__}: {str(err)[:1500]}"
-        return {"status": classify(text), "error": text, "errors": {}}
+        return {"status": classify(text), "error": text, "errors": {}, **implementation()}

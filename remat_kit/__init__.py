@@ -38,6 +38,9 @@ from remat_kit.program import Program as Program
 from remat_kit.program import load_program as load_program
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
+from remat_kit.remat_impl import PolicyEffect as PolicyEffect
+from remat_kit.remat_impl import policy_effect as policy_effect
+from remat_kit.remat_impl import remat_implementation as remat_implementation
 from remat_kit.tagging import tag_linen as tag_linen
 from remat_kit.tagging import tag_nnx as tag_nnx
 from remat_kit.targets import get_target as get_target
@@ -60,6 +63,7 @@ __all__ = [
     "MemoryReport",
     "ModelConfig",
     "PRESETS",
+    "PolicyEffect",
     "PolicySpec",
     "Program",
     "Recommendation",
@@ -89,10 +93,12 @@ __all__ = [
     "make_train_step",
     "per_layer_activations",
     "policy",
+    "policy_effect",
     "policy_names",
     "policy_specs",
     "preset_names",
     "recommend",
+    "remat_implementation",
     "tag_linen",
     "tag_nnx",
     "target_names",

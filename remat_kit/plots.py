@@ -541,7 +541,9 @@ def _timeline_panel(ax, r: MemoryReport, title: str, unit, unit_name, colors, se
     off = (
         "" if on_scale or budget is None else f"\n(budget {units.format_bytes(budget)}: off scale)"
     )
-    ax.set_title(f"{title}{ratio}{off}", fontsize=9)
+    impl = "jax_remat3" if r.remat_impl == "remat3" else "classic remat"
+    runs = f"\n(runs as {r.runs_as} under {impl}: see its warning)" if r.runs_as else ""
+    ax.set_title(f"{title}{ratio}{off}{runs}", fontsize=9)
     ax.set_xlabel("position in XLA's schedule (loop bodies once)", fontsize=7)
     ax.set_ylabel(f"live device bytes ({unit_name})", fontsize=8)
     ax.set_xlim(0, tl.length)

@@ -38,6 +38,7 @@ import jax
 
 from remat_kit import units
 from remat_kit.policies import policy_names
+from remat_kit.remat_impl import remat_implementation
 
 __all__ = [
     "ROW_FORMAT",
@@ -95,7 +96,8 @@ def environment() -> dict[str, Any]:
     ``optax``, ``orbax-checkpoint``, ``numpy``; None when not installed), ``python``,
     ``backend``, ``device_kind`` (of device 0), ``device_count`` (every process's devices),
     ``process_count``, ``platform``, ``machine``, ``processor``, ``cpu_model`` (None when
-    ``/proc/cpuinfo`` has none) and ``cpu_count``.
+    ``/proc/cpuinfo`` has none), ``cpu_count`` and ``remat_impl`` (the remat implementation
+    ``jax.checkpoint`` traces with: ``classic`` or ``remat3``, :mod:`remat_kit.remat_impl`).
     """
 
     def version(dist: str) -> str | None:
@@ -119,6 +121,7 @@ def environment() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "remat_impl": remat_implementation(),
     }
 
 

@@ -5,7 +5,10 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import pytest
+
+from remat_kit import remat_impl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
@@ -49,6 +52,21 @@ def test_cpu_mode_runs_every_point(tmp_path):
     assert rec["pick"] == "save-nothing"
     custom = gpu_check_report.label(gpu_check.CUSTOM)
     assert rows["grads"]["policies"][custom]["equal"] is True
+    # Every row says which remat implementation and JAX it ran under (issue 31): the same
+    # gradients under jax_remat3, and what the offloading custom spec runs as there.
+    assert (rows["grads"]["remat_impl"], rows["grads"]["jax_version"]) == (
+        "classic",
+        jax.__version__,
+    )
+    again = rows["grads/remat3"]
+    assert again["status"] == "ok" and again["remat_impl"] == "remat3"
+    assert again["policies"][custom]["equal"] is True
+    assert rows["grads"]["policies"][custom]["runs_as"] is None  # as named under classic
+    under_remat3 = remat_impl.policy_effect(gpu_check.CUSTOM, "remat3")
+    assert again["policies"][custom]["runs_as"] == (
+        None if under_remat3.as_named else under_remat3.runs_as
+    )
+    assert all(rows[k]["remat_impl"] == "classic" for k in expected - {"versions"})
     summary = (tmp_path / "summary.md").read_text()
     assert "| save-nothing |" in summary and "pick **save-nothing**" in summary
     assert "- none" in summary  # no point failed

@@ -283,7 +283,8 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     first = reports[0]
     budget = args.budget if args.budget is not None else target.memory_bytes
     lines = [
-        f"{first.backend}; peak = argument + output + temp - alias (per device)"
+        f"{first.backend}{'; traced under jax_remat3' if first.remat_impl == 'remat3' else ''}"
+        "; peak = argument + output + temp - alias (per device)"
         + (f"; budget {_size(budget)}" if budget else "; target memory unknown (CPU)"),
         "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
     ]

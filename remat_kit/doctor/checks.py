@@ -20,6 +20,7 @@ from remat_kit.doctor.programs import check_program
 from remat_kit.doctor.promise import (
     Promise,
     describe_callable,
+    effect_findings,
     remat3_findings,
     resolve_policy,
 )
@@ -146,7 +147,7 @@ def _check_model_policies(
         )
         findings = (
             unknown_tags(promise, facts)
-            + (remat3_findings(spec.name, spec.to_jax(), promise) if spec.wrap else [])
+            + effect_findings(spec.name, spec, promise)
             + compare(
                 promise,
                 report,
@@ -215,7 +216,10 @@ def check_function(
         promise = Promise("custom-callable")
     else:
         findings += unknown_tags(promise, facts)
-    findings += remat3_findings(promise.name, jax_policy, promise)
+    if policy is None or (callable(policy) and not isinstance(policy, PolicySpec)):
+        findings += remat3_findings(promise.name, jax_policy, promise)  # a raw JAX policy
+    else:  # a remat-kit policy: what the implementation in use makes of it, from a probe
+        findings += effect_findings(promise.name, resolve_policy(policy), promise)
     ops = None
     if not reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
         ops = recomputed_ops(grads["policy"], args, tgt)

@@ -23,7 +23,7 @@ from remat_kit import residuals as R
 from remat_kit import targets as T
 from remat_kit.doctor.compare import Residuals, compare
 from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
-from remat_kit.doctor.promise import Promise, remat3_findings, resolve_policy
+from remat_kit.doctor.promise import Promise, effect_findings, resolve_policy
 from remat_kit.doctor.tags import (
     TagFacts,
     matmul_tags,
@@ -150,8 +150,7 @@ def check_program_policies(
         promise = Promise.of(spec, registered=spec.name in registered)
         promise = dataclasses.replace(promise, name=label)
         findings = unknown_tags(promise, facts)
-        if spec.wrap:
-            findings += remat3_findings(label, spec.to_jax(), promise)
+        findings += effect_findings(label, spec, promise)
         kept = _kept(program, spec)
         findings += compare(promise, next(each), reports[-1], kept, base, tgt, facts=facts)
         checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))

@@ -21,6 +21,7 @@ import jax
 
 from remat_kit.doctor.findings import Finding
 from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.remat_impl import describe_implementation, policy_effect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,25 @@ def resolve_policy(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
         everything), or an unknown policy name.
     """
     return get_policy_spec(policy)
+
+
+def effect_findings(name: str, spec: PolicySpec, promise: Promise | None) -> list[Finding]:
+    """The error for a remat-kit policy that the remat implementation in use does not apply as
+    named, from :func:`remat_kit.remat_impl.policy_effect` (a traced probe); ``[]`` when it
+    does. Code ``remat3-full-remat`` when ``jax_remat3`` runs it as full remat, else
+    ``runs-as-other``."""
+    effect = policy_effect(spec)
+    if effect.as_named:
+        return []
+    full = effect.runs_as == "save-nothing"
+    lost = "offloads nothing to host (host bytes 0) and " if promise and promise.offloads else ""
+    what = (
+        f"policy {name!r} runs as {'full remat' if full else effect.runs_as} under "
+        f"{describe_implementation(effect.implementation)}: it {lost}does not keep what it "
+        "promised."
+    )
+    code = "remat3-full-remat" if full and effect.implementation == "remat3" else "runs-as-other"
+    return [Finding(code, "error", what, str(effect.cause), str(effect.fix))]
 
 
 def remat3_findings(name: str, jax_policy: Callable[..., Any], promise: Promise | None) -> list:

@@ -38,6 +38,7 @@ from remat_kit.policies import (
     policy_specs,
 )
 from remat_kit.program import Program, argument_parts
+from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
 from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
 
@@ -161,7 +162,8 @@ def program_policies(
     notes = fit.notes(f"program {program.name!r}")
     kept = _residual_tags(program, tags)
     own_tags = tags if kept is None else tags & kept
-    own, own_notes = own_tag_specs(own_tags, tgt.supports_host_offload, max_single)
+    # per-tag offload specs only where they can offload (target and remat implementation)
+    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single)
     own_notes += _unsaveable_notes(program, tags - own_tags)
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads

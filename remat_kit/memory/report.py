@@ -148,6 +148,10 @@ class MemoryReport:
       program_sha256: the compile engine's key of the compiled program (sha256 of the target,
         compile options and lowered StableHLO text): reports with the same key come from one
         compile of one program (two policies that act the same); None when not known.
+      remat_impl: the remat implementation the step was traced under (``classic``, or
+        ``remat3`` with ``jax_remat3`` on; :mod:`remat_kit.remat_impl`); jax_version: JAX's.
+      runs_as: what the policy ran as when that implementation does not apply it as named
+        (``save-nothing``: full remat); None when it runs as named (a warning says the rest).
     """
 
     name: str
@@ -186,6 +190,9 @@ class MemoryReport:
     program_sha256: str | None = None
     step_time_s: float | None = None
     step_time: StepTime | None = None
+    remat_impl: str | None = None
+    jax_version: str | None = None
+    runs_as: str | None = None
 
     @property
     def peak_gib(self) -> float:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from remat_kit import targets as T
@@ -56,6 +57,7 @@ from remat_kit.memory.xla_compile import (
     jax_backend_description,
 )
 from remat_kit.policies import on_device_twin
+from remat_kit.remat_impl import policy_effect, remat_implementation
 from remat_kit.residuals import TagResiduals
 from remat_kit.units import format_bytes
 
@@ -103,6 +105,11 @@ class Job:
     remat: RematPlacement | None = None
     #: The policy as its report's row names it (``custom: attn_in=save``), for warnings.
     label: str | None = None
+    #: The remat implementation the step is traced under (``classic`` / ``remat3``), read
+    #: when the job is made, in the thread that lowers it.
+    remat_impl: str = dataclasses.field(default_factory=remat_implementation)
+    #: What the policy runs as there when not as named (``save-nothing``), else None.
+    runs_as: str | None = None
 
 
 #: Compiled per-device matmul work above this multiple of the even split is reported as
@@ -270,6 +277,9 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         seq_len=job.seq_len,
         step_time_s=step_time.step_time_s if step_time else None,
         step_time=step_time,
+        remat_impl=job.remat_impl,
+        jax_version=jax.__version__,
+        runs_as=job.runs_as,
     )
 
 
@@ -280,11 +290,17 @@ def add_offload_jobs(
     compare_offload: bool,
     make_job: Callable[[Any], Job],
 ) -> list[Job]:
-    """Note on each offloading policy's job when ``target`` does not offload, and, where it
-    does and ``compare_offload``, append the job of its on-device twin
-    (:func:`remat_kit.policies.on_device_twin`, built by ``make_job``; not visible) and link it,
-    so the report says whether offloading lowered the device peak."""
+    """Note on each policy's job what it runs as when the remat implementation in use does
+    not apply it as named (:func:`remat_kit.remat_impl.policy_effect`) and on each offloading
+    one when ``target`` does not offload; where both offload and ``compare_offload``, append
+    the job of its on-device twin (:func:`remat_kit.policies.on_device_twin`, built by
+    ``make_job``; not visible) and link it, so the report says whether offloading lowered the
+    device peak."""
     for job, spec in zip(jobs, specs, strict=False):
+        effect = policy_effect(spec)
+        if not effect.as_named:
+            job.runs_as = effect.runs_as
+            job.notes = (effect.line(), *job.notes)
         if spec.offloads and not target.supports_host_offload:
             job.notes = (
                 *job.notes,
@@ -293,7 +309,7 @@ def add_offload_jobs(
             )
     if compare_offload and target.supports_host_offload:
         for i, spec in enumerate(list(specs)):
-            if spec.offloads:
+            if spec.offloads and jobs[i].runs_as is None:
                 jobs[i].on_device_twin = len(jobs)
                 jobs.append(make_job(on_device_twin(spec)))
     return jobs

@@ -11,6 +11,7 @@ from remat_kit.recommend.budget import format_gib as _gib
 from remat_kit.recommend.search import largest_batch
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.types import Candidate
+from remat_kit.remat_impl import can_offload
 
 #: Halvings of the sequence tried when nothing fits.
 SEQ_HALVINGS = 3
@@ -114,8 +115,7 @@ class BudgetTooSmall(ValueError):
 def too_small(session: Session, budget: int, batch: int, params: int, opt_state: int) -> str:
     """The one-line message for a budget below the parameters and optimizer state, with the
     smallest compiled peak of the least-memory policies."""
-    low = ["save-nothing"] + (["offload-layer-inputs"] if session.target.supports_host_offload
-                              else [])  # fmt: skip
+    low = ["save-nothing"] + (["offload-layer-inputs"] if can_offload(session.target) else [])
     found = session.candidates(
         [get_policy_spec(n) for n in low], session.config.remat_group_size, batch, "advice"
     )

@@ -38,6 +38,7 @@ from remat_kit.recommend.structure import (
 )
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
+from remat_kit.remat_impl import honoured
 from remat_kit.training.step import abstract_batch, abstract_train_state, make_optimizer
 from remat_kit.validation import check_seq_len
 
@@ -224,19 +225,25 @@ def _check_inputs(
 def _resolve_specs(
     tgt: T.Target, policies: Sequence[str | PolicySpec | Mapping[str, str]] | None
 ) -> tuple[list[PolicySpec], list[str]]:
-    """The policies to compile (offloading ones dropped where offload is not real) and notes."""
+    """The policies to compile and notes: offloading ones dropped where offload is not real,
+    and those the remat implementation in use does not apply as named (never picked for what
+    they would do under the other one: :func:`remat_kit.remat_impl.honoured`)."""
     given = list(policies) if policies is not None else policy_names()
     if not given:
         raise ValueError("policies is empty: give at least one policy name")
     specs = list(dict.fromkeys(get_policy_spec(p) for p in given))  # raises on an unknown name
-    if tgt.supports_host_offload:
-        return specs, []
-    dropped = [s.name for s in specs if s.offloads]
-    specs = [s for s in specs if not s.offloads]
-    notes = [f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}"] if dropped else []
+    notes = []
+    if not tgt.supports_host_offload:
+        dropped = [s.name for s in specs if s.offloads]
+        specs = [s for s in specs if not s.offloads]
+        if dropped:
+            notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
+        if not specs:
+            raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
+    specs, wrong = honoured(specs)
     if not specs:
-        raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
-    return specs, notes
+        raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")
+    return specs, notes + wrong
 
 
 def _resolve_groups(config: ModelConfig, group_sizes: Sequence[int] | None) -> list[int]:

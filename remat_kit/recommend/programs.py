@@ -42,6 +42,7 @@ from remat_kit.recommend.session import counting, to_candidate
 from remat_kit.recommend.solver import ChoiceModel, verify_choices
 from remat_kit.recommend.timing import host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
+from remat_kit.remat_impl import can_offload, honoured
 from remat_kit.residuals import bytes_by_tag, group_by_tag, saved_residuals
 from remat_kit.units import format_bytes as _gib
 
@@ -88,6 +89,8 @@ def program_specs(
     no_host = [s.name for s in fit.specs if s not in specs]
     if no_host:
         notes.append(f"not compiled: {', '.join(no_host)} (offload; {target.name} does not)")
+    specs, wrong = honoured(specs)  # never picked for what the other remat would do
+    notes += wrong
     if not specs:
         raise ValueError(f"no policy given can act on {program} (emits: {', '.join(sorted(tags))})")
     return specs, notes, frozenset(cut for _, cut in fit.restricted)
@@ -155,7 +158,7 @@ def solve_program(run: _Run, named: list[Named], compiles: Any) -> SolveSummary 
         run.notes.append("solve skipped: save-nothing did not compile")
         return None
     costs, fj0 = program_tag_costs(run.program, run.tags)
-    actions = TAG_ACTIONS if run.target.supports_host_offload else ("save", "recompute")
+    actions = TAG_ACTIONS if can_offload(run.target) else ("save", "recompute")
     model = ChoiceModel.around(run.target, costs, actions, sn, fj0)
 
     def compile_specs(specs: Sequence[PolicySpec]) -> list[Candidate | None]:

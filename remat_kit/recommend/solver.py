@@ -19,6 +19,7 @@ from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.timing import figures_for, flops_step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
+from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import bytes_by_tag
 from remat_kit.training.step import (
     abstract_batch,
@@ -110,7 +111,7 @@ def solve_tags(
     returned.
     """
     costs, fj0 = tag_costs(session.config, batch, session.seq_len, session.optimizer)
-    actions = TAG_ACTIONS if session.target.supports_host_offload else ("save", "recompute")
+    actions = TAG_ACTIONS if can_offload(session.target) else ("save", "recompute")
     model = ChoiceModel.around(session.target, costs, actions, save_nothing, fj0)
     g0 = session.config.remat_group_size
 

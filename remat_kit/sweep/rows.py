@@ -22,7 +22,7 @@ ANALYSIS_KEYS = (
     "peak_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "host_bytes",
     "params_bytes", "opt_state_bytes", "activation_bytes", "offloaded_bytes", "flops",
     "flops_no_remat", "recompute_ratio", "compiled_recompute_ratio", "memory_bytes", "fits",
-    "predicted_step_time_s", "analysis_compile_s", "warnings", "report",
+    "predicted_step_time_s", "analysis_compile_s", "warnings", "report", "runs_as",
 )  # fmt: skip
 #: Row fields from running the step (None in an analysis-only or failed row).
 #: ``compile_reused``: the step that ran is the analyzer's executable (compiled once).
@@ -58,6 +58,9 @@ def analysis_fields(report: Any) -> dict[str, Any]:
         "analysis_compile_s": report.compile_s,
         "warnings": list(report.warnings),
         "report": report.to_dict(),
+        # what the policy ran as when the remat implementation (row field remat_impl) does
+        # not apply it as named; None when it does
+        "runs_as": report.runs_as,
     }
 
 

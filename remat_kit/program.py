@@ -61,6 +61,7 @@ from remat_kit.policies import PolicySpec
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
+from remat_kit.walker import holds, remat_policy, remat_segments
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
@@ -471,6 +472,81 @@ class Program:
         if pure.nnx_index is None:
             return self.donate_argnums
         return (pure.nnx_index,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyReach:
+    """Whether a program's factory passes the policy it receives to its remat segments.
+
+    Read from two traces (nothing compiled) of the loss (the step where no loss is given): one
+    with a probe policy, a fresh function no model holds, and one with None (``no-remat``).
+
+    Attributes:
+      program: the program's name.
+      segments: remat segments (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat`` /
+        ``eqx.filter_checkpoint``: the ``remat`` primitive) in the probe trace.
+      reached: those of them whose policy is the probe or holds it (a wrapper around it).
+      without_policy: remat segments in the trace for ``no-remat`` (a factory building without
+        remat has none).
+    """
+
+    program: str
+    segments: int
+    reached: int
+    without_policy: int
+
+    @property
+    def passes(self) -> bool:
+        """The policy decides something: at least one remat segment takes it."""
+        return self.reached > 0
+
+    def error(self) -> str:
+        """One line: why every policy would compile to one program, and what to do."""
+        if not self.segments:
+            return (
+                f"the factory of program {self.program!r} applies no remat: its traced loss holds "
+                "no remat segment (jax.checkpoint / nn.remat / nnx.remat / eqx.filter_checkpoint), "
+                "so every policy would compile to the no-remat program; wrap its layers with the "
+                "policy it receives: jax.checkpoint(layer, policy=policy)"
+            )
+        return (
+            f"the factory of program {self.program!r} does not pass the policy it receives on: "
+            f"none of its {self.segments} remat segment(s) takes it (a model calling nn.remat / "
+            "jax.checkpoint itself without policy=), so every policy would compile to one "
+            "program; build it with remat_kit.inject_policy(loss) (docs/own-model-no-policy-"
+            "hook.md) or pass the policy to those remat calls"
+        )
+
+    def no_remat_note(self) -> str | None:
+        """A note for the ``no-remat`` row when the factory remats even when given None."""
+        if not self.without_policy:
+            return None
+        return (
+            f"not a no-remat baseline: the factory still builds {self.without_policy} remat "
+            "segment(s) when given no policy (None), so this row and the recompute ratios "
+            "against it include that remat; build without remat for None (remat_kit."
+            "inject_policy does)"
+        )
+
+
+def policy_reach(program: Program) -> PolicyReach:
+    """Trace ``program``'s loss (or step) with a probe policy and with None and count the remat
+    segments that take the policy (:class:`PolicyReach`). Traces only."""
+
+    def probe(prim: Any, *args: Any, **params: Any) -> bool:  # saves nothing, held by no one
+        return jax.checkpoint_policies.nothing_saveable(prim, *args, **params)
+
+    def segments(policy: Any) -> list[Any]:
+        if program.make_loss is not None:
+            fn, args = program.make_loss(policy), program.loss_args
+        else:
+            fn, args = program.make_step(policy), program.args
+        pure = purify(fn, args, param_names(fn, len(args)))
+        return remat_segments(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+
+    probed = segments(probe)
+    reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
+    return PolicyReach(program.name, len(probed), reached, len(segments(None)))
 
 
 def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:

@@ -130,11 +130,21 @@ def arguments(batch: int = 2):
     return model, opt_state, tokens
 
 
+def abstract_arguments(batch: int = 2):
+    """The same as :func:`arguments`, abstract (``jax.ShapeDtypeStruct`` leaves, nothing
+    computed; the modules' float / bool leaves as they are)."""
+    model = eqx.filter_eval_shape(Transformer, jax.random.key(0))
+    # eqx.is_array is False for a ShapeDtypeStruct: filter the abstract arrays by their type
+    arrays = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(OPTIMIZER.init, arrays)
+    return model, opt_state, jax.ShapeDtypeStruct((batch, SEQ + 1), jnp.int32)
+
+
 def program():
     """``--model tests/user_models/eqx_lm.py:program``: the equinox step as written."""
     from remat_kit import Program
 
-    model, opt_state, tokens = arguments()
+    model, opt_state, tokens = abstract_arguments()
     return Program.from_step(
         make_step, model, opt_state, tokens, donate_argnums=(0, 1),
         make_loss=make_loss, loss_args=(model, tokens), name="eqx-lm",

@@ -532,21 +532,26 @@ class PolicyReach:
 def policy_reach(program: Program) -> PolicyReach:
     """Trace ``program``'s loss (or step) with a probe policy and with None and count the remat
     segments that take the policy (:class:`PolicyReach`). Traces only."""
+    if program.make_loss is not None:
+        return factory_reach(program.make_loss, program.loss_args, program.name)
+    return factory_reach(program.make_step, program.args, program.name)
 
-    def probe(prim: Any, *args: Any, **params: Any) -> bool:  # saves nothing, held by no one
-        return jax.checkpoint_policies.nothing_saveable(prim, *args, **params)
+
+def factory_reach(make: Factory, args: Sequence[Any], name: str) -> PolicyReach:
+    """:class:`PolicyReach` of a factory ``make(policy) -> fn`` on ``fn``'s arguments ``args``
+    (arrays, ``ShapeDtypeStruct`` s, NNX objects, pytrees with static leaves)."""
+
+    def probe(prim: Any, *a: Any, **params: Any) -> bool:  # saves nothing, held by no one
+        return jax.checkpoint_policies.nothing_saveable(prim, *a, **params)
 
     def segments(policy: Any) -> list[Any]:
-        if program.make_loss is not None:
-            fn, args = program.make_loss(policy), program.loss_args
-        else:
-            fn, args = program.make_step(policy), program.args
+        fn = make(policy)
         pure = purify(fn, args, param_names(fn, len(args)))
         return remat_segments(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
 
     probed = segments(probe)
     reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
-    return PolicyReach(program.name, len(probed), reached, len(segments(None)))
+    return PolicyReach(name, len(probed), reached, len(segments(None)))
 
 
 def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:

@@ -218,6 +218,8 @@ def test_a_factory_that_does_not_pass_the_policy_is_said_once_everywhere(hf):
         assert "none of the 2 remat segment(s)" in only.what
         assert "inject_policy" in only.fix
     assert any("not a no-remat baseline" in n for n in result.notes)
+    (only,) = doctor.check_function(lambda policy: loss, params, tokens, policy="save-nothing")
+    assert only.code == "policy-not-passed" and "make_loss builds remat segments" in only.cause
     # the same model through inject_policy passes it on, and builds no remat for None
     fixed = remat_kit.program.policy_reach(Program.from_loss(inject_policy(loss), params, tokens))
     assert (fixed.segments, fixed.reached, fixed.without_policy) == (2, 2, 0)

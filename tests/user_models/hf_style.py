@@ -133,8 +133,10 @@ def loss_fn(model: FlaxLMModule, apply=None):
 
 
 def arguments(batch: int = 2, seq: int = 17, config: Config = Config()):
-    """The model with ``gradient_checkpointing=True``, its params and tokens [batch, seq]."""
+    """The model with ``gradient_checkpointing=True``, its params and tokens [batch, seq],
+    abstract (``jax.ShapeDtypeStruct``: nothing computed)."""
     model = FlaxLMModule(config, gradient_checkpointing=True)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, config.vocab_size)
-    params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    inputs = jax.ShapeDtypeStruct((batch, seq - 1), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), inputs)["params"]
     return model, params, tokens

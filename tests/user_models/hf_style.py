@@ -140,3 +140,22 @@ def arguments(batch: int = 2, seq: int = 17, config: Config = Config()):
     inputs = jax.ShapeDtypeStruct((batch, seq - 1), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), inputs)["params"]
     return model, params, tokens
+
+
+def program_as_is():
+    """``--model tests/user_models/hf_style.py:program_as_is``: the factory a user writes first,
+    which cannot hand the policy to the blocks (the tools refuse it, naming inject_policy)."""
+    from remat_kit import Program
+
+    model, params, tokens = arguments()
+    loss = loss_fn(model)
+    return Program.from_loss(lambda policy: loss, params, tokens, name="hf-as-is")
+
+
+def program():
+    """``--model tests/user_models/hf_style.py:program``: the blocks' policy set by
+    ``remat_kit.inject_policy``."""
+    from remat_kit import Program, inject_policy
+
+    model, params, tokens = arguments()
+    return Program.from_loss(inject_policy(loss_fn(model)), params, tokens, name="hf-style")

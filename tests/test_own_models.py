@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-import equinox as eqx
+import equinox as eqx  # the dev extra installs it (remat-kit[eqx])
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -208,6 +208,11 @@ def purify(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str]) ->
             full = [combine(a, static.get(i)) for i, a in enumerate(arrays)]
             return arrays_only(fn(*full))
 
+        # the arguments' own names in JAX's debug info (buffer names: model.layers.mlp.weight)
+        labels = [n if n.isidentifier() else f"arg{i}" for i, n in enumerate(names)]
+        if len(set(labels)) == len(labels):
+            only = inspect.Parameter.POSITIONAL_ONLY
+            filtered.__signature__ = inspect.Signature([inspect.Parameter(n, only) for n in labels])
         return Pure(filtered, tuple(parts[i][0] for i in rest), tuple(names), None)
     graphdef, state = nnx.split(tuple(args[i] for i in graph))
 

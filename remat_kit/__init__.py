@@ -7,6 +7,7 @@ from remat_kit import targets as targets  # isort: skip
 from remat_kit.doctor import Finding as Finding
 from remat_kit.doctor import check as check
 from remat_kit.doctor import check_function as check_function
+from remat_kit.inject import inject_policy as inject_policy
 from remat_kit.memory import CompileError as CompileError
 from remat_kit.memory import MemoryReport as MemoryReport
 from remat_kit.memory import analyze as analyze
@@ -41,6 +42,7 @@ from remat_kit.recommend import recommend as recommend
 from remat_kit.remat_impl import PolicyEffect as PolicyEffect
 from remat_kit.remat_impl import policy_effect as policy_effect
 from remat_kit.remat_impl import remat_implementation as remat_implementation
+from remat_kit.tagging import tag_eqx as tag_eqx
 from remat_kit.tagging import tag_linen as tag_linen
 from remat_kit.tagging import tag_nnx as tag_nnx
 from remat_kit.targets import get_target as get_target
@@ -86,6 +88,7 @@ __all__ = [
     "get_policy_spec",
     "get_target",
     "init_train_state",
+    "inject_policy",
     "korthikanti_bytes",
     "load_program",
     "make_model",
@@ -99,6 +102,7 @@ __all__ = [
     "preset_names",
     "recommend",
     "remat_implementation",
+    "tag_eqx",
     "tag_linen",
     "tag_nnx",
     "target_names",

@@ -17,6 +17,12 @@ Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, or NNX objects (``nnx.Mo
 ``nnx.Optimizer``, real or from ``nnx.eval_shape``): NNX objects are split into their state and
 merged inside the traced function, and their updated state is returned, so a step that mutates
 them keeps its backward pass and update (a plain ``jax.jit`` of such a step drops both).
+Pytrees holding other leaves than arrays (an ``equinox.Module`` with its Python floats, bools and
+activation functions) are taken with equinox's filter semantics: the array leaves are the
+program's arguments, every other leaf is static (closed over, as ``eqx.partition`` /
+``eqx.filter_jit`` do), and only the array leaves of the step's outputs are kept; the
+parameters of :meth:`Program.from_loss` are differentiated in their array leaves only (as
+``eqx.filter_value_and_grad``), and the optimizer state is made for those.
 
 Example::
 
@@ -44,8 +50,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -53,6 +61,7 @@ from remat_kit.policies import PolicySpec
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
+from remat_kit.walker import holds, remat_policy, remat_segments
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
@@ -70,6 +79,50 @@ _NNX_OBJECT = getattr(nnx, "Pytree", None) or nnx.Object
 
 def _is_nnx(x: Any) -> bool:
     return isinstance(x, _NNX_OBJECT)
+
+
+def is_array(x: Any) -> bool:
+    """Whether a pytree leaf is an argument of the program (filter semantics, as
+    ``eqx.is_array``, plus ``jax.ShapeDtypeStruct`` for abstract arguments): JAX and NumPy arrays
+    (tracers included); every other leaf (a Python float or bool, a function) is static."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The non-array leaves of one argument, to put back around its array leaves."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+    mask: tuple[bool, ...]  # True where the leaf is an array (an argument)
+
+
+def partition(tree: Any) -> tuple[Any, _Static | None]:
+    """``tree`` split as ``eqx.partition(tree, is_array)`` would: the same tree with each
+    non-array leaf replaced by None (an empty subtree to JAX), and what :func:`combine` needs
+    to put them back; ``(tree, None)`` when every leaf is an array."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = tuple(is_array(x) for x in leaves)
+    if all(mask):
+        return tree, None
+    arrays = [x if m else None for x, m in zip(leaves, mask, strict=True)]
+    others = tuple(None if m else x for x, m in zip(leaves, mask, strict=True))
+    static = _Static(treedef, others, mask)
+    return jax.tree.unflatten(treedef, arrays), static
+
+
+def combine(arrays: Any, static: _Static | None) -> Any:
+    """The tree :func:`partition` split: ``arrays``' leaves (in order) with the static leaves."""
+    if static is None:
+        return arrays
+    given = iter(jax.tree.leaves(arrays))
+    leaves = [next(given) if m else x for x, m in zip(static.leaves, static.mask, strict=True)]
+    return jax.tree.unflatten(static.treedef, leaves)
+
+
+def arrays_only(tree: Any) -> Any:
+    """``tree`` with its non-array leaves replaced by None (what a jitted function may return)."""
+    return jax.tree.map(lambda x: x if is_array(x) else None, tree)
 
 
 def leaf_bytes(tree: Any) -> int:
@@ -126,11 +179,13 @@ class Pure:
 def purify(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str]) -> Pure:
     """Make ``fn(*args)`` a function of arrays: NNX objects among ``args`` are split into one
     state (first argument of the result) and merged back inside; their updated state is an
-    output, so mutations (an optimizer update) are part of the program.
+    output, so mutations (an optimizer update) are part of the program. Other arguments holding
+    non-array leaves (an ``equinox.Module``) keep their array leaves as the argument and the rest
+    static (:func:`partition`); only the array leaves of ``fn``'s result are returned.
 
     Raises:
       ValueError: an NNX object nested inside a container argument (pass it as its own
-        argument).
+        argument); an argument JAX cannot see into (:func:`check_argument`).
     """
     args = tuple(args)
     graph = [i for i, a in enumerate(args) if _is_nnx(a)]
@@ -140,10 +195,26 @@ def purify(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str]) ->
                 f"argument {names[i]!r} holds an NNX object inside a container; pass each "
                 "nnx.Module / nnx.Optimizer as its own argument"
             )
-    if not graph:
-        return Pure(fn, args, tuple(names), None)
-    graphdef, state = nnx.split(tuple(args[i] for i in graph))
+        if i not in graph:
+            check_argument(a, names[i])
     rest = [i for i in range(len(args)) if i not in graph]
+    parts = {i: partition(args[i]) for i in rest}
+    static = {i: st for i, (_, st) in parts.items() if st is not None}
+    if not graph and not static:
+        return Pure(fn, args, tuple(names), None)
+    if not graph:
+
+        def filtered(*arrays):
+            full = [combine(a, static.get(i)) for i, a in enumerate(arrays)]
+            return arrays_only(fn(*full))
+
+        # the arguments' own names in JAX's debug info (buffer names: model.layers.mlp.weight)
+        labels = [n if n.isidentifier() else f"arg{i}" for i, n in enumerate(names)]
+        if len(set(labels)) == len(labels):
+            only = inspect.Parameter.POSITIONAL_ONLY
+            filtered.__signature__ = inspect.Signature([inspect.Parameter(n, only) for n in labels])
+        return Pure(filtered, tuple(parts[i][0] for i in rest), tuple(names), None)
+    graphdef, state = nnx.split(tuple(args[i] for i in graph))
 
     def pure(nnx_state, *others):
         objs = nnx.merge(graphdef, nnx_state)
@@ -151,12 +222,61 @@ def purify(fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str]) ->
         for i, obj in zip(graph, objs, strict=True):
             full[i] = obj
         for i, value in zip(rest, others, strict=True):
-            full[i] = value
+            full[i] = combine(value, static.get(i))
         out = fn(*full)
-        return out, nnx.split(objs)[1]
+        return arrays_only(out), nnx.split(objs)[1]
 
     nnx_name = "+".join(names[i] for i in graph)
-    return Pure(pure, (state, *(args[i] for i in rest)), (nnx_name, *(names[i] for i in rest)), 0)
+    return Pure(
+        pure, (state, *(parts[i][0] for i in rest)), (nnx_name, *(names[i] for i in rest)), 0
+    )
+
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _hidden_arrays(x: Any) -> int:
+    """How many arrays an opaque (non-pytree) object holds in its attributes, one level deep."""
+    try:
+        values = list(vars(x).values())
+    except TypeError:
+        return 0
+    n = 0
+    for v in values:
+        if is_array(v):
+            n += 1
+        elif isinstance(v, (list, tuple, dict)):
+            n += sum(1 for y in jax.tree.leaves(v) if is_array(y))
+    return n
+
+
+def check_argument(arg: Any, name: str) -> None:
+    """Refuse an argument whose arrays JAX cannot see (they would be compile-time constants,
+    not arguments, and their bytes missing from every figure).
+
+    Raises:
+      ValueError: a flax.linen Module (its parameters live in its variables, not in it), or a
+        leaf that is not a pytree but holds arrays in its attributes (one line saying what to
+        pass instead).
+    """
+    for leaf in jax.tree.leaves(arg):
+        if is_array(leaf) or isinstance(leaf, _SCALARS):
+            continue
+        kind = type(leaf).__name__
+        if isinstance(leaf, nn.Module):
+            raise ValueError(
+                f"argument {name!r} is a flax.linen Module ({kind}), which holds no arrays: pass "
+                f"its variables (variables = model.init(key, x)) and call model.apply(variables, "
+                "...) in the loss"
+            )
+        n = _hidden_arrays(leaf)
+        if n:
+            raise ValueError(
+                f"argument {name!r} holds a {kind}, which is not a JAX pytree: its {n} arrays "
+                "would be compile-time constants, not arguments; make it a pytree (an "
+                "equinox.Module, a flax.struct.dataclass, jax.tree_util.register_dataclass) or "
+                "pass its arrays"
+            )
 
 
 def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
@@ -243,7 +363,8 @@ class Program:
         Args:
           make_loss: ``policy -> loss(*args) -> scalar``.
           *args: the loss's arguments; those in ``argnums`` are the parameters (pytrees of
-            float arrays), updated by ``optimizer``.
+            float arrays, or pytrees such as an ``equinox.Module`` whose other leaves are
+            static), updated by ``optimizer`` in their array leaves.
           optimizer: a name of :func:`remat_kit.training.make_optimizer` (``"adamw"``,
             ``"sgd"``, ``"adafactor"``, the bundled models' settings) or an optax transformation;
             its state is an
@@ -252,11 +373,17 @@ class Program:
           name: for reports (default: the factory's name).
 
         Raises:
-          ValueError: ``argnums`` out of range or naming an integer array; unknown optimizer.
+          ValueError: ``argnums`` out of range or naming an integer array; a parameter
+            argument with no array leaves; an argument JAX cannot see into (not a pytree, a
+            linen Module); a loss that does not return a float scalar; unknown optimizer.
         """
         nums = _argnums(argnums, args)
+        names = ("opt_state", *param_names(make_loss(None), len(args)))
+        _check_params(args, nums, names[1:])
+        check_loss(make_loss, args, names[1:])
         tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-        params = tuple(args[i] for i in nums)
+        # the differentiated arrays: each parameter's array leaves (filter semantics)
+        params = tuple(_diff_part(args[i])[0] for i in nums)
         concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
         # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
         opt_state = tx.init(params) if concrete else jax.eval_shape(tx.init, params)
@@ -265,14 +392,23 @@ class Program:
             loss = make_loss(policy)
 
             def step(opt_state, *loss_args):
-                value, grads = jax.value_and_grad(loss, argnums=nums)(*loss_args)
-                params = tuple(loss_args[i] for i in nums)
+                parts = [_diff_part(loss_args[i]) for i in nums]
+
+                def of_arrays(*diff):
+                    full = list(loss_args)
+                    for i, arrays, (_, static) in zip(nums, diff, parts, strict=True):
+                        full[i] = combine(arrays, static)
+                    return loss(*full)
+
+                params = tuple(p for p, _ in parts)
+                value, grads = jax.value_and_grad(of_arrays, argnums=tuple(range(len(nums))))(
+                    *params
+                )
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state, value
 
             return step
 
-        names = ("opt_state", *param_names(make_loss(None), len(args)))
         return cls(
             name=name or getattr(make_loss, "__name__", "program"),
             make_step=make_step,
@@ -298,7 +434,8 @@ class Program:
         """A program from the user's own step factory (see the module docstring).
 
         Raises:
-          ValueError: ``donate_argnums`` or ``argnums`` out of range.
+          ValueError: ``donate_argnums`` or ``argnums`` out of range; with ``make_loss``, as
+            :meth:`from_loss` (parameters without arrays, a loss that is not a float scalar).
         """
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         for i in donate:
@@ -306,6 +443,11 @@ class Program:
                 raise ValueError(
                     f"donate_argnums {i} out of range for a step of {len(args)} arguments"
                 )
+        nums = _argnums(argnums, loss_args) if make_loss is not None else (0,)
+        if make_loss is not None:
+            loss_names = param_names(make_loss(None), len(loss_args))
+            _check_params(tuple(loss_args), nums, loss_names)
+            check_loss(make_loss, tuple(loss_args), loss_names)
         return cls(
             name=name or getattr(make_step, "__name__", "program"),
             make_step=make_step,
@@ -313,7 +455,7 @@ class Program:
             donate_argnums=donate,
             make_loss=make_loss,
             loss_args=tuple(loss_args),
-            argnums=_argnums(argnums, loss_args) if make_loss is not None else (0,),
+            argnums=nums,
             argument_names=tuple(param_names(make_step(None), len(args))),
         )
 
@@ -328,16 +470,93 @@ class Program:
             return None
         loss = self.make_loss(jax_policy(spec))
         names = param_names(loss, len(self.loss_args))
-        pure = purify(loss, self.loss_args, names)
-        if pure.nnx_index is not None:
-            return pure
-        return pure
+        return purify(loss, self.loss_args, names)
 
     def donated(self, pure: Pure) -> tuple[int, ...]:
         """``donate_argnums`` of the pure step: the NNX state is donated (updated in place)."""
         if pure.nnx_index is None:
             return self.donate_argnums
         return (pure.nnx_index,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyReach:
+    """Whether a program's factory passes the policy it receives to its remat segments.
+
+    Read from two traces (nothing compiled) of the loss (the step where no loss is given): one
+    with a probe policy, a fresh function no model holds, and one with None (``no-remat``).
+
+    Attributes:
+      program: the program's name.
+      segments: remat segments (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat`` /
+        ``eqx.filter_checkpoint``: the ``remat`` primitive) in the probe trace.
+      reached: those of them whose policy is the probe or holds it (a wrapper around it).
+      without_policy: remat segments in the trace for ``no-remat`` (a factory building without
+        remat has none).
+    """
+
+    program: str
+    segments: int
+    reached: int
+    without_policy: int
+
+    @property
+    def passes(self) -> bool:
+        """The policy decides something: at least one remat segment takes it."""
+        return self.reached > 0
+
+    def error(self) -> str:
+        """One line: why every policy would compile to one program, and what to do."""
+        if not self.segments:
+            return (
+                f"the factory of program {self.program!r} applies no remat: its traced loss holds "
+                "no remat segment (jax.checkpoint / nn.remat / nnx.remat / eqx.filter_checkpoint), "
+                "so every policy would compile to the no-remat program; wrap its layers with the "
+                "policy it receives: jax.checkpoint(layer, policy=policy)"
+            )
+        return (
+            f"the factory of program {self.program!r} does not pass the policy it receives on: "
+            f"none of its {self.segments} remat segment(s) takes it (a model calling nn.remat / "
+            "jax.checkpoint itself without policy=), so every policy would compile to one "
+            "program; build it with remat_kit.inject_policy(loss) (docs/own-model-no-policy-"
+            "hook.md) or pass the policy to those remat calls"
+        )
+
+    def no_remat_note(self) -> str | None:
+        """A note for the ``no-remat`` row when the factory remats even when given None."""
+        if not self.without_policy:
+            return None
+        return (
+            f"not a no-remat baseline: the factory still builds {self.without_policy} remat "
+            "segment(s) when given no policy (None), so this row and the recompute ratios "
+            "against it include that remat; build without remat for None (remat_kit."
+            "inject_policy does)"
+        )
+
+
+def policy_reach(program: Program) -> PolicyReach:
+    """Trace ``program``'s loss (or step) with a probe policy and with None and count the remat
+    segments that take the policy (:class:`PolicyReach`). Traces only."""
+    if program.make_loss is not None:
+        return factory_reach(program.make_loss, program.loss_args, program.name)
+    return factory_reach(program.make_step, program.args, program.name)
+
+
+def factory_reach(make: Factory, args: Sequence[Any], name: str) -> PolicyReach:
+    """:class:`PolicyReach` of a factory ``make(policy) -> fn`` on ``fn``'s arguments ``args``
+    (arrays, ``ShapeDtypeStruct`` s, NNX objects, pytrees with static leaves)."""
+
+    def probe(prim: Any, *a: Any, **params: Any) -> bool:  # saves nothing, held by no one
+        return jax.checkpoint_policies.nothing_saveable(prim, *a, **params)
+
+    def segments(policy: Any) -> list[Any]:
+        fn = make(policy)
+        pure = purify(fn, args, param_names(fn, len(args)))
+        return remat_segments(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+
+    probed = segments(probe)
+    reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
+    return PolicyReach(name, len(probed), reached, len(segments(None)))
 
 
 def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:
@@ -352,6 +571,65 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
                 "differentiated; pass the float parameters' position"
             )
     return nums
+
+
+def _diff_part(arg: Any) -> tuple[Any, _Static | None]:
+    """A parameter argument's differentiated arrays (NNX objects as they are)."""
+    return (arg, None) if _is_nnx(arg) else partition(arg)
+
+
+def _check_params(args: Sequence[Any], nums: Sequence[int], names: Sequence[str]) -> None:
+    """Each differentiated argument holds arrays (one line naming what to pass otherwise)."""
+    for i in nums:
+        arg = args[i]
+        check_argument(arg, names[i])
+        if _is_nnx(arg) or any(is_array(x) for x in jax.tree.leaves(arg)):
+            continue
+        leaves = jax.tree.leaves(arg)
+        what = type(arg).__name__ + (
+            f" of {len(leaves)} non-array leaves" if leaves and leaves != [arg] else ""
+        )
+        raise ValueError(
+            f"argument {names[i]!r} (argnums {i}) holds no arrays ({what}): nothing to "
+            "differentiate; pass the parameters: a pytree of float arrays (the linen variables, "
+            "an equinox.Module, a dict of arrays) or jax.ShapeDtypeStruct leaves"
+        )
+
+
+def _describe_output(out: Any) -> str:
+    if is_array(out):
+        return f"{jnp.dtype(out.dtype).name}{list(out.shape)}"
+    leaves = jax.tree.leaves(out)
+    return f"a {type(out).__name__} of {len(leaves)} leaves"
+
+
+def check_loss(make_loss: Factory, args: Sequence[Any], names: Sequence[str]) -> None:
+    """The loss (built without remat) returns a float scalar, the one thing
+    ``jax.value_and_grad`` differentiates; traced abstractly, nothing computed.
+
+    Raises:
+      ValueError: a non-scalar, integer or boolean, or structured (tuple, dict) output.
+    """
+    pure = purify(make_loss(None), args, names)
+    out = jax.eval_shape(pure.fn, *pure.args)
+    if pure.nnx_index is not None:
+        out = out[0]
+    got = _describe_output(out)
+    if not is_array(out):
+        raise ValueError(
+            f"the loss returns {got}, not a scalar: return the scalar loss alone (remat-kit "
+            "differentiates it with jax.value_and_grad, without has_aux)"
+        )
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise ValueError(
+            f"the loss returns {got}, which cannot be differentiated: return a float scalar "
+            "(e.g. .astype(jnp.float32) before the mean)"
+        )
+    if out.shape != ():
+        raise ValueError(
+            f"the loss returns {got}, not a scalar: reduce it to one number (e.g. .mean() over "
+            "the batch)"
+        )
 
 
 def _factories(module: Any) -> list[str]:

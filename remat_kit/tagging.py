@@ -8,10 +8,13 @@ tag-based named policy) does nothing on a model whose tensors carry no names: it
   interceptor (``flax.linen.intercept_methods``) tags the output of every ``__call__`` of a
   submodule whose path matches a pattern;
 - flax.nnx: :func:`tag_nnx` gives the matching submodules of a model a ``__call__`` that tags its
-  output (the module's class is swapped for a subclass; parameters and graph are unchanged).
+  output (the module's class is swapped for a subclass; parameters and graph are unchanged);
+- equinox: :func:`tag_eqx` returns a copy of an ``eqx.Module`` whose matching submodules are
+  instances of such a subclass (equinox modules are immutable; the arrays are the same).
 
 Patterns are :mod:`fnmatch` globs on the module path written with ``/`` (linen:
-``"Decoder_0/layers_3/MlpBlock_0/Dense_0"``; nnx: ``"blocks/3/mlp/linear1"``), so
+``"Decoder_0/layers_3/MlpBlock_0/Dense_0"``; nnx: ``"blocks/3/mlp/linear1"``; equinox:
+``"blocks/3/mlp"``, attribute names and list indices), so
 ``"*/MlpBlock_0/Dense_0"`` names the MLP input projection of every layer. A pattern that matches
 no module is an error naming the model's module paths.
 
@@ -33,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import functools
@@ -46,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit.names import validate_name
 
-__all__ = ["tag_linen", "tag_nnx"]
+__all__ = ["tag_eqx", "tag_linen", "tag_nnx"]
 
 
 def _check_mapping(mapping: Mapping[str, str]) -> dict[str, str]:
@@ -195,3 +199,77 @@ def _iter_modules(model: nnx.Module):
     if it is not None:
         return it(model)
     return model.iter_modules()
+
+
+def tag_eqx(model: Any, tags: Mapping[str, str]) -> Any:
+    """An equinox model whose matching submodules tag their outputs.
+
+    Equinox modules are immutable pytrees: the result is a new model (``model`` is unchanged)
+    with the same arrays, in which every matching submodule is an instance of a subclass of its
+    class whose ``__call__`` applies ``checkpoint_name`` to its output (attributes,
+    ``isinstance`` and the array leaves unchanged; the class is part of the static pytree
+    structure, so a layer stack rebuilt with ``eqx.combine`` inside ``lax.scan`` is tagged too).
+
+    Args:
+      model: an ``equinox.Module``.
+      tags: ``{module path glob: checkpoint name}`` on ``/``-joined paths of attribute names
+        and list / tuple indices / dict keys (``"layers/ff_block/mlp"``,
+        ``"blocks/*/attention/query_proj"``); the first matching pattern wins.
+
+    Returns:
+      The tagged model.
+
+    Raises:
+      ValueError: ``model`` is not an equinox.Module; a pattern that matches no submodule (the
+        message lists the model's module paths); a bad pattern or tag; a submodule already
+        tagged with another name.
+    """
+    import equinox as eqx  # optional dependency: remat-kit[eqx]
+
+    mapping = _check_mapping(tags)
+    if not isinstance(model, eqx.Module):
+        raise ValueError(f"tag_eqx takes an equinox.Module, got {type(model).__name__}")
+    modules = {"/".join(map(str, path)): path for path, _ in _eqx_modules(model, eqx.Module, ())}
+    modules.pop("", None)
+    for pattern in mapping:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in modules):
+            raise _unmatched_error(pattern, modules)
+    hits = [(path, _tag_for(name, mapping)) for name, path in modules.items()]
+    hits = sorted(((p, h[1]) for p, h in hits if h is not None), key=lambda x: -len(x[0]))
+    for path, tag in hits:  # deepest first: a parent is re-read with its tagged children
+        module = _get_path(model, path)
+        tagged_as = getattr(type(module), "_remat_kit_tag", None)
+        if tagged_as is not None:
+            if tagged_as != tag:
+                raise ValueError(
+                    f"module {'/'.join(map(str, path))!r} is already tagged {tagged_as!r}; "
+                    f"cannot tag it {tag!r}"
+                )
+            continue
+        tagged = object.__new__(_tagged_class(type(module), tag))
+        for key, value in vars(module).items():
+            object.__setattr__(tagged, key, value)
+        model = eqx.tree_at(lambda m, path=path: _get_path(m, path), model, tagged)
+    return model
+
+
+def _eqx_modules(node: Any, module_type: type, path: tuple):
+    """``(path, module)`` of every equinox module in ``node`` (pre-order), through module
+    fields, lists, tuples and dicts."""
+    if isinstance(node, module_type):
+        yield path, node
+        children = [(f.name, getattr(node, f.name, None)) for f in dataclasses.fields(node)]
+    elif isinstance(node, (list, tuple)):
+        children = list(enumerate(node))
+    elif isinstance(node, dict):
+        children = list(node.items())
+    else:
+        return
+    for key, child in children:
+        yield from _eqx_modules(child, module_type, (*path, key))
+
+
+def _get_path(node: Any, path: tuple) -> Any:
+    for key in path:
+        node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
+    return node

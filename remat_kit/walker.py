@@ -181,6 +181,50 @@ def is_remat(eqn: Any) -> bool:
     return name in REMAT_PRIMITIVES
 
 
+def remat_policy(eqn: Any) -> Any:
+    """The ``policy`` a remat segment equation carries (None: saves nothing)."""
+    if eqn.primitive.name == HI_CALL:
+        prim = eqn.params.get("_prim")
+        return getattr(prim, "params", {}).get("policy", getattr(prim, "policy", None))
+    return eqn.params.get("policy")
+
+
+def holds(obj: Any, target: Any, depth: int = 4) -> bool:
+    """Whether ``obj`` is ``target`` or reaches it through a function's closure cells,
+    ``__wrapped__``, a ``functools.partial``'s function and arguments, or a bound method's
+    ``__self__`` / ``__func__`` (``depth`` steps at most): a policy wrapped by a library (a
+    lambda calling it, a partial) still holds the policy it was given."""
+    todo, seen = [(obj, 0)], set()
+    while todo:
+        x, d = todo.pop()
+        if x is target:
+            return True
+        if d >= depth or id(x) in seen:
+            continue
+        seen.add(id(x))
+        nxt: list[Any] = []
+        for cell in getattr(x, "__closure__", None) or ():
+            try:
+                nxt.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        for attr in ("__wrapped__", "func", "__func__", "__self__"):
+            if hasattr(x, attr) and not isinstance(x, type):
+                nxt.append(getattr(x, attr))
+        if isinstance(x, (tuple, list)):
+            nxt.extend(x)
+        nxt.extend(getattr(x, "args", ()) if callable(x) else ())
+        nxt.extend((getattr(x, "keywords", None) or {}).values() if callable(x) else ())
+        todo.extend((y, d + 1) for y in nxt)
+    return False
+
+
+def remat_segments(jaxpr: Any) -> list[Any]:
+    """The remat segment equations of ``jaxpr`` and its nested jaxprs (a sub-jaxpr shared by
+    several equations is walked once: :func:`walk`)."""
+    return [eqn for eqn in walk(jaxpr) if is_remat(eqn)]
+
+
 def has_remat(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` holds a remat segment anywhere (nested jaxprs included)."""
     return any(is_remat(eqn) for eqn in walk(jaxpr))

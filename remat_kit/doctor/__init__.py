@@ -17,6 +17,11 @@ Finding codes (severity):
   ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``): the user's factory does not apply the
   policy it receives. The only finding for that policy (nothing else follows from a policy
   never applied); such a policy is not compiled.
+- ``policy-not-passed`` (error): the step holds remat segments but none takes the policy the
+  factory receives (a model calling ``nn.remat`` / ``jax.checkpoint`` itself without
+  ``policy=``, as Hugging Face's Flax models do): every policy is the same program. The fix
+  names :func:`remat_kit.inject_policy`. Judged once per program
+  (:func:`remat_kit.program.policy_reach`), as ``analyze`` and ``recommend`` judge it.
 - ``no-op-policy`` (error): the compiled step needs as much memory as without remat (its fix
   never names the policy being checked).
 - ``cse-undid-remat`` (error): the jaxpr recomputes, but the compiled program does not (no

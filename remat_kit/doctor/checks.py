@@ -28,6 +28,7 @@ from remat_kit.doctor.tags import (
     TagFacts,
     matmul_tags,
     no_remat_segment,
+    policy_not_passed,
     recompute_savers,
     tag_facts,
     unknown_tags,
@@ -36,7 +37,7 @@ from remat_kit.memory import analyze, analyze_policies, hlo
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import make_model
 from remat_kit.policies import PolicySpec, policy_label, policy_names
-from remat_kit.program import Program
+from remat_kit.program import Program, factory_reach
 from remat_kit.training.step import init_params
 from remat_kit.walker import has_remat
 
@@ -200,6 +201,10 @@ def check_function(
     jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
     if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
         return [no_remat_segment(promise.name if promise else "custom-callable", "make_loss")]
+    reach = factory_reach(make_loss, args, "make_loss")  # the judgement analyze makes
+    if not reach.passes:  # remat segments of the model's own, none taking the policy
+        label = promise.name if promise else "custom-callable"
+        return [policy_not_passed(label, "make_loss", reach.segments)]
     if remat_static_argnums is not None:
         findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)

@@ -28,6 +28,7 @@ from remat_kit.doctor.tags import (
     TagFacts,
     matmul_tags,
     no_remat_segment,
+    policy_not_passed,
     recompute_savers,
     unknown_tags,
 )
@@ -39,8 +40,8 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program
-from remat_kit.walker import has_remat, tags_in_remat
+from remat_kit.program import Program, policy_reach
+from remat_kit.walker import tags_in_remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,6 @@ class ProgramCheck:
 def _kept(program: Program, spec: PolicySpec) -> Residuals:
     loss = program.loss(spec)
     return Residuals.of(R.saved_residuals(loss.fn, *loss.args))
-
-
-def _has_remat(program: Program, spec: PolicySpec) -> bool:
-    """Whether the program's loss under ``spec`` holds a remat segment (traces only)."""
-    loss = program.loss(spec)
-    return has_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
 
 
 def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
@@ -135,7 +130,10 @@ def check_program_policies(
     if not specs:
         return ProgramCheck(program.name, tags, (), tuple(notes))
     facts = _facts(program, tags)
-    applied = [not spec.wrap or _has_remat(program, spec) for spec in specs]
+    reach = policy_reach(program)  # the judgement analyze and recommend make too
+    if reach.no_remat_note():
+        notes.append(f"no-remat: {reach.no_remat_note()}")
+    applied = [not spec.wrap or reach.passes for spec in specs]
     compiled = [s for s, ok in zip(specs, applied, strict=True) if ok]
     jobs = [*compiled, "no-remat"] if compiled else []  # nothing to compile when none applies
     reports = analyze_program(program, jobs, tgt, strict_tags=False) if jobs else []
@@ -144,7 +142,12 @@ def check_program_policies(
     checks, each = [], iter(reports)
     for spec, label, ok in zip(specs, labels, applied, strict=True):
         if not ok:  # the factory ignores the policy: nothing else to say about it
-            findings = [no_remat_segment(label, f"the factory {program.name!r}")]
+            factory = f"the factory {program.name!r}"
+            findings = [
+                policy_not_passed(label, factory, reach.segments)
+                if reach.segments
+                else no_remat_segment(label, factory)
+            ]
             checks.append(PolicyCheck(label, spec, tuple(findings)))
             continue
         promise = Promise.of(spec, registered=spec.name in registered)

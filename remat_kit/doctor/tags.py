@@ -138,6 +138,22 @@ def no_remat_segment(label: str, factory: str) -> Finding:
     )  # fmt: skip
 
 
+def policy_not_passed(label: str, factory: str, segments: int) -> Finding:
+    """The error for a policy that none of the step's ``segments`` remat segments takes: the
+    model rematerializes on its own (``nn.remat`` / ``jax.checkpoint`` without ``policy=``),
+    so every policy compiles to one program."""
+    return Finding(
+        "policy-not-passed", "error",
+        f"policy {label!r} is never applied: none of the {segments} remat segment(s) of the "
+        "step takes it, so it compiles to the same program as every other policy.",
+        f"{factory} builds remat segments that do not take the policy it receives (a model "
+        "calling nn.remat / jax.checkpoint itself without policy=, e.g. a Hugging Face Flax "
+        "model with gradient_checkpointing=True).",
+        "build the program with Program.from_loss(remat_kit.inject_policy(loss), ...), which "
+        "sets the policy of every remat segment, or pass policy=policy to those remat calls.",
+    )  # fmt: skip
+
+
 def own_example(facts: TagFacts, action: str, prefer: Iterable[str] = ()) -> str:
     """A per-tag policy in the program's own names: ``'attn_in=offload'`` (the first of
     ``prefer`` it emits, else its first name); ``""`` when it emits none."""

@@ -37,7 +37,7 @@ from remat_kit.policies import (
     policy_names,
     policy_specs,
 )
-from remat_kit.program import Program, argument_parts
+from remat_kit.program import PolicyReach, Program, argument_parts, policy_reach
 from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
 from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
@@ -55,6 +55,7 @@ class _ProgramSetup:
     target: T.Target
     sharding: Any
     tags: frozenset[str]
+    reach: PolicyReach
     flops_no_remat: float | None = None
 
 
@@ -263,6 +264,8 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
             "no residual table: give the program's loss (Program.from_loss, or make_loss= in "
             "Program.from_step) for residuals by checkpoint tag"
         )
+    if not spec.wrap and setup.reach.no_remat_note():
+        notes.append(setup.reach.no_remat_note())
     if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
         notes.append(
             f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
@@ -304,14 +307,14 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
     )
 
 
-def _setup(program: Program, target: str | T.Target) -> _ProgramSetup:
+def _setup(program: Program, target: str | T.Target, reach: PolicyReach) -> _ProgramSetup:
     if not isinstance(program, Program):
         raise ValueError(
             f"expected a remat_kit.Program (Program.from_loss / Program.from_step), got "
             f"{type(program).__name__}"
         )
     tgt = T.get_target(target)
-    setup = _ProgramSetup(program, tgt, T.abstract_sharding(tgt), program_tags(program))
+    setup = _ProgramSetup(program, tgt, T.abstract_sharding(tgt), program_tags(program), reach)
     base = program.step(get_policy_spec("no-remat"))
     setup.flops_no_remat = traced_flops(base.fn, *base.args)
     return setup
@@ -356,14 +359,19 @@ def analyze_program(
 
     Raises:
       ValueError: unknown policy or target; a policy naming a tag the program never emits
-        (the message lists the emitted tags and the closest).
+        (the message lists the emitted tags and the closest); a factory that does not pass the
+        policy to any remat segment (:class:`~remat_kit.program.PolicyReach`: every policy
+        would compile to one program).
       CompileError: with ``raise_errors``, the first policy that failed to compile.
     """
     if policies is None:
         specs = list(program_policies(program, target).specs)
     else:
         specs = [get_policy_spec(p) for p in policies]
-    setup = _setup(program, target)
+    reach = policy_reach(program)
+    if any(spec.wrap for spec in specs) and not reach.passes:
+        raise ValueError(reach.error())
+    setup = _setup(program, target, reach)
     registered = policy_specs()
     for spec in specs:
         if strict_tags and registered.get(spec.name) != spec:  # the user's own spec

@@ -28,3 +28,11 @@ needs_cuda_plugin = pytest.mark.skipif(
     not _cuda_plugin_installed(),
     reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
 )
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """Every test gets its own empty compile cache (never the user's ~/.cache/remat-kit):
+    tests stay independent of one another and of earlier runs."""
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
+    monkeypatch.delenv("REMAT_KIT_NO_CACHE", raising=False)

@@ -125,7 +125,8 @@ class MemoryReport:
         buffer packing loses; see :mod:`remat_kit.memory.timeline`).
       memory_bytes: the target's device memory; budget_bytes: the budget judged against
         (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
-      compile_s: wall seconds of XLA's compile (lowering excluded).
+      compile_s: wall seconds of XLA's compile (lowering excluded); for a compile read from
+        the compile cache (``compile_cached``), those of the compile that made the entry.
       warnings: compiler messages worth reading (XLA's rematerialisation pass giving up, loops
         of unknown trip count, dumps missing).
       model, batch_size, seq_len: the model preset (or config name) and shape, when a model.
@@ -141,6 +142,8 @@ class MemoryReport:
       program_sha256: the compile engine's key of the compiled program (sha256 of the target,
         compile options and lowered StableHLO text): reports with the same key come from one
         compile of one program (two policies that act the same); None when not known.
+      compile_cached: the compile's artifacts were read from the persistent compile cache
+        (:mod:`remat_kit.memory.compile_cache`) instead of compiling.
     """
 
     name: str
@@ -177,6 +180,7 @@ class MemoryReport:
     timeline: Timeline | None = None
     policy_only: PolicyOnly | None = None
     program_sha256: str | None = None
+    compile_cached: bool = False
 
     @property
     def peak_gib(self) -> float:

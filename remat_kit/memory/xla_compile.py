@@ -165,9 +165,17 @@ class CompileResult:
     xla_remat_instructions: int = 0
     #: The same program compiled with that pass off (when it fired and that was asked for).
     policy_only: CompileResult | None = None
+    #: The compiler's log lines of this compile when known without the capture (a compile
+    #: read back from :mod:`remat_kit.memory.compile_cache`).
+    logged: list[LogLine] | None = None
+    #: Read from the persistent compile cache (``compiled`` cannot run; ``compile_s`` is the
+    #: seconds of the compile that made the entry).
+    cached: bool = False
 
     def log_lines(self) -> list[LogLine]:
         """The compiler log lines of this compile (call after the capture ended)."""
+        if self.logged is not None:
+            return list(self.logged)
         return capture_compiler_log.lines_for(self.thread, self.start, self.end)
 
 
@@ -205,6 +213,16 @@ def count_xla_remat(hlo_text: str | None) -> int:
     return sum(hlo.is_xla_remat(n) for n in _INSTR_NAME.findall(hlo_text or ""))
 
 
+def compile_options(platform: str, fast: bool = True, options: dict | None = None) -> dict:
+    """The compiler options :func:`compile_with_dump` passes, less the dump folder: text dumps
+    on, the :data:`FAST_COMPILE_OPTIONS` of ``platform`` with ``fast``, then ``options``."""
+    opts: dict[str, Any] = {"xla_dump_hlo_as_text": True}
+    if fast:
+        opts.update(FAST_COMPILE_OPTIONS.get(platform, {}))
+    opts.update(options or {})
+    return opts
+
+
 def compile_with_dump(
     lowered: Any, platform: str, what: str, fast: bool = True, options: dict | None = None
 ) -> CompileResult:
@@ -223,10 +241,7 @@ def compile_with_dump(
       CompileError: XLA failed; the message is ``"{what} failed to compile: {first line}"``.
     """
     with tempfile.TemporaryDirectory(prefix="remat-kit-xla-") as folder:
-        opts = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
-        if fast:
-            opts.update(FAST_COMPILE_OPTIONS.get(platform, {}))
-        opts.update(options or {})
+        opts = {"xla_dump_to": folder, **compile_options(platform, fast, options)}
         thread = threading.get_native_id()
         start = time.time()
         t0 = time.perf_counter()

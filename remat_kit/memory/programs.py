@@ -25,7 +25,13 @@ from remat_kit import targets as T
 from remat_kit.memory.flops import jaxpr_flops, traced_flops
 from remat_kit.memory.reading import residual_hints
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, RematPlacement, add_offload_jobs, run_jobs
+from remat_kit.memory.runner import (
+    CompileEngine,
+    Job,
+    RematPlacement,
+    add_offload_jobs,
+    run_jobs,
+)
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.policies import (
     PolicySpec,
@@ -326,6 +332,7 @@ def analyze_program(
     raise_errors: bool = True,
     compare_offload: bool = True,
     strict_tags: bool = True,
+    engine: CompileEngine | None = None,
 ) -> list[MemoryReport | CompileError]:
     """Compile a user's program under each policy for ``target`` and report its memory.
 
@@ -347,6 +354,8 @@ def analyze_program(
         (``peak_bytes_without_offload``).
       strict_tags: raise on a user spec naming a tag the program never emits (False: compile
         it anyway; the doctor reports it as a finding).
+      engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
+        reporting progress); None: a private one (``workers`` at a time).
 
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
@@ -375,7 +384,7 @@ def analyze_program(
         jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
         compare_offload, lambda twin: _program_job(setup, twin, visible=False),
     )  # fmt: skip
-    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     own = dict(zip(distinct, results, strict=False))
     out = []
     for i, spec in enumerate(specs):

@@ -333,6 +333,7 @@ def analyze_program(
     compare_offload: bool = True,
     strict_tags: bool = True,
     engine: CompileEngine | None = None,
+    separate_xla_remat: bool = True,
 ) -> list[MemoryReport | CompileError]:
     """Compile a user's program under each policy for ``target`` and report its memory.
 
@@ -356,6 +357,9 @@ def analyze_program(
         it anyway; the doctor reports it as a finding).
       engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
         reporting progress); None: a private one (``workers`` at a time).
+      separate_xla_remat: compile a policy again with XLA's own rematerialisation pass off
+        where that pass changed it, for the policy's own figures (``recompute_ratio``,
+        ``policy_only``); False: one compile per policy, figures as compiled.
 
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
@@ -384,6 +388,8 @@ def analyze_program(
         jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
         compare_offload, lambda twin: _program_job(setup, twin, visible=False),
     )  # fmt: skip
+    for job in jobs:
+        job.policy_only = separate_xla_remat and job.visible
     results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     own = dict(zip(distinct, results, strict=False))
     out = []

@@ -92,6 +92,18 @@ def compiler_versions() -> str:
     return " ".join(out)
 
 
+@functools.cache
+def source_fingerprint() -> str:
+    """The sha256 of remat-kit's own Python source (every ``.py`` file of the package): the
+    bundled models, train step and readers that make a report are all in it."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def target_fingerprint(target: T.Target) -> str:
     """What of ``target`` the compiler sees: the whole dataclass, the ``GpuTargetConfig`` text of
     a deviceless GPU model, or the local backend's platform version and device kinds."""
@@ -200,17 +212,68 @@ class CompileCache:
             h.update(b"\0")
         return h.hexdigest()
 
+    @staticmethod
+    def request_key(*parts: Any) -> str:
+        """The sha256 of an analysis request of a bundled model (its ``repr``-able inputs),
+        the compiler versions and :func:`source_fingerprint`: the key of the reports of
+        :func:`remat_kit.memory.analyze_model_policies`, which a repeat then reads without
+        tracing anything. Any change to remat-kit's source changes it."""
+        h = hashlib.sha256()
+        for part in (f"remat-kit report v{FORMAT_VERSION}", compiler_versions(),
+                     source_fingerprint(), *map(repr, parts)):  # fmt: skip
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
     def _path(self, key: str) -> Path:
         return self.entries / f"{key}{_SUFFIX}"
 
-    def load(self, key: str) -> CompileResult | None:
-        """The compile stored under ``key`` (its executable a :class:`CachedExecutable`), or
-        None (missing; an unreadable entry is removed). A hit marks the entry recently used."""
+    def load_json(self, key: str) -> dict[str, Any] | None:
+        """The JSON object stored under ``key`` by :meth:`store_json` (or :meth:`store`), or
+        None (missing; an unreadable or foreign entry is removed). A hit marks the entry
+        recently used."""
         path = self._path(key)
         try:
             data = json.loads(gzip.decompress(path.read_bytes()))
             if data.get("key") != key or data.get("format") != FORMAT_VERSION:
                 raise ValueError("not this entry")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, EOFError):  # torn or foreign: drop it
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently used goes first
+        return data
+
+    def store_json(self, key: str, data: Mapping[str, Any]) -> None:
+        """Write a JSON object under ``key`` (atomically: a temporary file renamed into place),
+        then evict down to ``max_bytes``; a failure to write (disk full, read-only) is
+        ignored: the cache only ever saves time."""
+        data = {**data, "format": FORMAT_VERSION, "key": key, "created": time.time()}
+        blob = gzip.compress(json.dumps(data).encode(), compresslevel=1)
+        tmp = None
+        try:
+            self.entries.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.entries, prefix=".tmp-", suffix=_SUFFIX)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            return
+        self.evict()
+
+    def load(self, key: str) -> CompileResult | None:
+        """The compile stored under ``key`` (its executable a :class:`CachedExecutable`), or
+        None (missing; an unreadable entry is removed). A hit marks the entry recently used."""
+        data = self.load_json(key)
+        if data is None:
+            return None
+        try:
             dump = hlo.DumpFiles(**data["dump"])
             logged = [LogLine(*line) for line in data["log"]]
             result = CompileResult(
@@ -223,15 +286,11 @@ class CompileCache:
                 logged=logged,
                 cached=True,
             )
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, EOFError):  # torn or foreign: drop it
+        except (KeyError, TypeError, ValueError):  # not a compile's entry: drop it
             with contextlib.suppress(OSError):
-                path.unlink()
+                self._path(key).unlink()
             return None
         result.xla_remat_instructions = count_xla_remat(dump.hlo)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # least recently used goes first
         return result
 
     def store(self, key: str, result: CompileResult, what: str = "") -> None:
@@ -241,28 +300,14 @@ class CompileCache:
         if result.cached:
             return
         data = {
-            "format": FORMAT_VERSION,
-            "key": key,
             "what": what,
-            "created": time.time(),
             "versions": compiler_versions(),
             "memory_analysis": _memory_fields(result.compiled),
             "compile_s": result.compile_s,
             "dump": dataclasses.asdict(result.dump),
             "log": [dataclasses.astuple(line) for line in result.log_lines()],
         }
-        blob = gzip.compress(json.dumps(data).encode(), compresslevel=1)
-        try:
-            self.entries.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.entries, prefix=".tmp-", suffix=_SUFFIX)
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, self._path(key))
-        except OSError:
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
-            return
-        self.evict()
+        self.store_json(key, data)
 
     def evict(self) -> int:
         """Remove the least recently used entries until the total is at most ``max_bytes``;

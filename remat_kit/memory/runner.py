@@ -404,17 +404,20 @@ class CompileEngine:
             tell("done")
             return err
 
-    def _from_cache(self, item: Any, lowered: Any, fast: bool) -> tuple[Any, tuple[str, str]]:
+    def _from_cache(
+        self, item: Any, lowered: Any, fast: bool, load: bool = True
+    ) -> tuple[Any, tuple[str, str]]:
         """``(cached result or None, (cache key, pass-off cache key))``; the result is complete
         (its pass-off compile read too, where it is asked for and XLA's pass fired) or has
-        ``policy_only`` None with the pass-off compile still to run."""
+        ``policy_only`` None with the pass-off compile still to run. ``load=False``: the keys
+        only (the compile will run; its artifacts are stored under them)."""
         platform = item.target.platform
         text = lowered.as_text(debug_info=True)
         key = self.cache.key(text, item.target, compile_options(platform, fast))
         off_key = self.cache.key(
             text, item.target, compile_options(platform, fast, WITHOUT_XLA_REMAT)
         )
-        hit = self.cache.load(key)
+        hit = self.cache.load(key) if load else None
         if hit is not None and getattr(item, "policy_only", False) and hit.xla_remat_instructions:
             hit.policy_only = self.cache.load(off_key)
         return hit, (key, off_key)
@@ -467,9 +470,7 @@ class CompileEngine:
                     continue
                 base = None
                 if self.cache is not None:
-                    base, cache_keys[key] = self._from_cache(item, lowered, fast)
-                    if base is not None and executable:
-                        base = None
+                    base, cache_keys[key] = self._from_cache(item, lowered, fast, not executable)
                     wants_off = getattr(item, "policy_only", False)
                     if base is not None and (
                         not wants_off or not base.xla_remat_instructions or base.policy_only

@@ -278,15 +278,17 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
 def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
     program = setup.program
     pure = program.step(spec)
-    traced = jax.make_jaxpr(pure.fn)(*pure.args).jaxpr if spec.wrap else None
     abstract = tuple(T.abstractify(a, setup.sharding) for a in pure.args)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
+    # One trace serves the FLOPs, the remat placement and the lowering (was two traces).
+    stage = jitted.trace(*abstract) if spec.wrap else None
+    traced = stage.jaxpr.jaxpr if stage is not None else None
     residuals = _program_residuals(program, spec)
     return Job(
         name=program.name,
         what=f"policy {spec.name!r} of {program.name!r} on target {setup.target.name!r}",
         target=setup.target,
-        lower=lambda: jitted.lower(*abstract),
+        lower=stage.lower if stage is not None else (lambda: jitted.lower(*abstract)),
         arguments=argument_parts(pure, program.args),
         policy=spec.name,
         flops_no_remat=setup.flops_no_remat,

@@ -10,8 +10,11 @@ only the executable is missing (:class:`CachedExecutable` answers ``memory_analy
 
 Key (sha256, :meth:`CompileCache.key`): everything that decides what XLA produces:
 
-- the lowered program (StableHLO text *with* its debug info: op names and source locations end
-  up in the optimized HLO's metadata, which the readers use to name buffers);
+- the lowered program (StableHLO text *with* its debug info, less the source file positions:
+  the op names end up in the optimized HLO's metadata, which the readers use to name
+  buffers; the file positions only reach its ``source_file`` / ``source_line`` metadata,
+  which no reader uses, and would make every edit of a calling file, or a call from another
+  line, a miss);
 - the target: its whole :class:`~remat_kit.targets.Target` (``repr``) and, for a GPU model
   compiled deviceless, the ``GpuTargetConfig`` text XLA is given; for a local device, the
   backend's platform version and device kinds;
@@ -39,6 +42,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import tempfile
 import time
 import types
@@ -66,6 +70,8 @@ _DISTRIBUTIONS = (
 )  # fmt: skip
 _ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _SUFFIX = ".json.gz"
+#: An MLIR file location: ``loc("/path/file.py":29:15 to :40)`` (op names are ``loc("name"(...))``).
+_FILE_LOC = re.compile(r'loc\("(?:[^"\\]|\\.)*":\d+:\d+(?: to (?:\d+)?:\d+)?\)')
 
 
 def default_folder() -> Path:
@@ -198,6 +204,7 @@ class CompileCache:
           options: the compiler options of the compile (paths left out).
         """
         opts = sorted((k, repr(v)) for k, v in options.items() if k not in _PATH_OPTIONS)
+        lowered_text = _FILE_LOC.sub("loc(unknown)", lowered_text)
         parts = (
             f"remat-kit compile cache v{FORMAT_VERSION}",
             compiler_versions(),

@@ -157,14 +157,20 @@ def test_key_covers_target_options_and_flags(monkeypatch):
 def test_bundled_model_repeat_traces_nothing(compiles, monkeypatch):
     """A repeated request on a bundled model reads its reports: nothing traced or compiled; a
     request one policy apart is traced and compiled."""
+    from remat_kit import get_config
     from remat_kit.memory import api
 
-    first = api.analyze_model_policies("tiny-gpt", 1, 16, ["save-nothing"], target="cpu")
+    config = get_config("tiny-gpt", num_layers=1)
+
+    def run(policy):
+        return api.analyze_model_policies(config, 1, 8, [policy], target="cpu", optimizer="sgd")
+
+    first = run("save-nothing")
     assert len(compiles) == 1
     setup = api._setup
     monkeypatch.setattr(api, "_setup", lambda *a, **k: pytest.fail("traced on a repeat"))
-    again = api.analyze_model_policies("tiny-gpt", 1, 16, ["save-nothing"], target="cpu")
+    again = run("save-nothing")
     assert len(compiles) == 1 and again == [dataclasses.replace(first[0], compile_cached=True)]
     monkeypatch.setattr(api, "_setup", setup)
-    (other,) = api.analyze_model_policies("tiny-gpt", 1, 16, ["save-dots"], target="cpu")
+    (other,) = run("save-dots")
     assert len(compiles) == 2 and not other.compile_cached and other.policy == "save-dots"

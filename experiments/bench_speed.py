@@ -256,7 +256,11 @@ def cli(args) -> None:
     cmd += [x for p in args.policy for x in ("--policy", p)] if args.policy else (
         ["--all-policies"] if args.model_is_preset else []
     )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="remat-kit-bench-cache-") as folder:
+    with (
+        contextlib.nullcontext(args.cache_dir)
+        if args.cache_dir
+        else tempfile.TemporaryDirectory(prefix="remat-kit-bench-cache-")
+    ) as folder:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
                "REMAT_KIT_CACHE_DIR": folder}  # fmt: skip
         if args.no_cache:
@@ -294,6 +298,8 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="with --cli: cache off")
     parser.add_argument("--compare", help="with --cli: an earlier --json output to diff against")
     parser.add_argument("--save", help="with --cli: write the first run's --json output here")
+    parser.add_argument("--cache-dir", help="with --cli: this cache folder (kept) instead of an "
+                        "empty temporary one")  # fmt: skip
     args = parser.parse_args()
     args.model_is_preset = ":" not in args.model
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -133,6 +133,15 @@ def test_torn_or_foreign_entries_are_misses(tmp_path):
     assert cache.load("d" * 64) is None
 
 
+def test_request_key_text_does_not_follow_the_hash_seed():
+    """A frozenset's repr follows PYTHONHASHSEED; the request key's text sorts it."""
+    from remat_kit.policies import custom_spec
+
+    a = custom_spec({"query_proj": "save", "key_proj": "save", "out_proj": "offload"})
+    assert C.canonical(a) == C.canonical(dataclasses.replace(a, save=frozenset(sorted(a.save))))
+    assert C.canonical({"b": frozenset("zyx")}) == "[[\"'b'\", [\"'x'\", \"'y'\", \"'z'\"]]]"
+
+
 def test_key_covers_target_options_and_flags(monkeypatch):
     text = "module @jit_f {}"
     base = C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1})

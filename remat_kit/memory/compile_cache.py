@@ -98,6 +98,25 @@ def compiler_versions() -> str:
     return " ".join(out)
 
 
+def canonical(value: Any) -> str:
+    """A text for ``value`` that is the same in every process: dataclasses by their fields,
+    sets sorted (a ``repr`` of a frozenset of strings follows the process's hash seed)."""
+
+    def walk(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            fields = {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return [type(v).__qualname__, fields]
+        if isinstance(v, (set, frozenset)):
+            return sorted((walk(x) for x in v), key=repr)
+        if isinstance(v, dict):
+            return sorted(([walk(k), walk(x)] for k, x in v.items()), key=repr)
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return repr(v)
+
+    return json.dumps(walk(value))
+
+
 @functools.cache
 def source_fingerprint() -> str:
     """The sha256 of remat-kit's own Python source (every ``.py`` file of the package): the
@@ -227,7 +246,7 @@ class CompileCache:
         tracing anything. Any change to remat-kit's source changes it."""
         h = hashlib.sha256()
         for part in (f"remat-kit report v{FORMAT_VERSION}", compiler_versions(),
-                     source_fingerprint(), *map(repr, parts)):  # fmt: skip
+                     source_fingerprint(), *map(canonical, parts)):  # fmt: skip
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()

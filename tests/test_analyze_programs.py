@@ -167,10 +167,16 @@ def test_xla_remat_said_once():
     small = dataclasses.replace(
         targets.get_target("h100-sxm"), name="h100-3mb", memory_bytes=3_000_000
     )
-    (r,) = remat_kit.analyze_policies(plain_jax.program(), ["no-remat"], target=small, top_k=0)
+    r, again = (
+        remat_kit.analyze_policies(plain_jax.program(), ["no-remat"], target=small, top_k=0)[0]
+        for _ in range(2)
+    )
     assert r.policy_only is not None
     said = [w for w in r.warnings if "instruction" in w and "recomputed" in w]
     assert len(said) == 1 and said[0].startswith("XLA recomputed"), r.warnings
+    # The repeat reads both compiles (pass on, pass off) and XLA's log lines from the cache.
+    assert again.compile_cached and again == dataclasses.replace(r, compile_cached=True)
+    assert any("Can't reduce memory use" in w for w in again.warnings), again.warnings
 
 
 def test_program_repr_is_short():

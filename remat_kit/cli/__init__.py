@@ -28,8 +28,10 @@ fits), 2 bad input (one line on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from remat_kit.cli import analyze, doctor, policies, recommend, targets
 from remat_kit.cli.args import PROG as PROG
@@ -66,10 +68,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
-        return args.func(args)
+        with _cache_off(getattr(args, "no_cache", False)):
+            return args.func(args)
     except (UsageError, ValueError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _cache_off(off: bool) -> Iterator[None]:
+    """``--no-cache``: the compile cache's off switch set for the command, then restored."""
+    if not off:
+        yield
+        return
+    from remat_kit.memory.compile_cache import ENV_OFF
+
+    before = os.environ.get(ENV_OFF)
+    os.environ[ENV_OFF] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_OFF, None)
+        else:
+            os.environ[ENV_OFF] = before
 
 
 __all__ = ["COMMANDS", "PROG", "UsageError", "build_parser", "main", "parse_bytes", "positive_int"]

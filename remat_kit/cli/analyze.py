@@ -14,10 +14,12 @@ from rich.text import Text
 from remat_kit import plots, targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
+from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.programs import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.roofline import StepTime, format_seconds
+from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
@@ -117,17 +119,19 @@ def run(args: argparse.Namespace) -> int:
     if chosen is not None:
         specs = list(chosen.specs)
     try:
-        if isinstance(config, Program):
-            results = analyze_policies(
-                config, specs, target=target, budget_bytes=args.budget,
-                top_k=max(args.buffers, 0), workers=args.workers, raise_errors=False,
-            )  # fmt: skip
-        else:
-            results = analyze_policies(
-                config, args.batch, args.seq, specs, target=target, optimizer=args.optimizer,
-                budget_bytes=args.budget, top_k=max(args.buffers, 0), workers=args.workers,
-                raise_errors=False, mesh=args.mesh_spec,
-            )  # fmt: skip
+        with CompileProgress() as bar, CompileEngine(args.workers, progress=bar) as engine:
+            if isinstance(config, Program):
+                results = analyze_policies(
+                    config, specs, target=target, budget_bytes=args.budget,
+                    top_k=max(args.buffers, 0), raise_errors=False, engine=engine,
+                )  # fmt: skip
+            else:
+                results = analyze_policies(
+                    config, args.batch, args.seq, specs, target=target,
+                    optimizer=args.optimizer, budget_bytes=args.budget,
+                    top_k=max(args.buffers, 0), raise_errors=False, mesh=args.mesh_spec,
+                    engine=engine,
+                )  # fmt: skip
     except CompileError as err:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
         return 1
@@ -237,7 +241,7 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         if isinstance(r, CompileError):
             add_row(t, label, "compile failed", "", "", "", "", "", "", "")
             continue
-        seconds = f"{r.compile_s:.1f}"
+        seconds = "cached" if r.compile_cached else f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program
             label, seconds = f"{label} (same program as {labels[same]})", "-"
         fits = "?" if r.fits is None else ("yes" if r.fits else "no")

@@ -187,8 +187,19 @@ def add_budget(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_workers(p: argparse.ArgumentParser) -> None:
-    """``--workers``: concurrent compiles."""
+    """``--workers``: concurrent compiles; ``--no-cache``: compile without the compile cache."""
     p.add_argument("--workers", type=positive_int, default=None, help="concurrent compiles")
+    add_no_cache(p)
+
+
+def add_no_cache(p: argparse.ArgumentParser) -> None:
+    """``--no-cache``: neither read nor write the persistent compile cache
+    (:mod:`remat_kit.memory.compile_cache`; the same as ``REMAT_KIT_NO_CACHE=1``)."""
+    p.add_argument(
+        "--no-cache", action="store_true",
+        help="compile everything, neither reading nor writing the compile cache "
+        "(~/.cache/remat-kit or $REMAT_KIT_CACHE_DIR; also REMAT_KIT_NO_CACHE=1)",
+    )  # fmt: skip
 
 
 def add_json(p: argparse.ArgumentParser, what: str) -> None:

@@ -39,6 +39,7 @@ def add(subparsers) -> None:
     p.add_argument("--group-size", type=A.positive_int, default=None,
                    help="presets: remat_group_size (default 1)")  # fmt: skip
     A.add_json(p, "findings")
+    A.add_no_cache(p)
     p.set_defaults(func=run)
 
 

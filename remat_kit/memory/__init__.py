@@ -8,7 +8,8 @@ kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps 
 :mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes),
 :mod:`~remat_kit.memory.timeline` (live bytes over XLA's schedule, by category),
 :mod:`~remat_kit.memory.policy_only` (the policy's own figures, XLA's own remat told apart),
-:mod:`~remat_kit.memory.diff` (two policies side by side).
+:mod:`~remat_kit.memory.diff` (two policies side by side),
+:mod:`~remat_kit.memory.compile_cache` (compiles and reports kept on disk: a repeat is free).
 """
 
 from remat_kit.memory.api import analyze as analyze

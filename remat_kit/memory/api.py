@@ -20,6 +20,7 @@ import optax
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
+from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.programs import analyze_program
 from remat_kit.memory.reading import Hints, xla_shape
@@ -203,14 +204,11 @@ class _ModelSetup:
     mesh: Any = None  # the jax Mesh (axes dp, fsdp, tp) over the target's devices; None: one
 
 
-def _setup(
-    config: ModelConfig,
-    batch_size: int,
-    seq_len: int,
-    target: str | T.Target,
-    optimizer: str | optax.GradientTransformation,
-    mesh: str | S.MeshSpec | None = None,
-) -> _ModelSetup:
+def _check_shape(
+    config: ModelConfig, batch_size: int, seq_len: int, mesh: str | S.MeshSpec | None
+) -> None:
+    """Raise ValueError for a non-positive batch or sequence, a sequence over the model's
+    ``max_seq_len``, or a batch that ``mesh``'s dp*fsdp does not divide."""
     for label, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{label} must be a positive integer, got {v!r}")
@@ -219,6 +217,24 @@ def _setup(
             f"seq_len={seq_len} exceeds max_seq_len={config.max_seq_len} of {config.name!r}; "
             f"pass a shorter sequence or config.replace(max_seq_len={seq_len})"
         )
+    if mesh is not None:
+        spec = S.parse_mesh(mesh)
+        split = spec.dp * spec.fsdp
+        if batch_size % split:
+            raise ValueError(
+                f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
+            )
+
+
+def _setup(
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    target: str | T.Target,
+    optimizer: str | optax.GradientTransformation,
+    mesh: str | S.MeshSpec | None = None,
+) -> _ModelSetup:
+    _check_shape(config, batch_size, seq_len, mesh)
     tgt = T.get_target(target)
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     if mesh is None:
@@ -227,11 +243,6 @@ def _setup(
         batch = T.abstractify(abstract_batch(batch_size, seq_len), sharding)
     else:  # per-device figures on a (dp, fsdp, tp) mesh of the target's devices
         spec = S.parse_mesh(mesh)
-        split = spec.dp * spec.fsdp
-        if batch_size % split:
-            raise ValueError(
-                f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
-            )
         mesh = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
         state, _ = sharded_train_state(config, opt, mesh)
         batch = T.abstractify(abstract_batch(batch_size, seq_len), S.batch_sharding(mesh))
@@ -455,13 +466,42 @@ def analyze_model_policies(
     """
     config = _resolve_config(config)
     specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
+    _check_shape(config, batch_size, seq_len, mesh)
+    cache = CompileCache.from_env() if isinstance(optimizer, str) else None
+    key = None
+    if cache is not None:  # the same request made before: its reports, nothing traced
+        key = CompileCache.request_key(
+            "analyze_model_policies", config, batch_size, seq_len, specs,
+            target_fingerprint(T.get_target(target)), optimizer, budget_bytes, top_k,
+            fast_compile, compare_offload, mesh, separate_xla_remat,
+        )  # fmt: skip
+        cached = _cached_reports(cache, key, len(specs))
+        if cached is not None:
+            return cached
     setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
     jobs = _model_jobs(setup, specs, compare_offload)
     for job in jobs:
         job.policy_only = separate_xla_remat and job.visible
     with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
-    return results[: len(specs)]
+    results = results[: len(specs)]
+    if key is not None and all(isinstance(r, MemoryReport) for r in results):
+        cache.store_json(key, {"reports": [r.to_dict() for r in results]})  # type: ignore[union-attr]
+    return results
+
+
+def _cached_reports(cache: CompileCache, key: str, count: int) -> list[MemoryReport] | None:
+    """The reports stored under ``key`` (as read from the cache), or None."""
+    data = cache.load_json(key)
+    if data is None:
+        return None
+    try:
+        reports = [MemoryReport.from_dict(d) for d in data["reports"]]
+    except (KeyError, TypeError, ValueError):  # written by another layout: recompute
+        return None
+    if len(reports) != count:
+        return None
+    return [dataclasses.replace(r, compile_cached=True) for r in reports]
 
 
 def _resolve_config(config: ModelConfig | str) -> ModelConfig:

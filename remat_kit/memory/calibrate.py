@@ -18,7 +18,7 @@ same XLA backend as the steps it will judge:
 
 Each figure is the best of a few runs (the least disturbed by other work on the machine). The
 figures are cached per machine (platform, device kind, CPU model, core count, jax and jaxlib
-versions) in ``$REMAT_KIT_CACHE_DIR/calibration/`` (default ``~/.cache/remat-kit``); delete the
+versions) in ``calibration/`` of remat-kit's cache folder (:func:`cache_dir`); delete the
 file, or pass ``refresh=True``, to time again. A calibration takes a few seconds.
 """
 
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from remat_kit import targets as T
+from remat_kit.memory import compile_cache
 from remat_kit.memory.roofline import DeviceFigures
 
 #: Environment variable naming a calibration file to use instead of timing this machine (the
@@ -54,11 +55,10 @@ GPU_LAUNCH_S = 3e-6
 
 
 def cache_dir() -> Path:
-    """``$REMAT_KIT_CACHE_DIR`` or ``~/.cache/remat-kit``."""
-    root = os.environ.get("REMAT_KIT_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "remat-kit"
-    )
-    return Path(root)
+    """remat-kit's cache folder (:func:`remat_kit.memory.compile_cache.default_folder`:
+    ``$REMAT_KIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat-kit``, else ``~/.cache/remat-kit``);
+    calibrations go in its ``calibration/`` folder."""
+    return compile_cache.default_folder()
 
 
 def datasheet_figures(target: T.Target) -> DeviceFigures | None:

@@ -25,7 +25,13 @@ from remat_kit import targets as T
 from remat_kit.memory.flops import jaxpr_flops, traced_flops
 from remat_kit.memory.reading import residual_hints
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import Job, RematPlacement, add_offload_jobs, run_jobs
+from remat_kit.memory.runner import (
+    CompileEngine,
+    Job,
+    RematPlacement,
+    add_offload_jobs,
+    run_jobs,
+)
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.policies import (
     PolicySpec,
@@ -277,15 +283,17 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
 def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
     program = setup.program
     pure = program.step(spec)
-    traced = jax.make_jaxpr(pure.fn)(*pure.args).jaxpr if spec.wrap else None
     abstract = tuple(T.abstractify(a, setup.sharding) for a in pure.args)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
+    # One trace serves the FLOPs, the remat placement and the lowering (was two traces).
+    stage = jitted.trace(*abstract) if spec.wrap else None
+    traced = stage.jaxpr.jaxpr if stage is not None else None
     residuals = _program_residuals(program, spec)
     return Job(
         name=program.name,
         what=f"policy {spec.name!r} of {program.name!r} on target {setup.target.name!r}",
         target=setup.target,
-        lower=lambda: jitted.lower(*abstract),
+        lower=stage.lower if stage is not None else (lambda: jitted.lower(*abstract)),
         arguments=argument_parts(pure, program.args),
         policy=spec.name,
         flops_no_remat=setup.flops_no_remat,
@@ -331,6 +339,8 @@ def analyze_program(
     raise_errors: bool = True,
     compare_offload: bool = True,
     strict_tags: bool = True,
+    engine: CompileEngine | None = None,
+    separate_xla_remat: bool = True,
 ) -> list[MemoryReport | CompileError]:
     """Compile a user's program under each policy for ``target`` and report its memory.
 
@@ -352,6 +362,11 @@ def analyze_program(
         (``peak_bytes_without_offload``).
       strict_tags: raise on a user spec naming a tag the program never emits (False: compile
         it anyway; the doctor reports it as a finding).
+      engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
+        reporting progress); None: a private one (``workers`` at a time).
+      separate_xla_remat: compile a policy again with XLA's own rematerialisation pass off
+        where that pass changed it, for the policy's own figures (``recompute_ratio``,
+        ``policy_only``); False: one compile per policy, figures as compiled.
 
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
@@ -385,7 +400,9 @@ def analyze_program(
         jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
         compare_offload, lambda twin: _program_job(setup, twin, visible=False),
     )  # fmt: skip
-    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors)
+    for job in jobs:
+        job.policy_only = separate_xla_remat and job.visible
+    results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     own = dict(zip(distinct, results, strict=False))
     out = []
     for i, spec in enumerate(specs):

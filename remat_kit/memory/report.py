@@ -127,7 +127,8 @@ class MemoryReport:
         buffer packing loses; see :mod:`remat_kit.memory.timeline`).
       memory_bytes: the target's device memory; budget_bytes: the budget judged against
         (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
-      compile_s: wall seconds of XLA's compile (lowering excluded).
+      compile_s: wall seconds of XLA's compile (lowering excluded); for a compile read from
+        the compile cache (``compile_cached``), those of the compile that made the entry.
       warnings: compiler messages worth reading (XLA's rematerialisation pass giving up, loops
         of unknown trip count, dumps missing).
       model, batch_size, seq_len: the model preset (or config name) and shape, when a model.
@@ -152,6 +153,8 @@ class MemoryReport:
         ``remat3`` with ``jax_remat3`` on; :mod:`remat_kit.remat_impl`); jax_version: JAX's.
       runs_as: what the policy ran as when that implementation does not apply it as named
         (``save-nothing``: full remat); None when it runs as named (a warning says the rest).
+      compile_cached: the compile's artifacts were read from the persistent compile cache
+        (:mod:`remat_kit.memory.compile_cache`) instead of compiling.
     """
 
     name: str
@@ -193,6 +196,7 @@ class MemoryReport:
     remat_impl: str | None = None
     jax_version: str | None = None
     runs_as: str | None = None
+    compile_cached: bool = False
 
     @property
     def peak_gib(self) -> float:

@@ -14,6 +14,7 @@ read the cache: the memory figures are the same with or without it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import shutil
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from remat_kit import targets as T
 from remat_kit.memory import calibrate, hlo, roofline
+from remat_kit.memory.compile_cache import CompileCache
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
@@ -49,10 +51,12 @@ from remat_kit.memory.undone import (  # noqa: F401 (cse_undone: the doctor read
     recompute_undone,
 )
 from remat_kit.memory.xla_compile import (
+    WITHOUT_XLA_REMAT,
     CompileError,
     CompileResult,
     add_policy_only,
     capture_compiler_log,
+    compile_options,
     compile_with_dump,
     jax_backend_description,
 )
@@ -266,6 +270,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         budget_bytes=budget,
         fits=None if budget is None or peak is None else peak <= budget,
         compile_s=round(result.compile_s, 3),
+        compile_cached=result.cached,
         warnings=job.notes
         + unknown_line
         + tuple(log_warnings(result))
@@ -330,6 +335,17 @@ def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -
     )
 
 
+#: ``progress(index, total, what, stage)``: item ``index`` (0-based) of ``total`` is at
+#: ``stage``: ``"tracing"`` (traced and lowered, in the calling thread), ``"compiling"``,
+#: ``"compiling (XLA's remat pass off)"``, ``"cached"`` (read from the compile cache),
+#: ``"same program"`` (another item's compile) or ``"done"``; compile stages are reported from
+#: worker threads.
+Progress = Callable[[int, int, str, str], None]
+
+#: ``CompileEngine(cache=FROM_ENV)``: the compile cache the environment asks for.
+FROM_ENV = "env"
+
+
 class CompileEngine:
     """The one compile engine: lower in the calling thread, compile in a thread pool, one
     compile per distinct program, executables kept by program until :meth:`clear`.
@@ -342,21 +358,38 @@ class CompileEngine:
     engine to the analyzer and then asks it for the step it will run, which costs no compile
     when the analyzer compiled that very program.
 
+    Compiles are read from and written to the persistent compile cache
+    (:mod:`remat_kit.memory.compile_cache`) unless an executable is asked for: a hit gives the
+    compile's artifacts (dumps, ``memory_analysis()``, log lines) and no executable.
+
     Results kept from an earlier :meth:`compile_all` call keep their executable, but their
     compiler log lines belong to that call (read them before the next one).
 
     Args:
       workers: concurrent compiles (default :func:`default_workers`).
+      cache: a :class:`~remat_kit.memory.compile_cache.CompileCache`, None for none, or
+        :data:`FROM_ENV` (default): the one the environment asks for
+        (:meth:`~remat_kit.memory.compile_cache.CompileCache.from_env`).
+      progress: called as each item advances (see :data:`Progress`).
 
     Use as a context manager (it owns a temporary folder of GPU kernel caches).
     """
 
-    def __init__(self, workers: int | None = None):
+    def __init__(
+        self,
+        workers: int | None = None,
+        cache: CompileCache | None | str = FROM_ENV,
+        progress: Progress | None = None,
+    ):
         self.workers = max(1, workers or default_workers())
         self._done: dict[str, CompileResult | CompileError] = {}
         self._folder = tempfile.TemporaryDirectory(prefix="remat-kit-kernels-")
         self._caches = _KernelCaches(self._folder.name)
         self._seeded = False
+        self.cache = CompileCache.from_env() if cache == FROM_ENV else cache
+        self.progress = progress
+        #: Compiles run by XLA (not read from the cache), pass-off compiles included.
+        self.compiles = 0
 
     def __enter__(self) -> CompileEngine:
         return self
@@ -370,27 +403,64 @@ class CompileEngine:
         self._folder.cleanup()
 
     def held(self) -> frozenset[str]:
-        """Keys of the programs compiled so far (and not cleared)."""
-        return frozenset(self._done)
+        """Keys of the programs whose executables are held (compiled so far, not cleared; not
+        those read from the compile cache, which have none)."""
+        return frozenset(
+            k for k, r in self._done.items() if not (isinstance(r, CompileResult) and r.cached)
+        )
 
     def clear(self) -> None:
         """Drop the executables kept so far (their device memory is freed with them)."""
         self._done.clear()
 
-    def _compile(self, item: Any, lowered: Any, fast: bool, seeding: bool):
+    def _tell(self, index: int, total: int, item: Any, stage: str) -> None:
+        if self.progress is not None:
+            self.progress(index, total, item.what, stage)
+
+    def _compile(self, item: Any, lowered: Any, fast: bool, seeding: bool,
+                 tell: Callable[[str], None], base: CompileResult | None = None):  # fmt: skip
+        """Compile ``lowered`` (unless ``base``, read from the cache, is that compile) and,
+        for an item asking for XLA's own remat told apart, its pass-off compile."""
         try:
             opts = self._caches.options(item.target, seeding)
-            result = compile_with_dump(
-                lowered, item.target.platform, item.what, fast=fast, options=opts
-            )
-            if getattr(item, "policy_only", False):  # XLA's own remat told apart: pass off
+            result = base
+            if result is None:
+                tell("compiling")
+                self.compiles += 1
+                result = compile_with_dump(
+                    lowered, item.target.platform, item.what, fast=fast, options=opts
+                )
+            if getattr(item, "policy_only", False) and result.policy_only is None:
+                if result.xla_remat_instructions:  # XLA's own remat told apart: pass off
+                    tell("compiling (XLA's remat pass off)")
+                    self.compiles += 1
                 add_policy_only(result, lowered, item.target.platform, item.what, fast, opts)
+            tell("done")
             return result
         except CompileError as err:
+            tell("done")
             return err
 
+    def _from_cache(
+        self, item: Any, lowered: Any, fast: bool, load: bool = True
+    ) -> tuple[Any, tuple[str, str]]:
+        """``(cached result or None, (cache key, pass-off cache key))``; the result is complete
+        (its pass-off compile read too, where it is asked for and XLA's pass fired) or has
+        ``policy_only`` None with the pass-off compile still to run. ``load=False``: the keys
+        only (the compile will run; its artifacts are stored under them)."""
+        platform = item.target.platform
+        text = lowered.as_text(debug_info=True)
+        key = self.cache.key(text, item.target, compile_options(platform, fast))
+        off_key = self.cache.key(
+            text, item.target, compile_options(platform, fast, WITHOUT_XLA_REMAT)
+        )
+        hit = self.cache.load(key) if load else None
+        if hit is not None and getattr(item, "policy_only", False) and hit.xla_remat_instructions:
+            hit.policy_only = self.cache.load(off_key)
+        return hit, (key, off_key)
+
     def compile_all(
-        self, items: Sequence[Any], fast: bool = True
+        self, items: Sequence[Any], fast: bool = True, executable: bool = False
     ) -> list[tuple[str, CompileResult | CompileError]]:
         """Lower and compile every item, each distinct program once.
 
@@ -401,6 +471,8 @@ class CompileEngine:
             :class:`Job`.
           fast: compile with the fast code-generation options (same memory figures, slower
             machine code: for analysis only, not for a step that will be timed).
+          executable: the caller will run the executables: compile what the cache holds
+            (a cached result has none).
 
         Returns:
           ``(program key, CompileResult or CompileError)`` per item, in order.
@@ -408,32 +480,62 @@ class CompileEngine:
         keys: list[str] = []
         futures: dict[str, Future] = {}
         by_item_key: dict[str, str] = {}
-        pending: list[tuple[str, Any, Any]] = []
+        pending: list[tuple[str, Any, Any, Callable, CompileResult | None]] = []
+        cache_keys: dict[str, tuple[str, str]] = {}
+        names: dict[str, str] = {}
+        total = len(items)
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:
-            for item in items:
+            for index, item in enumerate(items):
+                tell = functools.partial(self._tell, index, total, item)
                 if item.program_key is not None and item.program_key in by_item_key:
                     keys.append(by_item_key[item.program_key])
+                    tell("same program")
                     continue
+                tell("tracing")
                 lowered = item.lower()
                 text = f"{item.target.name}\n{fast}\n{lowered.as_text()}"
                 key = hashlib.sha256(text.encode()).hexdigest()
                 keys.append(key)
+                names.setdefault(key, item.what)
                 if item.program_key is not None:
                     by_item_key[item.program_key] = key
-                if key in self._done or key in futures or any(key == k for k, _, _ in pending):
+                held = self._done.get(key)
+                if executable and isinstance(held, CompileResult) and held.cached:
+                    held = None  # read from the cache: no executable to run
+                if held is not None or key in futures or any(key == k for k, *_ in pending):
+                    tell("same program")
                     continue
+                base = None
+                if self.cache is not None:
+                    base, cache_keys[key] = self._from_cache(item, lowered, fast, not executable)
+                    wants_off = getattr(item, "policy_only", False)
+                    if base is not None and (
+                        not wants_off or not base.xla_remat_instructions or base.policy_only
+                    ):
+                        self._done[key] = base
+                        tell("cached")
+                        continue
+                job = (item, lowered, fast)
                 if self._seeded:
-                    futures[key] = pool.submit(self._compile, item, lowered, fast, False)
+                    futures[key] = pool.submit(self._compile, *job, False, tell, base)
                 elif not futures:  # seeds the kernel cache; the others compile after it
-                    futures[key] = pool.submit(self._compile, item, lowered, fast, True)
+                    futures[key] = pool.submit(self._compile, *job, True, tell, base)
                 else:
-                    pending.append((key, item, lowered))
+                    pending.append((key, item, lowered, tell, base))
             if futures:
                 next(iter(futures.values())).result()
                 self._seeded = True
-            for key, item, lowered in pending:
-                futures[key] = pool.submit(self._compile, item, lowered, fast, False)
+            for key, item, lowered, tell, base in pending:
+                futures[key] = pool.submit(self._compile, item, lowered, fast, False, tell, base)
             self._done.update({key: future.result() for key, future in futures.items()})
+        if self.cache is not None:  # the log lines are known now that the capture ended
+            for key in futures:
+                result = self._done[key]
+                if isinstance(result, CompileResult) and key in cache_keys:
+                    main, off = cache_keys[key]
+                    self.cache.store(main, result, names[key])
+                    if result.policy_only is not None:
+                        self.cache.store(off, result.policy_only, names[key] + ", pass off")
         return [(key, self._done[key]) for key in keys]
 
 

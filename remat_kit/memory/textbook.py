@@ -181,6 +181,8 @@ def per_layer_activations(
         cfg = config.replace(num_layers=n, scan_layers=True, vocab_size=PROBE_VOCAB)
         setups[n] = _setup(cfg, batch_size, seq_len, target, optimizer)
         jobs += [_model_job(setups[n], spec) for spec in specs]
+    for job in jobs:  # the per-layer bytes are the as-compiled ones: no pass-off compile
+        job.policy_only = False
     reports: list[MemoryReport] = run_jobs(jobs, 1, None, True, workers)  # type: ignore[assignment]
     by_key = {(r.policy, i // len(specs)): r for i, r in enumerate(reports)}
     grads = (_param_bytes(setups[l2].state.params) - _param_bytes(setups[l1].state.params)) / (

@@ -101,6 +101,7 @@ def _compile(run: _Run, specs: Sequence[PolicySpec], found_by: str) -> list[Name
     reports = analyze_program(
         run.program, list(specs), run.target, budget_bytes=run.budget, top_k=0,
         workers=run.workers, raise_errors=False, compare_offload=False,
+        separate_xla_remat=False,  # candidates use the compiled FLOPs: no pass-off compile
     )  # fmt: skip
     out = []
     for spec, report in zip(specs, reports, strict=True):

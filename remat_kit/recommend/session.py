@@ -127,6 +127,7 @@ class Session:
                 config, batch, seq, list(todo.values()), target=self.target,
                 optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
                 workers=self.workers, raise_errors=False, compare_offload=False,
+                separate_xla_remat=False,  # candidates use the compiled FLOPs and peak
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
         return [self.cache.reports[k] for k in keys]

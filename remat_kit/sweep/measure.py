@@ -157,7 +157,7 @@ def compile_steps(
             tgt = T.get_target(p.target)
             steps.append((p.key, _Step(f"the step of {p.label}", tgt, lambda low=low: low)))
         held = set(eng.held())
-        results = eng.compile_all([s for _, s in steps], fast=False)
+        results = eng.compile_all([s for _, s in steps], fast=False, executable=True)
         for (key, _), (program, result) in zip(steps, results, strict=True):
             if isinstance(result, BaseException):
                 out[key] = result

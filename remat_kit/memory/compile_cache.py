@@ -1,0 +1,363 @@
+"""A persistent on-disk cache of compiles: a repeated analysis reads it instead of compiling.
+
+What is kept is the compile's *artifacts*, not a finished report: XLA's optimized HLO text, the
+live-range, buffer-assignment and memory-usage dumps, the ``memory_analysis()`` fields, the
+compiler's log lines for that compile and its wall seconds. Every reader of a compile
+(:mod:`~remat_kit.memory.reading`, :mod:`~remat_kit.memory.timeline`, the FLOP counter, a time
+model parsing the optimized HLO) then reads a cache hit exactly as it reads a fresh compile;
+only the executable is missing (:class:`CachedExecutable` answers ``memory_analysis()`` and
+``as_text()``, and refuses to run).
+
+Key (sha256, :meth:`CompileCache.key`): everything that decides what XLA produces:
+
+- the lowered program (StableHLO text *with* its debug info, less the source file positions:
+  the op names end up in the optimized HLO's metadata, which the readers use to name
+  buffers; the file positions only reach its ``source_file`` / ``source_line`` metadata,
+  which no reader uses, and would make every edit of a calling file, or a call from another
+  line, a miss);
+- the target: its whole :class:`~remat_kit.targets.Target` (``repr``) and, for a GPU model
+  compiled deviceless, the ``GpuTargetConfig`` text XLA is given; for a local device, the
+  backend's platform version and device kinds;
+- the compiler options (less the paths of the dump folder and the GPU kernel cache, which do
+  not change the result), and the ``XLA_FLAGS`` / ``LIBTPU_INIT_ARGS`` environment variables;
+- the versions of jax, jaxlib and the installed PJRT plugins (CUDA, libtpu);
+- :data:`FORMAT_VERSION`, raised whenever what is stored or how it is read changes.
+
+Where: ``$REMAT_KIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat-kit``, else
+``~/.cache/remat-kit``; one gzip-compressed JSON file per compile under ``v{FORMAT_VERSION}/``.
+Off: ``REMAT_KIT_NO_CACHE=1`` (the CLI's ``--no-cache`` sets it). Bounded: at most
+``$REMAT_KIT_CACHE_MAX_BYTES`` (default :data:`DEFAULT_MAX_BYTES`; ``2GiB`` or ``2e9``), the
+least recently used entries evicted first (a hit refreshes an entry's modification time).
+Safe to delete at any time, the folder or any file in it: a missing or unreadable entry is a
+miss (an unreadable one is removed), writes go to a temporary file renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import tempfile
+import time
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from remat_kit import targets as T
+from remat_kit.memory import hlo
+from remat_kit.memory.xla_compile import CompileResult, LogLine, count_xla_remat
+from remat_kit.units import parse_bytes
+
+#: Raised whenever what an entry holds, or how it is read back, changes.
+FORMAT_VERSION = 1
+ENV_DIR = "REMAT_KIT_CACHE_DIR"
+ENV_OFF = "REMAT_KIT_NO_CACHE"
+ENV_MAX_BYTES = "REMAT_KIT_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 * 2**30
+#: Compiler options that name a place on disk and do not change what XLA produces.
+_PATH_OPTIONS = ("xla_dump_to", "xla_gpu_kernel_cache_file")
+#: Distributions whose versions decide the compiler (those installed).
+_DISTRIBUTIONS = (
+    "jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+    "jax-cuda13-pjrt", "libtpu", "libtpu-nightly",
+)  # fmt: skip
+_ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_SUFFIX = ".json.gz"
+#: An MLIR file location: ``loc("/path/file.py":29:15 to :40)`` (op names are ``loc("name"(...))``).
+_FILE_LOC = re.compile(r'loc\("(?:[^"\\]|\\.)*":\d+:\d+(?: to (?:\d+)?:\d+)?\)')
+
+
+def default_folder() -> Path:
+    """``$REMAT_KIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat-kit``, else
+    ``~/.cache/remat-kit``."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "remat-kit"
+
+
+def enabled() -> bool:
+    """False when ``REMAT_KIT_NO_CACHE`` is set to anything but ``""`` / ``0``."""
+    return os.environ.get(ENV_OFF, "") in ("", "0")
+
+
+@functools.cache
+def compiler_versions() -> str:
+    """``"jax=0.10.2 jaxlib=0.10.2 jax-cuda12-plugin=0.10.2 ..."`` (installed ones)."""
+    out = []
+    for name in _DISTRIBUTIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out.append(f"{name}={importlib.metadata.version(name)}")
+    return " ".join(out)
+
+
+def canonical(value: Any) -> str:
+    """A text for ``value`` that is the same in every process: dataclasses by their fields,
+    sets sorted (a ``repr`` of a frozenset of strings follows the process's hash seed)."""
+
+    def walk(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            fields = {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return [type(v).__qualname__, fields]
+        if isinstance(v, (set, frozenset)):
+            return sorted((walk(x) for x in v), key=repr)
+        if isinstance(v, dict):
+            return sorted(([walk(k), walk(x)] for k, x in v.items()), key=repr)
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return repr(v)
+
+    return json.dumps(walk(value))
+
+
+@functools.cache
+def source_fingerprint() -> str:
+    """The sha256 of remat-kit's own Python source (every ``.py`` file of the package): the
+    bundled models, train step and readers that make a report are all in it."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def target_fingerprint(target: T.Target) -> str:
+    """What of ``target`` the compiler sees: the whole dataclass, the ``GpuTargetConfig`` text of
+    a deviceless GPU model, or the local backend's platform version and device kinds."""
+    parts = [repr(target)]
+    if target.gpu is not None:
+        parts.append(T.gpu_target_config(target))
+    else:
+        import jax
+
+        platform = "cpu" if target.name == "cpu" else None
+        devices = jax.devices(platform)
+        parts.append(devices[0].client.platform_version)
+        parts.append(",".join(sorted({d.device_kind for d in devices})))
+    return "\n".join(parts)
+
+
+class CachedExecutable:
+    """Stands in for a ``jax.stages.Compiled`` read from the cache: ``memory_analysis()`` and
+    ``as_text()`` (the optimized HLO) as the compile gave them; it cannot run."""
+
+    def __init__(self, memory: Mapping[str, Any] | None, hlo_text: str | None):
+        self._memory = None if memory is None else types.SimpleNamespace(**memory)
+        self._hlo = hlo_text
+
+    def memory_analysis(self) -> Any:
+        return self._memory
+
+    def cost_analysis(self) -> None:
+        return None
+
+    def as_text(self) -> str | None:
+        return self._hlo
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "this compile was read from remat-kit's compile cache: it has no executable"
+        )
+
+
+def _memory_fields(compiled: Any) -> dict[str, Any] | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    out = {}
+    for name in dir(m):
+        if name.startswith("_"):
+            continue
+        value = getattr(m, name, None)
+        if value is None or isinstance(value, (int, float, str, bool)):
+            out[name] = value
+    return out
+
+
+@dataclasses.dataclass
+class CompileCache:
+    """The cache in ``folder`` (see the module docstring), at most ``max_bytes`` on disk.
+
+    Build it with :meth:`from_env` (None when the cache is off).
+    """
+
+    folder: Path
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    @classmethod
+    def from_env(cls) -> CompileCache | None:
+        """The cache the environment asks for (module docstring), or None when it is off.
+
+        Raises:
+          ValueError: ``REMAT_KIT_CACHE_MAX_BYTES`` is not a size (``2GiB``, ``2e9``).
+        """
+        if not enabled():
+            return None
+        limit = os.environ.get(ENV_MAX_BYTES)
+        try:
+            max_bytes = DEFAULT_MAX_BYTES if not limit else parse_bytes(limit)
+        except ValueError as err:
+            raise ValueError(f"{ENV_MAX_BYTES}={limit!r}: {err}") from None
+        return cls(default_folder(), max_bytes)
+
+    @property
+    def entries(self) -> Path:
+        return self.folder / f"v{FORMAT_VERSION}"
+
+    @staticmethod
+    def key(lowered_text: str, target: T.Target, options: Mapping[str, Any]) -> str:
+        """The sha256 of everything that decides a compile's result (module docstring).
+
+        Args:
+          lowered_text: the lowered program's StableHLO with debug info
+            (``lowered.as_text(debug_info=True)``).
+          target: what it is compiled for.
+          options: the compiler options of the compile (paths left out).
+        """
+        opts = sorted((k, repr(v)) for k, v in options.items() if k not in _PATH_OPTIONS)
+        lowered_text = _FILE_LOC.sub("loc(unknown)", lowered_text)
+        parts = (
+            f"remat-kit compile cache v{FORMAT_VERSION}",
+            compiler_versions(),
+            target_fingerprint(target),
+            repr(opts),
+            repr([(k, os.environ.get(k)) for k in _ENV_KEYS]),
+            lowered_text,
+        )
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    @staticmethod
+    def request_key(*parts: Any) -> str:
+        """The sha256 of an analysis request of a bundled model (its ``repr``-able inputs),
+        the compiler versions and :func:`source_fingerprint`: the key of the reports of
+        :func:`remat_kit.memory.analyze_model_policies`, which a repeat then reads without
+        tracing anything. Any change to remat-kit's source changes it."""
+        h = hashlib.sha256()
+        for part in (f"remat-kit report v{FORMAT_VERSION}", compiler_versions(),
+                     source_fingerprint(), *map(canonical, parts)):  # fmt: skip
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.entries / f"{key}{_SUFFIX}"
+
+    def load_json(self, key: str) -> dict[str, Any] | None:
+        """The JSON object stored under ``key`` by :meth:`store_json` (or :meth:`store`), or
+        None (missing; an unreadable or foreign entry is removed). A hit marks the entry
+        recently used."""
+        path = self._path(key)
+        try:
+            data = json.loads(gzip.decompress(path.read_bytes()))
+            if data.get("key") != key or data.get("format") != FORMAT_VERSION:
+                raise ValueError("not this entry")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, EOFError):  # torn or foreign: drop it
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently used goes first
+        return data
+
+    def store_json(self, key: str, data: Mapping[str, Any]) -> None:
+        """Write a JSON object under ``key`` (atomically: a temporary file renamed into place),
+        then evict down to ``max_bytes``; a failure to write (disk full, read-only) is
+        ignored: the cache only ever saves time."""
+        data = {**data, "format": FORMAT_VERSION, "key": key, "created": time.time()}
+        blob = gzip.compress(json.dumps(data).encode(), compresslevel=1)
+        tmp = None
+        try:
+            self.entries.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.entries, prefix=".tmp-", suffix=_SUFFIX)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            return
+        self.evict()
+
+    def load(self, key: str) -> CompileResult | None:
+        """The compile stored under ``key`` (its executable a :class:`CachedExecutable`), or
+        None (missing; an unreadable entry is removed). A hit marks the entry recently used."""
+        data = self.load_json(key)
+        if data is None:
+            return None
+        try:
+            dump = hlo.DumpFiles(**data["dump"])
+            logged = [LogLine(*line) for line in data["log"]]
+            result = CompileResult(
+                compiled=CachedExecutable(data["memory_analysis"], dump.hlo),
+                compile_s=float(data["compile_s"]),
+                dump=dump,
+                thread=0,
+                start=0.0,
+                end=0.0,
+                logged=logged,
+                cached=True,
+            )
+        except (KeyError, TypeError, ValueError):  # not a compile's entry: drop it
+            with contextlib.suppress(OSError):
+                self._path(key).unlink()
+            return None
+        result.xla_remat_instructions = count_xla_remat(dump.hlo)
+        return result
+
+    def store(self, key: str, result: CompileResult, what: str = "") -> None:
+        """Write ``result``'s artifacts under ``key`` (call after the compiler log capture
+        ended, so its log lines are known), then evict down to ``max_bytes``. A result read
+        from the cache, or a failure to write (disk full, read-only), stores nothing."""
+        if result.cached:
+            return
+        data = {
+            "what": what,
+            "versions": compiler_versions(),
+            "memory_analysis": _memory_fields(result.compiled),
+            "compile_s": result.compile_s,
+            "dump": dataclasses.asdict(result.dump),
+            "log": [dataclasses.astuple(line) for line in result.log_lines()],
+        }
+        self.store_json(key, data)
+
+    def evict(self) -> int:
+        """Remove the least recently used entries until the total is at most ``max_bytes``;
+        returns how many were removed."""
+        try:
+            files = [(e.stat().st_mtime, e.stat().st_size, e.path)
+                     for e in os.scandir(self.entries) if e.name.endswith(_SUFFIX)]  # fmt: skip
+        except OSError:
+            return 0
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+            total -= size
+        return removed
+
+    def size_bytes(self) -> int:
+        """Bytes of the entries on disk."""
+        try:
+            return sum(e.stat().st_size for e in os.scandir(self.entries)
+                       if e.name.endswith(_SUFFIX))  # fmt: skip
+        except OSError:
+            return 0

@@ -1,0 +1,185 @@
+"""The persistent compile cache: a repeat reads it, a different program never does."""
+
+import dataclasses
+import gzip
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from remat_kit import analyze, targets
+from remat_kit.memory import compile_cache as C
+from remat_kit.memory import hlo, runner
+from remat_kit.memory.xla_compile import CompileResult
+
+
+def _mlp(x, w):  # x [batch, d_in], w [d_in, d_out]
+    return jnp.tanh(x @ w).sum()
+
+
+def _scanned(policy):
+    """A 4-layer scanned MLP loss under ``policy``: the policy changes the program."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    def loss(ws, x):
+        body = jax.checkpoint(layer, policy=policy)
+        h, _ = jax.lax.scan(body, x, ws)
+        return (h**2).sum()
+
+    return jax.grad(loss)
+
+
+def _args(d_in=16):
+    return jax.ShapeDtypeStruct((8, d_in), jnp.float32), jax.ShapeDtypeStruct(
+        (d_in, 4), jnp.float32
+    )
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Counts the compiles XLA runs (not those read from the cache)."""
+    count = []
+    real = runner.compile_with_dump
+
+    def counted(*a, **k):
+        count.append(a[2])
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "compile_with_dump", counted)
+    return count
+
+
+def _same(a, b):
+    """Reports equal but for the cache flag and the compile's seconds."""
+    return dataclasses.replace(a, compile_cached=False, compile_s=0) == dataclasses.replace(
+        b, compile_cached=False, compile_s=0
+    )
+
+
+def test_repeat_reads_the_cache_and_gives_the_same_report(compiles):
+    first, again = (analyze(_mlp, *_args(), target="cpu") for _ in range(2))
+    assert len(compiles) == 1 and not first.compile_cached and again.compile_cached
+    assert again == dataclasses.replace(first, compile_cached=True)  # compile_s: the entry's
+    assert again.peak_bytes > 0 and again.flops == first.flops
+
+
+def test_one_shape_apart_is_another_program(compiles, monkeypatch):
+    small = analyze(_mlp, *_args(16), target="cpu")
+    wide = analyze(_mlp, *_args(17), target="cpu")
+    assert len(compiles) == 2 and not wide.compile_cached
+    assert wide.argument_bytes != small.argument_bytes
+    monkeypatch.setenv(C.ENV_OFF, "1")  # the same program compiled afresh, cache off
+    assert _same(analyze(_mlp, *_args(17), target="cpu"), wide)
+
+
+def test_one_policy_apart_is_another_program(compiles):
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    ws = jax.ShapeDtypeStruct((4, 32, 32), jnp.float32)
+    pol = jax.checkpoint_policies
+    saved = analyze(_scanned(pol.everything_saveable), ws, x, target="cpu", policy="save")
+    remat = analyze(_scanned(pol.nothing_saveable), ws, x, target="cpu", policy="remat")
+    # Another line: source positions are not in the key (they reach no reader).
+    again = analyze(_scanned(pol.nothing_saveable), ws, x, target="cpu", policy="remat")
+    assert len(compiles) == 2 and not remat.compile_cached
+    assert remat.flops > saved.flops  # the recomputed matmuls: not the first program's report
+    assert again.compile_cached and _same(again, remat)
+
+
+def test_off_writes_and_reads_nothing(compiles, monkeypatch):
+    monkeypatch.setenv(C.ENV_OFF, "1")
+    analyze(_mlp, *_args(), target="cpu")
+    analyze(_mlp, *_args(), target="cpu")
+    assert len(compiles) == 2 and C.CompileCache.from_env() is None
+    assert not any(C.default_folder().rglob("*.json.gz"))
+
+
+def _fake(size: int) -> CompileResult:
+    text = os.urandom(size).hex()  # incompressible
+    return CompileResult(
+        compiled=C.CachedExecutable({"temp_size_in_bytes": 1}, text),
+        compile_s=1.0, dump=hlo.DumpFiles(text, None, None, None), thread=0, start=0.0,
+        end=0.0, logged=[],
+    )  # fmt: skip
+
+
+def test_bounded_least_recently_used_go_first(tmp_path):
+    cache = C.CompileCache(tmp_path, max_bytes=10**9)
+    for key in "abc":
+        cache.store(key * 64, _fake(4000))
+    entry = cache.size_bytes() // 3
+    for i, key in enumerate("abc"):  # mtimes in storing order, 10 s apart
+        os.utime(cache._path(key * 64), (1000 + 10 * i, 1000 + 10 * i))
+    assert cache.load("a" * 64) is not None  # a read makes "a" the most recently used
+    cache.max_bytes = 2 * entry + entry // 2
+    assert cache.evict() == 1
+    assert cache.load("b" * 64) is None and cache.load("a" * 64) is not None
+    assert cache.size_bytes() <= cache.max_bytes
+
+
+def test_torn_or_foreign_entries_are_misses(tmp_path):
+    cache = C.CompileCache(tmp_path)
+    cache.store("a" * 64, _fake(100))
+    path = cache._path("a" * 64)
+    path.write_bytes(path.read_bytes()[:50])  # torn write
+    assert cache.load("a" * 64) is None and not path.exists()
+    cache.store("b" * 64, _fake(100))
+    os.replace(cache._path("b" * 64), cache._path("c" * 64))  # an entry under another key
+    assert cache.load("c" * 64) is None
+    blob = gzip.compress(b"not json")
+    cache._path("d" * 64).write_bytes(blob)
+    assert cache.load("d" * 64) is None
+
+
+def test_request_key_text_does_not_follow_the_hash_seed():
+    """A frozenset's repr follows PYTHONHASHSEED; the request key's text sorts it."""
+    from remat_kit.policies import custom_spec
+
+    a = custom_spec({"query_proj": "save", "key_proj": "save", "out_proj": "offload"})
+    assert C.canonical(a) == C.canonical(dataclasses.replace(a, save=frozenset(sorted(a.save))))
+    assert C.canonical({"b": frozenset("zyx")}) == "[[\"'b'\", [\"'x'\", \"'y'\", \"'z'\"]]]"
+
+
+def test_key_covers_target_options_and_flags(monkeypatch):
+    text = "module @jit_f {}"
+    base = C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1})
+    assert base == C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1, "xla_dump_to": "x"})
+    located = 'op loc(#loc3)\n#loc3 = loc("/a/b.py":29:15 to :40)\n#loc4 = loc("jit(f)/dot"(#loc3))'
+    moved = located.replace("29:15", "31:2")
+    key = C.CompileCache.key(located, targets.get_target("cpu"), {})
+    assert key == C.CompileCache.key(moved, targets.get_target("cpu"), {})  # a moved line
+    renamed = located.replace("jit(f)/dot", "jit(f)/mul")  # op names reach the readers
+    assert key != C.CompileCache.key(renamed, targets.get_target("cpu"), {})
+    others = [
+        C.CompileCache.key(text + " ", targets.get_target("cpu"), {"a": 1}),
+        C.CompileCache.key(text, targets.get_target("h100-sxm"), {"a": 1}),
+        C.CompileCache.key(text, targets.get_target("h200"), {"a": 1}),
+        C.CompileCache.key(text, targets.get_target("cpu"), {"a": 2}),
+    ]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    others.append(C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1}))
+    assert len({base, *others}) == 1 + len(others)
+
+
+def test_bundled_model_repeat_traces_nothing(compiles, monkeypatch):
+    """A repeated request on a bundled model reads its reports: nothing traced or compiled; a
+    request one policy apart is traced and compiled."""
+    from remat_kit import get_config
+    from remat_kit.memory import api
+
+    config = get_config("tiny-gpt", num_layers=1)
+
+    def run(policy):
+        return api.analyze_model_policies(config, 1, 8, [policy], target="cpu", optimizer="sgd")
+
+    first = run("save-nothing")
+    assert len(compiles) == 1
+    setup = api._setup
+    monkeypatch.setattr(api, "_setup", lambda *a, **k: pytest.fail("traced on a repeat"))
+    again = run("save-nothing")
+    assert len(compiles) == 1 and again == [dataclasses.replace(first[0], compile_cached=True)]
+    monkeypatch.setattr(api, "_setup", setup)
+    (other,) = run("save-dots")
+    assert len(compiles) == 2 and not other.compile_cached and other.policy == "save-dots"

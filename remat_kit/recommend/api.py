@@ -36,7 +36,7 @@ from remat_kit.recommend.structure import (
     search_structure,
     structure_compiles,
 )
-from remat_kit.recommend.timing import host_link_source, rank, time_model_note
+from remat_kit.recommend.timing import figures_for, host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
 from remat_kit.remat_impl import honoured
 from remat_kit.training.step import abstract_batch, abstract_train_state, make_optimizer
@@ -212,12 +212,7 @@ def _check_inputs(
         raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
     if auto and solve:
         raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
-    if not tgt.peak_flops_bf16:
-        gpus = [n for n in T.target_names() if T.get_target(n).deviceless]
-        raise ValueError(
-            f"target {tgt.name!r} has no peak FLOP/s, so step time cannot be estimated; pick "
-            f"one of {', '.join(gpus)}"
-        )
+    figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 

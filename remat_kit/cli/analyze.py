@@ -18,13 +18,13 @@ from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.programs import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
-from remat_kit.memory.roofline import StepTime, format_seconds
+from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
-from remat_kit.units import KIB, MIB, in_unit, table_unit
+from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
 
 
@@ -250,7 +250,7 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         add_row(
             t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
             in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
-            format_seconds(r.step_time_s), _bound_by(r.step_time), seconds,
+            format_seconds(r.step_time_s, 3), _bound_by(r.step_time), seconds,
         )  # fmt: skip
     return t
 

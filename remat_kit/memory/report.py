@@ -9,7 +9,7 @@ from typing import Any
 
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.timeline import Timeline
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import TagResiduals
 
 GIB = 2**30
@@ -241,13 +241,14 @@ class MemoryReport:
 
     def summary(self) -> str:
         """One line: target, policy, peak and host bytes (in the unit that fits them), recompute
-        ratio, fits."""
+        ratio, estimated step time (the roofline), fits."""
         parts = [
             f"{self.name} on {self.target}",
             f"policy={self.policy}" if self.policy else "",
             f"peak {format_bytes(self.peak_bytes)}",
             f"host {format_bytes(self.host_bytes)}" if self.host_bytes else "",
             f"recompute x{self.recompute_ratio:.2f}" if self.recompute_ratio else "",
+            f"est. step {format_seconds(self.step_time_s, 3)}" if self.step_time_s else "",
             "" if self.fits is None else ("fits" if self.fits else "does not fit"),
         ]
         return ", ".join(p for p in parts if p)

@@ -260,6 +260,8 @@ def add_policy_only(
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:
     """E.g. ``"XLA GPU compiler (deviceless, jax 0.10.2)"``."""
-    kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler"}.get(platform, f"XLA {platform}")
+    kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler", "tpu": "XLA TPU compiler"}.get(
+        platform, f"XLA {platform}"
+    )
     how = "deviceless" if deviceless else "local device"
     return f"{kind} ({how}, jax {jax.__version__})"

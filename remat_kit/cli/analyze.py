@@ -208,7 +208,12 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     first = reports[0]
     budget = args.budget if args.budget is not None else target.memory_bytes
     lines = [
-        f"{first.backend}; peak = argument + output + temp - alias (per device)"
+        f"{first.backend}; peak = "
+        + (
+            "XLA's peak_memory_in_bytes (per device; its temp figure leaves out temporaries)"
+            if target.platform == "tpu"
+            else "argument + output + temp - alias (per device)"
+        )
         + (f"; budget {_size(budget)}" if budget else "; target memory unknown (CPU)"),
         "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
     ]

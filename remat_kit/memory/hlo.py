@@ -319,6 +319,52 @@ class FlopCount:
     recomputed_flops: float = 0.0
 
 
+def _scalar_constant(name: str, by_name: dict[str, Instruction]) -> int | None:
+    """The integer value of ``name`` when it is a scalar constant, through copies and bitcasts."""
+    for _ in range(8):
+        instr = by_name.get(name)
+        if instr is None:
+            return None
+        if instr.opcode == "constant":
+            value = instr.operands[0] if instr.operands else ""
+            return int(value) if re.fullmatch(r"-?\d+", value) else None
+        if instr.opcode not in ("copy", "bitcast", "convert") or len(instr.operands) != 1:
+            return None
+        name = instr.operands[0]
+    return None
+
+
+def inferred_trip_count(
+    loop: Instruction, comp: Computation, comps: dict[str, Computation]
+) -> int | None:
+    """Trip count of a ``while`` without ``known_trip_count`` (XLA's TPU compiler writes none),
+    from its condition ``ROOT compare(get-tuple-element(param), index=0), constant(N)),
+    direction=LT`` and the counter's initial constant ``c`` in the loop's init tuple: ``N - c``
+    (the TPU compiler peels a first iteration out of the loop and starts the counter at 1:
+    the peeled copy's dots are counted where they are). None when the loop is not of that
+    form."""
+    cond = re.search(r"\bcondition=%([\w.\-]+)", loop.attributes)
+    cond_comp = comps.get(cond.group(1)) if cond else None
+    if cond_comp is None or not cond_comp.instructions or len(loop.operands) != 1:
+        return None
+    in_cond = {i.name: i for i in cond_comp.instructions}
+    root = cond_comp.instructions[-1]
+    if root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
+        return None
+    counter, bound = (in_cond.get(o) for o in root.operands)
+    if counter is None or counter.opcode != "get-tuple-element":
+        return None
+    index = re.search(r"\bindex=(\d+)", counter.attributes)
+    limit = _scalar_constant(root.operands[1], in_cond)
+    in_comp = {i.name: i for i in comp.instructions}
+    init = in_comp.get(loop.operands[0])
+    if index is None or limit is None or init is None or init.opcode != "tuple":
+        return None
+    k = int(index.group(1))
+    start = _scalar_constant(init.operands[k], in_comp) if k < len(init.operands) else None
+    return None if start is None or limit < start else limit - start
+
+
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
     """FLOPs of the entry computation: dots and gemm custom calls, convolutions and fused
     attention calls (:func:`instruction_flops`), each multiplied by the
@@ -350,9 +396,10 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = _TRIP_COUNT.search(instr.attributes)
-                if trip is None:
+                n = int(trip.group(1)) if trip else inferred_trip_count(instr, comp, comps)
+                if n is None:
                     unknown[0] += 1
-                n = int(trip.group(1)) if trip else 1
+                    n = 1
                 f, r = flops_of(body.group(1)) if body else (0.0, 0.0)
                 add(n * f, n * r, instr)
                 continue

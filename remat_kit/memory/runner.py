@@ -32,7 +32,7 @@ from remat_kit.memory.reading import (
     Hints,
     log_warnings,
     memory_parts,
-    peak_bytes_of,
+    compiled_peak_bytes,
     read_dump,
     unknown_memory_fields,
 )
@@ -169,7 +169,8 @@ class _KernelCaches:
 
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
     parts = memory_parts(result.compiled, unknown_as_none=True)
-    peak = peak_bytes_of(parts)  # None when the backend left a field unknown (never 0)
+    # None when the backend left a field unknown (never 0); XLA's own peak on TPU
+    peak = compiled_peak_bytes(result.compiled, job.target.platform, parts)
     reading = read_dump(result.dump, top_k, job.hints)
     arguments = dict(job.arguments)
     unknown = unknown_memory_fields(result.compiled)
@@ -200,7 +201,8 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     ratio = None
     if reading.flops and baseline:
         ratio = reading.flops / baseline
-    policy_only = policy_only_figures(result, baseline)  # XLA's own remat told apart
+    # XLA's own remat told apart
+    policy_only = policy_only_figures(result, baseline, job.target.platform)
     xla_line = ()
     if policy_only and peak is not None:
         xla_line = (xla_remat_line(peak, ratio, policy_only),)

@@ -228,15 +228,16 @@ def slice_names(generation: str | None = None) -> list[str]:
     ]
 
 
+def _sizes_text(generation: str) -> str:
+    sizes = [s for s, _ in CHIPS[generation].sizes]
+    if len(sizes) <= 12:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:6]))}, ... {sizes[-1]}; all in `remat-kit targets --json`"
+
+
 def families() -> str:
     """The slice names in brief: ``v4-N (N: 8, 16, ..., 4096), ...``."""
-    out = []
-    for g, chip in CHIPS.items():
-        sizes = [s for s, _ in chip.sizes]
-        listed = ", ".join(map(str, sizes)) if len(sizes) <= 12 else (
-            f"{', '.join(map(str, sizes[:6]))}, ... {sizes[-1]}"
-        )  # fmt: skip
-        out.append(f"{g}-N (N: {listed})")
+    out = [f"{g}-N (N: {_sizes_text(g)})" for g in CHIPS]
     return "; ".join(out) + "; 'Kx' before a name for K slices (2xv5p-8)"
 
 
@@ -258,9 +259,7 @@ def parse_slice(name: str) -> TpuSlice | None:
         return None
     topology = dict(chip.sizes).get(size)
     if topology is None:
-        raise ValueError(
-            f"unknown TPU slice {name!r}: valid {gen} slices are {', '.join(slice_names(gen))}"
-        )
+        raise ValueError(f"unknown TPU slice {name!r}: valid ones are {gen}-N, N: {_sizes_text(gen)}")
     num_slices = int(count) if count else 1
     if num_slices < 1:
         raise ValueError(f"TPU slice {name!r}: the slice count must be >= 1")
@@ -292,12 +291,20 @@ def ensure_tpu_env() -> None:
       (another compile, a pytest worker) fails with "Internal error when accessing libtpu
       multi-process lockfile" (measured here).
 
+    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all
+      (no TPU chips, no ``/dev/nvidia*``, no ``/dev/kfd``): otherwise JAX's first backend use
+      loads libtpu to look for a TPU, which costs seconds and prints libtpu's start-up lines on
+      every run. The local backend is the CPU either way.
+
     On a TPU machine nothing is set: the runtime there needs the real values.
     """
     if has_tpu_chips():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    gpu_files = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+    if libtpu_installed() and not any(os.path.exists(f) for f in gpu_files):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def libtpu_installed() -> bool:

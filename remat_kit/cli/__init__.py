@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.cli import analyze, doctor, policies, recommend, targets
 from remat_kit.cli.args import PROG as PROG
+from remat_kit.cli.args import resolve_slices
+from remat_kit.tpu import LibtpuMissingError
 from remat_kit.cli.args import Parser
 from remat_kit.cli.args import UsageError as UsageError
 from remat_kit.cli.args import parse_bytes as parse_bytes
@@ -65,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 compile failed, 2 bad input)."""
     try:
         args = build_parser().parse_args(argv)
+        resolve_slices(args)
         return args.func(args)
-    except (UsageError, ValueError) as err:
+    except (UsageError, ValueError, LibtpuMissingError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

@@ -57,7 +57,8 @@ def add(subparsers) -> None:
     A.add_workers(p)
     A.add_timeline(p)
     p.add_argument("--devices", type=A.positive_int, default=None,
-                   help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
+                   help="devices of the target (default: --mesh's product, else a TPU slice's "
+                   "chips, else 1)")  # fmt: skip
     p.add_argument(
         "--mesh", default=None,
         help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
@@ -82,6 +83,8 @@ def _resolve(args: argparse.Namespace) -> tuple:
         asked = args.policy or (policy_names() if args.all_policies else None)
         return config, target, program_policies(config, target, asked)
     make_optimizer(args.optimizer)
+    if target.tpu is not None and args.devices is None and not args.mesh:
+        args.devices = target.tpu.num_devices  # a TPU slice: all its chips unless told
     mesh = parse_mesh(args.mesh, args.devices)
     A.check_shape(config, args.batch, args.seq, mesh)
     args.devices = mesh.num_devices

@@ -303,8 +303,18 @@ def ensure_tpu_env() -> None:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     gpu_files = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
-    if libtpu_installed() and not any(os.path.exists(f) for f in gpu_files):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if (
+        "JAX_PLATFORMS" not in os.environ
+        and libtpu_installed()
+        and not any(os.path.exists(f) for f in gpu_files)
+    ):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+        from jax._src import xla_bridge
+
+        # JAX read the variable when it was imported: tell its config too, while it can change.
+        if jax.config.jax_platforms is None and not xla_bridge.backends_are_initialized():
+            jax.config.update("jax_platforms", "cpu")
 
 
 def libtpu_installed() -> bool:

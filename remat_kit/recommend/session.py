@@ -90,6 +90,8 @@ class Session:
     opt_state_bytes: int
     reused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The (dp, fsdp, tp) mesh every configuration compiles on (None: one device).
+    mesh: Any = None
 
     @property
     def compiles(self) -> int:
@@ -100,8 +102,9 @@ class Session:
         return max(0, self.max_compiles - self.compiles)
 
     def arguments(self, batch: int, seq_len: int | None = None) -> int:
-        """Argument bytes of the step at ``batch`` (inputs and targets are int32)."""
-        return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4
+        """Argument bytes of the step at ``batch`` (inputs and targets are int32), per device."""
+        split = self.mesh.dp * self.mesh.fsdp if self.mesh is not None else 1
+        return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4 // split
 
     def evaluate(
         self,
@@ -116,7 +119,8 @@ class Session:
         :func:`remat_kit.memory.analyze_policies`."""
         seq = seq_len or self.seq_len
         keys = [
-            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch, structure)
+            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch, structure,
+             self.mesh)
             for s in specs
         ]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
@@ -126,7 +130,7 @@ class Session:
             results = analyze_policies(
                 config, batch, seq, list(todo.values()), target=self.target,
                 optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
-                workers=self.workers, raise_errors=False, compare_offload=False,
+                workers=self.workers, raise_errors=False, compare_offload=False, mesh=self.mesh,
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
         return [self.cache.reports[k] for k in keys]

@@ -17,6 +17,7 @@ from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.programs import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
+from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
@@ -191,7 +192,10 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
-            add_row(t, label, "compile failed", "", "", "", "", "")
+            if out_of_memory(r):  # TPU: XLA refuses a step over HBM (its message says by how much)
+                add_row(t, label, "over memory", "", "", "", Text("no", style="red"), "")
+            else:
+                add_row(t, label, "compile failed", "", "", "", "", "")
             continue
         seconds = f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program

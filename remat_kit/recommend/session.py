@@ -15,6 +15,7 @@ import jax.monitoring
 
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
+from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.recommend.timing import step_time
@@ -220,7 +221,9 @@ def to_candidate(
         actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
     if isinstance(report, CompileError):
         where = "" if group is None else f" (group {group}, batch {batch})"
-        notes.append(f"{spec.name}{where}: {report}")
+        # TPU: XLA refuses a step over HBM instead of compiling it: that is "does not fit".
+        head = "does not fit, XLA refused it: " if out_of_memory(report) else ""
+        notes.append(f"{spec.name}{where}: {head}{report}")
         return None
     flops = report.flops
     if flops is None:

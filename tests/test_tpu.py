@@ -116,6 +116,25 @@ ENTRY %main (a: f32[8,8]) -> (s32[], f32[8,8]) {
     assert count.flops == 3 * 2 * 8 * 8 * 8  # 3 trips (4 - 1) of one [8,8] @ [8,8] dot
 
 
+def test_tpu_dot_written_as_padded_convolution_counts_its_real_work():
+    # query_proj of tiny-llama as XLA's TPU compiler wrote it: [b, s, d, 1] x [d, heads, hd, 1]
+    # -> [b, s, heads, hd], the heads a window of 4 sliding over a padded dimension of size 1.
+    shapes = {"x": "f32[4,64,16,1]{3,2,1,0}", "w": "bf16[16,4,16,1]{3,2,1,0}"}
+    conv = hlo.Instruction(
+        name="convolution.1", shape="f32[4,64,4,16]{1,3,2,0:T(8,128)S(1)}",
+        opcode="convolution", operands=("x", "w"),
+        attributes=", window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f",
+        op_name="attn/query_proj/dot_general",
+    )  # fmt: skip
+    assert hlo.instruction_flops(conv, shapes) == 2 * 4 * 64 * 4 * 16 * 16  # b s heads hd d
+    unpadded = hlo.Instruction(
+        name="convolution.2", shape="f32[4,64,16,1]", opcode="convolution", operands=("y", "v"),
+        attributes=", window={size=1x4}, dim_labels=0b1f_1io0->0bf1", op_name="out_proj",
+    )  # fmt: skip
+    shapes |= {"y": "bf16[4,64,4,16]", "v": "bf16[4,16,16,1]"}
+    assert hlo.instruction_flops(unpadded, shapes) == 2 * 4 * 64 * 16 * 4 * 16
+
+
 # -- Compiled through libtpu ------------------------------------------------------------------
 
 

@@ -228,7 +228,49 @@ def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     if not rhs or o < 0 or o >= len(rhs[0][1]):
         return 0.0
     kernel = rhs[0][1]
-    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
+    flops = 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
+    return flops * _padding_share(instr, shapes)
+
+
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_FULL_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+
+
+def _padding_share(instr: Instruction, shapes: dict[str, str]) -> float:
+    """The share of a convolution's window taps that land on its input, not on padding.
+
+    XLA's TPU compiler writes some dots as convolutions whose window slides over a padded
+    dimension of size 1 (``window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}``, the heads of a
+    projection): of the 4 x 4 (output position, tap) pairs along it only 4 multiply input
+    values, the rest padding, so the dot's work is a quarter of ``output x kernel``. Only a
+    dimension shorter than its window is corrected (an ordinary "same" convolution keeps the
+    usual ``output x kernel`` count); 1.0 with no padding, or with strides or dilations."""
+    window = _WINDOW.search(instr.attributes)
+    labels = _FULL_LABELS.search(instr.attributes)
+    if not window or not labels or "pad=" not in window.group(1):
+        return 1.0
+    fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
+    if any(k in fields for k in ("stride", "lhs_dilate", "rhs_dilate")):
+        return 1.0
+    sizes = [int(x) for x in fields.get("size", "").split("x") if x]
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+    lhs = array_shapes(shapes.get(instr.operands[0], ""))
+    if not lhs or len(sizes) != len(pads):
+        return 1.0
+    share = 1.0
+    for d, (w, (lo, hi)) in enumerate(zip(sizes, pads, strict=True)):
+        pos = labels.group(1).find(str(d))
+        if pos < 0 or pos >= len(lhs[0][1]):
+            return 1.0
+        n = lhs[0][1][pos]
+        out_len = n + lo + hi - w + 1
+        if out_len <= 0:
+            return 1.0
+        if n >= w:
+            continue
+        valid = sum(1 for o in range(out_len) for t in range(w) if 0 <= o + t - lo < n)
+        share *= valid / (out_len * w)
+    return share
 
 
 def _fmha_flops(instr: Instruction) -> float:

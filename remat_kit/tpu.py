@@ -90,7 +90,9 @@ _V5P_SIZES = _sizes(
 _2D_SIZES = _sizes("1:1x1 4:2x2 8:2x4 16:4x4 32:4x8 64:8x8 128:8x16 256:16x16")
 
 _DOCS = "Cloud TPU system architecture, cloud.google.com/tpu/docs/{}"
-_HBM_NOTE = "usable HBM: the TPU compiler's own figure in its out-of-memory message (libtpu 0.0.42.1)"
+_HBM_NOTE = (
+    "usable HBM: the TPU compiler's own figure in its out-of-memory message (libtpu 0.0.42.1)"
+)
 
 #: The chips, by Cloud generation name.
 CHIPS: dict[str, TpuChip] = {
@@ -259,7 +261,9 @@ def parse_slice(name: str) -> TpuSlice | None:
         return None
     topology = dict(chip.sizes).get(size)
     if topology is None:
-        raise ValueError(f"unknown TPU slice {name!r}: valid ones are {gen}-N, N: {_sizes_text(gen)}")
+        raise ValueError(
+            f"unknown TPU slice {name!r}: valid ones are {gen}-N, N: {_sizes_text(gen)}"
+        )
     num_slices = int(count) if count else 1
     if num_slices < 1:
         raise ValueError(f"TPU slice {name!r}: the slice count must be >= 1")

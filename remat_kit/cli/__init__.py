@@ -33,12 +33,11 @@ from collections.abc import Callable, Sequence
 
 from remat_kit.cli import analyze, doctor, policies, recommend, targets
 from remat_kit.cli.args import PROG as PROG
-from remat_kit.cli.args import resolve_slices
-from remat_kit.tpu import LibtpuMissingError
-from remat_kit.cli.args import Parser
+from remat_kit.cli.args import Parser, resolve_slices
 from remat_kit.cli.args import UsageError as UsageError
 from remat_kit.cli.args import parse_bytes as parse_bytes
 from remat_kit.cli.args import positive_int as positive_int
+from remat_kit.tpu import LibtpuMissingError
 
 #: Subcommand registrars, in help order.
 COMMANDS: list[Callable[[argparse._SubParsersAction], object]] = [

@@ -180,7 +180,9 @@ def resolve_slices(args: argparse.Namespace) -> None:
 
     target = targets.get_target(args.target)
     if target.tpu is None:
-        raise UsageError(f"--slices applies to TPU slices (v5p-8, v6e-256, ...), not {target.name!r}")
+        raise UsageError(
+            f"--slices applies to TPU slices (v5p-8, v6e-256, ...), not {target.name!r}"
+        )
     base = target.name.split("x", 1)[1] if target.tpu.num_slices > 1 else target.name
     args.target = f"{slices}x{base}"
 

@@ -30,9 +30,9 @@ from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
     Hints,
+    compiled_peak_bytes,
     log_warnings,
     memory_parts,
-    compiled_peak_bytes,
     read_dump,
     unknown_memory_fields,
 )

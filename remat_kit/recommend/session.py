@@ -120,8 +120,17 @@ class Session:
         :func:`remat_kit.memory.analyze_policies`."""
         seq = seq_len or self.seq_len
         keys = [
-            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch, structure,
-             self.mesh)
+            (
+                self.config,
+                seq,
+                self.target,
+                self.optimizer,
+                spec_key(s),
+                group,
+                batch,
+                structure,
+                self.mesh,
+            )
             for s in specs
         ]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}

@@ -58,6 +58,17 @@ def test_names_aliases_and_multislice():
     assert set(tpu.slice_names()) <= set(targets.target_names())
 
 
+def test_slices_flag_names_a_multislice_target():
+    from remat_kit.cli.args import resolve_slices
+
+    args = cli.build_parser().parse_args(
+        ["analyze", "--model", "tiny-gpt", "--target", "v5p-8", "--slices", "2"]
+    )
+    resolve_slices(args)
+    assert args.target == "2xv5p-8"
+    assert targets.get_target(args.target).num_devices == 8
+
+
 def test_unknown_slice_is_one_line_naming_valid_sizes(capsys):
     with pytest.raises(ValueError) as err:
         targets.get_target("v5p-6")

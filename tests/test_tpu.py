@@ -144,6 +144,17 @@ def test_tpu_dot_written_as_padded_convolution_counts_its_real_work():
     )  # fmt: skip
     shapes |= {"y": "bf16[4,64,4,16]", "v": "bf16[4,16,16,1]"}
     assert hlo.instruction_flops(unpadded, shapes) == 2 * 4 * 64 * 16 * 4 * 16
+    # Grouped-query attention scores (bqgrd,btgd->bgrqt) as the TPU compiler wrote them for
+    # tiny-llama (batch 1 per chip, 64 tokens, 2 kv heads x 2 query groups, head_dim 16): the
+    # query groups a window over a dilated dimension.
+    scores = hlo.Instruction(
+        name="convolution.3", shape="f32[2,64,64,2]", opcode="convolution", operands=("q", "k"),
+        attributes=", window={size=2x2 pad=0_0x1_1 lhs_dilate=2x1 rhs_reversal=0x1}, "
+        "dim_labels=b0f1_o01i->0bf1",
+        op_name="attn/bqgrd,btgd->bgrqt/dot_general",
+    )  # fmt: skip
+    shapes |= {"q": "bf16[64,2,16,1]", "k": "bf16[64,2,2,16]"}
+    assert hlo.instruction_flops(scores, shapes) == 2 * 64 * 2 * 2 * 64 * 16  # q g r t d
 
 
 # -- Compiled through libtpu ------------------------------------------------------------------

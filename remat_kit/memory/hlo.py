@@ -237,38 +237,57 @@ _FULL_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 
 
 def _padding_share(instr: Instruction, shapes: dict[str, str]) -> float:
-    """The share of a convolution's window taps that land on its input, not on padding.
+    """The share of a convolution's (output position, window tap) pairs that multiply input
+    values, not padding or the holes of a dilated input.
 
     XLA's TPU compiler writes some dots as convolutions whose window slides over a padded
     dimension of size 1 (``window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}``, the heads of a
-    projection): of the 4 x 4 (output position, tap) pairs along it only 4 multiply input
-    values, the rest padding, so the dot's work is a quarter of ``output x kernel``. Only a
-    dimension shorter than its window is corrected (an ordinary "same" convolution keeps the
-    usual ``output x kernel`` count); 1.0 with no padding, or with strides or dilations."""
+    projection: of the 4 x 4 pairs along it only 4 touch input, so the dot's work is a quarter
+    of ``output x kernel``), or over a dilated one (``lhs_dilate=2x1``, grouped-query attention's
+    query groups). Only a dimension shorter than its window or dilated is corrected: an
+    ordinary "same" convolution keeps the usual ``output x kernel`` count. 1.0 without padding
+    or dilation, and with a window dilation (``rhs_dilate``, not corrected)."""
     window = _WINDOW.search(instr.attributes)
     labels = _FULL_LABELS.search(instr.attributes)
-    if not window or not labels or "pad=" not in window.group(1):
+    if not window or not labels:
         return 1.0
     fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
-    if any(k in fields for k in ("stride", "lhs_dilate", "rhs_dilate")):
+    if "rhs_dilate" in fields or not ({"pad", "lhs_dilate"} & set(fields)):
         return 1.0
     sizes = [int(x) for x in fields.get("size", "").split("x") if x]
-    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+    ndim = len(sizes)
+
+    def per_dim(key: str, default: int) -> list[int]:
+        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * ndim
+
+    pads = (
+        [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+        if "pad" in fields
+        else [(0, 0)] * ndim
+    )
+    strides, dilations = per_dim("stride", 1), per_dim("lhs_dilate", 1)
     lhs = array_shapes(shapes.get(instr.operands[0], ""))
-    if not lhs or len(sizes) != len(pads):
+    if not lhs or not (len(pads) == len(strides) == len(dilations) == ndim):
         return 1.0
     share = 1.0
-    for d, (w, (lo, hi)) in enumerate(zip(sizes, pads, strict=True)):
+    for d in range(ndim):
+        w, (lo, hi), st, dl = sizes[d], pads[d], strides[d], dilations[d]
         pos = labels.group(1).find(str(d))
         if pos < 0 or pos >= len(lhs[0][1]):
             return 1.0
         n = lhs[0][1][pos]
-        out_len = n + lo + hi - w + 1
+        if dl == 1 and n >= w:
+            continue
+        span = (n - 1) * dl + 1  # the dilated input
+        out_len = (span + lo + hi - w) // st + 1
         if out_len <= 0:
             return 1.0
-        if n >= w:
-            continue
-        valid = sum(1 for o in range(out_len) for t in range(w) if 0 <= o + t - lo < n)
+        valid = sum(
+            1
+            for o in range(out_len)
+            for t in range(w)
+            if 0 <= o * st + t - lo < span and (o * st + t - lo) % dl == 0
+        )
         share *= valid / (out_len * w)
     return share
 

@@ -100,6 +100,11 @@ class MemoryReport:
     overhead (CUDA context, allocator fragmentation, a default JAX process's preallocation of
     75% of the GPU: see ``Target.usable_bytes``).
 
+    On a TPU target ``peak_bytes`` is XLA's own ``peak_memory_in_bytes`` instead: the TPU
+    compiler's ``temp_bytes`` leaves out most temporaries (0 B for a step whose buffer
+    assignment holds MiBs of them), so the sum above undercounts there; the parts are kept as
+    XLA gives them (:func:`remat_kit.memory.reading.compiled_peak_bytes`).
+
     Attributes:
       name: what was analysed (function name, or ``"llama3-8b b=1 s=8192"``).
       target: the target name (``"h100-sxm"``, ``"cpu"``, ``"local"``): the numbers are this

@@ -444,7 +444,9 @@ def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
             if op == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = hlo._TRIP_COUNT.search(instr.attributes)
-                n = int(trip.group(1)) if trip else 1
+                # the TPU compiler writes no known_trip_count: read it from the condition
+                n = int(trip.group(1)) if trip else hlo.inferred_trip_count(instr, comp, comps)
+                n = 1 if n is None else n
                 if body:
                     walk(body.group(1), count * n, rec, depth + 1)
                 continue

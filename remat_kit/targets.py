@@ -47,6 +47,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from remat_kit import tpu as _tpu
+from remat_kit.tpu import TpuSlice
+
 #: Platforms a target compiles for. The built-in targets are ``cpu`` or ``cuda``; ``local`` takes
 #: whatever JAX's default backend is.
 Platform = Literal["cpu", "cuda", "rocm", "tpu"]
@@ -133,11 +136,20 @@ class Target:
     interconnect_bytes_per_s: float | None = None
     #: Fixed cost of one kernel launch in seconds (the time model's per-kernel overhead).
     launch_s: float | None = None
+    #: For TPU slices compiled deviceless: the slice's topology (see :class:`TpuSlice`).
+    tpu: TpuSlice | None = None
 
     @property
     def deviceless(self) -> bool:
-        """True when compiling for this target needs no such device (a GPU model)."""
-        return self.gpu is not None
+        """True when compiling for this target needs no such device (a GPU model, a TPU
+        slice)."""
+        return self.gpu is not None or self.tpu is not None
+
+    @property
+    def num_devices(self) -> int | None:
+        """JAX devices of the target as a whole (a TPU slice's chips times its slices); ``None``
+        for targets of no fixed size (GPU models and local backends take any count)."""
+        return None if self.tpu is None else self.tpu.num_devices
 
     def usable_bytes(self, fraction: float = 1.0) -> int:
         """``fraction`` of device memory, in bytes.
@@ -312,9 +324,45 @@ _GPU_TARGETS: tuple[Target, ...] = (
 TARGETS: dict[str, Target] = {t.name: t for t in (_CPU, *_GPU_TARGETS)}
 
 
+def tpu_target(name: str | TpuSlice) -> Target:
+    """The :class:`Target` of a TPU slice (``"v5p-8"``, ``"v5litepod-16"``, ``"2xv6e-256"``),
+    compiled deviceless through libtpu (:mod:`remat_kit.tpu`).
+
+    Figures are per JAX device = per chip (v4 / v5p chips run their two TensorCores as one
+    device). ``peak_flops_f32`` is the bf16 peak: XLA's TPU compiler runs an f32 dot at JAX's
+    default precision as one bf16 MXU pass (``jax.default_matmul_precision``: "bfloat16" is the
+    default on TPU). ``launch_s`` is None: no cited per-op overhead for TPUs.
+
+    Raises:
+      ValueError: not a TPU slice name, or a size the generation does not come in (the
+        message lists the valid sizes).
+    """
+    tpu = name if isinstance(name, TpuSlice) else _tpu.parse_slice(str(name).strip().lower())
+    if tpu is None:
+        raise ValueError(f"{name!r} is not a TPU slice: valid ones are {_tpu.families()}")
+    chip = _tpu.CHIPS[tpu.generation]
+    many = f"{tpu.num_slices} slices of " if tpu.num_slices > 1 else ""
+    return Target(
+        name=tpu.name,
+        platform="tpu",
+        description=f"{many}{tpu.chips} chips ({tpu.topology}) of {chip.description}",
+        memory_bytes=chip.memory_bytes,
+        peak_flops_bf16=chip.peak_flops_bf16,
+        hbm_bytes_per_s=chip.hbm_bytes_per_s,
+        host_link_bytes_per_s=chip.host_link_bytes_per_s,
+        supports_host_offload=True,
+        source=chip.source,
+        peak_flops_f32=chip.peak_flops_bf16,
+        interconnect_bytes_per_s=chip.interconnect_bytes_per_s,
+        launch_s=None,
+        tpu=tpu,
+    )
+
+
 def target_names() -> list[str]:
-    """Every valid target name: ``local``, ``cpu``, then the GPU models."""
-    return [LOCAL, *TARGETS]
+    """Every valid target name: ``local``, ``cpu``, the GPU models, then every single TPU slice
+    (``v4-8`` ... ``v6e-256``; multi-slice names ``2xv5p-8`` are valid too, not listed)."""
+    return [LOCAL, *TARGETS, *_tpu.slice_names()]
 
 
 def get_target(name: str | Target) -> Target:
@@ -334,13 +382,18 @@ def get_target(name: str | Target) -> Target:
         return _local_target()
     if key in TARGETS:
         return TARGETS[key]
-    names = target_names()
+    if _tpu.parse_slice(key) is not None:  # raises on a TPU generation's unknown size
+        return tpu_target(key)
+    names = [LOCAL, *TARGETS]
     # A prefix ("h100", "a100") beats difflib, which would pick "h200" for "h100".
     close = [n for n in names if key and n.startswith(key)] or difflib.get_close_matches(
         key, names, n=1
     )
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise ValueError(f"unknown target {name!r}: valid names are {', '.join(names)}{hint}")
+    raise ValueError(
+        f"unknown target {name!r}: valid names are {', '.join(names)}, and TPU slices "
+        f"{_tpu.families()}{hint}"
+    )
 
 
 def _local_target() -> Target:
@@ -469,13 +522,17 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
     ``local`` and ``cpu``: the first ``num_devices`` devices of the run (``jax.devices()``: in a
     ``jax.distributed`` run, every process's devices, as a global mesh needs). GPU models:
     compile-only devices of a deviceless topology ``1x1x{num_devices}`` (one host,
-    ``num_devices`` GPUs), made once per (target, ``num_devices``) and cached. Compile-only
+    ``num_devices`` GPUs), made once per (target, ``num_devices``) and cached. TPU slices: the
+    first ``num_devices`` devices (chips) of the slice's deviceless topology
+    (:func:`remat_kit.tpu.topology`, cached). Compile-only
     devices cannot run anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding
     on them (see :func:`abstract_sharding`) and call ``.lower(...).compile()``.
 
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
-            message says how to get more CPU devices).
+            message says how to get more CPU devices), or more than a TPU slice has.
+        remat_kit.tpu.LibtpuMissingError: a TPU slice without libtpu installed (the fix:
+            ``pip install 'remat-kit[tpu]'``).
         RuntimeError: a GPU target without the CUDA plugin installed (the fix:
             ``pip install 'remat-kit[cuda12]'``), or the plugin would not register.
     """
@@ -484,6 +541,13 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if t.gpu is not None:
         return list(_cuda_topology(t, num_devices).devices)
+    if t.tpu is not None:
+        if num_devices > t.tpu.num_devices:
+            raise ValueError(
+                f"target {t.name!r} has {t.tpu.num_devices} devices (chips), {num_devices} asked; "
+                f"pick a larger slice or fewer devices"
+            )
+        return list(_tpu.topology(t.tpu).devices)[:num_devices]
     devices = jax.devices("cpu") if t.name == "cpu" else jax.devices()
     if len(devices) < num_devices:
         fix = (

@@ -116,7 +116,7 @@ def test_batch_bracket_converges_on_an_affine_peak():
     [
         (dict(policies=["save-everything"]), "unknown policy"),
         (dict(seq_len=10**6), "exceeds max_seq_len"),
-        (dict(target="cpu"), "no peak FLOP/s"),
+        (dict(target="cpu"), "has unknown memory: give a budget"),
         (dict(group_sizes=[3]), "does not divide num_layers"),
         (dict(batch_size="auto", solve=True), "solve needs a fixed batch"),
         (dict(batch_size=0), "positive integer or 'auto'"),
@@ -147,7 +147,7 @@ def test_cli_parser_and_bad_input():
     )
     assert args.policy == [custom_spec({"query_proj": "offload"})]
     args = parser.parse_args(["recommend", "--model", MODEL, "--seq", "64", "--target", "cpu"])
-    with pytest.raises(ValueError, match="no peak FLOP/s"):
+    with pytest.raises(ValueError, match="has unknown memory: give a budget"):
         run(args)
 
 
@@ -334,3 +334,16 @@ def test_a_per_tag_policy_is_a_candidate(first, cache):
     assert c.policy == "custom" and c.actions == {t: "save" for t in spec.save}
     assert c.peak_bytes == named.peak_bytes and c.step_time_s == named.step_time_s
     assert rec.pick is c and "remat_kit.custom_policy({" in rec.line()
+
+
+def test_recommend_on_the_local_device_ranks_by_its_calibrated_estimate():
+    """The local CPU has no datasheet: recommend times it with the calibration (fixed for the
+    tests by tests/cpu_figures.json) instead of refusing it."""
+    rec = recommend(
+        "tiny-gpt", seq_len=32, target="local", batch_size=1, budget="1GiB",
+        policies=["no-remat", "save-nothing"], group_sizes=[1], structure=False,
+    )  # fmt: skip
+    assert rec.pick is not None and len(rec.candidates) == 2
+    assert all(0 < c.step_time_s < math.inf for c in rec.candidates)
+    assert rec.pick.step_time_s == min(c.step_time_s for c in rec.candidates)
+    assert any("calibrated on this machine" in n for n in rec.notes), rec.notes

@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 from remat_kit.cli import analyze, doctor, policies, recommend, targets
 from remat_kit.cli.args import PROG as PROG
-from remat_kit.cli.args import Parser
+from remat_kit.cli.args import Parser, resolve_slices
 from remat_kit.cli.args import UsageError as UsageError
 from remat_kit.cli.args import parse_bytes as parse_bytes
 from remat_kit.cli.args import positive_int as positive_int
+from remat_kit.tpu import LibtpuMissingError
 
 #: Subcommand registrars, in help order.
 COMMANDS: list[Callable[[argparse._SubParsersAction], object]] = [
@@ -68,9 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
+        resolve_slices(args)
         with _cache_off(getattr(args, "no_cache", False)):
             return args.func(args)
-    except (UsageError, ValueError) as err:
+    except (UsageError, ValueError, LibtpuMissingError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

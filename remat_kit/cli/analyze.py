@@ -18,13 +18,14 @@ from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.programs import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
-from remat_kit.memory.roofline import StepTime, format_seconds
+from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
+from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
-from remat_kit.units import KIB, MIB, in_unit, table_unit
+from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
 
 
@@ -66,7 +67,8 @@ def add(subparsers) -> None:
         "(compiles each policy again, and no-remat once)",
     )  # fmt: skip
     p.add_argument("--devices", type=A.positive_int, default=None,
-                   help="devices of the target (default: --mesh's product, else 1)")  # fmt: skip
+                   help="devices of the target (default: --mesh's product, else a TPU slice's "
+                   "chips, else 1)")  # fmt: skip
     p.add_argument(
         "--mesh", default=None,
         help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
@@ -101,6 +103,8 @@ def _resolve(args: argparse.Namespace) -> tuple:
         asked = args.policy or (policy_names() if args.all_policies else None)
         return config, target, program_policies(config, target, asked)
     make_optimizer(args.optimizer)
+    if target.tpu is not None and args.devices is None and not args.mesh:
+        args.devices = target.tpu.num_devices  # a TPU slice: all its chips unless told
     mesh = parse_mesh(args.mesh, args.devices)
     A.check_shape(config, args.batch, args.seq, mesh)
     args.devices = mesh.num_devices
@@ -239,7 +243,10 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
-            add_row(t, label, "compile failed", "", "", "", "", "", "", "")
+            if out_of_memory(r):  # TPU: XLA refuses a step over HBM (its message says by how much)
+                add_row(t, label, "over memory", "", "", "", Text("no", style="red"), "", "", "")
+            else:
+                add_row(t, label, "compile failed", "", "", "", "", "", "", "")
             continue
         seconds = "cached" if r.compile_cached else f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program
@@ -250,7 +257,7 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         add_row(
             t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
             in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
-            format_seconds(r.step_time_s), _bound_by(r.step_time), seconds,
+            format_seconds(r.step_time_s, 3), _bound_by(r.step_time), seconds,
         )  # fmt: skip
     return t
 
@@ -288,7 +295,12 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     budget = args.budget if args.budget is not None else target.memory_bytes
     lines = [
         f"{first.backend}{'; traced under jax_remat3' if first.remat_impl == 'remat3' else ''}"
-        "; peak = argument + output + temp - alias (per device)"
+        "; peak = "
+        + (
+            "XLA's peak_memory_in_bytes (per device; its temp figure leaves out temporaries)"
+            if target.platform == "tpu"
+            else "argument + output + temp - alias (per device)"
+        )
         + (f"; budget {_size(budget)}" if budget else "; target memory unknown (CPU)"),
         "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
     ]

@@ -154,12 +154,37 @@ def require_shape(
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:
-    """``--target``: a compile target name."""
+    """``--target``: a compile target name; ``--slices K``: K of that TPU slice (multi-slice),
+    folded into the target name (``2xv5p-8``) by :func:`resolve_slices`."""
     p.add_argument(
         "--target",
         default=default,
         help=f"compile target (see `remat-kit targets`; default {default})",
     )
+    p.add_argument(
+        "--slices", type=positive_int, default=None,
+        help="TPU targets: this many slices joined over the data-center network (multi-slice)",
+    )  # fmt: skip
+
+
+def resolve_slices(args: argparse.Namespace) -> None:
+    """Fold ``--slices K`` into ``args.target`` (``v5p-8`` -> ``2xv5p-8``).
+
+    Raises:
+      UsageError: ``--slices`` on a target that is not a TPU slice.
+    """
+    slices = getattr(args, "slices", None)
+    if slices is None or slices == 1 or not hasattr(args, "target"):
+        return
+    from remat_kit import targets
+
+    target = targets.get_target(args.target)
+    if target.tpu is None:
+        raise UsageError(
+            f"--slices applies to TPU slices (v5p-8, v6e-256, ...), not {target.name!r}"
+        )
+    base = target.name.split("x", 1)[1] if target.tpu.num_slices > 1 else target.name
+    args.target = f"{slices}x{base}"
 
 
 def add_policy(p: argparse.ArgumentParser, what: str) -> None:

@@ -58,6 +58,11 @@ def add(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="memory fraction kept free")
     p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
     A.add_workers(p)
+    p.add_argument(
+        "--mesh", default=None,
+        help="compile on this mesh of the target's devices: 'fsdp=256' or 'dp=2,fsdp=4' "
+        "(presets; default --batch: one sequence per dp*fsdp device); figures are per device",
+    )  # fmt: skip
     A.add_json(p, "the recommendation")
     A.add_html(p)
     p.set_defaults(func=run)
@@ -87,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if isinstance(model, Program):
         A.require_shape(args, model)
-        for flag, value in (("--group-size", args.group_sizes), ("--optimizer", args.optimizer)):
+        for flag, value in (("--group-size", args.group_sizes), ("--optimizer", args.optimizer),
+                            ("--mesh", args.mesh)):  # fmt: skip
             if value is not None:
                 raise A.UsageError(
                     f"{flag} applies to presets; program {model.name!r} sets its own in its factory"
@@ -96,9 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         A.require_shape(args, model, needed=("seq",))
         rec = recommend(
-            model, args.seq, args.target, batch_size=args.batch or 1,
+            model, args.seq, args.target, batch_size=args.batch,
             group_sizes=args.group_sizes, optimizer=args.optimizer or "adamw",
-            structure=args.structure, **common,
+            structure=args.structure, mesh=args.mesh, **common,
         )  # fmt: skip
     if args.json:
         print(rec.to_json(indent=1))

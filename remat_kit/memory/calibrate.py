@@ -52,6 +52,10 @@ _SFU_PER_SM_PER_CLOCK = 16
 #: "Getting Started with CUDA Graphs", 2019, measured ~3 us per short kernel without graphs).
 #: An assumption until the GPU check calibrates it on a real H200.
 GPU_LAUNCH_S = 3e-6
+#: Fixed cost per HLO kernel on a TPU, where the whole step runs as one program on the chip
+#: (no host launch per kernel): an assumption of 1 us (pipeline fill and sync between fused
+#: ops), no published figure.
+TPU_OP_S = 1e-6
 
 
 def cache_dir() -> Path:
@@ -88,7 +92,12 @@ def datasheet_figures(target: T.Target) -> DeviceFigures | None:
         elementwise = target.peak_flops_bf16 / 10
         transcendental = elementwise / 4
         vector_source = "vector units assumed at 1/10 of the matmul peak (no published figure)"
-    launch = target.launch_s if target.launch_s is not None else GPU_LAUNCH_S
+    if target.launch_s is not None:
+        launch, launch_note = target.launch_s, ""
+    elif target.platform == "tpu":  # one program on the chip, no host launch per kernel
+        launch, launch_note = TPU_OP_S, " (assumed: no published per-op figure for TPUs)"
+    else:
+        launch, launch_note = GPU_LAUNCH_S, " (assumed: NVIDIA blog, CUDA Graphs)"
     return DeviceFigures(
         name=target.name,
         peak_flops={"bf16": target.peak_flops_bf16, "f32": f32, "f16": target.peak_flops_bf16},
@@ -102,7 +111,7 @@ def datasheet_figures(target: T.Target) -> DeviceFigures | None:
         interconnect_bytes_per_s=target.interconnect_bytes_per_s,
         source=(
             f"datasheet: {target.source}; {vector_source}; launch {launch * 1e6:.1f} us"
-            + ("" if target.launch_s is not None else " (assumed: NVIDIA blog, CUDA Graphs)")
+            + launch_note
         ),
     )
 

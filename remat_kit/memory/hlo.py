@@ -228,7 +228,68 @@ def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     if not rhs or o < 0 or o >= len(rhs[0][1]):
         return 0.0
     kernel = rhs[0][1]
-    return 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
+    flops = 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
+    return flops * _padding_share(instr, shapes)
+
+
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_FULL_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+
+
+def _padding_share(instr: Instruction, shapes: dict[str, str]) -> float:
+    """The share of a convolution's (output position, window tap) pairs that multiply input
+    values, not padding or the holes of a dilated input.
+
+    XLA's TPU compiler writes some dots as convolutions whose window slides over a padded
+    dimension of size 1 (``window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}``, the heads of a
+    projection: of the 4 x 4 pairs along it only 4 touch input, so the dot's work is a quarter
+    of ``output x kernel``), or over a dilated one (``lhs_dilate=2x1``, grouped-query attention's
+    query groups). Only a dimension shorter than its window or dilated is corrected: an
+    ordinary "same" convolution keeps the usual ``output x kernel`` count. 1.0 without padding
+    or dilation, and with a window dilation (``rhs_dilate``, not corrected)."""
+    window = _WINDOW.search(instr.attributes)
+    labels = _FULL_LABELS.search(instr.attributes)
+    if not window or not labels:
+        return 1.0
+    fields = dict(f.split("=", 1) for f in window.group(1).split() if "=" in f)
+    if "rhs_dilate" in fields or not ({"pad", "lhs_dilate"} & set(fields)):
+        return 1.0
+    sizes = [int(x) for x in fields.get("size", "").split("x") if x]
+    ndim = len(sizes)
+
+    def per_dim(key: str, default: int) -> list[int]:
+        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * ndim
+
+    pads = (
+        [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+        if "pad" in fields
+        else [(0, 0)] * ndim
+    )
+    strides, dilations = per_dim("stride", 1), per_dim("lhs_dilate", 1)
+    lhs = array_shapes(shapes.get(instr.operands[0], ""))
+    if not lhs or not (len(pads) == len(strides) == len(dilations) == ndim):
+        return 1.0
+    share = 1.0
+    for d in range(ndim):
+        w, (lo, hi), st, dl = sizes[d], pads[d], strides[d], dilations[d]
+        pos = labels.group(1).find(str(d))
+        if pos < 0 or pos >= len(lhs[0][1]):
+            return 1.0
+        n = lhs[0][1][pos]
+        if dl == 1 and n >= w:
+            continue
+        span = (n - 1) * dl + 1  # the dilated input
+        out_len = (span + lo + hi - w) // st + 1
+        if out_len <= 0:
+            return 1.0
+        valid = sum(
+            1
+            for o in range(out_len)
+            for t in range(w)
+            if 0 <= o * st + t - lo < span and (o * st + t - lo) % dl == 0
+        )
+        share *= valid / (out_len * w)
+    return share
 
 
 def _fmha_flops(instr: Instruction) -> float:
@@ -319,6 +380,52 @@ class FlopCount:
     recomputed_flops: float = 0.0
 
 
+def _scalar_constant(name: str, by_name: dict[str, Instruction]) -> int | None:
+    """The integer value of ``name`` when it is a scalar constant, through copies and bitcasts."""
+    for _ in range(8):
+        instr = by_name.get(name)
+        if instr is None:
+            return None
+        if instr.opcode == "constant":
+            value = instr.operands[0] if instr.operands else ""
+            return int(value) if re.fullmatch(r"-?\d+", value) else None
+        if instr.opcode not in ("copy", "bitcast", "convert") or len(instr.operands) != 1:
+            return None
+        name = instr.operands[0]
+    return None
+
+
+def inferred_trip_count(
+    loop: Instruction, comp: Computation, comps: dict[str, Computation]
+) -> int | None:
+    """Trip count of a ``while`` without ``known_trip_count`` (XLA's TPU compiler writes none),
+    from its condition ``ROOT compare(get-tuple-element(param), index=0), constant(N)),
+    direction=LT`` and the counter's initial constant ``c`` in the loop's init tuple: ``N - c``
+    (the TPU compiler peels a first iteration out of the loop and starts the counter at 1:
+    the peeled copy's dots are counted where they are). None when the loop is not of that
+    form."""
+    cond = re.search(r"\bcondition=%([\w.\-]+)", loop.attributes)
+    cond_comp = comps.get(cond.group(1)) if cond else None
+    if cond_comp is None or not cond_comp.instructions or len(loop.operands) != 1:
+        return None
+    in_cond = {i.name: i for i in cond_comp.instructions}
+    root = cond_comp.instructions[-1]
+    if root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
+        return None
+    counter, bound = (in_cond.get(o) for o in root.operands)
+    if counter is None or counter.opcode != "get-tuple-element":
+        return None
+    index = re.search(r"\bindex=(\d+)", counter.attributes)
+    limit = _scalar_constant(root.operands[1], in_cond)
+    in_comp = {i.name: i for i in comp.instructions}
+    init = in_comp.get(loop.operands[0])
+    if index is None or limit is None or init is None or init.opcode != "tuple":
+        return None
+    k = int(index.group(1))
+    start = _scalar_constant(init.operands[k], in_comp) if k < len(init.operands) else None
+    return None if start is None or limit < start else limit - start
+
+
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
     """FLOPs of the entry computation: dots and gemm custom calls, convolutions and fused
     attention calls (:func:`instruction_flops`), each multiplied by the
@@ -350,9 +457,10 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = _TRIP_COUNT.search(instr.attributes)
-                if trip is None:
+                n = int(trip.group(1)) if trip else inferred_trip_count(instr, comp, comps)
+                if n is None:
                     unknown[0] += 1
-                n = int(trip.group(1)) if trip else 1
+                    n = 1
                 f, r = flops_of(body.group(1)) if body else (0.0, 0.0)
                 add(n * f, n * r, instr)
                 continue

@@ -13,19 +13,23 @@ PolicyOnly` and the one line that says what XLA did.
 from __future__ import annotations
 
 from remat_kit.memory import hlo
-from remat_kit.memory.reading import memory_parts, peak_bytes_of
+from remat_kit.memory.reading import compiled_peak_bytes
 from remat_kit.memory.report import PolicyOnly
 from remat_kit.memory.timeline import live_at_peak
 from remat_kit.memory.xla_compile import CompileResult
 from remat_kit.units import format_bytes
 
 
-def policy_only_figures(result: CompileResult, flops_no_remat: float | None) -> PolicyOnly | None:
+def policy_only_figures(
+    result: CompileResult, flops_no_remat: float | None, platform: str = "cuda"
+) -> PolicyOnly | None:
     """:class:`PolicyOnly` from a compile whose ``policy_only`` compile ran, else None.
 
     Args:
       result: the as-run compile (its ``policy_only`` is the pass-off compile).
       flops_no_remat: the no-remat baseline of the recompute ratio (matmul FLOPs).
+      platform: the target's platform (the peak is read as
+        :func:`remat_kit.memory.reading.compiled_peak_bytes` reads it there).
     """
     off = result.policy_only
     if off is None:
@@ -47,7 +51,7 @@ def policy_only_figures(result: CompileResult, flops_no_remat: float | None) -> 
         live_bytes = sum(by_slot.values())
     return PolicyOnly(
         xla_remat_instructions=result.xla_remat_instructions,
-        peak_bytes=peak_bytes_of(memory_parts(off.compiled)),
+        peak_bytes=compiled_peak_bytes(off.compiled, platform),
         live_peak_bytes=live_bytes,
         flops=flops,
         recompute_ratio=flops / flops_no_remat if flops and flops_no_remat else None,

@@ -9,7 +9,7 @@ from typing import Any
 
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.timeline import Timeline
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import TagResiduals
 
 GIB = 2**30
@@ -99,6 +99,11 @@ class MemoryReport:
     not twice. This is what the program needs resident at once, excluding the framework's own
     overhead (CUDA context, allocator fragmentation, a default JAX process's preallocation of
     75% of the GPU: see ``Target.usable_bytes``).
+
+    On a TPU target ``peak_bytes`` is XLA's own ``peak_memory_in_bytes`` instead: the TPU
+    compiler's ``temp_bytes`` leaves out most temporaries (0 B for a step whose buffer
+    assignment holds MiBs of them), so the sum above undercounts there; the parts are kept as
+    XLA gives them (:func:`remat_kit.memory.reading.compiled_peak_bytes`).
 
     Attributes:
       name: what was analysed (function name, or ``"llama3-8b b=1 s=8192"``).
@@ -241,13 +246,14 @@ class MemoryReport:
 
     def summary(self) -> str:
         """One line: target, policy, peak and host bytes (in the unit that fits them), recompute
-        ratio, fits."""
+        ratio, estimated step time (the roofline), fits."""
         parts = [
             f"{self.name} on {self.target}",
             f"policy={self.policy}" if self.policy else "",
             f"peak {format_bytes(self.peak_bytes)}",
             f"host {format_bytes(self.host_bytes)}" if self.host_bytes else "",
             f"recompute x{self.recompute_ratio:.2f}" if self.recompute_ratio else "",
+            f"est. step {format_seconds(self.step_time_s, 3)}" if self.step_time_s else "",
             "" if self.fits is None else ("fits" if self.fits else "does not fit"),
         ]
         return ", ".join(p for p in parts if p)

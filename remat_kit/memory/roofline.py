@@ -45,6 +45,7 @@ import re
 from collections.abc import Iterable
 
 from remat_kit.memory import hlo
+from remat_kit.units import format_seconds
 
 #: Opcodes that launch no kernel (names, views, control) and move no bytes.
 _FREE = frozenset({
@@ -224,18 +225,7 @@ class StepTime:
         ]  # fmt: skip
         total = self.step_time_s or 1.0
         shares = ", ".join(f"{k} {v / total:.0%}" for k, v in parts if v / total >= 0.005)
-        return f"{format_seconds(self.step_time_s)} ({shares})"
-
-
-def format_seconds(seconds: float | None) -> str:
-    """A duration in the unit that reads best: ``"1.24 s"``, ``"812 ms"``, ``"68.4 µs"``."""
-    if seconds is None:
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if abs(seconds) >= scale or unit == "µs":
-            value = seconds / scale
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{seconds:.3g} s"
+        return f"{format_seconds(self.step_time_s, 3)} ({shares})"
 
 
 # -- Counting kernels ------------------------------------------------------------------------
@@ -454,7 +444,9 @@ def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
             if op == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = hlo._TRIP_COUNT.search(instr.attributes)
-                n = int(trip.group(1)) if trip else 1
+                # the TPU compiler writes no known_trip_count: read it from the condition
+                n = int(trip.group(1)) if trip else hlo.inferred_trip_count(instr, comp, comps)
+                n = 1 if n is None else n
                 if body:
                     walk(body.group(1), count * n, rec, depth + 1)
                 continue

@@ -34,9 +34,9 @@ from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
     Hints,
+    compiled_peak_bytes,
     log_warnings,
     memory_parts,
-    peak_bytes_of,
     read_dump,
     unknown_memory_fields,
 )
@@ -198,7 +198,8 @@ def step_time_of(
 
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
     parts = memory_parts(result.compiled, unknown_as_none=True)
-    peak = peak_bytes_of(parts)  # None when the backend left a field unknown (never 0)
+    # None when the backend left a field unknown (never 0); XLA's own peak on TPU
+    peak = compiled_peak_bytes(result.compiled, job.target.platform, parts)
     reading = read_dump(result.dump, top_k, job.hints)
     arguments = dict(job.arguments)
     unknown = unknown_memory_fields(result.compiled)
@@ -229,7 +230,8 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     ratio = None
     if reading.flops and baseline:
         ratio = reading.flops / baseline
-    policy_only = policy_only_figures(result, baseline)  # XLA's own remat told apart
+    # XLA's own remat told apart
+    policy_only = policy_only_figures(result, baseline, job.target.platform)
     xla_line = ()
     if policy_only and peak is not None:
         xla_line = (xla_remat_line(peak, ratio, policy_only),)

@@ -202,6 +202,16 @@ class CompileError(RuntimeError):
         self.policy = policy
 
 
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory", re.IGNORECASE)
+
+
+def out_of_memory(err: CompileError) -> bool:
+    """True when the compile failed because the step does not fit the device: XLA's TPU
+    compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
+    exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
+    return bool(_OUT_OF_MEMORY.search(err.xla_message))
+
+
 def first_line(err: BaseException) -> str:
     """The first non-empty line of an exception's message."""
     for line in str(err).splitlines():
@@ -282,6 +292,8 @@ def add_policy_only(
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:
     """E.g. ``"XLA GPU compiler (deviceless, jax 0.10.2)"``."""
-    kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler"}.get(platform, f"XLA {platform}")
+    kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler", "tpu": "XLA TPU compiler"}.get(
+        platform, f"XLA {platform}"
+    )
     how = "deviceless" if deviceless else "local device"
     return f"{kind} ({how}, jax {jax.__version__})"

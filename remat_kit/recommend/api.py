@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import argument_parts
 from remat_kit.models.config import ModelConfig, get_config
@@ -36,11 +37,16 @@ from remat_kit.recommend.structure import (
     search_structure,
     structure_compiles,
 )
-from remat_kit.recommend.timing import host_link_source, rank, time_model_note
+from remat_kit.recommend.timing import figures_for, host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
 from remat_kit.remat_impl import honoured
-from remat_kit.training.step import abstract_batch, abstract_train_state, make_optimizer
-from remat_kit.validation import check_seq_len
+from remat_kit.training.step import (
+    abstract_batch,
+    abstract_train_state,
+    make_optimizer,
+    sharded_train_state,
+)
+from remat_kit.validation import check_batch_split, check_seq_len
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
 Named = tuple[PolicySpec, Candidate, Any]
@@ -70,6 +76,9 @@ class Request:
     arguments: dict[str, int]
     notes: tuple[str, ...]
     structure: bool = False
+    #: The (dp, fsdp, tp) mesh every configuration is compiled on (None: one device); the
+    #: arguments, budget and figures are then per device.
+    mesh: S.MeshSpec | None = None
 
 
 @dataclasses.dataclass
@@ -101,6 +110,7 @@ def recommend(
     workers: int | None = None,
     cache: CompileCache | None = None,
     structure: bool | None = None,
+    mesh: str | S.MeshSpec | None = None,
 ) -> Recommendation:
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
@@ -139,6 +149,10 @@ def recommend(
         None (the full search), off when the policies are given (exactly those are compiled).
         The compile cap grows by :func:`~remat_kit.recommend.structure.structure_compiles`
         (``num_layers``) when on.
+      mesh: compile every configuration on this (dp, fsdp, tp) mesh of the target's devices
+        (``"fsdp=256"`` on a ``v6e-256`` slice; :func:`remat_kit.sharding.parse_mesh`): the
+        batch is split over dp*fsdp devices (default one sequence per such device; not with
+        ``"auto"``), and budgets, peaks and step times are per device.
 
     Returns:
       A :class:`Recommendation`: the pick (None when nothing fits, with ``advice``), every
@@ -164,12 +178,16 @@ def recommend(
     if seq_len is None:
         raise ValueError("seq_len is required for a preset or ModelConfig (tokens per sequence)")
     t_start = time.perf_counter()
-    batch_size = 1 if batch_size is None else batch_size
+    spec = S.parse_mesh(mesh) if mesh else None
+    if spec is not None and batch_size == "auto":
+        raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
+    split = spec.dp * spec.fsdp if spec is not None else 1
+    batch_size = split if batch_size is None else batch_size
     optimizer = "adamw" if optimizer is None else optimizer
     request = resolve_request(
         model, seq_len, target, batch_size=batch_size, budget=budget, solve=solve,
         policies=policies, group_sizes=group_sizes, optimizer=optimizer, margin=margin,
-        structure=structure,
+        structure=structure, mesh=spec,
     )  # fmt: skip
     with counting() as counter:
         session = open_session(request, counter, cache, workers, max_compiles)
@@ -212,12 +230,7 @@ def _check_inputs(
         raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
     if auto and solve:
         raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
-    if not tgt.peak_flops_bf16:
-        gpus = [n for n in T.target_names() if T.get_target(n).deviceless]
-        raise ValueError(
-            f"target {tgt.name!r} has no peak FLOP/s, so step time cannot be estimated; pick "
-            f"one of {', '.join(gpus)}"
-        )
+    figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 
@@ -272,8 +285,10 @@ def resolve_request(
     optimizer: str,
     margin: float,
     structure: bool | None = None,
+    mesh: S.MeshSpec | None = None,
 ) -> Request:
-    """Stage 1: check and resolve every input of :func:`recommend`; traces nothing.
+    """Stage 1: check and resolve every input of :func:`recommend`; traces nothing (on a
+    ``mesh``, the target's devices are made to size the sharded arguments).
 
     Raises:
       ValueError: see :func:`recommend`.
@@ -292,14 +307,19 @@ def resolve_request(
     on = policies is None if structure is None else bool(structure)
     if on and auto:
         notes.append("structure search (attention, loss chunks, remat_layers) needs a fixed batch")
-    arguments = argument_parts(
-        [abstract_train_state(config, opt), abstract_batch(batch, seq_len)], ["state", "batch"]
-    )
+    if mesh is None:
+        state, batch_args = abstract_train_state(config, opt), abstract_batch(batch, seq_len)
+    else:  # per-device arguments: the state sharded over the mesh, the batch split
+        check_batch_split(batch, mesh.dp * mesh.fsdp, mesh=str(mesh))
+        jax_mesh = S.make_mesh(mesh, T.compile_devices(tgt, mesh.num_devices))
+        state, _ = sharded_train_state(config, opt, jax_mesh)
+        batch_args = T.abstractify(abstract_batch(batch, seq_len), S.batch_sharding(jax_mesh))
+    arguments = argument_parts([state, batch_args], ["state", "batch"])
     return Request(
         config=config, target=tgt, optimizer=optimizer, seq_len=seq_len, batch=batch,
         auto=auto, solve=solve, budget_bytes=budget_bytes, budget_note=budget_note,
         specs=tuple(specs), groups=tuple(groups), arguments=arguments, notes=tuple(notes),
-        structure=on and not auto,
+        structure=on and not auto, mesh=mesh,
     )  # fmt: skip
 
 
@@ -327,7 +347,7 @@ def open_session(
         optimizer=request.optimizer, budget=request.budget_bytes,
         cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
         max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
-        notes=list(request.notes),
+        notes=list(request.notes), mesh=request.mesh,
     )  # fmt: skip
     if request.budget_bytes < params + opt_state:
         raise BudgetTooSmall(

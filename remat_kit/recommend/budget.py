@@ -59,6 +59,11 @@ def resolve_budget(
             "CUDA context, workspaces and fragmentation; run with "
             f"XLA_PYTHON_CLIENT_MEM_FRACTION={1 - margin:.2f}"
         )
+        if target.platform == "tpu":  # the TPU compiler's usable HBM: no CUDA context there
+            note = (
+                f"{target.name} HBM per chip {format_gib(target.memory_bytes)} (what the TPU "
+                f"compiler lets a program use) less the {margin:.0%} margin"
+            )
         return int(target.memory_bytes * (1 - margin)), note
     nbytes = parse_budget(budget)
     note = "given"

@@ -40,7 +40,7 @@ from remat_kit.program import Program
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
 from remat_kit.recommend.session import counting, to_candidate
 from remat_kit.recommend.solver import ChoiceModel, verify_choices
-from remat_kit.recommend.timing import host_link_source, rank, time_model_note
+from remat_kit.recommend.timing import figures_for, host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, TagCost
 from remat_kit.remat_impl import can_offload, honoured
 from remat_kit.residuals import bytes_by_tag, group_by_tag, saved_residuals
@@ -221,16 +221,13 @@ def recommend_program(
     """:func:`remat_kit.recommend.recommend` for a user's program (its arguments there).
 
     Raises:
-      ValueError: unknown target or policy; a target without peak FLOP/s, or without memory
+      ValueError: unknown target or policy; a target without device figures, or without memory
         and no ``budget``; a bad ``budget`` or ``margin``; a user's spec naming a tag the
         program does not emit; no policy that can act on the program.
     """
     t_start = time.perf_counter()
     tgt = T.get_target(target)
-    if not tgt.peak_flops_bf16:
-        raise ValueError(
-            f"target {tgt.name!r} has no peak FLOP/s, so step time cannot be estimated"
-        )
+    figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)

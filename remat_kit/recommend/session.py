@@ -15,6 +15,7 @@ import jax.monitoring
 
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
+from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.recommend.timing import candidate_times
@@ -90,6 +91,8 @@ class Session:
     opt_state_bytes: int
     reused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The (dp, fsdp, tp) mesh every configuration compiles on (None: one device).
+    mesh: Any = None
 
     @property
     def compiles(self) -> int:
@@ -100,8 +103,9 @@ class Session:
         return max(0, self.max_compiles - self.compiles)
 
     def arguments(self, batch: int, seq_len: int | None = None) -> int:
-        """Argument bytes of the step at ``batch`` (inputs and targets are int32)."""
-        return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4
+        """Argument bytes of the step at ``batch`` (inputs and targets are int32), per device."""
+        split = self.mesh.dp * self.mesh.fsdp if self.mesh is not None else 1
+        return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4 // split
 
     def evaluate(
         self,
@@ -116,7 +120,17 @@ class Session:
         :func:`remat_kit.memory.analyze_policies`."""
         seq = seq_len or self.seq_len
         keys = [
-            (self.config, seq, self.target, self.optimizer, spec_key(s), group, batch, structure)
+            (
+                self.config,
+                seq,
+                self.target,
+                self.optimizer,
+                spec_key(s),
+                group,
+                batch,
+                structure,
+                self.mesh,
+            )
             for s in specs
         ]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
@@ -126,7 +140,7 @@ class Session:
             results = analyze_policies(
                 config, batch, seq, list(todo.values()), target=self.target,
                 optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
-                workers=self.workers, raise_errors=False, compare_offload=False,
+                workers=self.workers, raise_errors=False, compare_offload=False, mesh=self.mesh,
                 separate_xla_remat=False,  # candidates use the compiled FLOPs and peak
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
@@ -218,7 +232,9 @@ def to_candidate(
         actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
     if isinstance(report, CompileError):
         where = "" if group is None else f" (group {group}, batch {batch})"
-        notes.append(f"{spec.name}{where}: {report}")
+        # TPU: XLA refuses a step over HBM instead of compiling it: that is "does not fit".
+        head = "does not fit, XLA refused it: " if out_of_memory(report) else ""
+        notes.append(f"{spec.name}{where}: {head}{report}")
         return None
     flops = report.flops
     if report.step_time is None:

@@ -56,9 +56,13 @@ def figures_for(target: T.Target) -> DeviceFigures:
     """
     figures = calibrate.device_figures(target)
     if figures is None:
+        timed = [T.LOCAL] + [
+            n for n in T.target_names() if calibrate.datasheet_figures(T.get_target(n))
+        ]
         raise ValueError(
             f"target {target.name!r} has no peak FLOP/s or memory bandwidth to time steps "
-            f"with; pick one of {', '.join(T.target_names())}"
+            f"with (and is not the local device, which is calibrated); pick one of "
+            f"{', '.join(timed)}"
         )
     return figures
 

@@ -25,9 +25,12 @@ and ``bench.json`` (per run: wall and CPU seconds, compiles, pick, pick's peak a
 the machine and its load). No GPU was available: the picks' measured step times are not compared
 with the estimates.
 
-Expected on a 2-core x86 VM, jax 0.10.2, shared machine (load average 5-10): h100_default ~1.5
-min, 14 compiles (12 named programs + 2 for the shorter-sequence advice), nothing fits at
-75.15 GiB (least: offload-layer-inputs at 80.17 GiB), seq 6656 fits (compiled).
+Expected on a 2-core x86 VM, jax 0.10.2, shared machine (load average 10-25 in the committed
+run, 2026-12-01): h100_default ~8 min, 26 compiles (25 named programs + 1 for the
+shorter-sequence advice), nothing fits at 75.15 GiB (least: offload-layer-inputs at 80.17 GiB),
+seq 4096 fits (compiled). The committed run predates the change that stopped recommend from
+compiling each policy a second time with XLA's rematerialisation pass off (12 of the 26
+compiles, which left one for the advice); a re-run compiles fewer.
 """
 
 from __future__ import annotations

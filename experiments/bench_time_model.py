@@ -62,6 +62,8 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             ),
         )
         g["error"] = g["predicted_ratio"] / g["measured_ratio"] - 1
+        # How much one policy's own timed steps differ: the noise a ratio is measured under.
+        g["spread"] = g["step_times_s"].map(lambda t: (max(t) - min(t)) / sorted(t)[len(t) // 2])
         spearman = g["predicted_step_time_s"].corr(g["step_time_s"], method="spearman")
         policies = []
         for _, r in g.iterrows():
@@ -76,6 +78,7 @@ def compare(frame: pd.DataFrame) -> list[dict]:
                 "measured_cpu_ratio": r["measured_cpu_ratio"],
                 "error": r["error"],
                 "within_goal": abs(r["error"]) <= RATIO_GOAL,
+                "step_spread": r["spread"],
                 "breakdown": {k: step.get(k) for k in (
                     "compute_s", "memory_s", "elementwise_s", "launch_s", "transfer_s",
                     "collective_s", "allocation_s")},
@@ -89,6 +92,8 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             "device_figures": figures,
             "spearman": spearman, "spearman_goal_met": bool(spearman >= SPEARMAN_GOAL),
             "max_abs_error": float(g["error"].abs().max()),
+            "median_step_spread": float(g["spread"].median()),
+            "max_step_spread": float(g["spread"].max()),
             "within_goal": int((g["error"].abs() <= RATIO_GOAL).sum()), "policies_n": len(g),
             "policies": policies,
         })  # fmt: skip
@@ -103,7 +108,9 @@ def markdown(groups: list[dict]) -> str:
             f"**{g['model']} on {g['target']}, batch {g['batch_size']}, seq {g['seq_len']}**: "
             f"Spearman {g['spearman']:.2f} (goal >= {SPEARMAN_GOAL}), "
             f"{g['within_goal']}/{g['policies_n']} policies within {RATIO_GOAL:.0%}, "
-            f"largest error {g['max_abs_error']:+.1%}",
+            f"largest |error| {g['max_abs_error']:.1%}; one policy's own timed steps spread by "
+            f"{g['median_step_spread']:.0%} (median; up to {g['max_step_spread']:.0%}) of their "
+            "median",
             "",
             "| policy | measured ms | predicted ms | measured x | predicted x | error | "
             "CPU-time x | largest term |",

@@ -462,7 +462,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
 
     Each body row is one policy at one sequence length: predicted peak, peak saved vs
     ``no-remat``, activation (residual) bytes saved, compiled-FLOPs ratio, and for measured rows
-    the estimated step time and its change vs ``no-remat`` (the roofline), the median measured
+    the estimated step time (analysis-only tables) and its change vs ``no-remat`` (the
+    roofline), the median measured
     step time, slowdown vs ``no-remat`` (wall time; on the CPU backend also CPU time)
     and tokens per second (where known); failures show their status. Rows without a shape (a
     user's program: ``batch_size`` / ``seq_len`` None) leave it out of the title and the
@@ -491,8 +492,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             header.append("fits")
         tokens = measured and any(r["tokens_per_s"] is not None for r in recs)  # not a program's
         predicted = any(r["predicted_step_time_s"] is not None for r in recs)
-        if predicted:
-            header += ["est. ms", "est. Δ"]
+        if predicted:  # beside a measurement the estimate's change is what is compared
+            header += ["est. Δ"] if measured else ["est. ms", "est. Δ"]
         if measured:
             header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else [])
             header += ["tok/s"] if tokens else []
@@ -514,7 +515,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                 line.append({True: "yes", False: "no"}.get(r["fits"], "-"))
             if predicted:
                 est = r["predicted_step_time_s"]
-                line += ["-" if est is None else _fmt_ms(est), _fmt_pct(r["predicted_slowdown"])]
+                if not measured:
+                    line.append("-" if est is None else _fmt_ms(est))
+                line.append(_fmt_pct(r["predicted_slowdown"]))
             if measured:
                 step = r["step_time_s"]
                 line += [

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import traceback
+import types
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,11 @@ class BlockError(AssertionError):
 def run_blocks(path: Path) -> int:
     """Run ``path``'s python blocks in one namespace; the number run. Raises :class:`BlockError`
     naming the file and line of the failing block, with its traceback."""
-    namespace: dict = {"__name__": "__docs__"}
+    # A real module, as a script would have: a dataclass (an Equinox module) defined in a block
+    # looks its module up in sys.modules.
+    module = types.ModuleType(f"docs_{path.stem.replace('-', '_')}")
+    namespace: dict = module.__dict__
+    sys.modules[module.__name__] = module
     ran = 0
     for line, source, runs in python_blocks(path.read_text()):
         if not runs:
@@ -87,8 +92,15 @@ WITH_BLOCKS = [p for p in DOCS if any(runs for _, _, runs in python_blocks(p.rea
 
 
 @pytest.mark.parametrize("path", WITH_BLOCKS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_python_blocks_run_as_written(path, tmp_path, monkeypatch):
+def test_python_blocks_run_as_written(path, tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # The pages compile the same tiny programs again and again (a reader running them one
+    # after another would too): one compile cache for the pages of this run, shared by the
+    # xdist workers (entries are written atomically), as a user's ~/.cache/remat-kit would be.
+    base = tmp_path_factory.getbasetemp()
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's folder
+    shared = run / "docs-compile-cache"
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(shared))
     assert run_blocks(path) > 0
 
 

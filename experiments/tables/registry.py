@@ -42,6 +42,7 @@ finally:
 #: Table name (as in the cog marker) -> renderer.
 TABLES: dict[str, Callable[[Results], str]] = {
     "sweep-cpu": S.sweep_cpu,
+    "time-model": S.time_model_table,
     "analyze": S.analyze_table,
     "per-layer": S.per_layer_table,
     "recommend": S.recommend_table,

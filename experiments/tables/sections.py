@@ -164,6 +164,12 @@ def _slower_than_no_remat(rows: dict[tuple[str, int], dict[str, Any]], seqs: lis
     return "; ".join(parts) if parts else "no remat policy slower than no-remat"
 
 
+def time_model_table(r: Results) -> str:
+    """Predicted vs measured step-time ratios per policy (``experiments/bench_time_model.py``
+    wrote the table from the same sweep's rows)."""
+    return r.text("cpu/time_model.md")
+
+
 # ---------------------------------------------------------------- analyze
 
 ANALYZE = "analyze/llama3-8b_b1_s8192_h100-sxm.json"

@@ -29,9 +29,9 @@ bytes, an all-gather or reduce-scatter ``(n-1)/n``); an asynchronous one (``*-st
 ``*-done``) hides behind the kernels scheduled between its start and its done, and only what is
 left is added. The step time is the sum over the schedule.
 
-The device figures (:class:`DeviceFigures`) come from the target's datasheet
-(:func:`device_figures`) or, for the local device, from a calibration that times a few
-micro-kernels (:mod:`remat_kit.memory.calibrate`). What the model leaves out: overlap of
+The device figures (:class:`DeviceFigures`) come from the target's datasheet or, for the local
+device, from a calibration that times a few micro-kernels
+(:func:`remat_kit.memory.calibrate.device_figures`). What the model leaves out: overlap of
 independent kernels (XLA:CPU runs some concurrently; GPU streams), caches other than the one
 level, the cost of a kernel that is neither compute- nor bandwidth-bound (latency-bound
 reductions, gathers with poor locality), and the framework's per-step dispatch.
@@ -603,7 +603,7 @@ def estimate(
       figures: the device's figures (:mod:`remat_kit.memory.calibrate`).
       fresh_bytes: bytes the step allocates anew at each execution: temp + output - alias
         (``memory_analysis()``); costed only where ``figures.fresh_bytes_per_s`` is set.
-      top_k: how many of the costliest kernels to keep in :attr:`StepTime.top`.
+      top_k: how many of the costliest kernels to keep in ``StepTime.top``.
     """
     return time_kernels(executed_kernels(comps), figures, fresh_bytes, top_k)
 

@@ -89,7 +89,7 @@ class LiveSpan:
       value, category, nbytes, shape, op_name: as :class:`TimelineBuffer` (``nbytes``: the
         most bytes the slot holds while live).
       start, end: first and last schedule position it is live at (inclusive), in positions of
-        :attr:`Timeline.positions`' schedule.
+        ``Timeline.positions``' schedule.
     """
 
     value: str

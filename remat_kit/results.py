@@ -495,7 +495,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         if predicted:  # beside a measurement the estimate's change is what is compared
             header += ["est. Δ"] if measured else ["est. ms", "est. Δ"]
         if measured:
-            header += ["step ms", "step Δ"] + (["CPU-time Δ"] if cpu else [])
+            header += ["step ms", "step Δ"] + (["CPU Δ"] if cpu else [])
             header += ["tok/s"] if tokens else []
         body = []
         for r in recs:

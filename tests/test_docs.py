@@ -202,4 +202,4 @@ def test_tampered_claim_source_fails_the_check(results_copy, capsys):
     path.write_text(json.dumps(rec))
     assert registry.main(["--check", "--results", str(results_copy)]) == 1
     out = capsys.readouterr().out
-    assert "experiments/bench_recommend.py: lacks '13 compiles (11 named programs" in out
+    assert "experiments/bench_recommend.py: lacks '13 compiles (12 named programs" in out

@@ -76,8 +76,8 @@ _HOST = re.compile(r"S\(5\)")
 #: serves requests at or above its mmap threshold with a fresh mmap, and the threshold's
 #: dynamic ceiling is 32 MiB on 64-bit systems (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX = 4 *
 #: 1024 * 1024 * sizeof(long)); smaller buffers are reused from the heap. Measured here (2-core
-#: AMD EPYC, jax 0.10.2): a fresh 24 MiB output costs 0.02 s/GiB more than in place, 40 MiB
-#: and more 1.3-1.6 s/GiB.
+#: AMD EPYC, jax 0.10.2, loaded by other jobs): a fresh 24 MiB output costs 0.02 s/GiB more
+#: than in place, 40 MiB and more 1.3-1.6 s/GiB (0.36 s/GiB on the idle machine).
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
 

@@ -194,7 +194,10 @@ def _summary_header(run, argv: list[str] | None) -> str:
             *(f"- Note: {n}" for n in run.notes),
             "- peak: the analyzer's predicted peak; peak Δ / act. Δ / step Δ: change vs no-remat "
             "(act.: residual bytes kept for the backward pass); FLOPs x: compiled matmul FLOPs "
-            "over the no-remat step's",
+            "over the no-remat step's; est. ms / est. Δ: the estimated step time (roofline over "
+            "the compiled kernels, docs/time-model.md) and its change vs no-remat's estimate; "
+            "step ms: median measured step (wall), CPU Δ: the change in process CPU time; "
+            "tok/s: tokens per second measured; fits: predicted peak within the target's memory",
             "",
             "",
         ]

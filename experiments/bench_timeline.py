@@ -55,7 +55,7 @@ def _phase(kind: str, quick: bool) -> dict:
     if kind == "baseline":
         runner.build_timeline = lambda *a, **k: None  # the analysis as it was before
         reports = remat_kit.memory.analyze_policies(
-            model, b, s, POLICIES, target=TARGET, separate_xla_remat=False
+            remat_kit.preset(model, b, s), POLICIES, target=TARGET, separate_xla_remat=False
         )
         png = None
     else:

@@ -251,10 +251,11 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     """The analyzer's prediction for a (deviceless) target, every policy."""
     errors: dict[str, str] = {}
     policies = args["policies"]
+    program = rk.preset(
+        rk.get_config(args["model"]).replace(scan_layers=True), args["batch_size"], args["seq_len"]
+    )
     reports = rk.analyze_policies(
-        rk.get_config(args["model"]).replace(scan_layers=True),
-        args["batch_size"],
-        args["seq_len"],
+        program,
         [spec_of(p) for p in policies],
         target=args["target"],
         raise_errors=False,

@@ -59,7 +59,8 @@ def _policy_rows() -> list[dict]:
         with RI.using(impl):  # traces (and the jobs' notes) under this implementation
             t0 = time.perf_counter()
             reports = rk.analyze_policies(
-                MODEL, BATCH, SEQ, names, target=TARGET, raise_errors=False, compare_offload=False
+                rk.preset(MODEL, BATCH, SEQ), names, target=TARGET, raise_errors=False,
+                compare_offload=False,
             )
             wall = time.perf_counter() - t0
         for name, rep in zip(names, reports, strict=True):

@@ -35,6 +35,7 @@ from remat_kit.policies import get_policy_spec as get_policy_spec
 from remat_kit.policies import policy as policy
 from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
+from remat_kit.preset_program import preset as preset
 from remat_kit.program import Program as Program
 from remat_kit.program import load_program as load_program
 from remat_kit.recommend import Recommendation as Recommendation
@@ -96,6 +97,7 @@ __all__ = [
     "make_train_step",
     "per_layer_activations",
     "policy",
+    "preset",
     "policy_effect",
     "policy_names",
     "policy_specs",

@@ -47,7 +47,7 @@ import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -57,11 +57,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from remat_kit.policies import PolicySpec
+from remat_kit import targets as T
+from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.residuals import group_by_tag, saved_residuals
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
-from remat_kit.walker import holds, remat_policy, remat_segments
+from remat_kit.walker import Residual, TagResiduals, holds, remat_policy, remat_segments
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
@@ -282,9 +284,12 @@ def check_argument(arg: Any, name: str) -> None:
 def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
     """Bytes of each argument by role; the parts add up to the arguments' bytes.
 
-    The merged NNX state is split per object: an ``nnx.Optimizer``'s variables count as
-    ``opt_state``; a module's ``nnx.Param`` variables as ``params`` and its other variables
-    (RNG counters, batch statistics) as ``other``. Other arguments count under their names.
+    An argument with ``params`` and ``opt_state`` attributes (a
+    :class:`~remat_kit.training.TrainState`) counts as ``params`` and ``opt_state`` (its step
+    counter with the optimizer state). The merged NNX state is split per object: an
+    ``nnx.Optimizer``'s variables count as ``opt_state``; a module's ``nnx.Param`` variables as
+    ``params`` and its other variables (RNG counters, batch statistics) as ``other``. Other
+    arguments count under their names.
 
     Args:
       pure: from :func:`purify`.
@@ -296,6 +301,11 @@ def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
         parts[key] = parts.get(key, 0) + n
 
     for i, (name, arg) in enumerate(zip(pure.names, pure.args, strict=True)):
+        if i != pure.nnx_index and hasattr(arg, "params") and hasattr(arg, "opt_state"):
+            params = leaf_bytes(arg.params)  # a TrainState: its step counter with opt_state
+            add("params", params)
+            add("opt_state", leaf_bytes(arg) - params)
+            continue
         if i != pure.nnx_index:
             add(name, leaf_bytes(arg))
             continue
@@ -459,24 +469,164 @@ class Program:
             argument_names=tuple(param_names(make_step(None), len(args))),
         )
 
+    # -- What every tool asks of a program. A bundled preset answers some of these from what
+    # -- it knows of its model (remat_kit.preset_program.PresetProgram); the tools never ask which.
+
+    #: Sequences per step and tokens per sequence, where the program knows them (a preset);
+    #: None for a user's program (its arguments carry its shapes).
+    batch_size: int | None = dataclasses.field(default=None, init=False, repr=False)
+    seq_len: int | None = dataclasses.field(default=None, init=False, repr=False)
+    #: The optimizer's name and the (dp, fsdp, tp) mesh, where the program says (a preset);
+    #: None for a user's program (its step holds its optimizer; it runs on one device).
+    optimizer: Any = dataclasses.field(default=None, init=False, repr=False)
+    mesh: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    @property
+    def title(self) -> str:
+        """The program as a report's name shows it."""
+        return self.name
+
+    @property
+    def logits(self) -> tuple[tuple[int, int, int], str] | None:
+        """``((batch, seq, vocab), compute dtype)`` of the logits where known (a preset)."""
+        return None
+
+    def factory_input(self, spec: PolicySpec) -> Any:
+        """What the factories receive for ``spec``: its ``jax.checkpoint`` policy (None for
+        ``no-remat``)."""
+        return jax_policy(spec)
+
     def step(self, spec: PolicySpec) -> Pure:
         """The step under ``spec`` as a function of arrays (NNX objects split and merged)."""
-        return purify(self.make_step(jax_policy(spec)), self.args, self.argument_names)
+        fn = self.make_step(self.factory_input(spec))
+        return purify(fn, self.args, self.argument_names)
 
     def loss(self, spec: PolicySpec) -> Pure | None:
         """The loss under ``spec`` as a function of arrays (NNX objects split), or None without
         ``make_loss``."""
         if self.make_loss is None:
             return None
-        loss = self.make_loss(jax_policy(spec))
+        loss = self.make_loss(self.factory_input(spec))
         names = param_names(loss, len(self.loss_args))
         return purify(loss, self.loss_args, names)
+
+    def baseline_step(self) -> Pure:
+        """The step without remat: the denominator of the recompute ratio."""
+        return self.step(get_policy_spec("no-remat"))
 
     def donated(self, pure: Pure) -> tuple[int, ...]:
         """``donate_argnums`` of the pure step: the NNX state is donated (updated in place)."""
         if pure.nnx_index is None:
             return self.donate_argnums
         return (pure.nnx_index,)
+
+    def place(self, target: T.Target) -> Placement:
+        """Where the step's arguments live on ``target``: one device, each array leaf a
+        ``ShapeDtypeStruct`` with the target's single-device sharding."""
+        sharding = T.abstract_sharding(target)
+        return Placement(lambda args: tuple(T.abstractify(a, sharding) for a in args))
+
+    @property
+    def scan_layers(self) -> bool | None:
+        """Whether the layers run under a scan, where the program's config says (a preset);
+        None for a user's program: advice then speaks of its own code (``jax.lax.scan``,
+        ``nn.scan``, ``nnx.scan``, its own checkpoint names)."""
+        return None
+
+    @property
+    def model_config(self) -> Any:
+        """The bundled model's :class:`~remat_kit.models.ModelConfig` (a preset); None for a
+        user's program."""
+        return None
+
+    @property
+    def default_policy(self) -> PolicySpec | str | None:
+        """The policy the program is configured with (a preset's ``remat_policy``); None: the
+        factory receives whichever is asked."""
+        return None
+
+    def saved(self, spec: PolicySpec) -> list[Residual] | None:
+        """The values the loss keeps for its backward pass under ``spec``, one
+        :class:`~remat_kit.walker.Residual` each (arguments flagged); None without
+        ``make_loss``. Traces the loss, compiles nothing."""
+        loss = self.loss(spec)
+        if loss is None:
+            return None
+        return list(saved_residuals(loss.fn, *loss.args))
+
+    def residuals(self, spec: PolicySpec, placement: Placement) -> tuple[TagResiduals, ...] | None:
+        """:meth:`saved` by checkpoint tag (parameters excluded; shapes as the VJP keeps them,
+        e.g. [layers, batch, seq, d_model] under a layer scan); None without ``make_loss``."""
+        saved = self.saved(spec)
+        return None if saved is None else tuple(group_by_tag(saved))
+
+    def buffer_names(self, rows: Sequence[TagResiduals], placement: Placement) -> BufferNames:
+        """What names the buffers live at the peak: each residual row's shape -> its tags, and
+        the differentiated arguments' shapes (parameters; their gradients share them)."""
+        params = []
+        for i in self.argnums if self.make_loss is not None else ():
+            arg = self.loss_args[i]
+            leaves = jax.tree.leaves(nnx.state(arg, nnx.Param) if _is_nnx(arg) else arg)
+            params += [(jnp.dtype(x.dtype).name, tuple(x.shape)) for x in leaves if is_array(x)]
+        stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        for row in rows:
+            key = (row.dtype, tuple(row.shape))
+            if row.tag not in stacked.get(key, ()):
+                stacked[key] = (*stacked.get(key, ()), row.tag)
+        return BufferNames(stacked=stacked, params=frozenset(params))
+
+    def reach(self) -> PolicyReach:
+        """Whether the factories pass the policy on (:func:`policy_reach`: two traces)."""
+        return policy_reach(self)
+
+    def request_key(self) -> tuple[Any, ...] | None:
+        """What decides this program's reports, for the report cache, where it can be said
+        without tracing (a preset's config and shapes); None: the program is traced first and
+        its compiles are cached by their lowered text."""
+        return None
+
+    def variant(self, **changes: Any) -> Program:
+        """The same program with ``changes`` (``batch_size``, ``seq_len``, model fields such as
+        ``remat_group_size``), for the searches that vary the model (recommend's batch, group
+        size and structure).
+
+        Raises:
+          ValueError: always for a user's program: its factory fixes its shapes and layers.
+        """
+        raise ValueError(
+            f"program {self.name!r} cannot be varied ({', '.join(sorted(changes))}): it carries "
+            "its own arguments; change the shapes in its factory and run again"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The step's arguments laid out on a target: ``place(pure.args)`` -> the abstract arguments
+    to lower with; ``mesh`` the ``jax.sharding.Mesh`` (axes dp, fsdp, tp) they are sharded over
+    (None: one device), under which the step is traced."""
+
+    place: Callable[[Sequence[Any]], tuple[Any, ...]]
+    mesh: Any = None
+
+    @property
+    def devices(self) -> int:
+        """Devices the step is compiled for."""
+        return 1 if self.mesh is None else self.mesh.size
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferNames:
+    """How a program's buffers are recognised in its compiled program.
+
+    Attributes:
+      stacked: ``(dtype name, shape)`` of a residual buffer -> its checkpoint tags.
+      params: ``(dtype name, shape)`` of the parameters (gradients and copies share them).
+      logits_elems: elements of the [batch, seq, vocab] logits, where known.
+    """
+
+    stacked: Mapping[tuple[str, tuple[int, ...]], tuple[str, ...]]
+    params: frozenset[tuple[str, tuple[int, ...]]] = frozenset()
+    logits_elems: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,8 @@ from remat_kit import Program, targets
 from remat_kit.cli import analyze as cli_analyze
 from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
+from remat_kit.memory.api import analyze_policies, program_policies, remat_placement
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
-from remat_kit.memory.programs import analyze_program, program_policies, remat_placement
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.undone import RematPlacement, undone_cause
 from remat_kit.policies import get_policy_spec, policy_label
@@ -226,7 +226,7 @@ def test_remat_undone_on_the_cpu_outside_a_scan_is_said_with_its_cause():
     policy's warning names the CPU (not prevent_cse, which is True here) and the policy by its
     label; the same layers under lax.scan get no such warning."""
     policies = ["no-remat", "save-nothing", {"attn_in": "save"}]
-    loop = analyze_program(_user_loop(scan=False), policies, "local")
+    loop = analyze_policies(_user_loop(scan=False), policies, "local")
     assert loop[1].temp_bytes >= 0.95 * loop[0].temp_bytes  # the remat was undone
     for r in loop[1:]:
         said = [w for w in r.warnings if CPU_CAUSE in w]
@@ -234,7 +234,7 @@ def test_remat_undone_on_the_cpu_outside_a_scan_is_said_with_its_cause():
         assert not any("prevent_cse=False" in w for w in r.warnings), r.warnings
     assert any("'custom: attn_in=save'" in w for w in loop[2].warnings), loop[2].warnings
     assert not any("'custom'" in w for w in loop[2].warnings)
-    scanned = analyze_program(_user_loop(scan=True), policies, "local")
+    scanned = analyze_policies(_user_loop(scan=True), policies, "local")
     assert scanned[1].temp_bytes < 0.8 * scanned[0].temp_bytes  # honoured inside the scan
     for r in scanned:
         assert not any("undid" in w or "merged" in w for w in r.warnings), r.warnings
@@ -284,7 +284,7 @@ def test_host_bytes_against_the_jaxprs_offloaded_bytes_in_one_line():
 def test_offloaded_layers_of_an_unrolled_loop_share_host_space_on_gpu():
     """Measured on the H100 target: the offloaded tensors of unrolled layers are copied back
     right away, so they share host space: the compiled host bytes are below the jaxpr's."""
-    (r,) = analyze_program(
+    (r,) = analyze_policies(
         _user_loop(scan=False), [{"attn_in": "offload"}], "h100-sxm", compare_offload=False
     )
     assert 0 < r.host_bytes < r.offloaded_bytes

@@ -86,7 +86,7 @@ def _printed(renderable, width: int = 200) -> str:
 def test_buffer_table_keeps_shapes_intact():
     """Real shapes from a compiled step, and bracketed text that rich would take as markup."""
     (report,) = remat_kit.analyze_policies(
-        "tiny-gpt", 1, 8, ["save-nothing"], target="cpu", top_k=5
+        remat_kit.preset("tiny-gpt", 1, 8), ["save-nothing"], target="cpu", top_k=5
     )
     fake = SimpleNamespace(nbytes=2**30, shape="f32[1,8,8192,8192]", kind="[batch, seq, d_model]",
                            phase="[seq, seq]", op_name="jit(step)/[bold]dot_general",

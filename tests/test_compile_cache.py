@@ -166,13 +166,13 @@ def test_key_covers_target_options_and_flags(monkeypatch):
 def test_bundled_model_repeat_traces_nothing(compiles, monkeypatch):
     """A repeated request on a bundled model reads its reports: nothing traced or compiled; a
     request one policy apart is traced and compiled."""
-    from remat_kit import get_config
+    from remat_kit import get_config, preset
     from remat_kit.memory import api
 
     config = get_config("tiny-gpt", num_layers=1)
 
     def run(policy):
-        return api.analyze_model_policies(config, 1, 8, [policy], target="cpu", optimizer="sgd")
+        return api.analyze_policies(preset(config, 1, 8, "sgd"), [policy], target="cpu")
 
     first = run("save-nothing")
     assert len(compiles) == 1

@@ -58,7 +58,7 @@ def _codes(findings):
 
 
 def test_default_set_on_own_tags_is_clean_with_one_note():
-    result = doctor.check_program_policies(own_tags_program(), target="cpu")
+    result = doctor.check_policies(own_tags_program(), target="cpu")
     labels = [c.label for c in result.checks]
     assert labels[:4] == ["no-remat", "save-nothing", "save-dots", "save-dots-no-batch"]
     # then its own names that saving can keep: attn_in (x @ w, recomputed otherwise); not
@@ -72,7 +72,7 @@ def test_default_set_on_own_tags_is_clean_with_one_note():
 
 
 def test_named_policies_cut_down_to_the_emitted_names_are_labelled():
-    result = doctor.check_program_policies(_program(_maxtext_layer, "half-maxtext"), target="cpu")
+    result = doctor.check_policies(_program(_maxtext_layer, "half-maxtext"), target="cpu")
     labels = [c.label for c in result.checks]
     assert "save-qkv-proj, save-qkv-out-proj, save-dots-except-mlp (cut)" in labels
     assert "minimal (cut)" in labels
@@ -213,7 +213,7 @@ def _forgetful(layer):
 
 def test_factory_ignoring_the_policy_is_one_error_per_policy_and_nothing_else():
     program = Program.from_loss(_forgetful(_own_layer), W, X, name="forgot")
-    result = doctor.check_program_policies(program, ["save-nothing", {"attn_in": "save"}], GPU)
+    result = doctor.check_policies(program, ["save-nothing", {"attn_in": "save"}], GPU)
     for check in result.checks:
         (only,) = check.findings
         assert only.code == "no-remat-segment" and only.severity == "error"

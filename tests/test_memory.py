@@ -28,12 +28,12 @@ from remat_kit.memory import (
     analyze_policies,
     hlo,
     korthikanti_bytes,
-    model_residuals,
     per_layer_activations,
 )
 from remat_kit.memory import xla_compile as mc
 from remat_kit.memory.flops import traced_flops
 from remat_kit.policies import policy_specs
+from remat_kit.preset_program import model_residuals
 
 needs_cuda_plugin = pytest.mark.skipif(
     targets.cuda_plugin_module() is None,
@@ -47,7 +47,7 @@ _PROJECTIONS |= {N.MLPWI_1, N.MLPWO}
 @pytest.fixture(scope="module")
 def cpu_reports() -> dict[str, MemoryReport]:
     """tiny-llama, b=2, s=64, scanned, on the CPU: four policies compiled concurrently."""
-    reports = analyze_policies("tiny-llama", 2, 64, ORDERED, target="cpu")
+    reports = analyze_policies(remat_kit.preset("tiny-llama", 2, 64), ORDERED, target="cpu")
     return {r.policy: r for r in reports}
 
 
@@ -173,7 +173,9 @@ def test_compile_failure_names_the_policy_and_xla_first_line(monkeypatch):
         "policy 'save-dots' on target 'cpu' failed to compile: RESOURCE_EXHAUSTED: out of memory"
     )
     monkeypatch.setattr(jax.stages.Lowered, "compile", Broken.compile)
-    results = analyze_policies("tiny-gpt", 1, 8, ["save-nothing"], target="cpu", raise_errors=False)
+    results = analyze_policies(
+        remat_kit.preset("tiny-gpt", 1, 8), ["save-nothing"], target="cpu", raise_errors=False
+    )
     assert isinstance(results[0], CompileError) and results[0].policy == "save-nothing"
     assert "policy 'save-nothing'" in str(results[0]) and "\n" not in str(results[0])
 
@@ -184,7 +186,7 @@ def test_bad_model_inputs_raise_value_errors():
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         analyze_model("tiny-gpt", 1, 4096, "save-nothing", target="cpu")
     with pytest.raises(ValueError, match="unknown policy"):
-        analyze_policies("tiny-gpt", 1, 8, ["save-everything"], target="cpu")
+        analyze_policies(remat_kit.preset("tiny-gpt", 1, 8), ["save-everything"], target="cpu")
     with pytest.raises(ValueError, match="unknown target"):
         analyze_model("tiny-gpt", 1, 8, "save-nothing", target="h100")
 

@@ -12,10 +12,12 @@ import pytest
 
 from remat_kit import names as N
 from remat_kit import sharding
-from remat_kit.memory import analyze_policies, api, hlo, model_residuals
+from remat_kit.memory import analyze_policies, api, hlo
 from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
 from remat_kit.models.config import get_config
+from remat_kit.preset_program import model_residuals, preset
 from remat_kit.residuals import split_over_tp, tag_axes
+from remat_kit.targets import get_target
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config(
@@ -81,9 +83,10 @@ def test_hlo_counts_jax_and_xla_recomputation_apart():
 def test_compiled_stacked_residuals_have_the_analyzers_per_device_shapes():
     """What XLA compiles for tp=2: the forward layer scan stacks each saved residual per device
     as [layers, *shape]; every row of the residual table must be one of them."""
-    setup = api._setup(CONFIG, 8, 64, "h100-sxm", "adamw", "tp=2")
-    job = api._model_job(setup, api.get_policy_spec("minimal"))
-    with sharding.activation_sharding(setup.mesh), capture_compiler_log():
+    program = preset(CONFIG, 8, 64, mesh="tp=2")
+    setup = api._setup(program, get_target("h100-sxm"), program.reach())
+    with sharding.activation_sharding(setup.placement.mesh), capture_compiler_log():
+        job = api._program_job(setup, api.get_policy_spec("minimal"))
         result = compile_with_dump(job.lower(), "cuda", "minimal on tp=2")
     comps = hlo.parse_hlo_module(result.dump.hlo)
     entry = next(c for c in comps.values() if c.is_entry)
@@ -98,14 +101,14 @@ def test_compiled_stacked_residuals_have_the_analyzers_per_device_shapes():
 @pytest.fixture(scope="module")
 def single_device():
     """save-nothing on one device (its ``flops_no_remat`` is the traced step's)."""
-    (report,) = analyze_policies(CONFIG, 8, 64, ["save-nothing"], "h100-sxm")
+    (report,) = analyze_policies(preset(CONFIG, 8, 64), ["save-nothing"], "h100-sxm")
     return report
 
 
 @needs_cuda_plugin
 def test_recompute_ratio_on_a_mesh_matches_one_device(single_device):
     reports = analyze_policies(
-        CONFIG, 8, 64, ["no-remat", "save-nothing"], "h100-sxm", mesh="dp=2,fsdp=2,tp=2"
+        preset(CONFIG, 8, 64, mesh="dp=2,fsdp=2,tp=2"), ["no-remat", "save-nothing"], "h100-sxm"
     )
     mesh = {r.policy: r for r in reports}
     assert mesh["no-remat"].recompute_ratio == pytest.approx(1.0, abs=0.01)
@@ -122,7 +125,9 @@ def test_recompute_ratio_is_per_device_when_xla_replicates_work(single_device, m
     recomputation: the ratio must stay that of one device (it read ~2.6 when the baseline was
     the traced FLOPs divided by the device count), and a warning must name the replication."""
     monkeypatch.setattr(sharding, "activation_sharding", lambda mesh: contextlib.nullcontext())
-    (report,) = analyze_policies(CONFIG, 8, 64, ["save-nothing"], "h100-sxm", mesh="fsdp=8")
+    (report,) = analyze_policies(
+        preset(CONFIG, 8, 64, mesh="fsdp=8"), ["save-nothing"], "h100-sxm"
+    )
     assert report.recompute_ratio == pytest.approx(single_device.recompute_ratio, rel=0.1)
     assert any("its even share (1/8)" in w for w in report.warnings), report.warnings
     # the per-device baseline is more than the even split: the work XLA left replicated

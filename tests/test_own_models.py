@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import remat_kit
 from remat_kit import Program, doctor, inject_policy, tag_eqx, tag_linen
-from remat_kit.memory.programs import analyze_program
+from remat_kit.memory.api import analyze_policies
 from remat_kit.recommend import recommend
 from remat_kit.residuals import saved_residuals
 from tests.conftest import needs_cuda_plugin
@@ -144,7 +144,7 @@ def test_eqx_from_loss_takes_the_module_as_it_is():
 
 
 def test_eqx_analyze_doctor_recommend(eqx_program, capsys):
-    reports = analyze_program(eqx_program, ["no-remat", SAVE_MLP], "local", compare_offload=False)
+    reports = analyze_policies(eqx_program, ["no-remat", SAVE_MLP], "local", compare_offload=False)
     no_remat, saving = reports
     assert no_remat.program_sha256 != saving.program_sha256
     assert no_remat.peak_bytes > saving.peak_bytes, (no_remat.peak_bytes, saving.peak_bytes)
@@ -153,7 +153,7 @@ def test_eqx_analyze_doctor_recommend(eqx_program, capsys):
     assert saved["mlp_hidden"] == layers_batch_seq_ff
     _same_residuals_as_jax(eqx_program.loss(remat_kit.get_policy_spec(SAVE_MLP)), capsys)
     # the doctor: the saving policy is clean (its names are emitted, it keeps them)
-    result = doctor.check_program_policies(eqx_program, [SAVE_MLP], "local")
+    result = doctor.check_policies(eqx_program, [SAVE_MLP], "local")
     assert not result.has_errors, [f.code for c in result.checks for f in c.findings]
     assert result.tags == frozenset({"mlp_hidden", "attn"})
     # recommend (it estimates step time: a GPU target, deviceless): the compiled pick
@@ -200,13 +200,13 @@ def test_a_factory_that_does_not_pass_the_policy_is_said_once_everywhere(hf, cap
     reach = remat_kit.program.policy_reach(ignoring)
     assert (reach.segments, reach.reached) == (hf_style.Config.n_layer, 0)
     for run in (
-        lambda: analyze_program(ignoring, ["save-nothing", "save-dots"], "local"),
+        lambda: analyze_policies(ignoring, ["save-nothing", "save-dots"], "local"),
         lambda: recommend(ignoring, target="h100-sxm", policies=["save-nothing", "save-dots"]),
     ):
         with pytest.raises(ValueError, match="does not pass the policy it receives on") as err:
             run()
         assert "remat_kit.inject_policy(loss)" in str(err.value) and "\n" not in str(err.value)
-    result = doctor.check_program_policies(ignoring, ["save-nothing", "save-dots"], "local")
+    result = doctor.check_policies(ignoring, ["save-nothing", "save-dots"], "local")
     for check in result.checks:
         (only,) = check.findings
         assert only.code == "policy-not-passed" and only.severity == "error"
@@ -232,7 +232,7 @@ def test_hf_style_model_through_inject_policy(hf, capsys):
     model, params, tokens = hf
     loss = hf_style.loss_fn(model, apply=tag_linen(model.apply, HF_TAGS))
     program = Program.from_loss(inject_policy(loss), params, tokens, name="hf-style")
-    reports = analyze_program(program, ["no-remat", SAVE_MLP], "h100-sxm", compare_offload=False)
+    reports = analyze_policies(program, ["no-remat", SAVE_MLP], "h100-sxm", compare_offload=False)
     no_remat, saving = reports
     assert no_remat.peak_bytes > saving.peak_bytes, (no_remat.peak_bytes, saving.peak_bytes)
     assert not any("not a no-remat baseline" in w for w in no_remat.warnings)
@@ -244,7 +244,7 @@ def test_hf_style_model_through_inject_policy(hf, capsys):
     saved = {r.tag: r.nbytes for r in saving.residuals}
     assert saved["mlp_hidden"] == sum(map(_nbytes, named))
     _same_residuals_as_jax(pure, capsys)
-    result = doctor.check_program_policies(program, [SAVE_MLP], "h100-sxm")
+    result = doctor.check_policies(program, [SAVE_MLP], "h100-sxm")
     assert not result.has_errors, [f.code for c in result.checks for f in c.findings]
     rec = recommend(program, target="h100-sxm", budget=no_remat.peak_bytes - 1,
                     policies=["save-nothing"])  # fmt: skip

@@ -14,8 +14,9 @@ import pytest
 
 from remat_kit import targets as T
 from remat_kit.cli.recommend import print_recommendation
-from remat_kit.memory.api import _baseline_flops, _setup, model_residuals
+from remat_kit.memory.flops import traced_flops
 from remat_kit.models.config import get_config
+from remat_kit.preset_program import model_residuals, preset
 from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
 from remat_kit.recommend.session import CompileCounter, Session
 from remat_kit.recommend.structure import loss_chunk, structural_options, structure_of
@@ -89,9 +90,13 @@ def test_options_and_the_line_to_paste():
 def test_structured_baseline_and_residuals_are_the_plain_steps():
     """The recompute baseline of a structured config is the plain no-remat step (same
     attention); its residuals come from the whole loss, between save-nothing's and no-remat's."""
-    plain = _baseline_flops(_setup(CONFIG, BATCH, SEQ, "cpu", "adamw"))
+    def baseline_flops(config):
+        base = preset(config, BATCH, SEQ).baseline_step()
+        return traced_flops(base.fn, *base.args)
+
+    plain = baseline_flops(CONFIG)
     partial = CONFIG.replace(remat_policy="save-nothing", remat_layers=2, loss_chunk_size=8)
-    assert _baseline_flops(_setup(partial, BATCH, SEQ, "cpu", "adamw")) == plain
+    assert baseline_flops(partial) == plain
 
     def device_bytes(config):
         return sum(r.nbytes for r in model_residuals(config, BATCH, SEQ) if r.memory == "device")

@@ -25,7 +25,6 @@ from remat_kit import names as N
 from remat_kit import remat_impl as RI
 from remat_kit.policies import custom_spec, get_policy_spec, policy_names
 from remat_kit.recommend.api import _resolve_specs
-from remat_kit.recommend.programs import program_specs
 from remat_kit.residuals import block_residuals, group_by_tag
 from remat_kit.sweep.output import warning_lines
 from remat_kit.sweep.rows import analysis_fields
@@ -120,18 +119,15 @@ def test_recommend_never_picks_a_policy_for_what_the_other_implementation_does(i
     tgt = remat_kit.get_target("h100-sxm")
     given = ["offload-qkv-proj", "offload-layer-inputs", "save-nothing", "save-qkv-proj"]
     with RI.using(impl):
-        specs, notes = _resolve_specs(tgt, given)
         tags = frozenset(_config().checkpoint_names)
-        program, program_notes, _ = program_specs(tgt, given, tags, "program 'p'")
+        specs, notes, _ = _resolve_specs(tgt, given, tags, "program 'p'")
         offload_ok = RI.can_offload(tgt)
     kept = [s.name for s in specs]
     for policy in given:
         effect = RI.policy_effect(policy, impl)
         assert (policy in kept) == effect.as_named
-        assert (policy in [s.name for s in program]) == effect.as_named
         if not effect.as_named:
             assert sum(effect.line() in n for n in notes) == 1
-            assert sum(effect.line() in n for n in program_notes) == 1
     assert offload_ok == RI.offload_works(impl)
 
 
@@ -168,7 +164,8 @@ def test_doctor_reports_what_the_policy_runs_as(impl):
 def _offload_reports(impl):
     with RI.using(impl):
         return remat_kit.analyze_policies(
-            _config(), 2, 32, ["offload-to-host", "save-nothing"], target="h100-sxm",
+            remat_kit.preset(_config(), 2, 32), ["offload-to-host", "save-nothing"],
+            target="h100-sxm",
             compare_offload=False,
         )  # fmt: skip
 

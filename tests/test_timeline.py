@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
+import remat_kit
 from remat_kit import Program, plots, targets
 from remat_kit.cli.args import add_timeline
 from remat_kit.memory import MemoryReport, analyze_policies, hlo
@@ -29,7 +30,9 @@ from tests.conftest import needs_cuda_plugin
 @pytest.fixture(scope="module")
 def cpu_reports() -> dict[str, MemoryReport]:
     """tiny-llama, b=2, s=64, scanned, on the CPU."""
-    reports = analyze_policies("tiny-llama", 2, 64, ["no-remat", "save-nothing"], target="cpu")
+    reports = analyze_policies(
+        remat_kit.preset("tiny-llama", 2, 64), ["no-remat", "save-nothing"], target="cpu"
+    )
     return {r.policy: r for r in reports}
 
 
@@ -184,7 +187,9 @@ def test_xla_remat_told_apart_deviceless():
     small = dataclasses.replace(
         targets.get_target("h100-sxm"), name="h100-4mb", memory_bytes=4_000_000
     )
-    (r,) = analyze_policies("tiny-llama", 2, 128, ["save-nothing"], target=small, optimizer="sgd")
+    (r,) = analyze_policies(
+        remat_kit.preset("tiny-llama", 2, 128, "sgd"), ["save-nothing"], target=small
+    )
     assert max(r.timeline.totals()) == r.live_peak_bytes
     po = r.policy_only
     assert po is not None and po.xla_remat_instructions > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+import remat_kit
 from remat_kit import cli, targets, tpu
 from remat_kit.memory import analyze_policies, hlo
 from remat_kit.memory.reading import compiled_peak_bytes
@@ -176,7 +177,8 @@ def test_topologies_give_the_slices_devices():
 def test_tpu_compile_per_device_params_real_offload_and_xla_peak():
     """tiny-llama on a v5e-4 slice, fsdp=4, offloading each layer's input to the host."""
     (report,) = analyze_policies(
-        "tiny-llama", 4, 64, ["offload-layer-inputs"], target="v5e-4", mesh="fsdp=4",
+        remat_kit.preset("tiny-llama", 4, 64, mesh="fsdp=4"), ["offload-layer-inputs"],
+        target="v5e-4",
         compare_offload=False, top_k=3,
     )  # fmt: skip
     assert report.platform == "tpu" and "XLA TPU compiler" in report.backend

@@ -450,7 +450,7 @@ def false_alarms(matrix=MATRIX) -> list[tuple[str, str]]:
     names = remat_kit.policy_names()
     for model, scan in matrix:
         config = remat_kit.get_config(model, scan_layers=scan)
-        results = doctor.check_policies(config, 2, 64, names, GPU)
+        results = doctor.check_policies(remat_kit.preset(config, 2, 64), names, GPU)
         for name, findings in zip(names, results, strict=True):
             loud = [f.line() for f in findings if f.severity != "info" and f.code not in MEASURED]
             out += [(f"{model} scan={scan} {name}", line) for line in loud]

@@ -16,13 +16,12 @@ from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
-from remat_kit.memory.programs import ProgramPolicies, program_policies
+from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
-from remat_kit.program import Program
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
@@ -78,64 +77,53 @@ def add(subparsers) -> None:
 
 
 def _resolve(args: argparse.Namespace) -> tuple:
-    """Validate names before compiling anything (ValueError -> exit 2)."""
+    """Validate names before compiling anything (ValueError -> exit 2): the program, the
+    target, and the policies (a list, or :class:`ProgramPolicies` where the default set was
+    chosen from the program's own checkpoint names)."""
     if args.all_policies and args.policy:
         raise A.UsageError("give --policy or --all-policies, not both")
-    config = A.resolve_model(args)
-    A.require_shape(args, config)
     target = targets.get_target(args.target)
     A.check_output_path(args.html, "--html")
     if args.doctor and not args.html:
         raise A.UsageError("--doctor adds the doctor's findings to the --html report; give --html")
     if args.doctor and (args.mesh or args.devices):
         raise A.UsageError("--doctor checks one device; not with --mesh / --devices")
-    if args.doctor and isinstance(config, Program) and config.make_loss is None:
+    mesh = None
+    if not A.is_program_ref(args.model):
+        make_optimizer(args.optimizer)
+        if target.tpu is not None and args.devices is None and not args.mesh:
+            args.devices = target.tpu.num_devices  # a TPU slice: all its chips unless told
+        spec = parse_mesh(args.mesh, args.devices)
+        args.devices = spec.num_devices
+        mesh = None if spec.num_devices == 1 else spec
+    flags = {"--per-layer": args.per_layer, "--mesh": args.mesh, "--devices": args.devices}
+    program = A.read_program(args, mesh=mesh, preset_only=flags)
+    if args.doctor and program.make_loss is None:
         raise A.UsageError(
-            f"--doctor needs program {config.name!r}'s loss (Program.from_loss, or make_loss= "
+            f"--doctor needs program {program.name!r}'s loss (Program.from_loss, or make_loss= "
             "in Program.from_step)"
         )
-    if isinstance(config, Program):
-        for flag in ("per_layer", "mesh", "devices"):
-            if getattr(args, flag):
-                raise A.UsageError(
-                    f"--{flag.replace('_', '-')} applies to presets; not to program {config.name!r}"
-                )
-        asked = args.policy or (policy_names() if args.all_policies else None)
-        return config, target, program_policies(config, target, asked)
-    make_optimizer(args.optimizer)
-    if target.tpu is not None and args.devices is None and not args.mesh:
-        args.devices = target.tpu.num_devices  # a TPU slice: all its chips unless told
-    mesh = parse_mesh(args.mesh, args.devices)
-    A.check_shape(config, args.batch, args.seq, mesh)
-    args.devices = mesh.num_devices
-    args.mesh_spec = None if mesh.num_devices == 1 else mesh
     if args.policy:
-        return config, target, args.policy
+        return program, target, args.policy
     if args.all_policies:
-        return config, target, [get_policy_spec(n) for n in policy_names()]
-    return config, target, [config.policy_spec]
+        return program, target, [get_policy_spec(n) for n in policy_names()]
+    if program.default_policy is not None:
+        return program, target, [get_policy_spec(program.default_policy)]
+    return program, target, program_policies(program, target)
 
 
 def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed."""
-    config, target, specs = _resolve(args)
+    program, target, specs = _resolve(args)
     chosen = specs if isinstance(specs, ProgramPolicies) else None
     if chosen is not None:
         specs = list(chosen.specs)
     try:
         with CompileProgress() as bar, CompileEngine(args.workers, progress=bar) as engine:
-            if isinstance(config, Program):
-                results = analyze_policies(
-                    config, specs, target=target, budget_bytes=args.budget,
-                    top_k=max(args.buffers, 0), raise_errors=False, engine=engine,
-                )  # fmt: skip
-            else:
-                results = analyze_policies(
-                    config, args.batch, args.seq, specs, target=target,
-                    optimizer=args.optimizer, budget_bytes=args.budget,
-                    top_k=max(args.buffers, 0), raise_errors=False, mesh=args.mesh_spec,
-                    engine=engine,
-                )  # fmt: skip
+            results = analyze_policies(
+                program, specs, target=target, budget_bytes=args.budget,
+                top_k=max(args.buffers, 0), raise_errors=False, engine=engine,
+            )  # fmt: skip
     except CompileError as err:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
         return 1
@@ -145,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     if args.per_layer and reports:
         try:
             layers = per_layer_activations(
-                config, args.batch, args.seq, [r.policy for r in reports], target=target,
-                optimizer=args.optimizer, workers=args.workers,
+                program.model_config, args.batch, args.seq, [r.policy for r in reports],
+                target=target, optimizer=args.optimizer, workers=args.workers,
             )  # fmt: skip
         except CompileError as err:
             errors.append(err)
@@ -159,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         plots.timeline(reports, args.timeline, titles=labels)
         print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
     if args.html and reports:
-        _write_html(args, config, target, specs, results, labels, chosen)
+        _write_html(args, program, target, specs, results, labels, chosen)
     if args.json:
         out = {
             "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
@@ -173,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             out["per_layer"] = [dataclasses.asdict(x) for x in layers]
         print(json.dumps(out, indent=1))
     else:
-        print_reports(config, target, args, results, layers, specs, chosen)
+        print_reports(program, target, args, results, layers, specs, chosen)
     for err in errors:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
     return 1 if errors else 0
@@ -193,12 +181,7 @@ def _write_html(args, config, target, specs, results, labels, chosen) -> None:
     findings = None
     if args.doctor:
         compiled = [specs[i] for i in ok]
-        if isinstance(config, Program):
-            per = doctor.check_policies(config, compiled, target)
-        else:
-            per = doctor.check_policies(config, args.batch, args.seq, compiled, target,
-                                        args.optimizer)  # fmt: skip
-        findings = [list(f) for f in per]
+        findings = [list(f) for f in doctor.check_policies(config, compiled, target)]
     group = report_html.group_of_reports(
         [results[i] for i in ok], labels, findings=findings, notes=notes
     )
@@ -234,7 +217,7 @@ def short_warning(text: str) -> str:
 
 
 def _policy_table(config, target, args, results, labels: Sequence[str]):
-    shape = "" if isinstance(config, Program) else f", batch={args.batch} seq={args.seq},"
+    shape = "" if config.batch_size is None else f", batch={args.batch} seq={args.seq},"
     title = f"{config.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])

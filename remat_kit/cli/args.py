@@ -9,13 +9,14 @@ becomes ``argparse.ArgumentTypeError`` with the library's one-line message.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from remat_kit import units, validation
 from remat_kit.models.config import ModelConfig, get_config, parse_overrides
 from remat_kit.policies import POLICY_ARG_HELP as POLICY_ARG_HELP
 from remat_kit.policies import parse_policy_arg
+from remat_kit.preset_program import preset
 from remat_kit.program import Program, load_program
 from remat_kit.sharding import MeshSpec
 
@@ -94,19 +95,13 @@ def is_program_ref(model: str) -> bool:
     return ":" in model
 
 
-def resolve_model(args: argparse.Namespace, **fixed: Any) -> ModelConfig | Program:
-    """The preset config (with ``--set`` overrides and ``fixed`` fields) or the user's program.
+def read_config(args: argparse.Namespace, **fixed: Any) -> ModelConfig:
+    """The preset ``--model`` names, with ``--set`` overrides and ``fixed`` fields.
 
     Raises:
       ValueError: an unknown preset (the message also says how to give a program), a bad
-        ``--set``, a program reference that cannot be loaded, or ``--set`` with a program.
+        ``--set``.
     """
-    if is_program_ref(args.model):
-        if args.overrides:
-            raise ValueError(
-                "--set overrides a preset's fields; a program (MODULE:FACTORY) sets its own"
-            )
-        return load_program(args.model)
     try:
         return get_config(args.model, **{**parse_overrides(args.overrides), **fixed})
     except ValueError as err:
@@ -114,6 +109,51 @@ def resolve_model(args: argparse.Namespace, **fixed: Any) -> ModelConfig | Progr
             msg = f"{err} For your own model give MODULE:FACTORY or FILE.py:FACTORY."
             raise ValueError(msg) from None
         raise
+
+
+def read_program(
+    args: argparse.Namespace,
+    *,
+    needed: tuple[str, ...] = ("batch", "seq"),
+    mesh: MeshSpec | None = None,
+    preset_only: Mapping[str, Any] | None = None,
+    **fixed: Any,
+) -> Program:
+    """The program ``--model`` names: the user's (``MODULE:FACTORY``, loaded) or a preset's
+    (:func:`remat_kit.preset`: ``--set`` overrides and ``fixed`` fields, ``--batch``,
+    ``--seq``, ``--optimizer``, ``mesh``). Where the command line's input becomes the one
+    :class:`~remat_kit.program.Program` every tool takes.
+
+    Args:
+      needed: which of ``--batch`` / ``--seq`` a preset requires.
+      mesh: a preset's mesh (per-device figures).
+      preset_only: other flags that apply to presets only -> their values (``{"--per-layer":
+        args.per_layer}``); one given (not None or False) with a program is refused.
+
+    Raises:
+      UsageError: ``--batch`` / ``--seq`` / ``--set`` or a ``preset_only`` flag given with a
+        program, or a preset missing one of ``needed`` (one line saying which).
+      ValueError: an unknown preset, a program reference that cannot be loaded, shapes the
+        preset refuses (:func:`remat_kit.preset`).
+    """
+    if is_program_ref(args.model):
+        given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
+        given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
+        if args.overrides:
+            given.append("--set")
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise UsageError(
+                f"{' and '.join(given)} {verb} to presets; program {args.model!r} carries its "
+                "own arguments and layers (set them in its factory)"
+            )
+        return load_program(args.model)
+    config = read_config(args, **fixed)
+    missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
+    if missing:
+        raise UsageError(f"the following arguments are required for a preset: {', '.join(missing)}")
+    optimizer = getattr(args, "optimizer", None) or "adamw"
+    return preset(config, args.batch, args.seq, optimizer, mesh)
 
 
 def add_batch(p: argparse.ArgumentParser, default: int | None = None) -> None:
@@ -126,31 +166,6 @@ def add_seq(p: argparse.ArgumentParser, default: int | None = None) -> None:
     """``--seq``: tokens per sequence (for a preset)."""
     p.add_argument("--seq", type=positive_int, default=default,
                    help="tokens per sequence (presets; required for them)")  # fmt: skip
-
-
-def require_shape(
-    args: argparse.Namespace,
-    model: ModelConfig | Program,
-    needed: tuple[str, ...] = ("batch", "seq"),
-) -> None:
-    """``needed`` (of ``--batch`` and ``--seq``) are given for a preset; for a program (which
-    carries its own arguments) neither may be.
-
-    Raises:
-      UsageError: one line saying which.
-    """
-    if isinstance(model, Program):
-        given = [f for f in ("batch", "seq") if getattr(args, f, None) is not None]
-        if given:
-            raise UsageError(
-                f"--{' and --'.join(given)} {'apply' if len(given) > 1 else 'applies'} to presets; "
-                f"program {model.name!r} carries its "
-                "own arguments (set their shapes in its factory)"
-            )
-        return
-    missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
-    if missing:
-        raise UsageError(f"the following arguments are required for a preset: {', '.join(missing)}")
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:
@@ -230,18 +245,6 @@ def add_no_cache(p: argparse.ArgumentParser) -> None:
 def add_json(p: argparse.ArgumentParser, what: str) -> None:
     """``--json``: machine-readable output (never through rich, so never wrapped)."""
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
-
-
-def check_shape(config: ModelConfig, batch: int, seq: int, mesh: MeshSpec | None = None) -> None:
-    """``--seq`` within the model's ``max_seq_len`` and ``--batch`` split evenly over the mesh's
-    dp*fsdp devices (:mod:`remat_kit.validation`'s wording).
-
-    Raises:
-      ValueError: either check fails.
-    """
-    validation.check_seq_len(seq, config.max_seq_len, config.name)
-    if mesh is not None:
-        validation.check_batch_split(batch, mesh.dp * mesh.fsdp, mesh=str(mesh))
 
 
 def add_timeline(parser: argparse.ArgumentParser) -> None:

@@ -9,9 +9,9 @@ import sys
 
 from remat_kit import targets
 from remat_kit.cli import args as A
-from remat_kit.doctor import check_policies, check_program_policies, has_errors
+from remat_kit.doctor import check_policies
 from remat_kit.memory import CompileError
-from remat_kit.policies import get_policy_spec, policy_label, policy_names
+from remat_kit.policies import get_policy_spec, policy_names
 
 
 def add(subparsers) -> None:
@@ -54,36 +54,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if A.is_program_ref(args.model):
-        return _run_program(args)
-    config = A.resolve_model(
-        args, scan_layers=not args.no_scan, remat_group_size=args.group_size or 1
-    )
-    args.batch = args.batch or 2
-    args.seq = args.seq or 64
+    """A preset (default: every registered policy, at batch 2, seq 64) or a user's program
+    (default: the registered policies that act on its own checkpoint names, the others in one
+    note line)."""
     targets.get_target(args.target)
-    specs = args.policy or [get_policy_spec(n) for n in policy_names()]
-    A.check_shape(config, args.batch, args.seq)
-    results = check_policies(config, args.batch, args.seq, specs, args.target)
-    labels = [policy_label(s) for s in specs]
-    _print(args, labels, results, [])
-    return 1 if any(has_errors(f) for f in results) else 0
-
-
-def _run_program(args: argparse.Namespace) -> int:
-    """A user's program: without ``--policy``, the registered policies that act on its own
-    checkpoint names (the others in one note line)."""
-    program = A.resolve_model(args)
-    A.require_shape(args, program)
-    for flag, given in (("--no-scan", args.no_scan), ("--group-size", args.group_size)):
-        if given:
-            raise A.UsageError(f"{flag} applies to presets; program {program.name!r} "
-                               "sets its own layer structure")  # fmt: skip
-    targets.get_target(args.target)
-    result = check_program_policies(program, args.policy or None, args.target)
+    fixed = {}
+    if not A.is_program_ref(args.model):
+        args.batch, args.seq = args.batch or 2, args.seq or 64
+        fixed = dict(scan_layers=not args.no_scan, remat_group_size=args.group_size or 1)
+    flags = {"--no-scan": args.no_scan, "--group-size": args.group_size}
+    program = A.read_program(args, preset_only=flags, **fixed)
+    specs = args.policy
+    if specs is None and program.model_config is not None:
+        specs = [get_policy_spec(n) for n in policy_names()]
+    result = check_policies(program, specs, args.target)
     labels = [c.label for c in result.checks]
-    notes = [f"program {program.name!r} emits: {', '.join(sorted(result.tags)) or 'no tags'}"]
-    notes += list(result.notes)
+    notes = list(result.notes)
+    if program.model_config is None:
+        emitted = ", ".join(sorted(result.tags)) or "no tags"
+        notes.insert(0, f"program {program.name!r} emits: {emitted}")
     _print(args, labels, [list(c.findings) for c in result.checks], notes)
     return 1 if result.has_errors else 0
 

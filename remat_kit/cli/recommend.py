@@ -9,14 +9,14 @@ from collections.abc import Sequence
 
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
-from remat_kit.program import Program
 from remat_kit.recommend import (
     DEFAULT_MARGIN,
     BudgetTooSmall,
     Candidate,
     Recommendation,
-    recommend,
+    recommend_program,
 )
+from remat_kit.sharding import parse_mesh
 from remat_kit.units import GIB, MIB, format_bytes, format_seconds
 
 
@@ -84,28 +84,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    model = A.resolve_model(args)
     A.check_output_path(args.html, "--html")
-    common = dict(
-        budget=args.budget, solve=args.solve, policies=args.policy, margin=args.margin,
-        max_compiles=args.max_compiles, workers=args.workers,
+    auto = args.batch == "auto"
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    if mesh is not None and auto:
+        raise A.UsageError(f"--batch auto is for one device; on mesh {mesh} give a batch size")
+    if not A.is_program_ref(args.model) and (auto or args.batch is None):
+        args.batch = 1 if auto else (mesh.dp * mesh.fsdp if mesh is not None else 1)
+    flags = {"--group-size": args.group_sizes, "--optimizer": args.optimizer,
+             "--mesh": args.mesh, "--structure": args.structure}  # fmt: skip
+    program = A.read_program(args, needed=("seq",), mesh=mesh, preset_only=flags)
+    rec = recommend_program(
+        program, args.target, auto=auto, budget=args.budget, solve=args.solve,
+        policies=args.policy, group_sizes=args.group_sizes, margin=args.margin,
+        max_compiles=args.max_compiles, workers=args.workers, structure=args.structure,
     )  # fmt: skip
-    if isinstance(model, Program):
-        A.require_shape(args, model)
-        for flag, value in (("--group-size", args.group_sizes), ("--optimizer", args.optimizer),
-                            ("--mesh", args.mesh)):  # fmt: skip
-            if value is not None:
-                raise A.UsageError(
-                    f"{flag} applies to presets; program {model.name!r} sets its own in its factory"
-                )
-        rec = recommend(model, target=args.target, **common)
-    else:
-        A.require_shape(args, model, needed=("seq",))
-        rec = recommend(
-            model, args.seq, args.target, batch_size=args.batch,
-            group_sizes=args.group_sizes, optimizer=args.optimizer or "adamw",
-            structure=args.structure, mesh=args.mesh, **common,
-        )  # fmt: skip
     if args.json:
         print(rec.to_json(indent=1))
     else:

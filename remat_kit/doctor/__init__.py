@@ -12,7 +12,7 @@ Finding codes (severity):
 - ``unknown-tag`` (error): the policy names checkpoint names the program never emits; it saves
   or offloads nothing for them (one finding per policy: each name with the closest emitted one,
   and what the policy runs as). Without a policy list, a user's program is checked only with the
-  policies that act on its names (:func:`check_program_policies`); the others are one note.
+  policies that act on its names (:func:`check_policies`); the others are one note.
 - ``no-remat-segment`` (error): the step traced under the policy holds no remat segment (no
   ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``): the user's factory does not apply the
   policy it receives. The only finding for that policy (nothing else follows from a policy
@@ -57,6 +57,8 @@ Sources: JAX doc "Gradient checkpointing with jax.checkpoint"; ``jax/_src/ad_che
 (jax 0.10.2, remat3); flax.linen.remat docstring.
 """
 
+from remat_kit.doctor.checks import PolicyCheck as PolicyCheck
+from remat_kit.doctor.checks import ProgramCheck as ProgramCheck
 from remat_kit.doctor.checks import check as check
 from remat_kit.doctor.checks import check_function as check_function
 from remat_kit.doctor.checks import check_policies as check_policies
@@ -68,9 +70,6 @@ from remat_kit.doctor.compare import compare as compare
 from remat_kit.doctor.findings import SAME as SAME
 from remat_kit.doctor.findings import Finding as Finding
 from remat_kit.doctor.findings import has_errors as has_errors
-from remat_kit.doctor.programs import PolicyCheck as PolicyCheck
-from remat_kit.doctor.programs import ProgramCheck as ProgramCheck
-from remat_kit.doctor.programs import check_program_policies as check_program_policies
 from remat_kit.doctor.promise import Promise as Promise
 from remat_kit.doctor.promise import describe_callable as describe_callable
 from remat_kit.doctor.promise import remat3_honours as remat3_honours

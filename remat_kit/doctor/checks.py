@@ -1,22 +1,36 @@
-"""The doctor's entry points: :func:`check` (a bundled model), :func:`check_policies` (several
-policies of one model, no-remat compiled once) and :func:`check_function` (a user's function)."""
+"""The doctor's entry points: :func:`check_policies` (a program's policies: a user's own or a
+bundled model's, :func:`remat_kit.preset`), :func:`check` (one policy, a preset by name or a
+program) and :func:`check_function` (a user's loss function, a raw ``jax.checkpoint`` policy
+allowed).
+
+:func:`check_policies` compares what each policy promises against what the program's traced
+loss and compiled step do. Without a policy list it checks the default set ``analyze`` compiles
+on the program (:func:`remat_kit.memory.api.program_policies`): the kind-based policies
+(``save-nothing``, ``save-dots``...), the name-based ones whose names it emits, those naming
+some of them cut down to those (labelled ``name (cut)``), and specs in its own names (each
+saved alone, all saved, all offloaded where the target offloads); the rest, and offload
+policies on a target without host offload, are one note each, not errors. A policy named
+explicitly is checked as given: one ``unknown-tag`` error for the names the program never
+emits. Advice speaks of the program's author's code: a user's (``lax.scan``, ``nn.scan``,
+``nnx.scan``, its own names) or a preset's config fields.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from remat_kit import residuals as R
 from remat_kit import targets as T
 from remat_kit import walker as W
 from remat_kit.doctor.compare import Residuals, check_remat_static_argnums, compare
-from remat_kit.doctor.findings import Finding, dedupe, sort_findings
-from remat_kit.doctor.programs import check_program
+from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
 from remat_kit.doctor.promise import (
     Promise,
     describe_callable,
@@ -33,13 +47,13 @@ from remat_kit.doctor.tags import (
     tag_facts,
     unknown_tags,
 )
-from remat_kit.memory import analyze, analyze_policies, hlo
-from remat_kit.models.config import ModelConfig, get_config
-from remat_kit.models.transformer import make_model
-from remat_kit.policies import PolicySpec, policy_label, policy_names
+from remat_kit.memory import analyze, hlo
+from remat_kit.memory.api import analyze_policies, program_policies, program_tags
+from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
+from remat_kit.preset_program import as_program
 from remat_kit.program import Program, factory_reach
-from remat_kit.training.step import init_params
-from remat_kit.walker import has_remat
+from remat_kit.walker import has_remat, tags_in_remat
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
@@ -52,116 +66,173 @@ def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target
     return hlo.count_recomputed_ops(hlo.parse_hlo_module(text))
 
 
-def check(
-    config: ModelConfig | str | Program,
-    batch_size: int = 2,
-    seq_len: int = 64,
-    policy: str | PolicySpec | Mapping[str, str] | None = None,
-    target: str | T.Target = "cpu",
-    optimizer: str = "adamw",
-) -> list[Finding]:
-    """Check a policy on a bundled model (a preset or a :class:`ModelConfig`).
+@dataclasses.dataclass(frozen=True)
+class PolicyCheck:
+    """One policy checked on a program: ``label`` as printed (a registered policy cut down to
+    the program's names reads ``save-qkv-out-proj -> out_proj=save``), the spec compiled, and
+    its findings (errors first)."""
 
-    Compiles two steps for ``target`` (the policy and ``no-remat``; shared setup, concurrently)
-    and traces one remat segment's residuals under each.
+    label: str
+    spec: PolicySpec
+    findings: tuple[Finding, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCheck:
+    """The doctor's answer for a program: the emitted checkpoint names, one
+    :class:`PolicyCheck` per policy checked, and notes (policies not checked and why)."""
+
+    program: str
+    tags: frozenset[str]
+    checks: tuple[PolicyCheck, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def has_errors(self) -> bool:
+        """True when a finding is an error (``remat-kit doctor`` exits 1)."""
+        return any(has_errors(c.findings) for c in self.checks)
+
+    def __len__(self) -> int:
+        return len(self.checks)
+
+    def __iter__(self) -> Iterator[list[Finding]]:
+        """Each policy's findings, in order (errors first)."""
+        return (list(c.findings) for c in self.checks)
+
+    def __getitem__(self, i: int) -> list[Finding]:
+        return list(self.checks[i].findings)
+
+
+def _kept(program: Program, spec: PolicySpec) -> Residuals:
+    return Residuals.of(program.saved(spec))
+
+
+def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
+    """The program's :class:`TagFacts`: where its names are applied (its loss traced under
+    ``save-nothing``), and, on demand, which of those inside a remat segment saving keeps."""
+    loss = program.loss(get_policy_spec("save-nothing"))
+    jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
+    inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
+
+    def saving(tag: str):
+        return program.saved(custom_spec({tag: "save"}))
+
+    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls))
+    return TagFacts(tags, inside, user=program.scan_layers is None, savers=savers)
+
+
+def check_policies(
+    program: Program,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    target: str | T.Target = "cpu",
+) -> ProgramCheck:
+    """Check policies on a program (it needs its loss: ``Program.from_loss``, ``make_loss=`` in
+    ``Program.from_step``, or a preset).
+
+    Compiles the program's step under each policy and under ``no-remat`` for ``target``
+    (concurrently, one path with ``analyze``) and reads what its loss keeps under each.
 
     Args:
-      config: preset name or config; its ``scan_layers`` / ``remat_group_size`` are used. Or a
-        user's :class:`~remat_kit.program.Program` (``batch_size`` / ``seq_len`` then do not
-        apply: ``check(program, policy="save-nothing", target="h100-sxm")``; see
-        :func:`remat_kit.doctor.programs.check_program`).
-      batch_size, seq_len: the step's shape ([batch, seq] tokens).
-      policy: policy name, spec or custom mapping (default, None: the config's policy).
+      program: a :class:`~remat_kit.program.Program` (a preset: :func:`remat_kit.preset`).
+      policies: the policies to check as given (a name the program never emits is an
+        ``unknown-tag`` error); None: the registered ones that act on its names (module
+        docstring).
       target: compile target name.
-      optimizer: ``adamw``, ``sgd`` or ``adafactor``.
+
+    Returns:
+      A :class:`ProgramCheck`: one :class:`PolicyCheck` per policy (its findings, errors first)
+      and notes.
+
+    Raises:
+      ValueError: unknown policy or target; a program without a loss.
+      CompileError: XLA could not compile a step (the message names the policy).
+    """
+    if program.make_loss is None:
+        raise ValueError(
+            f"program {program.name!r} has no loss: the doctor compares what the loss keeps; "
+            "build it with Program.from_loss, or pass make_loss= and loss_args= to from_step"
+        )
+    tgt = T.get_target(target)
+    tags = program_tags(program)
+    if policies is None:
+        chosen = program_policies(program, tgt)
+        specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
+        if not specs:
+            notes.append(f"no policy acts on program {program.name!r}: nothing to check")
+    else:
+        specs = [resolve_policy(p) for p in policies]
+        labels, notes = [policy_label(s) for s in specs], []
+    if not specs:
+        return ProgramCheck(program.name, tags, (), tuple(notes))
+    facts = _facts(program, tags)
+    reach = program.reach()  # the judgement analyze and recommend make too
+    if reach.no_remat_note():
+        notes.append(f"no-remat: {reach.no_remat_note()}")
+    applied = [not spec.wrap or reach.passes for spec in specs]
+    compiled = [s for s, ok in zip(specs, applied, strict=True) if ok]
+    jobs = [*compiled, "no-remat"] if compiled else []  # nothing to compile when none applies
+    reports = analyze_policies(program, jobs, tgt, strict_tags=False) if jobs else []
+    base = _kept(program, get_policy_spec("no-remat"))
+    registered = set(policy_names())
+    checks, each = [], iter(reports)
+    for spec, label, ok in zip(specs, labels, applied, strict=True):
+        if not ok:  # the factory ignores the policy: nothing else to say about it
+            factory = f"the factory {program.name!r}"
+            findings = [
+                policy_not_passed(label, factory, reach.segments)
+                if reach.segments
+                else no_remat_segment(label, factory)
+            ]
+            checks.append(PolicyCheck(label, spec, tuple(findings)))
+            continue
+        promise = Promise.of(spec, registered=spec.name in registered)
+        promise = dataclasses.replace(promise, name=label)
+        findings = unknown_tags(promise, facts)
+        findings += effect_findings(label, spec, promise)
+        findings += compare(
+            promise, next(each), reports[-1], _kept(program, spec), base, tgt,
+            program.scan_layers, facts=facts,
+        )  # fmt: skip
+        checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
+    return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
+
+
+def check(
+    model: Program | ModelConfig | str,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    policy: str | PolicySpec | Mapping[str, str] | None = None,
+    target: str | T.Target = "cpu",
+    optimizer: str | optax.GradientTransformation | None = None,
+) -> list[Finding]:
+    """Check one policy: :func:`check_policies` of one policy, its findings.
+
+    Args:
+      model: a preset name or :class:`ModelConfig` (its ``scan_layers`` / ``remat_group_size``
+        are used), or a :class:`~remat_kit.program.Program`.
+      batch_size, seq_len: a preset's step shape ([batch, seq] tokens; default 2 and 64); not
+        for a Program (it carries its own arguments).
+      policy: policy name, spec or custom mapping; default a preset's ``remat_policy`` (a
+        Program needs one).
+      target: compile target name.
+      optimizer: a preset's optimizer (default ``adamw``).
 
     Returns:
       The findings, errors first; empty when the policy does what it promises.
 
     Raises:
-      ValueError: unknown preset, policy or target; bad shapes; the policy name ``"none"``
-        (the message says it means ``save-nothing``).
+      ValueError: unknown preset, policy or target; bad shapes; shapes given with a Program; no
+        policy for a Program; the policy name ``"none"`` (the message says it means
+        ``save-nothing``).
     """
-    if isinstance(config, Program):
-        if policy is None:
-            raise ValueError(
-                f"check(program): give policy= to check on {config.name!r}, or use "
-                "check_program_policies(program, target=...) for the policies that act on it"
-            )
-        return check_program(config, [policy], target)[0]
-    if isinstance(config, str):
-        config = get_config(config)
-    chosen = policy if policy is not None else config.remat_policy
-    return check_policies(config, batch_size, seq_len, [chosen], target, optimizer)[0]
-
-
-def check_policies(config: ModelConfig | str | Program, *args: Any, **kwargs: Any):
-    """:func:`check` for several policies, compiling ``no-remat`` once:
-    ``check_policies(config, batch_size, seq_len, policies, target, optimizer)`` for a bundled
-    model, ``check_policies(program, policies, target)`` for a user's program
-    (:func:`~remat_kit.doctor.programs.check_program`; ``policies=None``: the registered
-    policies that act on its checkpoint names, see
-    :func:`~remat_kit.doctor.programs.check_program_policies` for their labels and notes).
-
-    Returns:
-      One list of findings per policy, in order.
-    """
-    if isinstance(config, Program):
-        return check_program(config, *args, **kwargs)
-    return _check_model_policies(config, *args, **kwargs)
-
-
-def _check_model_policies(
-    config: ModelConfig | str,
-    batch_size: int,
-    seq_len: int,
-    policies: Sequence[str | PolicySpec | Mapping[str, str]],
-    target: str | T.Target = "cpu",
-    optimizer: str = "adamw",
-) -> list[list[Finding]]:
-    """:func:`check` for several policies of one model, compiling ``no-remat`` once.
-
-    Returns:
-      One list of findings per policy, in order.
-
-    Raises:
-      ValueError: as :func:`check`.
-    """
-    if isinstance(config, str):
-        config = get_config(config)
-    specs = [resolve_policy(p) for p in policies]
-    tgt = T.get_target(target)
-    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    tags = W.emitted_tags(lambda p, t: make_model(config).apply({"params": p}, t), params, tokens)
-    facts = TagFacts(frozenset(tags))  # the bundled models tag inside their remat segments
-    reports = analyze_policies(config, batch_size, seq_len, [*specs, "no-remat"], tgt, optimizer)
-    base = config.replace(remat_policy="no-remat")
-    kept_base = Residuals.of(R.block_residuals(base, batch_size, seq_len))
-    registered = set(policy_names())
-    out = []
-    for spec, report in zip(specs, reports, strict=False):
-        promise = Promise.of(spec, registered=spec.name in registered)
-        promise = dataclasses.replace(promise, name=policy_label(spec))  # as the CLI prints it
-        kept = Residuals.of(
-            R.block_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
+    program = as_program(model, batch_size, seq_len, optimizer, default_shape=(2, 64))
+    chosen = policy if policy is not None else program.default_policy
+    if chosen is None:
+        raise ValueError(
+            f"check(program): give policy= to check on {program.name!r}, or use "
+            "check_policies(program, target=...) for the policies that act on it"
         )
-        findings = (
-            unknown_tags(promise, facts)
-            + effect_findings(spec.name, spec, promise)
-            + compare(
-                promise,
-                report,
-                reports[-1],
-                kept,
-                kept_base,
-                tgt,
-                config.scan_layers,
-                facts=facts,
-            )  # fmt: skip
-        )
-        out.append(sort_findings(dedupe(findings)))
-    return out
+    return check_policies(program, [chosen], target)[0]
 
 
 def check_function(

@@ -1,11 +1,20 @@
-"""``analyze``: compile a step for a target (nothing allocated) and report its memory.
+"""``analyze``: compile a program's step for a target (nothing allocated) and report its memory.
 
-Flow for a model (:func:`analyze_model`, :func:`analyze_policies`): the abstract train state,
-optimizer and target shardings are built once; each policy's step is lowered (a trace) and
-compiled for the target with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`); its
-``memory_analysis()``, live-at-peak buffers and matmul FLOPs are read back
-(:mod:`remat_kit.memory.reading`). Several policies compile concurrently, identical programs once,
-GPU kernels shared between compiles (:mod:`remat_kit.memory.runner`).
+One path for every program (:class:`~remat_kit.program.Program`: a user's linen, NNX, Equinox or
+plain-JAX step, or a bundled model made one by :func:`remat_kit.preset`): per policy, the step
+is traced once (the trace gives its matmul FLOPs and where its remat regions are, and is then
+lowered), compiled for the target with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`), and
+its ``memory_analysis()``, live-at-peak buffers, timeline and estimated step time read back
+(:mod:`remat_kit.memory.reading`); the residual table comes from the program
+(:meth:`~remat_kit.program.Program.residuals`). Several policies compile concurrently, identical
+programs once, GPU kernels shared (:mod:`remat_kit.memory.runner`); a preset's repeat is read
+from the report cache (:mod:`remat_kit.memory.compile_cache`) without tracing anything.
+
+Without policies, the default set is about the program's own ``checkpoint_name`` tags
+(:func:`program_policies`): the registered policies that act on them, and specs in its own tag
+names. Policies that act the same on the program (equal once cut down to the tags it emits) are
+one program: traced and compiled once, each reported under its own name with the same
+``MemoryReport.program_sha256``.
 """
 
 from __future__ import annotations
@@ -15,60 +24,49 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
-from remat_kit.memory.flops import traced_flops
-from remat_kit.memory.programs import analyze_program
+from remat_kit.memory.flops import jaxpr_flops, traced_flops
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import CompileEngine, Job, add_offload_jobs, run_jobs
+from remat_kit.memory.runner import (
+    CompileEngine,
+    Job,
+    RematPlacement,
+    add_offload_jobs,
+    run_jobs,
+)
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.program import Program, leaf_bytes, param_names, purify
-from remat_kit.program import argument_parts as nnx_argument_parts
-from remat_kit.residuals import (
-    TagResiduals,
-    block_residuals,
-    group_by_tag,
-    saved_residuals,
-    split_over_tp,
+from remat_kit.policies import (
+    PolicySpec,
+    check_tags,
+    custom_spec,
+    get_policy_spec,
+    policies_for_tags,
+    policy_label,
+    policy_names,
+    policy_specs,
 )
-from remat_kit.training.step import (
-    abstract_batch,
-    abstract_train_state,
-    loss_fn,
-    make_optimizer,
-    make_train_step,
-    sharded_train_state,
+from remat_kit.preset_program import preset
+from remat_kit.program import (
+    Placement,
+    PolicyReach,
+    Program,
+    argument_parts,
+    param_names,
+    purify,
 )
+from remat_kit.remat_impl import can_offload
+from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
+from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
 
 DEFAULT_TOP_K = 10
-
-
-# -- Arguments and shardings ----------------------------------------------------------------
-
-
-def argument_parts(args: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
-    """Bytes of each positional argument by name; an argument with ``params`` and
-    ``opt_state`` attributes (a :class:`~remat_kit.training.TrainState`) is split into
-    ``params`` and ``opt_state`` (its step counter counted with the optimizer state)."""
-    parts: dict[str, int] = {}
-    for name, arg in zip(names, args, strict=True):
-        if hasattr(arg, "params") and hasattr(arg, "opt_state"):
-            params = leaf_bytes(arg.params)
-            parts["params"] = parts.get("params", 0) + params
-            parts["opt_state"] = parts.get("opt_state", 0) + leaf_bytes(arg) - params
-        else:
-            parts[name] = parts.get(name, 0) + leaf_bytes(arg)
-    return parts
-
-
-# -- Public API -----------------------------------------------------------------------------
+#: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
+MAX_TAG_SPECS = 8
 
 
 def analyze(
@@ -121,230 +119,18 @@ def analyze(
     pure = purify(fn, args, param_names(fn, len(args)))
     if pure.nnx_index is not None:  # NNX objects: split, merged inside, updated state returned
         jitted = jax.jit(pure.fn, donate_argnums=(pure.nnx_index,))
-        parts_of = lambda abstract: nnx_argument_parts(  # noqa: E731
-            dataclasses.replace(pure, args=tuple(abstract)), args
-        )
     else:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
-        parts_of = lambda abstract: argument_parts(abstract, pure.names)  # noqa: E731
     abstract = [T.abstractify(a, sharding) for a in pure.args]
     job = Job(
         name=label,
         what=f"{label!r} on target {tgt.name!r}" + (f" (policy {policy!r})" if policy else ""),
         target=tgt,
         lower=lambda: jitted.lower(*abstract),
-        arguments=parts_of(abstract),
+        arguments=argument_parts(dataclasses.replace(pure, args=tuple(abstract)), args),
         policy=policy,
     )
     return run_jobs([job], top_k, budget_bytes, fast_compile, workers=1)[0]  # type: ignore[return-value]
-
-
-def model_residuals(
-    config: ModelConfig, batch_size: int, seq_len: int, tp: int = 1
-) -> tuple[TagResiduals, ...]:
-    """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
-    tag, from the jaxpr of one remat segment (:func:`remat_kit.residuals.block_residuals`) times
-    the number of segments (``num_layers // remat_group_size``).
-
-    A structured config (``remat_layers``, ``nested_remat`` or ``loss_chunk_size`` set) is not a
-    uniform stack of segments: its rows are the saved values of the whole loss's VJP
-    (:func:`remat_kit.residuals.saved_residuals`, parameters and the batch left out), each row's
-    shape the stacked one (e.g. [layers, batch, seq, d_model]).
-
-    Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
-    for every segment. Parameters and the positions are not residuals here (they are arguments
-    of the step). Untagged residuals are grouped as ``"<primitive>"``.
-
-    Args:
-      config: the model and its policy.
-      batch_size: sequences (per device under data parallelism: the caller divides).
-      seq_len: tokens per sequence.
-      tp: tensor-parallel degree: tagged residuals with a heads, kv_heads or d_ff dimension
-        keep ``1/tp`` of it per device (:func:`remat_kit.residuals.split_over_tp`); shapes and
-        bytes in the rows are then per device.
-
-    Raises:
-      ValueError: ``tp`` is not a positive integer.
-    """
-    if config.layer_structure or config.loss_chunk_size is not None:
-        # Not a uniform stack of segments: the forward's saved values of the whole loss.
-        state = abstract_train_state(config, make_optimizer("sgd"))
-        whole = saved_residuals(
-            lambda p, b: loss_fn(p, config, b), state.params, abstract_batch(batch_size, seq_len)
-        )
-        kept = [r for r in whole if not r.is_argument]
-        return tuple(group_by_tag(split_over_tp(kept, tp)))
-    segments = config.num_layers // config.remat_group_size
-    rows = []
-    kept = [
-        r
-        for r in block_residuals(config, batch_size, seq_len)
-        if not r.is_argument or r.source == "argument [1]"
-    ]
-    for row in group_by_tag(split_over_tp(kept, tp), include_arguments=True):
-        rows.append(
-            dataclasses.replace(row, count=row.count * segments, nbytes=row.nbytes * segments)
-        )
-    return tuple(rows)
-
-
-@dataclasses.dataclass
-class _ModelSetup:
-    """What does not depend on the policy: target, shardings, abstract state and batch."""
-
-    config: ModelConfig
-    batch_size: int
-    seq_len: int
-    target: T.Target
-    optimizer: optax.GradientTransformation
-    state: Any
-    batch: Any
-    arguments: dict[str, int]
-    flops_no_remat: float | None = None
-    mesh: Any = None  # the jax Mesh (axes dp, fsdp, tp) over the target's devices; None: one
-
-
-def _check_shape(
-    config: ModelConfig, batch_size: int, seq_len: int, mesh: str | S.MeshSpec | None
-) -> None:
-    """Raise ValueError for a non-positive batch or sequence, a sequence over the model's
-    ``max_seq_len``, or a batch that ``mesh``'s dp*fsdp does not divide."""
-    for label, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{label} must be a positive integer, got {v!r}")
-    if seq_len > config.max_seq_len:
-        raise ValueError(
-            f"seq_len={seq_len} exceeds max_seq_len={config.max_seq_len} of {config.name!r}; "
-            f"pass a shorter sequence or config.replace(max_seq_len={seq_len})"
-        )
-    if mesh is not None:
-        spec = S.parse_mesh(mesh)
-        split = spec.dp * spec.fsdp
-        if batch_size % split:
-            raise ValueError(
-                f"batch_size={batch_size} is not divisible by dp*fsdp={split} of mesh {spec}"
-            )
-
-
-def _setup(
-    config: ModelConfig,
-    batch_size: int,
-    seq_len: int,
-    target: str | T.Target,
-    optimizer: str | optax.GradientTransformation,
-    mesh: str | S.MeshSpec | None = None,
-) -> _ModelSetup:
-    _check_shape(config, batch_size, seq_len, mesh)
-    tgt = T.get_target(target)
-    opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-    if mesh is None:
-        sharding = T.abstract_sharding(tgt)
-        state = T.abstractify(abstract_train_state(config, opt), sharding)
-        batch = T.abstractify(abstract_batch(batch_size, seq_len), sharding)
-    else:  # per-device figures on a (dp, fsdp, tp) mesh of the target's devices
-        spec = S.parse_mesh(mesh)
-        mesh = S.make_mesh(spec, T.compile_devices(tgt, spec.num_devices))
-        state, _ = sharded_train_state(config, opt, mesh)
-        batch = T.abstractify(abstract_batch(batch_size, seq_len), S.batch_sharding(mesh))
-    return _ModelSetup(
-        mesh=mesh,
-        config=config,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        target=tgt,
-        optimizer=opt,
-        state=state,
-        batch=batch,
-        arguments=argument_parts([state, batch], ["state", "batch"]),
-    )
-
-
-def _baseline_flops(setup: _ModelSetup) -> float:
-    """The no-remat step's matmul FLOPs from its trace; on a mesh, the even share per device.
-
-    The plain step: no remat on any layer, no nested scan, whole logits; the config's
-    ``attention`` is kept (cuDNN's fused attention is counted by its matmul work, see
-    :mod:`remat_kit.memory.flops`), so the ratio is against the same attention without remat.
-
-    The trace counts the whole (global) step. On a mesh this even share is not the report's
-    baseline: a device may compute more than ``1/devices`` of the step (what XLA leaves
-    replicated or pads), remat or not, so the runner takes the baseline per device from the
-    compiled program (:func:`remat_kit.memory.runner._per_device_baseline`) and keeps this
-    figure to tell replicated work.
-    """
-    if setup.flops_no_remat is None:
-        config = setup.config.replace(
-            remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
-            loss_chunk_size=None,
-        )  # fmt: skip
-        step = make_train_step(config, setup.optimizer, jit=False)
-        devices = setup.mesh.size if setup.mesh is not None else 1
-        # A layer structure stacks its parameters differently: the plain step's own state.
-        state = (
-            abstract_train_state(config, setup.optimizer)
-            if setup.config.layer_structure
-            else setup.state
-        )
-        setup.flops_no_remat = traced_flops(step, state, setup.batch) / devices
-    return setup.flops_no_remat
-
-
-def _model_job(setup: _ModelSetup, spec: PolicySpec, visible: bool = True) -> Job:
-    config = setup.config.replace(remat_policy=spec)
-    step = make_train_step(config, setup.optimizer, donate=True)
-    # Per device: dp and fsdp split the batch; tp splits the heads / kv_heads / d_ff dimension.
-    shape = dict(setup.mesh.shape) if setup.mesh is not None else {}
-    split = shape.get("dp", 1) * shape.get("fsdp", 1)
-    residuals = model_residuals(
-        config, setup.batch_size // split, setup.seq_len, shape.get("tp", 1)
-    )
-    b, s = setup.batch_size, setup.seq_len
-    segments = config.num_layers // config.remat_group_size
-    stacked: dict[str, tuple[str, ...]] = {}
-    for row in residuals:
-        key = xla_shape(row.dtype, (segments, *row.shape))
-        stacked[key] = (*stacked.get(key, ()), row.tag)
-    hints = Hints(
-        logits_elems=b * s * config.vocab_size,
-        stacked=stacked,
-        param_shapes=frozenset(
-            xla_shape(jnp.dtype(x.dtype).name, x.shape) for x in jax.tree.leaves(setup.state.params)
-        ),
-    )
-    return Job(
-        name=f"{setup.config.name} b={b} s={s}",
-        what=f"policy {spec.name!r} on target {setup.target.name!r}",
-        target=setup.target,
-        lower=lambda: step.lower(setup.state, setup.batch),
-        arguments=dict(setup.arguments),
-        policy=spec.name,
-        flops_no_remat=_baseline_flops(setup),
-        residuals=residuals,
-        activation_bytes=sum(r.nbytes for r in residuals if r.memory == "device"),
-        offloaded_bytes=sum(r.nbytes for r in residuals if r.memory == "host"),
-        logits=((b, s, setup.config.vocab_size), setup.config.dtype),
-        hints=hints,
-        model=setup.config.name,
-        batch_size=b,
-        seq_len=s,
-        visible=visible,
-        mesh_devices=setup.mesh.size if setup.mesh is not None else None,
-        # Same selection rule, same program: the twin of an offload policy is usually another
-        # registered policy (offload-qkv-proj's is save-qkv-proj).
-        program_key=repr(
-            (id(setup), spec.base, sorted(spec.save), sorted(spec.offload), spec.wrap)
-        ),
-    )
-
-
-def _model_jobs(
-    setup: _ModelSetup, specs: Sequence[PolicySpec], compare_offload: bool
-) -> list[Job]:
-    jobs = [_model_job(setup, spec) for spec in specs]
-    return add_offload_jobs(
-        jobs, specs, setup.target, compare_offload,
-        lambda twin: _model_job(setup, twin, visible=False),
-    )  # fmt: skip
 
 
 def analyze_model(
@@ -360,7 +146,8 @@ def analyze_model(
     compare_offload: bool = True,
     mesh: str | S.MeshSpec | None = None,
 ) -> MemoryReport:
-    """Report the memory of a whole training step of a model, from abstract shapes only.
+    """Report the memory of a whole training step of a bundled model, from abstract shapes only:
+    :func:`analyze_policies` of :func:`remat_kit.preset` under one policy.
 
     The step is :func:`remat_kit.make_train_step`: forward, backward under ``policy``, optax
     update; the train state (parameters, optimizer state, step) is donated, so the update is in
@@ -396,98 +183,416 @@ def analyze_model(
         ``seq_len > config.max_seq_len``.
       CompileError: XLA could not compile the step (message names the policy).
     """
-    config = _resolve_config(config)
-    chosen = policy if policy is not None else config.remat_policy
-    (report,) = analyze_model_policies(
-        config, batch_size, seq_len, [chosen], target, optimizer, budget_bytes, top_k,
-        fast_compile, workers=1, compare_offload=compare_offload, mesh=mesh,
+    program = preset(config, batch_size, seq_len, optimizer, mesh)
+    chosen = policy if policy is not None else program.config.remat_policy
+    (report,) = analyze_policies(
+        program, [chosen], target, budget_bytes, top_k, fast_compile, workers=1,
+        compare_offload=compare_offload,
     )  # fmt: skip
     return report  # type: ignore[return-value]
 
 
-def analyze_policies(
-    config: ModelConfig | str | Program, *args: Any, **kwargs: Any
-) -> list[MemoryReport | CompileError]:
-    """Compare policies on one program: a bundled model or the user's own.
+@dataclasses.dataclass
+class _ProgramSetup:
+    """What does not depend on the policy: the target, the emitted tags, the baseline."""
 
-    - ``analyze_policies(config, batch_size, seq_len, policies, target=..., ...)``: a
-      :class:`ModelConfig` or preset name (:func:`analyze_model_policies`).
-    - ``analyze_policies(program, policies, target=..., ...)``: a user's
-      :class:`~remat_kit.program.Program` (their own linen, NNX or plain-JAX step; policies may
-      be per-tag specs in the program's own tag names): :func:`analyze_program`.
+    program: Program
+    target: T.Target
+    placement: Placement
+    tags: frozenset[str]
+    reach: PolicyReach
+    flops_no_remat: float | None = None
 
-    Returns:
-      One :class:`MemoryReport` per policy (or :class:`CompileError` with
-      ``raise_errors=False``), in order.
+
+def program_tags(program: Program) -> frozenset[str]:
+    """The ``checkpoint_name`` tags the program's step emits (under no remat; the tags do not
+    depend on the policy), found by walking its jaxpr and every sub-jaxpr."""
+    pure = program.step(get_policy_spec("no-remat"))
+    tags = tags_in(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+    loss = program.loss(get_policy_spec("no-remat"))
+    if loss is not None:  # names applied only in a custom_vjp forward rule show up here
+        tags |= emitted_tags(loss.fn, *loss.args)
+    return frozenset(tags)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPolicies:
+    """The policies to compile on a program (:func:`program_policies`).
+
+    Attributes:
+      specs: the specs, in order.
+      tags: the ``checkpoint_name`` tags the program emits.
+      notes: one line each on what the default set left out, cut down or added.
+      restricted: ``(registered spec, the spec it was cut down to)`` for the registered
+        policies in ``specs`` cut down to the emitted tags (default set only).
+      saveable: the emitted tags the loss keeps when saved (the own-name specs' tags; default
+        set only).
     """
-    if isinstance(config, Program):
-        return analyze_program(config, *args, **kwargs)
-    return analyze_model_policies(config, *args, **kwargs)
+
+    specs: tuple[PolicySpec, ...]
+    tags: frozenset[str]
+    notes: tuple[str, ...] = ()
+    restricted: tuple[tuple[PolicySpec, PolicySpec], ...] = ()
+    saveable: frozenset[str] = frozenset()
+
+    def labels(self) -> list[str]:
+        """Row names, one per spec: a registered policy cut down to the program's tags is
+        ``minimal (cut)`` (several cut to one spec: ``a, b (cut)``; a note says to what); a
+        spec doing one thing with every emitted tag (3 or more) is ``custom: every name=save``
+        (``every saveable name`` when some emitted tags cannot be kept); others as
+        :func:`~remat_kit.policies.policy_label`."""
+        cut: dict[PolicySpec, list[str]] = {}
+        for named, c in self.restricted:
+            cut.setdefault(c, []).append(named.name)
+        labels = []
+        for spec in self.specs:
+            actions = {spec.action(t) for t in spec.tags}
+            if spec in cut:
+                labels.append(f"{', '.join(cut[spec])} (cut)")
+            elif (spec.name == "custom" and len(spec.tags) > 2 and len(actions) == 1
+                  and spec.tags in (self.tags, self.saveable)):  # fmt: skip
+                which = "name" if spec.tags == self.tags else "saveable name"
+                labels.append(f"custom: every {which}={actions.pop()}")
+            else:
+                labels.append(policy_label(spec))
+        return labels
 
 
-def analyze_model_policies(
-    config: ModelConfig | str,
-    batch_size: int,
-    seq_len: int,
-    policies: Sequence[str | PolicySpec | Mapping[str, str]],
+def own_tag_specs(
+    tags: frozenset[str], offload: bool, max_single: int = MAX_TAG_SPECS
+) -> tuple[list[PolicySpec], list[str]]:
+    """Specs in a program's own tag names: each tag saved alone (the first ``max_single`` by
+    name), every tag saved, and, where the target offloads, every tag offloaded; with a note
+    when the single-tag specs were capped."""
+    names = sorted(tags)
+    specs = [custom_spec({t: "save"}) for t in names[:max_single]]
+    notes = []
+    if len(names) > max_single:
+        notes.append(
+            f"{len(names)} checkpoint names emitted: one save-alone policy each for the first "
+            f"{max_single} only (ask for NAME=save for {', '.join(names[max_single:])})"
+        )
+    if len(names) > 1:
+        specs.append(custom_spec(dict.fromkeys(names, "save")))
+    if offload and names:
+        specs.append(custom_spec(dict.fromkeys(names, "offload")))
+    elif names:
+        notes.append("no offloading policy: the target does not offload to host memory")
+    return specs, notes
+
+
+def program_policies(
+    program: Program,
+    target: str | T.Target,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    max_single: int = MAX_TAG_SPECS,
+) -> ProgramPolicies:
+    """The policies :func:`analyze_program` compiles on ``program`` for ``target``.
+
+    ``policies`` given: those, as given. None: the default set, which acts on the program's
+    own tags: the registered policies that can act on them
+    (:func:`remat_kit.policies.policies_for_tags`: kind-based ones kept, name-based ones cut
+    down to the emitted tags or, naming none of them, skipped), less the offloading ones where
+    the target does not offload, plus specs in the program's own tag names
+    (:func:`own_tag_specs`; where the program gives its loss, only the tags its loss keeps when
+    every tag is saved: saving another changes nothing).
+
+    Raises:
+      ValueError: unknown policy or target.
+    """
+    tags = program_tags(program)
+    if policies is not None:
+        return ProgramPolicies(tuple(get_policy_spec(p) for p in policies), tags)
+    tgt = T.get_target(target)
+    fit = policies_for_tags(policy_names(), tags)
+    notes = fit.notes(f"program {program.name!r}")
+    kept = _residual_tags(program, tags)
+    own_tags = tags if kept is None else tags & kept
+    # per-tag offload specs only where they can offload (target and remat implementation)
+    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single)
+    own_notes += _unsaveable_notes(program, tags - own_tags)
+    specs = [
+        s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
+    ]
+    cut = {c: f"{named.name} (cut)" for named, c in fit.restricted}
+    no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
+    if no_host:
+        notes.append(f"not compiled: {'; '.join(no_host)} (offload; {tgt.name} does not offload)")
+    if not tags:
+        notes.append(
+            f"{program.name!r} emits no checkpoint_name tags: only the policies selecting by "
+            "kind act on it; tag tensors with jax.ad_checkpoint.checkpoint_name for per-tag ones"
+        )
+    return ProgramPolicies(
+        tuple(specs), tags, tuple(notes + own_notes), fit.restricted, frozenset(own_tags)
+    )
+
+
+def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
+    """``spec`` as it acts on a program emitting ``tags``: a name-based spec's saved and
+    offloaded names cut down to the emitted ones (the others select nothing, so the step is the
+    same program)."""
+    if spec.base != "names" or spec.tags <= tags:
+        return spec
+    return dataclasses.replace(spec, save=spec.save & tags, offload=spec.offload & tags)
+
+
+def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
+    eff = effective_spec(spec, tags)
+    return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
+
+
+def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
+    """Why no own-name policy saves ``tags`` (tags the loss does not keep when saved): applied
+    outside every remat segment, or not used by the backward pass."""
+    if not tags:
+        return []
+    loss = program.loss(get_policy_spec("save-nothing"))
+    inside = tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
+    out = []
+    if tags - inside:
+        out.append(
+            f"no own-name policy for {', '.join(sorted(tags - inside))}: applied outside every "
+            "remat segment (jax.checkpoint / nn.remat / nnx.remat), so it is stored or not "
+            "regardless of the policy"
+        )
+    if tags & inside:
+        out.append(
+            f"no own-name policy for {', '.join(sorted(tags & inside))}: saving it keeps "
+            "nothing (the backward pass does not use the value, e.g. a sum or an output)"
+        )
+    return out
+
+
+def _residual_tags(program: Program, tags: frozenset[str]) -> frozenset[str] | None:
+    """The tags the loss keeps when a policy saves every tag: those the backward pass can use
+    (None without a loss)."""
+    rows = _program_residuals(program, custom_spec(dict.fromkeys(tags, "save")))
+    return None if rows is None else frozenset(r.tag for r in rows if r.nbytes) & tags
+
+
+def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:
+    """Residuals the whole loss keeps under ``spec`` by tag (parameters excluded); None without
+    a loss."""
+    loss = program.loss(spec)
+    if loss is None:
+        return None
+    return tuple(group_by_tag(saved_residuals(loss.fn, *loss.args)))
+
+
+def remat_placement(jaxpr: Any) -> RematPlacement:
+    """Where the remat regions (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``: the
+    ``remat`` primitive) of a step's jaxpr are: inside a ``scan`` / ``while`` body or not, and
+    how many of those outside one have ``prevent_cse=False``."""
+    counts = {"inside": 0, "outside": 0, "no_cse": 0}
+
+    def visit(j: Any, in_loop: bool) -> None:
+        for eqn in j.eqns:
+            name = eqn.primitive.name
+            if is_remat(eqn):
+                counts["inside" if in_loop else "outside"] += 1
+                if not in_loop and eqn.params.get("prevent_cse") is False:
+                    counts["no_cse"] += 1
+            for sub in sub_jaxprs(eqn):
+                visit(sub, in_loop or name in ("scan", "while"))
+
+    visit(jaxpr, False)
+    return RematPlacement(counts["inside"], counts["outside"], counts["no_cse"])
+
+
+def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
+    """What is known about ``spec`` on the program before compiling."""
+    notes = []
+    if setup.program.make_loss is None:
+        notes.append(
+            "no residual table: give the program's loss (Program.from_loss, or make_loss= in "
+            "Program.from_step) for residuals by checkpoint tag"
+        )
+    if not spec.wrap and setup.reach.no_remat_note():
+        notes.append(setup.reach.no_remat_note())
+    if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
+        notes.append(
+            f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
+            "so it runs as save-nothing"
+        )
+    return tuple(notes)
+
+
+def _hints(program: Program, rows: Sequence[TagResiduals], placement: Placement) -> Hints:
+    names = program.buffer_names(rows, placement)
+    return Hints(
+        logits_elems=names.logits_elems,
+        stacked={xla_shape(d, s): tags for (d, s), tags in names.stacked.items()},
+        param_shapes=frozenset(xla_shape(d, s) for d, s in names.params),
+    )
+
+
+def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
+    """One policy's compile job; traces the step once (FLOPs, remat placement, lowering)."""
+    program = setup.program
+    pure = program.step(spec)
+    abstract = setup.placement.place(pure.args)
+    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
+    stage = jitted.trace(*abstract)
+    traced = stage.jaxpr.jaxpr if spec.wrap else None
+    residuals = program.residuals(spec, setup.placement)
+    devices = setup.placement.devices
+    return Job(
+        name=program.title,
+        what=f"policy {spec.name!r} of {program.name!r} on target {setup.target.name!r}",
+        target=setup.target,
+        lower=stage.lower,
+        arguments=argument_parts(dataclasses.replace(pure, args=tuple(abstract)), program.args),
+        policy=spec.name,
+        flops_no_remat=setup.flops_no_remat,
+        residuals=residuals or (),
+        activation_bytes=None
+        if residuals is None
+        else sum(r.nbytes for r in residuals if r.memory == "device"),
+        offloaded_bytes=None
+        if residuals is None
+        else sum(r.nbytes for r in residuals if r.memory == "host"),
+        logits=program.logits,
+        model=program.name,
+        batch_size=program.batch_size,
+        seq_len=program.seq_len,
+        hints=_hints(program, residuals or (), setup.placement),
+        visible=visible,
+        notes=_spec_notes(setup, spec),
+        flops_traced=None if traced is None else jaxpr_flops(traced) / devices,
+        remat=None if traced is None else remat_placement(traced),
+        label=policy_label(spec),
+        mesh_devices=devices if setup.placement.mesh is not None else None,
+        program_key=repr((id(setup), _effective_key(spec, setup.tags))),
+    )
+
+
+def _setup(program: Program, target: T.Target, reach: PolicyReach) -> _ProgramSetup:
+    placement = program.place(target)
+    setup = _ProgramSetup(program, target, placement, program_tags(program), reach)
+    base = program.baseline_step()
+    # On a mesh, the traced (global) step's even share per device (see Job.mesh_devices).
+    setup.flops_no_remat = traced_flops(base.fn, *base.args) / placement.devices
+    return setup
+
+
+def analyze_policies(
+    program: Program,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     target: str | T.Target = "local",
-    optimizer: str | optax.GradientTransformation = "adamw",
     budget_bytes: int | None = None,
     top_k: int = DEFAULT_TOP_K,
     fast_compile: bool = True,
     workers: int | None = None,
     raise_errors: bool = True,
     compare_offload: bool = True,
-    mesh: str | S.MeshSpec | None = None,
-    separate_xla_remat: bool = True,
+    strict_tags: bool = True,
     engine: CompileEngine | None = None,
+    separate_xla_remat: bool = True,
 ) -> list[MemoryReport | CompileError]:
-    """:func:`analyze_model` for several policies, sharing what does not depend on the policy.
+    """Compile a program under each policy for ``target`` and report its memory.
 
-    The abstract state, optimizer, target topology and the no-remat FLOPs baseline are built
-    once; policies are lowered one after another while earlier ones compile, ``workers`` at a
-    time (default ``min(4, cpu_count)``), identical programs once, GPU kernels shared
-    (:mod:`remat_kit.memory.runner`). An offloading policy's on-device counterpart (see
-    ``compare_offload``) is usually another registered policy and then costs nothing extra.
+    Policies that act the same on the program (equal once cut down to the tags it emits:
+    :func:`effective_spec`) are one program: it is traced and compiled once and each of them
+    gets its report, the later ones a copy with their own name, notes and the same
+    ``program_sha256``.
 
-    With ``separate_xla_remat`` (default), a policy whose program XLA's own rematerialisation
-    pass changed is compiled again with the pass off: ``recompute_ratio`` and ``policy_only``
-    are then the policy's own figures (see :mod:`remat_kit.memory.policy_only`).
-    ``engine``: compile through this :class:`~remat_kit.memory.runner.CompileEngine` and leave
-    the executables in it (the sweep then runs them instead of compiling its steps again).
+    Args:
+      program: a :class:`~remat_kit.program.Program`: a user's (``Program.from_loss`` /
+        ``from_step``) or a bundled model's (``remat_kit.preset("llama3-8b", 1, 8192)``).
+      policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names;
+        None: the default set of :func:`program_policies` (the policies that act on the tags it
+        emits and specs in its own tag names; what it leaves out is in that function's notes).
+      target, budget_bytes, top_k, fast_compile: as :func:`remat_kit.analyze`.
+      workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
+      raise_errors: False: a policy that fails to compile gives its :class:`CompileError`.
+      compare_offload: also compile each policy that offloads a tag the program emits with
+        those tags kept on device, where the target offloads, and report that peak
+        (``peak_bytes_without_offload``).
+      strict_tags: raise on a user spec naming a tag the program never emits (False: compile
+        it anyway; the doctor reports it as a finding).
+      engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
+        reporting progress); None: a private one (``workers`` at a time).
+      separate_xla_remat: compile a policy again with XLA's own rematerialisation pass off
+        where that pass changed it, for the policy's own figures (``recompute_ratio``,
+        ``policy_only``); False: one compile per policy, figures as compiled.
 
     Returns:
-      One report per policy, in order; with ``raise_errors=False`` a policy that fails to
-      compile gives its :class:`CompileError` instead of a report.
+      One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
+      recompute ratio (compiled matmul FLOPs over the traced no-remat step's), buffers at peak.
 
     Raises:
-      ValueError: as :func:`analyze_model` (checked before anything compiles).
+      ValueError: unknown policy or target; a policy naming a tag the program never emits
+        (the message lists the emitted tags and the closest); a factory that does not pass the
+        policy to any remat segment (:class:`~remat_kit.program.PolicyReach`: every policy
+        would compile to one program).
       CompileError: with ``raise_errors``, the first policy that failed to compile.
     """
-    config = _resolve_config(config)
-    specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
-    _check_shape(config, batch_size, seq_len, mesh)
-    cache = CompileCache.from_env() if isinstance(optimizer, str) else None
-    key = None
-    if cache is not None:  # the same request made before: its reports, nothing traced
+    if not isinstance(program, Program):
+        raise ValueError(
+            f"expected a remat_kit.Program (Program.from_loss / Program.from_step, or "
+            f"remat_kit.preset(name, batch_size, seq_len) for a bundled model), got "
+            f"{type(program).__name__}"
+        )
+    tgt = T.get_target(target)
+    key, cache = None, CompileCache.from_env()
+    if cache is not None and program.request_key() is not None and policies is not None:
+        specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
         key = CompileCache.request_key(
-            "analyze_model_policies", config, batch_size, seq_len, specs,
-            target_fingerprint(T.get_target(target)), optimizer, budget_bytes, top_k,
-            fast_compile, compare_offload, mesh, separate_xla_remat,
+            "analyze_policies", program.request_key(), specs, target_fingerprint(tgt),
+            budget_bytes, top_k, fast_compile, compare_offload, separate_xla_remat, strict_tags,
         )  # fmt: skip
         cached = _cached_reports(cache, key, len(specs))
-        if cached is not None:
+        if cached is not None:  # the same request made before: its reports, nothing traced
             return cached
-    setup = _setup(config, batch_size, seq_len, target, optimizer, mesh)
-    jobs = _model_jobs(setup, specs, compare_offload)
-    for job in jobs:
-        job.policy_only = separate_xla_remat and job.visible
-    with S.activation_sharding(setup.mesh):  # lowering traces the model under the mesh
+    if policies is None:
+        specs = list(program_policies(program, tgt).specs)
+    else:
+        specs = [get_policy_spec(p) for p in policies]
+    reach = program.reach()
+    if any(spec.wrap for spec in specs) and not reach.passes:
+        raise ValueError(reach.error())
+    setup = _setup(program, tgt, reach)
+    registered = policy_specs()
+    for spec in specs:
+        if strict_tags and registered.get(spec.name) != spec:  # the user's own spec
+            check_tags(spec, setup.tags, f"program {program.name!r}")
+    first: dict[tuple, int] = {}
+    for i, spec in enumerate(specs):
+        first.setdefault(_effective_key(spec, setup.tags), i)
+    distinct = list(dict.fromkeys(first.values()))
+    with S.activation_sharding(setup.placement.mesh):  # tracing the model under the mesh
+        jobs = [_program_job(setup, specs[i]) for i in distinct]
+        add_offload_jobs(
+            jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
+            compare_offload, lambda twin: _program_job(setup, twin, visible=False),
+        )  # fmt: skip
+        for job in jobs:
+            job.policy_only = separate_xla_remat and job.visible
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
-    results = results[: len(specs)]
-    if key is not None and all(isinstance(r, MemoryReport) for r in results):
-        cache.store_json(key, {"reports": [r.to_dict() for r in results]})  # type: ignore[union-attr]
-    return results
+    own = dict(zip(distinct, results, strict=False))
+    out = []
+    for i, spec in enumerate(specs):
+        j = first[_effective_key(spec, setup.tags)]
+        out.append(own[i] if i == j else _same_program(setup, spec, specs[j], own[j]))
+    if key is not None and all(isinstance(r, MemoryReport) for r in out):
+        cache.store_json(key, {"reports": [r.to_dict() for r in out]})
+    return out
+
+
+def _same_program(
+    setup: _ProgramSetup, spec: PolicySpec, compiled: PolicySpec, result: MemoryReport | Any
+) -> MemoryReport | CompileError:
+    """The result for ``spec`` when it is the same program as ``compiled`` (whose result is
+    ``result``): renamed, with ``spec``'s own notes and the compile's warnings."""
+    what = f"policy {spec.name!r} of {setup.program.name!r} on target {setup.target.name!r}"
+    if isinstance(result, CompileError):
+        return CompileError(what, result.xla_message, spec.name)
+    theirs = _spec_notes(setup, compiled)
+    warnings = tuple(w for w in result.warnings if w not in theirs)
+    return dataclasses.replace(
+        result, policy=spec.name, warnings=_spec_notes(setup, spec) + warnings
+    )
 
 
 def _cached_reports(cache: CompileCache, key: str, count: int) -> list[MemoryReport] | None:
@@ -502,11 +607,3 @@ def _cached_reports(cache: CompileCache, key: str, count: int) -> list[MemoryRep
     if len(reports) != count:
         return None
     return [dataclasses.replace(r, compile_cached=True) for r in reports]
-
-
-def _resolve_config(config: ModelConfig | str) -> ModelConfig:
-    if isinstance(config, ModelConfig):
-        return config
-    from remat_kit.models.config import get_config
-
-    return get_config(config)

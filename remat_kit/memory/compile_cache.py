@@ -242,7 +242,7 @@ class CompileCache:
     def request_key(*parts: Any) -> str:
         """The sha256 of an analysis request of a bundled model (its ``repr``-able inputs),
         the compiler versions and :func:`source_fingerprint`: the key of the reports of
-        :func:`remat_kit.memory.api.analyze_model_policies`, which a repeat then reads without
+        :func:`remat_kit.memory.analyze_policies` of a preset, which a repeat then reads without
         tracing anything. Any change to remat-kit's source changes it."""
         h = hashlib.sha256()
         for part in (f"remat-kit report v{FORMAT_VERSION}", compiler_versions(),

@@ -3,9 +3,9 @@ peak, and what moved between device and host.
 
 Example::
 
-    a, b = remat_kit.memory.analyze_policies("llama3-8b", 1, 8192,
-                                             ["save-nothing", "offload-layer-inputs"],
-                                             target="h100-sxm")
+    a, b = remat_kit.analyze_policies(remat_kit.preset("llama3-8b", 1, 8192),
+                                      ["save-nothing", "offload-layer-inputs"],
+                                      target="h100-sxm")
     print(diff_reports(a, b).to_text())
 """
 

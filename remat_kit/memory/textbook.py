@@ -41,11 +41,10 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import targets as T
-from remat_kit.memory.api import _model_job, _resolve_config, _setup, model_residuals
-from remat_kit.memory.report import MemoryReport
-from remat_kit.memory.runner import run_jobs
-from remat_kit.models.config import ModelConfig
+from remat_kit.memory.api import analyze_policies
+from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.preset_program import model_residuals, preset
 
 #: Vocabulary of the probe compiles (see the module docstring).
 PROBE_VOCAB = 256
@@ -171,23 +170,24 @@ def per_layer_activations(
       ValueError: unknown names, non-positive sizes, ``layers`` not two distinct counts.
       CompileError: a compile failed (the message names the policy).
     """
-    config = _resolve_config(config)
+    config = get_config(config) if isinstance(config, str) else config
     l1, l2 = layers
     if l1 == l2 or min(l1, l2) <= 0:
         raise ValueError(f"layers must be two distinct positive counts, got {layers}")
     specs = [get_policy_spec(p) for p in policies]
-    jobs, setups = [], {}
-    for n in (l1, l2):
+    programs, by_key = {}, {}
+    for i, n in enumerate((l1, l2)):
         cfg = config.replace(num_layers=n, scan_layers=True, vocab_size=PROBE_VOCAB)
-        setups[n] = _setup(cfg, batch_size, seq_len, target, optimizer)
-        jobs += [_model_job(setups[n], spec) for spec in specs]
-    for job in jobs:  # the per-layer bytes are the as-compiled ones: no pass-off compile
-        job.policy_only = False
-    reports: list[MemoryReport] = run_jobs(jobs, 1, None, True, workers)  # type: ignore[assignment]
-    by_key = {(r.policy, i // len(specs)): r for i, r in enumerate(reports)}
-    grads = (_param_bytes(setups[l2].state.params) - _param_bytes(setups[l1].state.params)) / (
-        l2 - l1
-    )
+        programs[n] = preset(cfg, batch_size, seq_len, optimizer)
+        reports = analyze_policies(
+            programs[n], specs, target, top_k=1, workers=workers,
+            compare_offload=False,
+            separate_xla_remat=False,  # the per-layer bytes are the as-compiled ones
+        )  # fmt: skip
+        by_key.update({(spec.name, i): r for spec, r in zip(specs, reports, strict=True)})
+    grads = (
+        _param_bytes(programs[l2].args[0].params) - _param_bytes(programs[l1].args[0].params)
+    ) / (l2 - l1)
     itemsize = jnp.dtype(config.dtype).itemsize
     out = []
     for spec in specs:

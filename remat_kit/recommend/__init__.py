@@ -76,6 +76,7 @@ from remat_kit.recommend.advice import DEVICE_COUNTS as DEVICE_COUNTS
 from remat_kit.recommend.advice import SEQ_HALVINGS as SEQ_HALVINGS
 from remat_kit.recommend.advice import BudgetTooSmall as BudgetTooSmall
 from remat_kit.recommend.api import recommend as recommend
+from remat_kit.recommend.api import recommend_program as recommend_program
 from remat_kit.recommend.budget import DEFAULT_MARGIN as DEFAULT_MARGIN
 from remat_kit.recommend.budget import parse_budget as parse_budget
 from remat_kit.recommend.search import BATCH_PROBES as BATCH_PROBES

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
 from remat_kit.recommend.budget import format_gib as _gib
 from remat_kit.recommend.search import largest_batch
@@ -130,3 +131,39 @@ def too_small(session: Session, budget: int, batch: int, params: int, opt_state:
         f"({_gib(params + opt_state)}: params {_gib(params)} + {session.optimizer} state "
         f"{_gib(opt_state)}); the smallest budget that could work is {smallest}"
     )
+
+
+def fixed_program_advice(session: Session, candidates: Sequence[Candidate]) -> list[str]:
+    """When nothing fits a program that cannot vary (a user's): the least-memory candidate
+    and the budget it needs (compiled), then only what can be done for it (its factory's
+    shapes, a device with more memory, sharding inside its own step); no command that takes
+    presets only (``analyze --devices/--mesh``)."""
+    if not candidates:
+        return ["no candidate compiled (see the notes)"]
+    least = min(candidates, key=lambda c: (c.peak_bytes, c.step_time_s))
+    name, target = session.program.name, session.target
+    lines = [
+        f"the least-memory configuration, {least.label}, peaks at {_gib(least.peak_bytes)}: "
+        f"{_gib(least.peak_bytes - session.budget)} over the budget; a budget of "
+        f"{_gib(least.peak_bytes)} fits it (compiled)",
+        f"smaller batch or shorter sequence: change the argument shapes {name!r} is built with "
+        "(its factory) and run recommend again",
+    ]
+    bigger = [
+        t.name for t in sorted(T.TARGETS.values(), key=lambda t: t.memory_bytes or 0)
+        if t.memory_bytes and t.peak_flops_bf16 and t.name != target.name
+        and t.memory_bytes * (1 - session.margin) >= least.peak_bytes
+    ]  # fmt: skip
+    usable = target.memory_bytes and target.memory_bytes * (1 - session.margin)
+    if bigger and (not usable or usable < least.peak_bytes):
+        lines.append(
+            f"a device with more memory: {', '.join(bigger)} (memory less the "
+            f"{session.margin:.0%} margin holds {_gib(least.peak_bytes)}); run recommend again "
+            f"with --target {bigger[0]} (it compiles there anew)"
+        )
+    lines.append(
+        "more devices: shard parameters and optimizer state inside the program's own step "
+        "(FSDP with jax.sharding); recommend and analyze compile a program on one device "
+        "as given, so they cannot check that sharding for you"
+    )
+    return lines

@@ -1,5 +1,11 @@
 """The entry point :func:`recommend`: a short sequence of named stages.
 
+One path for every :class:`~remat_kit.program.Program`: a bundled model (a preset name or
+config is made one by :func:`remat_kit.preset` where the arguments are read) or a user's own. The
+searches that vary the model (batch, group size, structure) run where the program varies (a
+preset's :meth:`~remat_kit.program.Program.variant`); on a user's program, which carries its own
+shapes, the named policies that act on its checkpoint tags and the per-tag solver.
+
 1. :func:`resolve_request`: every input checked and resolved (nothing compiled).
 2. :func:`open_session`: the compile session, and the budget checked against the state.
 3. :func:`compile_named`: every named policy at the base group size.
@@ -21,13 +27,13 @@ from typing import Any, Literal
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.memory.api import argument_parts
-from remat_kit.models.config import ModelConfig, get_config
-from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
-from remat_kit.program import Program
-from remat_kit.recommend.advice import BudgetTooSmall, advice, too_small
+from remat_kit.memory.api import program_tags
+from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec, policies_for_tags, policy_names
+from remat_kit.preset_program import as_program
+from remat_kit.program import Program, argument_parts
+from remat_kit.recommend.advice import BudgetTooSmall, advice, fixed_program_advice, too_small
 from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
-from remat_kit.recommend.programs import recommend_program
 from remat_kit.recommend.search import distinct, group_search, largest_batch
 from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
 from remat_kit.recommend.solver import solve
@@ -40,13 +46,6 @@ from remat_kit.recommend.structure import (
 from remat_kit.recommend.timing import figures_for, host_link_source, rank, time_model_note
 from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
 from remat_kit.remat_impl import honoured
-from remat_kit.training.step import (
-    abstract_batch,
-    abstract_train_state,
-    make_optimizer,
-    sharded_train_state,
-)
-from remat_kit.validation import check_batch_split, check_seq_len
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
 Named = tuple[PolicySpec, Candidate, Any]
@@ -57,16 +56,16 @@ class Request:
     """What :func:`recommend` was asked, checked and resolved (see its arguments).
 
     Attributes:
-      batch: the batch compiled first (1 with ``auto``). specs: the policies kept, in order.
-      groups: the group sizes to consider. arguments: bytes of the step's arguments at ``batch``.
-      notes: what resolving dropped (offloading policies on a target that does not offload).
+      program: compiled first (a preset at batch 1 with ``auto``). specs: the policies kept, in
+      order. groups: the group sizes to consider (none for a user's program). arguments: bytes
+      of the step's arguments, per device. tags: the checkpoint names the program emits.
+      derived: registered policies cut down to those tags (compiled as custom specs). notes:
+      what resolving dropped or cut down (offloading policies on a target that does not
+      offload, policies naming no emitted tag).
     """
 
-    config: ModelConfig
+    program: Program
     target: T.Target
-    optimizer: str
-    seq_len: int
-    batch: int
     auto: bool
     solve: bool
     budget_bytes: int
@@ -75,10 +74,14 @@ class Request:
     groups: tuple[int, ...]
     arguments: dict[str, int]
     notes: tuple[str, ...]
+    tags: frozenset[str] = frozenset()
+    derived: frozenset[PolicySpec] = frozenset()
     structure: bool = False
-    #: The (dp, fsdp, tp) mesh every configuration is compiled on (None: one device); the
-    #: arguments, budget and figures are then per device.
-    mesh: S.MeshSpec | None = None
+    margin: float = DEFAULT_MARGIN
+
+    @property
+    def batch(self) -> int | None:
+        return self.program.batch_size
 
 
 @dataclasses.dataclass
@@ -166,30 +169,55 @@ def recommend(
       BudgetTooSmall: (a ``ValueError``) a budget smaller than the parameters and optimizer
         state (the message gives the smallest budget that could work, compiled).
     """
-    if isinstance(model, Program):
-        _refuse_preset_arguments(
-            model, seq_len=seq_len, batch_size=batch_size, group_sizes=group_sizes,
-            optimizer=optimizer, cache=cache,
-        )  # fmt: skip
-        return recommend_program(
-            model, target, budget=budget, solve=solve, policies=policies, margin=margin,
-            max_compiles=max_compiles, workers=workers,
-        )  # fmt: skip
-    if seq_len is None:
-        raise ValueError("seq_len is required for a preset or ModelConfig (tokens per sequence)")
-    t_start = time.perf_counter()
+    auto = batch_size == "auto"
     spec = S.parse_mesh(mesh) if mesh else None
-    if spec is not None and batch_size == "auto":
+    if spec is not None and auto:
         raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
-    split = spec.dp * spec.fsdp if spec is not None else 1
-    batch_size = split if batch_size is None else batch_size
-    optimizer = "adamw" if optimizer is None else optimizer
-    request = resolve_request(
-        model, seq_len, target, batch_size=batch_size, budget=budget, solve=solve,
-        policies=policies, group_sizes=group_sizes, optimizer=optimizer, margin=margin,
-        structure=structure, mesh=spec,
+    if isinstance(model, (str, ModelConfig)):  # a preset: its default batch and required seq
+        if seq_len is None:
+            raise ValueError(
+                "seq_len is required for a preset or ModelConfig (tokens per sequence)"
+            )
+        split = spec.dp * spec.fsdp if spec is not None else 1
+        batch_size = 1 if auto else (split if batch_size is None else batch_size)
+        _check_batch(batch_size, solve and auto)
+    program = as_program(model, batch_size, seq_len, optimizer, spec)
+    return recommend_program(
+        program, target, auto=auto, budget=budget, solve=solve, policies=policies,
+        group_sizes=group_sizes, margin=margin, max_compiles=max_compiles, workers=workers,
+        cache=cache, structure=structure,
     )  # fmt: skip
-    with counting() as counter:
+
+
+def recommend_program(
+    program: Program,
+    target: str | T.Target = "h100-sxm",
+    *,
+    auto: bool = False,
+    budget: int | float | str | None = None,
+    solve: bool = False,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
+    group_sizes: Sequence[int] | None = None,
+    margin: float = DEFAULT_MARGIN,
+    max_compiles: int | None = None,
+    workers: int | None = None,
+    cache: CompileCache | None = None,
+    structure: bool | None = None,
+) -> Recommendation:
+    """:func:`recommend` on a :class:`~remat_kit.program.Program` (its arguments there; ``auto``:
+    the largest batch per policy, a preset's, from batch 1).
+
+    Raises:
+      ValueError: as :func:`recommend`; ``auto``, ``group_sizes`` or ``structure`` on a program
+        that cannot vary (a user's: it carries its own shapes).
+    """
+    t_start = time.perf_counter()
+    request = resolve_request(
+        program, target, auto=auto, budget=budget, solve=solve, policies=policies,
+        group_sizes=group_sizes, margin=margin, structure=structure,
+    )  # fmt: skip
+    name = getattr(program.step(request.specs[0]).fn, "__name__", "step")
+    with counting((name, f"jit({name})")) as counter:
         session = open_session(request, counter, cache, workers, max_compiles)
         named = compile_named(session, request)
         if request.auto:
@@ -204,63 +232,63 @@ def recommend(
     return assemble(request, session, found, compiles, time.perf_counter() - t_start)
 
 
-def _refuse_preset_arguments(program: Program, **given: Any) -> None:
-    """Arguments of :func:`recommend` that only a preset takes must be None for a program.
-
-    Raises:
-      ValueError: one line naming those given.
-    """
-    bad = [k for k, v in given.items() if v is not None]
-    if bad:
-        raise ValueError(
-            f"{', '.join(bad)} apply to presets; program {program.name!r} carries its own "
-            "arguments (set their shapes and its optimizer in its factory)"
-        )
-
-
-def _check_inputs(
-    config: ModelConfig, tgt: T.Target, seq_len: int, batch_size: Any, solve: bool, margin: float
-) -> None:
-    """The checks on shape, target and margin, in the order their errors are reported."""
-    check_seq_len(seq_len, config.max_seq_len, config.name)
-    auto = batch_size == "auto"
-    if not auto and (
-        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
-    ):
+def _check_batch(batch_size: Any, auto_and_solve: bool) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
-    if auto and solve:
+    if auto_and_solve:
         raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
-    figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
-    if not 0.0 <= margin < 1.0:
-        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 
 
 def _resolve_specs(
-    tgt: T.Target, policies: Sequence[str | PolicySpec | Mapping[str, str]] | None
-) -> tuple[list[PolicySpec], list[str]]:
-    """The policies to compile and notes: offloading ones dropped where offload is not real,
-    and those the remat implementation in use does not apply as named (never picked for what
-    they would do under the other one: :func:`remat_kit.remat_impl.honoured`)."""
+    tgt: T.Target,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    tags: frozenset[str],
+    program: str,
+) -> tuple[list[PolicySpec], list[str], frozenset[PolicySpec]]:
+    """The policies worth compiling on a program emitting ``tags``, notes, and the custom
+    specs registered policies were cut down to.
+
+    Kept: the policies selecting by kind (``save-dots``, ``save-nothing``, ``no-remat``...) and
+    the name-based ones whose tags the program emits; one naming none of them is skipped (it
+    would run as ``save-nothing``), one naming some it does not emit is compiled cut down to
+    those (:func:`remat_kit.policies.policies_for_tags`); a user's own spec as given (the
+    analyzer checks its tags). Dropped with a note: offloading policies where offload is not
+    real, and those the remat implementation in use does not apply as named (never picked for
+    what they would do under the other one: :func:`remat_kit.remat_impl.honoured`).
+
+    Raises:
+      ValueError: empty ``policies``; unknown policy; nothing left to compile.
+    """
     given = list(policies) if policies is not None else policy_names()
     if not given:
         raise ValueError("policies is empty: give at least one policy name")
-    specs = list(dict.fromkeys(get_policy_spec(p) for p in given))  # raises on an unknown name
-    notes = []
-    if not tgt.supports_host_offload:
-        dropped = [s.name for s in specs if s.offloads]
-        specs = [s for s in specs if not s.offloads]
-        if dropped:
-            notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
-        if not specs:
-            raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
+    fit = policies_for_tags(given, tags)  # raises on an unknown name
+    specs = list(dict.fromkeys(s for s in fit.specs if tgt.supports_host_offload or not s.offloads))
+    notes = fit.notes(program)
+    dropped = [s.name for s in fit.specs if s not in specs]
+    if dropped:
+        notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
+    if not specs:
+        raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
     specs, wrong = honoured(specs)
     if not specs:
         raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")
-    return specs, notes + wrong
+    return specs, notes + wrong, frozenset(cut for _, cut in fit.restricted)
 
 
-def _resolve_groups(config: ModelConfig, group_sizes: Sequence[int] | None) -> list[int]:
-    """The group sizes to consider (default every divisor of ``num_layers``)."""
+def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:
+    """The group sizes to consider (default every divisor of ``num_layers``; none for a
+    program without a config).
+
+    Raises:
+      ValueError: a group size that does not divide ``num_layers``; group sizes for a user's
+        program.
+    """
+    config = program.model_config
+    if config is None:
+        if group_sizes is not None:
+            program.variant(remat_group_size=group_sizes)  # raises: it cannot vary
+        return []
     valid = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
     groups = list(group_sizes) if group_sizes is not None else valid
     for g in groups:
@@ -273,53 +301,48 @@ def _resolve_groups(config: ModelConfig, group_sizes: Sequence[int] | None) -> l
 
 
 def resolve_request(
-    model: str | ModelConfig,
-    seq_len: int,
+    program: Program,
     target: str | T.Target,
     *,
-    batch_size: int | Literal["auto"],
+    auto: bool,
     budget: int | float | str | None,
     solve: bool,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
     group_sizes: Sequence[int] | None,
-    optimizer: str,
     margin: float,
     structure: bool | None = None,
-    mesh: S.MeshSpec | None = None,
 ) -> Request:
-    """Stage 1: check and resolve every input of :func:`recommend`; traces nothing (on a
-    ``mesh``, the target's devices are made to size the sharded arguments).
+    """Stage 1: check and resolve every input of :func:`recommend`; traces the program once
+    for the checkpoint names it emits, compiles nothing (on a mesh, the target's devices are
+    made to size the sharded arguments).
 
     Raises:
       ValueError: see :func:`recommend`.
     """
-    config = get_config(model) if isinstance(model, str) else model
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"model must be a preset name or a ModelConfig, got {model!r}")
     tgt = T.get_target(target)
-    opt = make_optimizer(optimizer)  # raises on an unknown name
-    _check_inputs(config, tgt, seq_len, batch_size, solve, margin)
-    auto = batch_size == "auto"
-    batch = 1 if auto else int(batch_size)
+    figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    if auto and program.model_config is None:
+        program.variant(batch_size="auto")  # raises: a user's program carries its batch
+    groups = _resolve_groups(program, group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
-    specs, notes = _resolve_specs(tgt, policies)
-    groups = _resolve_groups(config, group_sizes)
+    tags = program_tags(program)
+    specs, notes, derived = _resolve_specs(tgt, policies, tags, f"program {program.name!r}")
     on = policies is None if structure is None else bool(structure)
+    if structure and program.model_config is None:
+        program.variant(structure=True)  # raises: a user's program sets its own structure
+    on = on and program.model_config is not None
     if on and auto:
         notes.append("structure search (attention, loss chunks, remat_layers) needs a fixed batch")
-    if mesh is None:
-        state, batch_args = abstract_train_state(config, opt), abstract_batch(batch, seq_len)
-    else:  # per-device arguments: the state sharded over the mesh, the batch split
-        check_batch_split(batch, mesh.dp * mesh.fsdp, mesh=str(mesh))
-        jax_mesh = S.make_mesh(mesh, T.compile_devices(tgt, mesh.num_devices))
-        state, _ = sharded_train_state(config, opt, jax_mesh)
-        batch_args = T.abstractify(abstract_batch(batch, seq_len), S.batch_sharding(jax_mesh))
-    arguments = argument_parts([state, batch_args], ["state", "batch"])
+    pure = program.step(specs[0])
+    placed = program.place(tgt).place(pure.args)  # per device on a mesh
+    arguments = argument_parts(dataclasses.replace(pure, args=tuple(placed)), program.args)
     return Request(
-        config=config, target=tgt, optimizer=optimizer, seq_len=seq_len, batch=batch,
-        auto=auto, solve=solve, budget_bytes=budget_bytes, budget_note=budget_note,
-        specs=tuple(specs), groups=tuple(groups), arguments=arguments, notes=tuple(notes),
-        structure=on and not auto, mesh=mesh,
+        program=program, target=tgt, auto=auto, solve=solve, budget_bytes=budget_bytes,
+        budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
+        notes=tuple(notes), tags=tags, derived=derived, structure=on and not auto,
+        margin=margin,
     )  # fmt: skip
 
 
@@ -340,16 +363,17 @@ def open_session(
     params = request.arguments.get("params", 0)
     opt_state = request.arguments.get("opt_state", 0)
     n = len(request.specs)
-    extra = structure_compiles(request.config.num_layers) if request.structure else 0
+    config = request.program.model_config
+    extra = structure_compiles(config.num_layers) if request.structure else 0
     cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n + extra
     session = Session(
-        config=request.config, seq_len=request.seq_len, target=request.target,
-        optimizer=request.optimizer, budget=request.budget_bytes,
+        program=request.program, target=request.target, budget=request.budget_bytes,
         cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
         max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
-        notes=list(request.notes), mesh=request.mesh,
+        notes=list(request.notes), derived=request.derived, tags=request.tags,
+        margin=request.margin,
     )  # fmt: skip
-    if request.budget_bytes < params + opt_state:
+    if config is not None and request.budget_bytes < params + opt_state:
         raise BudgetTooSmall(
             too_small(session, request.budget_bytes, request.batch, params, opt_state)
         )
@@ -357,9 +381,9 @@ def open_session(
 
 
 def compile_named(session: Session, request: Request) -> list[Named]:
-    """Stage 3: every policy at the base group size and the batch asked (1 with ``auto``)."""
-    g0 = request.config.remat_group_size
-    return session.candidates(list(request.specs), g0, request.batch, "named")
+    """Stage 3: every policy at the program's own configuration (a preset's batch 1 with
+    ``auto``)."""
+    return session.candidates(list(request.specs), None, None, "named")
 
 
 def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
@@ -374,7 +398,8 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
     """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
     the fitting candidate with the least estimated step time (:func:`~.timing.rank`)."""
     candidates = [c for _, c, _ in named]
-    candidates += group_search(session, named, request.groups, request.batch)
+    if request.groups:
+        candidates += group_search(session, named, request.groups, request.batch)
     summary = None
     if request.solve:
         summary = solve(session, named, request.batch)
@@ -400,11 +425,15 @@ def search_structure_options(
     partial = search_partial_layers(session, pool, found.pick, request.batch)
     found.candidates += [c for _, c, _ in partial]
     found.pick = min((c for c in found.candidates if c.fits), key=rank, default=None)
-    found.made_fit = made_fit(found.pick, found.candidates, request.config.num_layers)
+    found.made_fit = made_fit(found.pick, found.candidates, session.config.num_layers)
 
 
 def advise(session: Session, request: Request, named: Sequence[Named], found: Found) -> None:
-    """Stage 5, when nothing fits: what would, and the candidates compiled to find out."""
+    """Stage 5, when nothing fits: what would, and the candidates compiled to find out (a
+    program that cannot vary: what can be done to it, from its least-memory candidate)."""
+    if session.config is None:
+        found.advice = fixed_program_advice(session, found.candidates)
+        return
     lines, extra = advice(session, named, request.batch)
     found.advice = lines
     found.candidates += extra
@@ -414,13 +443,13 @@ def assemble(
     request: Request, session: Session, found: Found, compiles: int, wall_s: float
 ) -> Recommendation:
     """Stage 6: the :class:`~remat_kit.recommend.Recommendation`."""
-    tgt = request.target
+    tgt, program = request.target, request.program
     return Recommendation(
-        model=request.config.name,
+        model=program.name,
         target=tgt.name,
-        seq_len=request.seq_len,
+        seq_len=program.seq_len,
         batch_size=None if request.auto else request.batch,
-        optimizer=request.optimizer,
+        optimizer=session.optimizer,
         budget_bytes=request.budget_bytes,
         budget_note=request.budget_note,
         arguments=request.arguments,
@@ -437,4 +466,5 @@ def assemble(
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,
         host_link=host_link_source(tgt),
         made_fit=found.made_fit,
+        tags=tuple(sorted(request.tags)),
     )

@@ -18,6 +18,7 @@ from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
+from remat_kit.program import Program
 from remat_kit.recommend.timing import candidate_times
 from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
@@ -61,7 +62,7 @@ def spec_key(spec: PolicySpec) -> tuple:
 
 
 class CompileCache:
-    """Compiled reports memoised by (model, seq, target, optimizer, policy, group size, batch).
+    """Compiled reports memoised by (program, target, variant, policy).
 
     Pass one to several :func:`recommend` calls (different budgets, say) to compile each
     configuration once; a report taken from it counts as ``reused``, not as a compile.
@@ -76,12 +77,15 @@ class CompileCache:
 
 @dataclasses.dataclass
 class Session:
-    """What one :func:`recommend` call compiles against, and its compile accounting."""
+    """What one :func:`recommend` call compiles against, and its compile accounting.
 
-    config: ModelConfig  # at the base group size
-    seq_len: int
+    ``program`` is the one compiled at the base configuration; the searches that vary it
+    (batch, sequence, group size, structure: a preset's) compile its
+    :meth:`~remat_kit.program.Program.variant`.
+    """
+
+    program: Program
     target: T.Target
-    optimizer: str
     budget: int
     cache: CompileCache
     counter: CompileCounter
@@ -91,8 +95,30 @@ class Session:
     opt_state_bytes: int
     reused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
-    #: The (dp, fsdp, tp) mesh every configuration compiles on (None: one device).
-    mesh: Any = None
+    #: Registered policies cut down to the program's tags (compiled as custom specs, found as
+    #: the named policy they come from).
+    derived: frozenset[PolicySpec] = frozenset()
+    #: The checkpoint names the program emits.
+    tags: frozenset[str] = frozenset()
+    #: Fraction of device memory the default budget keeps free.
+    margin: float = 0.0
+
+    @property
+    def config(self) -> ModelConfig | None:
+        """The model's config at the base group size (a preset's; None: a user's program)."""
+        return self.program.model_config
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.program.seq_len
+
+    @property
+    def optimizer(self) -> str | None:
+        return self.program.optimizer if isinstance(self.program.optimizer, str) else None
+
+    @property
+    def mesh(self) -> Any:
+        return self.program.mesh
 
     @property
     def compiles(self) -> int:
@@ -107,40 +133,42 @@ class Session:
         split = self.mesh.dp * self.mesh.fsdp if self.mesh is not None else 1
         return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4 // split
 
+    def _changes(
+        self, group: int | None, batch: int | None, seq_len: int | None, structure: Structure
+    ) -> dict[str, Any]:
+        """The variant asked of the program: what differs from its own configuration."""
+        program, config = self.program, self.config
+        changes: dict[str, Any] = dict(structure)
+        if group is not None and config is not None and group != config.remat_group_size:
+            changes["remat_group_size"] = group
+        if batch is not None and batch != program.batch_size:
+            changes["batch_size"] = batch
+        if seq_len is not None and seq_len != program.seq_len:
+            changes["seq_len"] = seq_len
+        return changes
+
     def evaluate(
         self,
         specs: Sequence[PolicySpec],
-        group: int,
-        batch: int,
+        group: int | None = None,
+        batch: int | None = None,
         seq_len: int | None = None,
         structure: Structure = (),
     ) -> list[Any]:
-        """Reports (or ``CompileError``) of ``specs`` at (group, batch, seq) with the structural
-        overrides ``structure``, cached; the uncached ones compiled together by
-        :func:`remat_kit.memory.analyze_policies`."""
-        seq = seq_len or self.seq_len
-        keys = [
-            (
-                self.config,
-                seq,
-                self.target,
-                self.optimizer,
-                spec_key(s),
-                group,
-                batch,
-                structure,
-                self.mesh,
-            )
-            for s in specs
-        ]
+        """Reports (or ``CompileError``) of ``specs`` on the program's variant at (group, batch,
+        seq) with the structural overrides ``structure`` (None: the program's own), cached; the
+        uncached ones compiled together by :func:`remat_kit.memory.analyze_policies`."""
+        changes = self._changes(group, batch, seq_len, structure)
+        base = self.program.request_key() or ("program", id(self.program))
+        variant = tuple(sorted(changes.items()))
+        keys = [(base, self.target, variant, spec_key(s)) for s in specs]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
         self.reused += sum(1 for k in keys if k not in todo)
         if todo:
-            config = self.config.replace(remat_group_size=group, **dict(structure))
+            program = self.program.variant(**changes) if changes else self.program
             results = analyze_policies(
-                config, batch, seq, list(todo.values()), target=self.target,
-                optimizer=self.optimizer, budget_bytes=self.budget, top_k=0,
-                workers=self.workers, raise_errors=False, compare_offload=False, mesh=self.mesh,
+                program, list(todo.values()), target=self.target, budget_bytes=self.budget,
+                top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
                 separate_xla_remat=False,  # candidates use the compiled FLOPs and peak
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
@@ -149,8 +177,8 @@ class Session:
     def candidates(
         self,
         specs: Sequence[PolicySpec],
-        group: int,
-        batch: int,
+        group: int | None,
+        batch: int | None,
         found_by: FoundBy,
         seq_len: int | None = None,
         structure: Structure = (),
@@ -159,9 +187,7 @@ class Session:
         out = []
         reports = self.evaluate(specs, group, batch, seq_len, structure)
         for spec, report in zip(specs, reports, strict=True):
-            c = self.candidate(
-                report, spec, group, batch, found_by, seq_len or self.seq_len, structure
-            )
+            c = self.candidate(report, spec, group, batch, found_by, seq_len, structure)
             if c is not None:
                 out.append((spec, c, report))
         return out
@@ -170,20 +196,28 @@ class Session:
         self,
         report: Any,
         spec: PolicySpec,
-        group: int,
-        batch: int,
+        group: int | None,
+        batch: int | None,
         found_by: FoundBy,
-        seq: int,
+        seq: int | None = None,
         structure: Structure = (),
     ) -> Candidate | None:
         """:func:`to_candidate` at this session's target and budget, carrying the config's
-        structural options."""
+        structural options (a preset's; a user's program has no group, batch or sequence)."""
+        config = self.config
+        if config is not None:
+            group = group or config.remat_group_size
+            batch, seq = batch or self.program.batch_size, seq or self.seq_len
         c = to_candidate(
             report, spec, self.target, self.budget, self.notes, found_by, group, batch, seq
         )
         if c is None:
             return None
-        config = self.config.replace(**dict(structure))
+        if found_by == "named" and spec in self.derived:
+            c = dataclasses.replace(c, found_by="named")  # a named policy, cut down
+        if config is None:
+            return c
+        config = config.replace(**dict(structure))
         return dataclasses.replace(
             c, model=preset_name(self.config), attention=config.attention,
             loss_chunk_size=config.loss_chunk_size, remat_layers=config.remat_layers,

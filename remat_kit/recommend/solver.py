@@ -11,22 +11,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from remat_kit import targets as T
-from remat_kit.memory import model_residuals
 from remat_kit.memory.flops import traced_flops
 from remat_kit.memory.roofline import DeviceFigures
-from remat_kit.models.config import ModelConfig
+from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
+from remat_kit.program import Placement, Program
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.timing import figures_for, flops_step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
 from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import bytes_by_tag
-from remat_kit.training.step import (
-    abstract_batch,
-    abstract_train_state,
-    make_optimizer,
-    make_train_step,
-)
 from remat_kit.units import format_bytes, format_seconds
 
 #: Custom-policy candidates compiled per verification round of :func:`verify_choices`.
@@ -35,32 +29,35 @@ SOLVE_VERIFY = 3
 SOLVE_ROUNDS = 2
 
 
+def solve_tags_of(program: Program, tags: frozenset[str]) -> tuple[str, ...]:
+    """The tags the solver chooses for, in a fixed order: remat-kit's (MaxText's) names in
+    their order, then the program's own names alphabetically."""
+    known = list(CHECKPOINT_NAMES)
+    return tuple(sorted(tags, key=lambda t: (known.index(t) if t in known else len(known), t)))
+
+
 def tag_costs(
-    config: ModelConfig, batch_size: int, seq_len: int, optimizer: str = "adamw"
+    program: Program, tags: Sequence[str], placement: Placement
 ) -> tuple[list[TagCost], float]:
     """The solver's per-tag bytes and recompute FLOPs (see :class:`TagCost`), and the jaxpr
     matmul FLOPs of the step saving nothing. Traces only, nothing compiled.
 
-    Bytes: the jaxpr residual table (:func:`remat_kit.memory.model_residuals`) of a policy that
-    saves every tag, and of ``save-nothing`` for what is kept anyway. FLOPs: jaxpr matmul FLOPs
-    of the whole train step saving nothing, minus those saving only the tag (one trace per tag,
-    about 0.3 s each for llama3-8b). Additivity (keeping A and B saves ``flops_saved[A] +
-    flops_saved[B]``) holds when a tag's producing matmul is recomputed only to produce that tag,
-    as JAX's partial evaluation does for the bundled block: on llama3-8b, saving q, k, v and
-    out_proj together saves 21.99 TFLOP, the sum of the four alone.
+    Bytes: the program's residual table (:meth:`~remat_kit.program.Program.residuals`, per
+    device) under a policy that saves every tag, and under ``save-nothing`` for what is kept
+    anyway. FLOPs: jaxpr matmul FLOPs of the whole train step saving nothing, minus those
+    saving only the tag (one trace per tag, about 0.3 s each for llama3-8b). Additivity
+    (keeping A and B saves ``flops_saved[A] + flops_saved[B]``) holds when a tag's producing
+    matmul is recomputed only to produce that tag, as JAX's partial evaluation does for the
+    bundled block: on llama3-8b, saving q, k, v and out_proj together saves 21.99 TFLOP, the
+    sum of the four alone.
     """
-    opt = make_optimizer(optimizer)
-    tags = list(config.checkpoint_names)
-    everything = config.replace(remat_policy=custom_spec({t: "save" for t in tags}))
-    kept = bytes_by_tag(model_residuals(everything, batch_size, seq_len), memory=None)
-    nothing = config.replace(remat_policy="save-nothing")
-    base = bytes_by_tag(model_residuals(nothing, batch_size, seq_len))
-    state = abstract_train_state(config, opt)
-    batch = abstract_batch(batch_size, seq_len)
+    everything = custom_spec({t: "save" for t in tags})
+    kept = bytes_by_tag(program.residuals(everything, placement) or (), memory=None)
+    base = bytes_by_tag(program.residuals(get_policy_spec("save-nothing"), placement) or ())
 
     def flops(spec: PolicySpec) -> float:
-        step = make_train_step(config.replace(remat_policy=spec), opt, jit=False)
-        return traced_flops(step, state, batch)
+        pure = program.step(spec)
+        return traced_flops(pure.fn, *pure.args)
 
     f0 = flops(custom_spec({}))
     costs = []
@@ -110,17 +107,15 @@ def solve_tags(
     :func:`verify_choices` (the model's observed error decides). Only compiled candidates are
     returned.
     """
-    costs, fj0 = tag_costs(session.config, batch, session.seq_len, session.optimizer)
+    program = session.program
+    tags = solve_tags_of(program, session.tags)
+    costs, fj0 = tag_costs(program, tags, program.place(session.target))
     actions = TAG_ACTIONS if can_offload(session.target) else ("save", "recompute")
     model = ChoiceModel.around(session.target, costs, actions, save_nothing, fj0)
-    g0 = session.config.remat_group_size
 
     def compile_specs(specs: Sequence[PolicySpec]) -> list[Candidate | None]:
-        reports = session.evaluate(specs, g0, batch)
-        return [
-            session.candidate(r, s, g0, batch, "solve", session.seq_len)
-            for s, r in zip(specs, reports, strict=True)
-        ]
+        found = {s: c for s, c, _ in session.candidates(specs, None, batch, "solve")}
+        return [found.get(s) for s in specs]
 
     return verify_choices(model, named, session.budget, compile_specs, session.room, session.notes)
 
@@ -362,12 +357,18 @@ def solve(
     session: Session, named: Sequence[tuple[PolicySpec, Candidate, Any]], batch: int
 ) -> SolveSummary | None:
     """:func:`solve_tags` around ``save-nothing`` (compiled here if not among ``named``); None,
-    with a note, when it does not compile."""
+    with a note, without the program's loss, without checkpoint tags, or when save-nothing
+    does not compile."""
+    if session.program.make_loss is None:
+        session.notes.append("solve skipped: it needs the program's loss for residuals by tag")
+        return None
+    if not session.tags:
+        session.notes.append("solve skipped: the program emits no checkpoint_name tags")
+        return None
     sn = next((c for s, c, _ in named if s.name == "save-nothing"), None)
     if sn is None:
-        found = session.candidates(
-            [get_policy_spec("save-nothing")], session.config.remat_group_size, batch, "named"
-        )
+        found = session.candidates([get_policy_spec("save-nothing")], None, batch, "named")
+        named = [*named, *found]
         sn = found[0][1] if found else None
     if sn is None:
         session.notes.append("solve skipped: save-nothing did not compile")

@@ -2,11 +2,11 @@
 
 For each policy given (cut down to the program's ``checkpoint_name`` tags,
 :func:`remat_kit.policies.policies_for_tags`), by default the set ``analyze`` compiles on a
-program (:func:`remat_kit.memory.programs.program_policies`: the policies that act on its tags
+program (:func:`remat_kit.memory.api.program_policies`: the policies that act on its tags
 and specs in its own tag names),
 :func:`run_program_sweep`
 
-1. analyses the step with :func:`remat_kit.memory.programs.analyze_program`, every policy
+1. analyses the step with :func:`remat_kit.memory.analyze_policies`, every policy
    compiled together as ``remat-kit analyze --model`` compiles them (the same figures): compiled
    peak, residuals by the program's tags (from its loss), recompute ratio against the same step
    without remat;
@@ -37,7 +37,7 @@ import jax
 
 from remat_kit import results as R
 from remat_kit import validation as V
-from remat_kit.memory.programs import analyze_program, program_policies, program_tags
+from remat_kit.memory.api import analyze_policies, program_policies, program_tags
 from remat_kit.policies import (
     PolicySpec,
     check_tags,
@@ -196,7 +196,7 @@ def _analyse(program: Program, specs: dict[str, PolicySpec], failed: dict) -> di
     try:
         # compiled as `remat-kit analyze --model` compiles it (its figures are the same); the
         # run compiles the step again with full optimisation (analyze_program keeps no executable)
-        reports = analyze_program(program, list(live.values()), "local", raise_errors=False)
+        reports = analyze_policies(program, list(live.values()), "local", raise_errors=False)
     except Exception as err:  # the whole analysis failed: every policy gets the error
         reports = [err] * len(live)
     return {**failed, **dict(zip(live, reports, strict=True))}

@@ -16,6 +16,7 @@ from remat_kit import targets as T
 from remat_kit.data import Corpus, load_corpus
 from remat_kit.memory import analyze_policies, calibrate
 from remat_kit.memory.runner import CompileEngine
+from remat_kit.preset_program import preset
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.measure import compile_steps
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
@@ -29,15 +30,13 @@ def analyze_group(points: Sequence[Point], engine: CompileEngine | None = None) 
     optimisation and stay in it, so the measured run reuses them."""
     p0 = points[0]
     try:
+        optimizer = make_optimizer(p0.optimizer, learning_rate=p0.learning_rate)
+        program = preset(p0.model_config(), p0.batch_size, p0.seq_len, optimizer, p0.mesh)
         out = analyze_policies(
-            p0.model_config(),
-            p0.batch_size,
-            p0.seq_len,
+            program,
             [p.policy for p in points],
             target=p0.target,
-            optimizer=make_optimizer(p0.optimizer, learning_rate=p0.learning_rate),
             raise_errors=False,
-            mesh=p0.mesh,
             fast_compile=engine is None,
             engine=engine,
         )

@@ -238,17 +238,79 @@ def policy_specs() -> dict[str, PolicySpec]:
     return dict(_REGISTRY)
 
 
-def get_policy_spec(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
-    """Resolve a policy name, a custom mapping or a spec to a :class:`PolicySpec`.
+def _closure(policy: Callable[..., Any]) -> dict[str, Any]:
+    code = getattr(policy, "__code__", None)
+    cells = getattr(policy, "__closure__", None) or ()
+    return dict(
+        zip(getattr(code, "co_freevars", ()), (c.cell_contents for c in cells), strict=False)
+    )
+
+
+def _names(value: Any) -> frozenset[str] | None:
+    if isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    return None
+
+
+def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
+    """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
+    JAX's constructors keep (``jax/_src/ad_checkpoint.py``, jax 0.10.2): the four fixed
+    policies, ``save_only_these_names`` (a dataclass with ``saveable_names``) and
+    ``save_and_offload_only_these_names`` (a closure over its name sets); named after the
+    constructor. None for a callable whose effect is not a name set or a base rule
+    (``save_any_names_but_these``: it depends on the names a program emits;
+    ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
+    """
+    cp = jax.checkpoint_policies
+    fixed = {
+        id(cp.everything_saveable): ("everything_saveable", "everything"),
+        id(cp.nothing_saveable): ("nothing_saveable", "names"),
+        id(cp.dots_saveable): ("dots_saveable", "dots"),
+        id(cp.dots_with_no_batch_dims_saveable): ("dots_with_no_batch_dims_saveable",
+                                                  "dots_no_batch"),
+    }  # fmt: skip
+    if id(policy) in fixed:
+        name, base = fixed[id(policy)]
+        return PolicySpec(name, f"jax.checkpoint_policies.{name}", base)
+    saveable = _names(getattr(policy, "saveable_names", None))
+    if saveable is not None:
+        return PolicySpec("save_only_these_names", "jax.checkpoint_policies."
+                          "save_only_these_names", save=saveable)  # fmt: skip
+    cells = _closure(policy)
+    if "names_which_can_be_offloaded" in cells:
+        save = _names(cells.get("names_which_can_be_saved")) or frozenset()
+        off = _names(cells["names_which_can_be_offloaded"]) or frozenset()
+        name = "save_and_offload_only_these_names"
+        return PolicySpec(name, f"jax.checkpoint_policies.{name}", save=save, offload=off)
+    return None
+
+
+def get_policy_spec(
+    policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any],
+) -> PolicySpec:
+    """Resolve a policy name, a custom mapping, a spec, or a raw ``jax.checkpoint_policies``
+    policy that can be read as data (:func:`read_jax_policy`) to a :class:`PolicySpec`.
 
     Raises:
       ValueError: unknown policy name (the message lists the valid names and the closest match),
-        or a bad custom mapping (see :func:`custom_spec`).
+        a bad custom mapping (see :func:`custom_spec`), or a callable that cannot be read as
+        data (the message says what to give instead).
     """
     if isinstance(policy, PolicySpec):
         return policy
     if isinstance(policy, Mapping):
         return custom_spec(policy)
+    if callable(policy):
+        spec = read_jax_policy(policy)
+        if spec is None:
+            qual = getattr(policy, "__qualname__", type(policy).__name__)
+            raise ValueError(
+                f"policy {qual!r} is a callable remat-kit cannot read as data (a composed "
+                "policy, a lambda, save_any_names_but_these, offload_dot_with_no_batch_dims): "
+                "give a policy name, a per-tag mapping or save_only_these_names(...); "
+                "remat_kit.check_function judges such a callable by what it does"
+            )
+        return spec
     if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
         raise ValueError(
             f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "
@@ -456,6 +518,16 @@ def policy_label(spec: PolicySpec) -> str:
         return spec.name
     parts = [f"{t}={spec.action(t)}" for t in sorted(spec.tags)]
     return "custom: " + (", ".join(parts) or "recompute all")
+
+
+def policy_arg(spec: PolicySpec) -> str:
+    """The spec as ``--policy`` takes it back (:func:`parse_policy_arg`), the key of a sweep
+    row: a registered policy's name, or its per-tag actions (``attn_in=save,mlp_hidden=offload``;
+    ``recompute-all`` when it keeps nothing)."""
+    if policy_specs().get(spec.name) == spec:
+        return spec.name
+    acts = {**{t: "save" for t in spec.save}, **{t: "offload" for t in spec.offload}}
+    return ",".join(f"{t}={a}" for t, a in sorted(acts.items())) or "recompute-all"
 
 
 def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:

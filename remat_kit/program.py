@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend import core as jax_core
 
 from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
@@ -323,6 +324,42 @@ def argument_parts(pure: Pure, originals: Sequence[Any] = ()) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class LossTrace:
+    """One trace of a loss (:meth:`Program.loss_trace`): its jaxpr, the loss as a function of
+    arrays evaluating it (``pure``), and ``call``, the loss as the step calls it (its own
+    arguments: NNX objects updated with what the loss changed, static leaves as given)."""
+
+    jaxpr: Any  # jax.extend.core.ClosedJaxpr
+    pure: Pure
+    out_tree: Any
+
+    @classmethod
+    def of(cls, pure: Pure) -> LossTrace:
+        closed, shape = jax.make_jaxpr(pure.fn, return_shape=True)(*pure.args)
+        out_tree = jax.tree.structure(shape)
+        run = jax_core.jaxpr_as_fun(closed)
+
+        def frozen(*arrays):
+            return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(arrays)))
+
+        frozen.__name__ = getattr(pure.fn, "__name__", "loss")
+        return cls(closed, dataclasses.replace(pure, fn=frozen), out_tree)
+
+    def call(self, *full: Any) -> Any:
+        """The loss on the step's view of its arguments (what :func:`purify` split, split the
+        same way), evaluated from the trace."""
+        if self.pure.nnx_index is None:
+            return self.pure.fn(*(partition(a)[0] for a in full))
+        graph = [i for i, a in enumerate(full) if _is_nnx(a)]
+        objs = tuple(full[i] for i in graph)
+        state = nnx.split(objs)[1]
+        rest = [partition(full[i])[0] for i in range(len(full)) if i not in graph]
+        out, new_state = self.pure.fn(state, *rest)
+        nnx.update(objs, new_state)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """A training program: what remat-kit compiles and walks for each policy.
 
@@ -346,6 +383,15 @@ class Program:
     loss_args: tuple[Any, ...] = ()
     argnums: tuple[int, ...] = (0,)
     argument_names: tuple[str, ...] = ()
+    #: ``loss -> step`` of a :meth:`from_loss` program (the step built around a given loss);
+    #: None for a user's own step.
+    step_of_loss: Callable[[Callable[..., Any]], Callable[..., Any]] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+    #: The loss's one trace per policy (:meth:`loss_trace`), filled on first use.
+    _traces: dict[PolicySpec, LossTrace] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __repr__(self) -> str:
         """Short: name, each argument summarised (one array as ``int32[2, 33]``, a pytree or NNX
@@ -398,9 +444,7 @@ class Program:
         # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
         opt_state = tx.init(params) if concrete else jax.eval_shape(tx.init, params)
 
-        def make_step(policy):
-            loss = make_loss(policy)
-
+        def step_of_loss(loss):
             def step(opt_state, *loss_args):
                 parts = [_diff_part(loss_args[i]) for i in nums]
 
@@ -419,9 +463,13 @@ class Program:
 
             return step
 
+        def make_step(policy):
+            return step_of_loss(make_loss(policy))
+
         return cls(
             name=name or getattr(make_loss, "__name__", "program"),
             make_step=make_step,
+            step_of_loss=step_of_loss,
             args=(opt_state, *args),
             donate_argnums=(0, *(1 + i for i in nums)),
             make_loss=make_loss,
@@ -497,18 +545,39 @@ class Program:
         return jax_policy(spec)
 
     def step(self, spec: PolicySpec) -> Pure:
-        """The step under ``spec`` as a function of arrays (NNX objects split and merged)."""
-        fn = self.make_step(self.factory_input(spec))
+        """The step under ``spec`` as a function of arrays (NNX objects split and merged).
+
+        A :meth:`from_loss` program's step differentiates the loss's one trace under ``spec``
+        (:meth:`loss_trace`): what is compiled is what the residual table, the tags and the
+        doctor walk, even where the factory's trace depends on state it changes (a class
+        swapped in at module level to add remat)."""
+        if self.step_of_loss is not None:
+            fn = self.step_of_loss(self.loss_trace(spec).call)
+        else:
+            fn = self.make_step(self.factory_input(spec))
         return purify(fn, self.args, self.argument_names)
 
     def loss(self, spec: PolicySpec) -> Pure | None:
-        """The loss under ``spec`` as a function of arrays (NNX objects split), or None without
-        ``make_loss``."""
+        """The loss under ``spec`` as a function of arrays (NNX objects split): its one trace
+        (:meth:`loss_trace`); None without ``make_loss``."""
         if self.make_loss is None:
             return None
-        loss = self.make_loss(self.factory_input(spec))
-        names = param_names(loss, len(self.loss_args))
-        return purify(loss, self.loss_args, names)
+        return self.loss_trace(spec).pure
+
+    def loss_trace(self, spec: PolicySpec) -> LossTrace:
+        """The loss built for ``spec`` and traced once per program and spec (later calls read
+        it): every tool walks and compiles this jaxpr, never a second call of the factory.
+
+        Raises:
+          ValueError: the program has no ``make_loss``.
+        """
+        if self.make_loss is None:
+            raise ValueError(f"program {self.name!r} has no loss (make_loss)")
+        if spec not in self._traces:
+            loss = self.make_loss(self.factory_input(spec))
+            names = param_names(loss, len(self.loss_args))
+            self._traces[spec] = LossTrace.of(purify(loss, self.loss_args, names))
+        return self._traces[spec]
 
     def baseline_step(self) -> Pure:
         """The step without remat: the denominator of the recompute ratio."""
@@ -678,8 +747,8 @@ class PolicyReach:
             return None
         return (
             f"not a no-remat baseline: the factory still builds {self.without_policy} remat "
-            "segment(s) when given no policy (None), so this row and the recompute ratios "
-            "against it include that remat; build without remat for None (remat_kit."
+            "segment(s) when given no policy (None), so this row includes that remat and no "
+            "recompute ratio is reported against it; build without remat for None (remat_kit."
             "inject_policy does)"
         )
 
@@ -797,6 +866,21 @@ def _factories(module: Any) -> list[str]:
             continue
         out.append(n)
     return sorted(out)
+
+
+def require_program(obj: Any) -> Program:
+    """``obj`` if it is a :class:`Program` (the tools take nothing else).
+
+    Raises:
+      ValueError: anything else (one line saying how to make a Program).
+    """
+    if not isinstance(obj, Program):
+        raise ValueError(
+            f"expected a remat_kit.Program (Program.from_loss / Program.from_step, or "
+            f"remat_kit.preset(name, batch_size, seq_len) for a bundled model), got "
+            f"{type(obj).__name__}"
+        )
+    return obj
 
 
 def load_program(ref: str) -> Program:

@@ -163,12 +163,12 @@ def test_cli_exit_codes_as_documented(monkeypatch, capsys):
     def too_small(*a, **k):
         raise BudgetTooSmall(f"budget {format_bytes(args.budget)} is smaller than ...")
 
-    monkeypatch.setattr(cli_recommend, "recommend", too_small)
+    monkeypatch.setattr(cli_recommend, "recommend_program", too_small)
     assert run(args) == 1
     assert "nothing fits: budget 1.00 KiB is smaller" in capsys.readouterr().err
     for pick, code in ((None, 1), (object(), 0)):
         rec = argparse.Namespace(pick=pick, to_json=lambda indent: "{}")
-        monkeypatch.setattr(cli_recommend, "recommend", lambda *a, rec=rec, **k: rec)
+        monkeypatch.setattr(cli_recommend, "recommend_program", lambda *a, rec=rec, **k: rec)
         assert run(args) == code
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from remat_kit import targets as T
 from remat_kit.policies import custom_spec, get_policy_spec
-from remat_kit.recommend.programs import _Run, program_advice
+from remat_kit.recommend.advice import fixed_program_advice
+from remat_kit.recommend.budget import DEFAULT_MARGIN
 from remat_kit.recommend.session import given_by, to_candidate
 from remat_kit.recommend.solver import SOLVE_VERIFY, ChoiceModel, model_error, verify_choices
 from remat_kit.recommend.types import Candidate, TagCost
@@ -152,12 +153,12 @@ def test_found_by_on_a_compiled_report():
 
 
 def _advice(target: str, budget: int, least_peak: int) -> list[str]:
-    run = _Run(
+    session = SimpleNamespace(
         program=SimpleNamespace(name="make_loss"), target=T.get_target(target), budget=budget,
-        tags=frozenset({"mlp_up"}), workers=1, max_compiles=4, notes=[],
+        margin=DEFAULT_MARGIN,
     )  # fmt: skip
     least = dataclasses.replace(_candidate([], least_peak, budget, [MLP_UP]), found_by="named")
-    return program_advice(run, [least])
+    return fixed_program_advice(session, [least])
 
 
 def test_program_advice_suggests_only_what_works_on_a_program():

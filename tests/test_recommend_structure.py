@@ -42,7 +42,7 @@ def first(cache) -> Recommendation:
 def _options(config) -> list[str]:
     """The structural options' labels on the deviceless h100-sxm (nothing compiled)."""
     session = Session(
-        config=config, seq_len=SEQ, target=T.get_target(TARGET), optimizer="adamw", budget=1,
+        program=preset(config, BATCH, SEQ), target=T.get_target(TARGET), budget=1,
         cache=CompileCache(), counter=CompileCounter(), workers=1, max_compiles=0, fixed_bytes=0,
         opt_state_bytes=0,
     )  # fmt: skip

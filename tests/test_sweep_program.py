@@ -21,7 +21,7 @@ from rich.console import Console
 
 from remat_kit import Program, load_program, results, sweep
 from remat_kit.policies import get_policy_spec
-from remat_kit.sweep import programs
+from remat_kit.sweep import program_sweep as programs
 from remat_kit.sweep.output import warning_lines
 from tests.user_models import plain_jax
 

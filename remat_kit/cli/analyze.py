@@ -103,13 +103,14 @@ def _resolve(args: argparse.Namespace) -> tuple:
             f"--doctor needs program {program.name!r}'s loss (Program.from_loss, or make_loss= "
             "in Program.from_step)"
         )
+    if program.model_config is None:  # a user's program: its own names, what acts on them
+        asked = args.policy or (policy_names() if args.all_policies else None)
+        return program, target, program_policies(program, target, asked)
     if args.policy:
         return program, target, args.policy
     if args.all_policies:
         return program, target, [get_policy_spec(n) for n in policy_names()]
-    if program.default_policy is not None:
-        return program, target, [get_policy_spec(program.default_policy)]
-    return program, target, program_policies(program, target)
+    return program, target, [get_policy_spec(program.default_policy)]
 
 
 def run(args: argparse.Namespace) -> int:

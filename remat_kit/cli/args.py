@@ -137,6 +137,7 @@ def read_program(
         preset refuses (:func:`remat_kit.preset`).
     """
     if is_program_ref(args.model):
+        program = load_program(args.model)
         given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
         given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
         if args.overrides:
@@ -144,10 +145,10 @@ def read_program(
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise UsageError(
-                f"{' and '.join(given)} {verb} to presets; program {args.model!r} carries its "
+                f"{' and '.join(given)} {verb} to presets; program {program.name!r} carries its "
                 "own arguments and layers (set them in its factory)"
             )
-        return load_program(args.model)
+        return program
     config = read_config(args, **fixed)
     missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
     if missing:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from remat_kit.doctor.findings import Finding
-from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.policies import PolicySpec, get_policy_spec, read_jax_policy
 from remat_kit.remat_impl import describe_implementation, policy_effect
 
 
@@ -52,20 +52,6 @@ class Promise:
         return cls(spec.name, spec.base, spec.save, spec.offload, spec.wrap, registered)
 
 
-def _closure(policy: Callable[..., Any]) -> dict[str, Any]:
-    code = getattr(policy, "__code__", None)
-    cells = getattr(policy, "__closure__", None) or ()
-    return dict(
-        zip(getattr(code, "co_freevars", ()), (c.cell_contents for c in cells), strict=False)
-    )
-
-
-def _names(value: Any) -> frozenset[str] | None:
-    if isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(v, str) for v in value):
-        return frozenset(value)
-    return None
-
-
 def _saves_everything() -> Finding:
     return Finding(
         "saves-everything", "error",
@@ -92,30 +78,14 @@ def describe_callable(policy: Callable[..., Any]) -> tuple[Promise | None, list[
     """The :class:`Promise` of a raw ``jax.checkpoint_policies`` policy, read from the data
     JAX's constructors keep (every name, known to remat-kit or not), plus findings about the
     callable itself; ``(None, findings)`` for a callable that cannot be read."""
-    cp = jax.checkpoint_policies
     qual = getattr(policy, "__qualname__", type(policy).__name__)
-    fixed = {
-        id(cp.everything_saveable): Promise("everything_saveable", "everything"),
-        id(cp.nothing_saveable): Promise("nothing_saveable"),
-        id(cp.dots_saveable): Promise("dots_saveable", "dots"),
-        id(cp.dots_with_no_batch_dims_saveable): Promise(
-            "dots_with_no_batch_dims_saveable", "dots_no_batch"
-        ),
-    }  # fmt: skip
-    if id(policy) in fixed:
-        return fixed[id(policy)], []
-    saveable = _names(getattr(policy, "saveable_names", None))
-    if saveable is not None:  # SaveOnlyTheseNames
-        return Promise("save_only_these_names", save=saveable), []
+    spec = read_jax_policy(policy)  # the fixed policies and the name-set constructors
+    if spec is not None:
+        return Promise.of(spec), []
     if type(policy).__name__ == "SaveAnyNamesButThese":
         return None, []  # data remat3 reads; what it keeps depends on the names emitted
     if qual.startswith("save_anything_except_these_names"):
         return None, [_saves_everything()]
-    cells = _closure(policy)
-    if "names_which_can_be_offloaded" in cells:  # save_and_offload_only_these_names
-        save = _names(cells.get("names_which_can_be_saved")) or frozenset()
-        off = _names(cells["names_which_can_be_offloaded"]) or frozenset()
-        return Promise("save_and_offload_only_these_names", save=save, offload=off), []
     if qual.startswith("offload_dot_with_no_batch_dims"):
         return Promise("offload_dot_with_no_batch_dims", "dots_no_batch", offloads_dots=True), []
     return None, [_composed(qual)]

@@ -59,6 +59,7 @@ from remat_kit.program import (
     argument_parts,
     param_names,
     purify,
+    require_program,
 )
 from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
@@ -410,6 +411,11 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
         )
     if not spec.wrap and setup.reach.no_remat_note():
         notes.append(setup.reach.no_remat_note())
+    elif setup.reach.without_policy:
+        notes.append(
+            f"no recompute ratio: {setup.program.name!r}'s no-remat step is itself "
+            f"rematerialised ({setup.reach.without_policy} remat segment(s) built for None)"
+        )
     if spec.base == "names" and spec.tags and not spec.tags & setup.tags:
         notes.append(
             f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
@@ -470,6 +476,8 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
 def _setup(program: Program, target: T.Target, reach: PolicyReach) -> _ProgramSetup:
     placement = program.place(target)
     setup = _ProgramSetup(program, target, placement, program_tags(program), reach)
+    if reach.without_policy:  # the "no-remat" step remats: no ratio is reported against it
+        return setup
     base = program.baseline_step()
     # On a mesh, the traced (global) step's even share per device (see Job.mesh_devices).
     setup.flops_no_remat = traced_flops(base.fn, *base.args) / placement.devices
@@ -528,12 +536,7 @@ def analyze_policies(
         would compile to one program).
       CompileError: with ``raise_errors``, the first policy that failed to compile.
     """
-    if not isinstance(program, Program):
-        raise ValueError(
-            f"expected a remat_kit.Program (Program.from_loss / Program.from_step, or "
-            f"remat_kit.preset(name, batch_size, seq_len) for a bundled model), got "
-            f"{type(program).__name__}"
-        )
+    require_program(program)
     tgt = T.get_target(target)
     key, cache = None, CompileCache.from_env()
     if cache is not None and program.request_key() is not None and policies is not None:
@@ -564,8 +567,8 @@ def analyze_policies(
     with S.activation_sharding(setup.placement.mesh):  # tracing the model under the mesh
         jobs = [_program_job(setup, specs[i]) for i in distinct]
         add_offload_jobs(
-            jobs, [effective_spec(specs[i], setup.tags) for i in distinct], setup.target,
-            compare_offload, lambda twin: _program_job(setup, twin, visible=False),
+            jobs, [specs[i] for i in distinct], setup.target, compare_offload,
+            lambda twin: _program_job(setup, twin, visible=False),
         )  # fmt: skip
         for job in jobs:
             job.policy_only = separate_xla_remat and job.visible

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from remat_kit import names as N
@@ -15,7 +15,6 @@ from remat_kit.memory import hlo
 from remat_kit.memory.report import PeakBuffer
 from remat_kit.memory.timeline import live_at_peak
 from remat_kit.memory.xla_compile import CompileResult
-from remat_kit.walker import TagResiduals
 
 #: Flax module names -> the checkpoint name of their output. The bundled model names each
 #: projection's module after its tag; these are the plain names other models use.
@@ -56,18 +55,6 @@ class Hints:
 def xla_shape(dtype: str, dims: Sequence[int]) -> str:
     """XLA's text for an array shape: ``xla_shape("bfloat16", (2, 3)) == "bf16[2,3]"``."""
     return f"{_XLA_DTYPES.get(dtype, dtype)}[{','.join(str(d) for d in dims)}]"
-
-
-def residual_hints(rows: Iterable[TagResiduals], logits_elems: int | None = None) -> Hints:
-    """Hints naming a program's residual buffers: each XLA shape of ``rows`` (residuals by
-    checkpoint name as the loss's VJP keeps them, e.g. stacked [layers, batch, seq, d] by a
-    layer scan: :func:`remat_kit.residuals.group_by_tag`) -> its tags (``"<mul>"`` untagged)."""
-    stacked: dict[str, tuple[str, ...]] = {}
-    for row in rows:
-        key = xla_shape(row.dtype, row.shape)
-        if row.tag not in stacked.get(key, ()):
-            stacked[key] = (*stacked.get(key, ()), row.tag)
-    return Hints(logits_elems=logits_elems, stacked=stacked)
 
 
 def _phase(value: str, op: str) -> str:

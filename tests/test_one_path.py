@@ -1,0 +1,151 @@
+"""One program path (issue 26): a preset is a Program and gets what a program gets; one trace
+of a program's loss per policy is what every tool walks and compiles; the judgements one tool
+makes, every tool makes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import remat_kit
+from remat_kit import doctor
+from remat_kit.memory.api import analyze_policies
+from remat_kit.program import Program
+from remat_kit.recommend import recommend
+from remat_kit.sweep.program_sweep import run_program_sweep
+
+CPU_CAUSE = "XLA:CPU honours remat only inside lax.scan"
+L, D = 4, 16
+
+
+def _layer(x, w):
+    return jnp.tanh(checkpoint_name(x @ w, "hidden"))
+
+
+def _scanned(layer):
+    def loss(ws, x):
+        def body(h, w):
+            return layer(h, w), None
+
+        h, _ = jax.lax.scan(body, x, ws)
+        return jnp.mean(h**2)
+
+    return loss
+
+
+def _args():
+    ws = jax.random.normal(jax.random.key(0), (L, D, D)) / D**0.5
+    return ws, jax.random.normal(jax.random.key(1), (8, D))
+
+
+def test_a_preset_gets_the_cse_undone_warning_a_program_gets():
+    """A preset whose layers are not scanned, on XLA:CPU: the remat is undone, and the preset's
+    row says so with the cause, as a user's program's row does (the preset path used not to
+    know where its remat regions were)."""
+    config = remat_kit.get_config("tiny-gpt", num_layers=2, scan_layers=False)
+    program = remat_kit.preset(config, 1, 16)
+    none, nothing = analyze_policies(program, ["no-remat", "save-nothing"], "cpu", top_k=0)
+    said = [w for w in nothing.warnings if CPU_CAUSE in w]
+    assert said and "outside any scan" in said[0], nothing.warnings
+    assert not any(CPU_CAUSE in w for w in none.warnings)
+
+
+def test_walk_and_compile_one_trace_of_a_factory_that_changes_state():
+    """A factory that swaps the layer in at module level (how remat is added to a model with
+    no hook for it) and reads it when traced: each policy's compiled step, FLOPs and residual
+    table come from the one trace of that policy's loss, whatever the factory was asked since;
+    the factory is called once per policy however many tools ask."""
+    swapped = {"layer": _layer}
+    calls = []
+
+    def make_loss(policy):
+        calls.append(policy)
+        swapped["layer"] = _layer if policy is None else jax.checkpoint(_layer, policy=policy)
+        return _scanned(lambda h, w: swapped["layer"](h, w))
+
+    program = Program.from_loss(make_loss, *_args(), optimizer="sgd", name="swapped")
+    calls.clear()
+    none, nothing = analyze_policies(program, ["no-remat", "save-nothing"], "cpu", top_k=0)
+    # no-remat compiled without remat although save-nothing's factory call came last
+    assert none.recompute_ratio == pytest.approx(1.0)
+    assert nothing.recompute_ratio > 1.0
+    assert none.activation_bytes > nothing.activation_bytes
+    assert "<tanh>" in {r.tag for r in none.residuals if r.nbytes}  # kept without remat
+    assert "<tanh>" not in {r.tag for r in nothing.residuals if r.nbytes}
+    traced = len(calls)
+    doctor.check_policies(program, ["save-nothing"], "cpu")
+    assert all(c is None or c.__name__ == "probe" for c in calls[traced:]), calls[traced:]
+
+
+def _always_remat(policy):
+    """A factory that remats its layers even when given None: its no-remat is not one."""
+    body = jax.checkpoint(_layer, policy=policy) if policy is not None else jax.checkpoint(_layer)
+    return _scanned(body)
+
+
+def test_a_rematerialised_baseline_is_said_and_no_ratio_is_reported_against_it(tmp_path):
+    program = Program.from_loss(_always_remat, *_args(), optimizer="sgd", name="always")
+    reports = analyze_policies(program, ["no-remat", "save-nothing"], "cpu", top_k=0)
+    assert "not a no-remat baseline" in reports[0].warnings[0]
+    assert all(r.recompute_ratio is None for r in reports), [r.recompute_ratio for r in reports]
+    assert any("no recompute ratio" in w for w in reports[1].warnings)
+    checked = doctor.check_policies(program, ["save-nothing"], "cpu")
+    assert any("not a no-remat baseline" in n for n in checked.notes)
+    rec = recommend(program, target="h100-sxm", policies=["no-remat", "save-nothing"])
+    assert all(c.flops_no_remat is None for c in rec.candidates)
+    run = run_program_sweep(
+        program, tmp_path / "rows.jsonl", policies=["save-nothing"], warmup_steps=0,
+        timed_steps=1, progress=False,
+    )  # fmt: skip
+    assert run.rows[0]["recompute_ratio"] is None
+
+
+def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
+    """``save-qkv-proj`` on a program that emits none of its names: analyze's default set
+    leaves it out with a note, the doctor (asked for it) says unknown-tag, recommend leaves it
+    out with the same note, and the sweep's default set does not run it."""
+    program = Program.from_loss(lambda p: _scanned(
+        _layer if p is None else jax.checkpoint(_layer, policy=p)), *_args(), optimizer="sgd",
+        name="own-names")  # fmt: skip
+    chosen = remat_kit.memory.api.program_policies(program, "cpu")
+    assert "save-qkv-proj" not in {s.name for s in chosen.specs}
+    note = next(n for n in chosen.notes if "save-qkv-proj" in n)
+    (findings,) = doctor.check_policies(program, ["save-qkv-proj"], "cpu")
+    assert [f.code for f in findings] == ["unknown-tag"]
+    rec = recommend(program, target="h100-sxm")
+    assert "save-qkv-proj" not in {c.policy for c in rec.candidates}
+    assert note in rec.notes
+    run = run_program_sweep(
+        program, tmp_path / "rows.jsonl", warmup_steps=0, timed_steps=1, progress=False
+    )
+    assert "save-qkv-proj" not in {r["policy"] for r in run.rows}
+
+
+def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
+    """A ``jax.checkpoint_policies`` policy built from name sets is data: analyze and the doctor
+    take it on a program as the function path does; one that cannot be read is one line
+    naming what to give instead (the function path judges it by what it does)."""
+    program = Program.from_loss(lambda p: _scanned(
+        _layer if p is None else jax.checkpoint(_layer, policy=p)), *_args(), optimizer="sgd",
+        name="raw")  # fmt: skip
+    names = jax.checkpoint_policies.save_only_these_names("hidden")
+    spec = remat_kit.get_policy_spec(names)
+    assert (spec.name, spec.save) == ("save_only_these_names", frozenset({"hidden"}))
+    assert remat_kit.get_policy_spec(jax.checkpoint_policies.dots_saveable).base == "dots"
+    saved, custom = analyze_policies(program, [names, {"hidden": "save"}], "cpu", top_k=0)
+    assert saved.program_sha256 == custom.program_sha256
+    assert saved.activation_bytes == custom.activation_bytes
+    (findings,) = doctor.check_policies(program, [names], "cpu")
+    assert not [f for f in findings if f.severity == "error"], [f.line() for f in findings]
+    composed = jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, names
+    )
+    for run in (
+        lambda: analyze_policies(program, [composed], "cpu"),
+        lambda: doctor.check_policies(program, [composed], "cpu"),
+    ):
+        with pytest.raises(ValueError, match="cannot read as data") as err:
+            run()
+        assert "\n" not in str(err.value)

@@ -109,13 +109,15 @@ def instrument(timers: Timers) -> None:
     jstages.Traced.lower = timers.wrap("lower", traced_lower)
     jstages.Lowered.as_text = timers.wrap("lower", jstages.Lowered.as_text)
 
-    api._setup = timers.wrap("setup", api._setup)
-    api._baseline_flops = timers.wrap("baseline", api._baseline_flops)
-    api.model_residuals = timers.wrap(
-        "residuals", api.model_residuals, lambda config, *a, **k: config.policy_spec.name
-    )
+    from remat_kit import preset_program
 
-    make_job = api._model_job
+    api._setup = timers.wrap("setup", api._setup)  # tags, reach and the baseline's trace
+    preset_program.model_residuals = timers.wrap(
+        "residuals", preset_program.model_residuals,
+        lambda config, *a, **k: config.policy_spec.name,
+    )  # fmt: skip
+
+    make_job = api._program_job
 
     def model_job(setup, spec, visible=True):
         timers.local.policy = spec.name
@@ -131,7 +133,7 @@ def instrument(timers: Timers) -> None:
         timers.local.policy = None
         return job
 
-    api._model_job = model_job
+    api._program_job = model_job
 
     compile_with_dump = xla_compile.compile_with_dump
 
@@ -175,7 +177,8 @@ def profile(args) -> None:
 
     with contextlib.suppress(ImportError):
         from remat_kit.memory import compile_cache  # noqa: F401
-    from remat_kit.memory.api import analyze_model_policies
+    from remat_kit import preset
+    from remat_kit.memory.api import analyze_policies
     from remat_kit.policies import policy_names
 
     timers = Timers()
@@ -184,9 +187,9 @@ def profile(args) -> None:
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, load before: {_load()}", flush=True)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    reports = analyze_model_policies(
-        args.model, args.batch, args.seq, policies, target=args.target, raise_errors=False,
-        workers=args.workers,
+    reports = analyze_policies(
+        preset(args.model, args.batch, args.seq), policies, target=args.target,
+        raise_errors=False, workers=args.workers,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)

@@ -113,7 +113,7 @@ def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert (
-        "remat-kit: error: policy 'save-dots' on target 'cpu' failed to compile: "
+        "remat-kit: error: policy 'save-dots' of 'tiny-gpt' on target 'cpu' failed to compile: "
         "INTERNAL: ptxas exited with status 1"
     ) in err
 

@@ -288,7 +288,7 @@ def program_policies(
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     max_single: int = MAX_TAG_SPECS,
 ) -> ProgramPolicies:
-    """The policies :func:`analyze_program` compiles on ``program`` for ``target``.
+    """The policies :func:`analyze_policies` compiles on ``program`` for ``target``.
 
     ``policies`` given: those, as given. None: the default set, which acts on the program's
     own tags: the registered policies that can act on them
@@ -439,7 +439,8 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
     pure = program.step(spec)
     abstract = setup.placement.place(pure.args)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
-    stage = jitted.trace(*abstract)
+    with S.activation_sharding(setup.placement.mesh):  # the model traced under the mesh
+        stage = jitted.trace(*abstract)
     traced = stage.jaxpr.jaxpr if spec.wrap else None
     residuals = program.residuals(spec, setup.placement)
     devices = setup.placement.devices
@@ -564,14 +565,14 @@ def analyze_policies(
     for i, spec in enumerate(specs):
         first.setdefault(_effective_key(spec, setup.tags), i)
     distinct = list(dict.fromkeys(first.values()))
-    with S.activation_sharding(setup.placement.mesh):  # tracing the model under the mesh
-        jobs = [_program_job(setup, specs[i]) for i in distinct]
-        add_offload_jobs(
-            jobs, [specs[i] for i in distinct], setup.target, compare_offload,
-            lambda twin: _program_job(setup, twin, visible=False),
-        )  # fmt: skip
-        for job in jobs:
-            job.policy_only = separate_xla_remat and job.visible
+    jobs = [_program_job(setup, specs[i]) for i in distinct]
+    add_offload_jobs(
+        jobs, [specs[i] for i in distinct], setup.target, compare_offload,
+        lambda twin: _program_job(setup, twin, visible=False),
+    )  # fmt: skip
+    for job in jobs:
+        job.policy_only = separate_xla_remat and job.visible
+    with S.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     own = dict(zip(distinct, results, strict=False))
     out = []

@@ -18,6 +18,7 @@ encloses it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -560,14 +561,65 @@ def parse_allocation_sizes(text: str) -> dict[int, int]:
     }
 
 
+_RANGE_LINE = re.compile(r"^\s+([\w.\-]+)(\{[0-9,]*\}):(\d+)-(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRanges:
+    """XLA's ``HloLiveRange`` dump: the flattened schedule and each value's ``[start, end]``."""
+
+    sequence: tuple[str, ...]  # instruction names, by schedule position
+    ranges: dict[str, tuple[int, int]]  # value ("while.2{1}", "fusion.3") -> [start, end]
+
+
+def parse_live_ranges(text: str) -> LiveRanges:
+    """The ``InstructionSequence`` and ``BufferLiveRange`` sections of a ``*-live-range.txt``."""
+    sequence: list[str] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    section = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped in ("InstructionSequence:", "BufferLiveRange:"):
+            section = stripped
+            continue
+        if stripped.startswith("Live ranges at"):
+            break
+        if section == "InstructionSequence:":
+            sequence.append(stripped.partition(":")[2])
+        elif section == "BufferLiveRange:":
+            m = _RANGE_LINE.match(line)
+            if m:
+                name = m.group(1) + ("" if m.group(2) == "{}" else m.group(2))
+                ranges[name] = (int(m.group(3)), int(m.group(4)))
+    return LiveRanges(tuple(sequence), ranges)
+
+
+
 @dataclasses.dataclass(frozen=True)
 class DumpFiles:
-    """The text files XLA wrote for one compiled module (``None`` where missing)."""
+    """The text files XLA wrote for one compiled module (``None`` where missing), each parsed
+    once, when first read, into what every reader takes (:attr:`module`, :attr:`slots`,
+    :attr:`live_ranges`)."""
 
     hlo: str | None
     live_range: str | None
     buffer_assignment: str | None
     memory_usage_report: str | None
+
+    @functools.cached_property
+    def module(self) -> dict[str, Computation]:
+        """The optimized HLO module (:func:`parse_hlo_module`; empty without the dump)."""
+        return parse_hlo_module(self.hlo) if self.hlo else {}
+
+    @functools.cached_property
+    def slots(self) -> dict[str, BufferSlot]:
+        """The buffer assignment's slots (:func:`parse_buffer_slots`)."""
+        return parse_buffer_slots(self.buffer_assignment or "")
+
+    @functools.cached_property
+    def live_ranges(self) -> LiveRanges:
+        """The live-range dump (:func:`parse_live_ranges`; empty without it)."""
+        return parse_live_ranges(self.live_range or "")
 
 
 def read_dump(directory: str | Path) -> DumpFiles:

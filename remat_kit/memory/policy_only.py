@@ -36,9 +36,9 @@ def policy_only_figures(
         return None
     flops = None
     if off.dump.hlo is not None:
-        flops = hlo.count_flops(hlo.parse_hlo_module(off.dump.hlo)).flops
+        flops = hlo.count_flops(off.dump.module).flops
     live = live_at_peak(off.dump)
-    slots = hlo.parse_buffer_slots(off.dump.buffer_assignment or "")
+    slots = off.dump.slots
     live_bytes = None
     if live:
         by_slot: dict[object, int] = {}

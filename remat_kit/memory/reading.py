@@ -179,7 +179,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
                 "at peak, FLOPs unknown (None); compile with the cache off to see them",
             ),
         )
-    comps = hlo.parse_hlo_module(dump.hlo)
+    comps = dump.module
     count = hlo.count_flops(comps)
     if count.unknown_trip_counts:
         warnings.append(
@@ -187,7 +187,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
             "the FLOPs"
         )
     instrs = hlo.instructions_by_name(comps)
-    slots = hlo.parse_buffer_slots(dump.buffer_assignment or "")
+    slots = dump.slots
     live = live_at_peak(dump) or []  # where the most bytes are live, aliases counted once
     # Values that alias (a loop's carry, the body's parameter, the in-place update) share one
     # slot of one allocation: count each slot once, named after its most telling value.

@@ -180,20 +180,20 @@ class _KernelCaches:
 
 
 def step_time_of(
-    target: T.Target, hlo_text: str | None, parts: dict[str, int | None]
+    target: T.Target, dump: hlo.DumpFiles, parts: dict[str, int | None]
 ) -> roofline.StepTime | None:
     """The roofline estimate of a compiled step on ``target`` (None without a dump or device
     figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
     aliased to inputs are allocated anew at each execution, and where the device figures say
     that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count."""
     figures = calibrate.device_figures(target)
-    if figures is None or not hlo_text:
+    if figures is None or not dump.hlo:
         return None
     outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
     fresh = sum(
         n for n in (parts["temp_bytes"] or 0, outputs) if n >= roofline.FRESH_ALLOCATION_MIN_BYTES
     )
-    return roofline.estimate(hlo.parse_hlo_module(hlo_text), figures, fresh_bytes=fresh)
+    return roofline.estimate(dump.module, figures, fresh_bytes=fresh)
 
 
 def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
@@ -242,7 +242,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     undone = recompute_undone(job, reading)
     if undone:
         xla_line += (undone,)
-    step_time = step_time_of(job.target, result.dump.hlo, parts)
+    step_time = step_time_of(job.target, result.dump, parts)
     host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
     if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
         xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,

@@ -34,6 +34,7 @@ import numpy as np
 
 from remat_kit import names as N
 from remat_kit.memory import hlo
+from remat_kit.memory.hlo import LiveRanges
 
 #: At most this many points are kept (the highest point of each bucket: the peak is kept).
 DEFAULT_MAX_POINTS = 2000
@@ -50,7 +51,6 @@ SPAN_FRACTION = 0.002
 #: The residual category of values under no checkpoint name (whatever operation made them).
 UNTAGGED = "untagged"
 
-_RANGE_LINE = re.compile(r"^\s+([\w.\-]+)(\{[0-9,]*\}):(\d+)-(\d+)$")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _ARGUMENT_CATEGORIES = ("params", "opt_state")
 
@@ -173,36 +173,6 @@ class Timeline:
 
 
 # -- Reading the dumps ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveRanges:
-    """XLA's ``HloLiveRange`` dump: the flattened schedule and each value's ``[start, end]``."""
-
-    sequence: tuple[str, ...]  # instruction names, by schedule position
-    ranges: dict[str, tuple[int, int]]  # value ("while.2{1}", "fusion.3") -> [start, end]
-
-
-def parse_live_ranges(text: str) -> LiveRanges:
-    """The ``InstructionSequence`` and ``BufferLiveRange`` sections of a ``*-live-range.txt``."""
-    sequence: list[str] = []
-    ranges: dict[str, tuple[int, int]] = {}
-    section = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped in ("InstructionSequence:", "BufferLiveRange:"):
-            section = stripped
-            continue
-        if stripped.startswith("Live ranges at"):
-            break
-        if section == "InstructionSequence:":
-            sequence.append(stripped.partition(":")[2])
-        elif section == "BufferLiveRange:":
-            m = _RANGE_LINE.match(line)
-            if m:
-                name = m.group(1) + ("" if m.group(2) == "{}" else m.group(2))
-                ranges[name] = (int(m.group(3)), int(m.group(4)))
-    return LiveRanges(tuple(sequence), ranges)
 
 
 @dataclasses.dataclass
@@ -460,8 +430,8 @@ def build_timeline(
     """
     if not dump.live_range or not dump.hlo:
         return None
-    live = parse_live_ranges(dump.live_range)
-    comps = hlo.parse_hlo_module(dump.hlo)
+    live = dump.live_ranges
+    comps = dump.module
     instrs = hlo.instructions_by_name(comps)
     labels = [
         _label(_op_name(instrs[n][0], comps), instrs[n][0].opcode) if n in instrs else None
@@ -474,7 +444,7 @@ def build_timeline(
         if c.is_entry and i.opcode == "parameter" and i.op_name.startswith("state.params")
     }
     backward = next((a for p, a, _ in phases if p == "backward"), None)
-    slots = hlo.parse_buffer_slots(dump.buffer_assignment or "")
+    slots = dump.slots
     ctx = _Context(comps, instrs, slots, backward, frozenset(param_dims - {None}), hints)
     named = [(run, _category(run, ctx)) for run in _runs(live, slots, instrs)]
     rows, host = _lay_out(live, ctx, named)
@@ -523,9 +493,9 @@ def live_at_peak(dump: hlo.DumpFiles) -> list[hlo.LiveBuffer] | None:
     module docstring), sized by buffer assignment; None without a live-range dump."""
     if not dump.live_range:
         return None
-    live = parse_live_ranges(dump.live_range)
-    slots = hlo.parse_buffer_slots(dump.buffer_assignment or "")
-    instrs = hlo.instructions_by_name(hlo.parse_hlo_module(dump.hlo)) if dump.hlo else {}
+    live = dump.live_ranges
+    slots = dump.slots
+    instrs = hlo.instructions_by_name(dump.module)
     totals = np.zeros(len(live.sequence), np.int64)
     for run in _runs(live, slots, instrs):
         if not run.on_host:

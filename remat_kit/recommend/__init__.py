@@ -56,9 +56,9 @@ Where each part lives:
 ``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`)
 ``structure``          stage 5 (attention, chunked loss, nested and partial-layer remat)
 ``advice``             stage 6 (nothing fits)
-``programs``           :func:`recommend` for a user's :class:`~remat_kit.Program`: the named
-                       policies that act on its emitted tags, per-tag solve over them
-``api``                :func:`recommend`, a short sequence of named stages
+``api``                :func:`recommend_program` on any :class:`~remat_kit.Program` (the
+                       searches that vary the model where it varies: a preset), a short
+                       sequence of named stages; :func:`recommend` reads a preset name into one
 =====================  ==========================================================================
 
 The command line (``remat-kit recommend``: arguments and rendering) is

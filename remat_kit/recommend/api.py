@@ -119,11 +119,11 @@ def recommend(
 
     Args:
       model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig` (its
-        ``remat_group_size`` is the base group size), or a user's :class:`~remat_kit.Program`
-        (:mod:`remat_kit.recommend.programs`: the named policies that can act on the tags it
-        emits, and with ``solve`` per-tag choices over them; ``seq_len``, ``batch_size``,
-        ``group_sizes``, ``optimizer`` and ``cache`` do not apply, the program carries its own
-        arguments).
+        ``remat_group_size`` is the base group size), made a program by :func:`remat_kit.preset`;
+        or any :class:`~remat_kit.Program` (a user's: the named policies that can act on the
+        tags it emits, and with ``solve`` per-tag choices over them; ``seq_len``,
+        ``batch_size``, ``group_sizes``, ``optimizer`` and ``mesh`` do not apply, the program
+        carries its own arguments).
       seq_len: tokens per sequence (required for a preset).
       target: a GPU target name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"a100-40gb"``,
         ``"l4"``) or a :class:`~remat_kit.targets.Target` with known peak FLOP/s.

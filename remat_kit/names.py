@@ -57,6 +57,14 @@ CHECKPOINT_NAMES: Final[dict[str, str]] = {
     t: f"{what}, [{', '.join(shape)}]" for t, (what, shape) in _TAGS.items()
 }
 
+#: The MLP input projection's names in the other family: a plain MLP's ``mlpwi`` and a gated
+#: one's ``mlpwi_0`` / ``mlpwi_1`` (a registered policy names both families; a program emits one).
+MLP_ALTERNATES: Final[dict[str, frozenset[str]]] = {
+    MLPWI: frozenset({MLPWI_0, MLPWI_1}),
+    MLPWI_0: frozenset({MLPWI}),
+    MLPWI_1: frozenset({MLPWI}),
+}
+
 #: Tags emitted by a block with a plain GELU MLP (GPT-2 family).
 GELU_BLOCK_NAMES: Final = (
     DECODER_LAYER_INPUT, QUERY_PROJ, KEY_PROJ, VALUE_PROJ, CONTEXT, OUT_PROJ, MLPWI, MLPWO,

@@ -414,10 +414,12 @@ def policies_for_tags(
     """The policies that can act on a program emitting ``tags``.
 
     Kept as given: the kind-based specs (``save-nothing``, ``save-dots``, ``no-remat``...), a
-    registered name-based spec whose tags the program all emits, and every spec that is not a
+    registered name-based spec whose tags the program all emits (a tag of the other MLP family,
+    ``mlpwi`` where the program emits ``mlpwi_0`` / ``mlpwi_1`` or the reverse, counts as
+    emitted: the registered policies name both families), and every spec that is not a
     registered one (a user's own: check it with :func:`check_tags`). A registered name-based spec
-    naming some tags the program does not emit is cut down to the emitted ones (a custom spec);
-    one naming none of them is skipped.
+    naming some other tags the program does not emit is cut down to the emitted ones (a custom
+    spec); one naming none of them is skipped.
 
     Raises:
       ValueError: an unknown policy name (see :func:`get_policy_spec`).
@@ -425,7 +427,9 @@ def policies_for_tags(
     tags = frozenset(tags)
     specs, restricted, skipped = [], [], []
     for spec in dict.fromkeys(get_policy_spec(p) for p in policies):
-        if _REGISTRY.get(spec.name) != spec or spec.base != "names" or spec.tags <= tags:
+        # the other MLP family's names are absent by design (registered policies name both)
+        missing = {t for t in spec.tags - tags if not N.MLP_ALTERNATES.get(t, set()) & tags}
+        if _REGISTRY.get(spec.name) != spec or spec.base != "names" or not missing:
             specs.append(spec)
         elif not spec.tags & tags:
             skipped.append(spec)

@@ -174,3 +174,18 @@ def test_program_advice_suggests_only_what_works_on_a_program():
     assert not any("more memory" in a for a in _advice("h100-sxm", 12 * MIB, 19 * MIB))
     (bigger,) = [a for a in _advice("l4", 20 * 2**30, 40 * 2**30) if "more memory" in a]
     assert "more memory: h100-sxm, a100-80gb, h200 (" in bigger and "--target h100-sxm" in bigger
+
+
+def test_a_refused_compile_note_names_the_structure_probed():
+    """A failed structural probe (``remat_layers=40`` on a TPU slice) names its options, so the
+    note is not read as the pick's own configuration failing."""
+    from remat_kit.memory.xla_compile import CompileError
+
+    notes: list[str] = []
+    refused = CompileError("step", "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
+    spec = get_policy_spec("offload-layer-inputs")
+    assert to_candidate(refused, spec, TARGET, 1, notes, "structure", 1, 256, 8192,
+                        options="remat_layers=40") is None  # fmt: skip
+    assert notes[0].startswith("offload-layer-inputs (group 1, batch 256, remat_layers=40): ")
+    to_candidate(refused, spec, TARGET, 1, notes, "named", 1, 256, 8192)
+    assert notes[1].startswith("offload-layer-inputs (group 1, batch 256): ")

@@ -209,7 +209,16 @@ class Session:
             group = group or config.remat_group_size
             batch, seq = batch or self.program.batch_size, seq or self.seq_len
         c = to_candidate(
-            report, spec, self.target, self.budget, self.notes, found_by, group, batch, seq
+            report,
+            spec,
+            self.target,
+            self.budget,
+            self.notes,
+            found_by,
+            group,
+            batch,
+            seq,
+            options=", ".join(f"{k}={v}" for k, v in structure),
         )
         if c is None:
             return None
@@ -255,17 +264,22 @@ def to_candidate(
     group: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
+    options: str = "",
 ) -> Candidate | None:
     """A compiled report as a :class:`Candidate` timed by its roofline estimate
     (:func:`~.timing.candidate_times`); None, with
     a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
     program (it carries its own shapes; ``tokens_per_s`` is then None). ``found_by="named"``
-    (the policies given) becomes :func:`given_by` of ``spec``."""
+    (the policies given) becomes :func:`given_by` of ``spec``. ``options``: the structural
+    options compiled (``remat_layers=40``), named in the note of a failed compile."""
     actions = None
     if spec.name == "custom":
         actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}
     if isinstance(report, CompileError):
-        where = "" if group is None else f" (group {group}, batch {batch})"
+        shape = [] if group is None else [f"group {group}", f"batch {batch}"]
+        where = (
+            f" ({', '.join([*shape, options] if options else shape)})" if shape or options else ""
+        )
         # TPU: XLA refuses a step over HBM instead of compiling it: that is "does not fit".
         head = "does not fit, XLA refused it: " if out_of_memory(report) else ""
         notes.append(f"{spec.name}{where}: {head}{report}")

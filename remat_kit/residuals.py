@@ -24,6 +24,7 @@ from remat_kit.models.config import ModelConfig
 from remat_kit.models.transformer import BlockGroup
 from remat_kit.names import CHECKPOINT_NAMES, CHECKPOINT_SHAPES
 from remat_kit.sharding import LOGICAL_RULES
+from remat_kit.validation import positive_int
 from remat_kit.walker import MemoryKind, Residual, TagResiduals
 
 __all__ = ["MemoryKind", "Residual", "TagResiduals"]  # data types live in remat_kit.walker
@@ -354,8 +355,7 @@ def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
     Raises:
       ValueError: ``tp`` is not a positive integer.
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    positive_int("tp", tp)
     if tp == 1:
         return list(residuals)
     split = tp_split_axes()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from remat_kit import names as N
 from remat_kit.models.layer_remat import Placement, check_nested_groups, layer_plan, sqrt_groups
 from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.validation import positive_int
 
 Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
@@ -66,13 +67,9 @@ class ModelConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        if self.num_kv_heads is not None and (
-            not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0
-        ):
-            raise ValueError(f"num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
+            positive_int(field, getattr(self, field))
+        if self.num_kv_heads is not None:
+            positive_int("num_kv_heads", self.num_kv_heads)
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
@@ -83,10 +80,7 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}; "
                 f"valid num_kv_heads: {_divisors(self.num_heads)}"
             )
-        if not isinstance(self.remat_group_size, int) or self.remat_group_size <= 0:
-            raise ValueError(
-                f"remat_group_size must be a positive integer, got {self.remat_group_size!r}"
-            )
+        positive_int("remat_group_size", self.remat_group_size)
         if self.num_layers % self.remat_group_size:
             raise ValueError(
                 f"remat_group_size={self.remat_group_size} does not divide "

@@ -24,13 +24,13 @@ from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
 #: JAX's monitoring event for one XLA backend compile.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-#: JAX's name for the jitted train step (``step`` in :func:`remat_kit.train.make_train_step`).
+#: JAX's name for the jitted train step (``step`` in :func:`remat_kit.training.make_train_step`).
 STEP_FNS = ("jit(step)", "step")
 
 
 class CompileCounter:
     """Counts XLA compiles of the train step: ``jax.monitoring`` backend-compile events whose
-    function is ``jit(step)`` (:func:`remat_kit.train.make_train_step`). Identical programs that
+    function is ``jit(step)`` (:func:`remat_kit.training.make_train_step`). Identical programs that
     the analyzer dedupes are compiled once, so they count once."""
 
     def __init__(self, fun_names: Sequence[str] = STEP_FNS):

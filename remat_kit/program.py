@@ -883,9 +883,18 @@ def require_program(obj: Any) -> Program:
     return obj
 
 
+def _on_path(folder: str) -> None:
+    """Put ``folder`` on ``sys.path`` (first) where it is not yet."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def load_program(ref: str) -> Program:
     """The :class:`Program` a reference names: ``"pkg.module:factory"`` or
     ``"path/to/file.py:factory"``, where ``factory()`` (no arguments) returns a Program.
+
+    As Python runs a script, the file's folder (``FILE.py``) or the current folder
+    (``MODULE``) is put on ``sys.path`` first, so the program's sibling modules import.
 
     This is how the command line takes a user's model (``remat-kit analyze --model
     my_models.gpt:program``) beside the bundled preset names.
@@ -905,11 +914,13 @@ def load_program(ref: str) -> Program:
         if not os.path.isfile(path):
             raise ValueError(f"program file {module_ref!r} does not exist (from {ref!r})")
         name = f"_remat_kit_user_{os.path.splitext(os.path.basename(path))[0]}"
+        _on_path(os.path.dirname(path))  # its sibling modules import, as `python FILE.py` has
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     else:
+        _on_path(os.getcwd())  # as `python -m` has it: modules of the folder it runs from
         try:
             module = importlib.import_module(module_ref)
         except ModuleNotFoundError as err:

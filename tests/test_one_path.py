@@ -149,3 +149,20 @@ def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
         with pytest.raises(ValueError, match="cannot read as data") as err:
             run()
         assert "\n" not in str(err.value)
+
+
+def test_a_program_file_imports_its_sibling_modules(tmp_path, monkeypatch):
+    """``FILE.py:FACTORY`` whose file imports a module beside it, and ``MODULE:FACTORY`` run
+    from the module's folder, load as Python runs them (no traceback)."""
+    import sys
+
+    (tmp_path / "sibling_model.py").write_text(
+        "from remat_kit.examples.plain_jax import program as make\n\n\ndef program():\n"
+        "    return make()\n"
+    )
+    (tmp_path / "entry.py").write_text("from sibling_model import program  # noqa: F401\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "sibling_model", raising=False)
+    assert remat_kit.load_program(f"{tmp_path / 'entry.py'}:program").name
+    monkeypatch.chdir(tmp_path)
+    assert remat_kit.load_program("sibling_model:program").name

@@ -190,14 +190,19 @@ def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) 
     how, line = undone
     figures, _, said = line.partition(": XLA's CSE")
     figures = figures[figures.index("recomputes") :] if "recomputes" in figures else figures
+    merged, _, why = said.partition(". Cause: ")  # the analyzer's line says both
+    if "XLA:CPU" in why:
+        fix = "run the layers under lax.scan / nn.scan / nnx.scan, or judge remat on a GPU target."
+    else:
+        fix = ("keep prevent_cse=True (the default) where layers run outside lax.scan / nn.scan / "
+               "nnx.scan, or run them under a scan.")  # fmt: skip
     return [
         Finding(
             "cse-undid-remat" if how == "all" else "cse-undid-part-of-remat",
             "error" if how == "all" else "warning",
             f"policy {promise.name!r} {figures}.",
-            f"XLA's CSE{said}.",
-            "keep prevent_cse=True (the default) where layers run outside lax.scan / nn.scan / "
-            "nnx.scan, or run them under a scan.",
+            f"XLA's CSE{merged}" + (f"; {why}." if why else "."),
+            fix,
         )
     ]  # fmt: skip
 

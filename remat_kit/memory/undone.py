@@ -58,7 +58,13 @@ def undone_cause(platform: str, remat: RematPlacement | None) -> str:
             f"{remat.no_cse_outside} remat region(s) outside a scan have prevent_cse=False "
             "; keep prevent_cse=True, or scan the layers"
         )
-    return "the remat regions outside a scan keep prevent_cse=True: the cause is not identified"
+    if remat.outside:
+        return (
+            f"not identified: the {remat.outside} remat region(s) outside a scan keep "
+            "prevent_cse=True, which should stop CSE; run the layers under a scan to rule the "
+            "placement out"
+        )
+    return "not identified: every remat region is inside a scan"
 
 
 def recompute_undone(job: Any, reading: Any) -> str | None:

@@ -431,15 +431,35 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
         ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
         ("options.png", option_sets(rows), lambda p: option_effects(rows, path=p)),
     ]  # fmt: skip
+    stamp = provenance(ok)
     for name, needed, draw in jobs:
         if not needed:
             continue
         try:
-            draw(folder / name)
+            fig = draw(None)
         except ValueError:  # e.g. measured rows without a no-remat baseline
             continue
+        if stamp:
+            fig.text(0.005, 0.005, stamp, fontsize=6, color="gray", ha="left", va="bottom")
+        _save(fig, folder / name, layout=False)
         written.append(folder / name)
     return written
+
+
+def provenance(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the rows were measured, for a figure's footer: CPU, devices, backend, jax version
+    and the compile targets, from the rows' own :func:`remat_kit.results.environment` fields
+    ("" without rows)."""
+    if not rows:
+        return ""
+    r0 = rows[0]
+    cpu = r0.get("cpu_model") or r0.get("processor") or "?"
+    targets = sorted({str(r.get("target")) for r in rows if r.get("target")})
+    return (
+        f"{cpu} x{r0.get('cpu_count', '?')}, {r0.get('device_kind', '?')} "
+        f"({r0.get('backend', '?')} backend), jax {r0.get('jax', '?')}; targets: "
+        f"{', '.join(targets)} (GPU / TPU targets compiled deviceless)"
+    )
 
 
 _FIXED_COLORS = {

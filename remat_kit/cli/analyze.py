@@ -265,10 +265,10 @@ def _time_line(results) -> str | None:
     if step is None:
         return None
     figures = step.figures.split(":", 1)[0]
-    how = "calibrated here" if step.measured_figures else "datasheet"
+    how = "measured on this machine" if step.measured_figures else "from datasheets"
     return (
-        f"est. step: roofline over the compiled kernels ({figures}, {how} figures; see "
-        "MemoryReport.step_time for the breakdown and the dominant kernels): an estimate, "
+        f"est. step: roofline over the compiled kernels, device figures {how} ({figures}; "
+        "MemoryReport.step_time has the breakdown and the dominant kernels): an estimate, "
         "not a measurement"
     )
 

@@ -59,7 +59,10 @@ def _policy_rows() -> list[dict]:
         with RI.using(impl):  # traces (and the jobs' notes) under this implementation
             t0 = time.perf_counter()
             reports = rk.analyze_policies(
-                rk.preset(MODEL, BATCH, SEQ), names, target=TARGET, raise_errors=False,
+                rk.preset(MODEL, BATCH, SEQ),
+                names,
+                target=TARGET,
+                raise_errors=False,
                 compare_offload=False,
             )
             wall = time.perf_counter() - t0

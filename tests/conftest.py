@@ -1,4 +1,8 @@
-"""Shared test setup: CPU backend, tiny configs."""
+"""Shared test setup: CPU backend, tiny configs; the order pytest-xdist starts modules in.
+
+``REMAT_KIT_FULL_MATRIX=1`` runs the full matrices the default suite samples: every policy's
+gradients in all 8 model x layout x group layouts (tests/test_policies.py), the doctor's
+clean-run matrix over every model x layout at 4 layers (tests/test_walker.py)."""
 
 import os
 
@@ -37,6 +41,55 @@ needs_cuda_plugin = pytest.mark.skipif(
     not _cuda_plugin_installed(),
     reason="JAX's CUDA plugin is not installed (pip install 'remat-kit[cuda12]')",
 )
+
+
+#: The modules that take longest, longest first (their summed test durations in `python -m
+#: pytest -q -n 2 --durations=0`; revisit when one changes much): pytest-xdist starts them first,
+#: then the others in its own order (most tests first), which fill in around them. Left to that
+#: order alone, a long module of few tests (test_distributed, test_recommend_structure) starts
+#: last and keeps one worker busy minutes after the other has finished.
+LONGEST_FIRST = (
+    "test_distributed",
+    "test_training",
+    "test_recommend_structure",
+    "test_docs",
+    "test_policies",
+    "test_sweep",
+    "test_gpu_check",
+    "test_own_models",
+    "test_walker",
+    "test_recommend",
+    "test_programs",
+    "test_analyze_programs",
+)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (pyproject's addopts) with :data:`LONGEST_FIRST` started first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "loadscope" or not hasattr(
+        LoadScopeScheduling, "_assign_work_unit"
+    ):  # another mode, or xdist's internals have changed: xdist's own scheduler
+        return None
+
+    class LongestFirst(LoadScopeScheduling):
+        ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self.ordered:  # the work queue is complete at the first assignment
+                rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+                module = lambda scope: os.path.basename(scope.split("::")[0]).removesuffix(".py")
+                units = sorted(
+                    self.workqueue.items(), key=lambda u: rank.get(module(u[0]), len(rank))
+                )
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,14 @@
-"""Several processes (jax.distributed over gloo on the CPU) and meshes in the scripts."""
+"""Several processes (jax.distributed over gloo on the CPU) and meshes in the scripts.
+
+Every process this file starts compiles with XLA:CPU's code generation optimisation off
+(:data:`FAST_CPU`). The experiments/train.py runs train one tiny program and share a JAX
+persistent compilation cache (:func:`train_env`): after the first run, process 0 of a run loads
+its executables instead of compiling them."""
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,28 +36,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: XLA:CPU flags of every process started here: LLVM's optimisation off (what
+#: experiments/gpu_check.py's CPU mode and remat_kit's FAST_COMPILE_OPTIONS use: the same HLO,
+#: buffers and collectives, machine code generated in ~2/3 of the CPU time).
+FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _env(**env: str) -> dict[str, str]:
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, **env}
+
+
+@pytest.fixture(scope="module")
+def train_env(tmp_path_factory) -> dict[str, str]:
+    """Environment of this module's experiments/train.py runs: one JAX persistent compilation
+    cache (every run trains the same tiny program; JAX writes entries from process 0 only, and
+    process 1's keys differ, so process 0 of a later run and a one-process run's resume read
+    it). Not for the sweep, whose analysis reads XLA's dumps of each compile: a cache hit
+    writes none."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-compilation-cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env}
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(**env))
 
 
-def _start_two(cmd: list[str], env: dict[int, dict[str, str]] | None = None):
+def _start_two(
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    per_process: dict[int, dict[str, str]] | None = None,
+):
     port = str(_free_port())
     return [
         subprocess.Popen(
             [*cmd, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(i)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {}).get(i, {})},
+            env=_env(**(env or {}), **(per_process or {}).get(i, {})),
         )
         for i in range(2)
     ]  # fmt: skip
 
 
-def _two_processes(cmd: list[str]) -> None:
+def _two_processes(cmd: list[str], env: dict[str, str] | None = None) -> None:
     """Run ``cmd`` as processes 0 and 1 of one jax.distributed run; fail on a non-zero exit."""
-    procs = _start_two(cmd)
+    procs = _start_two(cmd, env)
     outs = [p.communicate(timeout=300) for p in procs]
     for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {i}: {err[-2000:]}"
@@ -108,36 +141,38 @@ def test_scripts_reject_a_bad_layout_or_mesh_in_one_line(tmp_path):
     assert not (tmp_path / "c.jsonl").exists()
 
 
-def test_train_script_over_two_processes_matches_one(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, train_env) -> Path:
+    """An uninterrupted 6-step run over 2 processes (checkpoints every 2 steps)."""
+    workdir = tmp_path_factory.mktemp("two-uninterrupted")
+    _two_processes([*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN], train_env)
+    return workdir
+
+
+def test_train_script_over_two_processes_matches_one(two_process_run, train_env, tmp_path):
     """2 processes (data parallel over their 2 CPU devices) give one process's losses; a
     one-device run resumes from their checkpoint and continues as an uninterrupted run."""
     two, one = tmp_path / "two", tmp_path / "one"
-    _two_processes([*TRAIN, "--workdir", str(two), "--steps", "4", *TINY_TRAIN])
-    out = _run([*TRAIN, "--workdir", str(one), "--steps", "6", *TINY_TRAIN])
+    out = _run([*TRAIN, "--workdir", str(one), "--steps", "8", *TINY_TRAIN], **train_env)
     assert out.returncode == 0, out.stderr[-2000:]
-    r2 = json.loads((two / "result.json").read_text())
+    r2 = json.loads((two_process_run / "result.json").read_text())
     r1 = json.loads((one / "result.json").read_text())
     assert (r2["num_processes"], r2["mesh"], r2["environment"]["process_count"]) == (
         2, "dp=2,fsdp=1,tp=1", 2)  # fmt: skip
     assert (r1["num_processes"], r1["mesh"]) == (1, "dp=1,fsdp=1,tp=1")
-    np.testing.assert_allclose(r2["losses"], r1["losses"][:4], rtol=1e-5)
+    np.testing.assert_allclose(r2["losses"], r1["losses"][:6], rtol=1e-5)
     np.testing.assert_allclose(
-        [v for _, v in r2["val_losses"]], [v for _, v in r1["val_losses"][:3]], rtol=1e-5
+        [v for _, v in r2["val_losses"]], [v for _, v in r1["val_losses"][:4]], rtol=1e-5
     )
-    # The 2-process checkpoint (sharded over 2 devices) restores onto 1 device.
-    out = _run([*TRAIN, "--workdir", str(two), "--steps", "6", "--resume", *TINY_TRAIN])
+    # The 2-process checkpoint (sharded over 2 devices) restores onto 1 device: a copy of the
+    # uninterrupted 2-process run (the other tests compare with it) continues to step 8.
+    shutil.copytree(two_process_run, two)
+    out = _run([*TRAIN, "--workdir", str(two), "--steps", "8", "--resume", *TINY_TRAIN],
+               **train_env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     resumed = json.loads((two / "result.json").read_text())
-    assert resumed["resumed_from"] == 4 and resumed["num_processes"] == 1
+    assert resumed["resumed_from"] == 6 and resumed["num_processes"] == 1
     np.testing.assert_allclose(resumed["losses"], r1["losses"], rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory) -> Path:
-    """An uninterrupted 6-step run over 2 processes (checkpoints every 2 steps)."""
-    workdir = tmp_path_factory.mktemp("two-uninterrupted")
-    _two_processes([*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN])
-    return workdir
 
 
 @pytest.mark.parametrize(
@@ -145,7 +180,7 @@ def two_process_run(tmp_path_factory) -> Path:
     [(1, "before-save@4"), (0, "mid-save@4")],
     ids=["process-1-before-save", "process-0-mid-save"],
 )
-def test_one_process_killed_resumes_bitwise(two_process_run, tmp_path, victim, point):
+def test_one_process_killed_resumes_bitwise(two_process_run, train_env, tmp_path, victim, point):
     """One process of a 2-process run SIGKILLs itself at checkpoint 4 (process 1 before its
     save; process 0, which finalises orbax saves, after every item is written and before the
     rename); the other is then killed as a scheduler tears the job down (left alone it would
@@ -153,7 +188,7 @@ def test_one_process_killed_resumes_bitwise(two_process_run, tmp_path, victim, p
     from checkpoint 2 and ends bitwise where the uninterrupted run ends."""
     workdir = tmp_path / "run"
     cmd = [*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN]
-    procs = _start_two(cmd, {victim: {"REMAT_KIT_KILL_AT": point}})
+    procs = _start_two(cmd, train_env, {victim: {"REMAT_KIT_KILL_AT": point}})
     _, err = procs[victim].communicate(timeout=300)
     assert procs[victim].returncode == -signal.SIGKILL, err[-2000:]  # the hook fired
     other = procs[1 - victim]
@@ -161,7 +196,7 @@ def test_one_process_killed_resumes_bitwise(two_process_run, tmp_path, victim, p
     other.communicate(timeout=60)
     ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     assert "2" in ckpts and "6" not in ckpts, ckpts
-    _two_processes([*cmd, "--resume"])
+    _two_processes([*cmd, "--resume"], train_env)
     got = json.loads((workdir / "result.json").read_text())
     want = json.loads((two_process_run / "result.json").read_text())
     assert got["resumed_from"] == 2 and got["num_processes"] == 2

@@ -125,9 +125,7 @@ def test_recompute_ratio_is_per_device_when_xla_replicates_work(single_device, m
     recomputation: the ratio must stay that of one device (it read ~2.6 when the baseline was
     the traced FLOPs divided by the device count), and a warning must name the replication."""
     monkeypatch.setattr(sharding, "activation_sharding", lambda mesh: contextlib.nullcontext())
-    (report,) = analyze_policies(
-        preset(CONFIG, 8, 64, mesh="fsdp=8"), ["save-nothing"], "h100-sxm"
-    )
+    (report,) = analyze_policies(preset(CONFIG, 8, 64, mesh="fsdp=8"), ["save-nothing"], "h100-sxm")
     assert report.recompute_ratio == pytest.approx(single_device.recompute_ratio, rel=0.1)
     assert any("its even share (1/8)" in w for w in report.warnings), report.warnings
     # the per-device baseline is more than the even split: the work XLA left replicated

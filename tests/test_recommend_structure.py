@@ -90,6 +90,7 @@ def test_options_and_the_line_to_paste():
 def test_structured_baseline_and_residuals_are_the_plain_steps():
     """The recompute baseline of a structured config is the plain no-remat step (same
     attention); its residuals come from the whole loss, between save-nothing's and no-remat's."""
+
     def baseline_flops(config):
         base = preset(config, BATCH, SEQ).baseline_step()
         return traced_flops(base.fn, *base.args)

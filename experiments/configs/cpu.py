@@ -8,9 +8,9 @@ Command::
 
 Runtime: ~5 CPU-minutes (x86-64, jax 0.10.2, CPU backend): the committed run in
 ``experiments/results/cpu/`` took 3 min 26 s of wall time on 2 otherwise idle cores (load
-average under 2, 2026-12-01), about two thirds of it compiling (each policy is compiled twice per sequence
-length, by the analyzer and for the real step, two at a time). Hardware: any CPU; part (b) needs
-the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
+average under 2, 2026-12-01), about two thirds of it compiling (each policy is compiled twice
+per sequence length, by the analyzer and for the real step, two at a time). Hardware: any CPU;
+part (b) needs the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
 
 (a) ``measured``: ``gpt-10m`` (byte-level, 11.1M parameters, 6 layers, d_model 384) with
     scanned layers (XLA:CPU honours remat only inside a scan), every registered policy,

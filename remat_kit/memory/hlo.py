@@ -594,7 +594,6 @@ def parse_live_ranges(text: str) -> LiveRanges:
     return LiveRanges(tuple(sequence), ranges)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DumpFiles:
     """The text files XLA wrote for one compiled module (``None`` where missing), each parsed

@@ -10,6 +10,13 @@ rows are appended. Each row carries:
 * ``config_fingerprint``: :func:`fingerprint` of the whole sweep configuration: resuming onto a file
   written by a different configuration is refused (:func:`check_resumable`).
 
+A row's analysis report keeps its live-bytes timeline (per schedule position and the buffer
+spans the HTML report hovers, ~80 KB a row) out of the row: :func:`append_row` writes it to the
+*timelines file* beside the rows (:func:`timelines_path`: ``sweep.jsonl`` ->
+``sweep.timelines.jsonl``, one ``{"key", "timeline"}`` line per row, written first) and
+:func:`read_rows` puts it back, so the rows stay small to read, diff and commit, and a reader
+that only wants figures passes ``timelines=False``.
+
 Derived figures (slowdown and memory saved against ``no-remat``) are computed from rows by
 :func:`summarize`; plots (:mod:`remat_kit.plots`) and notebooks only read rows, never recompute
 them.
@@ -53,10 +60,12 @@ __all__ = [
     "print_summary",
     "read_rows",
     "repair",
+    "timelines_path",
     "summarize",
     "summary_lines",
     "summary_markdown",
     "to_frame",
+    "truncate",
 ]
 
 ROW_FORMAT = 1
@@ -179,37 +188,70 @@ def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, good
 
 
-def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def timelines_path(path: str | os.PathLike[str]) -> Path:
+    """The timelines file of the rows at ``path``: ``runs/sweep.jsonl`` ->
+    ``runs/sweep.timelines.jsonl`` (see the module docstring)."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.timelines{p.suffix or '.jsonl'}")
+
+
+def read_rows(path: str | os.PathLike[str], timelines: bool = True) -> list[dict[str, Any]]:
     """Every complete row of a results file, in file order; ``[]`` if it does not exist.
 
     A torn last line (no trailing newline: the process was killed mid-write) is ignored.
 
+    Args:
+      path: the rows (JSONL).
+      timelines: put each report's timeline back from :func:`timelines_path` (where the file
+        has one for the row's key; a rewritten key's last line wins). False: the rows as
+        stored, each report's ``timeline`` None.
+
     Raises:
       ValueError: a complete line is not a JSON object.
     """
-    return _scan(Path(path))[0]
+    rows = _scan(Path(path))[0]
+    if timelines:
+        side = {t.get("key"): t.get("timeline") for t in _scan(timelines_path(path))[0]}
+        for row in rows:
+            report = row.get("report")
+            if isinstance(report, dict) and report.get("timeline") is None:
+                if side.get(row.get("key")) is not None:
+                    report["timeline"] = side[row.get("key")]
+    return rows
 
 
 def repair(path: str | os.PathLike[str]) -> int:
-    """Truncate a torn last line off ``path`` so rows can be appended after it.
+    """Truncate a torn last line off ``path`` (and off its :func:`timelines_path`) so rows can
+    be appended after it.
 
     Returns:
-      Bytes removed (0 when the file ends with a full line or does not exist).
+      Bytes removed from ``path`` (0 when the file ends with a full line or does not exist).
 
     Raises:
       ValueError: as :func:`read_rows`.
     """
-    p = Path(path)
-    if not p.exists():
-        return 0
-    _, good = _scan(p)
-    size = p.stat().st_size
-    if good < size:
-        with open(p, "r+b") as f:
-            f.truncate(good)
-            f.flush()
-            os.fsync(f.fileno())
-    return size - good
+    removed = 0
+    for i, p in enumerate((Path(path), timelines_path(path))):
+        if not p.exists():
+            continue
+        _, good = _scan(p)
+        size = p.stat().st_size
+        if good < size:
+            with open(p, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+        removed += (size - good) if i == 0 else 0
+    return removed
+
+
+def truncate(path: str | os.PathLike[str]) -> None:
+    """Empty the rows at ``path`` and their :func:`timelines_path` (``--overwrite``)."""
+    for p in (Path(path), timelines_path(path)):
+        if p.exists() or p == Path(path):
+            with open(p, "w", encoding="utf-8") as f:
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
@@ -217,11 +259,22 @@ def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
     with ``O_APPEND``, then ``os.fsync``, so a kill leaves either the whole row or a torn last
     line that :func:`read_rows` ignores and :func:`repair` removes.
 
+    A report's timeline goes first to :func:`timelines_path` (the same way), the row then
+    without it: a kill between the two leaves a timeline no row names, which is ignored.
+
     Raises:
       OSError: the file cannot be written.
       TypeError: a value is not JSON-serialisable.
     """
-    line = (json.dumps(row, allow_nan=False, default=_json_default) + "\n").encode()
+    report = row.get("report")
+    if isinstance(report, Mapping) and report.get("timeline") is not None:
+        _append_line(timelines_path(path), {"key": row.get("key"), "timeline": report["timeline"]})
+        row = {**row, "report": {**report, "timeline": None}}
+    _append_line(path, row)
+
+
+def _append_line(path: str | os.PathLike[str], obj: Mapping[str, Any]) -> None:
+    line = (json.dumps(obj, allow_nan=False, default=_json_default) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         view = memoryview(line)

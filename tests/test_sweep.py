@@ -66,6 +66,32 @@ def test_rows_append_read_and_torn_line(tmp_path):
     assert [r["key"] for r in results.read_rows(path)] == ["a", "b", "c"]
 
 
+def test_timelines_go_beside_the_rows_and_come_back(tmp_path):
+    path = tmp_path / "sweep.jsonl"
+    side = results.timelines_path(path)
+    assert side.name == "sweep.timelines.jsonl"
+    timeline = {"length": 3, "device_bytes": {"params": [1, 2, 3]}}
+    results.append_row(path, {"key": "a", "report": {"policy": "p", "timeline": timeline}})
+    results.append_row(path, {"key": "b", "report": {"policy": "q", "timeline": None}})
+    results.append_row(path, {"key": "c", "status": "error", "report": None})
+    assert "device_bytes" not in path.read_text() and "device_bytes" in side.read_text()
+    rows = results.read_rows(path)
+    assert [r["key"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["report"]["timeline"] == timeline and rows[1]["report"]["timeline"] is None
+    assert results.read_rows(path, timelines=False)[0]["report"]["timeline"] is None
+    # A kill between the timeline and its row: a timeline no row names (ignored), torn too.
+    with open(side, "a") as f:
+        f.write('{"key": "d", "timeline": {"len')
+    assert len(results.read_rows(path)) == 3
+    assert results.repair(path) == 0 and side.read_text().endswith("}\n")
+    # The point run again writes its timeline again: the last one is read.
+    newer = {**timeline, "length": 4}
+    results.append_row(path, {"key": "a", "report": {"policy": "p", "timeline": newer}})
+    assert results.read_rows(path)[0]["report"]["timeline"] == newer
+    results.truncate(path)
+    assert path.read_text() == side.read_text() == "" and results.read_rows(path) == []
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')

@@ -72,9 +72,7 @@ def prepare_output(
     _check_writable(path)
     rows = R.read_rows(path)
     if rows and overwrite:
-        with open(path, "w", encoding="utf-8") as f:
-            f.flush()
-            os.fsync(f.fileno())
+        R.truncate(path)
         return {}
     if rows and not resume:
         raise ValueError(

@@ -174,7 +174,10 @@ def config_path(name: str) -> Path:
 
 
 def _summary_header(run, argv: list[str] | None) -> str:
-    """Where and how the rows were made, for the top of summary.md."""
+    """Where and how the rows were made, for the top of summary.md, and what the columns of its
+    tables mean."""
+    from remat_kit import results
+
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
@@ -192,12 +195,7 @@ def _summary_header(run, argv: list[str] | None) -> str:
             f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
-            "- peak: the analyzer's predicted peak; peak Δ / act. Δ / step Δ: change vs no-remat "
-            "(act.: residual bytes kept for the backward pass); FLOPs x: compiled matmul FLOPs "
-            "over the no-remat step's; est. ms / est. Δ: the estimated step time (roofline over "
-            "the compiled kernels, docs/time-model.md) and its change vs no-remat's estimate; "
-            "step ms: median measured step (wall), CPU Δ: the change in process CPU time; "
-            "tok/s: tokens per second measured; fits: predicted peak within the target's memory",
+            *([f"- {legend}"] if (legend := results.summary_legend(run.rows)) else []),
             "",
             "",
         ]

@@ -62,6 +62,7 @@ __all__ = [
     "repair",
     "timelines_path",
     "summarize",
+    "summary_legend",
     "summary_lines",
     "summary_markdown",
     "to_frame",
@@ -625,6 +626,34 @@ def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) 
             console.print(table)
         finally:
             console.width = width
+
+
+#: What each column of :func:`summary_lines` means, in table order ("peak" stands for the
+#: ``peak GiB`` / ``peak MiB`` column): :func:`summary_legend` lists those a file's tables have.
+COLUMN_LEGEND = {
+    "peak": "peak: the analyzer's predicted peak",
+    "peak Δ": "peak Δ / act. Δ: change vs no-remat (act.: residual bytes kept for the backward "
+    "pass)",
+    "FLOPs x": "FLOPs x: compiled matmul FLOPs over the no-remat step's",
+    "fits": "fits: predicted peak within the target's memory",
+    "est. ms": "est. ms: the estimated step time (roofline over the compiled kernels, "
+    "docs/time-model.md)",
+    "est. Δ": "est. Δ: the estimated step time's change vs no-remat's estimate",
+    "step ms": "step ms / step Δ: median measured step (wall) and its change vs no-remat",
+    "CPU Δ": "CPU Δ: the change in process CPU time",
+    "tok/s": "tok/s: tokens per second measured",
+}
+
+
+def summary_legend(rows: Sequence[Mapping[str, Any]] | Any) -> str:
+    """The meaning of every column the tables of :func:`summary_lines` have for ``rows``, in
+    :data:`COLUMN_LEGEND`'s order, joined by "; " ("" without a table)."""
+    present = {
+        "peak" if column.startswith("peak ") and column != "peak Δ" else column
+        for _, header, _ in summary_lines(rows)
+        for column in header
+    }
+    return "; ".join(text for column, text in COLUMN_LEGEND.items() if column in present)
 
 
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:

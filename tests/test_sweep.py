@@ -92,6 +92,22 @@ def test_timelines_go_beside_the_rows_and_come_back(tmp_path):
     assert path.read_text() == side.read_text() == "" and results.read_rows(path) == []
 
 
+def test_summary_legend_names_only_the_columns_the_tables_have():
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    measured = [r for r in rows if r.get("step_time_s") is not None]
+    analysed = [r for r in rows if r.get("step_time_s") is None]
+    for subset in (rows, measured, analysed):
+        headers = {c for _, header, _ in results.summary_lines(subset) for c in header}
+        legend = results.summary_legend(subset)
+        for column, text in results.COLUMN_LEGEND.items():
+            has = column in headers or (column == "peak" and any(
+                c.startswith("peak ") and c != "peak Δ" for c in headers))  # fmt: skip
+            assert (text in legend) == has, (column, sorted(headers))
+    assert "tok/s" not in results.summary_legend(analysed)
+    assert "est. ms" not in results.summary_legend(measured)
+    assert results.summary_legend([]) == ""
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')

@@ -96,18 +96,28 @@ def recompute_undone(job: Any, reading: Any) -> str | None:
 def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     """The warning when ``job``'s policy keeps fewer residual bytes than the no-remat step
     (``base``, a report of the same run) in the jaxpr but its compiled temp memory drops by
-    less than a tenth of the difference; None otherwise or when a figure is unknown."""
+    less than a tenth of the difference (the line says by how much it dropped, if at all);
+    None otherwise or when a figure is unknown."""
     act, base_act = report.activation_bytes, base.activation_bytes
     if act is None or base_act is None or report.host_bytes:
         return None
     promised = base_act - act
     if promised <= 0 or base.temp_bytes - report.temp_bytes >= _FREED_SHARE * promised:
         return None
+    dropped = base.temp_bytes - report.temp_bytes
+    compiled = (
+        f"drops by {format_bytes(dropped)} ({format_bytes(base.temp_bytes)} -> "
+        f"{format_bytes(report.temp_bytes)})"
+        if dropped > 0
+        else f"does not drop ({format_bytes(report.temp_bytes)} against "
+        f"{format_bytes(base.temp_bytes)})"
+    )
     return (
         f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
-        f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's temp "
-        f"memory is {format_bytes(report.temp_bytes)} against {format_bytes(base.temp_bytes)}: "
-        f"XLA undid the remat. Cause: {undone_cause(job.target.platform, job.remat)}"
+        f"jaxpr against {format_bytes(base_act)} without remat, {format_bytes(promised)} "
+        f"fewer, but the compiled step's temp memory {compiled}: XLA undid "
+        f"{'most of ' if dropped > 0 else ''}the remat. Cause: "
+        f"{undone_cause(job.target.platform, job.remat)}"
     )
 
 

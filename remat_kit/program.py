@@ -138,7 +138,7 @@ def leaf_bytes(tree: Any) -> int:
         sharding = getattr(x, "sharding", None)
         if sharding is not None and hasattr(sharding, "shard_shape"):
             shape = sharding.shard_shape(shape)
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+        total += math.prod(shape) * x.dtype.itemsize
     return total
 
 
@@ -147,8 +147,8 @@ def _summary(arg: Any) -> str:
     tree = nnx.state(arg) if _is_nnx(arg) else arg
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")]
     if len(leaves) == 1 and leaves[0] is tree:
-        return f"{jnp.dtype(tree.dtype).name}{list(tree.shape)}"
-    dtypes = "/".join(sorted({jnp.dtype(x.dtype).name for x in leaves}))
+        return f"{tree.dtype.name}{list(tree.shape)}"
+    dtypes = "/".join(sorted({x.dtype.name for x in leaves}))
     kind = f"{type(arg).__name__} " if _is_nnx(arg) else ""
     return f"{kind}({len(leaves)} arrays {dtypes}, {format_bytes(leaf_bytes(tree))})"
 
@@ -451,7 +451,7 @@ class Program:
                 def of_arrays(*diff):
                     full = list(loss_args)
                     for i, arrays, (_, static) in zip(nums, diff, parts, strict=True):
-                        full[i] = combine(arrays, static)
+                        full[i] = _whole(arrays, static)
                     return loss(*full)
 
                 params = tuple(p for p, _ in parts)
@@ -636,7 +636,7 @@ class Program:
         for i in self.argnums if self.make_loss is not None else ():
             arg = self.loss_args[i]
             leaves = jax.tree.leaves(nnx.state(arg, nnx.Param) if _is_nnx(arg) else arg)
-            params += [(jnp.dtype(x.dtype).name, tuple(x.shape)) for x in leaves if is_array(x)]
+            params += [(x.dtype.name, tuple(x.shape)) for x in leaves if is_array(x)]
         stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         for row in rows:
             key = (row.dtype, tuple(row.shape))
@@ -783,7 +783,8 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
     for i in nums:
         if not 0 <= i < len(args):
             raise ValueError(f"argnums {i} out of range for a function of {len(args)} arguments")
-        leaves = jax.tree.leaves(args[i])
+        # an NNX object is differentiated by its nnx.Param state (:func:`_diff_part`)
+        leaves = jax.tree.leaves(nnx.state(args[i], nnx.Param) if _is_nnx(args[i]) else args[i])
         if any(hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
             raise ValueError(
                 f"argnums {i}: argument {i} holds integer or boolean arrays, which are not "
@@ -792,9 +793,30 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
     return nums
 
 
-def _diff_part(arg: Any) -> tuple[Any, _Static | None]:
-    """A parameter argument's differentiated arrays (NNX objects as they are)."""
-    return (arg, None) if _is_nnx(arg) else partition(arg)
+@dataclasses.dataclass(frozen=True)
+class _NnxRest:
+    """What an NNX parameter argument keeps besides its ``nnx.Param`` state: its graph and
+    its other variables (batch statistics, RNG counters: not differentiated)."""
+
+    graphdef: Any
+    rest: Any
+
+
+def _diff_part(arg: Any) -> tuple[Any, _Static | _NnxRest | None]:
+    """A parameter argument's differentiated arrays and what :func:`_whole` needs to rebuild
+    it: an NNX object's ``nnx.Param`` state (a pytree of arrays, so the optimizer's state
+    holds no NNX object), other pytrees' array leaves (:func:`partition`)."""
+    if _is_nnx(arg):
+        graphdef, params, rest = nnx.split(arg, nnx.Param, ...)
+        return params, _NnxRest(graphdef, rest)
+    return partition(arg)
+
+
+def _whole(arrays: Any, static: _Static | _NnxRest | None) -> Any:
+    """The argument :func:`_diff_part` split, from its differentiated arrays."""
+    if isinstance(static, _NnxRest):  # its variables made anew here, in the current trace
+        return nnx.merge(static.graphdef, arrays, jax.tree.map(lambda x: x, static.rest))
+    return combine(arrays, static)
 
 
 def _check_params(args: Sequence[Any], nums: Sequence[int], names: Sequence[str]) -> None:

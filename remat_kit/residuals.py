@@ -246,7 +246,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
         tag = top.tag_of(v)
         source = _source(v)
         shape = tuple(int(d) for d in aval.shape)
-        dtype = jnp.dtype(aval.dtype)
+        dtype = aval.dtype  # a numpy dtype, or an extended one (a PRNG key: key<fry>)
         out.append(
             Residual(
                 tag=tag,

@@ -5,6 +5,7 @@ target, with residuals by tag and recompute ratios; NNX objects as arguments; un
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import remat_kit
@@ -246,3 +247,46 @@ def test_analyze_says_when_cse_undid_the_recomputation():
     (kept,) = remat_kit.analyze_policies(_unrolled(True), ["save-nothing"], "h100-sxm")
     assert kept.recompute_ratio > 1.1
     assert not any(said in w for w in kept.warnings), kept.warnings
+
+
+class _TwoLayerNnx(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 1, rngs=rngs)
+        # besides the parameters, an integer variable and an RNG stream (a PRNG key and a
+        # counter the dropout advances): kept, not differentiated
+        self.shift = nnx.Variable(jnp.asarray(1, jnp.int32))
+        self.dropout = nnx.Dropout(0.0, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.dropout(jax.nn.relu(self.up(x)))) + self.shift[...]
+
+
+def _nnx_loss(policy):
+    def loss(model, x):
+        run = lambda m, x: m(x)  # noqa: E731
+        block = run if policy is None else nnx.remat(run, policy=policy)
+        return jnp.mean(block(model, x) ** 2)
+
+    return loss
+
+
+def test_from_loss_differentiates_an_nnx_module_by_its_params():
+    """An nnx.Module as from_loss's parameter (what the docs promise): its nnx.Param state is
+    differentiated and the optimizer's state holds arrays, so analysis runs (it failed naming
+    'opt_state', then on the dropout's PRNG key), and the gradient is the one nnx.grad gives."""
+    model, x = _TwoLayerNnx(nnx.Rngs(0)), jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    program = Program.from_loss(_nnx_loss, model, x, optimizer=optax.sgd(1e-2))
+    opt_state = program.args[0]
+    assert not any(isinstance(leaf, nnx.Variable) for leaf in jax.tree.leaves(opt_state))
+    full, none = remat_kit.analyze_policies(program, ["no-remat", "save-nothing"], target="cpu")
+    assert sum(r.nbytes for r in none.residuals) < sum(r.nbytes for r in full.residuals)
+    # the step's update is plain SGD on nnx.grad's gradient
+    pure = program.step(remat_kit.policies.get_policy_spec("save-nothing"))
+    new_params = jax.jit(pure.fn)(*pure.args)[0][0][0]
+    grads = nnx.grad(_nnx_loss(None))(model, x)
+    want = jax.tree.map(lambda p, g: p - 1e-2 * g, nnx.state(model, nnx.Param), grads)
+    got_leaves, want_leaves = jax.tree.leaves(new_params), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves) == 4
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert jnp.allclose(g, w, atol=1e-6)

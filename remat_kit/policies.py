@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import jax
@@ -522,6 +522,13 @@ def policy_label(spec: PolicySpec) -> str:
         return spec.name
     parts = [f"{t}={spec.action(t)}" for t in sorted(spec.tags)]
     return "custom: " + (", ".join(parts) or "recompute all")
+
+
+def cut_label(names: Sequence[str]) -> str:
+    """The label of the custom spec registered policies were cut down to on a program that
+    emits only some of their tags (``minimal (cut)``; ``a, b (cut)`` when several cut to one
+    spec): every tool names such a row the same way."""
+    return f"{', '.join(names)} (cut)"
 
 
 def policy_arg(spec: PolicySpec) -> str:

@@ -475,6 +475,8 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "mesh": r.get("mesh"),
         "overrides": r.get("overrides"),
         "policy": r.get("policy"),
+        # what tables call it: a program sweep's cut-down policy as every tool names it
+        "label": r.get("policy_label") or r.get("policy"),
         "status": r.get("status"),
         "peak_bytes": peak,
         "peak_saved": None if peak_ratio is None else 1 - peak_ratio,
@@ -554,11 +556,11 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         body = []
         for r in recs:
             if r["status"] != "ok":
-                lead = [r["policy"], *([str(r["seq_len"])] if seq else []), r["status"]]
+                lead = [r["label"], *([str(r["seq_len"])] if seq else []), r["status"]]
                 body.append(lead + [""] * (len(header) - len(lead)))
                 continue
             line = [
-                r["policy"],
+                r["label"],
                 *([str(r["seq_len"])] if seq else []),
                 units.in_unit(r["peak_bytes"], unit),
                 _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),

@@ -123,6 +123,38 @@ def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     assert "save-qkv-proj" not in {r["policy"] for r in run.rows}
 
 
+def _half_maxtext(x, w):  # two of MaxText's names, not all a registered policy names
+    q = checkpoint_name(x @ w, "query_proj")
+    return jnp.tanh(checkpoint_name(jnp.tanh(q) @ w.T, "mlpwi"))
+
+
+def test_a_cut_down_policy_has_one_label_in_every_tool(tmp_path):
+    """By default every tool compiles ``minimal`` cut down to the names a program emits when
+    it emits only some of them; analyze, the doctor, recommend and the sweep's table all call
+    that row ``minimal (cut)`` (recommend called it ``custom: save mlpwi,query_proj``, the
+    sweep ``mlpwi=save,query_proj=save``, which stays the row's key)."""
+    program = Program.from_loss(lambda p: _scanned(
+        _half_maxtext if p is None else jax.checkpoint(_half_maxtext, policy=p)), *_args(),
+        optimizer="sgd", name="half-maxtext")  # fmt: skip
+    analyzed = remat_kit.memory.api.program_policies(program, "cpu").labels()
+    checked = [c.label for c in doctor.check_policies(program, target="cpu").checks]
+    rec = recommend(program, target="cpu", budget="1GiB")
+    recommended = [c.label for c in rec.candidates]
+    for labels in (analyzed, checked, recommended):
+        assert "minimal (cut)" in labels, labels
+        assert not any(label.startswith("custom: save") for label in labels), labels
+    (cut,) = [c for c in rec.candidates if c.label == "minimal (cut)"]
+    assert cut.actions == {"mlpwi": "save", "query_proj": "save"} and cut.found_by == "named"
+    run = run_program_sweep(
+        program, tmp_path / "rows.jsonl", policies=["save-nothing", "minimal"], warmup_steps=0,
+        timed_steps=1, progress=False,
+    )  # fmt: skip
+    (row,) = [r for r in run.rows if r["policy_label"] == "minimal (cut)"]
+    assert row["policy"] == "mlpwi=save,query_proj=save"
+    (table,) = remat_kit.results.summary_lines(run.rows)
+    assert [line[0] for line in table[2]] == ["save-nothing", "minimal (cut)"]
+
+
 def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
     """A ``jax.checkpoint_policies`` policy built from name sets is data: analyze and the doctor
     take it on a program as the function path does; one that cannot be read is one line

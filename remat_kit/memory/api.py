@@ -45,6 +45,7 @@ from remat_kit.policies import (
     PolicySpec,
     check_tags,
     custom_spec,
+    cut_label,
     get_policy_spec,
     policies_for_tags,
     policy_label,
@@ -249,7 +250,7 @@ class ProgramPolicies:
         for spec in self.specs:
             actions = {spec.action(t) for t in spec.tags}
             if spec in cut:
-                labels.append(f"{', '.join(cut[spec])} (cut)")
+                labels.append(cut_label(cut[spec]))
             elif (spec.name == "custom" and len(spec.tags) > 2 and len(actions) == 1
                   and spec.tags in (self.tags, self.saveable)):  # fmt: skip
                 which = "name" if spec.tags == self.tags else "saveable name"
@@ -315,7 +316,7 @@ def program_policies(
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
     ]
-    cut = {c: f"{named.name} (cut)" for named, c in fit.restricted}
+    cut = {c: cut_label([named.name]) for named, c in fit.restricted}
     no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
     if no_host:
         notes.append(f"not compiled: {'; '.join(no_host)} (offload; {tgt.name} does not offload)")

@@ -29,7 +29,7 @@ from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import program_tags
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec, policies_for_tags, policy_names
+from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_names
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, argument_parts
 from remat_kit.recommend.advice import BudgetTooSmall, advice, fixed_program_advice, too_small
@@ -59,7 +59,8 @@ class Request:
       program: compiled first (a preset at batch 1 with ``auto``). specs: the policies kept, in
       order. groups: the group sizes to consider (none for a user's program). arguments: bytes
       of the step's arguments, per device. tags: the checkpoint names the program emits.
-      derived: registered policies cut down to those tags (compiled as custom specs). notes:
+      derived: registered policies cut down to those tags (compiled as custom specs), each
+      with its label (``minimal (cut)``). notes:
       what resolving dropped or cut down (offloading policies on a target that does not
       offload, policies naming no emitted tag).
     """
@@ -75,7 +76,7 @@ class Request:
     arguments: dict[str, int]
     notes: tuple[str, ...]
     tags: frozenset[str] = frozenset()
-    derived: frozenset[PolicySpec] = frozenset()
+    derived: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
     structure: bool = False
     margin: float = DEFAULT_MARGIN
 
@@ -244,9 +245,10 @@ def _resolve_specs(
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
     tags: frozenset[str],
     program: str,
-) -> tuple[list[PolicySpec], list[str], frozenset[PolicySpec]]:
+) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str]]:
     """The policies worth compiling on a program emitting ``tags``, notes, and the custom
-    specs registered policies were cut down to.
+    specs registered policies were cut down to, with their label
+    (:func:`remat_kit.policies.cut_label`: ``minimal (cut)``).
 
     Kept: the policies selecting by kind (``save-dots``, ``save-nothing``, ``no-remat``...) and
     the name-based ones whose tags the program emits; one naming none of them is skipped (it
@@ -273,7 +275,10 @@ def _resolve_specs(
     specs, wrong = honoured(specs)
     if not specs:
         raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")
-    return specs, notes + wrong, frozenset(cut for _, cut in fit.restricted)
+    derived: dict[PolicySpec, list[str]] = {}
+    for named, cut in fit.restricted:
+        derived.setdefault(cut, []).append(named.name)
+    return specs, notes + wrong, {cut: cut_label(names) for cut, names in derived.items()}
 
 
 def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:

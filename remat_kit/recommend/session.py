@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -96,8 +96,8 @@ class Session:
     reused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
     #: Registered policies cut down to the program's tags (compiled as custom specs, found as
-    #: the named policy they come from).
-    derived: frozenset[PolicySpec] = frozenset()
+    #: the named policy they come from), each with its label (``minimal (cut)``).
+    derived: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
     #: The checkpoint names the program emits.
     tags: frozenset[str] = frozenset()
     #: Fraction of device memory the default budget keeps free.
@@ -223,7 +223,8 @@ class Session:
         if c is None:
             return None
         if found_by == "named" and spec in self.derived:
-            c = dataclasses.replace(c, found_by="named")  # a named policy, cut down
+            # a named policy, cut down: labelled as every tool labels it
+            c = dataclasses.replace(c, found_by="named", cut_from=self.derived[spec])
         if config is None:
             return c
         config = config.replace(**dict(structure))

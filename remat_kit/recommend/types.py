@@ -80,6 +80,9 @@ class Candidate:
     loss_chunk_size: int | None = None
     remat_layers: int | None = None
     nested_groups: int | None = None
+    #: The label of the registered policies this custom spec was cut down from on a program
+    #: that emits only some of their tags (``minimal (cut)``), else None.
+    cut_from: str | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -114,9 +117,12 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Policy name, or the custom actions (``custom: save key_proj; offload query_proj``)."""
+        """Policy name, a cut-down registered policy as every tool names it (``minimal
+        (cut)``), or the custom actions (``custom: save key_proj; offload query_proj``)."""
         if self.actions is None:
             return self.policy
+        if self.cut_from is not None:
+            return self.cut_from
         parts = [
             f"{what} " + ",".join(sorted(t for t, a in self.actions.items() if a == what))
             for what in ("save", "offload")

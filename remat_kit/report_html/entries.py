@@ -164,7 +164,7 @@ def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
 
 
 def _row_label(row: Mapping[str, Any]) -> str:
-    policy = row.get("policy")
+    policy = row.get("policy_label") or row.get("policy")  # a cut-down one: "minimal (cut)"
     return policy if isinstance(policy, str) else json.dumps(policy, sort_keys=True)
 
 

@@ -46,6 +46,7 @@ from remat_kit.memory.api import analyze_policies, program_policies, program_tag
 from remat_kit.policies import (
     PolicySpec,
     check_tags,
+    cut_label,
     get_policy_spec,
     parse_policy_arg,
     policies_for_tags,
@@ -313,7 +314,8 @@ def run_program_step(
 
 #: Row fields of a program sweep beyond the preset sweep's.
 PROGRAM_KEYS = (
-    "program", "program_tags", "policy_spec", "policy_notes", "residual_bytes_by_tag",
+    "program", "program_tags", "policy_spec", "policy_label", "policy_notes",
+    "residual_bytes_by_tag",
     "arguments", "arguments_note", "fed_back", "recopied",
 )  # fmt: skip
 
@@ -356,9 +358,12 @@ def _by_tag(report: Any) -> dict[str, dict[str, int]]:
 
 def select_policies(
     program: Program, policies: Sequence[str | PolicySpec] | None, tags: frozenset[str]
-) -> tuple[list[PolicySpec], list[str], dict[str, list[str]]]:
+) -> tuple[list[PolicySpec], list[str], dict[str, list[str]], dict[str, str]]:
     """The specs to sweep, the notes on the policies cut down to the program's tags or skipped
-    (:meth:`remat_kit.policies.TagFit.notes`), and each cut-down spec's note by its label.
+    (:meth:`remat_kit.policies.TagFit.notes`), each cut-down spec's note by its row key
+    (:func:`~remat_kit.policies.policy_arg`), and each cut-down spec's label by its row key
+    (:func:`~remat_kit.policies.cut_label`: ``minimal (cut)``, as analyze, the doctor and
+    recommend name it).
 
     Raises:
       ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
@@ -371,7 +376,7 @@ def select_policies(
         per_label: dict[str, list[str]] = {}
         for (_, cut), note in zip(chosen.restricted, chosen.notes, strict=False):
             per_label.setdefault(policy_arg(cut), []).append(note)
-        return list(chosen.specs), list(chosen.notes), per_label
+        return list(chosen.specs), list(chosen.notes), per_label, _cut_labels(chosen.restricted)
     given = list(policies)
     fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
     registered = policy_specs()
@@ -386,7 +391,15 @@ def select_policies(
     per_label: dict[str, list[str]] = {}
     for cut, note in zip(cuts, notes, strict=False):  # one note per restricted spec, in order
         per_label.setdefault(policy_arg(cut), []).append(note)
-    return list(fit.specs), notes, per_label
+    return list(fit.specs), notes, per_label, _cut_labels(fit.restricted)
+
+
+def _cut_labels(restricted: Sequence[tuple[PolicySpec, PolicySpec]]) -> dict[str, str]:
+    """{row key of a cut-down spec: its label}, from (registered policy, cut spec) pairs."""
+    names: dict[str, list[str]] = {}
+    for named, cut in restricted:
+        names.setdefault(policy_arg(cut), []).append(named.name)
+    return {key: cut_label(n) for key, n in names.items()}
 
 
 class _Runner:
@@ -396,7 +409,7 @@ class _Runner:
         self.program, self.path, self.host, self.common = program, path, host, common
         self.rows: list[dict[str, Any]] = []
 
-    def row(self, spec: PolicySpec, point: dict, report: Any, notes: list[str]) -> dict:
+    def row(self, spec: PolicySpec, point: dict, report: Any, notes: list[str], label: str) -> dict:
         t0 = time.perf_counter()
         row: dict[str, Any] = {"format": R.ROW_FORMAT, "key": R.point_key(point), **self.common}
         row.update(point, status="ok", error=None)
@@ -404,6 +417,7 @@ class _Runner:
         row.update({k: self.common.get(k) for k in PROGRAM_KEYS})
         row.update(
             policy_spec=spec.description,
+            policy_label=label,
             policy_notes=notes,
             arguments=self.host.source,
             arguments_note=self.host.note,
@@ -497,7 +511,7 @@ def run_program_sweep(
     start = time.perf_counter()
     _check(program, warmup_steps, timed_steps)
     tags = program_tags(program)
-    specs, notes, per_label = select_policies(program, policies, tags)
+    specs, notes, per_label, cut_labels = select_policies(program, policies, tags)
     host = host_arguments(program.step(get_policy_spec("no-remat")))
     identity = _identity(program, host, warmup_steps, timed_steps)
     path = Path(out)
@@ -523,7 +537,10 @@ def run_program_sweep(
         reports = _analyse(program, todo, failed) if todo else {}
         for label, spec in todo.items():
             advance(None, f"{program.name} {label}")
-            runner.row(spec, points[label], reports[label], per_label.get(label, []))
+            runner.row(
+                spec, points[label], reports[label], per_label.get(label, []),
+                cut_labels.get(label, label),
+            )  # fmt: skip
             advance(1, f"{program.name} {label}")
     rows = [*done.values(), *runner.rows]
     wall = time.perf_counter() - start

@@ -218,6 +218,9 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     from remat_kit.sweep.output import warning_lines
 
     results.print_summary(run.rows, console)
+    legend = results.summary_legend(run.rows)
+    if legend:  # what the columns mean, under the table as at the top of summary.md
+        console.print(f"columns: {legend}", highlight=False, markup=False)
     warnings = warning_lines(run.rows)  # each policy's analysis warnings, shared ones once
     if warnings:
         console.print("analysis warnings:")

@@ -36,6 +36,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -463,6 +464,10 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     peak_ratio = _ratio(peak, b.get("peak_bytes"))
     act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
     step_ratio = _ratio(step, b.get("step_time_s"))
+    times = r.get("step_times_s") if ok else None
+    spread = None  # how far the point's own timed steps spread: the noise of its step time
+    if times and len(times) > 1 and statistics.median(times) > 0:
+        spread = (max(times) - min(times)) / statistics.median(times)
     cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
     predicted = r.get("predicted_step_time_s") if ok else None
     predicted_ratio = _ratio(predicted, b.get("predicted_step_time_s"))
@@ -484,6 +489,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "activation_saved": None if act_ratio is None else 1 - act_ratio,
         "step_time_s": step,
         "slowdown": None if step_ratio is None else step_ratio - 1,
+        "step_spread": spread,
         "step_cpu_s": r.get("step_cpu_s") if ok else None,
         "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
         "backend": r.get("backend"),
@@ -499,6 +505,11 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
 
 
 # -- Tables ----------------------------------------------------------------------------------
+
+
+def _fmt_spread(x: float | None) -> str:
+    """``"±6%"``: half the range of a point's timed steps over their median."""
+    return "-" if x is None else f"±{50 * x:.0f}%"
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -551,7 +562,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         if predicted:  # beside a measurement the estimate's change is what is compared
             header += ["est. Δ"] if measured else ["est. ms", "est. Δ"]
         if measured:
-            header += ["step ms", "step Δ"] + (["CPU Δ"] if cpu else [])
+            spread = any(r["step_spread"] is not None for r in recs)
+            header += ["step ms", "step Δ"] + (["spread"] if spread else [])
+            header += ["CPU Δ"] if cpu else []
             header += ["tok/s"] if tokens else []
         body = []
         for r in recs:
@@ -579,6 +592,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                 line += [
                     "-" if step is None else f"{1e3 * step:,.0f}",
                     _fmt_pct(r["slowdown"]),
+                    *([_fmt_spread(r["step_spread"])] if spread else []),
                     *([_fmt_pct(r["cpu_slowdown"])] if cpu else []),
                 ]
                 if tokens:
@@ -642,6 +656,8 @@ COLUMN_LEGEND = {
     "docs/time-model.md)",
     "est. Δ": "est. Δ: the estimated step time's change vs no-remat's estimate",
     "step ms": "step ms / step Δ: median measured step (wall) and its change vs no-remat",
+    "spread": "spread: ± half the range of the point's own timed steps over their median "
+    "(a step Δ within the two points' spreads is noise)",
     "CPU Δ": "CPU Δ: the change in process CPU time",
     "tok/s": "tok/s: tokens per second measured",
 }

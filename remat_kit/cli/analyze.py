@@ -235,7 +235,7 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         seconds = "cached" if r.compile_cached else f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program
             label, seconds = f"{label} (same program as {labels[same]})", "-"
-        fits = "?" if r.fits is None else ("yes" if r.fits else "no")
+        fits = "-" if r.fits is None else ("yes" if r.fits else "no")  # "-": no budget known
         style = "" if r.fits is None else ("green" if r.fits else "red")
         ratio = "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x"
         add_row(
@@ -285,7 +285,11 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
             if target.platform == "tpu"
             else "argument + output + temp - alias (per device)"
         )
-        + (f"; budget {_size(budget)}" if budget else "; target memory unknown (CPU)"),
+        + (
+            f"; budget {_size(budget)}"
+            if budget
+            else "; target memory unknown (CPU): fits is '-', give --budget to judge it"
+        ),
         "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
     ]
     if target.platform == "cpu":

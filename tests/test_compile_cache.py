@@ -146,12 +146,21 @@ def test_key_covers_target_options_and_flags(monkeypatch):
     text = "module @jit_f {}"
     base = C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1})
     assert base == C.CompileCache.key(text, targets.get_target("cpu"), {"a": 1, "xla_dump_to": "x"})
-    located = 'op loc(#loc3)\n#loc3 = loc("/a/b.py":29:15 to :40)\n#loc4 = loc("jit(f)/dot"(#loc3))'
+    located = 'op loc(#loc4)\n#loc3 = loc("/a/b.py":29:15 to :40)\n#loc4 = loc("jit(f)/dot"(#loc3))'
     moved = located.replace("29:15", "31:2")
     key = C.CompileCache.key(located, targets.get_target("cpu"), {})
     assert key == C.CompileCache.key(moved, targets.get_target("cpu"), {})  # a moved line
+    # traced from elsewhere (another tool): other alias numbers, a call-site chain
+    elsewhere = (
+        'op loc(#loc9)\n#loc7 = loc("/c.py":3:1)\n#loc8 = loc(callsite(#loc7 at "/d.py":5:2))'
+        '\n#loc9 = loc("jit(f)/dot"(#loc8))'
+    )
+    assert key == C.CompileCache.key(elsewhere, targets.get_target("cpu"), {})
     renamed = located.replace("jit(f)/dot", "jit(f)/mul")  # op names reach the readers
     assert key != C.CompileCache.key(renamed, targets.get_target("cpu"), {})
+    inline = r'op loc("jit(f)/dot"("/a.py":1:2))' + "\n" + r'op2 loc("x\"(y)"(#loc1))'
+    inline += "\n#loc1 = loc(unknown)"
+    assert C.canonical_locations(inline) == 'op loc["jit(f)/dot"]\n' + r'op2 loc["x\"(y)"]' + "\n"
     others = [
         C.CompileCache.key(text + " ", targets.get_target("cpu"), {"a": 1}),
         C.CompileCache.key(text, targets.get_target("h100-sxm"), {"a": 1}),

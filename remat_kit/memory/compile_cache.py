@@ -10,11 +10,12 @@ only the executable is missing (:class:`CachedExecutable` answers ``memory_analy
 
 Key (sha256, :meth:`CompileCache.key`): everything that decides what XLA produces:
 
-- the lowered program (StableHLO text *with* its debug info, less the source file positions:
-  the op names end up in the optimized HLO's metadata, which the readers use to name
-  buffers; the file positions only reach its ``source_file`` / ``source_line`` metadata,
-  which no reader uses, and would make every edit of a calling file, or a call from another
-  line, a miss);
+- the lowered program (StableHLO text with each location reduced to its name,
+  :func:`canonical_locations`: the op names end up in the optimized HLO's metadata, which the
+  readers use to name buffers; file positions, call-site chains and alias numbering only reach
+  its ``source_file`` / ``source_line`` / stack-frame metadata, which no reader uses, and would
+  make every edit of a calling file, a call from another line, or the same program traced by
+  another tool (analyze, then recommend), a miss);
 - the target: its whole :class:`~remat_kit.targets.Target` (``repr``) and, for a GPU model
   compiled deviceless, the ``GpuTargetConfig`` text XLA is given; for a local device, the
   backend's platform version and device kinds;
@@ -70,8 +71,58 @@ _DISTRIBUTIONS = (
 )  # fmt: skip
 _ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _SUFFIX = ".json.gz"
-#: An MLIR file location: ``loc("/path/file.py":29:15 to :40)`` (op names are ``loc("name"(...))``).
-_FILE_LOC = re.compile(r'loc\("(?:[^"\\]|\\.)*":\d+:\d+(?: to (?:\d+)?:\d+)?\)')
+#: An MLIR location alias definition: ``#loc12 = loc("jit(f)/dot"(#loc3))``.
+_LOC_DEF = re.compile(r"^#(loc\d*) = loc\((.*)\)[ \t]*(?:\n|$)", re.M)
+#: A quoted MLIR string at the start of a location body.
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def _loc_name(body: str, aliases: Mapping[str, str], depth: int = 0) -> str:
+    """The name of a location body: ``"jit(f)/dot"(...)`` (a NameLoc: what becomes the HLO
+    op_name the readers use) -> ``jit(f)/dot``, an alias ``#loc3`` resolved; "" for a file
+    position, a call-site chain, ``unknown`` or anything else (only XLA's source-line and
+    stack-frame metadata come from those, which no reader uses)."""
+    body = body.strip()
+    if body.startswith("#loc") and depth < 64:
+        return _loc_name(aliases.get(body[1:], ""), aliases, depth + 1)
+    m = _QUOTED.match(body)
+    if m and (body[m.end() :].startswith("(") or m.end() == len(body)):
+        return m.group(1)
+    return ""
+
+
+def canonical_locations(text: str) -> str:
+    """``text`` (StableHLO with debug info) with every location reduced to its name: the alias
+    definitions dropped and each ``loc(...)`` written ``loc["name"]``. Two lowerings of one
+    program then read the same whether they were traced from another line, another function or
+    another tool (alias numbers, file positions and call-site chains differ), while op names,
+    which reach the optimized HLO's ``op_name`` metadata, still tell programs apart."""
+    aliases = {name: body for name, body in _LOC_DEF.findall(text)}
+    body = _LOC_DEF.sub("", text)
+    out, i = [], 0
+    while (j := body.find("loc(", i)) >= 0:
+        out.append(body[i:j])
+        depth, k, quoted = 0, j + 3, False
+        while k < len(body):  # the balanced parentheses of loc(...), strings skipped
+            c = body[k]
+            if quoted:
+                if c == "\\":
+                    k += 1
+                elif c == '"':
+                    quoted = False
+            elif c == '"':
+                quoted = True
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+            k += 1
+        out.append(f'loc["{_loc_name(body[j + 4 : k], aliases)}"]')
+        i = k + 1
+    out.append(body[i:])
+    return "".join(out)
 
 
 def default_folder() -> Path:
@@ -223,7 +274,7 @@ class CompileCache:
           options: the compiler options of the compile (paths left out).
         """
         opts = sorted((k, repr(v)) for k, v in options.items() if k not in _PATH_OPTIONS)
-        lowered_text = _FILE_LOC.sub("loc(unknown)", lowered_text)
+        lowered_text = canonical_locations(lowered_text)
         parts = (
             f"remat-kit compile cache v{FORMAT_VERSION}",
             compiler_versions(),

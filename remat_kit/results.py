@@ -508,8 +508,8 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
 
 
 def _fmt_spread(x: float | None) -> str:
-    """``"±6%"``: half the range of a point's timed steps over their median."""
-    return "-" if x is None else f"±{50 * x:.0f}%"
+    """``"±6%"``: half the range of a point's timed steps over their median ("" unknown)."""
+    return "" if x is None else f"±{50 * x:.0f}%"
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -562,9 +562,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
         if predicted:  # beside a measurement the estimate's change is what is compared
             header += ["est. Δ"] if measured else ["est. ms", "est. Δ"]
         if measured:
-            spread = any(r["step_spread"] is not None for r in recs)
-            header += ["step ms", "step Δ"] + (["spread"] if spread else [])
-            header += ["CPU Δ"] if cpu else []
+            header += ["step ms", "step Δ"] + (["CPU Δ"] if cpu else [])
             header += ["tok/s"] if tokens else []
         body = []
         for r in recs:
@@ -590,9 +588,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             if measured:
                 step = r["step_time_s"]
                 line += [
-                    "-" if step is None else f"{1e3 * step:,.0f}",
+                    "-" if step is None else f"{1e3 * step:,.0f}" + _fmt_spread(r["step_spread"]),
                     _fmt_pct(r["slowdown"]),
-                    *([_fmt_spread(r["step_spread"])] if spread else []),
                     *([_fmt_pct(r["cpu_slowdown"])] if cpu else []),
                 ]
                 if tokens:
@@ -655,9 +652,9 @@ COLUMN_LEGEND = {
     "est. ms": "est. ms: the estimated step time (roofline over the compiled kernels, "
     "docs/time-model.md)",
     "est. Δ": "est. Δ: the estimated step time's change vs no-remat's estimate",
-    "step ms": "step ms / step Δ: median measured step (wall) and its change vs no-remat",
-    "spread": "spread: ± half the range of the point's own timed steps over their median "
-    "(a step Δ within the two points' spreads is noise)",
+    "step ms": "step ms / step Δ: median measured step (wall), ± half the range of the "
+    "point's own timed steps over their median (a step Δ within two points' ± is noise), and "
+    "its change vs no-remat",
     "CPU Δ": "CPU Δ: the change in process CPU time",
     "tok/s": "tok/s: tokens per second measured",
 }

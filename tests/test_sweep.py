@@ -104,15 +104,15 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
                 c.startswith("peak ") and c != "peak Δ" for c in headers))  # fmt: skip
             assert (text in legend) == has, (column, sorted(headers))
     assert "tok/s" not in results.summary_legend(analysed)
-    # the spread column: the point's own timed steps, (max - min) / median, shown as ± half
+    # the step's spread: its own timed steps, (max - min) / median, shown as ± half of it
     (record,) = [r for r in results.summarize(measured) if r["policy"] == "minimal"
                  and r["seq_len"] == 128]  # fmt: skip
     (row,) = [r for r in measured if r["policy"] == "minimal" and r["seq_len"] == 128]
     times = sorted(row["step_times_s"])
     assert record["step_spread"] == pytest.approx((times[-1] - times[0]) / times[len(times) // 2])
     ((_, header, body), *_) = results.summary_lines(measured)
-    cell = body[[b[0] for b in body].index("minimal")][header.index("spread")]
-    assert cell == f"±{50 * record['step_spread']:.0f}%"
+    cell = body[[b[0] for b in body].index("minimal")][header.index("step ms")]
+    assert cell == f"{1e3 * row['step_time_s']:,.0f}±{50 * record['step_spread']:.0f}%"
     assert "est. ms" not in results.summary_legend(measured)
     assert results.summary_legend([]) == ""
 

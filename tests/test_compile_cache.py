@@ -161,6 +161,12 @@ def test_key_covers_target_options_and_flags(monkeypatch):
     inline = r'op loc("jit(f)/dot"("/a.py":1:2))' + "\n" + r'op2 loc("x\"(y)"(#loc1))'
     inline += "\n#loc1 = loc(unknown)"
     assert C.canonical_locations(inline) == 'op loc["jit(f)/dot"]\n' + r'op2 loc["x\"(y)"]' + "\n"
+    # a name ending in "loc" is not a location: its arguments stay in the key
+    call = "func.call @my_alloc(%arg0) : (tensor<{}xf32>) -> () loc(#loc1)\n#loc1 = loc(unknown)"
+    assert C.canonical_locations(call.format(4)).startswith("func.call @my_alloc(%arg0) : (")
+    assert C.CompileCache.key(call.format(4), targets.get_target("cpu"), {}) != (
+        C.CompileCache.key(call.format(8), targets.get_target("cpu"), {})
+    )
     others = [
         C.CompileCache.key(text + " ", targets.get_target("cpu"), {"a": 1}),
         C.CompileCache.key(text, targets.get_target("h100-sxm"), {"a": 1}),

@@ -102,6 +102,10 @@ def canonical_locations(text: str) -> str:
     out, i = [], 0
     while (j := body.find("loc(", i)) >= 0:
         out.append(body[i:j])
+        if j and (body[j - 1].isalnum() or body[j - 1] in "_.$-@"):  # "@alloc(": not a location
+            out.append("loc(")
+            i = j + 4
+            continue
         depth, k, quoted = 0, j + 3, False
         while k < len(body):  # the balanced parentheses of loc(...), strings skipped
             c = body[k]

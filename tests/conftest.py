@@ -9,6 +9,13 @@ import os
 # Tests run on the CPU even where a GPU is present; GPU targets are compiled deviceless.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# XLA:CPU's LLVM optimisation off for every compile of the suite, in this process and the ones
+# it starts (they inherit the environment): the same HLO, schedule, buffers and memory figures
+# (remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS: what analysis compiles use), machine code
+# generated in about 2/3 of the CPU time; the tests run tiny steps, whose speed no test checks.
+_FAST_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_CPU}".strip()
 # The persistent compile cache is off outside a test (module- and session-scoped fixtures
 # compile as before; never the user's ~/.cache/remat-kit); each test gets its own, empty.
 os.environ["REMAT_KIT_NO_CACHE"] = "1"

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from remat_kit.results import read_rows, step_spread
+
 #: The issue's goals: every policy's predicted ratio within 10% of the measured one, and a
 #: Spearman rank correlation of at least 0.8 per sequence length.
 RATIO_GOAL = 0.10
@@ -35,7 +37,7 @@ SPEARMAN_GOAL = 0.8
 
 def load(path: Path) -> pd.DataFrame:
     """The measured ``ok`` rows of a sweep file with both times."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_rows(path, timelines=False)  # the figures only
     frame = pd.DataFrame(rows)
     keep = (
         (frame["status"] == "ok")
@@ -63,7 +65,7 @@ def compare(frame: pd.DataFrame) -> list[dict]:
         )
         g["error"] = g["predicted_ratio"] / g["measured_ratio"] - 1
         # How much one policy's own timed steps differ: the noise a ratio is measured under.
-        g["spread"] = g["step_times_s"].map(lambda t: (max(t) - min(t)) / sorted(t)[len(t) // 2])
+        g["spread"] = g["step_times_s"].map(step_spread)
         spearman = g["predicted_step_time_s"].corr(g["step_time_s"], method="spearman")
         policies = []
         for _, r in g.iterrows():

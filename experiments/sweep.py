@@ -173,11 +173,9 @@ def config_path(name: str) -> Path:
     return CONFIGS / f"{name}.py"
 
 
-def _summary_header(run, argv: list[str] | None) -> str:
+def _summary_header(run, argv: list[str] | None, legend: str) -> str:
     """Where and how the rows were made, for the top of summary.md, and what the columns of its
-    tables mean."""
-    from remat_kit import results
-
+    tables mean (``legend``: :func:`remat_kit.results.summary_legend`)."""
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
@@ -195,7 +193,7 @@ def _summary_header(run, argv: list[str] | None) -> str:
             f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
-            *([f"- {legend}"] if (legend := results.summary_legend(run.rows)) else []),
+            *([f"- {legend}"] if legend else []),
             "",
             "",
         ]
@@ -231,7 +229,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     options = option_plots.option_markdown(run.rows)  # "" unless rows differ in overrides
     listed = "".join(f"- {line}\n" for line in warnings)
     part.write_text(
-        _summary_header(run, argv)
+        _summary_header(run, argv, legend)
         + results.summary_markdown(run.rows)
         + (f"\nAnalysis warnings:\n\n{listed}" if warnings else "")
         + ("\n" + options if options else "")

@@ -61,11 +61,12 @@ __all__ = [
     "print_summary",
     "read_rows",
     "repair",
-    "timelines_path",
+    "step_spread",
     "summarize",
     "summary_legend",
     "summary_lines",
     "summary_markdown",
+    "timelines_path",
     "to_frame",
     "truncate",
 ]
@@ -232,28 +233,30 @@ def repair(path: str | os.PathLike[str]) -> int:
     Raises:
       ValueError: as :func:`read_rows`.
     """
-    removed = 0
-    for i, p in enumerate((Path(path), timelines_path(path))):
-        if not p.exists():
-            continue
-        _, good = _scan(p)
-        size = p.stat().st_size
-        if good < size:
-            with open(p, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
-        removed += (size - good) if i == 0 else 0
-    return removed
+    _cut_torn_line(timelines_path(path))
+    return _cut_torn_line(Path(path))
+
+
+def _cut_torn_line(p: Path) -> int:
+    """Truncate ``p`` to its complete lines; the bytes removed (0: none, or no file)."""
+    if not p.exists():
+        return 0
+    _, good = _scan(p)
+    size = p.stat().st_size
+    if good < size:
+        with open(p, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return size - good
 
 
 def truncate(path: str | os.PathLike[str]) -> None:
     """Empty the rows at ``path`` and their :func:`timelines_path` (``--overwrite``)."""
     for p in (Path(path), timelines_path(path)):
-        if p.exists() or p == Path(path):
-            with open(p, "w", encoding="utf-8") as f:
-                f.flush()
-                os.fsync(f.fileno())
+        with open(p, "w", encoding="utf-8") as f:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
@@ -455,6 +458,14 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     return [_summary_record(r, base.get(group_key(r), {})) for r in records]
 
 
+def step_spread(times: Sequence[float] | None) -> float | None:
+    """How far a point's own timed steps spread, the noise of its step time: (max - min) /
+    median of ``times`` (seconds; a ratio, 0.1 = 10%); None for fewer than two steps."""
+    if not times or len(times) < 2 or statistics.median(times) <= 0:
+        return None
+    return (max(times) - min(times)) / statistics.median(times)
+
+
 def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     """One :func:`summarize` record: row ``r`` against its group's no-remat row ``b``."""
     ok = r.get("status") == "ok"
@@ -464,10 +475,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     peak_ratio = _ratio(peak, b.get("peak_bytes"))
     act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
     step_ratio = _ratio(step, b.get("step_time_s"))
-    times = r.get("step_times_s") if ok else None
-    spread = None  # how far the point's own timed steps spread: the noise of its step time
-    if times and len(times) > 1 and statistics.median(times) > 0:
-        spread = (max(times) - min(times)) / statistics.median(times)
+    spread = step_spread(r.get("step_times_s")) if ok else None
     cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
     predicted = r.get("predicted_step_time_s") if ok else None
     predicted_ratio = _ratio(predicted, b.get("predicted_step_time_s"))

@@ -198,3 +198,45 @@ def test_bundled_model_repeat_traces_nothing(compiles, monkeypatch):
     monkeypatch.setattr(api, "_setup", setup)
     (other,) = run("save-dots")
     assert len(compiles) == 2 and not other.compile_cached and other.policy == "save-dots"
+
+
+@pytest.fixture
+def jax_persistent_cache(tmp_path):
+    """JAX's own persistent compilation cache on, in ``tmp_path``, writing every entry (as a
+    MaxText user's environment has it: ``jax_compilation_cache_dir``); off again afterwards."""
+    from jax._src import compilation_cache
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    before = {n: getattr(jax.config, n) for n in names}
+    for name, value in zip(names, (str(tmp_path), 0.0, 0), strict=True):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    yield tmp_path
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def test_jax_persistent_cache_never_answers_an_analysis_compile(jax_persistent_cache):
+    """A hit in JAX's cache would return an executable without XLA's dumps (jax leaves
+    ``xla_dump_to`` out of its key): every analysis compile must run XLA, and write nothing
+    there."""
+    from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
+
+    lowered = jax.jit(_scanned(jax.checkpoint_policies.nothing_saveable)).lower(
+        jax.ShapeDtypeStruct((4, 16, 16), jnp.float32), jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    )
+    with capture_compiler_log():
+        first = compile_with_dump(lowered, "cpu", "first")
+        second = compile_with_dump(lowered, "cpu", "second")
+    for result in (first, second):
+        assert result.dump.hlo is not None and result.dump.buffer_assignment is not None
+    assert hlo.count_flops(second.dump.module).flops == hlo.count_flops(first.dump.module).flops
+    assert not any(jax_persistent_cache.iterdir())
+    # The cache is on: a plain compile of the same program is written to it.
+    lowered.compile()
+    assert any(jax_persistent_cache.iterdir())

@@ -10,6 +10,7 @@ compile claims are written back to the real stderr when the capture ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import os
@@ -39,6 +40,14 @@ FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
         "xla_llvm_disable_expensive_passes": True,
     },
 }
+
+#: A compiler option in the key of JAX's persistent compilation cache (``jax_compilation_cache_dir``,
+#: which MaxText turns on by default) that changes nothing XLA compiles: it names a file for GPU
+#: autotuning results, which a deviceless or CPU compile never writes. :func:`compile_with_dump`
+#: sets it to a path inside the compile's own dump folder, so the key is new at every compile and
+#: JAX's cache can never hand back an executable compiled earlier, without its dumps and log lines
+#: (jax/_src/cache_key.py leaves ``xla_dump_to`` out of the key: a hit would write no dumps).
+CACHE_BYPASS_OPTION = "xla_gpu_dump_autotune_results_to"
 
 # absl: "W1129 16:34:37.803546    5784 hlo_rematerialization.cc:3231] message"
 _LOG_LINE = re.compile(
@@ -259,11 +268,13 @@ def compile_with_dump(
     """
     with tempfile.TemporaryDirectory(prefix="remat-kit-xla-") as folder:
         opts = {"xla_dump_to": folder, **compile_options(platform, fast, options)}
+        opts[CACHE_BYPASS_OPTION] = os.path.join(folder, "autotune.txt")
         thread = threading.get_native_id()
         start = time.time()
         t0 = time.perf_counter()
         try:
-            compiled = lowered.compile(compiler_options=opts)
+            with _no_persistent_cache_write():
+                compiled = lowered.compile(compiler_options=opts)
         except Exception as err:  # XlaRuntimeError, ValueError, ...
             raise CompileError(what, first_line(err)) from err
         compile_s = time.perf_counter() - t0
@@ -273,6 +284,18 @@ def compile_with_dump(
     result = CompileResult(compiled, compile_s, dump, thread, start, end)
     result.xla_remat_instructions = count_xla_remat(dump.hlo)
     return result
+
+
+def _no_persistent_cache_write() -> Any:
+    """A context (this thread only) in which JAX writes no entry to its persistent compilation
+    cache: the minimum compile time for a write set to infinity. Our compiles' keys are never
+    read again (:data:`CACHE_BYPASS_OPTION`), so an entry would only fill the user's cache.
+    Uses JAX's internal config state (as jax's own test utilities do); where a JAX version lacks
+    it, entries are written and never read."""
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    return state(float("inf")) if callable(state) else contextlib.nullcontext()
 
 
 def add_policy_only(

@@ -342,6 +342,7 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, kil
         assert r["compile_reused"] is True  # the analyzer's executable ran: compiled once
         assert r["measured_peak_bytes"] is None
         assert "no peak_bytes_in_use" in r["measured_peak_note"]
+        assert r["step_order"] == "interleaved"  # no peak to keep apart on the CPU
         assert r["mfu"] is None  # the CPU has no known peak FLOP/s
         for field in ("jax", "jaxlib", "flax", "device_kind", "time", "data_fingerprint"):
             assert r[field], field
@@ -443,3 +444,28 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
                 "query_proj=offload,out_proj=save",
             ]
         )
+
+
+def test_interleaved_steps_are_each_policys_own(tmp_path):
+    """Timing the policies' steps interleaved changes nothing they compute: each point's losses
+    are bitwise those of its steps run alone, and a failing run fails alone."""
+    from remat_kit.data import load_corpus
+
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    corpus = load_corpus(tmp_path / "text.txt")
+    points = _tiny(policies=("no-remat", "save-nothing"), timed_steps=2).points()
+    cache: dict = {}
+    compiled = [c for c, _, _ in (sweep.compile_steps(points, cache)[p.key] for p in points)]
+    alone = sweep.measure_points(points, compiled, corpus, cache)
+    both = sweep.measure_points(points, compiled, corpus, cache, interleave=True)
+    for a, b in zip(alone, both, strict=True):
+        assert a["step_order"] == "alone" and b["step_order"] == "interleaved"
+        assert len(b["losses"]) == 3 and b["losses"] == a["losses"]
+        assert len(b["step_times_s"]) == 2 and b["step_time_s"] > 0
+
+    def broken(state, batch):
+        raise RuntimeError("injected")
+
+    broken.input_shardings = compiled[0].input_shardings
+    out = sweep.measure_points(points, [broken, compiled[1]], corpus, cache, interleave=True)
+    assert isinstance(out[0], RuntimeError) and out[1]["losses"] == alone[1]["losses"]

@@ -55,6 +55,7 @@ from remat_kit.sweep.config import load_config as load_config
 from remat_kit.sweep.config import validate as validate
 from remat_kit.sweep.measure import compile_steps as compile_steps
 from remat_kit.sweep.measure import measure_point as measure_point
+from remat_kit.sweep.measure import measure_points as measure_points
 from remat_kit.sweep.measure import model_flops_per_token as model_flops_per_token
 from remat_kit.sweep.output import SweepRun as SweepRun
 from remat_kit.sweep.program_sweep import run_program_sweep as run_program_sweep
@@ -69,6 +70,7 @@ __all__ = [
     "compile_steps",
     "load_config",
     "measure_point",
+    "measure_points",
     "model_flops_per_token",
     "run_program_sweep",
     "run_sweep",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -168,6 +169,60 @@ def compile_steps(
     return out
 
 
+class _Run:
+    """One point's steps, taken one at a time: its state on the device, its batches, its
+    timings. A failure (a non-finite loss, what JAX raises) ends the run and is kept."""
+
+    def __init__(self, point: Point, compiled: Any, corpus: Corpus, state_cache: dict | None):
+        self.point, self.compiled = point, compiled
+        self.steps = point.warmup_steps + point.timed_steps
+        host = host_state(point, point.model_config(), state_cache)
+        # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
+        (state_sharding, self.batch_sharding), _ = compiled.input_shardings
+        self.state = jax.block_until_ready(S.put_global(host, state_sharding))
+        self.batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.error: BaseException | None = None
+
+    def step(self, i: int) -> None:
+        """Run step ``i`` (a no-op past the last step or after a failure)."""
+        if i >= self.steps or self.error is not None:
+            return
+        try:
+            batch = _device_batch(self.batcher, i, self.batch_sharding)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            self.state, metrics = self.compiled(self.state, batch)
+            jax.block_until_ready((self.state, metrics))
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            loss = float(metrics["loss"])
+            self.losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss at step {i} is {loss}")
+        except Exception as err:
+            self.error, self.state = err, None
+            return
+        if i >= self.point.warmup_steps:
+            self.times.append(elapsed)
+            self.cpu_times.append(cpu)
+        if i == self.steps - 1:
+            self.state = None  # its device memory goes now, not after the other runs
+
+    def result(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        median = statistics.median(self.times)
+        return {
+            "step_times_s": [round(t, 6) for t in self.times],
+            "step_time_s": median,
+            "step_cpu_times_s": [round(t, 6) for t in self.cpu_times],
+            "step_cpu_s": statistics.median(self.cpu_times),
+            "tokens_per_s": self.point.batch_size * self.point.seq_len / median,
+            "losses": self.losses,
+        }
+
+
 def measure_point(
     point: Point,
     compiled: Any,
@@ -191,43 +246,84 @@ def measure_point(
       ``step_times_s`` (wall seconds of the timed steps), ``step_time_s`` (their median),
       ``step_cpu_s`` (median process CPU seconds per timed step, all threads: robust to other
       processes on a shared machine), ``tokens_per_s`` (``b * s / step_time_s``), ``losses``
-      (nats, every step), ``measured_peak_bytes`` (bytes, or None: see ``measured_peak_note``).
+      (nats, every step), ``measured_peak_bytes`` (bytes, or None: see ``measured_peak_note``),
+      ``step_order`` (``"alone"``).
 
     Raises:
       FloatingPointError: a loss was not finite.
       Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
     """
-    host = host_state(point, point.model_config(), state_cache)
-    # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
-    (state_sharding, batch_sharding), _ = compiled.input_shardings
-    state = jax.block_until_ready(S.put_global(host, state_sharding))
-    batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
     before = peak_bytes_in_use()
-    losses, times, cpu_times = [], [], []
-    for i in range(point.warmup_steps + point.timed_steps):
-        batch = _device_batch(batcher, i, batch_sharding)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready((state, metrics))
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        loss = float(metrics["loss"])
-        losses.append(loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss at step {i} is {loss}")
-        if i >= point.warmup_steps:
-            times.append(elapsed)
-            cpu_times.append(cpu)
-    del state
-    median = statistics.median(times)
-    return {
-        "step_times_s": [round(t, 6) for t in times],
-        "step_time_s": median,
-        "step_cpu_times_s": [round(t, 6) for t in cpu_times],
-        "step_cpu_s": statistics.median(cpu_times),
-        "tokens_per_s": point.batch_size * point.seq_len / median,
-        "losses": losses,
-        **measured_peak(before),
-    }
+    run = _Run(point, compiled, corpus, state_cache)
+    for i in range(run.steps):
+        run.step(i)
+    return {**run.result(), **measured_peak(before), "step_order": "alone"}
+
+
+def can_interleave(points: Sequence[Point], state_bytes: Sequence[int]) -> bool:
+    """Whether the steps of ``points`` may be timed interleaved: the local backend reports no
+    per-program peak (:func:`peak_bytes_in_use` is None, as on the CPU: nothing to measure
+    alone) and their states (``state_bytes``, bytes each) fit in half the host's memory
+    together (``os.sysconf``), in a single process (the processes of a multi-process run must
+    run their steps in one order; each host's memory is its own). On a GPU each point runs
+    alone, so its measured peak is its own."""
+    if len(points) < 2 or jax.process_count() > 1 or peak_bytes_in_use() is not None:
+        return False
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return sum(state_bytes) <= memory // 2
+
+
+def measure_points(
+    points: Sequence[Point],
+    compiled: Sequence[Any],
+    corpus: Corpus,
+    state_cache: dict | None = None,
+    interleave: bool = False,
+) -> list[dict[str, Any] | BaseException]:
+    """:func:`measure_point` for each point (``compiled``: its executable), or with
+    ``interleave`` (see :func:`can_interleave`) every point's state placed first and step ``i``
+    of every point run before step ``i + 1`` of any, the order rotating by one point each step:
+    a drift of the machine's speed (other processes, clocks) then falls on every policy alike
+    instead of on whichever ran during it (on a shared 2-core VM, one program timed twice a
+    minute apart differed by up to 12%). Interleaved rows say ``step_order: "interleaved"``.
+
+    Returns:
+      Per point, in order: the measurement, or the exception its run raised.
+    """
+    if not interleave:
+        out: list[dict[str, Any] | BaseException] = []
+        for p, c in zip(points, compiled, strict=True):
+            try:
+                out.append(measure_point(p, c, corpus, state_cache))
+            except Exception as err:
+                out.append(err)
+        return out
+    runs: list[_Run | BaseException] = []
+    for p, c in zip(points, compiled, strict=True):
+        try:
+            runs.append(_Run(p, c, corpus, state_cache))
+        except Exception as err:
+            runs.append(err)
+    live = [r for r in runs if isinstance(r, _Run)]
+    for i in range(max((r.steps for r in live), default=0)):
+        k = i % len(live)
+        for run in live[k:] + live[:k]:
+            run.step(i)
+    # can_interleave: the backend reports no peak, so none is mixed (the note says it)
+    peak = {**measured_peak(None), "step_order": "interleaved"}
+    results: list[dict[str, Any] | BaseException] = []
+    for run in runs:
+        if isinstance(run, BaseException):
+            results.append(run)
+            continue
+        try:
+            results.append({**run.result(), **peak})
+        except Exception as err:
+            results.append(err)
+    return results
 
 
 def measured_peak(before: int | None) -> dict[str, Any]:

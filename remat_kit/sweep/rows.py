@@ -10,10 +10,9 @@ from typing import Any
 from remat_kit import results as R
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.data import Corpus
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.config import Point
-from remat_kit.sweep.measure import measure_point, model_flops_per_token, param_counts
+from remat_kit.sweep.measure import model_flops_per_token, param_counts
 
 #: Row fields from the point's model and analysis (None in a row whose analysis failed).
 ANALYSIS_KEYS = (
@@ -29,7 +28,7 @@ ANALYSIS_KEYS = (
 MEASURED_KEYS = (
     "compile_s", "compile_reused", "step_times_s", "step_time_s", "step_cpu_times_s",
     "step_cpu_s", "tokens_per_s", "losses", "measured_peak_bytes", "measured_peak_note", "mfu",
-    "peak_error",
+    "peak_error", "step_order",
 )  # fmt: skip
 
 
@@ -86,16 +85,19 @@ def _measure(
     point: Point,
     row: Mapping[str, Any],
     executable: Any,
-    corpus: Corpus,
-    state_cache: dict,
+    measurement: dict[str, Any] | BaseException | None,
     measured: dict[str, Any],
 ) -> None:
-    """Fill ``measured`` as far as the run gets (a failure keeps what came before it)."""
+    """Fill ``measured`` as far as the run got (a failure keeps what came before it)."""
     if isinstance(executable, BaseException):
         raise executable
-    compiled, compile_s, reused = executable
+    _, compile_s, reused = executable
     measured.update(compile_s=round(compile_s, 3), compile_reused=reused)
-    measured.update(measure_point(point, compiled, corpus, state_cache))
+    if isinstance(measurement, BaseException):
+        raise measurement
+    if measurement is None:  # ours: the loop measures every point it compiled
+        raise RuntimeError(f"no measurement of {point.label}")
+    measured.update(measurement)
     peak_flops = T.get_target(point.target).peak_flops_bf16
     if peak_flops and row["dtype"] == "bfloat16":  # over every device of the mesh
         devices = S.parse_mesh(point.mesh).num_devices if point.mesh else 1
@@ -108,15 +110,16 @@ def _measure(
 def point_row(
     point: Point,
     report: Any,
-    corpus: Corpus | None,
     common: Mapping[str, Any],
     counts: dict[tuple, tuple[int, int]],
     executable: Any,
-    state_cache: dict,
+    measurement: dict[str, Any] | BaseException | None,
 ) -> dict[str, Any]:
     """The row of one point: ``common`` fields, the point, the analysis ``report`` (or the
-    exception analysing it raised), and with ``point.measure`` the run of ``executable``
-    (``(compiled, compile seconds, reused)`` from :func:`compile_steps`, or an exception).
+    exception analysing it raised), and with ``point.measure`` its compiled step
+    (``executable``: ``(compiled, compile seconds, reused)`` from :func:`compile_steps`, or an
+    exception) and the run of it (``measurement``: from :func:`measure_points`, or an
+    exception).
     A failure anywhere gives status ``oom`` / ``error`` and its one-line message; every row has
     every field (None where not reached)."""
     t0 = time.perf_counter()
@@ -136,7 +139,7 @@ def point_row(
         row.update(_model_fields(point, counts))
         row.update(analysis_fields(report))
         if point.measure:
-            _measure(point, row, executable, corpus, state_cache, measured)
+            _measure(point, row, executable, measurement, measured)
     except Exception as err:
         row["status"] = classify(err)
         row["error"] = error_message(err)

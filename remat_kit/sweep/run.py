@@ -18,7 +18,7 @@ from remat_kit.memory import analyze_policies, calibrate
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.preset_program import preset
 from remat_kit.sweep.config import Point, SweepConfig
-from remat_kit.sweep.measure import compile_steps
+from remat_kit.sweep.measure import can_interleave, compile_steps, measure_points
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
 from remat_kit.sweep.rows import point_row
 from remat_kit.training.step import make_optimizer
@@ -73,16 +73,31 @@ class _Group:
             if to_run:
                 advance(None, f"compiling {len(to_run)} steps of {what}")
             executables = compile_steps(to_run, self.state_cache, engine)
+            measurements = self._measure(to_run, reports, executables, advance, what)
             for p in members:
                 advance(None, p.label)
                 row = point_row(
-                    p, reports[p.key], self.corpus, self.common, self.counts,
-                    executables.get(p.key), self.state_cache,
+                    p, reports[p.key], self.common, self.counts, executables.get(p.key),
+                    measurements.get(p.key),
                 )  # fmt: skip
                 if self.primary:
                     R.append_row(self.path, row)
                 self.rows.append(row)
                 advance(1, p.label)
+
+
+    def _measure(self, points, reports, executables, advance, what) -> dict[str, Any]:
+        """Run the compiled steps of ``points``, interleaved where
+        :func:`~remat_kit.sweep.measure.can_interleave` allows; by point key."""
+        ran = [p for p in points if isinstance(executables.get(p.key), tuple)]
+        if not ran:
+            return {}
+        interleave = can_interleave(ran, [reports[p.key].argument_bytes for p in ran])
+        advance(None, f"timing {len(ran)} steps of {what}" + (" interleaved" if interleave else ""))
+        out = measure_points(
+            ran, [executables[p.key][0] for p in ran], self.corpus, self.state_cache, interleave
+        )
+        return dict(zip((p.key for p in ran), out, strict=True))
 
 
 def run_sweep(

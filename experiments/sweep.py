@@ -212,7 +212,7 @@ def _measured_line(r: dict, data: str) -> str:
 
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
     """The table, summary.md and the figures, rebuilt from every row of the run's file."""
-    from remat_kit import option_plots, plots, results
+    from remat_kit import plots, results
     from remat_kit.sweep.output import warning_lines
 
     results.print_summary(run.rows, console)
@@ -226,7 +226,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
         console.print(f"  - {line}", highlight=False, markup=False)
     # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
     part = out.parent / ".summary.md.part"
-    options = option_plots.option_markdown(run.rows)  # "" unless rows differ in overrides
+    options = results.option_markdown(run.rows)  # "" unless rows differ in overrides
     listed = "".join(f"- {line}\n" for line in warnings)
     part.write_text(
         _summary_header(run, argv, legend)

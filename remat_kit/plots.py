@@ -16,7 +16,8 @@ needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
 * :func:`layer_activations`: per-layer activation bytes against Korthikanti et al. 2022, for
   rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
 * :func:`option_effects`: each option's effect (``remat_layers``, ``nested_remat``,
-  ``loss_chunk_size``, ``attention``) against the plain step (:mod:`remat_kit.option_plots`).
+  ``loss_chunk_size``, ``attention``) against the plain step (rows grouped by
+  :func:`remat_kit.results.option_sets`).
 * :func:`timeline`: live device bytes over XLA's schedule of one step, stacked by category,
   one panel per report (``MemoryReport.timeline``; takes reports, not sweep rows).
 """
@@ -35,7 +36,6 @@ from matplotlib.lines import Line2D
 from remat_kit import results as R
 from remat_kit import units
 from remat_kit.memory.report import MemoryReport
-from remat_kit.option_plots import option_effects, option_sets, own_overrides
 
 __all__ = [
     "layer_activations",
@@ -61,7 +61,7 @@ def _panels(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, list[Mapping[str, 
     overrides not every row shares (an option grid's variants get panels of their own)."""
     panels: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
-        own = ", ".join(f"{k}={v}" for k, v in own_overrides(r, rows).items())
+        own = ", ".join(f"{k}={v}" for k, v in R.own_overrides(r, rows).items())
         panels.setdefault((*(r.get(f) for f in _PANEL_FIELDS), own), []).append(r)
     return panels
 
@@ -429,7 +429,7 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
             else "Predicted peak memory vs compiled FLOPs (analysis only)")),
         ("slowdown_vs_flops.png", measured, lambda p: slowdown_vs_flops(ok, path=p)),
         ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
-        ("options.png", option_sets(rows), lambda p: option_effects(rows, path=p)),
+        ("options.png", R.option_sets(rows), lambda p: option_effects(rows, path=p)),
     ]  # fmt: skip
     stamp = provenance(ok)
     for name, needed, draw in jobs:
@@ -568,3 +568,95 @@ def _timeline_panel(ax, r: MemoryReport, title: str, unit, unit_name, colors, se
     ax.set_ylabel(f"live device bytes ({unit_name})", fontsize=8)
     ax.set_xlim(0, tl.length)
     ax.set_ylim(0, max(top, budget if on_scale else 0) / unit * 1.12)
+
+
+# -- Option sets ---------------------------------------------------------------------------------
+
+_FAMILY_COLORS = {
+    "plain": "tab:gray", "remat_layers": "tab:blue", "nested_remat": "tab:green",
+    "loss_chunk_size": "tab:orange", "attention": "tab:purple",
+}  # fmt: skip
+
+
+def _panel(ax, recs: Sequence[Mapping[str, Any]], values: list, xlabel: str, fmt: str,
+           marks: list | None = None) -> None:  # fmt: skip
+    """Horizontal bars, one per variant; a variant without a value gets a text, no bar;
+    ``marks`` (a second figure per variant, e.g. CPU time) drawn as ticks where not None."""
+    ys = range(len(recs))
+    for y, r, v in zip(ys, recs, values, strict=True):
+        color = _FAMILY_COLORS.get(r["family"], "tab:cyan")
+        if v is None:
+            why = r["status"] if r["status"] != "ok" else "n/a"
+            ax.text(0, y, f" {why}", va="center", fontsize=7, color="dimgray")
+            continue
+        hatch = "//" if r["policy"] == "no-remat" else None
+        ax.barh(y, v, color=color, alpha=0.8, hatch=hatch, edgecolor="white")
+        ax.text(v, y, " " + format(v, fmt), va="center", fontsize=6)
+    if marks is not None and any(m is not None for m in marks):
+        ys_m = [y for y, m in zip(ys, marks, strict=True) if m is not None]
+        ax.scatter([m for m in marks if m is not None], ys_m, marker="|", s=120, color="black",
+                   label="process CPU time", zorder=3)  # fmt: skip
+        ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    plain = [
+        v for r, v in zip(recs, values, strict=True)
+        if r["option"] == "plain" and r["policy"] == "no-remat" and v is not None
+    ]  # fmt: skip
+    if plain:
+        ax.axvline(plain[0], color="black", lw=0.8, ls="--", alpha=0.5)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylim(len(recs) - 0.5, -0.5)  # first variant on top, texts inside without bars
+    if all(v is None for v in values):
+        ax.set_xlim(0, 1)
+        ax.set_xticks([])
+    ax.margins(x=0.25)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def option_effects(rows: Any, path: str | os.PathLike[str] | None = None) -> Figure:
+    """Each option's effect, one row of three panels per option set: the predicted peak (bytes,
+    in the set's unit), :func:`remat_kit.results.option_records`' ``flops_ratio`` and the
+    median measured step time (ms, wall clock; a tick marks the process CPU time per step where
+    the row has it; "n/a" where the row has no step time: an analysis-only target). Bars of
+    ``no-remat`` rows are hatched; the dashed line marks the plain ``no-remat`` row's value.
+
+    Returns:
+      The ``Figure`` (saved as a PNG at ``path`` when given).
+
+    Raises:
+      ValueError: the rows hold no option set (no two rows of one model and shape differ in
+        ``overrides``).
+    """
+    recs = R.option_records(rows)
+    if not recs:
+        raise ValueError(
+            "no option set in these rows: no two rows of one shape differ in overrides"
+        )
+    sets: dict[tuple, list[dict[str, Any]]] = {}
+    for r in recs:
+        sets.setdefault((r["model"], r["target"], r["batch_size"], r["seq_len"]), []).append(r)
+    heights = [0.32 * len(v) + 1.2 for v in sets.values()]
+    fig = Figure(figsize=(15, sum(heights)), layout="constrained")
+    grid = fig.add_gridspec(len(sets), 3, height_ratios=heights)
+    for i, ((model, target, b, s), members) in enumerate(sets.items()):
+        unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
+        peaks = [None if r["peak_bytes"] is None else r["peak_bytes"] / unit for r in members]
+        times = [None if r["step_time_s"] is None else 1e3 * r["step_time_s"] for r in members]
+        ratios = [r["flops_ratio"] for r in members]
+        cpu = [None if r["step_cpu_s"] is None else 1e3 * r["step_cpu_s"] for r in members]
+        panels = (
+            (peaks, f"predicted peak ({unit_name})", ".2f", None),
+            (ratios, "matmul FLOPs / plain no-remat (XLA attention)", ".3f", None),
+            (times, "median step time (ms; bar: wall, tick: process CPU)", ".0f", cpu),
+        )
+        for j, (values, xlabel, fmt, marks) in enumerate(panels):
+            ax = fig.add_subplot(grid[i, j])
+            _panel(ax, members, values, xlabel, fmt, marks)
+            if j == 0:
+                ax.set_yticks(
+                    range(len(members)), [f"{r['option']} · {r['policy']}" for r in members]
+                )
+                ax.tick_params(axis="y", labelsize=7)
+                ax.set_title(f"{model} @{target}, b={b} s={s}", fontsize=9, loc="left")
+            else:
+                ax.set_yticks([])
+    return _save(fig, path, layout=False)

@@ -49,6 +49,7 @@ from remat_kit.policies import policy_names
 from remat_kit.remat_impl import remat_implementation
 
 __all__ = [
+    "OPTION_FAMILIES",
     "ROW_FORMAT",
     "STATUSES",
     "append_row",
@@ -687,5 +688,133 @@ def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:
         parts.append("| " + " | ".join(header) + " |")
         parts.append("|" + "|".join(["---"] + ["--:"] * (len(header) - 1)) + "|")
         parts += ["| " + " | ".join(line) + " |" for line in body]
+        parts.append("")
+    return "\n".join(parts)
+
+
+# -- Option sets: rows of one shape that differ in ModelConfig overrides -------------------------
+# (e.g. experiments/configs/options.py: remat_layers, nested_remat, loss_chunk_size, attention
+# varied one at a time). Each row is a *variant*, labelled by the overrides it does not share
+# with every row of its set ("plain" when it has none of its own) and its policy; figures in
+# remat_kit.plots.option_effects.
+
+_SET_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size", "mesh")
+#: The option fields that name a variant's family (its color in the figure), in that order.
+OPTION_FAMILIES = ("plain", "remat_layers", "nested_remat", "loss_chunk_size", "attention")
+
+
+def _overrides_text(overrides: Mapping[str, Any]) -> str:
+    return json.dumps(dict(sorted(dict(overrides or {}).items())), sort_keys=True)
+
+
+def option_sets(rows: Any) -> dict[tuple, list[dict[str, Any]]]:
+    """Rows grouped by model, target, batch size, sequence length, ``remat_group_size`` and mesh,
+    keeping only groups whose rows carry more than one distinct ``overrides``; in row order."""
+    sets: dict[tuple, list[dict[str, Any]]] = {}
+    for r in as_records(rows):
+        sets.setdefault(tuple(r.get(f) for f in _SET_FIELDS), []).append(r)
+    return {
+        k: v for k, v in sets.items() if len({_overrides_text(r.get("overrides")) for r in v}) > 1
+    }
+
+
+def own_overrides(row: Mapping[str, Any], members: Sequence[Mapping[str, Any]]) -> dict:
+    """The overrides of ``row`` that not every row of its set shares."""
+    own = dict(row.get("overrides") or {})
+    shared = [dict(m.get("overrides") or {}) for m in members]
+    return {k: v for k, v in own.items() if not all(s.get(k) == v for s in shared)}
+
+
+def _xla_baseline(members: Sequence[Mapping[str, Any]]) -> float | None:
+    """Traced matmul FLOPs of the plain no-remat step with XLA attention (``flops_no_remat`` of
+    any ok row of the set with ``attention="xla"``: the baseline resets every layer-structure
+    and loss option)."""
+    for r in members:
+        attention = (r.get("model_config") or {}).get("attention")
+        if r.get("status") == "ok" and attention == "xla" and r.get("flops_no_remat"):
+            return r["flops_no_remat"]
+    return None
+
+
+def option_records(rows: Any) -> list[dict[str, Any]]:
+    """One record per row of every option set (:func:`option_sets`).
+
+    Fields: the set's ``model, target, batch_size, seq_len``; ``option`` (``"plain"`` or the
+    row's own overrides, ``"remat_layers=3"``), ``family`` (the first own override's field
+    with a color of its own, e.g. ``nested_remat`` beside ``nested_groups``, or ``"plain"``),
+    ``policy``, ``status``; ``peak_bytes`` (the analyzer's predicted peak, bytes); ``fits``
+    (within the target's memory; None where unknown);
+    ``flops_ratio``: the policy's own matmul FLOPs (``recompute_ratio``, XLA's own
+    rematerialisation told apart) over the plain no-remat step's with XLA attention, i.e.
+    ``recompute_ratio * flops_no_remat / flops_no_remat(xla)`` (so cuDNN attention's own FLOPs,
+    counted by its matmul work, show against the same baseline); ``step_time_s`` (median measured
+    seconds) and ``step_cpu_s``. ``None`` wherever the row has no such figure (a failed row;
+    an analysis-only row has no step time): never 0.
+    """
+    out = []
+    for members in option_sets(rows).values():
+        base = _xla_baseline(members)
+        for r in members:
+            own = own_overrides(r, members)
+            ok = r.get("status") == "ok"
+            ratio = r.get("recompute_ratio") if ok else None
+            if ratio is not None and base and r.get("flops_no_remat"):
+                ratio = ratio * r["flops_no_remat"] / base
+            out.append(
+                {
+                    **{f: r.get(f) for f in ("model", "target", "batch_size", "seq_len")},
+                    "option": ", ".join(f"{k}={v}" for k, v in own.items()) or "plain",
+                    "family": next(
+                        (k for k in own if k in OPTION_FAMILIES), next(iter(own), "plain")
+                    ),
+                    "policy": r.get("policy"),
+                    "status": r.get("status"),
+                    "peak_bytes": r.get("peak_bytes") if ok else None,
+                    "fits": r.get("fits") if ok else None,
+                    "flops_ratio": ratio,
+                    "step_time_s": r.get("step_time_s") if ok else None,
+                    "step_cpu_s": r.get("step_cpu_s") if ok else None,
+                }
+            )
+    return out
+
+
+def _fmt_or_dash(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def option_markdown(rows: Any) -> str:
+    """:func:`option_records` as one Markdown table per option set: predicted peak (in the
+    set's unit) and its change against the plain ``no-remat`` row, ``fits``, ``flops_ratio``,
+    median step time (wall and process CPU, ms); ``-`` where a row has no such figure. Empty
+    string when the rows hold no option set."""
+    sets: dict[tuple, list[dict[str, Any]]] = {}
+    for r in option_records(rows):
+        sets.setdefault((r["model"], r["target"], r["batch_size"], r["seq_len"]), []).append(r)
+    parts = []
+    for (model, target, b, s), recs in sets.items():
+        unit, unit_name = units.table_unit([r["peak_bytes"] for r in recs])
+        base = next(
+            (r["peak_bytes"] for r in recs if r["option"] == "plain" and r["policy"] == "no-remat"),
+            None,
+        )
+        parts += [
+            f"**Options: {model} on {target}, b={b}, s={s}**\n",
+            f"| option | policy | peak {unit_name} | peak Δ | fits | FLOPs x | step ms | CPU ms |",
+            "|---|---|--:|--:|--:|--:|--:|--:|",
+        ]
+        for r in recs:
+            peak = r["peak_bytes"]
+            delta = None if peak is None or not base else 100 * (peak / base - 1)
+            ms = [None if r[f] is None else 1e3 * r[f] for f in ("step_time_s", "step_cpu_s")]
+            policy = r["policy"] if r["status"] == "ok" else f"{r['policy']} ({r['status']})"
+            pct = "-" if delta is None else f"{delta:+.0f}%"
+            cells = [
+                r["option"], policy, units.in_unit(peak, unit, 2), pct,
+                {True: "yes", False: "no"}.get(r["fits"], "-"),
+                _fmt_or_dash(r["flops_ratio"], ".3f"), _fmt_or_dash(ms[0], ",.0f"),
+                _fmt_or_dash(ms[1], ",.0f"),
+            ]  # fmt: skip
+            parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
     return "\n".join(parts)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remat_kit import option_plots, plots, results, sweep
+from remat_kit import plots, results, sweep
 from remat_kit.sweep import Grid, SweepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_option_figure_and_table_keep_missing_figures_null(tmp_path):
         _row({"loss_chunk_size": 4}, "no-remat", None, status="oom", recompute_ratio=None),
         {**_row({}, "no-remat", 500), "target": "local", "step_time_s": 0.5},  # no option set
     ]
-    recs = option_plots.option_records(rows)
+    recs = results.option_records(rows)
     assert [r["option"] for r in recs] == [
         "plain", "plain", "remat_layers=1", "attention=cudnn", "loss_chunk_size=4",
     ]  # fmt: skip
@@ -75,7 +75,7 @@ def test_option_figure_and_table_keep_missing_figures_null(tmp_path):
     assert (tmp_path / "options.png").stat().st_size > 0
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert texts.count(" n/a") == 4 and " oom" in texts
-    table = option_plots.option_markdown(rows)
+    table = results.option_markdown(rows)
     assert "| remat_layers=1 | save-nothing | 0.00 | -30% | - | 1.125 | - | - |" in table
     assert "no-remat (oom) | - | - | - | - | - | - |" in table
     with pytest.raises(ValueError, match="no option set"):
@@ -96,7 +96,7 @@ def test_tiny_option_sweep_end_to_end(tmp_path):
     out = tmp_path / "sweep.jsonl"
     run = sweep.run_sweep(config, out, progress=False)
     assert [r["status"] for r in run.rows] == ["ok"] * 3, [r["error"] for r in run.rows]
-    recs = {(r["option"], r["policy"]): r for r in option_plots.option_records(run.rows)}
+    recs = {(r["option"], r["policy"]): r for r in results.option_records(run.rows)}
     half, full = recs[("remat_layers=1", "save-nothing")], recs[("plain", "save-nothing")]
     plain = recs[("plain", "no-remat")]
     assert 1.0 < half["flops_ratio"] < full["flops_ratio"]  # one of two layers recomputed

@@ -85,7 +85,6 @@ class _Group:
                 self.rows.append(row)
                 advance(1, p.label)
 
-
     def _measure(self, points, reports, executables, advance, what) -> dict[str, Any]:
         """Run the compiled steps of ``points``, interleaved where
         :func:`~remat_kit.sweep.measure.can_interleave` allows; by point key."""

@@ -198,7 +198,7 @@ def test_train_script_over_two_processes_matches_one(two_process_run, train_env,
 
 @pytest.mark.parametrize(
     "victim, point",
-    [(1, "before-save@4"), (0, "mid-save@4")],
+    [pytest.param(1, "before-save@4", marks=pytest.mark.slow), (0, "mid-save@4")],
     ids=["process-1-before-save", "process-0-mid-save"],
 )
 def test_one_process_killed_resumes_bitwise(two_process_run, train_env, tmp_path, victim, point):
@@ -206,7 +206,11 @@ def test_one_process_killed_resumes_bitwise(two_process_run, train_env, tmp_path
     save; process 0, which finalises orbax saves, after every item is written and before the
     rename); the other is then killed as a scheduler tears the job down (left alone it would
     abort on the coordinator's heartbeat timeout). Resumed over 2 processes, the run continues
-    from checkpoint 2 and ends bitwise where the uninterrupted run ends."""
+    from checkpoint 2 and ends bitwise where the uninterrupted run ends.
+
+    The default suite kills process 0 mid-save (the process that finalises saves, at the
+    hardest point); process 1 killed before its save is marked slow (the same path with the
+    other victim; tests/test_training.py kills a one-process run before-save too)."""
     workdir = tmp_path / "run"
     cmd = [*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN]
     procs = _start_two(cmd, train_env, {victim: {"REMAT_KIT_KILL_AT": point}})

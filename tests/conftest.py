@@ -60,16 +60,16 @@ needs_cuda_plugin = pytest.mark.skipif(
 #: order alone, a long module of few tests (test_distributed, test_recommend_structure) starts
 #: last and keeps one worker busy minutes after the other has finished.
 LONGEST_FIRST = (
-    "test_distributed",
     "test_training",
     "test_recommend_structure",
     "test_docs",
+    "test_distributed",
     "test_policies",
     "test_sweep",
-    "test_gpu_check",
     "test_own_models",
     "test_walker",
     "test_recommend",
+    "test_gpu_check",
     "test_programs",
     "test_analyze_programs",
 )

@@ -55,7 +55,7 @@ def choice_budget(pred_row: dict, named: list[str]) -> int | None:
 
 def _measure_rows(rows: list[dict], mode: dict) -> list[tuple[str, dict | None]]:
     out = []
-    for policy in mode["policies"]:
+    for policy in mode.get("measure", mode["policies"]):
         name = label(policy)
         found = [r for r in rows if r["id"] == f"measure/{name}"]
         out.append((name, found[-1] if found else None))

@@ -2,7 +2,11 @@
 
 ``REMAT_KIT_FULL_MATRIX=1`` runs the full matrices the default suite samples: every policy's
 gradients in all 8 model x layout x group layouts (tests/test_policies.py), the doctor's
-clean-run matrix over every model x layout at 4 layers (tests/test_walker.py)."""
+clean-run matrix over every model x layout at 4 layers (tests/test_walker.py).
+
+Tests marked ``@pytest.mark.slow`` repeat a check of the default suite at a larger size or
+another point of the same path; pyproject's addopts leave them out (``-m 'not slow'``), and
+``python -m pytest -m slow`` runs just them (``-m ''`` everything)."""
 
 import os
 
@@ -56,16 +60,16 @@ needs_cuda_plugin = pytest.mark.skipif(
 #: order alone, a long module of few tests (test_distributed, test_recommend_structure) starts
 #: last and keeps one worker busy minutes after the other has finished.
 LONGEST_FIRST = (
-    "test_distributed",
     "test_training",
     "test_recommend_structure",
     "test_docs",
+    "test_distributed",
     "test_policies",
     "test_sweep",
-    "test_gpu_check",
     "test_own_models",
     "test_walker",
     "test_recommend",
+    "test_gpu_check",
     "test_programs",
     "test_analyze_programs",
 )

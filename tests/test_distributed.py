@@ -5,6 +5,7 @@ Every process this file starts compiles with XLA:CPU's code generation optimisat
 persistent compilation cache (:func:`train_env`): after the first run, process 0 of a run loads
 its executables instead of compiling them."""
 
+import importlib.util
 import json
 import os
 import re
@@ -123,20 +124,40 @@ def test_one_process_starts_nothing(no_cluster_env):
     assert distributed.initialize(num_processes=1) is False
 
 
-def test_scripts_reject_a_bad_layout_or_mesh_in_one_line(tmp_path):
-    for cmd, match in [
-        ([*TRAIN, "--workdir", str(tmp_path / "a"), "--num-processes", "2", "--process-id", "2",
-          "--coordinator", "127.0.0.1:1"], "must be one of 0..1"),
-        ([*TRAIN, "--workdir", str(tmp_path / "b"), "--mesh", "fsdp=3"],
-         r"mesh dp=1,fsdp=3,tp=1 needs 3 devices .* but this run has 1"),
-        ([*SWEEP, "--config", "quick", "--out", str(tmp_path / "c.jsonl"), "--mesh", "pp=2"],
+def _script(name: str):
+    """experiments/<name>.py as a module (its main(argv) runs in this process)."""
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_script", ROOT / "experiments" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _one_error_line(stderr: str, match: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert re.search(match, lines[0]), lines[0]
+
+
+def test_scripts_reject_a_bad_layout_or_mesh_in_one_line(tmp_path, no_cluster_env, capsys):
+    """Exit 2 and one line on stderr: one real process (nothing else on its stderr: no JAX
+    backend started, no traceback), the other bad inputs through the scripts' main(argv)."""
+    out = _run([*TRAIN, "--workdir", str(tmp_path / "a"), "--num-processes", "2",
+                "--process-id", "2", "--coordinator", "127.0.0.1:1"])  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    _one_error_line(out.stderr, "must be one of 0..1")
+    n = jax.device_count() + 1  # one device more than this process has
+    for main, argv, match in [
+        (_script("train").main, ["--workdir", str(tmp_path / "b"), "--mesh", f"fsdp={n}"],
+         rf"mesh dp=1,fsdp={n},tp=1 needs {n} devices .* but this run has {n - 1}"),
+        (_script("sweep").main,
+         ["--config", "quick", "--out", str(tmp_path / "c.jsonl"), "--mesh", "pp=2"],
          "unknown mesh axis 'pp'; valid: dp, fsdp, tp"),
     ]:  # fmt: skip
-        out = _run(cmd)
-        assert out.returncode == 2, out.stderr[-2000:]
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
-        assert re.search(match, lines[0]), lines[0]
+        capsys.readouterr()
+        assert main(argv) == 2
+        _one_error_line(capsys.readouterr().err, match)
     assert not (tmp_path / "b" / "checkpoints").exists()
     assert not (tmp_path / "c.jsonl").exists()
 
@@ -177,7 +198,7 @@ def test_train_script_over_two_processes_matches_one(two_process_run, train_env,
 
 @pytest.mark.parametrize(
     "victim, point",
-    [(1, "before-save@4"), (0, "mid-save@4")],
+    [pytest.param(1, "before-save@4", marks=pytest.mark.slow), (0, "mid-save@4")],
     ids=["process-1-before-save", "process-0-mid-save"],
 )
 def test_one_process_killed_resumes_bitwise(two_process_run, train_env, tmp_path, victim, point):
@@ -185,7 +206,11 @@ def test_one_process_killed_resumes_bitwise(two_process_run, train_env, tmp_path
     save; process 0, which finalises orbax saves, after every item is written and before the
     rename); the other is then killed as a scheduler tears the job down (left alone it would
     abort on the coordinator's heartbeat timeout). Resumed over 2 processes, the run continues
-    from checkpoint 2 and ends bitwise where the uninterrupted run ends."""
+    from checkpoint 2 and ends bitwise where the uninterrupted run ends.
+
+    The default suite kills process 0 mid-save (the process that finalises saves, at the
+    hardest point); process 1 killed before its save is marked slow (the same path with the
+    other victim; tests/test_training.py kills a one-process run before-save too)."""
     workdir = tmp_path / "run"
     cmd = [*TRAIN, "--workdir", str(workdir), "--steps", "6", *TINY_TRAIN]
     procs = _start_two(cmd, train_env, {victim: {"REMAT_KIT_KILL_AT": point}})
@@ -216,29 +241,34 @@ SWEEP_CONFIG = """
 from remat_kit.sweep import Grid, SweepConfig
 
 def get_config():
-    return SweepConfig("two", grids=(Grid(
-        "measured", models=("tiny-gpt",), policies=("no-remat", "save-nothing"),
-        batch_sizes=(4,), seq_lens=(32,), overrides={"scan_layers": True},
-        warmup_steps=0, timed_steps=2),))
+    return SweepConfig("two", grids=(Grid(**GRID),))
 """
+#: One point: the smallest grid that still runs the sweep's measured path over a mesh.
+GRID = dict(
+    name="measured",
+    models=("tiny-gpt",),
+    policies=("save-nothing",),
+    batch_sizes=(2,),
+    seq_lens=(16,),
+    overrides={"scan_layers": True},
+    warmup_steps=0,
+    timed_steps=2,
+)
 
 
 def test_sweep_script_over_two_processes_matches_one(tmp_path):
     """fsdp over the devices of 2 processes: process 0 writes one row per point, rows name the
     mesh, and the losses are those of a one-device sweep of the same grid."""
-    (tmp_path / "two.py").write_text(SWEEP_CONFIG)
+    (tmp_path / "two.py").write_text(f"GRID = {GRID!r}\n{SWEEP_CONFIG}")
     out = tmp_path / "rows.jsonl"
     _two_processes([*SWEEP, "--config", str(tmp_path / "two.py"), "--out", str(out),
                     "--mesh", "fsdp=2", "--no-plot", "--no-progress"])  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["policy"] for r in rows] == ["no-remat", "save-nothing"]
+    assert [r["policy"] for r in rows] == list(GRID["policies"])
     assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
     assert {(r["mesh"], r["device_count"], r["process_count"]) for r in rows} == {
         ("dp=1,fsdp=2,tp=1", 2, 2)}  # fmt: skip
-    grid = Grid("measured", models=("tiny-gpt",), policies=("no-remat", "save-nothing"),
-                batch_sizes=(4,), seq_lens=(32,), overrides={"scan_layers": True},
-                warmup_steps=0, timed_steps=2)  # fmt: skip
-    single = run_sweep(SweepConfig("one", (grid,)), tmp_path / "one.jsonl", progress=False)
+    single = run_sweep(SweepConfig("one", (Grid(**GRID),)), tmp_path / "one.jsonl", progress=False)
     for r, s in zip(rows, single.rows, strict=True):
         assert "mesh" not in s  # one device: no mesh, the point keys of earlier sweeps
         np.testing.assert_allclose(r["losses"], s["losses"], rtol=1e-5)

@@ -21,14 +21,33 @@ def _rows(out: Path) -> dict[str, dict]:
     return {r["id"]: r for r in map(json.loads, (out / "gpu_check.jsonl").read_text().splitlines())}
 
 
-def test_cpu_mode_runs_every_point(tmp_path):
+#: The default suite's CPU run: every kind of point, one ``measure`` (no-remat: the time table's
+#: baseline, so its row has every column); the full CPU mode measures both policies (slow).
+QUICK = {**gpu_check.MODES["cpu"], "measure": ["no-remat"]}
+
+
+def test_cpu_mode_runs_every_point(tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_check.MODES, "cpu", QUICK)
+    rows = _check_cpu_run(tmp_path)
+    assert "measure/save-nothing" not in rows  # predicted, recommended, not measured
+
+
+@pytest.mark.slow
+def test_full_cpu_mode_runs_every_point(tmp_path):
+    _check_cpu_run(tmp_path)
+
+
+def _check_cpu_run(tmp_path):
+    """``--cpu`` end to end under ``MODES["cpu"]``: every point ok, and the summary's tables."""
+    mode = gpu_check.MODES["cpu"]
+    measured = mode.get("measure", mode["policies"])
     assert gpu_check.main(["--cpu", "--out", str(tmp_path), "--budget-s", "900"]) == 0
     rows = _rows(tmp_path)
     expected = {"versions", "preflight", "predict/h200", "recommend/h200", "grads"}
-    expected |= {f"measure/{p}" for p in gpu_check.MODES["cpu"]["policies"]}
+    expected |= {f"measure/{p}" for p in measured}
     assert expected <= set(rows)
     assert {rows[k]["status"] for k in expected} == {"ok"}, {k: rows[k] for k in expected}
-    for policy in gpu_check.MODES["cpu"]["policies"]:
+    for policy in measured:
         m = rows[f"measure/{policy}"]
         assert m["step_time_s"] > 0 and len(m["step_times_s"]) == 2
         assert all(x > 0 for x in m["losses"])
@@ -68,12 +87,13 @@ def test_cpu_mode_runs_every_point(tmp_path):
     )
     assert all(rows[k]["remat_impl"] == "classic" for k in expected - {"versions"})
     summary = (tmp_path / "summary.md").read_text()
-    assert "| save-nothing |" in summary and "pick **save-nothing**" in summary
+    assert f"| {measured[0]} |" in summary and "pick **save-nothing**" in summary
     assert "- none" in summary  # no point failed
     assert "## Estimated vs measured step time" in summary
     section = summary.split("## Estimated vs measured step time")[1].split("Goals")[0]
-    (row,) = [line for line in section.splitlines() if line.startswith("| save-nothing | ")]
+    (row,) = [line for line in section.splitlines() if line.startswith(f"| {measured[0]} | ")]
     assert "| - |" not in row  # measured, local and h200 estimates, and their errors
+    return rows
 
 
 def test_budget_is_kept_points_skipped_not_started(tmp_path):

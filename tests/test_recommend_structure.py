@@ -35,8 +35,15 @@ def cache() -> CompileCache:
 
 
 @pytest.fixture(scope="module")
-def first(cache) -> Recommendation:
-    return recommend(CONFIG, SEQ, TARGET, budget=10**9, cache=cache, **KW)
+def first_and_reports(cache) -> tuple[Recommendation, dict]:
+    """The named policies compiled (everything fits), and the cache's reports just then."""
+    rec = recommend(CONFIG, SEQ, TARGET, budget=10**9, cache=cache, **KW)
+    return rec, dict(cache.reports)
+
+
+@pytest.fixture(scope="module")
+def first(first_and_reports) -> Recommendation:
+    return first_and_reports[0]
 
 
 def _options(config) -> list[str]:
@@ -152,14 +159,19 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
 
 
 @needs_cuda_plugin
-def test_partial_search_stopped_by_the_compile_cap_says_so(first):
+def test_partial_search_stopped_by_the_compile_cap_says_so(first_and_reports):
     """A compile cap that leaves one partial-layer probe: the bracket stays open, and the notes
     say where the search stopped and that k is not shown to be the least."""
+    first, reports = first_and_reports
     sn, nr = _named(first, "save-nothing"), _named(first, "no-remat")
     budget = (sn.peak_bytes + nr.peak_bytes) // 2
+    named = CompileCache()  # save-nothing as compiled by `first`, no probe of another test
+    named.reports.update(reports)
+    # save-nothing reused (no compile), then 1 compile left: the bisection's first probe, k=2
     rec = recommend(
-        CONFIG, SEQ, TARGET, budget=budget, cache=CompileCache(), max_compiles=3, **KW
-    )  # 2 named policies, then 1 compile left
+        CONFIG, SEQ, TARGET, budget=budget, cache=named, max_compiles=1,
+        **{**KW, "policies": ["save-nothing"]},
+    )  # fmt: skip
     (probe,) = [c for c in rec.candidates if c.found_by == "partial-layers"]
     assert 1 < probe.remat_layers < CONFIG.num_layers - 1  # one probe cannot close 0..4 here
     note = next(n for n in rec.notes if "partial-layer search stopped" in n)

@@ -17,8 +17,10 @@ from remat_kit.training import (  # noqa: E402
     sharded_train_state,
 )
 
+#: 2 layers: a remat block following a block, the fewest that still pass activations between
+#: sharded layers (4 only compiled more of the same).
 config = remat_kit.get_config(
-    "tiny-llama", remat_policy="save-dots-no-batch", num_kv_heads=4, d_ff=128
+    "tiny-llama", remat_policy="save-dots-no-batch", num_kv_heads=4, d_ff=128, num_layers=2
 )
 optimizer = make_optimizer("adamw")
 keys = jax.random.split(jax.random.key(1))

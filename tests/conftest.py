@@ -8,7 +8,10 @@ Tests marked ``@pytest.mark.slow`` repeat a check of the default suite at a larg
 another point of the same path; pyproject's addopts leave them out (``-m 'not slow'``), and
 ``python -m pytest -m slow`` runs just them (``-m ''`` everything)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Tests run on the CPU even where a GPU is present; GPU targets are compiled deviceless.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +27,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # compile as before; never the user's ~/.cache/remat-kit); each test gets its own, empty.
 os.environ["REMAT_KIT_NO_CACHE"] = "1"
 os.environ.pop("REMAT_KIT_CACHE_DIR", None)
+# XLA's GPU kernel cache shared by every deviceless GPU compile of this process and the ones it
+# starts (remat_kit.memory.compile_cache.kernel_cache_file): kernels change no figure, and a
+# warm cache halves a tiny model's compile; each test's compile cache stays its own.
+if not os.environ.get("REMAT_KIT_KERNEL_CACHE_DIR"):
+    _KERNELS = tempfile.mkdtemp(prefix="remat-kit-test-kernels-")
+    atexit.register(shutil.rmtree, _KERNELS, ignore_errors=True)
+    os.environ["REMAT_KIT_KERNEL_CACHE_DIR"] = _KERNELS
 # The time model's figures for the local CPU: fixed, so estimates (and recommend's ranking on
 # the local target) do not depend on how busy the machine is while the tests run.
 os.environ.setdefault(

@@ -240,3 +240,44 @@ def test_jax_persistent_cache_never_answers_an_analysis_compile(jax_persistent_c
     # The cache is on: a plain compile of the same program is written to it.
     lowered.compile()
     assert any(jax_persistent_cache.iterdir())
+
+
+needs_cuda = pytest.mark.skipif(
+    targets.cuda_plugin_module() is None, reason="JAX's CUDA plugin is not installed"
+)
+
+
+@needs_cuda
+def test_gpu_kernels_kept_between_runs_change_no_figure(tmp_path, monkeypatch):
+    """XLA's kernel cache of a deviceless GPU target outlives its engine (one file per target
+    and compiler versions) and seeds the next engine's; the reports are the same cold or warm;
+    a local target keeps none."""
+    monkeypatch.setenv(C.ENV_KERNELS, str(tmp_path / "kernels"))
+    monkeypatch.setenv(C.ENV_OFF, "1")  # every compile runs XLA
+    h100 = targets.get_target("h100-sxm")
+    kept = C.kernel_cache_file(h100, None)
+    assert kept is not None and kept.parent == tmp_path / "kernels"
+    assert C.kernel_cache_file(targets.get_target("local"), tmp_path) is None
+    assert C.kernel_cache_file(targets.get_target("a100-80gb"), None) != kept
+    sharding = targets.abstract_sharding(h100)
+    args = (jax.ShapeDtypeStruct((4, 16, 16), jnp.float32), _args()[0])
+    fn = jax.jit(_scanned(jax.checkpoint_policies.nothing_saveable))
+
+    @dataclasses.dataclass
+    class Item:
+        what: str = "scanned MLP"
+        target: targets.Target = h100
+        program_key: str | None = None
+
+        def lower(self):
+            return fn.lower(*targets.abstractify(args, sharding))
+
+    results = []
+    for _ in range(2):
+        with runner.CompileEngine(cache=None) as engine:
+            [(_, result)] = engine.compile_all([Item()])
+            started = os.path.getsize(engine._caches.seed)
+        assert kept.stat().st_size >= started > 0
+        results.append(result)
+    cold, warm = (r.dump for r in results)
+    assert warm.buffer_assignment == cold.buffer_assignment and warm.hlo == cold.hlo

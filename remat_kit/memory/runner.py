@@ -22,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from remat_kit import targets as T
 from remat_kit.memory import calibrate, hlo, roofline
-from remat_kit.memory.compile_cache import CompileCache
+from remat_kit.memory.compile_cache import CompileCache, keep_kernels, kernel_cache_file
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
@@ -154,29 +155,57 @@ def default_workers() -> int:
 
 
 class _KernelCaches:
-    """A kernel-cache file per worker thread, all seeded from the first compile's file."""
+    """A kernel-cache file per worker thread, all seeded from the first compile's file, which
+    starts from the file kept between runs for its target where there is one
+    (:func:`~remat_kit.memory.compile_cache.kernel_cache_file`); :meth:`keep` writes the
+    fullest file back there."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, kept: Callable[[T.Target], Path | None]):
         self.folder = folder
         self.seed = os.path.join(folder, "seed.kcache")
+        self._kept = kept
+        self._targets: dict[str, T.Target] = {}
         self._local = threading.local()
         self._count = 0
         self._lock = threading.Lock()
+
+    def _start(self, target: T.Target, path: str, source: str | None) -> None:
+        """Start ``path`` from ``source``, else from the kept file of ``target`` (if any)."""
+        with self._lock:
+            self._targets[target.name] = target
+        kept = self._kept(target)
+        if source is None and kept is not None and kept.exists():
+            source = str(kept)
+        if source is not None and not os.path.exists(path):
+            try:
+                shutil.copyfile(source, path)
+            except OSError:  # a kept file removed meanwhile: start empty
+                pass
 
     def options(self, target: T.Target, seeding: bool) -> dict[str, Any]:
         if target.platform != "cuda":
             return {}
         if seeding:
+            self._start(target, self.seed, None)
             return {"xla_gpu_kernel_cache_file": self.seed}
         path = getattr(self._local, "path", None)
         if path is None:
             with self._lock:
                 self._count += 1
                 path = os.path.join(self.folder, f"worker{self._count}.kcache")
-            if os.path.exists(self.seed):
-                shutil.copyfile(self.seed, path)
             self._local.path = path
+        self._start(target, path, self.seed if os.path.exists(self.seed) else None)
         return {"xla_gpu_kernel_cache_file": path}
+
+    def keep(self) -> None:
+        """Write the fullest kernel file back to where its target's is kept, when every compile
+        of this engine was for that one target (files of two GPU models are not mixed)."""
+        if len(self._targets) != 1:
+            return
+        kept = self._kept(next(iter(self._targets.values())))
+        files = [Path(self.folder, f) for f in os.listdir(self.folder) if f.endswith(".kcache")]
+        if kept is not None and files:
+            keep_kernels(max(files, key=lambda f: f.stat().st_size), kept)
 
 
 def step_time_of(
@@ -386,9 +415,10 @@ class CompileEngine:
         self.workers = max(1, workers or default_workers())
         self._done: dict[str, CompileResult | CompileError] = {}
         self._folder = tempfile.TemporaryDirectory(prefix="remat-kit-kernels-")
-        self._caches = _KernelCaches(self._folder.name)
-        self._seeded = False
         self.cache = CompileCache.from_env() if cache == FROM_ENV else cache
+        folder = None if self.cache is None else self.cache.folder
+        self._caches = _KernelCaches(self._folder.name, lambda t: kernel_cache_file(t, folder))
+        self._seeded = False
         self.progress = progress
         #: Compiles run by XLA (not read from the cache), pass-off compiles included.
         self.compiles = 0
@@ -400,7 +430,9 @@ class CompileEngine:
         self.close()
 
     def close(self) -> None:
-        """Drop every executable and the kernel caches."""
+        """Keep the kernel cache for the next run (see :class:`_KernelCaches`), then drop every
+        executable and this engine's files."""
+        self._caches.keep()
         self._done.clear()
         self._folder.cleanup()
 

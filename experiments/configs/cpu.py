@@ -7,14 +7,15 @@ Command::
     python experiments/sweep.py --config cpu      # the same, explicitly
 
 Runtime: ~5 CPU-minutes (x86-64, jax 0.10.2, CPU backend): the committed run in
-``experiments/results/cpu/`` took 3 min 9 s of wall time on 2 otherwise idle cores (load
-average under 2, 2026-12-01), about two thirds of it compiling (each policy is compiled twice
-per sequence length, by the analyzer and for the real step, two at a time). Hardware: any CPU;
+``experiments/results/cpu/`` took 4 min 30 s of wall time on 2 otherwise idle cores (load
+average under 2, 2026-12-02, Intel Xeon VM), about half of it compiling (each policy's step is
+compiled once per sequence length, two at a time, and both analysed and run). Hardware: any CPU;
 part (b) needs the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
 
 (a) ``measured``: ``gpt-10m`` (byte-level, 11.1M parameters, 6 layers, d_model 384) with
     scanned layers (XLA:CPU honours remat only inside a scan), every registered policy,
     batch 4, s in {128, 256}: analysed on the CPU backend, then 1 warm-up and 5 timed AdamW steps
+    (the policies' steps interleaved: step i of every policy before step i+1 of any)
     on the Python standard library's source. The CPU backend reports no peak memory
     (``memory_stats()`` is None) and has no known peak FLOP/s: ``measured_peak_bytes`` and
     ``mfu`` are null.
@@ -26,7 +27,7 @@ Expected (the committed run): every policy trains to the same losses (within 1e-
 predicted peak -43% (s=128) / -59% (s=256) with full remat, -37% / -51% with
 ``save-dots-no-batch``; compiled matmul FLOPs x1.23 and x1.02-1.03. On this CPU the step is not
 matmul-bound: no-remat, whose temp buffer (allocated and faulted in at every step) is 2-4x the
-others', is the slowest policy in process CPU time (the others -22.6% to -6.1%), and among remat
+others', is the slowest policy in process CPU time (the others -19.3% to -6.1%), and among remat
 policies time does not track the FLOPs ratio; the rows carry the roofline's estimate
 (``predicted_step_time_s``) beside the measured time (``experiments/bench_time_model.py``).
 Wall times on a shared machine are noisy (XLA uses the second core only when it is free); the

@@ -230,7 +230,7 @@ def check(
     if chosen is None:
         raise ValueError(
             f"check(program): give policy= to check on {program.name!r}, or use "
-            "check_policies(program, target=...) for the policies that act on it"
+            "remat_kit.doctor.check_policies(program, target=...) for the policies that act on it"
         )
     return check_policies(program, [chosen], target)[0]
 

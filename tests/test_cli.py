@@ -25,6 +25,8 @@ BAD_INPUTS = [
     (["analyze", "--model", "tiny-gpt", "--batch", "0", "--seq", "8"], "positive integer"),
     (["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "-5"], "positive integer"),
     ([*_ANALYZE, "--budget", "eighty"], "cannot read 'eighty' as a size"),
+    # a value starting with "-" that is not a plain number still reaches the check naming it
+    ([*_ANALYZE, "--budget", "-5GiB"], "'-5GiB'"),
     ([*_ANALYZE, "--seq", "4096"], "exceeds max_seq_len"),
     ([*_ANALYZE, "--policy", "save-nothing", "--all-policies"], "not both"),
     (["analyse"], "invalid choice"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -67,14 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 compile failed, 2 bad input)."""
     try:
-        args = build_parser().parse_args(argv)
-        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
+        given = list(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(_attach_negative_values(given))
+        args.argv = given  # the command, for reports
         resolve_slices(args)
         with _cache_off(getattr(args, "no_cache", False)):
             return args.func(args)
     except (UsageError, ValueError, LibtpuMissingError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+
+
+def _attach_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--budget -5GiB`` as ``--budget=-5GiB``: argparse reads a value that starts with ``-``
+    and is not a plain number as the next option ("expected one argument"), so the bad value
+    would never reach the check that names it. A long option followed by ``-`` and a digit
+    takes it as its value (no command has a negative positional argument)."""
+    out: list[str] = []
+    for token in argv:
+        prev = out[-1] if out else ""
+        if re.match(r"-\d", token) and prev.startswith("--") and "=" not in prev:
+            out[-1] = f"{prev}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 @contextlib.contextmanager

@@ -572,10 +572,11 @@ def _timeline_panel(ax, r: MemoryReport, title: str, unit, unit_name, colors, se
 
 # -- Option sets ---------------------------------------------------------------------------------
 
-_FAMILY_COLORS = {
-    "plain": "tab:gray", "remat_layers": "tab:blue", "nested_remat": "tab:green",
-    "loss_chunk_size": "tab:orange", "attention": "tab:purple",
-}  # fmt: skip
+#: One color per option family (remat_kit.results.OPTION_FAMILIES, in order).
+_FAMILY_COLORS = dict(
+    zip(R.OPTION_FAMILIES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"),
+        strict=True)
+)  # fmt: skip
 
 
 def _panel(ax, recs: Sequence[Mapping[str, Any]], values: list, xlabel: str, fmt: str,

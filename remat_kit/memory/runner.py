@@ -173,10 +173,12 @@ class _KernelCaches:
         """Start ``path`` from ``source``, else from the kept file of ``target`` (if any)."""
         with self._lock:
             self._targets[target.name] = target
-        kept = self._kept(target)
-        if source is None and kept is not None and kept.exists():
+        if os.path.exists(path):  # started already: nothing to look up on later compiles
+            return
+        kept = self._kept(target) if source is None else None
+        if kept is not None and kept.exists():
             source = str(kept)
-        if source is not None and not os.path.exists(path):
+        if source is not None:
             try:
                 shutil.copyfile(source, path)
             except OSError:  # a kept file removed meanwhile: start empty

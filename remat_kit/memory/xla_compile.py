@@ -44,10 +44,10 @@ FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
 #: A compiler option in the key of JAX's persistent compilation cache
 #: (``jax_compilation_cache_dir``, which MaxText turns on by default) that changes nothing XLA
 #: compiles: it names a file for GPU autotuning results, which a deviceless or CPU compile never
-#: writes. :func:`compile_with_dump`
-#: sets it to a path inside the compile's own dump folder, so the key is new at every compile and
-#: JAX's cache can never hand back an executable compiled earlier, without its dumps and log lines
-#: (jax/_src/cache_key.py leaves ``xla_dump_to`` out of the key: a hit would write no dumps).
+#: writes. :func:`compile_with_dump` sets it to a path inside the compile's own dump folder, so
+#: the key is new at every compile and JAX's cache never hands back an executable compiled
+#: earlier without its dumps and log lines (jax/_src/cache_key.py leaves ``xla_dump_to`` out of
+#: its key: a hit would write no dumps).
 CACHE_BYPASS_OPTION = "xla_gpu_dump_autotune_results_to"
 
 # absl: "W1129 16:34:37.803546    5784 hlo_rematerialization.cc:3231] message"

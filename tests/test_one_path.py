@@ -123,6 +123,24 @@ def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     assert "save-qkv-proj" not in {r["policy"] for r in run.rows}
 
 
+def test_recommend_compiles_the_set_analyze_compiles_on_a_program():
+    """By default recommend considers what analyze compiles on a user's program, specs in its
+    own tag names included (it compared the registered policies only: at a budget only
+    ``attn_out=save`` met, it said nothing fits while analyze had compiled that spec fitting),
+    under the labels analyze prints."""
+    program = Program.from_loss(lambda p: _scanned(
+        _half_maxtext if p is None else jax.checkpoint(_half_maxtext, policy=p)), *_args(),
+        optimizer="sgd", name="half-maxtext")  # fmt: skip
+    chosen = remat_kit.memory.api.program_policies(program, "h100-sxm")
+    own = [label for label in chosen.labels() if label.startswith("custom: ")]
+    assert "custom: mlpwi=save" in own, own  # query_proj is not kept: tanh' reads tanh's output
+    rec = recommend(program, target="h100-sxm", structure=False)
+    named = [c.label for c in rec.candidates if c.found_by in ("named", "per-tag")]
+    assert sorted(named) == sorted(chosen.labels())
+    given = recommend(program, target="h100-sxm", policies=[{"query_proj": "offload"}])
+    assert [c.label for c in given.candidates] == ["custom: query_proj=offload"]
+
+
 def _half_maxtext(x, w):  # two of MaxText's names, not all a registered policy names
     q = checkpoint_name(x @ w, "query_proj")
     return jnp.tanh(checkpoint_name(jnp.tanh(q) @ w.T, "mlpwi"))

@@ -10,6 +10,7 @@ own residuals and compiled host bytes) to it.
 """
 
 import functools
+from types import SimpleNamespace
 
 import chex
 import jax
@@ -120,7 +121,8 @@ def test_recommend_never_picks_a_policy_for_what_the_other_implementation_does(i
     given = ["offload-qkv-proj", "offload-layer-inputs", "save-nothing", "save-qkv-proj"]
     with RI.using(impl):
         tags = frozenset(_config().checkpoint_names)
-        specs, notes, _ = _resolve_specs(tgt, given, tags, "program 'p'")
+        program = SimpleNamespace(name="p", model_config=None)  # given policies: its name only
+        specs, notes, _ = _resolve_specs(tgt, given, program, tags)
         offload_ok = RI.can_offload(tgt)
     kept = [s.name for s in specs]
     for policy in given:

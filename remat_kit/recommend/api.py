@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.memory.api import program_tags
+from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_names
+from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, argument_parts
 from remat_kit.recommend.advice import BudgetTooSmall, advice, fixed_program_advice, too_small
@@ -59,8 +59,8 @@ class Request:
       program: compiled first (a preset at batch 1 with ``auto``). specs: the policies kept, in
       order. groups: the group sizes to consider (none for a user's program). arguments: bytes
       of the step's arguments, per device. tags: the checkpoint names the program emits.
-      derived: registered policies cut down to those tags (compiled as custom specs), each
-      with its label (``minimal (cut)``). notes:
+      labels: custom specs among ``specs`` with the label every tool gives them (a registered
+      policy cut down to those tags: ``minimal (cut)``). notes:
       what resolving dropped or cut down (offloading policies on a target that does not
       offload, policies naming no emitted tag).
     """
@@ -76,7 +76,7 @@ class Request:
     arguments: dict[str, int]
     notes: tuple[str, ...]
     tags: frozenset[str] = frozenset()
-    derived: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
+    labels: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
     structure: bool = False
     margin: float = DEFAULT_MARGIN
 
@@ -121,8 +121,9 @@ def recommend(
     Args:
       model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig` (its
         ``remat_group_size`` is the base group size), made a program by :func:`remat_kit.preset`;
-        or any :class:`~remat_kit.Program` (a user's: the named policies that can act on the
-        tags it emits, and with ``solve`` per-tag choices over them; ``seq_len``,
+        or any :class:`~remat_kit.Program` (a user's: by default the policies ``analyze``
+        compiles on it, those that act on the tags it emits and specs in its own tag names, and
+        with ``solve`` per-tag choices over them; ``seq_len``,
         ``batch_size``, ``group_sizes``, ``optimizer`` and ``mesh`` do not apply, the program
         carries its own arguments).
       seq_len: tokens per sequence (required for a preset).
@@ -134,8 +135,9 @@ def recommend(
         ``"8e10"``); default the target's memory less ``margin``.
       solve: also search per-tag choices (:func:`solve_tags`); not with ``"auto"``.
       policies: the policies to consider: registered names, :class:`~remat_kit.PolicySpec`
-        objects or per-tag mappings (default every registered policy; offloading ones are
-        skipped on targets where offload is not real).
+        objects or per-tag mappings (default: on a preset every registered policy, on a user's
+        program the set ``analyze`` compiles on it; offloading ones are skipped on targets
+        where offload is not real).
       group_sizes: ``remat_group_size`` values to consider (default every divisor of
         ``num_layers``; ignored with ``"auto"``, which keeps the base group size).
       optimizer: ``"adamw"`` (default), ``"sgd"`` or ``"adafactor"``.
@@ -243,42 +245,57 @@ def _check_batch(batch_size: Any, auto_and_solve: bool) -> None:
 def _resolve_specs(
     tgt: T.Target,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    program: Program,
     tags: frozenset[str],
-    program: str,
 ) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str]]:
-    """The policies worth compiling on a program emitting ``tags``, notes, and the custom
-    specs registered policies were cut down to, with their label
-    (:func:`remat_kit.policies.cut_label`: ``minimal (cut)``).
+    """The policies worth compiling on ``program`` (emitting ``tags``), notes, and the labels of
+    the custom specs among them as every tool gives them (``minimal (cut)``:
+    :meth:`remat_kit.memory.api.ProgramPolicies.labels`).
 
-    Kept: the policies selecting by kind (``save-dots``, ``save-nothing``, ``no-remat``...) and
-    the name-based ones whose tags the program emits; one naming none of them is skipped (it
-    would run as ``save-nothing``), one naming some it does not emit is compiled cut down to
-    those (:func:`remat_kit.policies.policies_for_tags`); a user's own spec as given (the
-    analyzer checks its tags). Dropped with a note: offloading policies where offload is not
-    real, and those the remat implementation in use does not apply as named (never picked for
-    what they would do under the other one: :func:`remat_kit.remat_impl.honoured`).
+    Default on a user's program: the set ``analyze`` compiles on it
+    (:func:`remat_kit.memory.api.program_policies`: the registered policies that act on its
+    tags, cut down to them, and specs in its own tag names), so the two tools judge one set.
+    Default on a preset: every registered policy (``analyze --all-policies``). Given policies:
+    the policies selecting by kind (``save-dots``, ``save-nothing``, ``no-remat``...) and the
+    name-based ones whose tags the program emits; one naming none of them is skipped (it would
+    run as ``save-nothing``), one naming some it does not emit is compiled cut down to those
+    (:func:`remat_kit.policies.policies_for_tags`); a user's own spec as given (the analyzer
+    checks its tags). Dropped with a note: offloading policies where offload is not real, and
+    those the remat implementation in use does not apply as named (never picked for what they
+    would do under the other one: :func:`remat_kit.remat_impl.honoured`).
 
     Raises:
       ValueError: empty ``policies``; unknown policy; nothing left to compile.
     """
-    given = list(policies) if policies is not None else policy_names()
-    if not given:
-        raise ValueError("policies is empty: give at least one policy name")
-    fit = policies_for_tags(given, tags)  # raises on an unknown name
-    specs = list(dict.fromkeys(s for s in fit.specs if tgt.supports_host_offload or not s.offloads))
-    notes = fit.notes(program)
-    dropped = [s.name for s in fit.specs if s not in specs]
-    if dropped:
-        notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
-    if not specs:
-        raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
+    if policies is None and program.model_config is None:
+        chosen = program_policies(program, tgt)
+        if not chosen.specs:
+            raise ValueError(f"no policy acts on program {program.name!r}")
+        specs, notes = list(chosen.specs), list(chosen.notes)
+        labels = {s: label for s, label in zip(specs, chosen.labels(), strict=True)}
+    else:
+        given = list(policies) if policies is not None else policy_names()
+        if not given:
+            raise ValueError("policies is empty: give at least one policy name")
+        fit = policies_for_tags(given, tags)  # raises on an unknown name
+        specs = list(
+            dict.fromkeys(s for s in fit.specs if tgt.supports_host_offload or not s.offloads)
+        )
+        notes = fit.notes(f"program {program.name!r}")
+        cuts: dict[PolicySpec, list[str]] = {}
+        for named, cut in fit.restricted:
+            cuts.setdefault(cut, []).append(named.name)
+        labels = {cut: cut_label(names) for cut, names in cuts.items()}
+        dropped = [s.name for s in fit.specs if s not in specs]
+        if dropped:
+            notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
+        if not specs:
+            raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
     specs, wrong = honoured(specs)
     if not specs:
         raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")
-    derived: dict[PolicySpec, list[str]] = {}
-    for named, cut in fit.restricted:
-        derived.setdefault(cut, []).append(named.name)
-    return specs, notes + wrong, {cut: cut_label(names) for cut, names in derived.items()}
+    custom = {s: label for s, label in labels.items() if label != policy_label(s)}
+    return specs, notes + wrong, custom
 
 
 def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:
@@ -333,7 +350,7 @@ def resolve_request(
     groups = _resolve_groups(program, group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
-    specs, notes, derived = _resolve_specs(tgt, policies, tags, f"program {program.name!r}")
+    specs, notes, labels = _resolve_specs(tgt, policies, program, tags)
     on = policies is None if structure is None else bool(structure)
     if structure and program.model_config is None:
         program.variant(structure=True)  # raises: a user's program sets its own structure
@@ -346,7 +363,7 @@ def resolve_request(
     return Request(
         program=program, target=tgt, auto=auto, solve=solve, budget_bytes=budget_bytes,
         budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
-        notes=tuple(notes), tags=tags, derived=derived, structure=on and not auto,
+        notes=tuple(notes), tags=tags, labels=labels, structure=on and not auto,
         margin=margin,
     )  # fmt: skip
 
@@ -375,7 +392,7 @@ def open_session(
         program=request.program, target=request.target, budget=request.budget_bytes,
         cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
         max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
-        notes=list(request.notes), derived=request.derived, tags=request.tags,
+        notes=list(request.notes), labels=request.labels, tags=request.tags,
         margin=request.margin,
     )  # fmt: skip
     if config is not None and request.budget_bytes < params + opt_state:

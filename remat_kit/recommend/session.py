@@ -95,9 +95,9 @@ class Session:
     opt_state_bytes: int
     reused: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
-    #: Registered policies cut down to the program's tags (compiled as custom specs, found as
-    #: the named policy they come from), each with its label (``minimal (cut)``).
-    derived: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
+    #: Custom specs among the policies compiled by default, each with the label every tool
+    #: gives it (a registered policy cut down to the program's tags: ``minimal (cut)``).
+    labels: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
     #: The checkpoint names the program emits.
     tags: frozenset[str] = frozenset()
     #: Fraction of device memory the default budget keeps free.
@@ -222,9 +222,8 @@ class Session:
         )
         if c is None:
             return None
-        if found_by == "named" and spec in self.derived:
-            # a named policy, cut down: labelled as every tool labels it
-            c = dataclasses.replace(c, found_by="named", cut_from=self.derived[spec])
+        if found_by == "named" and spec in self.labels:  # labelled as every tool labels it
+            c = dataclasses.replace(c, found_by="named", named_label=self.labels[spec])
         if config is None:
             return c
         config = config.replace(**dict(structure))

@@ -9,6 +9,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from remat_kit.policies import custom_spec, policy_label
+
 #: Which stage of the search compiled a candidate.
 FoundBy = Literal[
     "named",
@@ -80,9 +82,11 @@ class Candidate:
     loss_chunk_size: int | None = None
     remat_layers: int | None = None
     nested_groups: int | None = None
-    #: The label of the registered policies this custom spec was cut down from on a program
-    #: that emits only some of their tags (``minimal (cut)``), else None.
-    cut_from: str | None = None
+    #: The label every tool gives this custom spec where it is one of the policies compiled by
+    #: default (a registered policy cut down to a program's tags: ``minimal (cut)``; every tag
+    #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.api.ProgramPolicies.labels`),
+    #: else None.
+    named_label: str | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -117,18 +121,14 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Policy name, a cut-down registered policy as every tool names it (``minimal
-        (cut)``), or the custom actions (``custom: save key_proj; offload query_proj``)."""
+        """Policy name, a default policy's label as every tool gives it (``minimal (cut)``), or
+        the custom actions as analyze prints them (:func:`remat_kit.policies.policy_label`:
+        ``custom: key_proj=save, query_proj=offload``)."""
         if self.actions is None:
             return self.policy
-        if self.cut_from is not None:
-            return self.cut_from
-        parts = [
-            f"{what} " + ",".join(sorted(t for t, a in self.actions.items() if a == what))
-            for what in ("save", "offload")
-            if what in self.actions.values()
-        ]
-        return "custom: " + ("; ".join(parts) or "recompute all")
+        if self.named_label is not None:
+            return self.named_label
+        return policy_label(custom_spec(self.actions))
 
     def code(self) -> str:
         """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch

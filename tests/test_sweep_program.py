@@ -19,9 +19,12 @@ import jax
 import pytest
 from rich.console import Console
 
+import remat_kit
 from remat_kit import Program, load_program, results, sweep
+from remat_kit.memory.api import traced_step
 from remat_kit.policies import get_policy_spec
 from remat_kit.sweep import program_sweep as programs
+from remat_kit.sweep.measure import time_runs
 from remat_kit.sweep.output import warning_lines
 from tests.user_models import plain_jax
 
@@ -68,6 +71,8 @@ def test_rows_measured_on_the_cpu(swept):
         assert r["program_tags"] == sorted(plain_jax.TAGS)
         assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
         assert r["step_cpu_s"] > 0 and r["compile_s"] > 0
+        assert r["compile_reused"] is True  # the analyzer's executable ran: compiled once
+        assert r["step_order"] == "interleaved"  # no peak to keep apart on the CPU
         assert r["measured_peak_bytes"] is None  # the CPU backend reports no peak
         assert "reports no peak_bytes_in_use" in r["measured_peak_note"]
         assert r["peak_bytes"] > 0 and r["recompute_ratio"] > 0
@@ -214,8 +219,10 @@ def test_concrete_params_give_the_optimizers_own_state_and_the_users_first_loss(
     pure = program.step(get_policy_spec("save-nothing"))
     host = programs.host_arguments(pure)
     assert host.source == "concrete" and host.note is None
-    compiled = programs.lower_step(program, pure, host).compile()
-    result = programs.run_program_step(program, pure, compiled, host, 0, 2)
+    local = remat_kit.get_target("local")
+    _, stage = traced_step(program, get_policy_spec("save-nothing"), program.place(local))
+    run = programs.ProgramRun(program, pure, stage.lower().compile(), host, 0, 2)
+    (result,) = time_runs([lambda: run], interleave=False)
     own = float(plain_jax.make_loss(None)(params, tokens))
     assert result["losses"][0] == pytest.approx(own, rel=1e-5)
     assert result["losses"][1] < result["losses"][0]
@@ -280,3 +287,24 @@ def test_ctrl_c_prints_one_line_keeps_the_rows_and_exits_130(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert err == f"interrupted: 1 rows kept in {out}; --resume continues\n"
     assert results.read_rows(out) == [{"key": "a", "policy": "no-remat"}]
+
+
+def test_interleaved_program_steps_are_each_policys_own():
+    """Two policies' steps of one program timed interleaved compute what each computes alone
+    (each run feeds back its own donated state): the losses are bitwise equal."""
+    program = load_program(MODEL)
+    local = remat_kit.get_target("local")
+    makers = []
+    for name in ("no-remat", "save-nothing"):
+        spec = get_policy_spec(name)
+        pure, stage = traced_step(program, spec, program.place(local))
+        host = programs.host_arguments(pure)
+        compiled = stage.lower().compile()
+        makers.append(
+            lambda p=pure, c=compiled, h=host: programs.ProgramRun(program, p, c, h, 1, 2)
+        )
+    alone = time_runs(makers, interleave=False)
+    mixed = time_runs(makers, interleave=True)
+    for a, b in zip(alone, mixed, strict=True):
+        assert (a["step_order"], b["step_order"]) == ("alone", "interleaved")
+        assert a["losses"] == b["losses"] and len(a["losses"]) == 3

@@ -57,6 +57,7 @@ from remat_kit.program import (
     Placement,
     PolicyReach,
     Program,
+    Pure,
     argument_parts,
     param_names,
     purify,
@@ -434,14 +435,22 @@ def _hints(program: Program, rows: Sequence[TagResiduals], placement: Placement)
     )
 
 
+def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tuple[Pure, Any]:
+    """The program's step under ``spec`` (its one trace: :meth:`Program.step`), jitted with
+    its donated arguments and traced on its arguments as ``placement`` places them: the
+    ``jax.stages.Traced`` every analysis compile lowers, and the sweep's run of it too (the same
+    lowered program, so one compile serves both)."""
+    pure = program.step(spec)
+    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
+    with S.activation_sharding(placement.mesh):  # the model traced under the mesh
+        return pure, jitted.trace(*placement.place(pure.args))
+
+
 def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
     """One policy's compile job; traces the step once (FLOPs, remat placement, lowering)."""
     program = setup.program
-    pure = program.step(spec)
+    pure, stage = traced_step(program, spec, setup.placement)
     abstract = setup.placement.place(pure.args)
-    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
-    with S.activation_sharding(setup.placement.mesh):  # the model traced under the mesh
-        stage = jitted.trace(*abstract)
     traced = stage.jaxpr.jaxpr if spec.wrap else None
     residuals = program.residuals(spec, setup.placement)
     devices = setup.placement.devices

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -98,8 +99,9 @@ def host_state(point: Point, config: ModelConfig, cache: dict | None) -> TrainSt
 
 
 @dataclasses.dataclass
-class _Step:
-    """A point's run step for :meth:`CompileEngine.compile_all` (lowered already)."""
+class RunStep:
+    """A step to compile for a run, for :meth:`CompileEngine.compile_all`: ``lower`` returns it
+    lowered for the local device(s); ``what`` names it in errors."""
 
     what: str
     target: T.Target
@@ -129,98 +131,162 @@ def _lower_step(point: Point, state_cache: dict | None) -> tuple[Any, float]:
     return low, time.perf_counter() - t0
 
 
+def compile_run_steps(
+    steps: dict[str, RunStep | BaseException],
+    engine: CompileEngine | None = None,
+    lower_s: dict[str, float] | None = None,
+) -> dict[str, tuple[Any, float, bool] | BaseException]:
+    """Compile the steps to run through ``engine`` (a pool, identical programs once, full
+    code-generation optimisation; a new engine when None): a program the engine already holds
+    (the analyzer's compile of the same step) is not compiled again.
+
+    Args:
+      steps: by key, the step, or the exception making it raised.
+      lower_s: seconds spent lowering, by key, added to the compile's.
+
+    Returns:
+      By key: ``(compiled executable, seconds lowering it plus compiling it, whether the
+      executable was the engine's already)``, or the exception lowering or compiling raised.
+    """
+    out: dict[str, Any] = {k: s for k, s in steps.items() if isinstance(s, BaseException)}
+    todo = [(k, s) for k, s in steps.items() if not isinstance(s, BaseException)]
+    with contextlib.nullcontext(engine) if engine else CompileEngine() as eng:
+        held = set(eng.held())
+        results = eng.compile_all([s for _, s in todo], fast=False, executable=True)
+        for (key, _), (program, result) in zip(todo, results, strict=True):
+            if isinstance(result, BaseException):
+                out[key] = result
+            else:
+                seconds = (lower_s or {}).get(key, 0.0) + result.compile_s
+                out[key] = (result.compiled, seconds, program in held)
+    return {k: out[k] for k in steps}
+
+
 def compile_steps(
     points: Sequence[Point],
     state_cache: dict | None = None,
     engine: CompileEngine | None = None,
 ) -> dict[str, tuple[Any, float, bool] | BaseException]:
-    """Compile the real training step of each point for the local device, ahead of time.
-
-    Each step (:func:`remat_kit.make_train_step`, state donated) is lowered in turn on the
-    abstract shapes of the initial state and batch and compiled through ``engine``
-    (:class:`remat_kit.memory.runner.CompileEngine`: a pool, identical programs once, full
-    code-generation optimisation). A program the engine already holds (the analyzer's compile
-    of the same step) is not compiled again.
+    """Compile the real training step of each point for the local device, ahead of time:
+    each step (:func:`remat_kit.make_train_step`, state donated) lowered in turn on the
+    abstract shapes of the initial state and batch and compiled by :func:`compile_run_steps`.
 
     Returns:
-      By point key: ``(compiled executable, seconds lowering it plus compiling it, whether the
-      executable was the engine's already)``, or the exception lowering or compiling raised.
+      By point key, as :func:`compile_run_steps`.
     """
-    out: dict[str, Any] = {}
-    steps, lower_s = [], {}
-    with contextlib.nullcontext(engine) if engine else CompileEngine() as eng:
-        for p in points:
-            try:
-                low, lower_s[p.key] = _lower_step(p, state_cache)
-            except Exception as err:
-                out[p.key] = err
-                continue
-            tgt = T.get_target(p.target)
-            steps.append((p.key, _Step(f"the step of {p.label}", tgt, lambda low=low: low)))
-        held = set(eng.held())
-        results = eng.compile_all([s for _, s in steps], fast=False, executable=True)
-        for (key, _), (program, result) in zip(steps, results, strict=True):
-            if isinstance(result, BaseException):
-                out[key] = result
-            else:
-                reused = program in held
-                seconds = lower_s[key] + result.compile_s
-                out[key] = (result.compiled, seconds, reused)
-    return out
+    steps: dict[str, RunStep | BaseException] = {}
+    lower_s: dict[str, float] = {}
+    for p in points:
+        try:
+            low, lower_s[p.key] = _lower_step(p, state_cache)
+        except Exception as err:
+            steps[p.key] = err
+            continue
+        tgt = T.get_target(p.target)
+        steps[p.key] = RunStep(f"the step of {p.label}", tgt, lambda low=low: low)
+    return compile_run_steps(steps, engine, lower_s)
 
 
-class _Run:
-    """One point's steps, taken one at a time: its state on the device, its batches, its
-    timings. A failure (a non-finite loss, what JAX raises) ends the run and is kept."""
+class StepRun:
+    """One program's steps, taken one at a time (:func:`time_runs`): ``warmup`` untimed then
+    ``timed`` timed steps, each ended by ``jax.block_until_ready``. A failure (a non-finite
+    loss, what JAX raises) ends the run and is kept. Subclasses give :meth:`prepare` (before
+    step ``i``'s timer starts), :meth:`call` (the timed step) and :meth:`finish` (after the
+    timer: the step's loss or None)."""
 
-    def __init__(self, point: Point, compiled: Any, corpus: Corpus, state_cache: dict | None):
-        self.point, self.compiled = point, compiled
-        self.steps = point.warmup_steps + point.timed_steps
-        host = host_state(point, point.model_config(), state_cache)
-        # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
-        (state_sharding, self.batch_sharding), _ = compiled.input_shardings
-        self.state = jax.block_until_ready(S.put_global(host, state_sharding))
-        self.batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
+    def __init__(self, warmup: int, timed: int):
+        self.warmup, self.steps = warmup, warmup + timed
         self.losses: list[float] = []
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.error: BaseException | None = None
+
+    def prepare(self, i: int) -> None:
+        """Untimed work before step ``i`` (placing its batch)."""
+
+    def call(self) -> Any:
+        """Run one step to completion (``jax.block_until_ready``); its output."""
+        raise NotImplementedError
+
+    def finish(self, out: Any) -> float | None:
+        """Keep what step's output ``out`` feeds the next step; its loss (None: no loss)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the run's device state (after its last step or a failure)."""
 
     def step(self, i: int) -> None:
         """Run step ``i`` (a no-op past the last step or after a failure)."""
         if i >= self.steps or self.error is not None:
             return
         try:
-            batch = _device_batch(self.batcher, i, self.batch_sharding)
+            self.prepare(i)
             start, cpu_start = time.perf_counter(), time.process_time()
-            self.state, metrics = self.compiled(self.state, batch)
-            jax.block_until_ready((self.state, metrics))
+            out = self.call()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            loss = float(metrics["loss"])
-            self.losses.append(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss at step {i} is {loss}")
+            loss = self.finish(out)
+            if loss is not None:
+                self.losses.append(loss)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss at step {i} is {loss}")
         except Exception as err:
-            self.error, self.state = err, None
+            self.error = err
+            self.release()
             return
-        if i >= self.point.warmup_steps:
+        if i >= self.warmup:
             self.times.append(elapsed)
             self.cpu_times.append(cpu)
         if i == self.steps - 1:
-            self.state = None  # its device memory goes now, not after the other runs
+            self.release()  # its device memory goes now, not after the other runs
 
     def result(self) -> dict[str, Any]:
+        """``step_times_s`` (wall seconds of the timed steps), ``step_time_s`` (their median),
+        ``step_cpu_times_s`` / ``step_cpu_s`` (process CPU seconds, all threads), ``losses``.
+
+        Raises:
+          The exception that ended the run.
+        """
         if self.error is not None:
             raise self.error
-        median = statistics.median(self.times)
         return {
             "step_times_s": [round(t, 6) for t in self.times],
-            "step_time_s": median,
+            "step_time_s": statistics.median(self.times),
             "step_cpu_times_s": [round(t, 6) for t in self.cpu_times],
             "step_cpu_s": statistics.median(self.cpu_times),
-            "tokens_per_s": self.point.batch_size * self.point.seq_len / median,
             "losses": self.losses,
         }
+
+
+class _Run(StepRun):
+    """A point's training steps: its state on the device, its batches from the corpus."""
+
+    def __init__(self, point: Point, compiled: Any, corpus: Corpus, state_cache: dict | None):
+        super().__init__(point.warmup_steps, point.timed_steps)
+        self.point, self.compiled = point, compiled
+        host = host_state(point, point.model_config(), state_cache)
+        # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
+        (state_sharding, self.batch_sharding), _ = compiled.input_shardings
+        self.state = jax.block_until_ready(S.put_global(host, state_sharding))
+        self.batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
+        self.batch: Any = None
+
+    def prepare(self, i: int) -> None:
+        self.batch = _device_batch(self.batcher, i, self.batch_sharding)
+
+    def call(self) -> Any:
+        return jax.block_until_ready(self.compiled(self.state, self.batch))
+
+    def finish(self, out: Any) -> float:
+        self.state, metrics = out
+        return float(metrics["loss"])
+
+    def release(self) -> None:
+        self.state = self.batch = None
+
+    def result(self) -> dict[str, Any]:
+        out = super().result()
+        out["tokens_per_s"] = self.point.batch_size * self.point.seq_len / out["step_time_s"]
+        return out
 
 
 def measure_point(
@@ -253,20 +319,19 @@ def measure_point(
       FloatingPointError: a loss was not finite.
       Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
     """
-    before = peak_bytes_in_use()
-    run = _Run(point, compiled, corpus, state_cache)
-    for i in range(run.steps):
-        run.step(i)
-    return {**run.result(), **measured_peak(before), "step_order": "alone"}
+    (out,) = time_runs([lambda: _Run(point, compiled, corpus, state_cache)], interleave=False)
+    if isinstance(out, BaseException):
+        raise out
+    return out
 
 
-def can_interleave(points: Sequence[Point], state_bytes: Sequence[int]) -> bool:
-    """Whether the steps of ``points`` may be timed interleaved: the local backend reports no
-    per-program peak (:func:`peak_bytes_in_use` is None, as on the CPU: nothing to measure
-    alone) and their states (``state_bytes``, bytes each) fit in half the host's memory
-    together (``os.sysconf``), in a single process (the processes of a multi-process run must
-    run their steps in one order; each host's memory is its own). On a GPU each point runs
-    alone, so its measured peak is its own."""
+def can_interleave(points: Sequence[Any], state_bytes: Sequence[int]) -> bool:
+    """Whether the steps of ``points`` (points or policies) may be timed interleaved: the local
+    backend reports no per-program peak (:func:`peak_bytes_in_use` is None, as on the CPU:
+    nothing to measure alone) and their states (``state_bytes``, bytes each) fit in half the
+    host's memory together (``os.sysconf``), in a single process (the processes of a
+    multi-process run must run their steps in one order; each host's memory is its own). On a
+    GPU each point runs alone, so its measured peak is its own."""
     if len(points) < 2 or jax.process_count() > 1 or peak_bytes_in_use() is not None:
         return False
     try:
@@ -276,6 +341,56 @@ def can_interleave(points: Sequence[Point], state_bytes: Sequence[int]) -> bool:
     return sum(state_bytes) <= memory // 2
 
 
+def time_runs(
+    makers: Sequence[Callable[[], StepRun]], interleave: bool
+) -> list[dict[str, Any] | BaseException]:
+    """Time each run ``makers`` make (:class:`StepRun`): one after the other, each made just
+    before its steps; or with ``interleave`` (see :func:`can_interleave`) every run made
+    first and step ``i`` of every run taken before step ``i + 1`` of any, the order rotating
+    by one run each step: a drift of the machine's speed (other processes, clocks) then falls
+    on every policy alike instead of on whichever ran during it (on a shared 2-core VM, one
+    program timed twice a minute apart differed by up to 12%).
+
+    Returns:
+      Per run, in order: :meth:`StepRun.result` with ``measured_peak_bytes`` /
+      ``measured_peak_note`` and ``step_order`` (``"alone"`` / ``"interleaved"``), or the
+      exception making or running it raised.
+    """
+    results: list[dict[str, Any] | BaseException] = []
+    if not interleave:
+        for make in makers:
+            before = peak_bytes_in_use()
+            try:
+                run = make()
+                for i in range(run.steps):
+                    run.step(i)
+                results.append({**run.result(), **measured_peak(before), "step_order": "alone"})
+            except Exception as err:
+                results.append(err)
+        return results
+    runs: list[StepRun | BaseException] = []
+    for make in makers:
+        try:
+            runs.append(make())
+        except Exception as err:
+            runs.append(err)
+    live = [r for r in runs if isinstance(r, StepRun)]
+    for i in range(max((r.steps for r in live), default=0)):
+        k = i % len(live)
+        for run in live[k:] + live[:k]:
+            run.step(i)
+    # can_interleave: the backend reports no peak, so none is mixed (the note says it)
+    peak = {**measured_peak(None), "step_order": "interleaved"}
+    for run in runs:
+        try:
+            if isinstance(run, BaseException):
+                raise run
+            results.append({**run.result(), **peak})
+        except Exception as err:
+            results.append(err)
+    return results
+
+
 def measure_points(
     points: Sequence[Point],
     compiled: Sequence[Any],
@@ -283,47 +398,18 @@ def measure_points(
     state_cache: dict | None = None,
     interleave: bool = False,
 ) -> list[dict[str, Any] | BaseException]:
-    """:func:`measure_point` for each point (``compiled``: its executable), or with
-    ``interleave`` (see :func:`can_interleave`) every point's state placed first and step ``i``
-    of every point run before step ``i + 1`` of any, the order rotating by one point each step:
-    a drift of the machine's speed (other processes, clocks) then falls on every policy alike
-    instead of on whichever ran during it (on a shared 2-core VM, one program timed twice a
-    minute apart differed by up to 12%). Interleaved rows say ``step_order: "interleaved"``.
+    """:func:`measure_point` for each point (``compiled``: its executable), timed by
+    :func:`time_runs` (``interleave``: see :func:`can_interleave`). Interleaved rows say
+    ``step_order: "interleaved"``.
 
     Returns:
       Per point, in order: the measurement, or the exception its run raised.
     """
-    if not interleave:
-        out: list[dict[str, Any] | BaseException] = []
-        for p, c in zip(points, compiled, strict=True):
-            try:
-                out.append(measure_point(p, c, corpus, state_cache))
-            except Exception as err:
-                out.append(err)
-        return out
-    runs: list[_Run | BaseException] = []
-    for p, c in zip(points, compiled, strict=True):
-        try:
-            runs.append(_Run(p, c, corpus, state_cache))
-        except Exception as err:
-            runs.append(err)
-    live = [r for r in runs if isinstance(r, _Run)]
-    for i in range(max((r.steps for r in live), default=0)):
-        k = i % len(live)
-        for run in live[k:] + live[:k]:
-            run.step(i)
-    # can_interleave: the backend reports no peak, so none is mixed (the note says it)
-    peak = {**measured_peak(None), "step_order": "interleaved"}
-    results: list[dict[str, Any] | BaseException] = []
-    for run in runs:
-        if isinstance(run, BaseException):
-            results.append(run)
-            continue
-        try:
-            results.append({**run.result(), **peak})
-        except Exception as err:
-            results.append(err)
-    return results
+    makers = [
+        functools.partial(_Run, p, c, corpus, state_cache)
+        for p, c in zip(points, compiled, strict=True)
+    ]
+    return time_runs(makers, interleave)
 
 
 def measured_peak(before: int | None) -> dict[str, Any]:

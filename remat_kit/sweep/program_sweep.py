@@ -9,14 +9,17 @@ and specs in its own tag names),
 1. analyses the step with :func:`remat_kit.memory.analyze_policies`, every policy
    compiled together as ``remat-kit analyze --model`` compiles them (the same figures): compiled
    peak, residuals by the program's tags (from its loss), recompute ratio against the same step
-   without remat;
-2. compiles the step for the local device (full optimisation) and runs it on the program's
-   arguments (its own arrays, or values materialised from its ``ShapeDtypeStruct`` s:
-   :func:`host_arguments`), donated state fed back:
+   without remat; compiled once, with full optimisation, for the local device: the executable
+   that runs is the analyzer's (``compile_reused``);
+2. runs each policy's step on the program's arguments (its own arrays, or values materialised
+   from its ``ShapeDtypeStruct`` s: :func:`host_arguments`), donated state fed back:
    ``warmup_steps`` untimed then ``timed_steps`` timed steps, each ended by
-   ``jax.block_until_ready``; median step time, process CPU time, the loss of every step (when
-   the step returns one), the measured peak where the backend gives it (None on the CPU);
-3. appends the row to the JSONL results file (:mod:`remat_kit.results`, one fsync-ed write).
+   ``jax.block_until_ready``, the policies' steps interleaved where the backend reports no
+   per-program peak (the CPU; :func:`remat_kit.sweep.measure.time_runs`); median step time,
+   process CPU time, the loss of every step (when the step returns one), the measured peak
+   where the backend gives it (None on the CPU);
+3. appends one row per policy to the JSONL results file (:mod:`remat_kit.results`, one
+   fsync-ed write each).
 
 Rows have the preset sweep's fields; those that do not apply to a program (``batch_size``,
 ``seq_len``, ``model_config``, model FLOPs, ``tokens_per_s``, ``mfu``) are None. A row's key is
@@ -28,9 +31,9 @@ one policy gives a row with status ``oom`` / ``error`` and the sweep goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_kit import results as R
+from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.memory.api import analyze_policies, program_policies, program_tags
+from remat_kit.memory.api import analyze_policies, program_policies, program_tags, traced_step
+from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import (
     PolicySpec,
     check_tags,
@@ -55,7 +60,13 @@ from remat_kit.policies import (
 )
 from remat_kit.program import Program, Pure, require_program
 from remat_kit.sweep.checks import classify, error_message
-from remat_kit.sweep.measure import measured_peak, peak_bytes_in_use
+from remat_kit.sweep.measure import (
+    RunStep,
+    StepRun,
+    can_interleave,
+    compile_run_steps,
+    time_runs,
+)
 from remat_kit.sweep.output import SweepRun, prepare_output
 from remat_kit.sweep.output import progress as progress_bar
 from remat_kit.sweep.rows import ANALYSIS_KEYS, MEASURED_KEYS, analysis_fields
@@ -242,74 +253,52 @@ def loss_path(out: Any, claimed: Sequence[tuple]) -> tuple | None:
     return scalars[0] if len(scalars) == 1 else None
 
 
-def lower_step(program: Program, pure: Pure, host: HostArguments) -> Any:
-    """``pure`` jitted with the program's donated arguments and lowered for the local device on
-    the host arguments' shapes (compile it with ``.compile()``)."""
-    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
-    return jitted.lower(*device_arguments(host.values))
-
-
-def run_program_step(
-    program: Program,
-    pure: Pure,
-    compiled: Any,
-    host: HostArguments,
-    warmup_steps: int,
-    timed_steps: int,
-) -> dict[str, Any]:
-    """Run ``warmup_steps`` untimed then ``timed_steps`` timed steps of ``compiled`` (the
-    program's step under one policy), each ended by ``jax.block_until_ready``.
+class ProgramRun(StepRun):
+    """The steps of a program's compiled step under one policy (:func:`time_runs` times them).
 
     The arguments start from ``host`` (copied to the device for this policy). A donated
     argument is fed the step's updated value of it (:func:`feedback_paths`); one whose update
     the output does not hold is copied from the host again before each step, outside the timer.
-
-    Returns:
-      ``step_times_s`` (wall seconds of the timed steps) and ``step_time_s`` (their median),
-      ``step_cpu_times_s`` / ``step_cpu_s`` (process CPU seconds, all threads), ``losses``
-      (every step's loss, or None when the step returns no single float scalar),
-      ``measured_peak_bytes`` (bytes, or None: see ``measured_peak_note``), ``fed_back`` (names
-      of the donated arguments fed the step's output) and ``recopied`` (those copied again).
-
-    Raises:
-      FloatingPointError: a loss was not finite.
-      Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
+    The loss is the output's :func:`loss_path` (None when it has no single float scalar).
+    :meth:`result` adds ``fed_back`` (names of the donated arguments fed the step's output) and
+    ``recopied`` (those copied again).
     """
-    donated = program.donated(pure)
-    args = list(device_arguments(host.values))
-    shapes = jax.eval_shape(pure.fn, *args)
-    paths = feedback_paths(args, shapes, donated)
-    loss_at = loss_path(shapes, list(paths.values()))
-    recopy = [i for i in donated if i not in paths]
-    before = peak_bytes_in_use()
-    losses, times, cpu_times = [], [], []
-    for i in range(warmup_steps + timed_steps):
-        for j in recopy if i else ():
-            args[j] = device_arguments(host.values[j])
-        start, cpu_start = time.perf_counter(), time.process_time()
-        out = jax.block_until_ready(compiled(*args))
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        for j, path in paths.items():
-            args[j] = _get(out, path)
-        if loss_at is not None:
-            loss = float(_get(out, loss_at))
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss at step {i} is {loss}")
-            losses.append(loss)
-        if i >= warmup_steps:
-            times.append(elapsed)
-            cpu_times.append(cpu)
-    del args, out
-    return {
-        "step_times_s": [round(t, 6) for t in times],
-        "step_time_s": statistics.median(times),
-        "step_cpu_times_s": [round(t, 6) for t in cpu_times],
-        "step_cpu_s": statistics.median(cpu_times),
-        "losses": losses if loss_at is not None else None,
-        **measured_peak(before),
-        "fed_back": [pure.names[j] for j in sorted(paths)],
-        "recopied": [pure.names[j] for j in recopy],
-    }
+
+    def __init__(self, program: Program, pure: Pure, compiled: Any, host: HostArguments,
+                 warmup: int, timed: int):  # fmt: skip
+        super().__init__(warmup, timed)
+        self.compiled, self.host = compiled, host
+        donated = program.donated(pure)
+        self.args: list[Any] | None = list(device_arguments(host.values))
+        shapes = jax.eval_shape(pure.fn, *self.args)
+        self.paths = feedback_paths(self.args, shapes, donated)
+        self.loss_at = loss_path(shapes, list(self.paths.values()))
+        self.recopy = [i for i in donated if i not in self.paths]
+        self.names = pure.names
+
+    def prepare(self, i: int) -> None:
+        for j in self.recopy if i else ():
+            self.args[j] = device_arguments(self.host.values[j])  # type: ignore[index]
+
+    def call(self) -> Any:
+        return jax.block_until_ready(self.compiled(*self.args))  # type: ignore[misc]
+
+    def finish(self, out: Any) -> float | None:
+        for j, path in self.paths.items():
+            self.args[j] = _get(out, path)  # type: ignore[index]
+        return None if self.loss_at is None else float(_get(out, self.loss_at))
+
+    def release(self) -> None:
+        self.args = None
+
+    def result(self) -> dict[str, Any]:
+        out = super().result()
+        return {
+            **out,
+            "losses": out["losses"] if self.loss_at is not None else None,
+            "fed_back": [self.names[j] for j in sorted(self.paths)],
+            "recopied": [self.names[j] for j in self.recopy],
+        }
 
 
 #: Row fields of a program sweep beyond the preset sweep's.
@@ -402,61 +391,82 @@ def _cut_labels(restricted: Sequence[tuple[PolicySpec, PolicySpec]]) -> dict[str
     return {key: cut_label(n) for key, n in names.items()}
 
 
-class _Runner:
-    """Runs the policies of one program sweep and writes their rows."""
-
-    def __init__(self, program: Program, path: Path, host: HostArguments, common: dict):
-        self.program, self.path, self.host, self.common = program, path, host, common
-        self.rows: list[dict[str, Any]] = []
-
-    def row(self, spec: PolicySpec, point: dict, report: Any, notes: list[str], label: str) -> dict:
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"format": R.ROW_FORMAT, "key": R.point_key(point), **self.common}
-        row.update(point, status="ok", error=None)
-        row.update(dict.fromkeys(ANALYSIS_KEYS))
-        row.update({k: self.common.get(k) for k in PROGRAM_KEYS})
-        row.update(
-            policy_spec=spec.description,
-            policy_label=label,
-            policy_notes=notes,
-            arguments=self.host.source,
-            arguments_note=self.host.note,
-            num_params=_num_params(self.program),
-        )
-        measured: dict[str, Any] = dict.fromkeys(MEASURED_KEYS)
-        try:
-            if isinstance(report, BaseException):
-                raise report
-            row.update(analysis_fields(report), residual_bytes_by_tag=_by_tag(report))
-            pure = self.program.step(spec)
-            start = time.perf_counter()
-            compiled = lower_step(self.program, pure, self.host).compile()
-            measured.update(compile_s=round(time.perf_counter() - start, 3), compile_reused=False)
-            steps = (self.common["sweep_config"][k] for k in ("warmup_steps", "timed_steps"))
-            result = run_program_step(self.program, pure, compiled, self.host, *steps)
-            row.update(fed_back=result.pop("fed_back"), recopied=result.pop("recopied"))
-            measured.update(result)
-            if measured["measured_peak_bytes"]:
-                measured["peak_error"] = row["peak_bytes"] / measured["measured_peak_bytes"] - 1
-        except Exception as err:
-            row["status"], row["error"] = classify(err), error_message(err)
-        row.update(measured)
-        row.update(point_s=round(time.perf_counter() - t0, 3), time=R.now_utc())
-        R.append_row(self.path, row)
-        self.rows.append(row)
-        return row
-
-
-def _analyse(program: Program, specs: dict[str, PolicySpec], failed: dict) -> dict[str, Any]:
-    """Reports (or the exception) by label; ``failed``: labels already failed, with why."""
-    live = {label: s for label, s in specs.items() if label not in failed}
+def _row(common: dict, point: dict, report: Any, extra: dict, executable: Any,
+         measurement: Any) -> dict[str, Any]:  # fmt: skip
+    """The row of one policy: the analysis ``report``, its compiled step and run (each the
+    result or the exception), as the preset sweep's rows."""
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"format": R.ROW_FORMAT, "key": R.point_key(point), **common}
+    row.update(point, status="ok", error=None)
+    row.update(dict.fromkeys(ANALYSIS_KEYS))
+    row.update({k: common.get(k) for k in PROGRAM_KEYS}, **extra)
+    measured: dict[str, Any] = dict.fromkeys(MEASURED_KEYS)
     try:
-        # compiled as `remat-kit analyze --model` compiles it (its figures are the same); the
-        # run compiles the step again with full optimisation (analyze_program keeps no executable)
-        reports = analyze_policies(program, list(live.values()), "local", raise_errors=False)
-    except Exception as err:  # the whole analysis failed: every policy gets the error
-        reports = [err] * len(live)
-    return {**failed, **dict(zip(live, reports, strict=True))}
+        for got in (report, executable, measurement):
+            if isinstance(got, BaseException):
+                raise got
+        row.update(analysis_fields(report), residual_bytes_by_tag=_by_tag(report))
+        _, compile_s, reused = executable
+        measured.update(compile_s=round(compile_s, 3), compile_reused=reused)
+        result = dict(measurement)
+        row.update(fed_back=result.pop("fed_back"), recopied=result.pop("recopied"))
+        measured.update(result)
+        if measured["measured_peak_bytes"]:
+            measured["peak_error"] = row["peak_bytes"] / measured["measured_peak_bytes"] - 1
+    except Exception as err:
+        row["status"], row["error"] = classify(err), error_message(err)
+    row.update(measured)
+    row.update(point_s=round(time.perf_counter() - t0, 3), time=R.now_utc())
+    return row
+
+
+def _analyse_and_run(
+    program: Program, specs: dict[str, PolicySpec], failed: dict, host: HostArguments,
+    steps: tuple[int, int], advance: Callable,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Reports, compiled steps and measurements (each the result or the exception) by label.
+
+    The policies are analysed as ``remat-kit analyze --model`` analyses them (the same
+    figures) with full code-generation optimisation, in one engine that keeps the
+    executables; each step to run is the analyzer's program (:func:`traced_step`), so it is
+    not compiled again. The steps are timed interleaved where
+    :func:`~remat_kit.sweep.measure.can_interleave` allows (the CPU), else one after the other.
+    ``failed``: labels already failed, with why.
+    """
+    live = {label: s for label, s in specs.items() if label not in failed}
+    local = T.get_target(T.LOCAL)
+    with CompileEngine() as engine:
+        advance(None, f"analysing {program.name} ({len(live)} policies)")
+        try:
+            reports = analyze_policies(
+                program, list(live.values()), local, raise_errors=False, fast_compile=False,
+                engine=engine,
+            )  # fmt: skip
+        except Exception as err:  # the whole analysis failed: every policy gets the error
+            reports = [err] * len(live)
+        reports = {**failed, **dict(zip(live, reports, strict=True))}
+        ok = [label for label in live if not isinstance(reports[label], BaseException)]
+        to_compile: dict[str, RunStep | BaseException] = {}
+        for label in ok:
+            try:
+                _, stage = traced_step(program, live[label], program.place(local))
+                to_compile[label] = RunStep(f"the step of {label}", local, stage.lower)
+            except Exception as err:
+                to_compile[label] = err
+        advance(None, f"compiling {len(ok)} steps of {program.name}")
+        executables = compile_run_steps(to_compile, engine)
+        ran = [k for k in ok if isinstance(executables[k], tuple)]
+        interleave = can_interleave(ran, [reports[k].argument_bytes for k in ran])
+        how = " interleaved" if interleave else ""
+        advance(None, f"timing {len(ran)} steps of {program.name}{how}")
+        makers = [
+            functools.partial(
+                ProgramRun, program, program.step(live[k]), executables[k][0], host, *steps
+            )
+            for k in ran
+        ]
+        measurements = dict(zip(ran, time_runs(makers, interleave), strict=True))
+    return reports, executables, measurements
 
 
 def _check(program: Program, warmup_steps: int, timed_steps: int) -> None:
@@ -531,17 +541,25 @@ def run_program_sweep(
                 before_policy(label)
         except Exception as err:
             failed[label] = err
-    runner = _Runner(program, path, host, common)
+    written: list[dict[str, Any]] = []
     with progress_bar(progress, console, len(todo)) as advance:
-        advance(None, f"analysing {program.name} ({len(todo)} policies)")
-        reports = _analyse(program, todo, failed) if todo else {}
+        reports, executables, measurements = (
+            _analyse_and_run(program, todo, failed, host, (warmup_steps, timed_steps), advance)
+            if todo else ({}, {}, {})
+        )  # fmt: skip
         for label, spec in todo.items():
-            advance(None, f"{program.name} {label}")
-            runner.row(
-                spec, points[label], reports[label], per_label.get(label, []),
-                cut_labels.get(label, label),
+            extra = {
+                "policy_spec": spec.description, "policy_label": cut_labels.get(label, label),
+                "policy_notes": per_label.get(label, []), "arguments": host.source,
+                "arguments_note": host.note, "num_params": _num_params(program),
+            }  # fmt: skip
+            row = _row(
+                common, points[label], reports[label], extra, executables.get(label),
+                measurements.get(label),
             )  # fmt: skip
+            R.append_row(path, row)
+            written.append(row)
             advance(1, f"{program.name} {label}")
-    rows = [*done.values(), *runner.rows]
+    rows = [*done.values(), *written]
     wall = time.perf_counter() - start
-    return SweepRun(path, rows, runner.rows, len(by_label) - len(todo), wall, notes)
+    return SweepRun(path, rows, written, len(by_label) - len(todo), wall, notes)

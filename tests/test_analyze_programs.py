@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
 from remat_kit.memory.api import analyze_policies, program_policies, remat_placement
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
+from remat_kit.memory.reading import XLA_REMAT_LIMIT_NOTE
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.undone import RematPlacement, undone_cause
 from remat_kit.policies import get_policy_spec, policy_label
@@ -177,6 +179,23 @@ def test_xla_remat_said_once():
     # The repeat reads both compiles (pass on, pass off) and XLA's log lines from the cache.
     assert again.compile_cached and again == dataclasses.replace(r, compile_cached=True)
     assert any("Can't reduce memory use" in w for w in again.warnings), again.warnings
+
+
+@needs_cuda_plugin
+def test_xla_remat_limit_is_said_not_to_be_the_device_memory():
+    """XLA's "Can't reduce memory use below X" comes with the note that X is XLA's own target,
+    about 76% of the device's memory (80% x the 95% slop factor), not the memory itself: one
+    MB more device memory moves X by 760,000 bytes."""
+    limits = []
+    for memory in (3_000_000, 4_000_000):
+        small = dataclasses.replace(
+            targets.get_target("h100-sxm"), name="h100-small", memory_bytes=memory
+        )
+        (r,) = remat_kit.analyze_policies(plain_jax.program(), ["no-remat"], target=small, top_k=0)
+        (said,) = [w for w in r.warnings if "Can't reduce memory use below" in w]
+        assert said.endswith(XLA_REMAT_LIMIT_NOTE)
+        limits.append(int(re.search(r"below \S+ \((\d+) bytes\)", said).group(1)))
+    assert abs((limits[1] - limits[0]) - 760_000) <= 100, limits
 
 
 def test_program_repr_is_short():

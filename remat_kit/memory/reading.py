@@ -237,13 +237,27 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
     )
 
 
+#: Said after XLA's "Can't reduce memory use below X": X is not the device's memory. XLA's GPU
+#: compiler (``GetMemoryLimitInBytes``) starts from 80% of the device's memory (unless the
+#: module sets its own size), adjusts it for the entry's arguments and outputs, and scales it by
+#: ``xla_gpu_memory_limit_slop_factor`` / 100 (default 95): 76% of a device's memory plus a
+#: constant (checked in tests/test_analyze_programs.py with two device sizes).
+XLA_REMAT_LIMIT_NOTE = (
+    " [remat-kit: that limit is XLA's own rematerialization target, not the device's memory "
+    "(on a GPU about 76% of it: 80% x xla_gpu_memory_limit_slop_factor 95%, adjusted for the "
+    "step's arguments and outputs); whether the step fits is judged on its whole compiled peak]"
+)
+
+
 def log_warnings(result: CompileResult) -> list[str]:
     """The compiler's warning/error lines worth showing a user (e.g. XLA's "Can't reduce
-    memory use below ..."), each once."""
+    memory use below ...", with :data:`XLA_REMAT_LIMIT_NOTE`), each once."""
     out = []
     for line in result.log_lines():
         if line.severity in "WEF" and _SURFACED.search(line.message):
             text = str(line)
+            if "Can't reduce memory use below" in text:
+                text += XLA_REMAT_LIMIT_NOTE
             if text not in out:
                 out.append(text)
     return out

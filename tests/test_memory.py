@@ -319,6 +319,21 @@ def test_gpu_full_remat_keeps_2sbh_per_layer():
 
 
 @needs_cuda_plugin
+def test_per_layer_takes_per_tag_specs_each_with_its_own_figures():
+    """Two per-tag specs (both named ``custom``) get a row each, under their labels, with their
+    own compiled bytes (keyed by name, the second's report stood for both; ``analyze
+    --per-layer --policy query_proj=save`` failed: unknown policy 'custom')."""
+    one, two = {"query_proj": "save"}, {"query_proj": "save", "out_proj": "save"}
+    rows = per_layer_activations(_gpu_config(), _B, _S, [one, two], "h100-sxm", optimizer=_SGD)
+    assert [x.policy for x in rows] == ["custom: query_proj=save",
+                                        "custom: out_proj=save, query_proj=save"]  # fmt: skip
+    sbh = 2 * _S * _B * _H  # one [b, s, d_model] bf16 tensor
+    assert [x.jaxpr_bytes for x in rows] == [2 * sbh, 3 * sbh]
+    for x in rows:
+        assert x.compiled_bytes == pytest.approx(x.jaxpr_bytes, rel=0.01), x
+
+
+@needs_cuda_plugin
 def test_gpu_offload_reports_host_bytes_and_whether_it_helped():
     r = analyze_model(_gpu_config(), _B, _S, "offload-layer-inputs", "h100-sxm", optimizer=_SGD)
     assert r.platform == "cuda" and "deviceless" in r.backend

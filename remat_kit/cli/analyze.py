@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if args.per_layer and reports:
         try:
             layers = per_layer_activations(
-                program.model_config, args.batch, args.seq, [r.policy for r in reports],
+                program.model_config, args.batch, args.seq,
+                [s for s, r in zip(specs, results, strict=True) if not isinstance(r, CompileError)],
                 target=target, optimizer=args.optimizer, workers=args.workers,
             )  # fmt: skip
         except CompileError as err:

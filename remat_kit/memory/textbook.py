@@ -43,7 +43,7 @@ import optax
 from remat_kit import targets as T
 from remat_kit.memory.api import analyze_policies
 from remat_kit.models.config import ModelConfig, get_config
-from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.policies import PolicySpec, get_policy_spec, policy_label
 from remat_kit.preset_program import model_residuals, preset
 
 #: Vocabulary of the probe compiles (see the module docstring).
@@ -184,14 +184,14 @@ def per_layer_activations(
             compare_offload=False,
             separate_xla_remat=False,  # the per-layer bytes are the as-compiled ones
         )  # fmt: skip
-        by_key.update({(spec.name, i): r for spec, r in zip(specs, reports, strict=True)})
+        by_key.update({(j, i): r for j, r in enumerate(reports)})  # two custom specs: one name
     grads = (
         _param_bytes(programs[l2].args[0].params) - _param_bytes(programs[l1].args[0].params)
     ) / (l2 - l1)
     itemsize = jnp.dtype(config.dtype).itemsize
     out = []
-    for spec in specs:
-        r1, r2 = by_key[(spec.name, 0)], by_key[(spec.name, 1)]
+    for j, spec in enumerate(specs):
+        r1, r2 = by_key[(j, 0)], by_key[(j, 1)]
         dl = l2 - l1
         temp = (r2.temp_bytes - r1.temp_bytes) / dl - grads
         if r1.live_peak_bytes is not None and r2.live_peak_bytes is not None:
@@ -209,7 +209,7 @@ def per_layer_activations(
             LayerActivations(
                 model=config.name,
                 target=r1.target,
-                policy=spec.name,
+                policy=policy_label(spec),
                 batch_size=batch_size,
                 seq_len=seq_len,
                 d_model=config.d_model,

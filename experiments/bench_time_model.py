@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from remat_kit.results import read_rows, step_spread
+from remat_kit.sweep.results import read_rows, step_spread
 
 #: The issue's goals: every policy's predicted ratio within 10% of the measured one, and a
 #: Spearman rank correlation of at least 0.8 per sequence length.

@@ -186,7 +186,7 @@ def run(out: Path) -> dict:
     import jax
 
     from remat_kit.memory.xla_compile import jax_backend_description
-    from remat_kit.results import environment
+    from remat_kit.sweep.results import environment
 
     t0 = time.perf_counter()
     result = {

@@ -55,7 +55,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import jax
 import numpy as np
 
-from remat_kit import results
+from remat_kit.sweep import results
 from remat_kit.training import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

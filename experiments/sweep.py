@@ -64,7 +64,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remat_kit import distributed
+from remat_kit.training import distributed
 
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
@@ -175,7 +175,7 @@ def config_path(name: str) -> Path:
 
 def _summary_header(run, argv: list[str] | None, legend: str) -> str:
     """Where and how the rows were made, for the top of summary.md, and what the columns of its
-    tables mean (``legend``: :func:`remat_kit.results.summary_legend`)."""
+    tables mean (``legend``: :func:`remat_kit.sweep.results.summary_legend`)."""
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
@@ -212,7 +212,8 @@ def _measured_line(r: dict, data: str) -> str:
 
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
     """The table, summary.md and the figures, rebuilt from every row of the run's file."""
-    from remat_kit import plots, results
+    from remat_kit import plots
+    from remat_kit.sweep import results
     from remat_kit.sweep.output import warning_lines
 
     results.print_summary(run.rows, console)
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         if not where:
             print("interrupted before the sweep started", file=sys.stderr)
         else:
-            from remat_kit import results
+            from remat_kit.sweep import results
 
             kept = len(results.read_rows(where[0])) if where[0].is_file() else 0
             print(f"interrupted: {kept} rows kept in {where[0]}; --resume continues",

@@ -44,11 +44,11 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from rich.console import Console
 
-from remat_kit import distributed
 from remat_kit.training import (
     OPTIMIZERS,
     NonFiniteLossError,
     TrainConfig,
+    distributed,
     environment_info,
     train,
 )

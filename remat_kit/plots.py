@@ -17,7 +17,7 @@ needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
   rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
 * :func:`option_effects`: each option's effect (``remat_layers``, ``nested_remat``,
   ``loss_chunk_size``, ``attention``) against the plain step (rows grouped by
-  :func:`remat_kit.results.option_sets`).
+  :func:`remat_kit.sweep.results.option_sets`).
 * :func:`timeline`: live device bytes over XLA's schedule of one step, stacked by category,
   one panel per report (``MemoryReport.timeline``; takes reports, not sweep rows).
 """
@@ -33,9 +33,9 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from remat_kit import results as R
 from remat_kit import units
 from remat_kit.memory.report import MemoryReport
+from remat_kit.sweep import results as R
 
 __all__ = [
     "layer_activations",
@@ -212,7 +212,7 @@ def _policy_styles(policies: Sequence[str]) -> dict[str, tuple[Any, str]]:
 def _residual_parts(row: Mapping[str, Any]) -> dict[str, int]:
     """Device residual bytes by checkpoint name; untagged residuals (``"<mul>"``) together.
     Residuals the policy offloads count here too where the compiled program kept them on the
-    device (:func:`remat_kit.results.offload_stayed_on_device`: the CPU backend)."""
+    device (:func:`remat_kit.sweep.results.offload_stayed_on_device`: the CPU backend)."""
     on_device = {"device", "host"} if R.offload_stayed_on_device(row) else {"device"}
     parts: dict[str, int] = {}
     for res in (row.get("report") or {}).get("residuals", []):
@@ -448,7 +448,7 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
 
 def provenance(rows: Sequence[Mapping[str, Any]]) -> str:
     """Where the rows were measured, for a figure's footer: CPU, devices, backend, jax version
-    and the compile targets, from the rows' own :func:`remat_kit.results.environment` fields
+    and the compile targets, from the rows' own :func:`remat_kit.sweep.results.environment` fields
     ("" without rows)."""
     if not rows:
         return ""
@@ -572,7 +572,7 @@ def _timeline_panel(ax, r: MemoryReport, title: str, unit, unit_name, colors, se
 
 # -- Option sets ---------------------------------------------------------------------------------
 
-#: One color per option family (remat_kit.results.OPTION_FAMILIES, in order).
+#: One color per option family (remat_kit.sweep.results.OPTION_FAMILIES, in order).
 _FAMILY_COLORS = dict(
     zip(R.OPTION_FAMILIES, ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"),
         strict=True)
@@ -615,7 +615,7 @@ def _panel(ax, recs: Sequence[Mapping[str, Any]], values: list, xlabel: str, fmt
 
 def option_effects(rows: Any, path: str | os.PathLike[str] | None = None) -> Figure:
     """Each option's effect, one row of three panels per option set: the predicted peak (bytes,
-    in the set's unit), :func:`remat_kit.results.option_records`' ``flops_ratio`` and the
+    in the set's unit), :func:`remat_kit.sweep.results.option_records`' ``flops_ratio`` and the
     median measured step time (ms, wall clock; a tick marks the process CPU time per step where
     the row has it; "n/a" where the row has no step time: an analysis-only target). Bars of
     ``no-remat`` rows are hatched; the dashed line marks the plain ``no-remat`` row's value.

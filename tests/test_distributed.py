@@ -20,9 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from remat_kit import distributed
 from remat_kit.sweep import Grid, SweepConfig, run_sweep
-from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig, load_checkpoint
+from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig, distributed, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, str(ROOT / "experiments" / "train.py")]

@@ -48,7 +48,12 @@ def test_docstring_examples_run(name):
 
 def test_public_modules_have_examples():
     with_examples = {name for name in MODULES if _examples(name)}
-    expected = {"remat_kit.policies", "remat_kit.targets", "remat_kit.data", "remat_kit.units"}
+    expected = {
+        "remat_kit.policies",
+        "remat_kit.targets",
+        "remat_kit.training.data",
+        "remat_kit.units",
+    }
     assert expected | {"remat_kit.validation"} <= with_examples
 
 

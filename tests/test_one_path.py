@@ -169,7 +169,7 @@ def test_a_cut_down_policy_has_one_label_in_every_tool(tmp_path):
     )  # fmt: skip
     (row,) = [r for r in run.rows if r["policy_label"] == "minimal (cut)"]
     assert row["policy"] == "mlpwi=save,query_proj=save"
-    (table,) = remat_kit.results.summary_lines(run.rows)
+    (table,) = remat_kit.sweep.results.summary_lines(run.rows)
     assert [line[0] for line in table[2]] == ["save-nothing", "minimal (cut)"]
 
 

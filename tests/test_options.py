@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from remat_kit import plots, results, sweep
-from remat_kit.sweep import Grid, SweepConfig
+from remat_kit import plots, sweep
+from remat_kit.sweep import Grid, SweepConfig, results
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ROOT / "experiments" / "configs" / "options.py"

@@ -11,7 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from remat_kit import plots, results  # noqa: E402
+from remat_kit import plots  # noqa: E402
+from remat_kit.sweep import results  # noqa: E402
 
 ROWS = Path(__file__).resolve().parents[1] / "experiments" / "results" / "cpu" / "sweep.jsonl"
 

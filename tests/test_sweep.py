@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from remat_kit import plots, results, sweep
+from remat_kit import plots, sweep
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.sweep import Grid, SweepConfig
+from remat_kit.sweep import Grid, SweepConfig, results
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "sweep.py"
@@ -279,7 +279,7 @@ QUICK = ROOT / "experiments" / "configs" / "quick.py"
 _CHILD = r"""
 import os, runpy, signal, sys
 from pathlib import Path
-from remat_kit import results
+from remat_kit.sweep import results
 real = results.append_row
 calls = []
 def append_and_die(path, row):
@@ -449,7 +449,7 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
 def test_interleaved_steps_are_each_policys_own(tmp_path):
     """Timing the policies' steps interleaved changes nothing they compute: each point's losses
     are bitwise those of its steps run alone, and a failing run fails alone."""
-    from remat_kit.data import load_corpus
+    from remat_kit.training.data import load_corpus
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     corpus = load_corpus(tmp_path / "text.txt")

@@ -20,10 +20,11 @@ import pytest
 from rich.console import Console
 
 import remat_kit
-from remat_kit import Program, load_program, results, sweep
+from remat_kit import Program, load_program, sweep
 from remat_kit.memory.api import traced_step
 from remat_kit.policies import get_policy_spec
 from remat_kit.sweep import program_sweep as programs
+from remat_kit.sweep import results
 from remat_kit.sweep.measure import time_runs
 from remat_kit.sweep.output import warning_lines
 from tests.user_models import plain_jax

@@ -7,7 +7,7 @@ from typing import Any
 
 from fmt import GIB, MIB, Results, table
 
-from remat_kit.results import option_markdown
+from remat_kit.sweep.results import option_markdown
 
 TIMELINE = "timeline/bench.json"
 STRUCTURE = ("structure/llama3-8b.jsonl", "structure/llama3-8b-cudnn.jsonl")
@@ -201,7 +201,7 @@ def _against_save_nothing(d: dict) -> str:
 
 def options_table(r: Results) -> str:
     """The options sweep (one option at a time against the plain step), as the sweep's own
-    summary writes it (:func:`remat_kit.results.option_markdown`)."""
+    summary writes it (:func:`remat_kit.sweep.results.option_markdown`)."""
     rows = r.jsonl(OPTIONS)
     first = rows[0]
     return option_markdown(rows) + (

@@ -13,9 +13,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from remat_kit import results as R
 from remat_kit.doctor.findings import Finding
 from remat_kit.memory.report import MemoryReport
+from remat_kit.sweep import results as R
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +127,8 @@ def _title_of(r: MemoryReport) -> str:
 
 
 def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
-    """Sweep rows (:mod:`remat_kit.results`) as groups: one per model, shape, target and mesh
-    (:func:`remat_kit.results.group_key`), in file order. A row's ``step_time_s`` is the
+    """Sweep rows (:mod:`remat_kit.sweep.results`) as groups: one per model, shape, target and mesh
+    (:func:`remat_kit.sweep.results.group_key`), in file order. A row's ``step_time_s`` is the
     measured one; the estimate is its report's, where it has one."""
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for row in rows:

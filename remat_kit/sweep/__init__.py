@@ -15,7 +15,7 @@ point (:class:`Point`) :func:`run_sweep`
    time, tokens per second, model FLOPs utilisation where the device's peak FLOP/s is known, the
    measured peak memory (``memory_stats()["peak_bytes_in_use"]`` where the backend gives it,
    ``None`` otherwise: the CPU backend gives none) and every loss;
-3. appends the row to a JSONL file (:mod:`remat_kit.results`) as soon as the point finishes
+3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as soon as the point finishes
    (one write, flushed and fsync-ed: a kill leaves whole rows and at most a torn last line,
    which a resume drops).
 

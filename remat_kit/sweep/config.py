@@ -11,12 +11,12 @@ from typing import Any
 
 import jax
 
-from remat_kit import results as R
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.policies import parse_policy_arg, policy_names
+from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import check_grid, error_message, within
 
 #: Every registered policy name, in registry order.
@@ -106,7 +106,7 @@ class Point:
 
     @property
     def key(self) -> str:
-        """:func:`remat_kit.results.point_key` of :meth:`to_dict`."""
+        """:func:`remat_kit.sweep.results.point_key` of :meth:`to_dict`."""
         return R.point_key(self.to_dict())
 
     @property
@@ -162,7 +162,7 @@ class SweepConfig:
         return {**self.to_dict(), "data": None if data is None else str(data)}
 
     def fingerprint(self, data: str | os.PathLike[str] | None = None) -> str:
-        """:func:`remat_kit.results.fingerprint` of :meth:`identity`."""
+        """:func:`remat_kit.sweep.results.fingerprint` of :meth:`identity`."""
         return R.fingerprint(self.identity(data))
 
     def points(self) -> list[Point]:

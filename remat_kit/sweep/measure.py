@@ -17,10 +17,10 @@ import jax
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.data import Corpus
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
 from remat_kit.sweep.config import Point
+from remat_kit.training.data import Corpus
 from remat_kit.training.step import (
     TrainState,
     abstract_batch,

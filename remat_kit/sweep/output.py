@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from remat_kit import results as R
+from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point
 
 
@@ -140,7 +140,7 @@ def progress(enabled: bool, console: Any, total: int):
 
 def warning_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The analysis warnings of the ``ok`` rows, one line per distinct warning: a warning every
-    policy of its table (same model, target and shapes: :func:`remat_kit.results.group_key`)
+    policy of its table (same model, target and shapes: :func:`remat_kit.sweep.results.group_key`)
     shares once as ``all policies: ...``, another after the policies that have it
     (``save-nothing, attn_in=save: ...``); a cause several warnings give (``... Cause: X``) is
     written once (``[cause 1]``, then ``cause 1: X``); the table is named first when there are

@@ -18,7 +18,7 @@ and specs in its own tag names),
    per-program peak (the CPU; :func:`remat_kit.sweep.measure.time_runs`); median step time,
    process CPU time, the loss of every step (when the step returns one), the measured peak
    where the backend gives it (None on the CPU);
-3. appends one row per policy to the JSONL results file (:mod:`remat_kit.results`, one
+3. appends one row per policy to the JSONL results file (:mod:`remat_kit.sweep.results`, one
    fsync-ed write each).
 
 Rows have the preset sweep's fields; those that do not apply to a program (``batch_size``,
@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_kit import results as R
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags, traced_step
@@ -59,6 +58,7 @@ from remat_kit.policies import (
     policy_specs,
 )
 from remat_kit.program import Program, Pure, require_program
+from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.measure import (
     RunStep,

@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from remat_kit import results as R
 from remat_kit import sharding as S
 from remat_kit import targets as T
+from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.config import Point
 from remat_kit.sweep.measure import model_flops_per_token, param_counts

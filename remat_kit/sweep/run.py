@@ -11,16 +11,16 @@ from typing import Any
 
 import jax
 
-from remat_kit import results as R
 from remat_kit import targets as T
-from remat_kit.data import Corpus, load_corpus
 from remat_kit.memory import analyze_policies, calibrate
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.preset_program import preset
+from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.measure import can_interleave, compile_steps, measure_points
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
 from remat_kit.sweep.rows import point_row
+from remat_kit.training.data import Corpus, load_corpus
 from remat_kit.training.step import make_optimizer
 
 
@@ -123,7 +123,7 @@ def run_sweep(
       resume: skip points whose key is already in ``out`` (a torn last line is dropped first).
       overwrite: empty ``out`` first.
       data: text file or folder for measured points; ``None``: the Python standard library's
-        source (:func:`remat_kit.data.load_corpus`).
+        source (:func:`remat_kit.training.data.load_corpus`).
       max_data_bytes: cap on the corpus size in bytes (``None``: the loader's default).
       progress: show a rich progress bar (point being run, ETA).
       console: a ``rich.console.Console`` for the bar (default: a new one on stderr).

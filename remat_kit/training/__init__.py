@@ -1,9 +1,9 @@
 """Training on real text with a remat policy: validation, gradient accumulation, orbax checkpoints.
 
 :func:`train` runs a language model (a preset, optionally scaled down) on a byte-level corpus
-(:mod:`remat_kit.data`; the Python standard library's source by default) with the remat policy
-and ``remat_group_size`` of a :class:`TrainConfig`, and returns a :class:`TrainResult` (the loss
-at every step, periodic validation losses, timings).
+(:mod:`remat_kit.training.data`; the Python standard library's source by default) with the remat
+policy and ``remat_group_size`` of a :class:`TrainConfig`, and returns a :class:`TrainResult` (the
+loss at every step, periodic validation losses, timings).
 
 Gradient accumulation is the ``lax.scan`` over micro-batches of :func:`grad_fn`:
 the global batch ``[batch_size, seq_len]`` is viewed as ``[micro_batches, batch_size //
@@ -21,8 +21,8 @@ fingerprint, the data position, the loss history). The batch of step ``t`` is
 ``Corpus.batcher(...).batch_at(t)``, a pure function of ``(seed, t)``, so a run resumed from
 checkpoint ``k`` computes bitwise the same losses as an uninterrupted one on the same machine.
 
-Devices: the step runs on every device of the run (``jax.devices()``; every process's devices
-under ``jax.distributed``, see :mod:`remat_kit.distributed`) on the mesh ``TrainConfig.mesh``
+Devices: the step runs on every device of the run (``jax.devices()``; every process's devices under
+``jax.distributed``, see :mod:`remat_kit.training.distributed`) on the mesh ``TrainConfig.mesh``
 names (default: data parallel). Every process computes the same initial parameters and the same
 global batch from the seed and places the shards its devices own
 (:func:`remat_kit.sharding.put_global`); orbax saves and restores the sharded state, so a run may
@@ -32,7 +32,7 @@ Modules: ``step`` (loss, optimizer, train state, :func:`make_train_step`: what t
 compiles too), ``config`` (:class:`TrainConfig`, :class:`TrainResult`), ``compiled`` (the
 bounded caches of compiled steps; :func:`clear_caches`), ``checkpoint`` (orbax I/O), ``faults``
 (kill points), ``loop`` (:func:`train`), ``diagnostics`` (environment, accumulation check, step
-memory).
+memory), ``data`` (the byte-level corpus and its batches), ``distributed`` (multi-process runs).
 
 Faults:
 

@@ -32,9 +32,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from remat_kit.data import Corpus
 from remat_kit.training.compiled import optimizer_for
 from remat_kit.training.config import RESUME_MAY_CHANGE, TrainConfig
+from remat_kit.training.data import Corpus
 from remat_kit.training.faults import KillAt
 from remat_kit.training.step import TrainState, abstract_train_state, sharded_train_state
 

@@ -17,7 +17,6 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from remat_kit import sharding as S
-from remat_kit.data import Batcher, Corpus, load_corpus
 from remat_kit.models.config import ModelConfig
 from remat_kit.training.checkpoint import (
     FORMAT,
@@ -31,6 +30,7 @@ from remat_kit.training.checkpoint import (
 )
 from remat_kit.training.compiled import compiled_step, eval_fn, initial_state, opt_key
 from remat_kit.training.config import NonFiniteLossError, TrainConfig, TrainResult
+from remat_kit.training.data import Batcher, Corpus, load_corpus
 from remat_kit.training.faults import KillAt
 from remat_kit.training.step import TrainState
 
@@ -222,7 +222,7 @@ def train(
       A :class:`TrainResult`.
 
     Raises:
-      ValueError: bad corpus or sizes (see :func:`remat_kit.data.load_corpus`); ``workdir``
+      ValueError: bad corpus or sizes (see :func:`remat_kit.training.data.load_corpus`); ``workdir``
         holds checkpoints and ``resume`` is False; the checkpoint's config is incompatible (the
         message names each mismatched field, checkpoint vs now); a bad ``REMAT_KIT_KILL_AT``
         (:mod:`remat_kit.training.faults`).

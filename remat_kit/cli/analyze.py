@@ -211,7 +211,10 @@ def short_warning(text: str) -> str:
     m = _REMAT_WARNING.search(text)
     if m:
         limit, reached, before = m.groups()
-        return f"XLA's remat pass missed its {limit} limit ({before} -> {reached})"
+        return (
+            f"XLA's remat pass missed its own {limit} target, not the device's memory "
+            f"({before} -> {reached})"
+        )
     m = re.search(r"recomputed (\d+) instruction", text)
     if m and "rematerialisation pass" in text:
         return f"XLA recomputed {m.group(1)} instructions itself (in the FLOPs)"

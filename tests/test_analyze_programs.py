@@ -329,3 +329,44 @@ def test_offloaded_layers_of_an_unrolled_loop_share_host_space_on_gpu():
     assert 0 < r.host_bytes < r.offloaded_bytes
     line = [w for w in r.warnings if w.startswith("host memory:")]
     assert len(line) == 1 and "reuses host space" in line[0], r.warnings
+
+
+def _odd_attention(policy):
+    """Attention over 65 tokens (a ViT's 64 patches and a class token), then ``ctx @ w``."""
+    b, n, h, d = 8, 65, 4, 16
+
+    def loss(w, x):
+        q = x.reshape(b, n, h, d)
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, q), -1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", p, q).reshape(b, n, h * d)
+        return jnp.mean((ctx @ w) ** 2)
+
+    return loss if policy is None else jax.checkpoint(loss, policy=policy)
+
+
+@needs_cuda_plugin
+def test_a_matmul_xla_cannot_tile_without_a_gpu_is_compiled_with_cublas_and_said():
+    """XLA's deviceless GPU compile finds no Triton GEMM tiling for the [520, 64] matmul of a
+    65-token attention ("Couldn't find output tile sizes", an outside trial's ViT: every policy
+    failed to compile); the analysis compiles it with Triton GEMMs off and says so, where a
+    plain compile of the same step fails."""
+    w, x = jnp.ones((64, 64)) * 0.01, jnp.ones((8, 65, 64))
+    program = Program.from_loss(_odd_attention, w, x, optimizer="sgd", name="odd-attention")
+    (r,) = analyze_policies(program, ["no-remat"], "h100-sxm", top_k=0)
+    sharding = targets.abstract_sharding("h100-sxm")
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (w, x)]
+    try:
+        jax.jit(jax.grad(_odd_attention(None))).lower(*args).compile()
+        plain = None
+    except Exception as err:
+        plain = str(err)
+    said = [m for m in r.warnings if "xla_gpu_enable_triton_gemm=false" in m]
+    assert r.peak_bytes > 0
+    if plain is None:  # an XLA that tiles it: nothing to fall back from
+        assert not said, r.warnings
+    else:
+        assert "Couldn't find output tile sizes" in plain
+        assert said == [
+            "compiled with xla_gpu_enable_triton_gemm=false (every matmul a cuBLAS call): XLA "
+            "found no Triton GEMM tiling for a f32[520,64] matmul without a GPU to autotune on"
+        ]

@@ -409,6 +409,7 @@ class CompileCache:
                 end=0.0,
                 logged=logged,
                 cached=True,
+                notes=tuple(data.get("notes", ())),
             )
         except (KeyError, TypeError, ValueError):  # not a compile's entry: drop it
             with contextlib.suppress(OSError):
@@ -430,6 +431,7 @@ class CompileCache:
             "compile_s": result.compile_s,
             "dump": dataclasses.asdict(result.dump),
             "log": [dataclasses.astuple(line) for line in result.log_lines()],
+            "notes": list(result.notes),
         }
         self.store_json(key, data)
 

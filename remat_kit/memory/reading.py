@@ -252,7 +252,7 @@ XLA_REMAT_LIMIT_NOTE = (
 def log_warnings(result: CompileResult) -> list[str]:
     """The compiler's warning/error lines worth showing a user (e.g. XLA's "Can't reduce
     memory use below ...", with :data:`XLA_REMAT_LIMIT_NOTE`), each once."""
-    out = []
+    out = list(result.notes)
     for line in result.log_lines():
         if line.severity in "WEF" and _SURFACED.search(line.message):
             text = str(line)

@@ -188,6 +188,8 @@ class CompileResult:
     #: Read from the persistent compile cache (``compiled`` cannot run; ``compile_s`` is the
     #: seconds of the compile that made the entry).
     cached: bool = False
+    #: What was compiled differently from what was asked, and why (:data:`TILING_FALLBACK`).
+    notes: tuple[str, ...] = ()
 
     def log_lines(self) -> list[LogLine]:
         """The compiler log lines of this compile (call after the capture ended)."""
@@ -250,12 +252,24 @@ def compile_options(platform: str, fast: bool = True, options: dict | None = Non
     return opts
 
 
+#: XLA's GPU compiler without a GPU cannot always pick a Triton GEMM tiling (no autotuning):
+#: "INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot = f32[520,64] dot(...)"
+#: for an attention output over 65 tokens (a ViT's 64 patches and its class token), while a
+#: plain ``lower().compile()`` of the same step for the same deviceless H100 fails alike and
+#: the same shapes with 64 tokens compile. Such a compile is made again with the option below
+#: (every GEMM a cuBLAS call, as XLA also picks where Triton is slower), and the report says so.
+TILING_ERROR = "Couldn't find output tile sizes"
+TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
+
+
 def compile_with_dump(
     lowered: Any, platform: str, what: str, fast: bool = True, options: dict | None = None
 ) -> CompileResult:
     """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
 
-    Must run inside :class:`capture_compiler_log` for the compiler's log lines to be kept.
+    Must run inside :class:`capture_compiler_log` for the compiler's log lines to be kept. A GPU
+    compile XLA cannot tile (:data:`TILING_ERROR`) is made again with
+    :data:`TILING_FALLBACK`, with a note in ``notes``.
 
     Args:
       lowered: a ``jax.stages.Lowered``.
@@ -267,6 +281,25 @@ def compile_with_dump(
     Raises:
       CompileError: XLA failed; the message is ``"{what} failed to compile: {first line}"``.
     """
+    try:
+        return _compile_with_dump(lowered, platform, what, fast, options)
+    except CompileError as err:
+        fallback = {**(options or {}), **TILING_FALLBACK}
+        if platform != "cuda" or TILING_ERROR not in err.xla_message or fallback == options:
+            raise
+        result = _compile_with_dump(lowered, platform, what, fast, fallback)
+        shape = re.search(r"= (\w+\[[\d,]*\])", err.xla_message)
+        dot = f"a {shape.group(1)} matmul" if shape else "a matmul"
+        result.notes = (
+            "compiled with xla_gpu_enable_triton_gemm=false (every matmul a cuBLAS call): XLA "
+            f"found no Triton GEMM tiling for {dot} without a GPU to autotune on",
+        )
+        return result
+
+
+def _compile_with_dump(
+    lowered: Any, platform: str, what: str, fast: bool, options: dict | None
+) -> CompileResult:
     with tempfile.TemporaryDirectory(prefix="remat-kit-xla-") as folder:
         opts = {"xla_dump_to": folder, **compile_options(platform, fast, options)}
         opts[CACHE_BYPASS_OPTION] = os.path.join(folder, "autotune.txt")

@@ -288,8 +288,10 @@ def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
 def get_policy_spec(
     policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any],
 ) -> PolicySpec:
-    """Resolve a policy name, a custom mapping, a spec, or a raw ``jax.checkpoint_policies``
-    policy that can be read as data (:func:`read_jax_policy`) to a :class:`PolicySpec`.
+    """Resolve a policy name, per-tag text (``"query_proj=offload,out_proj=save"``, as
+    ``--policy`` takes it: :func:`parse_policy_arg`), a custom mapping, a spec, or a raw
+    ``jax.checkpoint_policies`` policy that can be read as data (:func:`read_jax_policy`) to a
+    :class:`PolicySpec`.
 
     Raises:
       ValueError: unknown policy name (the message lists the valid names and the closest match),
@@ -311,6 +313,8 @@ def get_policy_spec(
                 "remat_kit.check_function judges such a callable by what it does"
             )
         return spec
+    if isinstance(policy, str) and ("=" in policy or policy.lstrip().startswith("{")):
+        return parse_policy_arg(policy)  # the per-tag text the command line takes, one syntax
     if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
         raise ValueError(
             f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "

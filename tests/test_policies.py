@@ -284,3 +284,14 @@ def test_policies_for_tags_keeps_cuts_and_skips_by_emitted_tags():
     bare = policies_for_tags(policy_names(), [])
     assert {s.name for s in bare.skipped} >= {"save-qkv-proj", "minimal", "offload-to-host"}
     assert all(not s.tags for s in bare.specs)
+
+
+def test_every_entry_takes_the_per_tag_text_the_command_line_takes():
+    """``"mlp_in=save"`` resolves in Python as ``--policy mlp_in=save`` does (the API said
+    unknown policy while the CLI and the program sweep took it)."""
+    assert get_policy_spec("mlp_in=save,attn=offload") == custom_spec(
+        {"mlp_in": "save", "attn": "offload"}
+    )
+    assert get_policy_spec('{"mlp_in": "save"}') == custom_spec({"mlp_in": "save"})
+    with pytest.raises(ValueError, match="unknown action for 'mlp_in' 'sav'"):
+        get_policy_spec("mlp_in=sav")

@@ -160,7 +160,8 @@ def test_analyze_takes_a_per_tag_policy(capsys):
     args = ["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "8", "--target", "cpu"]
     assert cli.main([*args, "--policy", "query_proj=save,out_proj=save", "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)["reports"]
-    assert report["policy"] == "custom" and report["peak_bytes"] > 0
+    assert report["policy"] == "custom: out_proj=save, query_proj=save"
+    assert report["peak_bytes"] > 0
     assert cli.main([*args, "--policy", "query_proj=save", "--per-layer", "--json"]) == 0
     (layer,) = json.loads(capsys.readouterr().out)["per_layer"]
     assert layer["policy"] == "custom: query_proj=save"  # was: unknown policy 'custom'

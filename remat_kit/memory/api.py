@@ -456,11 +456,11 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
     devices = setup.placement.devices
     return Job(
         name=program.title,
-        what=f"policy {spec.name!r} of {program.name!r} on target {setup.target.name!r}",
+        what=f"policy {policy_label(spec)!r} of {program.name!r} on target {setup.target.name!r}",
         target=setup.target,
         lower=stage.lower,
         arguments=argument_parts(dataclasses.replace(pure, args=tuple(abstract)), program.args),
-        policy=spec.name,
+        policy=policy_label(spec),
         flops_no_remat=setup.flops_no_remat,
         residuals=residuals or (),
         activation_bytes=None
@@ -599,13 +599,14 @@ def _same_program(
 ) -> MemoryReport | CompileError:
     """The result for ``spec`` when it is the same program as ``compiled`` (whose result is
     ``result``): renamed, with ``spec``'s own notes and the compile's warnings."""
-    what = f"policy {spec.name!r} of {setup.program.name!r} on target {setup.target.name!r}"
+    program, target = setup.program.name, setup.target.name
+    what = f"policy {policy_label(spec)!r} of {program!r} on target {target!r}"
     if isinstance(result, CompileError):
-        return CompileError(what, result.xla_message, spec.name)
+        return CompileError(what, result.xla_message, policy_label(spec))
     theirs = _spec_notes(setup, compiled)
     warnings = tuple(w for w in result.warnings if w not in theirs)
     return dataclasses.replace(
-        result, policy=spec.name, warnings=_spec_notes(setup, spec) + warnings
+        result, policy=policy_label(spec), warnings=_spec_notes(setup, spec) + warnings
     )
 
 

@@ -110,7 +110,9 @@ class MemoryReport:
       target: the target name (``"h100-sxm"``, ``"cpu"``, ``"local"``): the numbers are this
         compiler's for this device, and the CPU backend's are not GPU numbers.
       platform: ``"cpu"`` or ``"cuda"``; backend: compiler and jax version.
-      policy: the remat policy name, or None for an arbitrary function.
+      policy: the remat policy name, a per-tag spec's actions (``custom: out_proj=save,
+        query_proj=offload``: :func:`remat_kit.policies.policy_label`), or None for an
+        arbitrary function.
       peak_bytes: see above. argument_bytes, output_bytes, temp_bytes, alias_bytes: its parts.
       host_bytes: bytes in host memory (offloaded residuals; XLA's ``host_*`` figures, same
         formula). On the CPU backend offloading is not real and this is 0.

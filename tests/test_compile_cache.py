@@ -281,3 +281,31 @@ def test_gpu_kernels_kept_between_runs_change_no_figure(tmp_path, monkeypatch):
         results.append(result)
     cold, warm = (r.dump for r in results)
     assert warm.buffer_assignment == cold.buffer_assignment and warm.hlo == cold.hlo
+
+
+def test_recommend_says_what_it_read_from_the_cache(compiles):
+    """A repeated recommend compiles nothing and says how many candidates the cache gave (it
+    printed 'compiles: 0 (+0 reused)', as if it had not looked at them)."""
+    from remat_kit import Program
+    from remat_kit.recommend import recommend
+
+    ws = jnp.ones((4, 16, 16)) * 0.1
+    program = Program.from_loss(_scanned_loss, ws, jnp.ones((8, 16)), optimizer="sgd", name="mlp4")
+    policies = ["no-remat", "save-nothing"]
+    first = recommend(program, target="cpu", budget="1GiB", policies=policies)
+    again = recommend(program, target="cpu", budget="1GiB", policies=policies)
+    assert first.from_compile_cache == 0 and len(compiles) == 2
+    assert again.from_compile_cache == 2 and len(compiles) == 2
+    assert [c.peak_bytes for c in again.candidates] == [c.peak_bytes for c in first.candidates]
+
+
+def _scanned_loss(policy):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    def loss(ws, x):
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        h, _ = jax.lax.scan(body, x, ws)
+        return (h**2).sum()
+
+    return loss

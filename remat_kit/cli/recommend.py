@@ -164,7 +164,9 @@ def _lines(rec: Recommendation) -> list[str]:
             f"solve: {s.combinations:,} per-tag choices enumerated; {s.predicted_fit:,} of them "
             f"predicted to fit ({allowing}); {len(s.verified)} compiled to check"
         )
-    lines.append(f"compiles: {rec.compiles} (+{rec.reused} reused), {rec.wall_s:.1f} s")
+    n_cached = rec.from_compile_cache
+    cached = f", {n_cached} read from the compile cache" if n_cached else ""
+    lines.append(f"compiles: {rec.compiles} (+{rec.reused} reused{cached}), {rec.wall_s:.1f} s")
     lines += [f"note: {n}" for n in rec.notes]
     if rec.pick is None:
         lines.append("nothing fits the budget; what would:")

@@ -480,6 +480,7 @@ def assemble(
         largest_batch=tuple(found.largest),
         compiles=compiles,
         reused=session.reused,
+        from_compile_cache=session.from_compile_cache,
         wall_s=round(wall_s, 2),
         advice=tuple(found.advice),
         notes=(time_model_note(tgt), *session.notes),

@@ -94,6 +94,7 @@ class Session:
     fixed_bytes: int  # arguments that do not depend on the batch (params + opt_state)
     opt_state_bytes: int
     reused: int = 0
+    from_compile_cache: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
     #: Custom specs among the policies compiled by default, each with the label every tool
     #: gives it (a registered policy cut down to the program's tags: ``minimal (cut)``).
@@ -172,6 +173,7 @@ class Session:
                 separate_xla_remat=False,  # candidates use the compiled FLOPs and peak
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
+            self.from_compile_cache += sum(getattr(r, "compile_cached", False) for r in results)
         return [self.cache.reports[k] for k in keys]
 
     def candidates(

@@ -233,6 +233,8 @@ class Recommendation:
       compiles: XLA compiles of the train step this call ran, counted from JAX's own
         backend-compile events (identical programs are compiled once; persistent-cache hits would
         count). reused: candidates taken from the ``cache`` (not compiled again).
+        from_compile_cache: candidates whose compile was read from the persistent compile cache
+        (:mod:`remat_kit.memory.compile_cache`; not counted in ``compiles``).
       wall_s: seconds this call took.
       advice: when nothing fits: what would (each line says whether it was compiled).
       notes: the assumptions and limits of this answer (time model, search bounds, skipped).
@@ -267,6 +269,7 @@ class Recommendation:
     host_link: str
     tags: tuple[str, ...] | None = None
     made_fit: str | None = None
+    from_compile_cache: int = 0
 
     def line(self) -> str:
         """The pick as one line of code, or what would fit when nothing does."""

@@ -112,36 +112,63 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if rec.pick is not None else 1
 
 
-def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float]]:
-    """(bytes unit, scale), (time unit, scale): GiB and ms at real sizes, MiB and µs (ns for a
-    tiny program) below; the time unit keeps the fastest candidate at 1 or more."""
+def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float, int]]:
+    """(bytes unit, scale), (time unit, scale, decimals): GiB and ms at real sizes, MiB and µs
+    (ns for a tiny program) below; the time unit keeps the fastest candidate at 1 or more, with
+    the decimals that give it 4 significant digits (1.305 and 1.316 ms, not 1.3 and 1.3)."""
     big = max((c.peak_bytes for c in candidates), default=0) >= GIB
     finite = [c.step_time_s for c in candidates if 0 < c.step_time_s < math.inf]
     fastest = min(finite, default=1.0)  # the unit keeps the fastest step at >= 1
-    times = ("ms", 1e3) if fastest >= 1e-3 else ("µs", 1e6) if fastest >= 1e-6 else ("ns", 1e9)
-    return (("GiB", GIB) if big else ("MiB", MIB)), times
+    unit, scale = ("ms", 1e3) if fastest >= 1e-3 else ("µs", 1e6) if fastest >= 1e-6 else (
+        "ns", 1e9)  # fmt: skip
+    decimals = max(1, 3 - math.floor(math.log10(max(fastest * scale, 1.0))))
+    return (("GiB", GIB) if big else ("MiB", MIB)), (unit, scale, decimals)
 
 
 def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
-    """One row per candidate; a user's program (no group, batch or tokens) drops those columns."""
-    (bu, bs), (tu, ts) = _units(candidates)
+    """One row per candidate; a user's program (no group, batch or tokens) drops those columns,
+    and the host and transfer columns go where every candidate's is zero (nothing offloaded),
+    leaving the candidates' names the width."""
+    (bu, bs), (tu, ts, td) = _units(candidates)
     shaped = rec.seq_len is not None
+    host = any(c.host_bytes for c in candidates)
+    transfer = any(c.transfer_s for c in candidates)
+    varies = {  # a column whose value is the same in every row says it in the title instead
+        name: len({get(c) for c in candidates}) > 1 or not shaped
+        for name, get in (("options", lambda c: c.options_label),
+                          ("group", lambda c: c.remat_group_size),
+                          ("batch", lambda c: c.batch_size))
+    }  # fmt: skip
+    same = [f"{name} {get}" for name, get in (
+        ("options", candidates[0].options_label if candidates else "-"),
+        ("group", candidates[0].remat_group_size if candidates else None),
+        ("batch", candidates[0].batch_size if candidates else None),
+    ) if shaped and not varies[name]]  # fmt: skip
+    if same:
+        title = f"{title}; every candidate: {', '.join(same)}"
+    shape_cols = [name for name in ("options", "group", "batch") if shaped and varies[name]]
     header = [
-        "candidate", *(["options", "group", "batch"] if shaped else []), f"peak {bu}",
-        f"host {bu}", "fits",
-        f"step {tu}", f"transfer {tu}", *(["tokens/s"] if shaped else []), "found by",
+        "candidate", *shape_cols, f"peak {bu}",
+        *([f"host {bu}"] if host else []), "fits", f"step {tu}",
+        *([f"transfer {tu}"] if transfer else []), *(["tokens/s"] if shaped else []), "found by",
     ]  # fmt: skip
     left = ("candidate", "options", "found by")
-    t = table(title, header, right=[h for h in header if h not in left])
+    rows = []
     for c in candidates:
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
-        shape = [c.options_label, str(c.remat_group_size), str(c.batch_size)] if shaped else []
+        values = {"options": c.options_label, "group": str(c.remat_group_size),
+                  "batch": str(c.batch_size)}  # fmt: skip
+        shape = [values[name] for name in shape_cols]
         tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
-        add_row(
-            t, ("* " if c is rec.pick else "") + c.label, *shape, f"{c.peak_bytes / bs:.2f}",
-            f"{c.host_bytes / bs:.2f}", "yes" if c.fits else "no", f"{c.step_time_s * ts:.1f}",
-            f"{c.transfer_s * ts:.1f}", *tokens, where,
-        )  # fmt: skip
+        rows.append([
+            ("* " if c is rec.pick else "") + c.label, *shape, f"{c.peak_bytes / bs:.2f}",
+            *([f"{c.host_bytes / bs:.2f}"] if host else []), "yes" if c.fits else "no",
+            f"{c.step_time_s * ts:.{td}f}", *([f"{c.transfer_s * ts:.{td}f}"] if transfer else []),
+            *tokens, where,
+        ])  # fmt: skip
+    t = table(title, header, [h for h in header if h not in left])
+    for row in rows:
+        add_row(t, *row)
     return t
 
 

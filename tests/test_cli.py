@@ -106,6 +106,14 @@ def test_budget_sizes_rejected(text):
         cli.parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["-5GB", "-1", "0", "-0.5MiB"])
+def test_a_size_that_is_not_positive_is_told_so(text):
+    """A negative size is read as a number and said to be not positive (it was 'cannot read
+    '-5MiB' as a size', as if the syntax were wrong)."""
+    with pytest.raises(argparse.ArgumentTypeError, match=f"size must be positive, got '{text}'"):
+        cli.parse_bytes(text)
+
+
 def test_analyze_json_and_budget_through_the_cli():
     proc = _run([*_ANALYZE, "--policy", "save-nothing", "--budget", "1MiB", "--json"])
     out, err = proc.communicate(timeout=300)

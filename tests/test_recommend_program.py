@@ -9,7 +9,7 @@ import json
 import pytest
 
 from remat_kit import cli, targets
-from remat_kit.recommend import recommend
+from remat_kit.recommend import BudgetTooSmall, recommend
 from remat_kit.units import format_bytes
 from tests.user_models import plain_jax
 
@@ -97,12 +97,26 @@ def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free):
 
 
 @needs_cuda_plugin
-def test_budget_below_everything_says_what_would_fit(program):
-    rec = recommend(program, target=TARGET, budget=1000, policies=["save-nothing"])
+def test_budget_below_everything_says_what_would_fit(program, free):
+    state = free.arguments["params"] + free.arguments["opt_state"]
+    rec = recommend(program, target=TARGET, budget=state + 1, policies=["save-nothing"])
     assert rec.pick is None
     (least,) = rec.candidates
     assert any(f"a budget of {format_bytes(least.peak_bytes)} fits it" in a for a in rec.advice)
     assert rec.line().startswith("nothing fits: the least-memory configuration, save-nothing")
+
+
+def test_budget_below_a_programs_parameters_and_optimizer_state(program, free):
+    """A user's program's budget below its params + opt_state is told so, with the smallest
+    budget that could work (compiled), as a preset's is (it got the generic 'nothing fits')."""
+    state = free.arguments["params"] + free.arguments["opt_state"]
+    with pytest.raises(BudgetTooSmall) as err:
+        recommend(program, target=TARGET, budget=state - 1, policies=["save-nothing"])
+    msg = str(err.value)
+    assert "smaller than the parameters and optimizer state alone" in msg
+    assert f"({format_bytes(state)}: params" in msg and "optimizer state" in msg
+    (sn,) = [c for c in free.candidates if c.policy == "save-nothing"]
+    assert f"could work is {format_bytes(sn.peak_bytes)} (save-nothing at its own shapes" in msg
 
 
 @needs_cuda_plugin

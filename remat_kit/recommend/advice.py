@@ -115,20 +115,27 @@ class BudgetTooSmall(ValueError):
 
 def too_small(session: Session, budget: int, batch: int, params: int, opt_state: int) -> str:
     """The one-line message for a budget below the parameters and optimizer state, with the
-    smallest compiled peak of the least-memory policies."""
-    low = ["save-nothing"] + (["offload-layer-inputs"] if can_offload(session.target) else [])
+    smallest compiled peak of the least-memory policies (a user's program: ``save-nothing`` at
+    its own shapes)."""
+    config = session.config
+    if config is None:
+        low, group, at = ["save-nothing"], None, "at its own shapes"
+    else:
+        offload = ["offload-layer-inputs"] if can_offload(session.target) else []
+        low, group, at = ["save-nothing", *offload], config.remat_group_size, f"at batch {batch}"
     found = session.candidates(
-        [get_policy_spec(n) for n in low], session.config.remat_group_size, batch, "advice"
+        [get_policy_spec(n) for n in low], group, batch if config else None, "advice"
     )
     least = min(((c.peak_bytes, s.name) for s, c, _ in found), default=None)
     smallest = (
-        f"{_gib(least[0])} ({least[1]} at batch {batch}, compiled)"
+        f"{_gib(least[0])} ({least[1]} {at}, compiled)"
         if least
         else f"above {_gib(params + opt_state)}"
     )
+    optimizer = session.optimizer or "optimizer"  # a user's program names none
     return (
         f"budget {_gib(budget)} is smaller than the parameters and optimizer state alone "
-        f"({_gib(params + opt_state)}: params {_gib(params)} + {session.optimizer} state "
+        f"({_gib(params + opt_state)}: params {_gib(params)} + {optimizer} state "
         f"{_gib(opt_state)}); the smallest budget that could work is {smallest}"
     )
 

@@ -395,7 +395,7 @@ def open_session(
         notes=list(request.notes), labels=request.labels, tags=request.tags,
         margin=request.margin,
     )  # fmt: skip
-    if config is not None and request.budget_bytes < params + opt_state:
+    if params and request.budget_bytes < params + opt_state:  # named by a preset or from_loss
         raise BudgetTooSmall(
             too_small(session, request.budget_bytes, request.batch, params, opt_state)
         )

@@ -123,7 +123,7 @@ def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     assert "save-qkv-proj" not in {r["policy"] for r in run.rows}
 
 
-def test_recommend_compiles_the_set_analyze_compiles_on_a_program():
+def test_recommend_compiles_the_set_analyze_compiles_on_a_program(tmp_path):
     """By default recommend considers what analyze compiles on a user's program, specs in its
     own tag names included (it compared the registered policies only: at a budget only
     ``attn_out=save`` met, it said nothing fits while analyze had compiled that spec fitting),
@@ -139,6 +139,11 @@ def test_recommend_compiles_the_set_analyze_compiles_on_a_program():
     assert sorted(named) == sorted(chosen.labels())
     given = recommend(program, target="h100-sxm", policies=[{"query_proj": "offload"}])
     assert [c.label for c in given.candidates] == ["custom: query_proj=offload"]
+    local = remat_kit.memory.api.program_policies(program, "local")
+    run = run_program_sweep(
+        program, tmp_path / "rows.jsonl", warmup_steps=0, timed_steps=1, progress=False
+    )
+    assert [r["policy_label"] for r in run.rows] == local.labels()  # the sweep's rows too
 
 
 def _half_maxtext(x, w):  # two of MaxText's names, not all a registered policy names

@@ -350,9 +350,9 @@ def select_policies(
 ) -> tuple[list[PolicySpec], list[str], dict[str, list[str]], dict[str, str]]:
     """The specs to sweep, the notes on the policies cut down to the program's tags or skipped
     (:meth:`remat_kit.policies.TagFit.notes`), each cut-down spec's note by its row key
-    (:func:`~remat_kit.policies.policy_arg`), and each cut-down spec's label by its row key
-    (:func:`~remat_kit.policies.cut_label`: ``minimal (cut)``, as analyze, the doctor and
-    recommend name it).
+    (:func:`~remat_kit.policies.policy_arg`), and labels by row key as analyze, the doctor and
+    recommend give them (:meth:`remat_kit.memory.api.ProgramPolicies.labels`: ``minimal
+    (cut)``, ``custom: attn_in=save``; given policies: the cut-down ones').
 
     Raises:
       ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
@@ -365,7 +365,9 @@ def select_policies(
         per_label: dict[str, list[str]] = {}
         for (_, cut), note in zip(chosen.restricted, chosen.notes, strict=False):
             per_label.setdefault(policy_arg(cut), []).append(note)
-        return list(chosen.specs), list(chosen.notes), per_label, _cut_labels(chosen.restricted)
+        named = zip(chosen.specs, chosen.labels(), strict=True)
+        labels = {policy_arg(s): label for s, label in named}
+        return list(chosen.specs), list(chosen.notes), per_label, labels
     given = list(policies)
     fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
     registered = policy_specs()

@@ -221,3 +221,28 @@ def test_a_program_file_imports_its_sibling_modules(tmp_path, monkeypatch):
     assert remat_kit.load_program(f"{tmp_path / 'entry.py'}:program").name
     monkeypatch.chdir(tmp_path)
     assert remat_kit.load_program("sibling_model:program").name
+
+
+def _unrolled(policy):
+    """_layer four times in a Python loop, each a jax.checkpoint (prevent_cse=True, the default)
+    when given a policy."""
+    layer = _layer if policy is None else jax.checkpoint(_layer, policy=policy)
+
+    def loss(ws, x):
+        h = x
+        for i in range(ws.shape[0]):
+            h = layer(h, ws[i])
+        return jnp.mean(h**2)
+
+    return loss
+
+
+def test_the_cpu_cse_fix_never_asks_for_the_prevent_cse_the_program_has():
+    """On XLA:CPU remat outside a scan is undone whatever prevent_cse is: the doctor's fix says
+    to scan (it said 'keep prevent_cse=True' to a model that had it, as an outside trial's
+    ViT did)."""
+    program = Program.from_loss(_unrolled, *_args(), optimizer="sgd", name="unrolled")
+    (check,) = doctor.check_policies(program, ["save-nothing"], "cpu").checks
+    (finding,) = [f for f in check.findings if f.code == "cse-undid-remat"]
+    assert "prevent_cse=True" not in finding.fix.replace("whatever prevent_cse is", "")
+    assert "lax.scan" in finding.fix

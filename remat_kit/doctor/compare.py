@@ -79,7 +79,9 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
             "promised.",
             f"XLA's CSE merged the recomputation back into the forward pass{outside_scan}"
             + ("; XLA:CPU drops remat's optimisation barriers outside loops." if on_cpu else "."),
-            "keep prevent_cse=True (nn.remat / jax.checkpoint), or run the layers under "
+            "run the layers under lax.scan / nn.scan / nnx.scan, or judge remat on a GPU target "
+            "(XLA:CPU undoes remat outside a scan whatever prevent_cse is)." if on_cpu
+            else "keep prevent_cse=True (nn.remat / jax.checkpoint), or run the layers under "
             "lax.scan / nn.scan.",
         )  # fmt: skip
     if recomputes is True and not on_cpu:

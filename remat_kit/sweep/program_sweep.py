@@ -500,8 +500,9 @@ def run_program_sweep(
       program: a :class:`~remat_kit.program.Program` (:func:`remat_kit.program.load_program`
         reads one from ``MODULE:FACTORY`` / ``FILE.py:FACTORY``).
       out: the JSONL results file (created with its folders).
-      policies: names or specs (default: every registered policy), narrowed to those acting on
-        the program's tags (:func:`remat_kit.policies.policies_for_tags`).
+      policies: names, per-tag text or specs, narrowed to those acting on the program's tags
+        (:func:`remat_kit.policies.policies_for_tags`); default: the set ``analyze`` compiles on
+        the program (:func:`remat_kit.memory.api.program_policies`).
       warmup_steps: untimed steps per policy (>= 0); timed_steps: timed steps (>= 1).
       resume: skip policies whose row is in ``out`` (rows of other policies are kept: a resumed
         run may add policies); overwrite: empty ``out`` first.

@@ -277,6 +277,13 @@ def test_memory_not_freed_says_how_far_the_temp_memory_dropped():
     assert "does not drop (7.00 MiB against 6.95 MiB)" in line and "undid the remat" in line
     kept = NS(activation_bytes=2**20, temp_bytes=2**20, host_bytes=0)  # freed as promised
     assert memory_not_freed(job, kept, base) is None
+    # It recomputes (1.21x the FLOPs): the remat stands, the peak is elsewhere (the doctor's
+    # remat-not-lowering-peak); "XLA undid the remat" contradicted the recompute column.
+    flops = NS(**{**vars(base), "flops": 100.0})
+    gpu = NS(**{**vars(job), "target": NS(platform="cuda")})
+    line = memory_not_freed(gpu, NS(**{**vars(rose), "flops": 121.0}), flops)
+    assert "though it recomputes (1.21x the matmul FLOPs)" in line and "undid" not in line
+    assert "the peak is set outside the rematerialised layers" in line
 
 
 def test_remat_placement_and_cause_from_what_is_known():

@@ -71,6 +71,9 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
     on_cpu = target.platform == "cpu"
     recomputes = _recomputes(report, no_remat, ops)
+    keeps_dots = promise.base == "dots" and ops is None  # recomputes elementwise ops only:
+    if keeps_dots and recomputes is False:  # matmul FLOPs cannot show it either way
+        recomputes = None
     if recomputes is False:
         return Finding(
             "cse-undid-remat", "error",
@@ -84,7 +87,7 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
             else "keep prevent_cse=True (nn.remat / jax.checkpoint), or run the layers under "
             "lax.scan / nn.scan.",
         )  # fmt: skip
-    if recomputes is True and not on_cpu:
+    if (recomputes is True or keeps_dots) and not on_cpu:
         # It does recompute on a real target: the peak is set elsewhere, not a no-op.
         return Finding(
             "remat-not-lowering-peak", "warning",

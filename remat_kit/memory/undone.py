@@ -83,9 +83,11 @@ def recompute_undone(job: Any, reading: Any) -> str | None:
     wanted = traced - base
     if wanted <= base * 1e-3 or done >= 0.9 * wanted:
         return None
-    how = "none" if done <= base * 1e-3 else f"only {(base + done) / base:.2f}x"
+    digits = 2 if f"{traced / base:.2f}" != f"{(base + done) / base:.2f}" else 4
+    how = "none" if done <= base * 1e-3 else f"only {(base + done) / base:.{digits}f}x"
     return (
-        f"policy {job.label or job.policy!r} recomputes {traced / base:.2f}x the matmul FLOPs "
+        f"policy {job.label or job.policy!r} recomputes {traced / base:.{digits}f}x the matmul "
+        "FLOPs "
         f"in the jaxpr, but the compiled step recomputes {how}: "
         f"{CSE_UNDID_ALL if how == 'none' else CSE_UNDID_PART} into the forward pass, "
         "keeping what it merged as without remat. Cause: "
@@ -105,6 +107,19 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     if promised <= 0 or base.temp_bytes - report.temp_bytes >= _FREED_SHARE * promised:
         return None
     dropped = base.temp_bytes - report.temp_bytes
+    flops, base_flops = getattr(report, "flops", None), getattr(base, "flops", None)
+    on_cpu = job.target.platform == "cpu"  # XLA:CPU drops remat's barriers outside a scan
+    if not on_cpu and flops and base_flops and flops > base_flops * 1.01:
+        # it recomputes: the remat stands, the peak is set where it does not reach (the
+        # doctor's remat-not-lowering-peak)
+        return (
+            f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
+            f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's temp "
+            f"memory drops by {format_bytes(max(dropped, 0))} though it recomputes "
+            f"({flops / base_flops:.2f}x the matmul FLOPs): the peak is set outside the "
+            "rematerialised layers (the optimizer update, the logits, the parameters); see the "
+            "buffers live at the peak"
+        )
     compiled = (
         f"drops by {format_bytes(dropped)} ({format_bytes(base.temp_bytes)} -> "
         f"{format_bytes(report.temp_bytes)})"

@@ -923,7 +923,8 @@ def load_program(ref: str) -> Program:
 
     Raises:
       ValueError: ``ref`` without ``:``, a module or file that cannot be found or imported, a
-        missing factory, or a factory that does not return a Program (one line naming which).
+        missing factory, a factory that raises (its exception chained) or that does not return
+        a Program (one line naming which).
     """
     module_ref, sep, attr = ref.rpartition(":")
     if not sep or not module_ref or not attr:
@@ -966,7 +967,13 @@ def load_program(ref: str) -> Program:
             ) from None
         except ValueError:  # no signature (a builtin): just call it
             pass
-        program = factory()
+        try:
+            program = factory()
+        except Exception as err:  # the user's code: one line naming it (the cause chained)
+            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+            raise ValueError(
+                f"{ref}: the factory raised {type(err).__name__}" + (f": {first}" if first else "")
+            ) from err
     else:
         program = factory
     if not isinstance(program, Program):

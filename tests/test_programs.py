@@ -170,6 +170,24 @@ def test_load_program_bad_refs_say_which_form(ref, match):
         remat_kit.load_program(ref)
 
 
+def test_a_factory_that_raises_is_one_line_naming_it(tmp_path, capsys):
+    """The user's factory raising (a checkpoint file missing) is one line naming the reference
+    and the exception, exit 2 from the CLI (it was a 15-line traceback, exit 1); the cause is
+    chained for the Python API."""
+    from remat_kit import cli
+
+    (tmp_path / "models.py").write_text(
+        "def broken():\n    raise RuntimeError('checkpoint file missing\\nsecond line')\n"
+    )
+    ref = f"{tmp_path / 'models.py'}:broken"
+    with pytest.raises(ValueError, match="the factory raised RuntimeError: checkpoint file") as err:
+        remat_kit.load_program(ref)
+    assert isinstance(err.value.__cause__, RuntimeError) and "second line" not in str(err.value)
+    assert cli.main(["analyze", "--model", ref, "--target", "cpu"]) == 2
+    out = capsys.readouterr().err.strip()
+    assert out.endswith("raised RuntimeError: checkpoint file missing") and "\n" not in out
+
+
 def test_unknown_factory_lists_only_the_modules_own_no_argument_functions():
     with pytest.raises(ValueError) as err:
         remat_kit.load_program("remat_kit/examples/plain_jax.py:nope")

@@ -187,16 +187,24 @@ def _summary_header(run, argv: list[str] | None, legend: str) -> str:
             f"- Command: `{command}`",
             f"- Last run: {r.get('time')}; {len(run.new_rows)} point(s) in {run.wall_s:.0f} s, "
             f"{run.skipped} kept from earlier runs",
-            f"- Machine: {r.get('backend')} backend, {r.get('device_count')} x "
-            f"{r.get('device_kind')} in {r.get('process_count', 1)} process(es), "
-            f"{r.get('cpu_count')} CPUs ({r.get('machine')}); jax {r.get('jax')}, "
-            f"jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, optax {r.get('optax')}",
+            f"- Machine: {_machine(r)}",
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
             "",
             "",
         ]
+    )
+
+
+def _machine(r: dict) -> str:
+    """Where the rows' figures come from: backend, devices, CPUs, library versions."""
+    return (
+        f"{r.get('backend')} backend, {r.get('device_count')} x {r.get('device_kind')} in "
+        f"{r.get('process_count', 1)} process(es), {r.get('cpu_count')} CPUs "
+        f"({r.get('machine')}{', ' + r['cpu_model'] if r.get('cpu_model') else ''}); "
+        f"jax {r.get('jax')}, jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, "
+        f"optax {r.get('optax')}"
     )
 
 
@@ -217,6 +225,11 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     from remat_kit.sweep.output import warning_lines
 
     results.print_summary(run.rows, console)
+    if run.rows:  # every figure says where it comes from ("local": this machine's backend)
+        console.print(
+            f"measured and analysed on: {_machine(run.rows[-1])} ('local' is this machine)",
+            highlight=False, markup=False,
+        )  # fmt: skip
     legend = results.summary_legend(run.rows)
     if legend:  # what the columns mean, under the table as at the top of summary.md
         console.print(f"columns: {legend}", highlight=False, markup=False)

@@ -528,15 +528,11 @@ def policy_label(spec: PolicySpec) -> str:
     return "custom: " + (", ".join(parts) or "recompute all")
 
 
-#: How :func:`cut_label` ends.
-CUT_SUFFIX = " (cut)"
-
-
 def cut_label(names: Sequence[str]) -> str:
     """The label of the custom spec registered policies were cut down to on a program that
     emits only some of their tags (``minimal (cut)``; ``a, b (cut)`` when several cut to one
     spec): every tool names such a row the same way."""
-    return f"{', '.join(names)}{CUT_SUFFIX}"
+    return f"{', '.join(names)} (cut)"
 
 
 def policy_arg(spec: PolicySpec) -> str:

@@ -122,7 +122,7 @@ def test_recommend_never_picks_a_policy_for_what_the_other_implementation_does(i
     with RI.using(impl):
         tags = frozenset(_config().checkpoint_names)
         program = SimpleNamespace(name="p", model_config=None)  # given policies: its name only
-        specs, notes, _ = _resolve_specs(tgt, given, program, tags)
+        specs, notes, _, _ = _resolve_specs(tgt, given, program, tags)
         offload_ok = RI.can_offload(tgt)
     kept = [s.name for s in specs]
     for policy in given:

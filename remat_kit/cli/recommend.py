@@ -133,20 +133,16 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
     shaped = rec.seq_len is not None
     host = any(c.host_bytes for c in candidates)
     transfer = any(c.transfer_s for c in candidates)
-    varies = {  # a column whose value is the same in every row says it in the title instead
-        name: len({get(c) for c in candidates}) > 1 or not shaped
-        for name, get in (("options", lambda c: c.options_label),
-                          ("group", lambda c: c.remat_group_size),
-                          ("batch", lambda c: c.batch_size))
-    }  # fmt: skip
-    same = [f"{name} {get}" for name, get in (
-        ("options", candidates[0].options_label if candidates else "-"),
-        ("group", candidates[0].remat_group_size if candidates else None),
-        ("batch", candidates[0].batch_size if candidates else None),
-    ) if shaped and not varies[name]]  # fmt: skip
+    shape = {  # a preset's columns, as text per candidate
+        "options": [c.options_label for c in candidates],
+        "group": [str(c.remat_group_size) for c in candidates],
+        "batch": [str(c.batch_size) for c in candidates],
+    } if shaped else {}  # fmt: skip
+    # a column whose value is the same in every row says it once, in the title
+    same = [f"{name} {vals[0]}" for name, vals in shape.items() if vals and len(set(vals)) == 1]
     if same:
         title = f"{title}; every candidate: {', '.join(same)}"
-    shape_cols = [name for name in ("options", "group", "batch") if shaped and varies[name]]
+    shape_cols = [name for name, vals in shape.items() if len(set(vals)) > 1]
     header = [
         "candidate", *shape_cols, f"peak {bu}",
         *([f"host {bu}"] if host else []), "fits", f"step {tu}",
@@ -154,14 +150,12 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
     ]  # fmt: skip
     left = ("candidate", "options", "found by")
     rows = []
-    for c in candidates:
+    for i, c in enumerate(candidates):
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
-        values = {"options": c.options_label, "group": str(c.remat_group_size),
-                  "batch": str(c.batch_size)}  # fmt: skip
-        shape = [values[name] for name in shape_cols]
         tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
         rows.append([
-            ("* " if c is rec.pick else "") + c.label, *shape, f"{c.peak_bytes / bs:.2f}",
+            ("* " if c is rec.pick else "") + c.label, *(shape[n][i] for n in shape_cols),
+            f"{c.peak_bytes / bs:.2f}",
             *([f"{c.host_bytes / bs:.2f}"] if host else []), "yes" if c.fits else "no",
             f"{c.step_time_s * ts:.{td}f}", *([f"{c.transfer_s * ts:.{td}f}"] if transfer else []),
             *tokens, where,

@@ -155,7 +155,7 @@ def check_policies(
     tgt = T.get_target(target)
     tags = program_tags(program)
     if policies is None:
-        chosen = program_policies(program, tgt)
+        chosen = program_policies(program, tgt, tags=tags)
         specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
         if not specs:
             notes.append(f"no policy acts on program {program.name!r}: nothing to check")

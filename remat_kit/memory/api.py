@@ -289,6 +289,7 @@ def program_policies(
     target: str | T.Target,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     max_single: int = MAX_TAG_SPECS,
+    tags: frozenset[str] | None = None,
 ) -> ProgramPolicies:
     """The policies :func:`analyze_policies` compiles on ``program`` for ``target``.
 
@@ -300,10 +301,12 @@ def program_policies(
     (:func:`own_tag_specs`; where the program gives its loss, only the tags its loss keeps when
     every tag is saved: saving another changes nothing).
 
+    ``tags``: the program's :func:`program_tags` where the caller has them (else traced here).
+
     Raises:
       ValueError: unknown policy or target.
     """
-    tags = program_tags(program)
+    tags = program_tags(program) if tags is None else tags
     if policies is not None:
         return ProgramPolicies(tuple(get_policy_spec(p) for p in policies), tags)
     tgt = T.get_target(target)
@@ -439,7 +442,11 @@ def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tup
     """The program's step under ``spec`` (its one trace: :meth:`Program.step`), jitted with
     its donated arguments and traced on its arguments as ``placement`` places them: the
     ``jax.stages.Traced`` every analysis compile lowers, and the sweep's run of it too (the same
-    lowered program, so one compile serves both)."""
+    lowered program, so one compile serves both).
+
+    Raises:
+      Whatever tracing the program's step raises (its own code, or JAX on its arguments).
+    """
     pure = program.step(spec)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
     with S.activation_sharding(placement.mesh):  # the model traced under the mesh

@@ -60,7 +60,8 @@ class Request:
       order. groups: the group sizes to consider (none for a user's program). arguments: bytes
       of the step's arguments, per device. tags: the checkpoint names the program emits.
       labels: custom specs among ``specs`` with the label every tool gives them (a registered
-      policy cut down to those tags: ``minimal (cut)``). notes:
+      policy cut down to those tags: ``minimal (cut)``). cut: the specs registered policies
+      were cut down to. notes:
       what resolving dropped or cut down (offloading policies on a target that does not
       offload, policies naming no emitted tag).
     """
@@ -77,6 +78,7 @@ class Request:
     notes: tuple[str, ...]
     tags: frozenset[str] = frozenset()
     labels: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
+    cut: frozenset[PolicySpec] = frozenset()
     structure: bool = False
     margin: float = DEFAULT_MARGIN
 
@@ -247,10 +249,11 @@ def _resolve_specs(
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
     program: Program,
     tags: frozenset[str],
-) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str]]:
-    """The policies worth compiling on ``program`` (emitting ``tags``), notes, and the labels of
+) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str], frozenset[PolicySpec]]:
+    """The policies worth compiling on ``program`` (emitting ``tags``), notes, the labels of
     the custom specs among them as every tool gives them (``minimal (cut)``:
-    :meth:`remat_kit.memory.api.ProgramPolicies.labels`).
+    :meth:`remat_kit.memory.api.ProgramPolicies.labels`), and the specs registered policies
+    were cut down to (found as the named policy they come from).
 
     Default on a user's program: the set ``analyze`` compiles on it
     (:func:`remat_kit.memory.api.program_policies`: the registered policies that act on its
@@ -268,10 +271,10 @@ def _resolve_specs(
       ValueError: empty ``policies``; unknown policy; nothing left to compile.
     """
     if policies is None and program.model_config is None:
-        chosen = program_policies(program, tgt)
+        chosen = program_policies(program, tgt, tags=tags)
         if not chosen.specs:
             raise ValueError(f"no policy acts on program {program.name!r}")
-        specs, notes = list(chosen.specs), list(chosen.notes)
+        specs, notes, restricted = list(chosen.specs), list(chosen.notes), chosen.restricted
         labels = {s: label for s, label in zip(specs, chosen.labels(), strict=True)}
     else:
         given = list(policies) if policies is not None else policy_names()
@@ -281,9 +284,9 @@ def _resolve_specs(
         specs = list(
             dict.fromkeys(s for s in fit.specs if tgt.supports_host_offload or not s.offloads)
         )
-        notes = fit.notes(f"program {program.name!r}")
+        notes, restricted = fit.notes(f"program {program.name!r}"), fit.restricted
         cuts: dict[PolicySpec, list[str]] = {}
-        for named, cut in fit.restricted:
+        for named, cut in restricted:
             cuts.setdefault(cut, []).append(named.name)
         labels = {cut: cut_label(names) for cut, names in cuts.items()}
         dropped = [s.name for s in fit.specs if s not in specs]
@@ -295,7 +298,7 @@ def _resolve_specs(
     if not specs:
         raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")
     custom = {s: label for s, label in labels.items() if label != policy_label(s)}
-    return specs, notes + wrong, custom
+    return specs, notes + wrong, custom, frozenset(cut for _, cut in restricted)
 
 
 def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:
@@ -350,7 +353,7 @@ def resolve_request(
     groups = _resolve_groups(program, group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
-    specs, notes, labels = _resolve_specs(tgt, policies, program, tags)
+    specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
     on = policies is None if structure is None else bool(structure)
     if structure and program.model_config is None:
         program.variant(structure=True)  # raises: a user's program sets its own structure
@@ -363,7 +366,7 @@ def resolve_request(
     return Request(
         program=program, target=tgt, auto=auto, solve=solve, budget_bytes=budget_bytes,
         budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
-        notes=tuple(notes), tags=tags, labels=labels, structure=on and not auto,
+        notes=tuple(notes), tags=tags, labels=labels, cut=cut, structure=on and not auto,
         margin=margin,
     )  # fmt: skip
 
@@ -392,7 +395,7 @@ def open_session(
         program=request.program, target=request.target, budget=request.budget_bytes,
         cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
         max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
-        notes=list(request.notes), labels=request.labels, tags=request.tags,
+        notes=list(request.notes), labels=request.labels, cut=request.cut, tags=request.tags,
         margin=request.margin,
     )  # fmt: skip
     if params and request.budget_bytes < params + opt_state:  # named by a preset or from_loss

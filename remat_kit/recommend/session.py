@@ -17,7 +17,7 @@ from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
-from remat_kit.policies import CUT_SUFFIX, PolicySpec, get_policy_spec, policy_names
+from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.program import Program
 from remat_kit.recommend.timing import candidate_times
 from remat_kit.recommend.types import Candidate, FoundBy, Structure
@@ -99,6 +99,8 @@ class Session:
     #: Custom specs among the policies compiled by default, each with the label every tool
     #: gives it (a registered policy cut down to the program's tags: ``minimal (cut)``).
     labels: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
+    #: The specs registered policies were cut down to: found as the named policy.
+    cut: frozenset[PolicySpec] = frozenset()
     #: The checkpoint names the program emits.
     tags: frozenset[str] = frozenset()
     #: Fraction of device memory the default budget keeps free.
@@ -225,9 +227,8 @@ class Session:
         if c is None:
             return None
         if found_by == "named" and spec in self.labels:  # labelled as every tool labels it
-            label = self.labels[spec]  # a registered policy cut down is found as named
-            by = "named" if label.endswith(CUT_SUFFIX) else c.found_by
-            c = dataclasses.replace(c, found_by=by, named_label=label)
+            by = "named" if spec in self.cut else c.found_by
+            c = dataclasses.replace(c, found_by=by, named_label=self.labels[spec])
         if config is None:
             return c
         config = config.replace(**dict(structure))

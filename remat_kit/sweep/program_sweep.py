@@ -359,7 +359,7 @@ def select_policies(
         no policy left.
     """
     if policies is None:  # the default set, as analyze and the doctor have it
-        chosen = program_policies(program, "local")
+        chosen = program_policies(program, "local", tags=tags)
         if not chosen.specs:
             raise ValueError(f"no policy acts on program {program.name!r}")
         per_label: dict[str, list[str]] = {}

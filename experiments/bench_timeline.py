@@ -8,10 +8,11 @@ Command (CPU machine; the GPU target compiles deviceless with the CUDA plugin)::
 
 Runs, each in a fresh process (so neither inherits the other's traces and caches):
 
-1. ``baseline``: the analysis as before this change: XLA's pass left on, no second compile,
-   no timelines (the runner's ``build_timeline`` replaced by ``None`` for this run only);
-2. ``timeline``: the analysis as shipped (a timeline per report; the pass-off compile where
-   XLA's pass fired) and the PNG: ``analyze_policies`` then ``remat_kit.plots.timeline``.
+1. ``baseline``: the analysis without timelines (the runner's ``build_timeline`` replaced by
+   ``None`` for this run only) and no second compile;
+2. ``timeline``: the analysis with a timeline per report and the peak of the policy alone (the
+   pass-off compile where XLA's pass fired: ``policy_alone_peak=True``) and the PNG:
+   ``analyze_policies`` then ``remat_kit.plots.timeline``.
 
 Writes ``experiments/results/timeline/``: ``<model>_b1_s<seq>_h100-sxm.png`` (the figure),
 ``bench.json`` (machine, jax version, wall and CPU seconds of both runs and their ratio, and per
@@ -55,11 +56,13 @@ def _phase(kind: str, quick: bool) -> dict:
     if kind == "baseline":
         runner.build_timeline = lambda *a, **k: None  # the analysis as it was before
         reports = remat_kit.memory.analyze_policies(
-            remat_kit.preset(model, b, s), POLICIES, target=TARGET, separate_xla_remat=False
+            remat_kit.preset(model, b, s), POLICIES, target=TARGET
         )
         png = None
     else:
-        reports = remat_kit.memory.analyze_policies(model, b, s, POLICIES, target=TARGET)
+        reports = remat_kit.memory.analyze_policies(
+            remat_kit.preset(model, b, s), POLICIES, target=TARGET, policy_alone_peak=True
+        )
         png = OUT / f"{model}_b{b}_s{s}_{TARGET}.png"
         plots.timeline(reports, png)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -87,7 +90,7 @@ def _figures(r) -> dict:
         "recompute_ratio_policy": r.recompute_ratio and round(r.recompute_ratio, 3),
         "recompute_ratio_compiled": r.compiled_recompute_ratio
         and round(r.compiled_recompute_ratio, 3),
-        "policy_only_peak_gib": po and round(po.peak_bytes / 2**30, 3),
+        "policy_only_peak_gib": po and po.peak_bytes and round(po.peak_bytes / 2**30, 3),
         "xla_remat_instructions": po.xla_remat_instructions if po else 0,
         "xla_line": line,
         "compile_s": r.compile_s,

@@ -237,6 +237,47 @@ def test_hlo_flops_multiply_loop_bodies_by_trip_count():
     assert instr.op_name.endswith("query_proj/dot_general") and comp.name == "fused_dot"
 
 
+_CLONES_HLO = """HloModule jit_step, is_scheduled=true
+
+%body (arg_tuple: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %arg_tuple = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%arg_tuple), index=1
+  %w = f32[16,16]{1,0} constant({...})
+  %dot.1 = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.1.remat = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.2.remat = f32[8,16]{1,0} dot(%dot.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.2.remat2 = f32[8,16]{1,0} dot(%dot.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dot.3.remat2 = f32[8,16]{1,0} dot(%dot.1.remat, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%arg_tuple, %dot.3.remat2)
+}
+
+%cond (arg_tuple.1: (s32[], f32[8,16])) -> pred[] {
+  %arg_tuple.1 = (s32[], f32[8,16]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8,16]) -> f32[8,16] {
+  %x.1 = f32[8,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %x.1)
+  %while.3 = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%while.3), index=1
+}
+"""
+
+
+def test_flops_added_by_xla_remat_are_every_clone_but_one_per_original():
+    """XLA's remat pass names clones after their original and removes an original once a
+    clone took all its uses: ``dot.1`` and a clone (1 added), ``dot.2`` gone with two clones
+    left (1 added), ``dot.3`` gone with one clone left (a move: none added); in a loop of 4."""
+    dot = 2 * 8 * 16 * 16
+    count = hlo.count_flops(hlo.parse_hlo_module(_CLONES_HLO))
+    assert count.flops == 4 * 5 * dot
+    assert count.xla_remat_flops == 4 * 2 * dot  # the policy's own: 3 dots a trip
+    assert count.recomputed_flops == 4 * 4 * dot  # every clone is recomputation as run
+    assert hlo.count_flops(hlo.parse_hlo_module(_HLO)).xla_remat_flops == 0
+
+
 def test_live_range_and_buffer_assignment_parsing():
     live = hlo.parse_live_at_peak(
         "HloLiveRange (max 9):\n  Live ranges at 4 (peak):\n"

@@ -182,20 +182,30 @@ def test_timeline_figure(cpu_reports, tmp_path):
 
 @needs_cuda_plugin
 def test_xla_remat_told_apart_deviceless():
-    """An H100 with 4 MB: XLA's pass fires; the pass-off compile gives the policy's own
-    figures; the timeline's maximum is the live peak on the GPU backend too."""
+    """An H100 with 4 MB: XLA's pass fires; the policy's own FLOPs read from the one compile
+    (XLA's clones told apart) are those of the step compiled with the pass off, which is made
+    only for the peak of the policy alone; the timeline's maximum is the live peak on the GPU
+    backend too."""
     small = dataclasses.replace(
         targets.get_target("h100-sxm"), name="h100-4mb", memory_bytes=4_000_000
     )
-    (r,) = analyze_policies(
-        remat_kit.preset("tiny-llama", 2, 128, "sgd"), ["save-nothing"], target=small
-    )
+    program = remat_kit.preset("tiny-llama", 2, 128, "sgd")
+    (r,) = analyze_policies(program, ["save-nothing"], target=small)
+    (off,) = analyze_policies(program, ["save-nothing"], target=small, policy_alone_peak=True)
     assert max(r.timeline.totals()) == r.live_peak_bytes
     po = r.policy_only
     assert po is not None and po.xla_remat_instructions > 0
     assert r.recompute_ratio == po.recompute_ratio < r.compiled_recompute_ratio
     assert 1.15 < po.recompute_ratio < 1.34  # one extra forward of the blocks, at most 4/3
-    assert any(w.startswith("XLA recomputed") for w in r.warnings)
+    assert po.peak_bytes is None and po.compile_s is None  # no second compile unless asked
+    assert off.policy_only.flops == po.flops and off.recompute_ratio == r.recompute_ratio
+    assert off.policy_only.peak_bytes > 0 and off.policy_only.compile_s is not None
+    assert off.peak_bytes == r.peak_bytes and off.flops == r.flops
+    line = next(w for w in r.warnings if w.startswith("XLA recomputed"))
+    assert "the policy alone: x1." in line, line
+    assert "the policy alone peaks at" in next(
+        w for w in off.warnings if w.startswith("XLA recomputed")
+    )
 
 
 def test_timeline_cli_argument():

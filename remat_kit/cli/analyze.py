@@ -57,6 +57,11 @@ def add(subparsers) -> None:
         help="also compile at 2 and 4 layers and compare per-layer bytes with the textbook "
         "(Korthikanti et al. 2022)",
     )
+    p.add_argument(
+        "--policy-alone-peak", action="store_true",
+        help="where XLA's own remat pass fired, compile the step again with it off for the peak "
+        "of the policy alone (the policy's own FLOPs are read without it)",
+    )  # fmt: skip
     A.add_workers(p)
     A.add_timeline(p)
     A.add_html(p)
@@ -124,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             results = analyze_policies(
                 program, specs, target=target, budget_bytes=args.budget,
                 top_k=max(args.buffers, 0), raise_errors=False, engine=engine,
+                policy_alone_peak=args.policy_alone_peak,
             )  # fmt: skip
     except CompileError as err:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)

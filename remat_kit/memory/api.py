@@ -514,7 +514,7 @@ def analyze_policies(
     compare_offload: bool = True,
     strict_tags: bool = True,
     engine: CompileEngine | None = None,
-    separate_xla_remat: bool = True,
+    policy_alone_peak: bool = False,
 ) -> list[MemoryReport | CompileError]:
     """Compile a program under each policy for ``target`` and report its memory.
 
@@ -539,9 +539,10 @@ def analyze_policies(
         it anyway; the doctor reports it as a finding).
       engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
         reporting progress); None: a private one (``workers`` at a time).
-      separate_xla_remat: compile a policy again with XLA's own rematerialisation pass off
-        where that pass changed it, for the policy's own figures (``recompute_ratio``,
-        ``policy_only``); False: one compile per policy, figures as compiled.
+      policy_alone_peak: where XLA's own rematerialisation pass changed a policy's program,
+        compile it a second time with the pass off for the peak of the policy alone
+        (``policy_only.peak_bytes``). The policy's own FLOPs (``recompute_ratio``) are read
+        from the one compile either way (:class:`~remat_kit.memory.report.PolicyOnly`).
 
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
@@ -561,7 +562,7 @@ def analyze_policies(
         specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
         key = CompileCache.request_key(
             "analyze_policies", program.request_key(), specs, target_fingerprint(tgt),
-            budget_bytes, top_k, fast_compile, compare_offload, separate_xla_remat, strict_tags,
+            budget_bytes, top_k, fast_compile, compare_offload, policy_alone_peak, strict_tags,
         )  # fmt: skip
         cached = _cached_reports(cache, key, len(specs))
         if cached is not None:  # the same request made before: its reports, nothing traced
@@ -588,7 +589,7 @@ def analyze_policies(
         lambda twin: _program_job(setup, twin, visible=False),
     )  # fmt: skip
     for job in jobs:
-        job.policy_only = separate_xla_remat and job.visible
+        job.policy_only = policy_alone_peak and job.visible
     with S.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
         results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
     own = dict(zip(distinct, results, strict=False))

@@ -343,6 +343,17 @@ def is_xla_remat(name: str) -> bool:
     return bool(re.search(r"\.remat\d*(\.|$)", name))
 
 
+def _remat_origin(name: str) -> str:
+    """The instruction an XLA remat clone was made from: ``fusion.3.remat2`` -> ``fusion.3``."""
+    return re.sub(r"\.remat\d*(\..*)?$", "", name)
+
+
+def _remat_order(name: str) -> tuple[int, str]:
+    """The original first, then its clones in the order XLA's pass numbered them."""
+    found = re.search(r"\.remat(\d*)(\..*)?$", name)
+    return (0, name) if found is None else (int(found.group(1) or 1), name)
+
+
 #: Opcodes that move or name data rather than compute (not counted as recomputation).
 BOOKKEEPING_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy", "copy-start",
@@ -374,11 +385,15 @@ class FlopCount:
         remat scope (``op_name`` containing :data:`JAX_RECOMPUTE_SCOPE`) and dots in clones made
         by XLA's rematerialisation pass. ``flops - recomputed_flops`` is the step's matmul work
         as compiled without any recomputation.
+      xla_remat_flops: the part of ``flops`` in clones made by XLA's rematerialisation pass
+        whose original is still in the module (a clone that replaced its original moved the
+        work, it did not add any): ``flops - xla_remat_flops`` is the policy's own matmul work.
     """
 
     flops: float
     unknown_trip_counts: int
     recomputed_flops: float = 0.0
+    xla_remat_flops: float = 0.0
 
 
 def _scalar_constant(name: str, by_name: dict[str, Instruction]) -> int | None:
@@ -435,26 +450,37 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
     FLOPs are >95% matmuls). Recomputation is counted separately as well (see
     :class:`FlopCount`)."""
     unknown = [0]
+    nothing = (0.0, 0.0, 0.0)
+    # XLA's pass names each clone after its original (``fusion.3.remat``, ``.remat2`` ...) and
+    # removes the original once a clone took all its uses: of a family of one original and
+    # its clones, one member computes what the program asked for, the others are added.
+    own: dict[str, str] = {}
+    for name in sorted((i.name for c in comps.values() for i in c.instructions), key=_remat_order):
+        own.setdefault(_remat_origin(name), name)
+
+    def added_by_xla(instr: Instruction) -> bool:
+        return is_xla_remat(instr.name) and own.get(_remat_origin(instr.name)) != instr.name
 
     @cache
-    def flops_of(name: str) -> tuple[float, float]:  # (all, recomputed)
+    def flops_of(name: str) -> tuple[float, float, float]:  # (all, recomputed, XLA's clones)
         comp = comps.get(name)
         if comp is None:
-            return 0.0, 0.0
+            return nothing
         shapes = dict(comp.param_shapes)
-        total = rec = 0.0
+        total = rec = xla = 0.0
 
-        def add(flops: float, recomputed: float, instr: Instruction) -> None:
-            nonlocal total, rec
-            total += flops
+        def add(f: tuple[float, float, float], instr: Instruction) -> None:
+            nonlocal total, rec, xla
+            total += f[0]
             # Everything inside an XLA remat clone (a cloned fusion's dots) is recomputation.
-            rec += flops if is_xla_remat(instr.name) else recomputed
+            rec += f[0] if is_xla_remat(instr.name) else f[1]
+            xla += f[0] if added_by_xla(instr) else f[2]
 
         for instr in comp.instructions:
             shapes[instr.name] = instr.shape
             f = instruction_flops(instr, shapes)
             if f:
-                add(f, f if JAX_RECOMPUTE_SCOPE in instr.op_name else 0.0, instr)
+                add((f, f if JAX_RECOMPUTE_SCOPE in instr.op_name else 0.0, 0.0), instr)
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)
                 trip = _TRIP_COUNT.search(instr.attributes)
@@ -462,13 +488,12 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
                 if n is None:
                     unknown[0] += 1
                     n = 1
-                f, r = flops_of(body.group(1)) if body else (0.0, 0.0)
-                add(n * f, n * r, instr)
+                add(tuple(n * x for x in (flops_of(body.group(1)) if body else nothing)), instr)
                 continue
             branches = _BRANCHES.search(instr.attributes)
             if branches:
-                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                add(*max((flops_of(b) for b in names if b), default=(0.0, 0.0)), instr)
+                names_ = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                add(max((flops_of(b) for b in names_ if b), default=nothing), instr)
                 continue
             callees = [c for kind, c in _CALLEE.findall(instr.attributes) if kind != "condition"]
             calls_set = _CALLS_SET.search(instr.attributes)
@@ -476,14 +501,16 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
                 callees += [c.strip().lstrip("%") for c in calls_set.group(1).split(",")]
             counts = [flops_of(c) for c in callees]
             if instr.opcode == "conditional":
-                add(*max(counts, default=(0.0, 0.0)), instr)
+                add(max(counts, default=nothing), instr)
             else:
-                add(sum(f for f, _ in counts), sum(r for _, r in counts), instr)
-        return total, rec
+                add(tuple(sum(c[k] for c in counts) for k in range(3)), instr)
+        return total, rec, xla
 
     entry = next((c.name for c in comps.values() if c.is_entry), None)
-    total, rec = flops_of(entry) if entry else (0.0, 0.0)
-    return FlopCount(flops=total, unknown_trip_counts=unknown[0], recomputed_flops=rec)
+    total, rec, xla = flops_of(entry) if entry else nothing
+    return FlopCount(
+        flops=total, unknown_trip_counts=unknown[0], recomputed_flops=rec, xla_remat_flops=xla
+    )
 
 
 def instructions_by_name(

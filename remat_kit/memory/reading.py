@@ -128,6 +128,7 @@ class DumpReading:
     logits_live_bytes: int
     warnings: tuple[str, ...]
     recomputed_flops: float | None = None
+    xla_remat_flops: float | None = None
 
 
 _VAGUE_KINDS = ("other", "loop_state")
@@ -230,6 +231,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
     return DumpReading(
         flops=count.flops,
         recomputed_flops=count.recomputed_flops,
+        xla_remat_flops=count.xla_remat_flops,
         peak_buffers=tuple(buffers[:top_k]),
         live_peak_bytes=sum(b.nbytes for b in buffers if b.memory == "device") if buffers else None,
         logits_live_bytes=logits_live,

@@ -65,28 +65,37 @@ class LogitsLine:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyOnly:
-    """The step compiled with XLA's own rematerialisation pass off: the policy's own figures.
+    """The policy's own figures where XLA's own rematerialisation pass changed the program.
 
     XLA's GPU compiler recomputes instructions on its own when a program exceeds the device's
     memory ("Can't reduce memory use below ..."); the as-run figures then mix the policy's
-    recomputation with XLA's. This is the same step compiled with
-    ``xla_disable_hlo_passes=rematerialization`` (compiled only when the pass changed the
-    program).
+    recomputation with XLA's. The pass clones what it recomputes (``fusion.3.remat``,
+    ``.remat2``) and removes an original once a clone took all its uses, so the policy's own
+    matmul FLOPs are the as-run ones less every clone but one per original
+    (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``; equal to the FLOPs of the
+    step compiled with the pass off for each of the 75 programs checked: llama3-8b b=1 s=8192
+    on h100-sxm, llama3.2-3b b=2 s=4096 on a100-40gb, llama3.2-1b b=4 s=4096 on l4, every
+    default policy and on-device twin, jax 0.10.2; ``tests/test_timeline.py`` checks one). The
+    peak of the policy alone needs that second compile
+    (``xla_disable_hlo_passes=rematerialization``), made only when asked
+    (``analyze_policies(..., policy_alone_peak=True)``, ``remat-kit analyze
+    --policy-alone-peak``).
 
     Attributes:
       xla_remat_instructions: instructions XLA's pass cloned to recompute (as run).
-      peak_bytes: the device peak of the policy alone (argument + output + temp - alias).
-      live_peak_bytes: the most device bytes live at one point of that schedule.
-      flops: its matmul FLOPs; recompute_ratio: ``flops / flops_no_remat``.
-      compile_s: seconds of that compile.
+      flops: the policy's own matmul FLOPs; recompute_ratio: ``flops / flops_no_remat``.
+      peak_bytes: the device peak of the policy alone (argument + output + temp - alias), None
+        when the pass-off compile was not made.
+      live_peak_bytes: the most device bytes live at one point of that schedule (or None).
+      compile_s: seconds of the pass-off compile (or None).
     """
 
     xla_remat_instructions: int
-    peak_bytes: int
-    live_peak_bytes: int | None
     flops: float | None
     recompute_ratio: float | None
-    compile_s: float
+    peak_bytes: int | None = None
+    live_peak_bytes: int | None = None
+    compile_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,6 @@ def per_layer_activations(
         reports = analyze_policies(
             programs[n], specs, target, top_k=1, workers=workers,
             compare_offload=False,
-            separate_xla_remat=False,  # the per-layer bytes are the as-compiled ones
         )  # fmt: skip
         by_key.update({(j, i): r for j, r in enumerate(reports)})  # two custom specs: one name
     grads = (

@@ -172,7 +172,6 @@ class Session:
             results = analyze_policies(
                 program, list(todo.values()), target=self.target, budget_bytes=self.budget,
                 top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
-                separate_xla_remat=False,  # candidates use the compiled FLOPs and peak
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
             self.from_compile_cache += sum(getattr(r, "compile_cached", False) for r in results)

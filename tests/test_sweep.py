@@ -469,3 +469,22 @@ def test_interleaved_steps_are_each_policys_own(tmp_path):
     broken.input_shardings = compiled[0].input_shardings
     out = sweep.measure_points(points, [broken, compiled[1]], corpus, cache, interleave=True)
     assert isinstance(out[0], RuntimeError) and out[1]["losses"] == alone[1]["losses"]
+
+
+def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch):
+    """On one device the sweep's run step, lowered on its own, is the program its analysis
+    compiled (same sha256: the engine compiles it once), so the run takes the analysis's
+    executable by its ``program_sha256`` without tracing the step again."""
+    from remat_kit.sweep import measure
+    from remat_kit.sweep.run import analyze_group
+
+    points = _tiny(policies=("no-remat", "save-nothing", "minimal")).points()
+    with CompileEngine() as engine:
+        reports = analyze_group(points, engine)
+        keys = {p.key: reports[p.key].program_sha256 for p in points}
+        lowered = sweep.compile_steps(points, {}, engine)  # traced and lowered again
+        assert all(reused for _, _, reused in lowered.values())  # the same programs
+        monkeypatch.setattr(measure, "_lower_step", lambda *a: pytest.fail("traced again"))
+        held = sweep.compile_steps(points, {}, engine, keys)
+        for p in points:
+            assert held[p.key][0] is lowered[p.key][0] is engine.executable(keys[p.key]).compiled

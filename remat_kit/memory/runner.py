@@ -447,6 +447,13 @@ class CompileEngine:
             k for k, r in self._done.items() if not (isinstance(r, CompileResult) and r.cached)
         )
 
+    def executable(self, key: str | None) -> CompileResult | None:
+        """The compile of program ``key`` (a report's ``program_sha256``) when its executable is
+        held, else None (never compiled here, failed, cleared, or read from the cache)."""
+        result = self._done.get(key) if key is not None else None
+        held = isinstance(result, CompileResult) and not result.cached
+        return result if held else None
+
     def clear(self) -> None:
         """Drop the executables kept so far (their device memory is freed with them)."""
         self._done.clear()
@@ -554,7 +561,7 @@ class CompileEngine:
                         tell("cached")
                         continue
                 job = (item, lowered, fast)
-                if self._seeded:
+                if self._seeded or item.target.platform != "cuda":  # no kernel cache to fill
                     futures[key] = pool.submit(self._compile, *job, False, tell, base)
                 elif not futures:  # seeds the kernel cache; the others compile after it
                     futures[key] = pool.submit(self._compile, *job, True, tell, base)

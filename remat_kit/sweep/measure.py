@@ -10,7 +10,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -166,17 +166,30 @@ def compile_steps(
     points: Sequence[Point],
     state_cache: dict | None = None,
     engine: CompileEngine | None = None,
+    program_keys: Mapping[str, str | None] | None = None,
 ) -> dict[str, tuple[Any, float, bool] | BaseException]:
     """Compile the real training step of each point for the local device, ahead of time:
     each step (:func:`remat_kit.make_train_step`, state donated) lowered in turn on the
     abstract shapes of the initial state and batch and compiled by :func:`compile_run_steps`.
 
+    Args:
+      program_keys: by point key, the program its analysis compiled (the report's
+        ``program_sha256``): on one device that program is the step that runs (the analyzer
+        lowers the same step, state donated, with the same shardings), so where ``engine``
+        holds its executable the step is neither traced nor compiled again.
+
     Returns:
-      By point key, as :func:`compile_run_steps`.
+      By point key, as :func:`compile_run_steps` (seconds: the analysis compile's, for a step
+      taken from ``engine``).
     """
     steps: dict[str, RunStep | BaseException] = {}
     lower_s: dict[str, float] = {}
+    held: dict[str, tuple[Any, float, bool]] = {}
     for p in points:
+        found = engine.executable((program_keys or {}).get(p.key)) if engine else None
+        if found is not None and p.mesh is None:
+            held[p.key] = (found.compiled, found.compile_s, True)
+            continue
         try:
             low, lower_s[p.key] = _lower_step(p, state_cache)
         except Exception as err:
@@ -184,7 +197,8 @@ def compile_steps(
             continue
         tgt = T.get_target(p.target)
         steps[p.key] = RunStep(f"the step of {p.label}", tgt, lambda low=low: low)
-    return compile_run_steps(steps, engine, lower_s)
+    out = {**held, **compile_run_steps(steps, engine, lower_s)}
+    return {p.key: out[p.key] for p in points}
 
 
 class StepRun:

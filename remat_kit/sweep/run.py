@@ -72,7 +72,8 @@ class _Group:
             to_run = [p for p in live if p.measure and not isinstance(reports[p.key], Exception)]
             if to_run:
                 advance(None, f"compiling {len(to_run)} steps of {what}")
-            executables = compile_steps(to_run, self.state_cache, engine)
+            keys = {p.key: getattr(reports[p.key], "program_sha256", None) for p in to_run}
+            executables = compile_steps(to_run, self.state_cache, engine, keys)
             measurements = self._measure(to_run, reports, executables, advance, what)
             for p in members:
                 advance(None, p.label)

@@ -385,9 +385,11 @@ class FlopCount:
         remat scope (``op_name`` containing :data:`JAX_RECOMPUTE_SCOPE`) and dots in clones made
         by XLA's rematerialisation pass. ``flops - recomputed_flops`` is the step's matmul work
         as compiled without any recomputation.
-      xla_remat_flops: the part of ``flops`` in clones made by XLA's rematerialisation pass
-        whose original is still in the module (a clone that replaced its original moved the
-        work, it did not add any): ``flops - xla_remat_flops`` is the policy's own matmul work.
+      xla_remat_flops: the part of ``flops`` that XLA's rematerialisation pass added: of each
+        original and its clones (``fusion.3``, ``fusion.3.remat``, ``.remat2``), every member
+        but one (the original where it is left, else the first clone: the pass removes an
+        original once a clone took all its uses, which moves the work and adds none).
+        ``flops - xla_remat_flops`` is the policy's own matmul work.
     """
 
     flops: float
@@ -492,8 +494,8 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
                 continue
             branches = _BRANCHES.search(instr.attributes)
             if branches:
-                names_ = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                add(max((flops_of(b) for b in names_ if b), default=nothing), instr)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                add(max((flops_of(b) for b in names if b), default=nothing), instr)
                 continue
             callees = [c for kind, c in _CALLEE.findall(instr.attributes) if kind != "condition"]
             calls_set = _CALLS_SET.search(instr.attributes)

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
+from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
 from remat_kit.preset_program import as_program
@@ -222,8 +223,8 @@ def recommend_program(
         group_sizes=group_sizes, margin=margin, structure=structure,
     )  # fmt: skip
     name = getattr(program.step(request.specs[0]).fn, "__name__", "step")
-    with counting((name, f"jit({name})")) as counter:
-        session = open_session(request, counter, cache, workers, max_compiles)
+    with counting((name, f"jit({name})")) as counter, CompileEngine(workers) as engine:
+        session = open_session(request, counter, cache, workers, max_compiles, engine)
         named = compile_named(session, request)
         if request.auto:
             found = search_largest_batch(session, named)
@@ -377,9 +378,10 @@ def open_session(
     cache: CompileCache | None,
     workers: int | None,
     max_compiles: int | None,
+    engine: CompileEngine | None = None,
 ) -> Session:
-    """Stage 2: the compile session; the compile cap defaults to 2x the named policies (6x with
-    ``auto``).
+    """Stage 2: the compile session (its rounds compiled through ``engine`` when given); the
+    compile cap defaults to 2x the named policies (6x with ``auto``).
 
     Raises:
       ValueError: the budget is below the parameters and optimizer state (the message gives the
@@ -396,7 +398,7 @@ def open_session(
         cache=cache if cache is not None else CompileCache(), counter=counter, workers=workers,
         max_compiles=max(cap, n), fixed_bytes=params + opt_state, opt_state_bytes=opt_state,
         notes=list(request.notes), labels=request.labels, cut=request.cut, tags=request.tags,
-        margin=request.margin,
+        margin=request.margin, engine=engine,
     )  # fmt: skip
     if params and request.budget_bytes < params + opt_state:  # named by a preset or from_loss
         raise BudgetTooSmall(

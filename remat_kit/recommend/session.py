@@ -15,6 +15,7 @@ import jax.monitoring
 
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
+from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
@@ -105,6 +106,9 @@ class Session:
     tags: frozenset[str] = frozenset()
     #: Fraction of device memory the default budget keeps free.
     margin: float = 0.0
+    #: The compile engine every round of the session compiles through (one GPU kernel cache
+    #: filled once, compiles side by side); None: a private one per round.
+    engine: CompileEngine | None = None
 
     @property
     def config(self) -> ModelConfig | None:
@@ -172,6 +176,7 @@ class Session:
             results = analyze_policies(
                 program, list(todo.values()), target=self.target, budget_bytes=self.budget,
                 top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
+                engine=self.engine,
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
             self.from_compile_cache += sum(getattr(r, "compile_cached", False) for r in results)

@@ -130,9 +130,8 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
       ValueError: a preset-sweep option given with ``--model``; a program that cannot be
         loaded; what :func:`run_program_sweep` raises.
     """
-    from rich.console import Console
-
     from remat_kit import sweep
+    from remat_kit.cli.console import console as make_console
     from remat_kit.program import load_program
 
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
@@ -154,7 +153,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
         warmup_steps=2 if args.warmup_steps is None else args.warmup_steps,
         timed_steps=5 if args.timed_steps is None else args.timed_steps,
         resume=args.resume, overwrite=args.overwrite,
-        ref=args.model, progress=not args.no_progress, console=Console(stderr=True),
+        ref=args.model, progress=not args.no_progress, console=make_console(stderr=True),
     )  # fmt: skip
     for note in run.notes:
         console.print(f"note: {note}")
@@ -187,7 +186,7 @@ def _summary_header(run, argv: list[str] | None, legend: str) -> str:
             f"- Command: `{command}`",
             f"- Last run: {r.get('time')}; {len(run.new_rows)} point(s) in {run.wall_s:.0f} s, "
             f"{run.skipped} kept from earlier runs",
-            f"- Machine: {_machine(r)}",
+            f"- Machine: {_machine(r, run.rows)}",
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
@@ -197,14 +196,17 @@ def _summary_header(run, argv: list[str] | None, legend: str) -> str:
     )
 
 
-def _machine(r: dict) -> str:
-    """Where the rows' figures come from: backend, devices, CPUs, library versions."""
+def _machine(r: dict, rows: list[dict] | None = None) -> str:
+    """Where the rows' figures come from: backend, devices, CPUs, library versions, and the
+    1-minute load average when the measured ``rows`` were timed (other work slows steps)."""
+    loads = [x["load_average"][0] for x in rows or () if x.get("load_average")]
+    load = f"; load average {min(loads)}-{max(loads)} when timed" if loads else ""
     return (
         f"{r.get('backend')} backend, {r.get('device_count')} x {r.get('device_kind')} in "
         f"{r.get('process_count', 1)} process(es), {r.get('cpu_count')} CPUs "
         f"({r.get('machine')}{', ' + r['cpu_model'] if r.get('cpu_model') else ''}); "
         f"jax {r.get('jax')}, jaxlib {r.get('jaxlib')}, flax {r.get('flax')}, "
-        f"optax {r.get('optax')}"
+        f"optax {r.get('optax')}{load}"
     )
 
 
@@ -227,7 +229,8 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     results.print_summary(run.rows, console)
     if run.rows:  # every figure says where it comes from ("local": this machine's backend)
         console.print(
-            f"measured and analysed on: {_machine(run.rows[-1])} ('local' is this machine)",
+            f"measured and analysed on: {_machine(run.rows[-1], run.rows)} "
+            "('local' is this machine)",
             highlight=False, markup=False,
         )  # fmt: skip
     legend = results.summary_legend(run.rows)
@@ -310,12 +313,11 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from rich.console import Console
-
     from remat_kit import sweep
+    from remat_kit.cli.console import console as make_console
 
     primary = distributed.is_primary()
-    console = Console(quiet=not primary)  # COLUMNS, else the terminal's width (80 when piped)
+    console = make_console(quiet=not primary)  # COLUMNS, else the terminal's width (160 when piped)
     if args.model is not None:
         try:
             run, out = _program_sweep(args, console, where)
@@ -358,7 +360,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             data=args.data,
             max_data_bytes=args.max_data_bytes,
             progress=not args.no_progress,
-            console=Console(stderr=True, quiet=not primary),
+            console=make_console(stderr=True, quiet=not primary),
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

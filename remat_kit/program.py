@@ -420,7 +420,9 @@ class Program:
           make_loss: ``policy -> loss(*args) -> scalar``.
           *args: the loss's arguments; those in ``argnums`` are the parameters (pytrees of
             float arrays, or pytrees such as an ``equinox.Module`` whose other leaves are
-            static), updated by ``optimizer`` in their array leaves.
+            static), updated by ``optimizer`` in their array leaves; an ``nnx.Module`` is
+            differentiated by its ``nnx.Param`` state and updated in place, so the step's new
+            NNX state carries the update (fed to the next step, its buffers donated).
           optimizer: a name of :func:`remat_kit.training.make_optimizer` (``"adamw"``,
             ``"sgd"``, ``"adafactor"``, the bundled models' settings) or an optax transformation;
             its state is an
@@ -459,7 +461,13 @@ class Program:
                     *params
                 )
                 updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, value
+                new, kept = optax.apply_updates(params, updates), []
+                for i, arrays in zip(nums, new, strict=True):
+                    if _is_nnx(loss_args[i]):  # updated in place: the step's NNX state out
+                        nnx.update(loss_args[i], arrays)
+                    else:
+                        kept.append(arrays)
+                return tuple(kept), opt_state, value
 
             return step
 
@@ -584,10 +592,14 @@ class Program:
         return self.step(get_policy_spec("no-remat"))
 
     def donated(self, pure: Pure) -> tuple[int, ...]:
-        """``donate_argnums`` of the pure step: the NNX state is donated (updated in place)."""
+        """``donate_argnums`` of the pure step (:func:`purify` puts the NNX objects' state
+        first, the other arguments after it in order): the NNX state is donated (updated in
+        place), and each other donated argument at its place there (a :meth:`from_loss`
+        optimizer state beside an ``nnx.Module``'s parameters)."""
         if pure.nnx_index is None:
             return self.donate_argnums
-        return (pure.nnx_index,)
+        rest = [i for i, a in enumerate(self.args) if not _is_nnx(a)]
+        return (pure.nnx_index, *(1 + rest.index(i) for i in self.donate_argnums if i in rest))
 
     def place(self, target: T.Target) -> Placement:
         """Where the step's arguments live on ``target``: one device, each array leaf a

@@ -299,9 +299,13 @@ def test_from_loss_differentiates_an_nnx_module_by_its_params():
     assert not any(isinstance(leaf, nnx.Variable) for leaf in jax.tree.leaves(opt_state))
     full, none = remat_kit.analyze_policies(program, ["no-remat", "save-nothing"], target="cpu")
     assert sum(r.nbytes for r in none.residuals) < sum(r.nbytes for r in full.residuals)
-    # the step's update is plain SGD on nnx.grad's gradient
+    # the step's update is plain SGD on nnx.grad's gradient, in the module's NNX state out
     pure = program.step(remat_kit.policies.get_policy_spec("save-nothing"))
-    new_params = jax.jit(pure.fn)(*pure.args)[0][0][0]
+    (_, _, loss), state = jax.jit(pure.fn)(*pure.args)
+    graphdef, _ = nnx.split((model,))
+    (updated,) = nnx.merge(graphdef, state)
+    new_params = nnx.state(updated, nnx.Param)
+    assert loss.shape == ()
     grads = nnx.grad(_nnx_loss(None))(model, x)
     want = jax.tree.map(lambda p, g: p - 1e-2 * g, nnx.state(model, nnx.Param), grads)
     got_leaves, want_leaves = jax.tree.leaves(new_params), jax.tree.leaves(want)

@@ -343,6 +343,7 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, kil
         assert r["measured_peak_bytes"] is None
         assert "no peak_bytes_in_use" in r["measured_peak_note"]
         assert r["step_order"] == "interleaved"  # no peak to keep apart on the CPU
+        assert len(r["load_average"]) == 3  # what else ran on the cores when it was timed
         assert r["mfu"] is None  # the CPU has no known peak FLOP/s
         for field in ("jax", "jaxlib", "flax", "device_kind", "time", "data_fingerprint"):
             assert r[field], field

@@ -1,23 +1,34 @@
 """Rendering shared by the commands: a console that follows the terminal, tables whose cells
 wrap instead of being cut, and data escaped so rich never reads it as markup.
 
-Width: ``COLUMNS`` when set, else the terminal's, else 80 (piped into a file or a log); rich
-decides this (:class:`rich.console.Console`). ``--json`` output never goes through rich.
+Width: ``COLUMNS`` when set, else the terminal's, else :data:`PIPED_WIDTH` (piped into a file
+or a log, where rich would take 80 and fold the policy names of every table). ``--json``
+output never goes through rich.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+#: Width of the output written to a file or a pipe when ``COLUMNS`` is not set: the widest
+#: table (the sweep's summary, 11 columns) fits with its policy names whole.
+PIPED_WIDTH = 160
 
-def console() -> Console:
-    """A console at the terminal's width (``COLUMNS`` first; 80 when not a terminal)."""
-    return Console()
+
+def console(**kwargs: Any) -> Console:
+    """A console at the terminal's width (``COLUMNS`` first; :data:`PIPED_WIDTH` when not a
+    terminal); ``kwargs`` as :class:`rich.console.Console` takes them (``stderr``, ``quiet``)."""
+    out = Console(**kwargs)
+    if out.is_terminal or "COLUMNS" in os.environ:
+        return out
+    return Console(width=PIPED_WIDTH, **kwargs)
 
 
 def text(value: object) -> str:

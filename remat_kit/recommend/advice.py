@@ -109,14 +109,15 @@ def shorter_sequence(
 
 class BudgetTooSmall(ValueError):
     """The budget is below the parameters and optimizer state alone: nothing can fit it. The
-    message gives the smallest budget that could work (compiled). ``remat-kit recommend`` exits
-    1 for it, as when nothing fits."""
+    message gives the compiled peak of the usual least-memory policy, a budget that fits.
+    ``remat-kit recommend`` exits 1 for it, as when nothing fits."""
 
 
 def too_small(session: Session, budget: int, batch: int, params: int, opt_state: int) -> str:
     """The one-line message for a budget below the parameters and optimizer state, with the
-    smallest compiled peak of the least-memory policies (a user's program: ``save-nothing`` at
-    its own shapes)."""
+    compiled peak of the policies that usually need the least memory (a user's program:
+    ``save-nothing`` at its own shapes): a budget known to fit, not the least (a selective
+    policy can peak lower, e.g. where recomputing a large intermediate holds two at once)."""
     config = session.config
     if config is None:
         low, group, at = ["save-nothing"], None, "at its own shapes"
@@ -127,16 +128,16 @@ def too_small(session: Session, budget: int, batch: int, params: int, opt_state:
         [get_policy_spec(n) for n in low], group, batch if config else None, "advice"
     )
     least = min(((c.peak_bytes, s.name) for s, c, _ in found), default=None)
-    smallest = (
-        f"{_gib(least[0])} ({least[1]} {at}, compiled)"
+    fits = (
+        f"; {least[1]} {at} peaks at {_gib(least[0])} (compiled; another policy may need less)"
         if least
-        else f"above {_gib(params + opt_state)}"
+        else ""
     )
     optimizer = session.optimizer or "optimizer"  # a user's program names none
     return (
         f"budget {_gib(budget)} is smaller than the parameters and optimizer state alone "
         f"({_gib(params + opt_state)}: params {_gib(params)} + {optimizer} state "
-        f"{_gib(opt_state)}); the smallest budget that could work is {smallest}"
+        f"{_gib(opt_state)}): no policy fits it{fits}"
     )
 
 

@@ -173,7 +173,8 @@ def recommend(
         divide ``num_layers``; ``solve`` with ``"auto"``; a target without peak FLOP/s, or
         without memory and no ``budget``.
       BudgetTooSmall: (a ``ValueError``) a budget smaller than the parameters and optimizer
-        state (the message gives the smallest budget that could work, compiled).
+        state (the message gives the compiled peak of the usual least-memory policy: a
+        budget that fits).
     """
     auto = batch_size == "auto"
     spec = S.parse_mesh(mesh) if mesh else None
@@ -385,7 +386,7 @@ def open_session(
 
     Raises:
       ValueError: the budget is below the parameters and optimizer state (the message gives the
-        smallest budget that could work, compiled).
+        compiled peak of the usual least-memory policy: a budget that fits).
     """
     params = request.arguments.get("params", 0)
     opt_state = request.arguments.get("opt_state", 0)

@@ -378,7 +378,10 @@ def time_runs(
                 run = make()
                 for i in range(run.steps):
                     run.step(i)
-                results.append({**run.result(), **measured_peak(before), "step_order": "alone"})
+                results.append({
+                    **run.result(), **measured_peak(before), "step_order": "alone",
+                    "load_average": load_average(),
+                })  # fmt: skip
             except Exception as err:
                 results.append(err)
         return results
@@ -394,7 +397,7 @@ def time_runs(
         for run in live[k:] + live[:k]:
             run.step(i)
     # can_interleave: the backend reports no peak, so none is mixed (the note says it)
-    peak = {**measured_peak(None), "step_order": "interleaved"}
+    peak = {**measured_peak(None), "step_order": "interleaved", "load_average": load_average()}
     for run in runs:
         try:
             if isinstance(run, BaseException):
@@ -403,6 +406,15 @@ def time_runs(
         except Exception as err:
             results.append(err)
     return results
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1-, 5- and 15-minute load averages (``os.getloadavg``) right after a
+    point's steps were timed: other work on the cores slows them (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def measure_points(

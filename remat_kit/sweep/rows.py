@@ -28,7 +28,7 @@ ANALYSIS_KEYS = (
 MEASURED_KEYS = (
     "compile_s", "compile_reused", "step_times_s", "step_time_s", "step_cpu_times_s",
     "step_cpu_s", "tokens_per_s", "losses", "measured_peak_bytes", "measured_peak_note", "mfu",
-    "peak_error", "step_order",
+    "peak_error", "step_order", "load_average",
 )  # fmt: skip
 
 

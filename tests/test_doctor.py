@@ -149,3 +149,20 @@ def test_static_argnums_counting_self():
 
 
 # The clean-run matrix (every named policy, h100-sxm, scan and unrolled) is in test_walker.py.
+
+
+def test_save_dots_not_lowering_the_peak_says_what_it_recomputes():
+    """save-dots keeps its matmuls (1.00x the matmul FLOPs in analyze's column): the doctor's
+    remat-not-lowering-peak says it recomputes its elementwise work, not just "recomputes"."""
+    from types import SimpleNamespace as NS
+
+    from remat_kit.doctor.compare import _not_effective
+
+    mib = 2**20
+    report, base = NS(flops=100.0, temp_bytes=9 * mib), NS(flops=100.0, temp_bytes=9 * mib)
+    finding = _not_effective(
+        NS(name="save-dots", base="dots"), report, base, 8 * mib, 0, NS(platform="cuda"), True,
+        None,
+    )  # fmt: skip
+    assert finding.code == "remat-not-lowering-peak"
+    assert "recomputes its elementwise work (its matmuls are saved)" in finding.what

@@ -89,9 +89,12 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
         )  # fmt: skip
     if (recomputes is True or keeps_dots) and not on_cpu:
         # It does recompute on a real target: the peak is set elsewhere, not a no-op.
+        what = "recomputes"
+        if keeps_dots and recomputes is not True:  # the matmul ratio column says 1.00x
+            what = "recomputes its elementwise work (its matmuls are saved)"
         return Finding(
             "remat-not-lowering-peak", "warning",
-            f"policy {promise.name!r} recomputes, but the compiled step frees only "
+            f"policy {promise.name!r} {what}, but the compiled step frees only "
             f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
             f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
             "the peak is outside the layers (optimizer update, logits, parameters): activations "

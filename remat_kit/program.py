@@ -454,17 +454,23 @@ class Program:
                     full = list(loss_args)
                     for i, arrays, (_, static) in zip(nums, diff, parts, strict=True):
                         full[i] = _whole(arrays, static)
-                    return loss(*full)
+                    # what the loss changed in an NNX parameter's other variables (RNG
+                    # counters, batch statistics), carried out of the differentiated function
+                    changed = tuple(
+                        nnx.split(full[i], nnx.Param, ...)[2] if _is_nnx(full[i]) else None
+                        for i in nums
+                    )
+                    return loss(*full), changed
 
                 params = tuple(p for p, _ in parts)
-                value, grads = jax.value_and_grad(of_arrays, argnums=tuple(range(len(nums))))(
-                    *params
-                )
+                (value, changed), grads = jax.value_and_grad(
+                    of_arrays, argnums=tuple(range(len(nums))), has_aux=True
+                )(*params)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 new, kept = optax.apply_updates(params, updates), []
-                for i, arrays in zip(nums, new, strict=True):
+                for i, arrays, rest in zip(nums, new, changed, strict=True):
                     if _is_nnx(loss_args[i]):  # updated in place: the step's NNX state out
-                        nnx.update(loss_args[i], arrays)
+                        nnx.update(loss_args[i], arrays, rest)
                     else:
                         kept.append(arrays)
                 return tuple(kept), opt_state, value

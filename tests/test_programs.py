@@ -312,3 +312,39 @@ def test_from_loss_differentiates_an_nnx_module_by_its_params():
     assert len(got_leaves) == len(want_leaves) == 4
     for g, w in zip(got_leaves, want_leaves, strict=True):
         assert jnp.allclose(g, w, atol=1e-6)
+
+
+def test_from_loss_keeps_what_the_loss_changes_in_an_nnx_module():
+    """An nnx.Module parameter's other variables changed by the loss (the dropout's RNG
+    counter) come out of the step as nnx.value_and_grad leaves them, so the next step draws a
+    new dropout mask (the loss ran on a copy whose changes were dropped)."""
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.up(x))
+
+    def make_loss(policy):
+        def loss(model, x):
+            run = lambda m, x: m(x)  # noqa: E731
+            block = run if policy is None else nnx.remat(run, policy=policy)
+            return jnp.mean(block(model, x) ** 2)
+
+        return loss
+
+    model, x = Dropped(nnx.Rngs(0)), jnp.ones((4, 8))
+    program = Program.from_loss(make_loss, model, x, optimizer=optax.sgd(1e-2))
+    pure = program.step(remat_kit.policies.get_policy_spec("save-nothing"))
+    _, state = jax.jit(pure.fn)(*pure.args)
+    graphdef, _ = nnx.split((model,))
+    (stepped,) = nnx.merge(graphdef, state)
+    idiomatic = nnx.clone(model)
+    nnx.value_and_grad(make_loss(None))(idiomatic, x)
+
+    def count(m):
+        return int(nnx.state(m, nnx.RngCount)["dropout"]["rngs"]["count"][...])
+
+    assert count(stepped) == count(idiomatic) == count(model) + 1

@@ -283,3 +283,35 @@ def test_timeline_figure_titles_and_budget_line(cpu_reports):
     assert not any(line.get_ydata()[0] == far.budget_bytes / unit for line in ax_far.lines)
     with pytest.raises(ValueError, match="titles"):
         plots.timeline([far, near], titles=["one"])
+
+
+def test_a_user_programs_gradients_are_named_gradients():
+    """A user's program names its parameters as its loss does (not ``state.params``): the
+    timeline still tells its gradients from residuals by the parameters' shapes (an outside
+    trial's nn.scan LM had 14 MiB of gradients filed as untagged residuals at the peak)."""
+    from tests.user_models import plain_jax
+
+    (r,) = analyze_policies(plain_jax.program(), ["save-nothing"], target="cpu")
+    at_peak = r.timeline.at_peak()
+    leaves = jax.tree.leaves(plain_jax.program().loss_args[0])
+    params = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    assert at_peak.get("gradients", 0) >= params // 2
+    assert at_peak.get("residual:untagged", 0) < params // 2
+
+
+def test_a_buffer_shaped_like_a_parameter_and_a_stacked_residual():
+    """A scan saves its weights' slices stacked, so a gradient can share a stacked residual's
+    shape: made by the backward pass it is parameter-shaped (a gradient), made forward the
+    residual."""
+    from remat_kit.memory import reading
+
+    shape = "f32[4,256,768]"
+    hints = reading.Hints(stacked={shape: ("untagged",)}, param_shapes=frozenset({shape}))
+    comp = hlo.Computation("body", False, [], {})
+
+    def kind(op_name: str) -> str:
+        instr = hlo.Instruction("fusion.4", shape, "fusion", [], "", op_name)
+        return reading._kind_and_phase((instr, comp), "fusion.4", shape, hints)[0]
+
+    assert kind("jit(step)/transpose(jvp(Decoder))/while/body/add_any") == "param_shaped"
+    assert kind("jit(step)/jvp(Decoder)/while/body/dynamic_update_slice") == "stacked:untagged"

@@ -82,6 +82,8 @@ def _kind_and_phase(
     arrays = hlo.array_shapes(shape)
     if hints.logits_elems and arrays and math.prod(arrays[0][1]) == hints.logits_elems:
         return ("logits_grad" if phase == "backward" else "logits"), phase
+    if shape in hints.param_shapes and phase == "backward":  # a gradient, whatever else has
+        return "param_shaped", phase  # its shape (a scan saves its weights' slices stacked)
     if shape in hints.stacked:
         return "stacked:" + "|".join(hints.stacked[shape]), phase
     parts = [p for p in op.split("/") if p]

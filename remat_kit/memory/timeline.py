@@ -360,7 +360,8 @@ def _category(run: _Run, ctx: _Context) -> tuple[str, str, str, str]:
     dims = [d for d in (_dims(s) for s in shapes) if d is not None]
     hints, back = ctx.hints, ctx.backward_start
     crosses = back is not None and run.start < back <= run.end  # made forward, used backward
-    if crosses and hints is not None and any(s in hints.stacked for s in shapes):
+    gradient = any("transpose(" in o for o in ops) and any(d in ctx.param_dims for d in dims)
+    if crosses and not gradient and hints is not None and any(s in hints.stacked for s in shapes):
         return "residual:" + _residual_name(ops, shapes, hints), value, shape, op
     elems = hints.logits_elems if hints is not None else None
     if elems and any(math.prod(d) == elems for d in dims):
@@ -443,6 +444,8 @@ def build_timeline(
         for i, c in instrs.values()
         if c.is_entry and i.opcode == "parameter" and i.op_name.startswith("state.params")
     }
+    if hints is not None:  # a user's program names its parameters as its loss does
+        param_dims |= {_dims(s) for s in hints.param_shapes}
     backward = next((a for p, a, _ in phases if p == "backward"), None)
     slots = dump.slots
     ctx = _Context(comps, instrs, slots, backward, frozenset(param_dims - {None}), hints)

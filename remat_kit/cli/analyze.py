@@ -55,7 +55,7 @@ def add(subparsers) -> None:
         "--per-layer",
         action="store_true",
         help="also compile at 2 and 4 layers and compare per-layer bytes with the textbook "
-        "(Korthikanti et al. 2022)",
+        "(Korthikanti et al. 2022); presets only (a program builds its own layers)",
     )
     p.add_argument(
         "--policy-alone-peak", action="store_true",
@@ -72,11 +72,11 @@ def add(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--devices", type=A.positive_int, default=None,
                    help="devices of the target (default: --mesh's product, else a TPU slice's "
-                   "chips, else 1)")  # fmt: skip
+                   "chips, else 1); presets only")  # fmt: skip
     p.add_argument(
         "--mesh", default=None,
         help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
-        "figures are per device",
+        "figures are per device; presets only (a program shards inside its own step)",
     )  # fmt: skip
     p.set_defaults(func=run)
 

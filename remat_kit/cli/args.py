@@ -146,7 +146,8 @@ def read_program(
             verb = "apply" if len(given) > 1 else "applies"
             raise UsageError(
                 f"{' and '.join(given)} {verb} to presets; program {program.name!r} carries its "
-                "own arguments and layers (set them in its factory)"
+                "own arguments, layers and sharding (set shapes in its factory; shard inside "
+                "its step, e.g. jax.jit with in_shardings over a jax.sharding.Mesh)"
             )
         return program
     config = read_config(args, **fixed)

@@ -61,7 +61,8 @@ def add(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh", default=None,
         help="compile on this mesh of the target's devices: 'fsdp=256' or 'dp=2,fsdp=4' "
-        "(presets; default --batch: one sequence per dp*fsdp device); figures are per device",
+        "(presets only: a program shards inside its own step; default --batch: one sequence "
+        "per dp*fsdp device); figures are per device",
     )  # fmt: skip
     A.add_json(p, "the recommendation")
     A.add_html(p)

@@ -475,6 +475,11 @@ class Program:
                         kept.append(arrays)
                 return tuple(kept), opt_state, value
 
+            # the loss's own argument names in JAX's debug info, so buffers read "params..."
+            # (the loss's name for them), not "loss_args[0]..."
+            if all(n.isidentifier() for n in names) and len(set(names)) == len(names):
+                only = inspect.Parameter.POSITIONAL_ONLY
+                step.__signature__ = inspect.Signature([inspect.Parameter(n, only) for n in names])
             return step
 
         def make_step(policy):

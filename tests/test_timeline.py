@@ -297,6 +297,8 @@ def test_a_user_programs_gradients_are_named_gradients():
     params = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     assert at_peak.get("gradients", 0) >= params // 2
     assert at_peak.get("residual:untagged", 0) < params // 2
+    # the arguments named as the loss names them (JAX's debug info read "loss_args[1]")
+    assert "tokens" in at_peak and not any(c.startswith("loss_args") for c in at_peak)
 
 
 def test_a_buffer_shaped_like_a_parameter_and_a_stacked_residual():

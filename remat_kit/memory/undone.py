@@ -128,6 +128,9 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     # the policy's own ratio (XLA's own remat told apart, which inflates no-remat's compiled
     # FLOPs as much as the policy's on a small device)
     ratio = getattr(report, "recompute_ratio", None)
+    flops, base_flops = getattr(report, "flops", None), getattr(base, "flops", None)
+    if ratio is None and flops and base_flops:  # no ratio reported: the compiled FLOPs tell
+        ratio = flops / base_flops
     on_cpu = platform == "cpu"  # XLA:CPU drops remat's barriers outside a scan
     if not on_cpu and ratio and ratio > 1.01:
         # it recomputes: the remat stands, the peak is set where it does not reach (the

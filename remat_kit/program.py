@@ -807,11 +807,18 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
         if not 0 <= i < len(args):
             raise ValueError(f"argnums {i} out of range for a function of {len(args)} arguments")
         # an NNX object is differentiated by its nnx.Param state (:func:`_diff_part`)
-        leaves = jax.tree.leaves(nnx.state(args[i], nnx.Param) if _is_nnx(args[i]) else args[i])
-        if any(hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+        tree = nnx.state(args[i], nnx.Param) if _is_nnx(args[i]) else args[i]
+        bad = [
+            jax.tree_util.keystr(path)
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        if bad:
+            where = f" (at {', '.join(p or 'the argument itself' for p in bad[:3])})"
             raise ValueError(
-                f"argnums {i}: argument {i} holds integer or boolean arrays, which are not "
-                "differentiated; pass the float parameters' position"
+                f"argnums {i}: argument {i} holds integer or boolean arrays{where}, which are "
+                "not differentiated; pass the float parameters' position, or keep integer "
+                "leaves out of the parameters"
             )
     return nums
 

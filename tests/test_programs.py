@@ -348,3 +348,15 @@ def test_from_loss_keeps_what_the_loss_changes_in_an_nnx_module():
         return int(nnx.state(m, nnx.RngCount)["dropout"]["rngs"]["count"][...])
 
     assert count(stepped) == count(idiomatic) == count(model) + 1
+
+
+def test_integer_leaves_in_the_parameters_are_named_by_path():
+    """A parameter dict with an integer leaf: the error names the leaf (a user could not tell
+    which of their leaves it meant)."""
+    params = {"w": jnp.ones((4, 4)), "step": jnp.zeros((), jnp.int32)}
+
+    def make_loss(policy):
+        return lambda params, x: jnp.sum((x @ params["w"]) ** 2)
+
+    with pytest.raises(ValueError, match=r"argnums 0: .*\(at \['step'\]\)"):
+        Program.from_loss(make_loss, params, jnp.ones((2, 4)))

@@ -317,3 +317,12 @@ def test_a_buffer_shaped_like_a_parameter_and_a_stacked_residual():
 
     assert kind("jit(step)/transpose(jvp(Decoder))/while/body/add_any") == "param_shaped"
     assert kind("jit(step)/jvp(Decoder)/while/body/dynamic_update_slice") == "stacked:untagged"
+
+
+def test_diff_flops_in_a_unit_that_shows_them():
+    """A small model's FLOPs read 0.0 TFLOP in the diff; they take the prefix that shows them."""
+    from remat_kit.memory.diff import _fmt
+
+    assert _fmt(12.08e9, "flops") == "12.1 GFLOP"
+    assert _fmt(7.4653e14, "flops") == "746.5 TFLOP"
+    assert _fmt(512.0, "flops") == "512.0 FLOP"

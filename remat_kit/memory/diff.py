@@ -59,7 +59,8 @@ class PolicyDiff:
     peak_buffers: tuple[tuple[str, ...], tuple[str, ...]]
 
     def to_text(self) -> str:
-        """A plain-text table (GiB / MiB for bytes, TFLOP for FLOPs), then the buffers."""
+        """A plain-text table (GiB / MiB for bytes, GFLOP / TFLOP ... for FLOPs), then the
+        buffers."""
         lines = [f"{'':34} {self.a:>20} {self.b:>20} {'change':>14}"]
         for title, rows in (
             ("", self.figures),
@@ -82,8 +83,13 @@ def _fmt(value: float | str | None, unit: str) -> str:
         return "-"
     if unit == "bytes":
         return format_bytes(value)
-    if unit == "flops":
-        return f"{value / 1e12:.1f} TFLOP"
+    if unit == "flops":  # the largest SI prefix that keeps a digit before the point
+        scale, prefix = next(
+            ((s, p) for s, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"))
+             if abs(value) >= s),
+            (1.0, ""),
+        )  # fmt: skip
+        return f"{value / scale:.1f} {prefix}FLOP"
     if unit == "ratio":
         return f"x{value:.3f}"
     return str(value)

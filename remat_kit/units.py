@@ -73,6 +73,18 @@ def format_seconds(s: float | None, digits: int = 4) -> str:
     return f"{s / 1e-9:.{digits}g} ns"
 
 
+def format_flops(n: float | int | None, digits: int = 1) -> str:
+    """FLOPs (a count, not a rate) with the largest of the P, T, G, M prefixes that keeps the
+    number >= 1, ``digits`` decimals (``"-"`` for unknown): ``format_flops(12.08e9) ==
+    "12.1 GFLOP"``."""
+    if n is None:
+        return "-"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f} {prefix}FLOP"
+    return f"{n:.{digits}f} FLOP"
+
+
 def gib(n: float | int | None, digits: int = 2) -> str:
     """Bytes as a bare GiB figure (``"-"`` for unknown), for columns headed "GiB"."""
     return "-" if n is None else f"{n / GIB:.{digits}f}"

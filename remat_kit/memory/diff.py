@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from remat_kit.memory.report import MemoryReport
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, format_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +83,8 @@ def _fmt(value: float | str | None, unit: str) -> str:
         return "-"
     if unit == "bytes":
         return format_bytes(value)
-    if unit == "flops":  # the largest SI prefix that keeps a digit before the point
-        scale, prefix = next(
-            ((s, p) for s, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"))
-             if abs(value) >= s),
-            (1.0, ""),
-        )  # fmt: skip
-        return f"{value / scale:.1f} {prefix}FLOP"
+    if unit == "flops":
+        return format_flops(value)
     if unit == "ratio":
         return f"x{value:.3f}"
     return str(value)

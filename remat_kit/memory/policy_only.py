@@ -13,27 +13,10 @@ says what XLA did.
 
 from __future__ import annotations
 
-from remat_kit.memory.reading import DumpReading, compiled_peak_bytes
+from remat_kit.memory.reading import DumpReading, Hints, compiled_peak_bytes, read_dump
 from remat_kit.memory.report import PolicyOnly
-from remat_kit.memory.timeline import live_at_peak
 from remat_kit.memory.xla_compile import CompileResult
 from remat_kit.units import format_bytes
-
-
-def _live_peak_bytes(result: CompileResult) -> int | None:
-    """Device bytes live at the peak of ``result``'s schedule, aliased slots counted once."""
-    live = live_at_peak(result.dump)
-    if not live:
-        return None
-    slots = result.dump.slots
-    by_slot: dict[object, int] = {}
-    for buf in live:
-        slot = slots.get(buf.value)
-        if slot is not None and slot.on_host:
-            continue
-        key = (slot.allocation, slot.offset) if slot else buf.value
-        by_slot[key] = max(by_slot.get(key, 0), buf.nbytes)
-    return sum(by_slot.values())
 
 
 def policy_only_figures(
@@ -64,7 +47,8 @@ def policy_only_figures(
         flops=flops,
         recompute_ratio=flops / flops_no_remat if flops and flops_no_remat else None,
         peak_bytes=compiled_peak_bytes(off.compiled, platform) if off else None,
-        live_peak_bytes=_live_peak_bytes(off) if off else None,
+        # the live peak read as the as-run compile's is (aliased slots once, device only)
+        live_peak_bytes=read_dump(off.dump, 0, Hints()).live_peak_bytes if off else None,
         compile_s=round(off.compile_s, 3) if off else None,
     )
 

@@ -23,7 +23,7 @@ from remat_kit.memory.diff import diff_reports
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.timeline import thin_positions
 from remat_kit.report_html.entries import Entry, Group
-from remat_kit.units import GIB, KIB, MIB, format_bytes
+from remat_kit.units import GIB, KIB, MIB, format_bytes, format_flops
 
 #: A timeline drawn in the page keeps at most this many schedule points (the highest of each
 #: bucket, so the peak stays): 13 policies stay near 1 MB of data.
@@ -301,12 +301,7 @@ def _step_time(r: MemoryReport) -> str:
 
 
 def _flops(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
-        if n >= scale:
-            return f"{n / scale:.3f} {name}"
-    return f"{n:.0f} FLOP"
+    return "—" if n is None else format_flops(n, 3)
 
 
 def _diffs(entries: Sequence[Entry]) -> dict[str, Any]:

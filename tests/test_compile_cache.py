@@ -309,3 +309,55 @@ def _scanned_loss(policy):
         return (h**2).sum()
 
     return loss
+
+
+@pytest.mark.parametrize("target", ["local", "h100-sxm"])
+def test_items_are_made_while_the_ones_before_them_compile(target, monkeypatch):
+    """compile_all takes its items one at a time and compiles each as soon as it may: a
+    generator that waits for the first compile's ``then`` before making the second item ends
+    (it waited forever when every item was made, or on a GPU every item lowered, before any
+    compile after the first started). On a GPU target the compiles after the first wait for it
+    (it fills the kernel cache), then start while later items are still being made."""
+    import threading
+
+    monkeypatch.setenv(C.ENV_OFF, "1")
+    tgt = targets.get_target(target)
+    sharding = targets.abstract_sharding(tgt)
+    policies = [
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.everything_saveable,
+        jax.checkpoint_policies.dots_saveable,
+    ]
+
+    @dataclasses.dataclass
+    class Item:
+        policy: object
+        what: str = "scanned MLP"
+        target: targets.Target = tgt
+        program_key: str | None = None
+
+        def lower(self):
+            args = (jax.ShapeDtypeStruct((4, 16, 16), jnp.float32), _args()[0])
+            return jax.jit(_scanned(self.policy)).lower(*targets.abstractify(args, sharding))
+
+    done = {i: threading.Event() for i in range(len(policies))}
+    made, read = [], []
+
+    def items():
+        for i, policy in enumerate(policies):
+            if i >= 2:  # the compile of the item before the last has run meanwhile
+                assert done[i - 1].wait(60), f"item {i - 1} not compiled while items were made"
+            item = Item(policy)
+            made.append(item)
+            yield item
+
+    def then(item, result):
+        read.append((threading.get_native_id(), result.dump.hlo is not None))
+        done[made.index(item)].set()
+
+    with runner.CompileEngine(cache=None) as engine:
+        out = engine.compile_all(items(), fast=True, total=len(policies), then=then)
+    assert len({key for key, _ in out}) == len(policies)
+    assert all(isinstance(r, CompileResult) for _, r in out)
+    assert len(read) == len(policies) and all(dumped for _, dumped in read)
+    assert threading.get_native_id() not in {thread for thread, _ in read}  # in the workers

@@ -20,7 +20,7 @@ one program: traced and compiled once, each reported under its own name with the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,7 +36,9 @@ from remat_kit.memory.runner import (
     CompileEngine,
     Job,
     RematPlacement,
-    add_offload_jobs,
+    has_twin,
+    note_policy_effect,
+    offload_twin_jobs,
     run_jobs,
 )
 from remat_kit.memory.xla_compile import CompileError
@@ -583,15 +585,25 @@ def analyze_policies(
     for i, spec in enumerate(specs):
         first.setdefault(_effective_key(spec, setup.tags), i)
     distinct = list(dict.fromkeys(first.values()))
-    jobs = [_program_job(setup, specs[i]) for i in distinct]
-    add_offload_jobs(
-        jobs, [specs[i] for i in distinct], setup.target, compare_offload,
-        lambda twin: _program_job(setup, twin, visible=False),
-    )  # fmt: skip
-    for job in jobs:
-        job.policy_only = policy_alone_peak and job.visible
+    own_specs = [specs[i] for i in distinct]
+
+    def jobs() -> Iterator[Job]:  # each traced when due, while the ones before it compile
+        made = []
+        for spec in own_specs:
+            job = note_policy_effect(_program_job(setup, spec), spec, setup.target)
+            job.policy_only = policy_alone_peak
+            made.append(job)
+            yield job
+        yield from offload_twin_jobs(
+            made, own_specs, setup.target, compare_offload,
+            lambda twin: _program_job(setup, twin, visible=False),
+        )  # fmt: skip
+
+    total = len(own_specs) + sum(has_twin(s, setup.target, compare_offload) for s in own_specs)
     with S.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
-        results = run_jobs(jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine)
+        results = run_jobs(
+            jobs(), top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total
+        )
     own = dict(zip(distinct, results, strict=False))
     out = []
     for i, spec in enumerate(specs):

@@ -649,6 +649,11 @@ class DumpFiles:
         """The live-range dump (:func:`parse_live_ranges`; empty without it)."""
         return parse_live_ranges(self.live_range or "")
 
+    @functools.cached_property
+    def flop_count(self) -> FlopCount:
+        """The module's FLOPs (:func:`count_flops` of :attr:`module`)."""
+        return count_flops(self.module)
+
 
 def read_dump(directory: str | Path) -> DumpFiles:
     """The optimized-HLO, live-range and buffer-assignment dumps of the largest module in

@@ -183,7 +183,7 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
             ),
         )
     comps = dump.module
-    count = hlo.count_flops(comps)
+    count = dump.flop_count
     if count.unknown_trip_counts:
         warnings.append(
             f"{count.unknown_trip_counts} while loop(s) of unknown trip count counted once in "

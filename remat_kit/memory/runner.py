@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from remat_kit.memory.compile_cache import CompileCache, keep_kernels, kernel_ca
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
+    DumpReading,
     Hints,
     compiled_peak_bytes,
     log_warnings,
@@ -42,7 +43,7 @@ from remat_kit.memory.reading import (
     unknown_memory_fields,
 )
 from remat_kit.memory.report import LogitsLine, MemoryReport
-from remat_kit.memory.timeline import build_timeline
+from remat_kit.memory.timeline import Timeline, build_timeline
 from remat_kit.memory.undone import (  # noqa: F401 (cse_undone: the doctor reads it here)
     CSE_UNDID_ALL,
     CSE_UNDID_PART,
@@ -229,11 +230,36 @@ def step_time_of(
     return roofline.estimate(dump.module, figures, fresh_bytes=fresh)
 
 
-def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | None) -> MemoryReport:
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """What a job's report reads from its compile (:func:`_read`): the memory parts, the
+    dumps' reading, the roofline estimate and the live-bytes timeline."""
+
+    parts: dict[str, int | None]
+    reading: DumpReading
+    step_time: roofline.StepTime | None
+    timeline: Timeline
+
+
+def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
+    """Read ``job``'s compile: needs no compiler log line, so a compile worker can."""
     parts = memory_parts(result.compiled, unknown_as_none=True)
+    return _Read(
+        parts,
+        read_dump(result.dump, top_k, job.hints),
+        step_time_of(job.target, result.dump, parts),
+        build_timeline(result.dump, job.hints),
+    )
+
+
+def _report(
+    job: Job, result: CompileResult, top_k: int, budget_bytes: int | None, read: _Read | None
+) -> MemoryReport:
+    """``job``'s report from its compile and ``read`` (:func:`_read`, made here when None)."""
+    read = read or _read(job, result, top_k)
+    parts, reading = read.parts, read.reading
     # None when the backend left a field unknown (never 0); XLA's own peak on TPU
     peak = compiled_peak_bytes(result.compiled, job.target.platform, parts)
-    reading = read_dump(result.dump, top_k, job.hints)
     arguments = dict(job.arguments)
     unknown = unknown_memory_fields(result.compiled)
     unknown_line = ()
@@ -269,13 +295,13 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     if policy_only and peak is not None:
         xla_line = (xla_remat_line(peak, ratio, policy_only),)
     # With the pass-off compile, its line says what XLA's pass did (and more): not twice.
-    read = reading.warnings if not xla_line else tuple(
+    dump_warnings = reading.warnings if not xla_line else tuple(
         w for w in reading.warnings if not w.startswith("XLA's rematerialisation pass recomputed")
     )  # fmt: skip
     undone = recompute_undone(job, reading)
     if undone:
         xla_line += (undone,)
-    step_time = step_time_of(job.target, result.dump, parts)
+    step_time = read.step_time
     host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
     if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
         xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,
@@ -293,7 +319,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         flops_no_remat=baseline,
         recompute_ratio=policy_only.recompute_ratio if policy_only else ratio,
         compiled_recompute_ratio=ratio,
-        timeline=build_timeline(result.dump, job.hints),
+        timeline=read.timeline,
         policy_only=policy_only,
         residuals=job.residuals,
         activation_bytes=job.activation_bytes,
@@ -309,7 +335,7 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
         warnings=job.notes
         + unknown_line
         + tuple(log_warnings(result))
-        + read
+        + dump_warnings
         + tuple(baseline_warnings)
         + xla_line,
         model=job.model,
@@ -323,36 +349,51 @@ def _report(job: Job, result: CompileResult, top_k: int, budget_bytes: int | Non
     )
 
 
-def add_offload_jobs(
-    jobs: list[Job],
+def note_policy_effect(job: Job, spec: Any, target: T.Target) -> Job:
+    """Note on a policy's job what it runs as when the remat implementation in use does not
+    apply it as named (:func:`remat_kit.remat_impl.policy_effect`), and on an offloading one
+    when ``target`` does not offload."""
+    effect = policy_effect(spec)
+    if not effect.as_named:
+        job.runs_as = effect.runs_as
+        job.notes = (effect.line(), *job.notes)
+    if spec.offloads and not target.supports_host_offload:
+        job.notes = (
+            *job.notes,
+            f"target {target.name!r} does not offload: the tensors this policy offloads are "
+            "counted as device memory (host_bytes is 0)",
+        )
+    return job
+
+
+def has_twin(spec: Any, target: T.Target, compare_offload: bool) -> bool:
+    """Whether a policy's job gets an on-device twin (:func:`offload_twin_jobs`): it offloads
+    as named, ``target`` offloads, and ``compare_offload``."""
+    return bool(
+        compare_offload
+        and target.supports_host_offload
+        and spec.offloads
+        and policy_effect(spec).as_named
+    )
+
+
+def offload_twin_jobs(
+    jobs: Sequence[Job],
     specs: Sequence[Any],
     target: T.Target,
     compare_offload: bool,
     make_job: Callable[[Any], Job],
-) -> list[Job]:
-    """Note on each policy's job what it runs as when the remat implementation in use does
-    not apply it as named (:func:`remat_kit.remat_impl.policy_effect`) and on each offloading
-    one when ``target`` does not offload; where both offload and ``compare_offload``, append
-    the job of its on-device twin (:func:`remat_kit.policies.on_device_twin`, built by
-    ``make_job``; not visible) and link it, so the report says whether offloading lowered the
-    device peak."""
-    for job, spec in zip(jobs, specs, strict=False):
-        effect = policy_effect(spec)
-        if not effect.as_named:
-            job.runs_as = effect.runs_as
-            job.notes = (effect.line(), *job.notes)
-        if spec.offloads and not target.supports_host_offload:
-            job.notes = (
-                *job.notes,
-                f"target {target.name!r} does not offload: the tensors this policy offloads are "
-                "counted as device memory (host_bytes is 0)",
-            )
-    if compare_offload and target.supports_host_offload:
-        for i, spec in enumerate(list(specs)):
-            if spec.offloads and jobs[i].runs_as is None:
-                jobs[i].on_device_twin = len(jobs)
-                jobs.append(make_job(on_device_twin(spec)))
-    return jobs
+) -> Iterator[Job]:
+    """The job of each offloading policy's on-device twin where :func:`has_twin`
+    (:func:`remat_kit.policies.on_device_twin`, built by ``make_job``; not visible), to be run
+    after ``jobs``, each linked from its policy's job (``on_device_twin``), so the report says
+    whether offloading lowered the device peak."""
+    index = len(jobs)
+    for job, spec in zip(jobs, specs, strict=True):
+        if has_twin(spec, target, compare_offload):
+            job.on_device_twin = index
+            index += 1
+            yield make_job(on_device_twin(spec))
 
 
 def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -> MemoryReport:
@@ -463,9 +504,11 @@ class CompileEngine:
             self.progress(index, total, item.what, stage)
 
     def _compile(self, item: Any, lowered: Any, fast: bool, seeding: bool,
-                 tell: Callable[[str], None], base: CompileResult | None = None):  # fmt: skip
+                 tell: Callable[[str], None], base: CompileResult | None = None,
+                 then: Callable[[Any, CompileResult], None] | None = None):  # fmt: skip
         """Compile ``lowered`` (unless ``base``, read from the cache, is that compile) and,
-        for an item asking for XLA's own remat told apart, its pass-off compile."""
+        for an item asking for XLA's own remat told apart, its pass-off compile; then
+        ``then(item, result)``, in this worker, beside the compiles still running."""
         try:
             opts = self._caches.options(item.target, seeding)
             result = base
@@ -480,6 +523,8 @@ class CompileEngine:
                     tell("compiling (XLA's remat pass off)")
                     self.compiles += 1
                 add_policy_only(result, lowered, item.target.platform, item.what, fast, opts)
+            if then is not None:
+                then(item, result)
             tell("done")
             return result
         except CompileError as err:
@@ -504,10 +549,27 @@ class CompileEngine:
             hit.policy_only = self.cache.load(off_key)
         return hit, (key, off_key)
 
+    def _submit(self, pool: ThreadPoolExecutor, futures: dict[str, Future],
+                pending: list, fast: bool, then: Callable | None) -> None:  # fmt: skip
+        """Submit the compiles held back while the first compile filled the kernel cache (it
+        is done: called by its future's callback, or after it); empties ``pending``."""
+        self._seeded = self._seeded or bool(futures)
+        for key, item, lowered, tell, base in pending:
+            futures[key] = pool.submit(self._compile, item, lowered, fast, False, tell, base, then)
+        pending.clear()
+
     def compile_all(
-        self, items: Sequence[Any], fast: bool = True, executable: bool = False
+        self,
+        items: Iterable[Any],
+        fast: bool = True,
+        executable: bool = False,
+        total: int | None = None,
+        then: Callable[[Any, CompileResult], None] | None = None,
     ) -> list[tuple[str, CompileResult | CompileError]]:
         """Lower and compile every item, each distinct program once.
+
+        Items are taken from ``items`` one at a time: an item made lazily (a generator that
+        traces each policy's step) is traced and lowered while the ones before it compile.
 
         Args:
           items: objects with ``what`` (names it in errors), ``target`` (a
@@ -518,6 +580,10 @@ class CompileEngine:
             machine code: for analysis only, not for a step that will be timed).
           executable: the caller will run the executables: compile what the cache holds
             (a cached result has none).
+          total: how many items there are, for progress (default ``len(items)``).
+          then: called as ``then(item, result)`` in the compile's worker after each item's
+            compile (not for a program the cache answers whole), e.g. to read its dumps
+            beside the compiles still running.
 
         Returns:
           ``(program key, CompileResult or CompileError)`` per item, in order.
@@ -528,7 +594,13 @@ class CompileEngine:
         pending: list[tuple[str, Any, Any, Callable, CompileResult | None]] = []
         cache_keys: dict[str, tuple[str, str]] = {}
         names: dict[str, str] = {}
-        total = len(items)
+        total = len(items) if total is None else total  # type: ignore[arg-type]
+        lock = threading.RLock()  # over futures and pending: the seed's callback submits too
+
+        def release(_: Future) -> None:  # the first compile filled the kernel cache
+            with lock:
+                self._submit(pool, futures, pending, fast, then)
+
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:
             for index, item in enumerate(items):
                 tell = functools.partial(self._tell, index, total, item)
@@ -547,7 +619,9 @@ class CompileEngine:
                 held = self._done.get(key)
                 if executable and isinstance(held, CompileResult) and held.cached:
                     held = None  # read from the cache: no executable to run
-                if held is not None or key in futures or any(key == k for k, *_ in pending):
+                with lock:
+                    seen = key in futures or any(key == k for k, *_ in pending)
+                if held is not None or seen:
                     tell("same program")
                     continue
                 base = None
@@ -560,19 +634,26 @@ class CompileEngine:
                         self._done[key] = base
                         tell("cached")
                         continue
-                job = (item, lowered, fast)
-                if self._seeded or item.target.platform != "cuda":  # no kernel cache to fill
-                    futures[key] = pool.submit(self._compile, *job, False, tell, base)
-                elif not futures:  # seeds the kernel cache; the others compile after it
-                    futures[key] = pool.submit(self._compile, *job, True, tell, base)
-                else:
-                    pending.append((key, item, lowered, tell, base))
-            if futures:
-                next(iter(futures.values())).result()
-                self._seeded = True
-            for key, item, lowered, tell, base in pending:
-                futures[key] = pool.submit(self._compile, item, lowered, fast, False, tell, base)
-            self._done.update({key: future.result() for key, future in futures.items()})
+                with lock:
+                    if self._seeded or item.target.platform != "cuda":  # no kernel cache to fill
+                        futures[key] = pool.submit(
+                            self._compile, item, lowered, fast, False, tell, base, then
+                        )
+                    elif not futures:  # seeds the kernel cache; the others compile after it
+                        futures[key] = pool.submit(
+                            self._compile, item, lowered, fast, True, tell, base, then
+                        )
+                        futures[key].add_done_callback(release)
+                    else:
+                        pending.append((key, item, lowered, tell, base))
+            with lock:
+                first = next(iter(futures.values()), None)
+            if first is not None:  # the held-back compiles wait for it
+                first.result()
+            with lock:
+                self._submit(pool, futures, pending, fast, then)
+                running = dict(futures)
+            self._done.update({key: future.result() for key, future in running.items()})
         if self.cache is not None:  # the log lines are known now that the capture ended
             for key in futures:
                 result = self._done[key]
@@ -585,19 +666,23 @@ class CompileEngine:
 
 
 def run_jobs(
-    jobs: Sequence[Job],
+    jobs: Iterable[Job],
     top_k: int,
     budget_bytes: int | None,
     fast_compile: bool = True,
     workers: int | None = None,
     raise_errors: bool = True,
     engine: CompileEngine | None = None,
+    total: int | None = None,
 ) -> list[MemoryReport | CompileError]:
     """Lower, compile (identical programs once, ``workers`` at a time) and report every job.
 
     Args:
+      jobs: the jobs, or a generator that makes each (traces its step) when it is due: then
+        each is traced while the ones before it compile (:meth:`CompileEngine.compile_all`).
       engine: compile through this :class:`CompileEngine` (its executables stay available to
         the caller); None: a private one for this call (``workers`` at a time).
+      total: how many jobs there are, for progress (default ``len(jobs)``).
 
     Returns:
       One report per job, in order; a job that failed to compile gives its
@@ -606,11 +691,25 @@ def run_jobs(
     Raises:
       CompileError: with ``raise_errors``, for the first visible job (in order) that failed.
     """
+    made: list[Job] = []
+
+    def taken() -> Iterator[Job]:
+        for job in jobs:
+            made.append(job)
+            yield job
+
+    reads: dict[int, _Read] = {}
+
+    def then(job: Job, result: CompileResult) -> None:  # in the worker, beside other compiles
+        reads[id(job)] = _read(job, result, top_k)
+
+    total = len(jobs) if total is None else total  # type: ignore[arg-type]
     if engine is None:
         with CompileEngine(workers) as own:
-            compiled = own.compile_all(jobs, fast_compile)
+            compiled = own.compile_all(taken(), fast_compile, total=total, then=then)
     else:
-        compiled = engine.compile_all(jobs, fast_compile)
+        compiled = engine.compile_all(taken(), fast_compile, total=total, then=then)
+    jobs = made
     out: list[MemoryReport | CompileError] = []
     for job, (key, result) in zip(jobs, compiled, strict=True):
         if isinstance(result, CompileError):
@@ -619,7 +718,7 @@ def run_jobs(
                 raise err from result
             out.append(err)
         else:
-            report = _report(job, result, top_k, budget_bytes)
+            report = _report(job, result, top_k, budget_bytes, reads.get(id(job)))
             out.append(dataclasses.replace(report, program_sha256=key))
     for i, job in enumerate(jobs):
         if job.on_device_twin is not None and isinstance(out[i], MemoryReport):

@@ -15,11 +15,14 @@ Command (2-core CPU, ~3-6 min; GPU target compiled deviceless)::
 
     JAX_PLATFORMS=cpu python experiments/bench_own_model.py
 
-Writes ``experiments/results/own_model/linen_lm_h100-sxm.json``.
+Writes ``experiments/results/own_model/linen_lm_h100-sxm.json``. ``--analysis-only``: step (2)
+alone, timed and printed, nothing written (the issue-29 benchmark: ``REMAT_KIT_NO_CACHE=1
+JAX_PLATFORMS=cpu python experiments/bench_own_model.py --analysis-only``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -83,8 +86,11 @@ def _row(label: str, r) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--analysis-only", action="store_true", help="time step (2) only")
+    args = parser.parse_args()
     prog = program()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     names = remat_kit.policy_names()
     reports = remat_kit.analyze_policies(prog, [*names, OWN_SPEC], target=TARGET)
     analyze_s = time.perf_counter() - t0
@@ -92,6 +98,12 @@ def main() -> None:
     for row in rows:
         print(f"{row['policy']:22s} peak {row['peak_bytes'] / 2**30:7.2f} GiB  host "
               f"{row['host_bytes'] / 2**30:5.2f}  x{row['recompute_ratio']:.3f}")  # fmt: skip
+    print(
+        f"analysis: {len(rows)} policies in {analyze_s:.1f} s wall, "
+        f"{time.process_time() - cpu0:.1f} s process CPU (jax {__import__('jax').__version__})"
+    )
+    if args.analysis_only:
+        return
     t0 = time.perf_counter()
     doctor = {
         label: [f.line() for f in findings]

@@ -20,6 +20,7 @@ from remat_kit.cli import analyze as cli_analyze
 from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
 from remat_kit.memory.api import analyze_policies, program_policies, remat_placement
+from remat_kit.memory.hlo import DumpFiles
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
 from remat_kit.memory.reading import XLA_REMAT_LIMIT_NOTE
 from remat_kit.memory.report import same_program_as
@@ -334,14 +335,16 @@ allocation 555: size 19176336, preallocated-temp:
 
 
 def test_host_bytes_against_the_jaxprs_offloaded_bytes_in_one_line():
-    found = host_buffers(_ASSIGNMENT)
+    found = host_buffers(DumpFiles(None, None, _ASSIGNMENT, None))
     assert found == HostBuffers(allocated=1310720, count=4, buffer_bytes=2621440)
     line = host_line(1310720, 3 * 1310720, found)
     assert "1.25 MiB on the host at its peak" in line and "offloads 3.75 MiB" in line
     assert "reuses host space: its 4 host buffers (2.50 MiB) share 1.25 MiB" in line
     assert "kept the rest on the device" in line  # 2.5 of the 3.75 MiB placed on the host
     assert host_line(1310720, 1310720, found) is None  # the same figure: nothing to say
-    assert host_buffers(_ASSIGNMENT.split("allocation 554")[0]) is None
+    before = _ASSIGNMENT.split("allocation 554")[0]
+    assert host_buffers(DumpFiles(None, None, before, None)) is None
+    assert host_buffers(DumpFiles(None, None, None, None)) is None
 
 
 @needs_cuda_plugin

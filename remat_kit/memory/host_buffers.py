@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.memory.hlo import parse_allocation_sizes, parse_buffer_slots
+from remat_kit.memory.hlo import DumpFiles, parse_allocation_sizes
 from remat_kit.units import format_bytes
 
 #: Host bytes and offloaded bytes differing by less than this share are not remarked on.
@@ -30,13 +30,14 @@ class HostBuffers:
     buffer_bytes: int
 
 
-def host_buffers(buffer_assignment: str | None) -> HostBuffers | None:
-    """The host allocations of XLA's buffer-assignment text, read with
-    :func:`remat_kit.memory.hlo.parse_buffer_slots` (None: no dump or no host buffer)."""
-    if not buffer_assignment:
+def host_buffers(dump: DumpFiles) -> HostBuffers | None:
+    """The host allocations of a compile's buffer assignment, from its slots as
+    :attr:`~remat_kit.memory.hlo.DumpFiles.slots` parsed them (None: no dump or no host
+    buffer)."""
+    if not dump.buffer_assignment:
         return None
-    host = [s for s in parse_buffer_slots(buffer_assignment).values() if s.on_host]
-    sizes = parse_allocation_sizes(buffer_assignment)
+    host = [s for s in dump.slots.values() if s.on_host]
+    sizes = parse_allocation_sizes(dump.buffer_assignment)
     allocated = sum(sizes[a] for a in {s.allocation for s in host})
     return HostBuffers(allocated, len(host), sum(s.nbytes for s in host)) if host else None
 

@@ -305,7 +305,7 @@ def _report(
     host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
     if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
         xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,
-                               host_buffers(result.dump.buffer_assignment)),)  # fmt: skip
+                               host_buffers(result.dump)),)  # fmt: skip
     return MemoryReport(
         name=job.name,
         target=job.target.name,

@@ -285,6 +285,23 @@ def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> 
     return sorted(rows, key=lambda t: (-t.nbytes, t.tag))
 
 
+def held_on_device(rows: Iterable[TagResiduals]) -> tuple[TagResiduals, ...]:
+    """``rows`` as a target that does not offload holds them: every host row counted on the
+    device, merged with the device row of the same tag, shape and dtype (XLA:CPU, and a GPU
+    without offload support, keep offloaded residuals in device memory)."""
+    merged: dict[tuple, TagResiduals] = {}
+    for r in rows:
+        key = (r.tag, tuple(r.shape), str(r.dtype))
+        if key in merged:
+            m = merged[key]
+            merged[key] = dataclasses.replace(
+                m, count=m.count + r.count, nbytes=m.nbytes + r.nbytes, memory="device"
+            )
+        else:
+            merged[key] = dataclasses.replace(r, memory="device")
+    return tuple(sorted(merged.values(), key=lambda t: (-t.nbytes, t.tag)))
+
+
 def bytes_by_tag(rows: Iterable[TagResiduals], memory: str | None = "device") -> dict[str, int]:
     """Bytes per tag over ``rows`` (:func:`group_by_tag`), every shape of a tag summed; only
     rows in ``memory`` (``"device"`` / ``"host"``; None: both)."""

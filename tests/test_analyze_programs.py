@@ -359,6 +359,32 @@ def test_offloaded_layers_of_an_unrolled_loop_share_host_space_on_gpu():
     assert len(line) == 1 and "reuses host space" in line[0], r.warnings
 
 
+def test_what_a_target_without_offload_keeps_is_counted_on_the_device():
+    """On a target that does not offload (the CPU) an offloaded tag's residuals are device
+    memory: its row says device and the residual bytes count it, for a user's program and a
+    bundled one alike (the by-tag table said 'host 1.00' beside 'host 0.00', outside trial)."""
+    offload, save = {"attn_in": "offload"}, {"attn_in": "save"}
+    off, kept = analyze_policies(plain_jax.program(), [offload, save], "local")
+    assert [(r.tag, r.memory) for r in off.residuals] == [(r.tag, r.memory) for r in kept.residuals]
+    assert all(r.memory == "device" for r in off.residuals)
+    assert off.activation_bytes == kept.activation_bytes and not off.offloaded_bytes
+    assert any("does not offload" in w for w in off.warnings)
+    from remat_kit import preset
+
+    (bundled,) = analyze_policies(preset("tiny-gpt", 2, 32), ["offload-to-host"], "local")
+    assert bundled.residuals and all(r.memory == "device" for r in bundled.residuals)
+    assert bundled.activation_bytes and not bundled.offloaded_bytes
+
+
+@needs_cuda_plugin
+def test_what_an_offloading_target_offloads_stays_on_the_host():
+    (r,) = analyze_policies(
+        plain_jax.program(), [{"attn_in": "offload"}], "h100-sxm", compare_offload=False
+    )
+    assert [row.memory for row in r.residuals if row.tag == "attn_in"] == ["host"]
+    assert r.offloaded_bytes == sum(row.nbytes for row in r.residuals if row.memory == "host") > 0
+
+
 def _odd_attention(policy):
     """Attention over 65 tokens (a ViT's 64 patches and a class token), then ``ctx @ w``."""
     b, n, h, d = 8, 65, 4, 16

@@ -167,3 +167,18 @@ def test_doctor_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("remat-kit: error: ") and "output tile sizes" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [("doctor", ["(presets; default 2)", "(presets; default 64)"]),
+     ("analyze", ["sequences per step (presets; required for them)",
+                  "tokens per sequence (presets; required for them)"])],
+)  # fmt: skip
+def test_help_says_what_a_preset_gets_without_batch_and_seq(command, says, capsys):
+    """The doctor checks a preset at batch 2, seq 64 when not given; its help said both were
+    required (newcomer trial). analyze does require them."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(s in text for s in says), text

@@ -252,7 +252,9 @@ def test_offload_no_device_saving_fix_follows_the_measured_peaks(peak, says):
     assert ("same peak" in finding.fix) == (peak == 20 << 20)
 
 
-def _two_savers_layer(x, w):  # 'act' (tanh's output) and 'attn_in' (a matmul's) both kept
+def _two_savers_layer(x, w):  # 'act' (tanh's output) and 'attn_in' (a matmul's) both kept;
+    # saving 'act' alone still recomputes x @ w (JAX's backward of tanh here recomputes tanh
+    # from its input: the traced FLOPs are save-nothing's), so only attn_in removes recompute
     h = checkpoint_name(x @ w, "attn_in")
     return x + checkpoint_name(jnp.tanh(h), "act") @ w.T
 
@@ -273,7 +275,23 @@ def test_tag_outside_remat_offload_says_nothing_is_offloadable_and_fix_lists_sav
     )
     (full,) = [f for f in save if f.code == "acts-as-full-remat"]
     assert "does not keep it" in full.what
-    assert "removes recompute (attn_in, act; matmul outputs first)" in full.fix
+    assert "removes recompute (attn_in; matmul outputs first)" in full.fix
+
+
+def _kept_but_recomputed_layer(x, w):  # gelu's derivative needs its input: 'act' saves no matmul
+    h = checkpoint_name(x @ w, "attn_in")
+    return x + checkpoint_name(jax.nn.gelu(h), "act") @ w.T
+
+
+def test_a_tag_kept_but_still_recomputed_is_not_offered_as_a_saver():
+    """Saving a name applied after an activation whose derivative needs the activation's input
+    keeps it, yet the matmul under it is recomputed all the same: the doctor's fix does not
+    list it among the tags whose saving removes recompute (it did, beside the solver's
+    per-tag FLOPs, which give it none; outside trial: an NNX block tagging mlpwi after gelu)."""
+    program = _program(_kept_but_recomputed_layer, "gelu-after", _outside)
+    (save,) = doctor.check_policies(program, [{"embed_out": "save"}], GPU)
+    (full,) = [f for f in save if f.code == "acts-as-full-remat"]
+    assert "removes recompute (attn_in; matmul outputs first)" in full.fix, full.fix
 
 
 def test_matmul_tags_look_through_a_bias_add_and_a_transpose():

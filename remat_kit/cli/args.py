@@ -158,16 +158,22 @@ def read_program(
     return preset(config, args.batch, args.seq, optimizer, mesh)
 
 
-def add_batch(p: argparse.ArgumentParser, default: int | None = None) -> None:
-    """``--batch``: sequences per step (for a preset; a program carries its own arguments)."""
-    p.add_argument("--batch", type=positive_int, default=default,
-                   help="sequences per step (presets; required for them)")  # fmt: skip
+def _for_presets(preset_default: int | None) -> str:
+    return "required for them" if preset_default is None else f"default {preset_default}"
 
 
-def add_seq(p: argparse.ArgumentParser, default: int | None = None) -> None:
-    """``--seq``: tokens per sequence (for a preset)."""
-    p.add_argument("--seq", type=positive_int, default=default,
-                   help="tokens per sequence (presets; required for them)")  # fmt: skip
+def add_batch(p: argparse.ArgumentParser, preset_default: int | None = None) -> None:
+    """``--batch``: sequences per step (for a preset; a program carries its own arguments);
+    ``preset_default``: what the command uses when it is not given (None: required)."""
+    what = f"sequences per step (presets; {_for_presets(preset_default)})"
+    p.add_argument("--batch", type=positive_int, default=None, help=what)
+
+
+def add_seq(p: argparse.ArgumentParser, preset_default: int | None = None) -> None:
+    """``--seq``: tokens per sequence (for a preset); ``preset_default`` as for
+    :func:`add_batch`."""
+    what = f"tokens per sequence (presets; {_for_presets(preset_default)})"
+    p.add_argument("--seq", type=positive_int, default=None, help=what)
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:

@@ -10,6 +10,7 @@ import sys
 from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.doctor import check_policies
+from remat_kit.doctor.checks import DEFAULT_SHAPE
 from remat_kit.memory import CompileError
 from remat_kit.policies import get_policy_spec, policy_names
 
@@ -29,8 +30,8 @@ def add(subparsers) -> None:
         "policy to check (default: every registered policy; for a MODULE:FACTORY program, "
         "those that act on its checkpoint names, the rest in one note)",
     )
-    A.add_batch(p)  # presets: 2 when not given
-    A.add_seq(p)  # presets: 64 when not given
+    A.add_batch(p, DEFAULT_SHAPE[0])
+    A.add_seq(p, DEFAULT_SHAPE[1])
     A.add_target(p, "cpu")
     p.add_argument(
         "--no-scan", action="store_true",
@@ -60,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
     targets.get_target(args.target)
     fixed = {}
     if not A.is_program_ref(args.model):
-        args.batch, args.seq = args.batch or 2, args.seq or 64
+        args.batch, args.seq = args.batch or DEFAULT_SHAPE[0], args.seq or DEFAULT_SHAPE[1]
         fixed = dict(scan_layers=not args.no_scan, remat_group_size=args.group_size or 1)
     flags = {"--no-scan": args.no_scan, "--group-size": args.group_size}
     program = A.read_program(args, preset_only=flags, **fixed)

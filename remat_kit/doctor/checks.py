@@ -49,6 +49,7 @@ from remat_kit.doctor.tags import (
 )
 from remat_kit.memory import analyze, hlo
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags
+from remat_kit.memory.flops import traced_flops
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.preset_program import as_program
@@ -117,7 +118,11 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     def saving(tag: str):
         return program.saved(custom_spec({tag: "save"}))
 
-    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls))
+    def flops(tag: str | None) -> float:
+        pure = program.step(custom_spec({tag: "save"} if tag else {}))
+        return traced_flops(pure.fn, *pure.args)
+
+    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
     return TagFacts(tags, inside, user=program.scan_layers is None, savers=savers)
 
 
@@ -197,6 +202,11 @@ def check_policies(
     return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
 
 
+#: (batch, seq) a preset is checked at when not given: the doctor's findings do not depend on
+#: the shape, and a small one compiles in seconds.
+DEFAULT_SHAPE = (2, 64)
+
+
 def check(
     model: Program | ModelConfig | str,
     batch_size: int | None = None,
@@ -225,7 +235,7 @@ def check(
         policy for a Program; the policy name ``"none"`` (the message says it means
         ``save-nothing``).
     """
-    program = as_program(model, batch_size, seq_len, optimizer, default_shape=(2, 64))
+    program = as_program(model, batch_size, seq_len, optimizer, default_shape=DEFAULT_SHAPE)
     chosen = policy if policy is not None else program.default_policy
     if chosen is None:
         raise ValueError(
@@ -328,7 +338,16 @@ def _savers(make_loss, args: Sequence[Any], tags: frozenset[str], matmuls: froze
         policy = jax.checkpoint_policies.save_only_these_names(tag)
         return R.saved_residuals(make_loss(policy), *args)
 
-    return functools.cache(lambda: recompute_savers(saving, tags, matmuls))
+    def flops(tag: str | None) -> float:  # forward and backward, as saved_residuals' vjp
+        loss = make_loss(jax.checkpoint_policies.save_only_these_names(*([tag] if tag else [])))
+
+        def forward_backward(*xs):
+            out, back = jax.vjp(loss, *xs)
+            return back(jnp.ones_like(out))
+
+        return traced_flops(forward_backward, *args)
+
+    return functools.cache(lambda: recompute_savers(saving, tags, matmuls, flops))
 
 
 def _float_argnums(args: Sequence[Any]) -> tuple[int, ...]:

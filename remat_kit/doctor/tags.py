@@ -106,20 +106,29 @@ def recompute_savers(
     residuals_saving: Callable[[str], Sequence[W.Residual]],
     tags: Iterable[str],
     matmuls: Iterable[str] = (),
+    flops_saving: Callable[[str | None], float] | None = None,
 ) -> tuple[str, ...]:
     """Those of ``tags`` whose saving alone keeps them as new residuals (not the remat
-    segment's input, kept anyway): the backward pass then reads them instead of recomputing
-    them. The ``matmuls`` among them (matmul outputs, :func:`matmul_tags`: they save the most
-    FLOPs) first, then by name.
+    segment's input, kept anyway) and, with ``flops_saving``, lowers the step's traced matmul
+    FLOPs: the backward pass then reads them instead of recomputing them (a name applied after
+    an activation is kept but its matmul is recomputed all the same, for the activation's
+    derivative: not one). The ``matmuls`` among them (matmul outputs, :func:`matmul_tags`: they
+    save the most FLOPs) first, then by name. The solver's per-tag FLOPs
+    (:func:`remat_kit.recommend.tag_costs`) judge the same way.
 
     Args:
       residuals_saving: ``residuals_saving(tag)``: the residuals of the loss under a policy
         saving ``tag`` alone (:func:`remat_kit.residuals.saved_residuals`).
+      flops_saving: ``flops_saving(tag)``: traced matmul FLOPs of the step (forward and
+        backward) saving ``tag`` alone; ``flops_saving(None)``: saving nothing.
     """
     kept = [
         t for t in sorted(tags)
         if any(r.tag == t and r.nbytes and not r.is_argument for r in residuals_saving(t))
     ]  # fmt: skip
+    if flops_saving is not None and kept:
+        nothing = flops_saving(None)
+        kept = [t for t in kept if flops_saving(t) < nothing]
     first = frozenset(matmuls)
     return tuple(sorted(kept, key=lambda t: (t not in first, t)))
 

@@ -66,7 +66,7 @@ from remat_kit.program import (
     require_program,
 )
 from remat_kit.remat_impl import can_offload
-from remat_kit.residuals import TagResiduals, group_by_tag, saved_residuals
+from remat_kit.residuals import TagResiduals, group_by_tag, held_on_device, saved_residuals
 from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
 
 DEFAULT_TOP_K = 10
@@ -462,6 +462,8 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
     abstract = setup.placement.place(pure.args)
     traced = stage.jaxpr.jaxpr if spec.wrap else None
     residuals = program.residuals(spec, setup.placement)
+    if residuals is not None and not setup.target.supports_host_offload:
+        residuals = held_on_device(residuals)  # what it offloads stays in device memory
     devices = setup.placement.devices
     return Job(
         name=program.title,

@@ -179,6 +179,9 @@ def _summary_header(run, argv: list[str] | None, legend: str) -> str:
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
     data = f"{r.get('data_source')} (sha256 {r.get('data_fingerprint')})"
+    from remat_kit.sweep import results
+
+    source = results.local_estimate_source(run.rows)
     return "\n".join(
         [
             f"# Sweep `{r.get('sweep')}`",
@@ -187,6 +190,7 @@ def _summary_header(run, argv: list[str] | None, legend: str) -> str:
             f"- Last run: {r.get('time')}; {len(run.new_rows)} point(s) in {run.wall_s:.0f} s, "
             f"{run.skipped} kept from earlier runs",
             f"- Machine: {_machine(r, run.rows)}",
+            *([f"- Estimates on 'local' from {source}"] if source else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
@@ -231,6 +235,15 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
         console.print(
             f"measured and analysed on: {_machine(run.rows[-1], run.rows)} "
             "('local' is this machine)",
+            highlight=False, markup=False,
+        )  # fmt: skip
+    source = results.local_estimate_source(run.rows)
+    if source:  # a calibration timed on a busy machine misprices memory traffic: say which
+        from remat_kit.memory.calibrate import cache_dir
+
+        console.print(
+            f"est. on 'local' from {source} (to time it again on a quiet machine, delete "
+            f"{cache_dir() / 'calibration'})",
             highlight=False, markup=False,
         )  # fmt: skip
     legend = results.summary_legend(run.rows)

@@ -5,6 +5,7 @@ a collective's wire bytes; the calibration's cache and override."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -209,6 +210,9 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
     again = calibrate.calibrate()
     assert len(calls) == 1 and first == again and first.measured
     assert first.peak_flops == {"f32": 1e11, "bf16": 5e10} and first.fresh_bytes_per_s == 1e9
+    # when and at what load it was timed: one taken on a busy machine misprices memory traffic
+    assert re.search(r"calibrated on this machine \d{4}-\d\d-\d\d \d\d:\d\d UTC, load "
+                     r"average \d+\.\d\d ", first.source), first.source  # fmt: skip
     calibrate.calibrate(refresh=True)
     assert len(calls) == 2
     given = tmp_path / "fixed.json"

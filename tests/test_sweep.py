@@ -489,3 +489,17 @@ def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch):
         held = sweep.compile_steps(points, {}, engine, keys)
         for p in points:
             assert held[p.key][0] is lowered[p.key][0] is engine.executable(keys[p.key]).compiled
+
+
+def test_local_estimates_say_which_calibration_they_came_from():
+    """The local rows' estimates name the device figures they used (on a CPU the cached
+    calibration, when and at what load it was timed): a newcomer's estimates came from one
+    timed under load and nothing said so. Analysis-only GPU rows are not the local one."""
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    source = results.local_estimate_source(rows)
+    (first,) = [r for r in rows if r["target"] == "local"][:1]
+    assert source == first["report"]["step_time"]["figures"]
+    assert source.startswith("local cpu") and "calibrated on this machine" in source
+    gpu = [r for r in rows if r["target"] != "local"]
+    assert gpu and results.local_estimate_source(gpu) is None
+    assert results.local_estimate_source([]) is None

@@ -279,7 +279,8 @@ def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
         data = {
             "key": key,
             "figures": figures,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "when": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+            f"{os.getloadavg()[0]:.2f}",
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

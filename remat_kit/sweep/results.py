@@ -684,6 +684,18 @@ def summary_legend(rows: Sequence[Mapping[str, Any]] | Any) -> str:
     return "; ".join(text for column, text in COLUMN_LEGEND.items() if column in present)
 
 
+def local_estimate_source(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """Where the local rows' estimated step times come from: the device figures' source of the
+    first row on the local device with an estimate (on a CPU, the calibration cached for this
+    machine: when it was timed, at what load, its figures), else None. An estimate is only as
+    good as that calibration: one timed on a busy machine prices memory traffic too high."""
+    for r in as_records(rows):
+        step = (r.get("report") or {}).get("step_time") or {}
+        if r.get("target") == "local" and step.get("figures"):
+            return str(step["figures"])
+    return None
+
+
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:
     """:func:`summary_lines` as Markdown tables (for a summary file or a README)."""
     parts = []

@@ -172,16 +172,15 @@ def config_path(name: str) -> Path:
     return CONFIGS / f"{name}.py"
 
 
-def _summary_header(run, argv: list[str] | None, legend: str) -> str:
+def _summary_header(run, argv: list[str] | None, legend: str, source: str | None) -> str:
     """Where and how the rows were made, for the top of summary.md, and what the columns of its
-    tables mean (``legend``: :func:`remat_kit.sweep.results.summary_legend`)."""
+    tables mean (``legend``: :func:`remat_kit.sweep.results.summary_legend`; ``source``: the
+    device figures of the local estimates,
+    :func:`~remat_kit.sweep.results.local_estimate_source`)."""
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
     data = f"{r.get('data_source')} (sha256 {r.get('data_fingerprint')})"
-    from remat_kit.sweep import results
-
-    source = results.local_estimate_source(run.rows)
     return "\n".join(
         [
             f"# Sweep `{r.get('sweep')}`",
@@ -259,7 +258,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     options = results.option_markdown(run.rows)  # "" unless rows differ in overrides
     listed = "".join(f"- {line}\n" for line in warnings)
     part.write_text(
-        _summary_header(run, argv, legend)
+        _summary_header(run, argv, legend, source)
         + results.summary_markdown(run.rows)
         + (f"\nAnalysis warnings:\n\n{listed}" if warnings else "")
         + ("\n" + options if options else "")

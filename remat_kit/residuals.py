@@ -282,6 +282,10 @@ def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> 
         )
         for (key, mem, _, _), rs in groups.items()
     ]
+    return _largest_first(rows)
+
+
+def _largest_first(rows: Iterable[TagResiduals]) -> list[TagResiduals]:
     return sorted(rows, key=lambda t: (-t.nbytes, t.tag))
 
 
@@ -299,7 +303,7 @@ def held_on_device(rows: Iterable[TagResiduals]) -> tuple[TagResiduals, ...]:
             )
         else:
             merged[key] = dataclasses.replace(r, memory="device")
-    return tuple(sorted(merged.values(), key=lambda t: (-t.nbytes, t.tag)))
+    return tuple(_largest_first(merged.values()))
 
 
 def bytes_by_tag(rows: Iterable[TagResiduals], memory: str | None = "device") -> dict[str, int]:

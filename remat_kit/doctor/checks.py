@@ -49,7 +49,7 @@ from remat_kit.doctor.tags import (
 )
 from remat_kit.memory import analyze, hlo
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags
-from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.flops import step_flops, traced_flops
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.preset_program import as_program
@@ -119,8 +119,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
         return program.saved(custom_spec({tag: "save"}))
 
     def flops(tag: str | None) -> float:
-        pure = program.step(custom_spec({tag: "save"} if tag else {}))
-        return traced_flops(pure.fn, *pure.args)
+        return step_flops(program, custom_spec({tag: "save"} if tag else {}))
 
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
     return TagFacts(tags, inside, user=program.scan_layers is None, savers=savers)

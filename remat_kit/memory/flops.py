@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.extend import core as jcore
 
 from remat_kit import walker as W
+
+if TYPE_CHECKING:
+    from remat_kit.policies import PolicySpec
+    from remat_kit.program import Program
 
 #: JAX primitives of the cuDNN fused attention forward pass
 #: (``jax/_src/cudnn/fused_attention_stablehlo.py``).
@@ -86,3 +90,14 @@ def traced_flops(fn: Callable[..., Any], *args: Any) -> float:
     """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be ``jax.ShapeDtypeStruct``;
     nothing is compiled or allocated)."""
     return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def step_flops(program: Program, spec: PolicySpec) -> float:
+    """Matmul FLOPs of ``program``'s whole step under ``spec`` (forward, backward and update;
+    the global step, not one device's share), counted on its jaxpr (:func:`traced_flops`):
+    nothing is compiled. Saving a tag lowers it only where the backward pass then stops
+    recomputing the matmul under the tag; the solver's per-tag costs
+    (:func:`remat_kit.recommend.tag_costs`) and the doctor's "tags whose saving removes
+    recompute" (:func:`remat_kit.doctor.tags.recompute_savers`) both judge by it."""
+    pure = program.step(spec)
+    return traced_flops(pure.fn, *pure.args)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from remat_kit import targets as T
-from remat_kit.memory.flops import traced_flops
+from remat_kit.memory.flops import step_flops
 from remat_kit.memory.roofline import DeviceFigures
 from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
@@ -55,15 +55,13 @@ def tag_costs(
     kept = bytes_by_tag(program.residuals(everything, placement) or (), memory=None)
     base = bytes_by_tag(program.residuals(get_policy_spec("save-nothing"), placement) or ())
 
-    def flops(spec: PolicySpec) -> float:
-        pure = program.step(spec)
-        return traced_flops(pure.fn, *pure.args)
-
-    f0 = flops(custom_spec({}))
+    f0 = step_flops(program, custom_spec({}))
     costs = []
     for t in tags:
         nbytes, base_bytes = kept.get(t, 0), base.get(t, 0)
-        saved = max(0.0, f0 - flops(custom_spec({t: "save"}))) if nbytes > base_bytes else 0.0
+        saved = 0.0
+        if nbytes > base_bytes:
+            saved = max(0.0, f0 - step_flops(program, custom_spec({t: "save"})))
         costs.append(TagCost(tag=t, nbytes=nbytes, base_bytes=base_bytes, flops_saved=saved))
     return costs, f0
 

@@ -65,6 +65,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat_kit.training import distributed
+from remat_kit.validation import closest
 
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
@@ -348,9 +349,11 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         path = config_path(args.config or "auto")
         if not path.is_file():
             names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+            near = closest(str(args.config), names)
             raise ValueError(
                 f"no sweep config {args.config!r} (looked for {path}); valid: "
-                f"{', '.join(names)}, or a path to a .py file"
+                f"{', '.join(names)}, or a path to a .py file."
+                + (f" Did you mean {near!r}?" if near else "")
             )
         config = sweep.load_config(path)
         if args.mesh is not None:

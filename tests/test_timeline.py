@@ -317,6 +317,10 @@ def test_a_buffer_shaped_like_a_parameter_and_a_stacked_residual():
 
     assert kind("jit(step)/transpose(jvp(Decoder))/while/body/add_any") == "param_shaped"
     assert kind("jit(step)/jvp(Decoder)/while/body/dynamic_update_slice") == "stacked:untagged"
+    # recomputed inside JAX's remat: the same shape is neither a saved stack nor a parameter
+    remat = "jit(step)/transpose(jvp(Decoder))/while/body/checkpoint/rematted_computation"
+    assert kind(f"{remat}/layers/mlp/gelu") == "other"
+    assert kind(f"{remat}/layers/attn/softmax") == "attention"
 
 
 def test_diff_flops_in_a_unit_that_shows_them():

@@ -84,7 +84,10 @@ def _kind_and_phase(
         return ("logits_grad" if phase == "backward" else "logits"), phase
     if shape in hints.param_shapes and phase == "backward":  # a gradient, whatever else has
         return "param_shaped", phase  # its shape (a scan saves its weights' slices stacked)
-    if shape in hints.stacked:
+    # Shapes only guess: a value recomputed inside JAX's remat is neither a saved residual nor
+    # a parameter, whatever shape it shares with one (B = L = H, S = D); its module names it.
+    recomputed = phase == "recompute"
+    if shape in hints.stacked and not recomputed:
         return "stacked:" + "|".join(hints.stacked[shape]), phase
     parts = [p for p in op.split("/") if p]
     for part in reversed(parts[:-1]):
@@ -96,7 +99,7 @@ def _kind_and_phase(
             return "attention", phase
         if part in ("lm_head", "embed"):
             return part, phase
-    if shape in hints.param_shapes:
+    if shape in hints.param_shapes and not recomputed:
         return "param_shaped", phase
     if instr is not None and instr.opcode in ("while", "parameter", "get-tuple-element", "tuple"):
         return "loop_state", phase

@@ -166,3 +166,20 @@ def test_save_dots_not_lowering_the_peak_says_what_it_recomputes():
     )  # fmt: skip
     assert finding.code == "remat-not-lowering-peak"
     assert "recomputes its elementwise work (its matmuls are saved)" in finding.what
+
+
+def test_doctor_and_analyze_default_to_the_same_target():
+    """Both judge the program where the user runs them (``local``): the doctor once defaulted
+    to ``cpu``, so on a GPU machine it judged a program analyze compiled for the GPU on XLA:CPU,
+    which undoes remat outside a scan."""
+    import inspect
+
+    from remat_kit.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    defaults = {name: commands[name].parse_args(["--model", "tiny-gpt"]).target
+                for name in ("analyze", "doctor")}  # fmt: skip
+    assert defaults == {"analyze": "local", "doctor": "local"}
+    for fn in (doctor.check, doctor.check_policies, remat_kit.analyze):
+        assert inspect.signature(fn).parameters["target"].default == "local", fn

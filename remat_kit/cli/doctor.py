@@ -32,7 +32,7 @@ def add(subparsers) -> None:
     )
     A.add_batch(p, DEFAULT_SHAPE[0])
     A.add_seq(p, DEFAULT_SHAPE[1])
-    A.add_target(p, "cpu")
+    A.add_target(p, "local")
     p.add_argument(
         "--no-scan", action="store_true",
         help="presets: unrolled layers instead of nn.scan (scan_layers)",

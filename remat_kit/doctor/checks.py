@@ -128,7 +128,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
 def check_policies(
     program: Program,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
-    target: str | T.Target = "cpu",
+    target: str | T.Target = "local",
 ) -> ProgramCheck:
     """Check policies on a program (it needs its loss: ``Program.from_loss``, ``make_loss=`` in
     ``Program.from_step``, or a preset).
@@ -211,7 +211,7 @@ def check(
     batch_size: int | None = None,
     seq_len: int | None = None,
     policy: str | PolicySpec | Mapping[str, str] | None = None,
-    target: str | T.Target = "cpu",
+    target: str | T.Target = "local",
     optimizer: str | optax.GradientTransformation | None = None,
 ) -> list[Finding]:
     """Check one policy: :func:`check_policies` of one policy, its findings.
@@ -248,7 +248,7 @@ def check_function(
     make_loss: Callable[[Callable[..., Any] | None], Callable[..., Any]],
     *args: Any,
     policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any] | None,
-    target: str | T.Target = "cpu",
+    target: str | T.Target = "local",
     remat_static_argnums: Sequence[int] | None = None,
     remat_call_args: Sequence[Any] = (),
     argnums: int | Sequence[int] | None = None,

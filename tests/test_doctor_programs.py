@@ -304,3 +304,35 @@ def test_matmul_tags_look_through_a_bias_add_and_a_transpose():
     w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.checkpoint(layer))(x, w, w.update(shape=(8,))).jaxpr
     assert matmul_tags(jaxpr) == {"biased", "transposed"}
+
+
+def _after_activation_layer(x, w):  # one name before its activation, one after
+    pre = checkpoint_name(x @ w, "mlp_pre")
+    act = checkpoint_name(jax.nn.gelu(pre), "mlp_act")
+    return x + act @ w.T
+
+
+@pytest.mark.parametrize(
+    ("policy", "flagged"),
+    [
+        ({"mlp_act": "save"}, ["mlp_act"]),  # gelu's derivative needs x @ w: recomputed anyway
+        ({"mlp_pre": "save"}, []),  # keeps x @ w: the backward pass does not recompute it
+        ({"mlp_pre": "save", "mlp_act": "save"}, ["mlp_act"]),
+    ],
+)
+def test_a_saved_tag_that_removes_no_recompute_is_a_warning(policy, flagged):
+    """The doctor said ``ok`` for a policy keeping a name applied after an activation: memory
+    spent, no matmul spared. Judged by the step's traced FLOPs, as the solver and the doctor's
+    own fixes judge."""
+    program = _program(_after_activation_layer, "after-activation")
+    (check,) = doctor.check_policies(program, [policy], target="cpu").checks
+    found = [f for f in check.findings if f.code == "save-removes-no-recompute"]
+    if not flagged:
+        assert not found, found
+        return
+    (finding,) = found
+    assert finding.severity == "warning"
+    assert f"keeps {', '.join(flagged)} (" in finding.what
+    assert "removes no matmul recompute" in finding.what
+    if "mlp_pre" not in policy:  # the tag that does remove recompute is offered instead
+        assert "(mlp_pre)" in finding.fix

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,15 +33,22 @@ class Residuals:
     host_bytes: int
     tags: frozenset[str]
     dots: bool
+    #: New device bytes (arguments excluded) kept per tag.
+    tag_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, residuals: Sequence[W.Residual]) -> Residuals:
         new = [r for r in residuals if not r.is_argument]
+        tag_bytes: dict[str, int] = {}
+        for r in new:
+            if r.tag is not None and r.memory == "device":
+                tag_bytes[r.tag] = tag_bytes.get(r.tag, 0) + r.nbytes
         return cls(
             device_bytes=sum(r.nbytes for r in new if r.memory == "device"),
             host_bytes=sum(r.nbytes for r in new if r.memory == "host"),
             tags=frozenset(r.tag for r in residuals if r.tag is not None),
             dots=any(r.source in _DOT_SOURCES for r in residuals),
+            tag_bytes=tag_bytes,
         )
 
 
@@ -159,6 +166,8 @@ def compare(
         out = [f for f in out if f.code != "remat-not-lowering-peak"] + cse
     full = _full_remat(promise, kept, kept_no_remat, facts)
     out += full
+    if not full:
+        out += _saved_without_saving(promise, kept, facts)
     if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
         out.extend(_offload_findings(promise, report, target, kept, kept_no_remat, facts))
     return out
@@ -187,6 +196,41 @@ def _no_op(promise: Promise, kept: Residuals) -> Finding:
         "it names only tensors the backward pass keeps anyway, or saves every value.",
         f"recompute more: save fewer tags, or use {' / '.join(others)}.",
     )  # fmt: skip
+
+
+def _saved_without_saving(promise: Promise, kept: Residuals, facts: TagFacts | None) -> list[Finding]:
+    """``save-removes-no-recompute``: tags the policy saves on device (new residual bytes; an
+    offload is judged by the device memory it frees, not here) that are not
+    among the program's :attr:`~remat_kit.doctor.tags.TagFacts.savers`: saved alone, they do
+    not lower the step's matmul FLOPs (a name applied after an activation: the backward pass
+    recomputes the matmul before it all the same, for the activation's derivative). The same
+    judgement as the solver's per-tag FLOPs and the fixes the doctor offers."""
+    if facts is None or facts.savers is None or promise.base != "names":
+        return []
+    costly = {t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > 0}
+    if not costly:
+        return []
+    savers = set(facts.savers())
+    idle = sorted(t for t in costly if t not in savers)
+    if not idle:
+        return []
+    one = len(idle) == 1
+    others = [t for t in facts.savers() if t not in promise.tags]
+    fix = f"recompute {'it' if one else 'them'} (leave {'it' if one else 'them'} out of the policy)"
+    if others:
+        fix += f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
+    return [
+        Finding(
+            "save-removes-no-recompute", "warning",
+            f"policy {promise.name!r} keeps {', '.join(idle)} "
+            f"({nbytes(sum(costly[t] for t in idle))} of residuals), but saving "
+            f"{'it' if one else 'them'} removes no matmul recompute.",
+            f"the backward pass recomputes the matmul that produces {'it' if one else 'them'} "
+            "anyway (a name applied after an activation: the activation's derivative needs the "
+            "matmul's output, which is not kept).",
+            fix + ".",
+        )  # fmt: skip
+    ]
 
 
 def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) -> list[Finding]:

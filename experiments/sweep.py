@@ -64,6 +64,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from remat_kit import files
 from remat_kit.training import distributed
 from remat_kit.validation import closest
 
@@ -255,16 +256,15 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     for line in warnings:
         console.print(f"  - {line}", highlight=False, markup=False)
     # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
-    part = out.parent / ".summary.md.part"
     options = results.option_markdown(run.rows)  # "" unless rows differ in overrides
     listed = "".join(f"- {line}\n" for line in warnings)
-    part.write_text(
+    files.write_text(
+        out.parent / "summary.md",
         _summary_header(run, argv, legend, source)
         + results.summary_markdown(run.rows)
         + (f"\nAnalysis warnings:\n\n{listed}" if warnings else "")
-        + ("\n" + options if options else "")
+        + ("\n" + options if options else ""),
     )
-    part.replace(out.parent / "summary.md")
     written = [out.parent / "summary.md"]
     if not args.no_plot:
         written += plots.save_figures(run.rows, out.parent)

@@ -33,7 +33,7 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from remat_kit import units
+from remat_kit import files, units
 from remat_kit.memory.report import MemoryReport
 from remat_kit.sweep import results as R
 
@@ -90,11 +90,8 @@ def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
         fig.tight_layout()
     if path is not None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written beside, then renamed: a kill mid-write never leaves a torn figure.
-        part = path.with_name(f".{path.name}.part")
-        fig.savefig(part, dpi=120, format=path.suffix.lstrip(".") or None)
-        os.replace(part, path)
+        with files.replacing(path) as part:  # a kill mid-write never leaves a torn figure
+            fig.savefig(part, dpi=120, format=path.suffix.lstrip(".") or None)
     return fig
 
 

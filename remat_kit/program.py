@@ -955,6 +955,10 @@ def load_program(ref: str) -> Program:
       ValueError: ``ref`` without ``:``, a module or file that cannot be found or imported, a
         missing factory, a factory that raises (its exception chained) or that does not return
         a Program (one line naming which).
+
+    A program left with its default name (its loss or step function's, often ``make_loss``)
+    is named ``FILE:FACTORY`` (``gpt:program``) in reports; a name given to ``from_loss`` /
+    ``from_step`` is kept.
     """
     module_ref, sep, attr = ref.rpartition(":")
     if not sep or not module_ref or not attr:
@@ -1011,4 +1015,9 @@ def load_program(ref: str) -> Program:
             f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
             "Program.from_loss(...) or Program.from_step(...)"
         )
+    defaulted = {getattr(f, "__name__", None) for f in (program.make_loss, program.make_step)}
+    if program.name in defaulted | {"program"}:  # named after a function (from_loss's default,
+        # often ``make_loss``): the reports name it as the user named it instead
+        stem = os.path.splitext(os.path.basename(module_ref))[0]
+        program = dataclasses.replace(program, name=f"{stem}:{attr}")
     return program

@@ -183,3 +183,24 @@ def test_doctor_and_analyze_default_to_the_same_target():
     assert defaults == {"analyze": "local", "doctor": "local"}
     for fn in (doctor.check, doctor.check_policies, remat_kit.analyze):
         assert inspect.signature(fn).parameters["target"].default == "local", fn
+
+
+def test_analyze_of_one_policy_judges_it_against_no_remat_as_the_doctor_does():
+    """The doctor compiles no-remat beside every policy, so it said an unrolled save-nothing
+    frees no memory on the CPU; ``analyze`` said it only when no-remat was among the policies
+    asked for. It now compiles the no-remat step unseen and warns alike, reporting only the
+    policies asked for."""
+    program = remat_kit.preset(remat_kit.get_config("tiny-gpt", scan_layers=False), 2, 64)
+    (alone,) = remat_kit.analyze_policies(program, ["save-nothing"], "cpu")
+    both = remat_kit.analyze_policies(program, ["save-nothing", "no-remat"], "cpu")
+    assert [r.policy for r in both] == ["save-nothing", "no-remat"]
+
+    def freed_warning(report):
+        return [w for w in report.warnings if "the compiled step's temp memory" in w]
+
+    assert freed_warning(alone) and freed_warning(alone) == freed_warning(both[0])
+    (finding,) = [f for f in doctor.check(program, policy="save-nothing", target="cpu")
+                  if f.code == "no-op-policy"]  # fmt: skip
+    # the single-report API compiles only what it is asked
+    config = remat_kit.get_config("tiny-gpt", scan_layers=False)
+    assert not freed_warning(remat_kit.analyze_model(config, 2, 64, "save-nothing", "cpu"))

@@ -221,6 +221,66 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
     assert calibrate.calibrate().peak_flops["f32"] == 3e11 and len(calls) == 2
 
 
+def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch):
+    """Compile workers reading their estimates on an empty cache each calibrated, and each wrote
+    the same temporary file (named by the process id): one thread's rename removed the file
+    another was renaming (FileNotFoundError on a new user's first analyze). Now one thread
+    times the machine while the others wait, then read its figures."""
+    import threading
+    import time
+
+    calls = []
+    fake = {
+        "peak_flops_f32": 1e11, "peak_flops_bf16": 5e10, "memory_bytes_per_s": 2e10,
+        "fresh_bytes_per_s": 1e9, "launch_s": 1e-6, "cache_bytes_per_s": 1e11,
+        "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
+    }  # fmt: skip
+
+    def slow_measure(runs=5):
+        calls.append(runs)
+        time.sleep(0.2)  # the window in which the others asked
+        return dict(fake)
+
+    monkeypatch.setattr(calibrate, "measure", slow_measure)
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(calibrate.CALIBRATION_ENV, raising=False)
+    got, errors = [], []
+
+    def ask():
+        try:
+            got.append(calibrate.calibrate())
+        except Exception as err:  # noqa: BLE001 (collected for the assertion)
+            errors.append(err)
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(calls) == 1 and len(got) == 6 and all(g == got[0] for g in got)
+    assert [p.name for p in (tmp_path / "calibration").iterdir() if p.suffix != ".json"] == []
+
+
+def test_a_file_replaced_from_many_threads_is_whole(tmp_path):
+    """The one way files are replaced (:mod:`remat_kit.files`): concurrent writers of one
+    destination each rename their own temporary file; the result is one writer's, whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from remat_kit import files
+
+    dest = tmp_path / "out" / "x.json"
+    texts = [json.dumps({"writer": i, "pad": "x" * 100_000}) for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: files.write_text(dest, t), texts))
+    assert dest.read_text() in texts
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["x.json"]  # no part left behind
+    with pytest.raises(RuntimeError):  # a failed write leaves the old file and no part
+        with files.replacing(dest) as part:
+            part.write_text("torn")
+            raise RuntimeError("killed mid-write")
+    assert dest.read_text() in texts and len(list(dest.parent.iterdir())) == 1
+
+
 def test_datasheet_figures_cite_their_sources():
     h100 = calibrate.datasheet_figures(targets.get_target("h100-sxm"))
     assert h100 is not None and not h100.measured

@@ -235,8 +235,10 @@ def test_bad_output_and_data_exit_2(tmp_path, capsys, no_compile):
         (["--out", str(tmp_path / "o.jsonl"), "--data", str(tmp_path / "nope")], "does not exist"),
         (["--out", str(tmp_path / "o2.jsonl"), "--data", str(blocker.parent / "bin")], "binary"),
         (["--config", "no-such-config"], "no sweep config"),
-        (["--config", "qiuck"], "valid: cpu, gpu, options, quick, tpu, or a path to a .py file. "
-         "Did you mean 'quick'?"),
+        (
+            ["--config", "qiuck"],
+            "valid: cpu, gpu, options, quick, tpu, or a path to a .py file. Did you mean 'quick'?",
+        ),
     ]
     (tmp_path / "bin").write_bytes(b"\x00\x01\x02" * 100)
     for extra, message in cases:

@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.recommend import (
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     A.check_output_path(args.html, "--html")
+    targets.get_target(args.target)  # a bad name fails before the program is built
     auto = args.batch == "auto"
     mesh = parse_mesh(args.mesh) if args.mesh else None
     if mesh is not None and auto:

@@ -33,11 +33,12 @@ Finding codes (severity):
   emits) but keeps none; the cause says whether they are applied outside every remat segment
   (stored or not regardless of the policy) or not needed by the backward pass at all; the fix
   lists the names whose saving removes recompute (matmul outputs first).
-- ``save-removes-no-recompute`` (warning): the policy keeps on device a name whose saving alone
+- ``save-removes-no-recompute`` (info): the policy keeps on device a name whose saving alone
   does not lower the step's traced matmul FLOPs (a name applied after an activation: the
   activation's derivative needs the matmul output before it, recomputed all the same): memory
-  spent for no recompute spared. Judged as the solver's per-tag costs and the fixes above are
-  (:func:`remat_kit.doctor.tags.recompute_savers`).
+  spent to spare elementwise work only (a fair trade where that work is costly, such as a
+  softmax; not where memory is what is short). Judged as the solver's per-tag costs and the
+  fixes above are (:func:`remat_kit.doctor.tags.recompute_savers`).
 - ``remat3-full-remat`` (error): ``jax_remat3`` is on and runs the policy as full remat (it
   honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
   ``everything_saveable`` and the dots policies; offload policies put nothing on host in jax

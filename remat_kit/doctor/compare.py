@@ -198,36 +198,51 @@ def _no_op(promise: Promise, kept: Residuals) -> Finding:
     )  # fmt: skip
 
 
-def _saved_without_saving(promise: Promise, kept: Residuals, facts: TagFacts | None) -> list[Finding]:
+def _saved_without_saving(
+    promise: Promise, kept: Residuals, facts: TagFacts | None
+) -> list[Finding]:
     """``save-removes-no-recompute``: tags the policy saves on device (new residual bytes; an
-    offload is judged by the device memory it frees, not here) that are not
-    among the program's :attr:`~remat_kit.doctor.tags.TagFacts.savers`: saved alone, they do
-    not lower the step's matmul FLOPs (a name applied after an activation: the backward pass
-    recomputes the matmul before it all the same, for the activation's derivative). The same
-    judgement as the solver's per-tag FLOPs and the fixes the doctor offers."""
+    offload is judged by the device memory it frees, not here) that are not among the
+    program's :attr:`~remat_kit.doctor.tags.TagFacts.savers`: saved alone, they do not lower
+    the step's matmul FLOPs (a name applied after an activation: the backward pass recomputes
+    the matmul before it all the same, for the activation's derivative, unless that matmul's
+    output is kept too). The same judgement as the solver's per-tag FLOPs and the fixes the
+    doctor offers."""
     if facts is None or facts.savers is None or promise.base != "names":
         return []
     costly = {t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > 0}
     if not costly:
         return []
-    savers = set(facts.savers())
+    savers = facts.savers()
     idle = sorted(t for t in costly if t not in savers)
     if not idle:
         return []
-    one = len(idle) == 1
-    others = [t for t in facts.savers() if t not in promise.tags]
-    fix = f"recompute {'it' if one else 'them'} (leave {'it' if one else 'them'} out of the policy)"
+    it = "it" if len(idle) == 1 else "them"
+    also = [t for t in savers if t in promise.save]  # kept by this policy and saving FLOPs
+    cause = (
+        f"saved alone, {it} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
+        f"recomputes the matmul that produces {it} for the activation's derivative unless that "
+        "matmul's own output is kept"
+    )
+    if also:
+        cause += (
+            f"; this policy keeps {', '.join(also)}: where one is that output, saving {it} "
+            "spares only the elementwise work after it (the activation)"
+        )
+    others = [t for t in savers if t not in promise.tags]
+    fix = f"recompute {it} (leave {it} out of the policy)"
     if others:
-        fix += f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
+        fix += (
+            f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
+        )
     return [
         Finding(
-            "save-removes-no-recompute", "warning",
+            "save-removes-no-recompute",
+            "info",
             f"policy {promise.name!r} keeps {', '.join(idle)} "
-            f"({nbytes(sum(costly[t] for t in idle))} of residuals), but saving "
-            f"{'it' if one else 'them'} removes no matmul recompute.",
-            f"the backward pass recomputes the matmul that produces {'it' if one else 'them'} "
-            "anyway (a name applied after an activation: the activation's derivative needs the "
-            "matmul's output, which is not kept).",
+            f"({nbytes(sum(costly[t] for t in idle))} of residuals), but saving {it} removes "
+            "no matmul recompute.",
+            cause + ".",
             fix + ".",
         )  # fmt: skip
     ]

@@ -192,7 +192,7 @@ def analyze_model(
     chosen = policy if policy is not None else program.config.remat_policy
     (report,) = analyze_policies(
         program, [chosen], target, budget_bytes, top_k, fast_compile, workers=1,
-        compare_offload=compare_offload,
+        compare_offload=compare_offload, no_remat_baseline=False,
     )  # fmt: skip
     return report  # type: ignore[return-value]
 
@@ -519,6 +519,7 @@ def analyze_policies(
     strict_tags: bool = True,
     engine: CompileEngine | None = None,
     policy_alone_peak: bool = False,
+    no_remat_baseline: bool = True,
 ) -> list[MemoryReport | CompileError]:
     """Compile a program under each policy for ``target`` and report its memory.
 
@@ -547,6 +548,11 @@ def analyze_policies(
         compile it a second time with the pass off for the peak of the policy alone
         (``policy_only.peak_bytes``). The policy's own FLOPs (``recompute_ratio``) are read
         from the one compile either way (:class:`~remat_kit.memory.report.PolicyOnly`).
+      no_remat_baseline: when no policy given is ``no-remat``, compile the no-remat step too
+        (one more compile, not reported) so that a policy whose fewer residuals do not lower
+        the compiled memory is warned of (:func:`remat_kit.memory.undone.memory_not_freed`),
+        as the doctor, which compiles no-remat always, judges it; False: only the policies
+        given (recommend's probes, which compile no-remat once on their own).
 
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
@@ -567,6 +573,7 @@ def analyze_policies(
         key = CompileCache.request_key(
             "analyze_policies", program.request_key(), specs, target_fingerprint(tgt),
             budget_bytes, top_k, fast_compile, compare_offload, policy_alone_peak, strict_tags,
+            no_remat_baseline,
         )  # fmt: skip
         cached = _cached_reports(cache, key, len(specs))
         if cached is not None:  # the same request made before: its reports, nothing traced
@@ -589,6 +596,16 @@ def analyze_policies(
     distinct = list(dict.fromkeys(first.values()))
     own_specs = [specs[i] for i in distinct]
 
+    # Whether a policy's fewer residuals lower the compiled memory is judged against the
+    # no-remat step of the same run (:func:`~remat_kit.memory.runner.run_jobs`), as the doctor
+    # judges it: compiled unseen when not asked for (not when no-remat itself remats).
+    baseline = (
+        no_remat_baseline
+        and any(spec.wrap for spec in own_specs)
+        and all(spec.wrap for spec in own_specs)
+        and not reach.without_policy
+    )
+
     def jobs() -> Iterator[Job]:  # each traced when due, while the ones before it compile
         made = []
         for spec in own_specs:
@@ -600,8 +617,11 @@ def analyze_policies(
             made, own_specs, setup.target, compare_offload,
             lambda twin: _program_job(setup, twin, visible=False),
         )  # fmt: skip
+        if baseline:
+            yield _program_job(setup, get_policy_spec("no-remat"), visible=False)
 
     total = len(own_specs) + sum(has_twin(s, setup.target, compare_offload) for s in own_specs)
+    total += baseline
     with S.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
         results = run_jobs(
             jobs(), top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total

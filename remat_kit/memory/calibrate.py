@@ -28,10 +28,12 @@ import hashlib
 import json
 import os
 import platform as _platform
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from remat_kit import files
 from remat_kit import targets as T
 from remat_kit.memory import compile_cache
 from remat_kit.memory.roofline import DeviceFigures
@@ -249,6 +251,10 @@ def _last_level_cache_bytes() -> int | None:
     return best
 
 
+#: Held while a calibration is read or timed: two timed at once would each see a loaded machine.
+_CALIBRATING = threading.Lock()
+
+
 def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
     """Figures for JAX's default device, timed here once per machine and cached.
 
@@ -260,6 +266,11 @@ def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
       :class:`DeviceFigures` with ``measured=True``; ``source`` names the machine and the date
       the figures were timed.
     """
+    with _CALIBRATING:  # threads asking at once: one times the machine, the others read it
+        return _calibrate(refresh, runs)
+
+
+def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
     key = machine_key()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
@@ -282,10 +293,7 @@ def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
             "when": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
             f"{os.getloadavg()[0]:.2f}",
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        files.write_text(path, json.dumps(data, indent=1))
     f = data["figures"]
     return DeviceFigures(
         name=f"local {key['platform']} ({key['cpu_model'] or key['device_kind']})",

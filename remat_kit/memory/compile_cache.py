@@ -45,13 +45,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from remat_kit import files
 from remat_kit import targets as T
 from remat_kit.memory import hlo
 from remat_kit.memory.xla_compile import CompileResult, LogLine, count_xla_remat
@@ -272,10 +272,8 @@ def keep_kernels(source: Path, dest: Path) -> None:
         size = source.stat().st_size
         if size > KERNEL_CACHE_MAX_BYTES or (dest.exists() and dest.stat().st_size >= size):
             return
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-        shutil.copyfile(source, part)
-        os.replace(part, dest)
+        with files.replacing(dest) as part:
+            shutil.copyfile(source, part)
     except OSError:
         pass
 
@@ -377,17 +375,9 @@ class CompileCache:
         ignored: the cache only ever saves time."""
         data = {**data, "format": FORMAT_VERSION, "key": key, "created": time.time()}
         blob = gzip.compress(json.dumps(data).encode(), compresslevel=1)
-        tmp = None
         try:
-            self.entries.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.entries, prefix=".tmp-", suffix=_SUFFIX)
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, self._path(key))
+            files.write_bytes(self._path(key), blob)
         except OSError:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
             return
         self.evict()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -692,9 +693,13 @@ def run_jobs(
       CompileError: with ``raise_errors``, for the first visible job (in order) that failed.
     """
     made: list[Job] = []
+    queue = iter(jobs)
+    first = next(queue, None)
+    if first is not None:  # a local device is calibrated (once per machine) before any compile
+        calibrate.device_figures(first.target)  # loads the cores: its figures are a quiet one's
 
     def taken() -> Iterator[Job]:
-        for job in jobs:
+        for job in itertools.chain([first] if first is not None else [], queue):
             made.append(job)
             yield job
 

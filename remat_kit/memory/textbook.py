@@ -181,7 +181,7 @@ def per_layer_activations(
         programs[n] = preset(cfg, batch_size, seq_len, optimizer)
         reports = analyze_policies(
             programs[n], specs, target, top_k=1, workers=workers,
-            compare_offload=False,
+            compare_offload=False, no_remat_baseline=False,
         )  # fmt: skip
         by_key.update({(j, i): r for j, r in enumerate(reports)})  # two custom specs: one name
     grads = (

@@ -176,7 +176,7 @@ class Session:
             results = analyze_policies(
                 program, list(todo.values()), target=self.target, budget_bytes=self.budget,
                 top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
-                engine=self.engine,
+                engine=self.engine, no_remat_baseline=False,
             )  # fmt: skip
             self.cache.reports.update(zip(todo, results, strict=True))
             self.from_compile_cache += sum(getattr(r, "compile_cached", False) for r in results)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from remat_kit import files
 from remat_kit.memory.diff import diff_reports
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.timeline import thin_positions
@@ -474,8 +475,5 @@ def write_report(
     """
     text = render(groups, command=command, title=title, hardware=hardware)
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    part = p.with_name(f".{p.name}.part")
-    part.write_text(text, encoding="utf-8")
-    part.replace(p)
+    files.write_text(p, text)
     return p.stat().st_size

@@ -23,7 +23,8 @@ from remat_kit.memory import MemoryReport, analyze_policies, hlo
 from remat_kit.memory import timeline as T
 from remat_kit.memory import xla_compile as X
 from remat_kit.memory.diff import diff_reports
-from remat_kit.policies import parse_policy_arg
+from remat_kit.policies import get_policy_spec, parse_policy_arg
+from remat_kit.program import argument_parts
 from tests.conftest import needs_cuda_plugin
 
 
@@ -299,6 +300,21 @@ def test_a_user_programs_gradients_are_named_gradients():
     assert at_peak.get("residual:untagged", 0) < params // 2
     # the arguments named as the loss names them (JAX's debug info read "loss_args[1]")
     assert "tokens" in at_peak and not any(c.startswith("loss_args") for c in at_peak)
+
+
+def test_an_argument_xla_copies_aside_keeps_its_name():
+    """XLA copies a donated argument aside when the output aliasing its buffer is written
+    first (the plain-JAX step returns its parameters before its optimizer state, which it takes
+    first): the copies of the second moments, shaped like the parameters, were filed as
+    ``params`` and the timeline showed params and opt_state swapped (1.38 MiB vs 704 KiB)."""
+    from tests.user_models import plain_jax
+
+    program = plain_jax.program()
+    (r,) = analyze_policies(program, ["save-nothing"], target="cpu")
+    at_peak = r.timeline.at_peak()
+    parts = argument_parts(program.step(get_policy_spec("save-nothing")), program.args)
+    assert parts["params"] < parts["opt_state"]  # AdamW: two moments per parameter
+    assert at_peak["params"] == parts["params"] and at_peak["opt_state"] == parts["opt_state"]
 
 
 def test_a_buffer_shaped_like_a_parameter_and_a_stacked_residual():

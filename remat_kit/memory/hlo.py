@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -520,6 +520,30 @@ def instructions_by_name(
 ) -> dict[str, tuple[Instruction, Computation]]:
     """Every instruction of the module by its (module-unique) name, with its computation."""
     return {i.name: (i, c) for c in comps.values() for i in c.instructions}
+
+
+def entry_argument(
+    instr: Instruction, comp: Computation, instrs: Mapping[str, tuple[Instruction, Computation]]
+) -> Instruction | None:
+    """The entry parameter whose value ``instr`` (of ``comp``) holds whole: the parameter itself,
+    or a ``copy`` of it in the entry computation, through bitcasts (XLA copies a donated
+    argument aside when the output aliasing its buffer is written before the argument's last
+    use: the copy holds the argument, optimizer moments included, whatever parameter's shape
+    it shares); None for any other value.
+
+    Args:
+      instrs: :func:`instructions_by_name` of the module.
+    """
+    if not comp.is_entry:
+        return None
+    if instr.opcode == "copy" and len(instr.operands) == 1:
+        source = instrs.get(instr.operands[0])
+        while source is not None and source[0].opcode == "bitcast" and source[0].operands:
+            source = instrs.get(source[0].operands[0])
+        if source is None:
+            return None
+        instr, comp = source
+    return instr if instr.opcode == "parameter" and comp.is_entry else None
 
 
 def parse_live_at_peak(text: str) -> list[LiveBuffer]:

@@ -201,6 +201,9 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
     for buf in live:
         name = buf.value.split("{")[0]
         found = instrs.get(name)
+        argument = hlo.entry_argument(*found, instrs) if found is not None else None
+        if argument is not None:  # an argument, or XLA's copy of a donated one: named as it
+            found = (argument, found[1])
         if found is not None and not found[0].op_name:
             op_name = _borrowed_op_name(found[0], name, instrs, comps)
             found = (dataclasses.replace(found[0], op_name=op_name), found[1])

@@ -352,7 +352,9 @@ def _category(run: _Run, ctx: _Context) -> tuple[str, str, str, str]:
         instr, comp = found
         op = _op_name(instr, ctx.comps)
         ops.append(op)
-        if instr.opcode == "parameter" and comp.is_entry:
+        argument = hlo.entry_argument(instr, comp, ctx.instrs)  # or XLA's copy of one
+        if argument is not None:
+            op = _op_name(argument, ctx.comps)
             return _argument_category(op), value, shape, op
         if best is None or (op and not best[2]):
             best = (value, shape, op)

@@ -239,17 +239,20 @@ class _Read:
     parts: dict[str, int | None]
     reading: DumpReading
     step_time: roofline.StepTime | None
-    timeline: Timeline
+    timeline: Timeline | None
 
 
 def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
-    """Read ``job``'s compile: needs no compiler log line, so a compile worker can."""
+    """Read ``job``'s compile: needs no compiler log line, so a compile worker can. A job not
+    shown (an offloading policy's on-device twin, the no-remat step a judgement is made
+    against) gets no estimate and no timeline: only its memory and FLOPs are read."""
     parts = memory_parts(result.compiled, unknown_as_none=True)
+    shown = job.visible
     return _Read(
         parts,
         read_dump(result.dump, top_k, job.hints),
-        step_time_of(job.target, result.dump, parts),
-        build_timeline(result.dump, job.hints),
+        step_time_of(job.target, result.dump, parts) if shown else None,
+        build_timeline(result.dump, job.hints) if shown else None,
     )
 
 

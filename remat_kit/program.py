@@ -958,7 +958,7 @@ def load_program(ref: str) -> Program:
 
     A program left with its default name (its loss or step function's, often ``make_loss``)
     is named ``FILE:FACTORY`` (``gpt:program``) in reports; a name given to ``from_loss`` /
-    ``from_step`` is kept.
+    ``from_step`` other than that function's is kept.
     """
     module_ref, sep, attr = ref.rpartition(":")
     if not sep or not module_ref or not attr:

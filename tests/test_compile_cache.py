@@ -117,6 +117,13 @@ def test_bounded_least_recently_used_go_first(tmp_path):
     assert cache.evict() == 1
     assert cache.load("b" * 64) is None and cache.load("a" * 64) is not None
     assert cache.size_bytes() <= cache.max_bytes
+    # the part file of a write killed an hour ago goes; one being written now stays
+    old, fresh = cache.entries / ".x.json.gz.1-2-ab.part", cache.entries / ".y.json.gz.3-4-cd.part"
+    old.write_bytes(b"torn")
+    fresh.write_bytes(b"writing")
+    os.utime(old, (1000, 1000))
+    cache.evict()
+    assert not old.exists() and fresh.exists()
 
 
 def test_torn_or_foreign_entries_are_misses(tmp_path):

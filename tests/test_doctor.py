@@ -190,7 +190,8 @@ def test_analyze_of_one_policy_judges_it_against_no_remat_as_the_doctor_does():
     frees no memory on the CPU; ``analyze`` said it only when no-remat was among the policies
     asked for. It now compiles the no-remat step unseen and warns alike, reporting only the
     policies asked for."""
-    program = remat_kit.preset(remat_kit.get_config("tiny-gpt", scan_layers=False), 2, 64)
+    config = remat_kit.get_config("tiny-gpt", scan_layers=False, num_layers=2)
+    program = remat_kit.preset(config, 2, 32)
     (alone,) = remat_kit.analyze_policies(program, ["save-nothing"], "cpu")
     both = remat_kit.analyze_policies(program, ["save-nothing", "no-remat"], "cpu")
     assert [r.policy for r in both] == ["save-nothing", "no-remat"]
@@ -202,5 +203,4 @@ def test_analyze_of_one_policy_judges_it_against_no_remat_as_the_doctor_does():
     (finding,) = [f for f in doctor.check(program, policy="save-nothing", target="cpu")
                   if f.code == "no-op-policy"]  # fmt: skip
     # the single-report API compiles only what it is asked
-    config = remat_kit.get_config("tiny-gpt", scan_layers=False)
-    assert not freed_warning(remat_kit.analyze_model(config, 2, 64, "save-nothing", "cpu"))
+    assert not freed_warning(remat_kit.analyze_model(config, 2, 32, "save-nothing", "cpu"))

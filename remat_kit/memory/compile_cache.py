@@ -426,16 +426,27 @@ class CompileCache:
         self.store_json(key, data)
 
     def evict(self) -> int:
-        """Remove the least recently used entries until the total is at most ``max_bytes``;
-        returns how many were removed."""
+        """Remove the least recently used entries until the total is at most ``max_bytes``
+        (and the part files of writes killed an hour ago or more); returns how many entries
+        were removed."""
         try:
-            files = [(e.stat().st_mtime, e.stat().st_size, e.path)
-                     for e in os.scandir(self.entries) if e.name.endswith(_SUFFIX)]  # fmt: skip
+            found = list(os.scandir(self.entries))
         except OSError:
             return 0
-        total = sum(size for _, size, _ in files)
+        stale = time.time() - 3600
+        for e in found:  # a write killed mid-way (remat_kit.files) left its part behind
+            if e.name.endswith(".part"):
+                with contextlib.suppress(OSError):
+                    if e.stat().st_mtime < stale:
+                        os.unlink(e.path)
+        try:
+            entries = [(e.stat().st_mtime, e.stat().st_size, e.path)
+                       for e in found if e.name.endswith(_SUFFIX)]  # fmt: skip
+        except OSError:
+            return 0
+        total = sum(size for _, size, _ in entries)
         removed = 0
-        for _, size, path in sorted(files):
+        for _, size, path in sorted(entries):
             if total <= self.max_bytes:
                 break
             with contextlib.suppress(OSError):

@@ -210,6 +210,8 @@ def _saved_without_saving(
     doctor offers."""
     if facts is None or facts.savers is None or promise.base != "names":
         return []
+    if promise.registered and not facts.user:  # remat-kit's policies on its own models save
+        return []  # matmul outputs (the solver's savers): not worth one trace per tag
     costly = {t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > 0}
     if not costly:
         return []

@@ -601,7 +601,7 @@ def analyze_policies(
     # judges it: compiled unseen when not asked for (not when no-remat itself remats).
     baseline = (
         no_remat_baseline
-        and any(spec.wrap for spec in own_specs)
+        and bool(own_specs)
         and all(spec.wrap for spec in own_specs)
         and not reach.without_policy
     )

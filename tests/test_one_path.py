@@ -14,7 +14,7 @@ from remat_kit import doctor
 from remat_kit.memory.api import analyze_policies
 from remat_kit.program import Program
 from remat_kit.recommend import recommend
-from remat_kit.sweep.program_sweep import run_program_sweep
+from remat_kit.sweep.run import run_program_sweep
 
 CPU_CAUSE = "XLA:CPU honours remat only inside lax.scan"
 L, D = 4, 16

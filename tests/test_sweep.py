@@ -9,6 +9,7 @@ Bad input is checked through ``main()`` with the analysis patched to fail the te
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -19,9 +20,13 @@ from pathlib import Path
 
 import pytest
 
+import remat_kit
 from remat_kit import plots, sweep
+from remat_kit.memory import analyze_policies
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.sweep import Grid, SweepConfig, results
+from remat_kit.policies import get_policy_spec
+from remat_kit.preset_program import preset
+from remat_kit.sweep import Grid, SweepConfig, measure, results
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "sweep.py"
@@ -451,6 +456,19 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
         )
 
 
+def _executables(points, engine):
+    """The analysed group's reports and the executables its measured steps run."""
+    program = preset(points[0].model_config(), points[0].batch_size, points[0].seq_len)
+    reports = dict(zip(
+        (p.key for p in points),
+        analyze_policies(program, [p.policy for p in points], "local", fast_compile=False,
+                         engine=engine),
+        strict=True,
+    ))  # fmt: skip
+    specs = {p.key: get_policy_spec(p.policy) for p in points}
+    return program, specs, reports
+
+
 def test_interleaved_steps_are_each_policys_own(tmp_path):
     """Timing the policies' steps interleaved changes nothing they compute: each point's losses
     are bitwise those of its steps run alone, and a failing run fails alone."""
@@ -460,9 +478,19 @@ def test_interleaved_steps_are_each_policys_own(tmp_path):
     corpus = load_corpus(tmp_path / "text.txt")
     points = _tiny(policies=("no-remat", "save-nothing"), timed_steps=2).points()
     cache: dict = {}
-    compiled = [c for c, _, _ in (sweep.compile_steps(points, cache)[p.key] for p in points)]
-    alone = sweep.measure_points(points, compiled, corpus, cache)
-    both = sweep.measure_points(points, compiled, corpus, cache, interleave=True)
+    with CompileEngine() as engine:
+        program, specs, reports = _executables(points, engine)
+        held = measure.run_executables(program, specs, reports, engine)
+    compiled = [held[p.key][0] for p in points]
+
+    def timed(executables, interleave):
+        makers = [
+            functools.partial(measure.PresetRun, p, c, corpus, cache)
+            for p, c in zip(points, executables, strict=True)
+        ]
+        return measure.time_runs(makers, interleave)
+
+    alone, both = timed(compiled, False), timed(compiled, True)
     for a, b in zip(alone, both, strict=True):
         assert a["step_order"] == "alone" and b["step_order"] == "interleaved"
         assert len(b["losses"]) == 3 and b["losses"] == a["losses"]
@@ -472,7 +500,7 @@ def test_interleaved_steps_are_each_policys_own(tmp_path):
         raise RuntimeError("injected")
 
     broken.input_shardings = compiled[0].input_shardings
-    out = sweep.measure_points(points, [broken, compiled[1]], corpus, cache, interleave=True)
+    out = timed([broken, compiled[1]], True)
     assert isinstance(out[0], RuntimeError) and out[1]["losses"] == alone[1]["losses"]
 
 
@@ -480,19 +508,19 @@ def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch):
     """On one device the sweep's run step, lowered on its own, is the program its analysis
     compiled (same sha256: the engine compiles it once), so the run takes the analysis's
     executable by its ``program_sha256`` without tracing the step again."""
-    from remat_kit.sweep import measure
-    from remat_kit.sweep.run import analyze_group
-
     points = _tiny(policies=("no-remat", "save-nothing", "minimal")).points()
     with CompileEngine() as engine:
-        reports = analyze_group(points, engine)
-        keys = {p.key: reports[p.key].program_sha256 for p in points}
-        lowered = sweep.compile_steps(points, {}, engine)  # traced and lowered again
+        program, specs, reports = _executables(points, engine)
+        lowered = measure.run_executables(  # traced and lowered again
+            program, specs, reports, engine, lower=lambda key: measure.traced_step(
+                program, specs[key], program.place(remat_kit.get_target("local")))[1].lower()
+        )  # fmt: skip
         assert all(reused for _, _, reused in lowered.values())  # the same programs
-        monkeypatch.setattr(measure, "_lower_step", lambda *a: pytest.fail("traced again"))
-        held = sweep.compile_steps(points, {}, engine, keys)
+        monkeypatch.setattr(measure, "traced_step", lambda *a: pytest.fail("traced again"))
+        held = measure.run_executables(program, specs, reports, engine)
         for p in points:
-            assert held[p.key][0] is lowered[p.key][0] is engine.executable(keys[p.key]).compiled
+            key = reports[p.key].program_sha256
+            assert held[p.key][0] is lowered[p.key][0] is engine.executable(key).compiled
 
 
 def test_local_estimates_say_which_calibration_they_came_from():

@@ -23,7 +23,7 @@ import remat_kit
 from remat_kit import Program, load_program, sweep
 from remat_kit.memory.api import traced_step
 from remat_kit.policies import get_policy_spec
-from remat_kit.sweep import program_sweep as programs
+from remat_kit.sweep import measure as programs
 from remat_kit.sweep import results
 from remat_kit.sweep.measure import time_runs
 from remat_kit.sweep.output import warning_lines

@@ -20,14 +20,13 @@ point (:class:`Point`) :func:`run_sweep`
    which a resume drops).
 
 Where the code lives: ``config`` (Grid, SweepConfig, Point, config files), ``checks`` (grid
-validation, failure wording), ``measure`` (compiling and timing a step, model FLOPs), ``rows``
-(one row per point), ``output`` (the results file, resume, progress), ``run`` (the loop). A
-user's own :class:`~remat_kit.program.Program`: ``program_sweep`` (:func:`run_program_sweep`:
-its policies, rows and loop) over ``programs`` (its arguments, compiled and timed, the donated
-state fed back). Steps compile through :class:`remat_kit.memory.runner.CompileEngine`: a
-measured point's step is compiled once, by the analysis, when the program it runs is the one
-the analyzer compiled (one device); on a mesh the run fixes its output shardings and compiles
-its own.
+validation, failure wording), ``measure`` (the step's executable, its arguments placed, its
+steps timed; model FLOPs), ``rows`` (one row per point), ``output`` (the results file, resume,
+progress), ``run`` (the one loop, for a grid of presets and for a user's own
+:class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
+:class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the
+analysis compiled, so it is compiled once (one device); on a mesh the run fixes its output
+shardings and compiles its own.
 
 A failure at one point (out of memory, compile error, anything raised) becomes a row with status
 ``oom`` or ``error`` and the message; the sweep goes on. ``resume=True`` skips points whose
@@ -53,12 +52,9 @@ from remat_kit.sweep.config import Point as Point
 from remat_kit.sweep.config import SweepConfig as SweepConfig
 from remat_kit.sweep.config import load_config as load_config
 from remat_kit.sweep.config import validate as validate
-from remat_kit.sweep.measure import compile_steps as compile_steps
-from remat_kit.sweep.measure import measure_point as measure_point
-from remat_kit.sweep.measure import measure_points as measure_points
 from remat_kit.sweep.measure import model_flops_per_token as model_flops_per_token
 from remat_kit.sweep.output import SweepRun as SweepRun
-from remat_kit.sweep.program_sweep import run_program_sweep as run_program_sweep
+from remat_kit.sweep.run import run_program_sweep as run_program_sweep
 from remat_kit.sweep.run import run_sweep as run_sweep
 
 __all__ = [
@@ -67,10 +63,7 @@ __all__ = [
     "Point",
     "SweepConfig",
     "SweepRun",
-    "compile_steps",
     "load_config",
-    "measure_point",
-    "measure_points",
     "model_flops_per_token",
     "run_program_sweep",
     "run_sweep",

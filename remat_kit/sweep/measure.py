@@ -1,11 +1,12 @@
-"""Run a point's real training step on the local device: compile (through the analyzer's
-engine), place the state and batches, time the steps; and the model FLOPs of a point."""
+"""Run a step on the local device: the executable (the analyzer's, or compiled through its
+engine), its arguments placed (a preset's initial state and text batches; a program's own
+arrays, abstract ones given values), its steps timed, interleaved across policies where the
+backend allows; and the model FLOPs of a preset point."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import statistics
@@ -14,11 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
+from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
+from remat_kit.policies import PolicySpec
+from remat_kit.program import Program, Pure
 from remat_kit.sweep.config import Point
 from remat_kit.training.data import Corpus
 from remat_kit.training.step import (
@@ -109,26 +115,16 @@ class RunStep:
     program_key: str | None = None
 
 
-def _lower_step(point: Point, state_cache: dict | None) -> tuple[Any, float]:
-    """The point's training step (state donated) lowered for the local device(s), and the
-    seconds it took. On one device the arguments carry the analyzer's single-device sharding
-    (:func:`remat_kit.targets.abstract_sharding`), so the lowered program is the analyzer's
-    when the policy and shapes are (the engine then compiles it once); on a mesh the step
-    fixes its input and output shardings (the state is fed back each step)."""
+def lower_mesh_step(point: Point, state_cache: dict | None) -> Any:
+    """A preset point's training step on a mesh, lowered for the local devices with its input
+    and output shardings fixed (the state is fed back each step; the analyzer's program on the
+    target's devices leaves the output shardings to XLA)."""
     config = point.model_config()
     host = host_state(point, config, state_cache)
     optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
-    batch = abstract_batch(point.batch_size, point.seq_len)
-    t0 = time.perf_counter()
-    if point.mesh is None:
-        sharding = T.abstract_sharding(point.target)
-        step = make_train_step(config, optimizer, donate=True)
-        low = step.lower(T.abstractify(state, sharding), T.abstractify(batch, sharding))
-    else:
-        step = make_train_step(config, optimizer, donate=True, mesh=S.local_mesh(point.mesh))
-        low = step.lower(state, batch)
-    return low, time.perf_counter() - t0
+    step = make_train_step(config, optimizer, donate=True, mesh=S.local_mesh(point.mesh))
+    return step.lower(state, abstract_batch(point.batch_size, point.seq_len))
 
 
 def compile_run_steps(
@@ -162,43 +158,45 @@ def compile_run_steps(
     return {k: out[k] for k in steps}
 
 
-def compile_steps(
-    points: Sequence[Point],
-    state_cache: dict | None = None,
-    engine: CompileEngine | None = None,
-    program_keys: Mapping[str, str | None] | None = None,
+def run_executables(
+    program: Program,
+    specs: Mapping[str, PolicySpec],
+    reports: Mapping[str, Any],
+    engine: CompileEngine,
+    lower: Callable[[str], Any] | None = None,
 ) -> dict[str, tuple[Any, float, bool] | BaseException]:
-    """Compile the real training step of each point for the local device, ahead of time:
-    each step (:func:`remat_kit.make_train_step`, state donated) lowered in turn on the
-    abstract shapes of the initial state and batch and compiled by :func:`compile_run_steps`.
-
-    Args:
-      program_keys: by point key, the program its analysis compiled (the report's
-        ``program_sha256``): on one device that program is the step that runs (the analyzer
-        lowers the same step, state donated, with the same shardings), so where ``engine``
-        holds its executable the step is neither traced nor compiled again.
+    """The executables to run, by key: the analysis's own where ``engine`` holds it (its report's
+    ``program_sha256``: the step that runs is the program the analyzer compiled, state donated,
+    same shardings, so it is neither traced nor compiled again); else the step lowered for the
+    local device (``lower(key)``, by default :func:`remat_kit.memory.api.traced_step` of the
+    program under the key's spec) and compiled by :func:`compile_run_steps`. ``lower`` given
+    (a preset on a mesh: :func:`lower_mesh_step`) always lowers.
 
     Returns:
-      By point key, as :func:`compile_run_steps` (seconds: the analysis compile's, for a step
-      taken from ``engine``).
+      By key, as :func:`compile_run_steps` (seconds: the analysis compile's for a held one).
     """
+    local = T.get_target(T.LOCAL)
+    held: dict[str, tuple[Any, float, bool]] = {}
     steps: dict[str, RunStep | BaseException] = {}
     lower_s: dict[str, float] = {}
-    held: dict[str, tuple[Any, float, bool]] = {}
-    for p in points:
-        found = engine.executable((program_keys or {}).get(p.key)) if engine else None
-        if found is not None and p.mesh is None:
-            held[p.key] = (found.compiled, found.compile_s, True)
+    for key, spec in specs.items():
+        found = None if lower else engine.executable(getattr(reports[key], "program_sha256", None))
+        if found is not None:
+            held[key] = (found.compiled, found.compile_s, True)
             continue
+        t0 = time.perf_counter()
         try:
-            low, lower_s[p.key] = _lower_step(p, state_cache)
+            if lower is None:
+                low = traced_step(program, spec, program.place(local))[1].lower()
+            else:
+                low = lower(key)
         except Exception as err:
-            steps[p.key] = err
+            steps[key] = err
             continue
-        tgt = T.get_target(p.target)
-        steps[p.key] = RunStep(f"the step of {p.label}", tgt, lambda low=low: low)
+        lower_s[key] = time.perf_counter() - t0
+        steps[key] = RunStep(f"the step of {key}", local, lambda low=low: low)
     out = {**held, **compile_run_steps(steps, engine, lower_s)}
-    return {p.key: out[p.key] for p in points}
+    return {k: out[k] for k in specs}
 
 
 class StepRun:
@@ -271,8 +269,10 @@ class StepRun:
         }
 
 
-class _Run(StepRun):
-    """A point's training steps: its state on the device, its batches from the corpus."""
+class PresetRun(StepRun):
+    """A preset point's training steps: its initial state (:func:`host_state`) on the device,
+    its batches from the corpus (batch ``i``: ``corpus.batcher(b, s, seed).batch_at(i)``, placed
+    before its timer starts), the state donated and fed back."""
 
     def __init__(self, point: Point, compiled: Any, corpus: Corpus, state_cache: dict | None):
         super().__init__(point.warmup_steps, point.timed_steps)
@@ -296,47 +296,6 @@ class _Run(StepRun):
 
     def release(self) -> None:
         self.state = self.batch = None
-
-    def result(self) -> dict[str, Any]:
-        out = super().result()
-        out["tokens_per_s"] = self.point.batch_size * self.point.seq_len / out["step_time_s"]
-        return out
-
-
-def measure_point(
-    point: Point,
-    compiled: Any,
-    corpus: Corpus,
-    state_cache: dict | None = None,
-) -> dict[str, Any]:
-    """Run ``warmup_steps + timed_steps`` training steps of ``point`` on ``corpus``; time them.
-
-    The state starts from the point's initial state (:func:`compile_steps` made it, shared across
-    policies through ``state_cache``) and is donated to each step. Batch ``i`` is
-    ``corpus.batcher(b, s, seed).batch_at(i)``, moved to the device before its timer starts;
-    each timed step ends with ``jax.block_until_ready`` on the new state and the metrics.
-
-    Args:
-      point: the point.
-      compiled: its compiled step (from :func:`compile_steps`).
-      corpus: the text (byte tokens).
-      state_cache: the cache :func:`compile_steps` filled.
-
-    Returns:
-      ``step_times_s`` (wall seconds of the timed steps), ``step_time_s`` (their median),
-      ``step_cpu_s`` (median process CPU seconds per timed step, all threads: robust to other
-      processes on a shared machine), ``tokens_per_s`` (``b * s / step_time_s``), ``losses``
-      (nats, every step), ``measured_peak_bytes`` (bytes, or None: see ``measured_peak_note``),
-      ``step_order`` (``"alone"``).
-
-    Raises:
-      FloatingPointError: a loss was not finite.
-      Whatever JAX raises (out of memory: ``XlaRuntimeError`` ``RESOURCE_EXHAUSTED``).
-    """
-    (out,) = time_runs([lambda: _Run(point, compiled, corpus, state_cache)], interleave=False)
-    if isinstance(out, BaseException):
-        raise out
-    return out
 
 
 def can_interleave(points: Sequence[Any], state_bytes: Sequence[int]) -> bool:
@@ -417,27 +376,6 @@ def load_average() -> list[float] | None:
         return None
 
 
-def measure_points(
-    points: Sequence[Point],
-    compiled: Sequence[Any],
-    corpus: Corpus,
-    state_cache: dict | None = None,
-    interleave: bool = False,
-) -> list[dict[str, Any] | BaseException]:
-    """:func:`measure_point` for each point (``compiled``: its executable), timed by
-    :func:`time_runs` (``interleave``: see :func:`can_interleave`). Interleaved rows say
-    ``step_order: "interleaved"``.
-
-    Returns:
-      Per point, in order: the measurement, or the exception its run raised.
-    """
-    makers = [
-        functools.partial(_Run, p, c, corpus, state_cache)
-        for p, c in zip(points, compiled, strict=True)
-    ]
-    return time_runs(makers, interleave)
-
-
 def measured_peak(before: int | None) -> dict[str, Any]:
     """``measured_peak_bytes`` (bytes: :func:`peak_bytes_in_use` now, when it rose above
     ``before``, the value read before the run; else None) and ``measured_peak_note`` (why)."""
@@ -451,3 +389,233 @@ def measured_peak(before: int | None) -> dict[str, Any]:
         peak = int(after)
         note = "memory_stats()['peak_bytes_in_use'] after the point (largest over devices)"
     return {"measured_peak_bytes": peak, "measured_peak_note": note}
+
+
+#: Seed of the values given to abstract float arguments (the same for every policy and run).
+ARGUMENT_SEED = 0
+#: Scale of those values: ``|N(0, 1)| * ARGUMENT_SCALE``.
+ARGUMENT_SCALE = 0.02
+#: How abstract arguments are given values (stored in each row's ``arguments_note``).
+MATERIALISED_NOTE = (
+    f"abstract (ShapeDtypeStruct) leaves materialised: float ones {ARGUMENT_SCALE} x |N(0, 1)| "
+    f"from jax.random.key({ARGUMENT_SEED}) (non-negative, so an optimizer's second moments stay "
+    f"valid), integer and boolean ones zeros, PRNG keys split from key({ARGUMENT_SEED})"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostArguments:
+    """The step's arguments as host (numpy) arrays, the same for every policy.
+
+    Attributes:
+      values: the pure step's arguments (``args`` of :class:`remat_kit.program.Pure`): numpy leaves,
+        :class:`HostKey` for typed PRNG keys (:func:`device_arguments` places them).
+      source: ``"concrete"`` (the program's own arrays), ``"materialised"`` (every array leaf
+        was a ``ShapeDtypeStruct``) or ``"partly materialised"``.
+      note: how abstract leaves got their values (None when there were none).
+    """
+
+    values: tuple[Any, ...]
+    source: str
+    note: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key array kept on the host: its raw data and its implementation."""
+
+    data: np.ndarray
+    impl: Any
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_host(x: Any) -> Any:
+    if _is_key(x):
+        return HostKey(np.asarray(jax.random.key_data(x)), jax.random.key_impl(x))
+    return np.asarray(jax.device_get(x))
+
+
+def device_arguments(values: Any) -> Any:
+    """Fresh device copies of host arguments (numpy leaves and :class:`HostKey` s), which a
+    step may donate without touching ``values``."""
+
+    def place(x: Any) -> Any:
+        if isinstance(x, HostKey):
+            return jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)
+        return jax.device_put(x) if isinstance(x, np.ndarray) else x
+
+    return jax.block_until_ready(
+        jax.tree.map(place, values, is_leaf=lambda x: isinstance(x, HostKey))
+    )
+
+
+def argument_signature(host: HostArguments) -> list[list[Any]]:
+    """``[shape, dtype]`` of every leaf of ``host`` (a key: its raw data's, dtype ``key<impl>``;
+    a non-array leaf: its type), for telling whether two runs had the same arguments."""
+
+    def one(x: Any) -> list[Any]:
+        if isinstance(x, HostKey):
+            return [list(x.data.shape), f"key<{x.impl}>"]
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return [list(x.shape), str(x.dtype)]
+        return [None, type(x).__name__]
+
+    return [one(x) for x in jax.tree.leaves(host.values, is_leaf=lambda x: isinstance(x, HostKey))]
+
+
+def _materialise(leaf: jax.ShapeDtypeStruct, key: jax.Array) -> Any:
+    """Values for an abstract leaf (see :data:`MATERIALISED_NOTE`); keys from the fixed seed."""
+    dtype = leaf.dtype
+    if _is_key(leaf):  # keys of the argument's own implementation, split from the fixed seed
+        n = math.prod(leaf.shape)
+        impl = str(dtype).removeprefix("key<").removesuffix(">")  # key<rbg>; key<fry>: default
+        try:
+            base = jax.random.key(ARGUMENT_SEED, impl=impl)
+        except ValueError:  # a short name jax.random.key does not take (fry: threefry2x32)
+            base = key
+        return _to_host(jax.random.split(base, max(1, n))[:n].reshape(leaf.shape))
+    if jnp.issubdtype(dtype, jnp.inexact):
+        values = jnp.abs(jax.random.normal(key, leaf.shape, jnp.float32)) * ARGUMENT_SCALE
+        return np.asarray(values.astype(dtype))
+    return np.zeros(leaf.shape, dtype)
+
+
+def host_arguments(pure: Pure) -> HostArguments:
+    """The arguments of ``pure`` (a program's step under any policy: the arguments do not depend
+    on it) on the host, abstract leaves materialised (see :data:`MATERIALISED_NOTE`); the note
+    names the arguments that had them (``opt_state filled in: ...``)."""
+    seed_keys = iter(jax.random.split(jax.random.key(ARGUMENT_SEED), max(1, _count(pure.args))))
+    values, filled, arrays, abstract = [], [], 0, 0
+    for i, arg in enumerate(pure.args):
+        leaves, treedef = jax.tree.flatten(arg)
+        out, n = [], 0
+        for leaf in leaves:
+            key = next(seed_keys)
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                out.append(_materialise(leaf, key))
+                n += 1
+            elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                out.append(_to_host(leaf))
+            else:
+                out.append(leaf)
+        arrays += sum(hasattr(x, "shape") for x in leaves)
+        abstract += n
+        if n:
+            filled.append(pure.names[i] if i < len(pure.names) else f"argument {i}")
+        values.append(jax.tree.unflatten(treedef, out))
+    source = "concrete" if not abstract else "materialised" if abstract == arrays else (
+        "partly materialised")  # fmt: skip
+    note = f"{', '.join(filled)} filled in: {MATERIALISED_NOTE}" if abstract else None
+    return HostArguments(tuple(values), source, note)
+
+
+def _count(args: Any) -> int:
+    return len(jax.tree.leaves(args))
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves if hasattr(x, "shape"))
+
+
+def _candidates(tree: Any, path: tuple = (), depth: int = 3):
+    """``(path, subtree)`` of ``tree`` and of its tuple / list / dict members, pre-order."""
+    yield path, tree
+    if depth == 0 or not isinstance(tree, (tuple, list, dict)):
+        return
+    for k, sub in tree.items() if isinstance(tree, dict) else enumerate(tree):
+        yield from _candidates(sub, (*path, k), depth - 1)
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def feedback_paths(args: Sequence[Any], out: Any, donated: Sequence[int]) -> dict[int, tuple]:
+    """Where, in the step's output ``out``, the updated value of each donated argument is: the
+    first unclaimed subtree (pre-order, through tuples, lists and dicts) with the argument's
+    tree structure, shapes and dtypes. Donated arguments with no such subtree are left out.
+
+    Args:
+      args: the step's arguments (arrays or ``ShapeDtypeStruct`` s).
+      out: its output (arrays or ``ShapeDtypeStruct`` s, e.g. from ``jax.eval_shape``).
+      donated: the donated argument positions.
+    """
+    found: dict[int, tuple] = {}
+    claimed: list[tuple] = []
+    for i in donated:
+        want = _signature(args[i])
+        for path, sub in _candidates(out):
+            overlaps = any(path[: len(c)] == c or c[: len(path)] == path for c in claimed)
+            if not overlaps and _signature(sub) == want:
+                found[i] = path
+                claimed.append(path)
+                break
+    return found
+
+
+def loss_path(out: Any, claimed: Sequence[tuple]) -> tuple | None:
+    """The path of the step's loss in ``out``: its only float scalar outside the updated state
+    (``claimed``), or a ``"loss"`` entry of a dict; None when there is none or several."""
+    scalars = []
+    for path, sub in _candidates(out):
+        if any(path[: len(c)] == c for c in claimed):
+            continue
+        if path and path[-1] == "loss" and hasattr(sub, "shape") and sub.shape == ():
+            return path
+        if hasattr(sub, "dtype") and sub.shape == () and jnp.issubdtype(sub.dtype, jnp.inexact):
+            scalars.append(path)
+    return scalars[0] if len(scalars) == 1 else None
+
+
+class ProgramRun(StepRun):
+    """The steps of a program's compiled step under one policy (:func:`time_runs` times them).
+
+    The arguments start from ``host`` (copied to the device for this policy). A donated
+    argument is fed the step's updated value of it (:func:`feedback_paths`); one whose update
+    the output does not hold is copied from the host again before each step, outside the timer.
+    The loss is the output's :func:`loss_path` (None when it has no single float scalar).
+    :meth:`result` adds ``fed_back`` (names of the donated arguments fed the step's output) and
+    ``recopied`` (those copied again).
+    """
+
+    def __init__(self, program: Program, pure: Pure, compiled: Any, host: HostArguments,
+                 warmup: int, timed: int):  # fmt: skip
+        super().__init__(warmup, timed)
+        self.compiled, self.host = compiled, host
+        donated = program.donated(pure)
+        self.args: list[Any] | None = list(device_arguments(host.values))
+        shapes = jax.eval_shape(pure.fn, *self.args)
+        self.paths = feedback_paths(self.args, shapes, donated)
+        self.loss_at = loss_path(shapes, list(self.paths.values()))
+        self.recopy = [i for i in donated if i not in self.paths]
+        self.names = pure.names
+
+    def prepare(self, i: int) -> None:
+        for j in self.recopy if i else ():
+            self.args[j] = device_arguments(self.host.values[j])  # type: ignore[index]
+
+    def call(self) -> Any:
+        return jax.block_until_ready(self.compiled(*self.args))  # type: ignore[misc]
+
+    def finish(self, out: Any) -> float | None:
+        for j, path in self.paths.items():
+            self.args[j] = _get(out, path)  # type: ignore[index]
+        return None if self.loss_at is None else float(_get(out, self.loss_at))
+
+    def release(self) -> None:
+        self.args = None
+
+    def result(self) -> dict[str, Any]:
+        out = super().result()
+        return {
+            **out,
+            "losses": out["losses"] if self.loss_at is not None else None,
+            "fed_back": [self.names[j] for j in sorted(self.paths)],
+            "recopied": [self.names[j] for j in self.recopy],
+        }

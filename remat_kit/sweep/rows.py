@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from remat_kit import sharding as S
@@ -22,6 +22,7 @@ ANALYSIS_KEYS = (
     "params_bytes", "opt_state_bytes", "activation_bytes", "offloaded_bytes", "flops",
     "flops_no_remat", "recompute_ratio", "compiled_recompute_ratio", "memory_bytes", "fits",
     "predicted_step_time_s", "analysis_compile_s", "warnings", "report", "runs_as",
+    "residual_bytes_by_tag",
 )  # fmt: skip
 #: Row fields from running the step (None in an analysis-only or failed row).
 #: ``compile_reused``: the step that ran is the analyzer's executable (compiled once).
@@ -60,10 +61,21 @@ def analysis_fields(report: Any) -> dict[str, Any]:
         # what the policy ran as when the remat implementation (row field remat_impl) does
         # not apply it as named; None when it does
         "runs_as": report.runs_as,
+        "residual_bytes_by_tag": _by_tag(report),
     }
 
 
-def _model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[str, Any]:
+def _by_tag(report: Any) -> dict[str, dict[str, int]]:
+    """{checkpoint tag: {"device" / "host": bytes}} of the report's residuals."""
+    out: dict[str, dict[str, int]] = {}
+    for r in report.residuals:
+        per = out.setdefault(r.tag, {})
+        per[r.memory] = per.get(r.memory, 0) + r.nbytes
+    return out
+
+
+def model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[str, Any]:
+    """A preset point's model fields (parameters counted once per model in ``counts``)."""
     config = point.model_config()
     count_key = (point.model, point.overrides)
     if count_key not in counts:
@@ -82,64 +94,68 @@ def _model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[st
 
 
 def _measure(
-    point: Point,
-    row: Mapping[str, Any],
+    row: dict[str, Any],
     executable: Any,
     measurement: dict[str, Any] | BaseException | None,
     measured: dict[str, Any],
 ) -> None:
-    """Fill ``measured`` as far as the run got (a failure keeps what came before it)."""
+    """Fill ``measured`` as far as the run got (a failure keeps what came before it); tokens per
+    second and MFU where the row has the step's tokens and model FLOPs (a preset's)."""
     if isinstance(executable, BaseException):
         raise executable
+    if executable is None:  # ours: the loop compiles every point it measures
+        raise RuntimeError(f"no compiled step for row {row['key']}")
     _, compile_s, reused = executable
     measured.update(compile_s=round(compile_s, 3), compile_reused=reused)
     if isinstance(measurement, BaseException):
         raise measurement
-    if measurement is None:  # ours: the loop measures every point it compiled
-        raise RuntimeError(f"no measurement of {point.label}")
-    measured.update(measurement)
-    peak_flops = T.get_target(point.target).peak_flops_bf16
-    if peak_flops and row["dtype"] == "bfloat16":  # over every device of the mesh
-        devices = S.parse_mesh(point.mesh).num_devices if point.mesh else 1
-        flops = row["model_flops_per_step"]
+    if measurement is None:  # ours: the loop measures every step it compiled
+        raise RuntimeError(f"no measurement for row {row['key']}")
+    result = dict(measurement)
+    row.update({k: result.pop(k) for k in ("fed_back", "recopied") if k in result})
+    measured.update(result)
+    if row["tokens_per_step"]:
+        measured["tokens_per_s"] = row["tokens_per_step"] / measured["step_time_s"]
+    peak_flops = T.get_target(row["target"]).peak_flops_bf16
+    if peak_flops and row["dtype"] == "bfloat16" and row["model_flops_per_step"]:
+        devices = S.parse_mesh(row["mesh"]).num_devices if row.get("mesh") else 1
+        flops = row["model_flops_per_step"]  # over every device of the mesh
         measured["mfu"] = flops / measured["step_time_s"] / (peak_flops * devices)
     if measured["measured_peak_bytes"]:
         measured["peak_error"] = row["peak_bytes"] / measured["measured_peak_bytes"] - 1
 
 
-def point_row(
-    point: Point,
+def make_row(
+    key: str,
+    fields: Mapping[str, Any],
     report: Any,
-    common: Mapping[str, Any],
-    counts: dict[tuple, tuple[int, int]],
-    executable: Any,
-    measurement: dict[str, Any] | BaseException | None,
+    executable: Any = None,
+    measurement: dict[str, Any] | BaseException | None = None,
+    *,
+    measure: bool = True,
+    model: Callable[[], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The row of one point: ``common`` fields, the point, the analysis ``report`` (or the
-    exception analysing it raised), and with ``point.measure`` its compiled step
-    (``executable``: ``(compiled, compile seconds, reused)`` from :func:`compile_steps`, or an
-    exception) and the run of it (``measurement``: from :func:`measure_points`, or an
-    exception).
+    """The row of one point (a preset grid's or a program's policy): ``fields`` (what the sweep
+    and the point are), the analysis ``report`` (or the exception analysing it raised), the
+    model's fields (``model_fields()``, a preset's: parameters, tokens, model FLOPs), and with
+    ``measure`` its compiled step (``executable``: ``(compiled, compile seconds, reused)`` from
+    :func:`~remat_kit.sweep.measure.run_executables`, or an exception) and its run
+    (``measurement``: from :func:`~remat_kit.sweep.measure.time_runs`, or an exception).
     A failure anywhere gives status ``oom`` / ``error`` and its one-line message; every row has
     every field (None where not reached)."""
     t0 = time.perf_counter()
-    row: dict[str, Any] = {
-        "format": R.ROW_FORMAT,
-        "key": point.key,
-        **common,
-        **point.to_dict(),
-        "status": "ok",
-        "error": None,
-    }
-    row.update(dict.fromkeys(ANALYSIS_KEYS))
+    row: dict[str, Any] = {"format": R.ROW_FORMAT, "key": key, **fields, "status": "ok"}
+    row["error"] = None
+    row.update({k: row.get(k) for k in ANALYSIS_KEYS})
     measured: dict[str, Any] = dict.fromkeys(MEASURED_KEYS)
     try:
         if isinstance(report, BaseException):
             raise report
-        row.update(_model_fields(point, counts))
+        if model is not None:
+            row.update(model())
         row.update(analysis_fields(report))
-        if point.measure:
-            _measure(point, row, executable, measurement, measured)
+        if measure:
+            _measure(row, executable, measurement, measured)
     except Exception as err:
         row["status"] = classify(err)
         row["error"] = error_message(err)

@@ -1,103 +1,173 @@
-"""The sweep loop: analyse each group of points, compile and run the measured ones, append one
-row per point as soon as it finishes."""
+"""The sweep loop, one for a preset grid and a user's program: each group of points (one
+program, several policies) is analysed, its measured points' steps compiled (the analysis's own
+executables) and timed, and one row per point appended as soon as the group finishes.
+
+:func:`run_sweep` runs a :class:`~remat_kit.sweep.config.SweepConfig` (presets, one group per
+model, shape and target; measured points run on text). :func:`run_program_sweep` runs a user's
+:class:`~remat_kit.program.Program` (one group: the policies acting on its ``checkpoint_name``
+tags, by default the set ``analyze`` compiles; steps run on its own arguments, abstract ones
+given values: :func:`~remat_kit.sweep.measure.host_arguments`). Both go through
+:func:`analyse_and_run` and :func:`~remat_kit.sweep.rows.make_row`.
+
+Rows have the preset sweep's fields; those that do not apply to a program (``batch_size``,
+``seq_len``, ``model_config``, model FLOPs, ``tokens_per_s``, ``mfu``) are None. A row's key is
+the program's name and the policy's label (its registered name, or ``tag=action,...`` for a
+per-tag spec), with the step counts; ``resume`` skips the keys already in the file. A failure at
+one policy gives a row with status ``oom`` / ``error`` and the sweep goes on.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from remat_kit import targets as T
+from remat_kit import validation as V
 from remat_kit.memory import analyze_policies, calibrate
+from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.runner import CompileEngine
+from remat_kit.policies import (
+    PolicySpec,
+    check_tags,
+    cut_label,
+    get_policy_spec,
+    parse_policy_arg,
+    policies_for_tags,
+    policy_arg,
+    policy_specs,
+)
 from remat_kit.preset_program import preset
+from remat_kit.program import Program, require_program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
-from remat_kit.sweep.measure import can_interleave, compile_steps, measure_points
+from remat_kit.sweep.measure import (
+    HostArguments,
+    PresetRun,
+    ProgramRun,
+    StepRun,
+    argument_signature,
+    can_interleave,
+    host_arguments,
+    lower_mesh_step,
+    run_executables,
+    time_runs,
+)
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
-from remat_kit.sweep.rows import point_row
+from remat_kit.sweep.rows import make_row, model_fields
 from remat_kit.training.data import Corpus, load_corpus
 from remat_kit.training.step import make_optimizer
 
 
-def analyze_group(points: Sequence[Point], engine: CompileEngine | None = None) -> dict[str, Any]:
-    """Reports (or the exception) of every point of one group (points differing only in the
-    policy), by point key. With ``engine`` the steps compile with full code-generation
-    optimisation and stay in it, so the measured run reuses them."""
-    p0 = points[0]
-    try:
+def analyse_and_run(
+    make_program: Callable[[], Program],
+    specs: Mapping[str, str | PolicySpec],
+    target: str | T.Target,
+    make_run: Callable[[str, Program, Any], StepRun],
+    advance: Callable,
+    what: str,
+    *,
+    measure: Collection[str] = (),
+    failed: Mapping[str, BaseException] | None = None,
+    lower: Callable[[str], Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """One group's reports, compiled steps and measurements (each the result or the exception),
+    by key.
+
+    The policies ``specs`` (by key; ``failed``: keys already failed, with why) are analysed
+    together on ``make_program()`` (:func:`remat_kit.memory.analyze_policies`: the same figures
+    as ``remat-kit analyze``). When some are measured (keys in ``measure``, on the local
+    device) the analysis compiles with full code-generation optimisation in one engine that
+    keeps the executables, the step that runs is the analysis's program
+    (:func:`~remat_kit.sweep.measure.run_executables`; ``lower``: how to lower it otherwise),
+    and the steps (``make_run(key, program, executable)``) are timed by
+    :func:`~remat_kit.sweep.measure.time_runs`, interleaved where
+    :func:`~remat_kit.sweep.measure.can_interleave` allows (the CPU).
+    """
+    failed = dict(failed or {})
+    live = {k: s for k, s in specs.items() if k not in failed}
+    executables: dict[str, Any] = {}
+    measurements: dict[str, Any] = {}
+    with CompileEngine() as engine:  # one per group: its executables go with it
+        advance(None, f"analysing {what} ({len(live)} policies)")
+        keep = engine if any(k in measure for k in live) else None
+        try:
+            program = make_program()
+            out = analyze_policies(
+                program, list(live.values()), target, raise_errors=False,
+                fast_compile=keep is None, engine=keep,
+            )  # fmt: skip
+        except Exception as err:  # the whole group failed: every point gets the error
+            out = [err] * len(live)
+        reports = {**failed, **dict(zip(live, out, strict=True))}
+        to_run = {
+            k: parse_policy_arg(s) if isinstance(s, str) else s
+            for k, s in live.items()
+            if k in measure and not isinstance(reports[k], BaseException)
+        }
+        if to_run:
+            advance(None, f"compiling {len(to_run)} steps of {what}")
+            executables = run_executables(program, to_run, reports, engine, lower)
+        ran = [k for k in to_run if isinstance(executables[k], tuple)]
+        if ran:
+            interleave = can_interleave(ran, [reports[k].argument_bytes for k in ran])
+            how = " interleaved" if interleave else ""
+            advance(None, f"timing {len(ran)} steps of {what}{how}")
+            makers = [functools.partial(make_run, k, program, executables[k][0]) for k in ran]
+            measurements = dict(zip(ran, time_runs(makers, interleave), strict=True))
+    return reports, executables, measurements
+
+
+def _before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseException]:
+    """Run ``hook`` on each key (points or labels): those it raises on, with the exception."""
+    failed: dict[str, BaseException] = {}
+    for k in keys:
+        try:
+            if hook is not None:
+                hook(k)
+        except Exception as err:
+            failed[getattr(k, "key", k)] = err
+    return failed
+
+
+def _preset_group(
+    members: list[Point], before_point: Callable | None, advance: Callable, corpus: Corpus | None,
+    state_cache: dict, counts: dict, common: Mapping[str, Any],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The rows of one group of a preset grid (points differing only in the policy)."""
+    p0 = members[0]
+    by_key = {p.key: p for p in members}
+
+    def make_program() -> Program:
         optimizer = make_optimizer(p0.optimizer, learning_rate=p0.learning_rate)
-        program = preset(p0.model_config(), p0.batch_size, p0.seq_len, optimizer, p0.mesh)
-        out = analyze_policies(
-            program,
-            [p.policy for p in points],
-            target=p0.target,
-            raise_errors=False,
-            fast_compile=engine is None,
-            engine=engine,
-        )
-    except Exception as err:  # the whole group failed: every point gets the error
-        out = [err] * len(points)
-    return {p.key: r for p, r in zip(points, out, strict=True)}
+        return preset(p0.model_config(), p0.batch_size, p0.seq_len, optimizer, p0.mesh)
 
+    def make_run(key: str, program: Program, compiled: Any) -> StepRun:
+        return PresetRun(by_key[key], compiled, corpus, state_cache)
 
-class _Group:
-    """Runs the groups of one sweep call and writes their rows (process 0 only)."""
-
-    def __init__(self, path: Path, primary: bool, corpus: Corpus | None, common: dict):
-        self.path, self.primary, self.corpus, self.common = path, primary, corpus, common
-        self.counts: dict[tuple, tuple[int, int]] = {}
-        self.state_cache: dict = {}
-        self.rows: list[dict[str, Any]] = []
-
-    def run(self, members: list[Point], before_point: Callable | None, advance: Callable) -> None:
-        failed: dict[str, BaseException] = {}
-        for p in members:
-            try:
-                if before_point is not None:
-                    before_point(p)
-            except Exception as err:
-                failed[p.key] = err
-        live = [p for p in members if p.key not in failed]
-        what = members[0].label.rsplit(" ", 2)[0]
-        measured = any(p.measure for p in live)
-        with CompileEngine() as engine:  # one per group: its executables go with it
-            advance(None, f"analysing {what} ({len(live)} policies)")
-            group_engine = engine if measured else None
-            reports = {**failed, **(analyze_group(live, group_engine) if live else {})}
-            to_run = [p for p in live if p.measure and not isinstance(reports[p.key], Exception)]
-            if to_run:
-                advance(None, f"compiling {len(to_run)} steps of {what}")
-            keys = {p.key: getattr(reports[p.key], "program_sha256", None) for p in to_run}
-            executables = compile_steps(to_run, self.state_cache, engine, keys)
-            measurements = self._measure(to_run, reports, executables, advance, what)
-            for p in members:
-                advance(None, p.label)
-                row = point_row(
-                    p, reports[p.key], self.common, self.counts, executables.get(p.key),
-                    measurements.get(p.key),
-                )  # fmt: skip
-                if self.primary:
-                    R.append_row(self.path, row)
-                self.rows.append(row)
-                advance(1, p.label)
-
-    def _measure(self, points, reports, executables, advance, what) -> dict[str, Any]:
-        """Run the compiled steps of ``points``, interleaved where
-        :func:`~remat_kit.sweep.measure.can_interleave` allows; by point key."""
-        ran = [p for p in points if isinstance(executables.get(p.key), tuple)]
-        if not ran:
-            return {}
-        interleave = can_interleave(ran, [reports[p.key].argument_bytes for p in ran])
-        advance(None, f"timing {len(ran)} steps of {what}" + (" interleaved" if interleave else ""))
-        out = measure_points(
-            ran, [executables[p.key][0] for p in ran], self.corpus, self.state_cache, interleave
-        )
-        return dict(zip((p.key for p in ran), out, strict=True))
+    lower = None
+    if p0.mesh is not None:
+        lower = lambda key: lower_mesh_step(by_key[key], state_cache)  # noqa: E731
+    reports, executables, measurements = analyse_and_run(
+        make_program, {p.key: p.policy for p in members}, p0.target, make_run, advance,
+        p0.label.rsplit(" ", 2)[0], measure={p.key for p in members if p.measure},
+        failed=_before(members, before_point), lower=lower,
+    )  # fmt: skip
+    rows = []
+    for p in members:
+        advance(None, p.label)
+        rows.append(make_row(
+            p.key, {**common, **p.to_dict()}, reports[p.key], executables.get(p.key),
+            measurements.get(p.key), measure=p.measure,
+            model=functools.partial(model_fields, p, counts),
+        ))  # fmt: skip
+        advance(1, p.label)
+    return rows
 
 
 def run_sweep(
@@ -159,13 +229,21 @@ def run_sweep(
     groups: dict[tuple, list[Point]] = {}
     for p in todo:
         groups.setdefault(p.group, []).append(p)
-    runner = _Group(path, primary, corpus, common)
+    written: list[dict[str, Any]] = []
+    state_cache: dict = {}  # initial states on the host, by model, optimizer and seed
+    counts: dict = {}  # parameter counts by model
     with _progress_bar(progress and primary, console, len(todo)) as advance:
         for members in groups.values():
-            runner.run(members, before_point, advance)
-    by_key = {**done, **{r["key"]: r for r in runner.rows}}
+            rows = _preset_group(
+                members, before_point, advance, corpus, state_cache, counts, common
+            )
+            for row in rows:
+                if primary:
+                    R.append_row(path, row)
+            written += rows
+    by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
-    return SweepRun(path, rows, runner.rows, len(points) - len(todo), time.perf_counter() - start)
+    return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)
 
 
 def _todo(
@@ -202,3 +280,176 @@ def _common_fields(
         **R.environment(),
         **(corpus.info() if corpus is not None else {}),
     }
+
+
+def _point(program: Program, label: str, warmup: int, timed: int) -> dict[str, Any]:
+    return {
+        "grid": None, "model": program.name, "policy": label, "batch_size": None,
+        "seq_len": None, "remat_group_size": None, "target": "local", "overrides": None,
+        "measure": True, "warmup_steps": warmup, "timed_steps": timed, "optimizer": None,
+        "learning_rate": None, "seed": None,
+    }  # fmt: skip
+
+
+def _identity(program: Program, host: HostArguments, warmup: int, timed: int) -> dict[str, Any]:
+    """What a resumed run must share with the file's rows (the policies may differ)."""
+    leaves = argument_signature(host)
+    return {
+        "program": program.name,
+        "arguments": R.fingerprint({"leaves": leaves, "source": host.source}),
+        "warmup_steps": warmup,
+        "timed_steps": timed,
+    }
+
+
+def _num_params(program: Program) -> int | None:
+    """Elements of the differentiated loss arguments (None without a loss)."""
+    if program.make_loss is None:
+        return None
+    leaves = jax.tree.leaves([program.loss_args[i] for i in program.argnums])
+    return sum(int(x.size) for x in leaves if hasattr(x, "size"))
+
+
+def select_policies(
+    program: Program, policies: Sequence[str | PolicySpec] | None, tags: frozenset[str]
+) -> tuple[list[PolicySpec], list[str], dict[str, list[str]], dict[str, str]]:
+    """The specs to sweep, the notes on the policies cut down to the program's tags or skipped
+    (:meth:`remat_kit.policies.TagFit.notes`), each cut-down spec's note by its row key
+    (:func:`~remat_kit.policies.policy_arg`), and labels by row key as analyze, the doctor and
+    recommend give them (:meth:`remat_kit.memory.api.ProgramPolicies.labels`: ``minimal
+    (cut)``, ``custom: attn_in=save``; given policies: the cut-down ones').
+
+    Raises:
+      ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
+        no policy left.
+    """
+    if policies is None:  # the default set, as analyze and the doctor have it
+        chosen = program_policies(program, "local", tags=tags)
+        if not chosen.specs:
+            raise ValueError(f"no policy acts on program {program.name!r}")
+        per_label: dict[str, list[str]] = {}
+        for (_, cut), note in zip(chosen.restricted, chosen.notes, strict=False):
+            per_label.setdefault(policy_arg(cut), []).append(note)
+        named = zip(chosen.specs, chosen.labels(), strict=True)
+        labels = {policy_arg(s): label for s, label in named}
+        return list(chosen.specs), list(chosen.notes), per_label, labels
+    given = list(policies)
+    fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
+    registered = policy_specs()
+    cuts = [cut for _, cut in fit.restricted]
+    for spec in fit.specs:
+        if registered.get(spec.name) != spec and spec not in cuts:
+            check_tags(spec, tags, f"program {program.name!r}")
+    if not fit.specs:
+        emits = ", ".join(sorted(tags)) or "no checkpoint_name tags"
+        raise ValueError(f"no policy given acts on program {program.name!r} (emits: {emits})")
+    notes = fit.notes(f"program {program.name!r}")
+    per_label: dict[str, list[str]] = {}
+    for cut, note in zip(cuts, notes, strict=False):  # one note per restricted spec, in order
+        per_label.setdefault(policy_arg(cut), []).append(note)
+    return list(fit.specs), notes, per_label, _cut_labels(fit.restricted)
+
+
+def _cut_labels(restricted: Sequence[tuple[PolicySpec, PolicySpec]]) -> dict[str, str]:
+    """{row key of a cut-down spec: its label}, from (registered policy, cut spec) pairs."""
+    names: dict[str, list[str]] = {}
+    for named, cut in restricted:
+        names.setdefault(policy_arg(cut), []).append(named.name)
+    return {key: cut_label(n) for key, n in names.items()}
+
+
+def _check(program: Program, warmup_steps: int, timed_steps: int) -> None:
+    require_program(program)
+    V.positive_int("timed_steps", timed_steps)
+    if warmup_steps != 0:
+        V.positive_int("warmup_steps (or 0)", warmup_steps)
+    if jax.process_count() > 1:
+        raise ValueError("a program sweep runs in one process (jax.distributed is initialised)")
+
+
+def run_program_sweep(
+    program: Program,
+    out: str | os.PathLike[str],
+    *,
+    policies: Sequence[str | PolicySpec] | None = None,
+    warmup_steps: int = 2,
+    timed_steps: int = 5,
+    resume: bool = False,
+    overwrite: bool = False,
+    ref: str | None = None,
+    progress: bool = True,
+    console: Any = None,
+    before_policy: Callable[[str], None] | None = None,
+) -> SweepRun:
+    """Analyse and run ``program`` under each policy not yet in ``out``; one row per policy.
+
+    Args:
+      program: a :class:`~remat_kit.program.Program` (:func:`remat_kit.program.load_program`
+        reads one from ``MODULE:FACTORY`` / ``FILE.py:FACTORY``).
+      out: the JSONL results file (created with its folders).
+      policies: names, per-tag text or specs, narrowed to those acting on the program's tags
+        (:func:`remat_kit.policies.policies_for_tags`); default: the set ``analyze`` compiles on
+        the program (:func:`remat_kit.memory.api.program_policies`).
+      warmup_steps: untimed steps per policy (>= 0); timed_steps: timed steps (>= 1).
+      resume: skip policies whose row is in ``out`` (rows of other policies are kept: a resumed
+        run may add policies); overwrite: empty ``out`` first.
+      ref: how the program was named (``FILE.py:FACTORY``), stored in each row's ``program``.
+      progress: show a rich progress bar.
+      console: where the progress bar goes (default stderr).
+      before_policy: called with each policy's label before its analysis; an exception it
+        raises becomes that policy's ``error`` row (used to test fault handling).
+
+    Returns:
+      A :class:`~remat_kit.sweep.SweepRun` (``rows``: every row of ``out``, this run's last).
+
+    Raises:
+      ValueError: not a Program; bad step counts; an unknown policy, a per-tag spec naming a
+        tag the program does not emit, or no policy acting on its tags; ``out`` not writable,
+        holding rows without ``resume`` / ``overwrite``, or rows of another program or step
+        counts. Nothing is written then.
+    """
+    start = time.perf_counter()
+    _check(program, warmup_steps, timed_steps)
+    tags = program_tags(program)
+    specs, notes, per_label, cut_labels = select_policies(program, policies, tags)
+    host = host_arguments(program.step(get_policy_spec("no-remat")))
+    identity = _identity(program, host, warmup_steps, timed_steps)
+    path = Path(out)
+    done = prepare_output(path, identity, resume, overwrite)
+    by_label: dict[str, PolicySpec] = {}
+    for s in specs:
+        by_label.setdefault(policy_arg(s), s)
+    points = {label: _point(program, label, warmup_steps, timed_steps) for label in by_label}
+    todo = {label: s for label, s in by_label.items() if R.point_key(points[label]) not in done}
+    common = {"sweep": program.name, "config_fingerprint": R.fingerprint(identity),
+              "sweep_config": identity, **R.environment(),
+              "program": ref or program.name, "program_tags": sorted(tags)}  # fmt: skip
+    fields = {
+        "num_params": _num_params(program), "arguments": host.source,
+        "arguments_note": host.note, "fed_back": None, "recopied": None,
+    }  # fmt: skip
+
+    def make_run(label: str, program: Program, compiled: Any) -> StepRun:
+        pure = program.step(todo[label])
+        return ProgramRun(program, pure, compiled, host, warmup_steps, timed_steps)
+
+    written: list[dict[str, Any]] = []
+    with _progress_bar(progress, console, len(todo)) as advance:
+        reports, executables, measurements = analyse_and_run(
+            lambda: program, todo, T.LOCAL, make_run, advance, program.name, measure=todo,
+            failed=_before(list(todo), before_policy),
+        ) if todo else ({}, {}, {})  # fmt: skip
+        for label, spec in todo.items():
+            row = make_row(
+                R.point_key(points[label]),
+                {**common, **points[label], **fields, "policy_spec": spec.description,
+                 "policy_label": cut_labels.get(label, label),
+                 "policy_notes": per_label.get(label, [])},
+                reports[label], executables.get(label), measurements.get(label),
+            )  # fmt: skip
+            R.append_row(path, row)
+            written.append(row)
+            advance(1, f"{program.name} {label}")
+    rows = [*done.values(), *written]
+    wall = time.perf_counter() - start
+    return SweepRun(path, rows, written, len(by_label) - len(todo), wall, notes)

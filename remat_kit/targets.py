@@ -671,3 +671,22 @@ def abstractify(tree: Any, sharding: jax.sharding.Sharding) -> Any:
         return x
 
     return jax.tree.map(leaf, tree)
+
+
+def host_link_source(target: Target) -> str:
+    """Where a target's host<->device bandwidth (``Target.host_link_bytes_per_s``) comes from.
+
+    PCIe Gen5 x16 (H100 SXM, H200): 32 GT/s x 16 lanes, 128b/130b encoding = 63 GB/s per
+    direction, written 64 GB/s (NVIDIA datasheets give 128 GB/s for both directions together).
+    PCIe Gen4 x16 (A100, L4): half that, 32 GB/s per direction (datasheets: 64 GB/s). These
+    are line rates: real copies get less, so the time model's transfers are optimistic.
+    """
+    bw = target.host_link_bytes_per_s
+    if bw is None:
+        return f"target {target.name!r}: host link unknown"
+    gen = {64e9: "PCIe Gen5 x16", 32e9: "PCIe Gen4 x16"}.get(bw)
+    what = f"{gen}, " if gen else ""
+    return (
+        f"{bw / 1e9:.0f} GB/s per direction ({what}PCI-SIG line rate x16 lanes, 128b/130b; "
+        f"{target.description} datasheet: see Target.source)"
+    )

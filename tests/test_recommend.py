@@ -18,6 +18,7 @@ from remat_kit import targets
 from remat_kit.cli import recommend as cli_recommend
 from remat_kit.cli.recommend import add as add_parser
 from remat_kit.cli.recommend import run
+from remat_kit.memory.calibrate import figures_for
 from remat_kit.policies import custom_spec, parse_policy_arg
 from remat_kit.recommend import (
     BatchBracket,
@@ -29,7 +30,6 @@ from remat_kit.recommend import (
     parse_budget,
     recommend,
 )
-from remat_kit.recommend.timing import figures_for
 from remat_kit.units import format_bytes
 from tests.conftest import needs_cuda_plugin
 

@@ -335,3 +335,38 @@ __all__ = [
     "machine_key",
     "measure",
 ]
+
+
+def figures_for(target: T.Target) -> DeviceFigures:
+    """The device figures to time steps on ``target`` with (datasheet or calibration), or an error.
+
+    Raises:
+      ValueError: the target has no figures (no peak FLOP/s or bandwidth, and it is not the
+        local device, which would be calibrated).
+    """
+    figures = device_figures(target)
+    if figures is None:
+        timed = [T.LOCAL] + [n for n in T.target_names() if datasheet_figures(T.get_target(n))]
+        raise ValueError(
+            f"target {target.name!r} has no peak FLOP/s or memory bandwidth to time steps "
+            f"with (and is not the local device, which is calibrated); pick one of "
+            f"{', '.join(timed)}"
+        )
+    return figures
+
+
+def time_model_note(target: T.Target) -> str:
+    """The note every recommendation carries about the time model and its limits."""
+    figures = device_figures(target)
+    where = (
+        "device figures calibrated on this machine"
+        if figures is not None and figures.measured
+        else "datasheet device figures"
+    )
+    return (
+        f"step time = roofline over the compiled kernels on {target.name} ({where}): each "
+        "kernel's matmul, memory and elementwise time, whichever is largest, plus launches and "
+        "the host transfers and collectives the schedule cannot hide; it leaves out kernels "
+        "running concurrently, caches beyond one level and latency-bound kernels: an estimate "
+        "to rank by, not a measurement"
+    )

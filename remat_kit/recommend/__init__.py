@@ -14,6 +14,13 @@ calibrated on the local device (:mod:`remat_kit.memory.calibrate`). ``solve`` pr
 it has not compiled with an additive FLOPs model anchored at the compiled save-nothing
 (:func:`flops_step_time`). Host-link figures: :func:`host_link_source`.
 
+FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
+the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]
+scores, masked or not; cuDNN's fused attention call is counted by the same matmul formula,
+halved under a causal mask and times 2.5 backward (FlashAttention-2, arXiv:2307.08691). The
+roofline also prices the softmax and the HBM traffic of XLA's materialised scores, which the
+fused kernel avoids.
+
 **Search** (:func:`recommend`, stages in :mod:`remat_kit.recommend.api`):
 
 1. The named policies (:func:`remat_kit.policy_names`) at the config's ``remat_group_size``,
@@ -48,12 +55,11 @@ Where each part lives:
 
 =====================  ==========================================================================
 ``types``              :class:`Candidate`, :class:`TagCost`, :class:`SolveSummary`,
-                       :class:`Recommendation`
-``timing``             ranking by the roofline estimate; solve's :func:`flops_step_time`
+                       :class:`Recommendation`, the ranking (least estimated time)
 ``budget``             :func:`parse_budget`, the default budget and :data:`DEFAULT_MARGIN`
 ``session``            the compile session and :class:`CompileCache`
 ``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
-``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`)
+``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`, :func:`flops_step_time`)
 ``structure``          stage 5 (attention, chunked loss, nested and partial-layer remat)
 ``advice``             stage 6 (nothing fits)
 ``api``                :func:`recommend_program` on any :class:`~remat_kit.Program` (the
@@ -84,19 +90,19 @@ from remat_kit.recommend.search import BatchBracket as BatchBracket
 from remat_kit.recommend.session import CompileCache as CompileCache
 from remat_kit.recommend.solver import SOLVE_ROUNDS as SOLVE_ROUNDS
 from remat_kit.recommend.solver import SOLVE_VERIFY as SOLVE_VERIFY
+from remat_kit.recommend.solver import flops_step_time as flops_step_time
 from remat_kit.recommend.solver import solve_tags as solve_tags
 from remat_kit.recommend.solver import tag_costs as tag_costs
 from remat_kit.recommend.structure import SECANT_PROBES as SECANT_PROBES
 from remat_kit.recommend.structure import STRUCTURE_PROBES as STRUCTURE_PROBES
 from remat_kit.recommend.structure import partial_probes as partial_probes
 from remat_kit.recommend.structure import structure_compiles as structure_compiles
-from remat_kit.recommend.timing import flops_step_time as flops_step_time
-from remat_kit.recommend.timing import host_link_source as host_link_source
 from remat_kit.recommend.types import Candidate as Candidate
 from remat_kit.recommend.types import FoundBy as FoundBy
 from remat_kit.recommend.types import Recommendation as Recommendation
 from remat_kit.recommend.types import SolveSummary as SolveSummary
 from remat_kit.recommend.types import TagCost as TagCost
+from remat_kit.targets import host_link_source as host_link_source
 
 __all__ = [
     "BATCH_PROBES",

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
+from remat_kit.memory.calibrate import figures_for, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
@@ -44,8 +45,7 @@ from remat_kit.recommend.structure import (
     search_structure,
     structure_compiles,
 )
-from remat_kit.recommend.timing import figures_for, host_link_source, rank, time_model_note
-from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary
+from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, rank
 from remat_kit.remat_impl import honoured
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
@@ -424,7 +424,7 @@ def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
 
 def search_fixed_batch(session: Session, request: Request, named: Sequence[Named]) -> Found:
     """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
-    the fitting candidate with the least estimated step time (:func:`~.timing.rank`)."""
+    the fitting candidate with the least estimated step time (:func:`~.types.rank`)."""
     candidates = [c for _, c, _ in named]
     if request.groups:
         candidates += group_search(session, named, request.groups, request.batch)
@@ -493,7 +493,7 @@ def assemble(
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,
-        host_link=host_link_source(tgt),
+        host_link=T.host_link_source(tgt),
         made_fit=found.made_fit,
         tags=tuple(sorted(request.tags)),
     )

@@ -15,18 +15,27 @@ import jax.monitoring
 
 from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
+from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
 from remat_kit.program import Program
-from remat_kit.recommend.timing import candidate_times
 from remat_kit.recommend.types import Candidate, FoundBy, Structure
 
 #: JAX's monitoring event for one XLA backend compile.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 #: JAX's name for the jitted train step (``step`` in :func:`remat_kit.training.make_train_step`).
 STEP_FNS = ("jit(step)", "step")
+
+
+def candidate_times(step: StepTime | None) -> tuple[float, float, float]:
+    """``(compute_s, transfer_s, step_time_s)`` of a compiled candidate from its report's
+    roofline (:class:`~remat_kit.memory.roofline.StepTime`): compute is everything but the
+    exposed host transfers. ``inf`` where the report has no estimate (ranked last)."""
+    if step is None:
+        return float("inf"), 0.0, float("inf")
+    return step.step_time_s - step.transfer_s, step.transfer_s, step.step_time_s
 
 
 class CompileCounter:
@@ -276,7 +285,7 @@ def to_candidate(
     options: str = "",
 ) -> Candidate | None:
     """A compiled report as a :class:`Candidate` timed by its roofline estimate
-    (:func:`~.timing.candidate_times`); None, with
+    (:func:`candidate_times`); None, with
     a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
     program (it carries its own shapes; ``tokens_per_s`` is then None). ``found_by="named"``
     (the policies given) becomes :func:`given_by` of ``spec``. ``options``: the structural

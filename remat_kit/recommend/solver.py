@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from remat_kit import targets as T
+from remat_kit.memory.calibrate import figures_for
 from remat_kit.memory.flops import step_flops
 from remat_kit.memory.roofline import DeviceFigures
 from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
 from remat_kit.program import Placement, Program
 from remat_kit.recommend.session import Session
-from remat_kit.recommend.timing import figures_for, flops_step_time
 from remat_kit.recommend.types import Candidate, SolveSummary, TagCost
 from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import bytes_by_tag
@@ -27,6 +27,33 @@ from remat_kit.units import format_bytes, format_seconds
 SOLVE_VERIFY = 3
 #: Verification rounds of :func:`verify_choices` at most (a note names the choices left).
 SOLVE_ROUNDS = 2
+
+
+def flops_step_time(
+    figures: DeviceFigures,
+    flops: float,
+    flops_no_remat: float,
+    host_bytes: int,
+) -> tuple[float, float]:
+    """``(compute_s, transfer_s)`` of the additive model ``solve`` predicts choices with.
+
+    ``compute_s = flops / peak`` (bf16 matmul peak); offloaded bytes cross the host link once
+    each way, device -> host during the forward pass (a third of the no-remat FLOPs) and back
+    during the backward pass; only what cannot hide behind that pass counts.
+
+    Args:
+      figures: the device's figures (:func:`figures_for`).
+      flops: matmul FLOPs of the choice; flops_no_remat: of the step without remat.
+      host_bytes: bytes offloaded to host memory.
+    """
+    peak = figures.matmul_peak("bf16")
+    compute = flops / peak
+    link_bw = figures.host_link_bytes_per_s
+    if host_bytes <= 0 or not link_bw:
+        return compute, 0.0
+    fwd = min(compute, flops_no_remat / 3 / peak)
+    link = host_bytes / link_bw
+    return compute, max(0.0, link - fwd) + max(0.0, link - (compute - fwd))
 
 
 def solve_tags_of(program: Program, tags: frozenset[str]) -> tuple[str, ...]:

@@ -283,3 +283,9 @@ class Recommendation:
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **kwargs)
+
+
+def rank(c: Candidate) -> tuple:
+    """Least estimated time; on a tie, no host traffic over some (the overlap is the least
+    certain part of the model), then least device memory."""
+    return (c.step_time_s, c.host_bytes, c.peak_bytes)

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit import tpu as _tpu
 from remat_kit.tpu import TpuSlice
+from remat_kit.validation import MissingExtraError
 
 #: Platforms a target compiles for. The built-in targets are ``cpu`` or ``cuda``; ``local`` takes
 #: whatever JAX's default backend is.
@@ -531,7 +532,7 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
             message says how to get more CPU devices), or more than a TPU slice has.
-        remat_kit.tpu.LibtpuMissingError: a TPU slice without libtpu installed (the fix:
+        remat_kit.validation.MissingExtraError: a TPU slice without libtpu installed (the fix:
             ``pip install 'remat-kit[tpu]'``).
         RuntimeError: a GPU target without the CUDA plugin installed (the fix:
             ``pip install 'remat-kit[cuda12]'``), or the plugin would not register.
@@ -568,7 +569,7 @@ def _cuda_topology(target: Target, num_devices: int) -> Any:
     from jax.experimental import topologies
 
     if cuda_plugin_module() is None:
-        raise RuntimeError(
+        raise MissingExtraError(
             f"target {target.name!r} needs JAX's CUDA plugin, which is not installed: "
             f"{_INSTALL_HINT}"
         )

@@ -32,6 +32,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from remat_kit.validation import MissingExtraError
+
 #: Install hint for libtpu (jax's ``tpu`` extra).
 TPU_INSTALL_HINT = "pip install 'remat-kit[tpu]'"
 
@@ -355,7 +357,7 @@ def _quiet_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-class LibtpuMissingError(RuntimeError):
+class LibtpuMissingError(MissingExtraError):
     """A TPU target was asked for and libtpu is not installed (message: the extra to install)."""
 
 

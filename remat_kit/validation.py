@@ -19,6 +19,12 @@ import os
 from collections.abc import Iterable
 
 
+class MissingExtraError(RuntimeError):
+    """A target needs an optional dependency that is not installed: JAX's CUDA plugin for a GPU
+    model (``pip install 'remat-kit[cuda12]'``), libtpu for a TPU slice (``[tpu]``). The message
+    names the extra; the command line prints it in one line and exits 2."""
+
+
 def closest(name: str, valid: Iterable[str]) -> str | None:
     """The closest valid string to ``name``: a near-exact one (difflib ratio >= 0.85: a dropped
     or doubled character), else a valid one that ``name`` extends or abbreviates

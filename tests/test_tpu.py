@@ -221,3 +221,34 @@ def test_compiled_peak_reads_the_platforms_figure():
     assert compiled_peak_bytes(Compiled(), "cuda") == 110
     Stats.peak_memory_in_bytes = -1  # unknown: None, never 0
     assert compiled_peak_bytes(Compiled(), "tpu") is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra"),
+    [
+        (["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "16", "--target", "h100-sxm",
+          "--policy", "save-nothing"], "cuda12"),
+        (["doctor", "--model", "tiny-gpt", "--target", "v5e-4"], "tpu"),
+    ],
+)  # fmt: skip
+def test_a_missing_extra_is_one_line_and_exit_2_from_every_command(
+    monkeypatch, capsys, argv, extra
+):
+    """A GPU model without JAX's CUDA plugin (or a TPU slice without libtpu) is an install the
+    user fixes: one line naming the extra, exit 2, no traceback (the CUDA case was a
+    RuntimeError traceback, exit 1)."""
+    from remat_kit.cli import main
+
+    monkeypatch.setenv("REMAT_KIT_NO_CACHE", "1")
+    monkeypatch.setattr(targets, "cuda_plugin_module", lambda: None)
+    monkeypatch.setattr(tpu, "libtpu_installed", lambda: False)
+    targets._cuda_topology.cache_clear()
+    tpu.topology.cache_clear()
+    try:
+        assert main(argv) == 2
+    finally:
+        targets._cuda_topology.cache_clear()
+        tpu.topology.cache_clear()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"pip install 'remat-kit[{extra}]'" in err

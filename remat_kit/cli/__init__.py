@@ -40,7 +40,7 @@ from remat_kit.cli.args import Parser, resolve_slices
 from remat_kit.cli.args import UsageError as UsageError
 from remat_kit.cli.args import parse_bytes as parse_bytes
 from remat_kit.cli.args import positive_int as positive_int
-from remat_kit.tpu import LibtpuMissingError
+from remat_kit.validation import MissingExtraError
 
 #: Subcommand registrars, in help order.
 COMMANDS: list[Callable[[argparse._SubParsersAction], object]] = [
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_slices(args)
         with _cache_off(getattr(args, "no_cache", False)):
             return args.func(args)
-    except (UsageError, ValueError, LibtpuMissingError) as err:
+    except (UsageError, ValueError, MissingExtraError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

@@ -532,10 +532,10 @@ def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Devi
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
             message says how to get more CPU devices), or more than a TPU slice has.
-        remat_kit.validation.MissingExtraError: a TPU slice without libtpu installed (the fix:
-            ``pip install 'remat-kit[tpu]'``).
-        RuntimeError: a GPU target without the CUDA plugin installed (the fix:
-            ``pip install 'remat-kit[cuda12]'``), or the plugin would not register.
+        remat_kit.validation.MissingExtraError: a TPU slice without libtpu, or a GPU target
+            without JAX's CUDA plugin, installed (the fix: ``pip install 'remat-kit[tpu]'`` /
+            ``'remat-kit[cuda12]'``).
+        RuntimeError: the CUDA plugin would not register.
     """
     t = get_target(target)
     if num_devices < 1:

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import re
 
 KIB = 2**10
@@ -52,14 +53,19 @@ def parse_bytes(text: str | int | float) -> int:
     return int(value)
 
 
-def format_bytes(n: float | int | None, digits: int = 2) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 (``"-"`` for unknown)."""
+def format_bytes(n: float | int | None, digits: int = 2, up: bool = False) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``"-"`` for unknown).
+    ``up``: rounded up at the digits shown, for a figure offered as a budget (a peak of
+    4,112,192 B is ``"3.93 MiB"``, which holds it, not ``"3.92 MiB"``, which does not)."""
     if n is None:
         return "-"
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if abs(n) >= scale:
-            return f"{n / scale:.{digits}f} {unit}"
-    return f"{n:.0f} B"
+            value = n / scale
+            if up:
+                value = math.ceil(value * 10**digits - 1e-9) / 10**digits
+            return f"{value:.{digits}f} {unit}"
+    return f"{math.ceil(n) if up else n:.0f} B"
 
 
 def format_seconds(s: float | None, digits: int = 4) -> str:

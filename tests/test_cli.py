@@ -106,6 +106,18 @@ def test_budget_sizes_rejected(text):
         cli.parse_bytes(text)
 
 
+@pytest.mark.parametrize("n", [4_112_192, 3 * 2**20, 3 * 2**20 + 1, 2**30 - 1, 1023, 1023.5, 77])
+def test_a_size_offered_as_a_budget_is_rounded_up_and_holds_it(n):
+    """A peak offered as a budget ("a budget of X fits it") is rounded up at the digits shown,
+    so that copying it fits: 4,112,192 B printed "3.92 MiB" (4,110,417 B, 1.7 KiB short)."""
+    from remat_kit.units import format_bytes, parse_bytes
+
+    offered = format_bytes(n, up=True)
+    assert parse_bytes(offered.replace(" ", "")) >= n
+    assert parse_bytes(offered.replace(" ", "")) - n < max(0.01 * n, 1)  # no more than shown
+    assert format_bytes(4_112_192, up=True) == "3.93 MiB" and format_bytes(4_112_192) == "3.92 MiB"
+
+
 @pytest.mark.parametrize("text", ["-5GB", "-1", "0", "-0.5MiB"])
 def test_a_size_that_is_not_positive_is_told_so(text):
     """A negative size is read as a number and said to be not positive (it was 'cannot read

@@ -10,7 +10,7 @@ import pytest
 
 from remat_kit import cli, targets
 from remat_kit.recommend import BudgetTooSmall, recommend
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, parse_bytes
 from tests.user_models import plain_jax
 
 needs_cuda_plugin = pytest.mark.skipif(
@@ -102,7 +102,9 @@ def test_budget_below_everything_says_what_would_fit(program, free):
     rec = recommend(program, target=TARGET, budget=state + 1, policies=["save-nothing"])
     assert rec.pick is None
     (least,) = rec.candidates
-    assert any(f"a budget of {format_bytes(least.peak_bytes)} fits it" in a for a in rec.advice)
+    offered = format_bytes(least.peak_bytes, up=True)  # rounded up: copying it must fit
+    assert any(f"a budget of {offered} fits it" in a for a in rec.advice)
+    assert parse_bytes(offered.replace(" ", "")) >= least.peak_bytes
     assert rec.line().startswith("nothing fits: the least-memory configuration, save-nothing")
 
 
@@ -117,6 +119,7 @@ def test_budget_below_a_programs_parameters_and_optimizer_state(program, free):
     assert f"({format_bytes(state)}: params" in msg and "optimizer state" in msg
     (sn,) = [c for c in free.candidates if c.policy == "save-nothing"]
     assert f"save-nothing at its own shapes peaks at {format_bytes(sn.peak_bytes)}" in msg
+    assert f"a budget of {format_bytes(sn.peak_bytes, up=True)} fits it" in msg
 
 
 @needs_cuda_plugin

@@ -13,6 +13,7 @@ from remat_kit.recommend.search import largest_batch
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.types import Candidate
 from remat_kit.remat_impl import can_offload
+from remat_kit.units import format_bytes
 
 #: Halvings of the sequence tried when nothing fits.
 SEQ_HALVINGS = 3
@@ -129,7 +130,8 @@ def too_small(session: Session, budget: int, batch: int, params: int, opt_state:
     )
     least = min(((c.peak_bytes, s.name) for s, c, _ in found), default=None)
     fits = (
-        f"; {least[1]} {at} peaks at {_gib(least[0])} (compiled; another policy may need less)"
+        f"; {least[1]} {at} peaks at {_gib(least[0])}: a budget of "
+        f"{format_bytes(least[0], up=True)} fits it (compiled; another policy may need less)"
         if least
         else ""
     )
@@ -153,7 +155,7 @@ def fixed_program_advice(session: Session, candidates: Sequence[Candidate]) -> l
     lines = [
         f"the least-memory configuration, {least.label}, peaks at {_gib(least.peak_bytes)}: "
         f"{_gib(least.peak_bytes - session.budget)} over the budget; a budget of "
-        f"{_gib(least.peak_bytes)} fits it (compiled)",
+        f"{format_bytes(least.peak_bytes, up=True)} fits it (compiled)",
         f"smaller batch or shorter sequence: change the argument shapes {name!r} is built with "
         "(its factory) and run recommend again",
     ]

@@ -116,9 +116,15 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     times = sorted(row["step_times_s"])
     assert record["step_spread"] == pytest.approx((times[-1] - times[0]) / times[len(times) // 2])
     ((_, header, body), *_) = results.summary_lines(measured)
-    cell = body[[b[0] for b in body].index("minimal")][header.index("step ms")]
-    assert cell == f"{1e3 * row['step_time_s']:,.0f}±{50 * record['step_spread']:.0f}%"
-    assert "est. ms" not in results.summary_legend(measured)
+    line = body[[b[0] for b in body].index("minimal")]
+    ms = 1e3 * row["step_time_s"]
+    digits = f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"  # 6.36 ms is not "6"
+    assert line[header.index("step ms")] == f"{digits}±{50 * record['step_spread']:.0f}%"
+    # the estimate beside the step it predicts, with its error
+    est = row["predicted_step_time_s"]
+    assert header.index("est. ms") == header.index("step ms") + 1
+    assert line[header.index("est. err")] == f"{100 * (est / row['step_time_s'] - 1):+.0f}%"
+    assert "est. ms" in results.summary_legend(measured)
     assert results.summary_legend([]) == ""
 
 

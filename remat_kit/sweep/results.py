@@ -447,13 +447,16 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
     * ``predicted_step_time_s``: the roofline's estimated step time (seconds,
       :mod:`remat_kit.memory.roofline`); ``predicted_slowdown`` against its no-remat row's
       estimate; ``prediction_error``: ``(1 + predicted_slowdown) / (1 + slowdown) - 1``, the
-      error of the predicted ratio against the measured one (None unless both are known).
+      error of the predicted ratio against the measured one (None unless both are known);
+      ``estimate_error``: ``predicted_step_time / step_time - 1``, the error of the estimate
+      itself against the step it predicts (None unless both are known).
 
     Returns:
       Records in row order: ``model, target, batch_size, seq_len, remat_group_size, mesh,
       overrides, policy, status, peak_bytes, peak_saved, activation_bytes, activation_saved,
       step_time_s, slowdown, step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits,
-      measured_peak_bytes, mfu, predicted_step_time_s, predicted_slowdown, prediction_error``.
+      measured_peak_bytes, mfu, predicted_step_time_s, predicted_slowdown, prediction_error,
+      estimate_error``.
     """
     records = as_records(rows)
     base: dict[tuple, Mapping[str, Any]] = {}
@@ -514,6 +517,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "predicted_step_time_s": predicted,
         "predicted_slowdown": None if predicted_ratio is None else predicted_ratio - 1,
         "prediction_error": error,
+        "estimate_error": None if predicted is None or not step else predicted / step - 1,
     }
 
 
@@ -572,11 +576,12 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             header.append("fits")
         tokens = measured and any(r["tokens_per_s"] is not None for r in recs)  # not a program's
         predicted = any(r["predicted_step_time_s"] is not None for r in recs)
-        if predicted:  # beside a measurement the estimate's change is what is compared
-            header += ["est. Δ"] if measured else ["est. ms", "est. Δ"]
-        if measured:
-            header += ["step ms", "step Δ"] + (["CPU Δ"] if cpu else [])
+        if measured:  # each estimate beside the measurement it predicts, with its error
+            header += ["step ms", *(["est. ms", "est. err"] if predicted else []), "step Δ"]
+            header += (["est. Δ"] if predicted else []) + (["CPU Δ"] if cpu else [])
             header += ["tok/s"] if tokens else []
+        elif predicted:
+            header += ["est. ms", "est. Δ"]
         body = []
         for r in recs:
             if r["status"] != "ok":
@@ -593,20 +598,19 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             ]
             if fits:
                 line.append({True: "yes", False: "no"}.get(r["fits"], "-"))
-            if predicted:
-                est = r["predicted_step_time_s"]
-                if not measured:
-                    line.append("-" if est is None else _fmt_ms(est))
-                line.append(_fmt_pct(r["predicted_slowdown"]))
+            est = r["predicted_step_time_s"]
+            est_ms = "-" if est is None else _fmt_ms(est)
             if measured:
                 step = r["step_time_s"]
-                line += [
-                    "-" if step is None else f"{1e3 * step:,.0f}" + _fmt_spread(r["step_spread"]),
-                    _fmt_pct(r["slowdown"]),
-                    *([_fmt_pct(r["cpu_slowdown"])] if cpu else []),
-                ]
+                line.append("-" if step is None else _fmt_ms(step) + _fmt_spread(r["step_spread"]))
+                line += [est_ms, _fmt_pct(r["estimate_error"])] if predicted else []
+                line.append(_fmt_pct(r["slowdown"]))
+                line += [_fmt_pct(r["predicted_slowdown"])] if predicted else []
+                line += [_fmt_pct(r["cpu_slowdown"])] if cpu else []
                 if tokens:
                     line.append("-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}")
+            elif predicted:
+                line += [est_ms, _fmt_pct(r["predicted_slowdown"])]
             body.append(line)
         grp = f", remat_group_size={k}" if k not in (None, 1) else ""
         where = f"{target}, mesh {mesh} (figures per device)" if mesh else target
@@ -630,13 +634,17 @@ def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) 
 
     console = console or Console()
     for title, header, body in summary_lines(rows):
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        # no edges, two spaces between columns: the measured tables' 11 columns fit 80
+        table = Table(
+            title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+            pad_edge=False, collapse_padding=True,
+        )  # fmt: skip
         # figures keep their full width; the policy column folds; when the console is narrow,
         # headers wrap at their spaces
         cells = [max(len(line[i]) for line in body) if body else 0 for i in range(len(header))]
         widths = [max(c, len(h)) for c, h in zip(cells, header, strict=True)]
         label = min(_MIN_LABEL_WIDTH, widths[0])
-        if label + sum(widths[1:]) + 3 * len(header) + 1 > console.width:
+        if label + sum(widths[1:]) + 2 * (len(header) - 1) > console.width:
             words = [max(len(w) for w in h.split()) for h in header]
             widths = [max(c, w) for c, w in zip(cells, words, strict=True)]
         table.add_column(header[0], overflow="fold", min_width=label)
@@ -645,7 +653,7 @@ def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) 
         for line in body:
             table.add_row(*line)
         # narrower than the figures need: print wider (the terminal wraps) rather than cut them
-        needed = label + sum(widths[1:]) + 3 * len(header) + 1  # padding, separators, edges
+        needed = label + sum(widths[1:]) + 2 * (len(header) - 1)  # two spaces between columns
         width = console.width
         console.width = max(width, needed)  # print(width=) cannot exceed the console's width
         try:
@@ -662,12 +670,13 @@ COLUMN_LEGEND = {
     "pass)",
     "FLOPs x": "FLOPs x: compiled matmul FLOPs over the no-remat step's",
     "fits": "fits: predicted peak within the target's memory",
-    "est. ms": "est. ms: the estimated step time (roofline over the compiled kernels, "
-    "docs/time-model.md)",
-    "est. Δ": "est. Δ: the estimated step time's change vs no-remat's estimate",
     "step ms": "step ms / step Δ: median measured step (wall), ± half the range of the "
     "point's own timed steps over their median (a step Δ within two points' ± is noise), and "
     "its change vs no-remat",
+    "est. ms": "est. ms: the estimated step time (roofline over the compiled kernels, "
+    "docs/time-model.md)",
+    "est. err": "est. err: the estimate against the measured step (est. / step - 1)",
+    "est. Δ": "est. Δ: the estimated step time's change vs no-remat's estimate",
     "CPU Δ": "CPU Δ: the change in process CPU time",
     "tok/s": "tok/s: tokens per second measured",
 }

@@ -189,3 +189,27 @@ def test_a_refused_compile_note_names_the_structure_probed():
     assert notes[0].startswith("offload-layer-inputs (group 1, batch 256, remat_layers=40): ")
     to_candidate(refused, spec, TARGET, 1, notes, "named", 1, 256, 8192)
     assert notes[1].startswith("offload-layer-inputs (group 1, batch 256): ")
+
+
+def test_a_pick_the_time_model_cannot_tell_from_the_next_is_called_close():
+    """A pick whose estimate leads the next fitting configuration by under CLOSE_CALL says so
+    (the outside trial's pick led save-nothing by 0.2% and measured slower); a clear lead, a
+    rival that does not fit, or the same program under another spec says nothing."""
+    from remat_kit.recommend.types import CLOSE_CALL, close_call
+
+    budget = 20 * MIB
+    pick = _candidate(["mlp_up"], 18 * MIB, budget, [MLP_UP])
+    near = dataclasses.replace(pick, policy="save-nothing", actions=None,
+                               step_time_s=pick.step_time_s * (1 + CLOSE_CALL / 2))  # fmt: skip
+    far = dataclasses.replace(near, step_time_s=pick.step_time_s * (1 + 2 * CLOSE_CALL))
+    note = close_call(pick, [pick, near], auto=False)
+    assert note is not None and "save-nothing" in note and f"{CLOSE_CALL / 2:.1%}" in note
+    assert close_call(pick, [pick, far], auto=False) is None
+    assert close_call(pick, [pick, dataclasses.replace(near, fits=False)], auto=False) is None
+    assert close_call(pick, [pick, dataclasses.replace(pick, step_time_s=near.step_time_s)],
+                      auto=False) is None  # fmt: skip
+    assert close_call(None, [near], auto=False) is None
+    # auto: the lead in tokens per second of each policy's largest batch
+    fast = dataclasses.replace(pick, tokens_per_s=1000.0)
+    assert close_call(fast, [fast, dataclasses.replace(near, tokens_per_s=990.0)], auto=True)
+    assert close_call(fast, [fast, dataclasses.replace(near, tokens_per_s=800.0)], True) is None

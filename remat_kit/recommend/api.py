@@ -45,7 +45,7 @@ from remat_kit.recommend.structure import (
     search_structure,
     structure_compiles,
 )
-from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, rank
+from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, close_call, rank
 from remat_kit.remat_impl import honoured
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
@@ -472,6 +472,8 @@ def assemble(
 ) -> Recommendation:
     """Stage 6: the :class:`~remat_kit.recommend.Recommendation`."""
     tgt, program = request.target, request.program
+    rivals = found.largest if request.auto else found.candidates
+    close = close_call(found.pick, rivals, request.auto)
     return Recommendation(
         model=program.name,
         target=tgt.name,
@@ -489,7 +491,7 @@ def assemble(
         from_compile_cache=session.from_compile_cache,
         wall_s=round(wall_s, 2),
         advice=tuple(found.advice),
-        notes=(time_model_note(tgt), *session.notes),
+        notes=(time_model_note(tgt), *session.notes, *([close] if close else [])),
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,

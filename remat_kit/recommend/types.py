@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from remat_kit.policies import custom_spec, policy_label
@@ -289,3 +291,36 @@ def rank(c: Candidate) -> tuple:
     """Least estimated time; on a tie, no host traffic over some (the overlap is the least
     certain part of the model), then least device memory."""
     return (c.step_time_s, c.host_bytes, c.peak_bytes)
+
+
+#: Estimated step times closer than this (a fraction) are a tie to the time model: its ratio
+#: errors against measured steps reach 7-12% per policy (docs/time-model.md, the CPU checks).
+CLOSE_CALL = 0.05
+
+
+def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
+    """The note for a pick whose estimated lead over the next fitting configuration (another
+    program: another label, or another peak) is under :data:`CLOSE_CALL`: the time model cannot
+    tell them apart, so the user should measure both. ``auto``: the lead in tokens per second
+    (the largest batch of each policy), else in step time. None when the lead is clear."""
+    if pick is None:
+        return None
+
+    def lead(c: Candidate) -> float:
+        if auto:
+            return (pick.tokens_per_s or 0.0) / c.tokens_per_s - 1 if c.tokens_per_s else math.inf
+        return c.step_time_s / pick.step_time_s - 1 if pick.step_time_s > 0 else math.inf
+
+    others = [
+        c for c in rivals
+        if c.fits and c is not pick and (c.label, c.peak_bytes) != (pick.label, pick.peak_bytes)
+    ]  # fmt: skip
+    near = min(others, key=lead, default=None)
+    if near is None or not 0 <= lead(near) < CLOSE_CALL:
+        return None
+    what = "tokens per second" if auto else "step time"
+    return (
+        f"close call: the pick {pick.label} leads {near.label} by {lead(near):.1%} in estimated "
+        f"{what}, within the time model's error on measured steps (docs/time-model.md); "
+        "measure both before choosing on speed (the sweep times them: experiments/sweep.py)"
+    )

@@ -12,7 +12,7 @@ import remat_kit
 from remat_kit import Program, cli, doctor
 from remat_kit.doctor.compare import Residuals, _no_device_saving, _no_op
 from remat_kit.doctor.promise import Promise
-from remat_kit.doctor.tags import TagFacts, matmul_tags, unknown_tags
+from remat_kit.doctor.tags import TagFacts, fed_by, matmul_tags, unknown_tags
 
 GPU = "h100-sxm"
 D, LAYERS = 32, 2
@@ -295,15 +295,21 @@ def test_a_tag_kept_but_still_recomputed_is_not_offered_as_a_saver():
 
 
 def test_matmul_tags_look_through_a_bias_add_and_a_transpose():
+    """A constant added first (``1.0 + x @ w``: a literal operand, not hashable) is looked past:
+    it raised TypeError from the doctor, in matmul_tags and in fed_by alike."""
+
     def layer(x, w, b):
         y = checkpoint_name(x @ w + b, "biased")  # a Dense layer's output
         z = checkpoint_name(jnp.einsum("ij,jk->ki", x, w), "transposed")  # einsum, transposed
-        return (jnp.tanh(checkpoint_name(y * 2, "scaled")) + z.T).sum()
+        c = checkpoint_name(1.0 + x @ w, "shifted")  # a literal operand before the matmul's
+        a = checkpoint_name(2.0 + jnp.tanh(c), "after")
+        return (jnp.tanh(checkpoint_name(y * 2, "scaled")) + z.T + a).sum()
 
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.checkpoint(layer))(x, w, w.update(shape=(8,))).jaxpr
-    assert matmul_tags(jaxpr) == {"biased", "transposed"}
+    assert matmul_tags(jaxpr) == {"biased", "transposed", "shifted"}
+    assert fed_by(jaxpr)["after"] == {"shifted"} and fed_by(jaxpr)["scaled"] == {"biased"}
 
 
 def _after_activation_layer(x, w):  # one name before its activation, one after
@@ -340,3 +346,30 @@ def test_a_saved_tag_that_removes_no_recompute_is_said(policy, flagged):
     else:  # the matmul output is kept: only the activation's elementwise work is spared
         assert "this policy keeps mlp_pre" in finding.cause
         assert "spares only the elementwise work" in finding.cause
+
+
+def _tagged_matmul_elsewhere(x, w):  # the saved matmul output does not feed the name after gelu
+    qkv = checkpoint_name(x @ w, "qkv")
+    act = checkpoint_name(jax.nn.gelu(qkv @ w), "ffn_act")  # an untagged matmul before gelu
+    return x + act @ w.T
+
+
+def test_what_a_name_is_computed_from_is_read_through_elementwise_work_only():
+    """``fed_by``: the names a name is computed from with no matmul between (through gelu's
+    jitted call), which the doctor's cause names; an untagged matmul between cuts it."""
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    fed = fed_by(jax.make_jaxpr(jax.checkpoint(_after_activation_layer))(x, w).jaxpr)
+    assert fed == {"mlp_pre": frozenset(), "mlp_act": frozenset({"mlp_pre"})}
+    fed = fed_by(jax.make_jaxpr(jax.checkpoint(_tagged_matmul_elsewhere))(x, w).jaxpr)
+    assert fed == {"qkv": frozenset(), "ffn_act": frozenset()}
+
+
+def test_the_cause_names_a_kept_output_only_where_the_idle_name_is_computed_from_it():
+    """The outside trial's decoder: saving qkv (a matmul output) and ffn_act (after gelu of
+    another, untagged matmul) said "this policy keeps qkv: where one is that output, saving it
+    spares only the elementwise work", of an output ffn_act is not computed from."""
+    program = _program(_tagged_matmul_elsewhere, "tagged-elsewhere")
+    (check,) = doctor.check_policies(program, [{"qkv": "save", "ffn_act": "save"}], "cpu").checks
+    (finding,) = [f for f in check.findings if f.code == "save-removes-no-recompute"]
+    assert "keeps ffn_act (" in finding.what and "this policy keeps" not in finding.cause

@@ -40,6 +40,7 @@ from remat_kit.doctor.promise import (
 )
 from remat_kit.doctor.tags import (
     TagFacts,
+    fed_by,
     matmul_tags,
     no_remat_segment,
     policy_not_passed,
@@ -122,7 +123,8 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
         return step_flops(program, custom_spec({tag: "save"} if tag else {}))
 
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
-    return TagFacts(tags, inside, user=program.scan_layers is None, savers=savers)
+    user = program.scan_layers is None
+    return TagFacts(tags, inside, user=user, savers=savers, fed=fed_by(jaxpr))
 
 
 def check_policies(

@@ -220,7 +220,10 @@ def _saved_without_saving(
     if not idle:
         return []
     it = "it" if len(idle) == 1 else "them"
-    also = [t for t in savers if t in promise.save]  # kept by this policy and saving FLOPs
+    # kept by this policy, saving FLOPs, and what an idle name is computed from (no matmul
+    # between): then the idle name spares that elementwise work only
+    fed = facts.fed or {}
+    also = [t for t in savers if t in promise.save and any(t in fed.get(i, ()) for i in idle)]
     cause = (
         f"saved alone, {it} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
         f"recomputes the matmul that produces {it} for the activation's derivative unless that "
@@ -228,8 +231,9 @@ def _saved_without_saving(
     )
     if also:
         cause += (
-            f"; this policy keeps {', '.join(also)}: where one is that output, saving {it} "
-            "spares only the elementwise work after it (the activation)"
+            f"; this policy keeps {', '.join(also)}, which {it} {'is' if it == 'it' else 'are'} "
+            f"computed from: saving {it} spares only the elementwise work between (the "
+            "activation)"
         )
     others = [t for t in savers if t not in promise.tags]
     fix = f"recompute {it} (leave {it} out of the policy)"

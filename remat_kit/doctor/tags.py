@@ -10,10 +10,11 @@ registered policies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.extend import core as jcore
 
 from remat_kit import names as N
 from remat_kit import walker as W
@@ -44,6 +45,9 @@ class TagFacts:
     in_remat: frozenset[str] | None = None
     user: bool = False
     savers: Callable[[], tuple[str, ...]] | None = dataclasses.field(default=None, compare=False)
+    #: For each name, the names applied to what it is computed from with no matmul between
+    #: (:func:`fed_by`); None: not walked.
+    fed: Mapping[str, frozenset[str]] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def remat_kit_names(self) -> bool:
@@ -62,8 +66,8 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     ``jax.ShapeDtypeStruct``): ``emitted`` as given (else :func:`remat_kit.walker.emitted_tags`),
     ``in_remat`` from its jaxpr. Traces only."""
     tags = W.emitted_tags(fn, *args) if emitted is None else emitted
-    inside = tags_in_remat(jax.make_jaxpr(fn)(*args).jaxpr)
-    return TagFacts(frozenset(tags), inside, user=True)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return TagFacts(frozenset(tags), tags_in_remat(jaxpr), user=True, fed=fed_by(jaxpr))
 
 
 #: Primitives looked through from a name back to the matmul it tags: a bias add, a layout
@@ -72,8 +76,14 @@ _THROUGH = frozenset({"add", "transpose", "reshape", "convert_element_type", "co
 _MATMULS = ("dot_general", "conv_general_dilated")
 
 
+def _is_var(x: Any) -> bool:
+    """A jaxpr variable, not a literal (a constant operand: it has an aval but no producer, and
+    is not hashable)."""
+    return isinstance(x, jcore.Var)
+
+
 def _from_matmul(producer: dict, v: Any, depth: int = 0) -> bool:
-    eqn = producer.get(v)
+    eqn = producer.get(v) if _is_var(v) else None
     if eqn is None or depth > 4:
         return False
     if eqn.primitive.name in _MATMULS:
@@ -84,7 +94,7 @@ def _from_matmul(producer: dict, v: Any, depth: int = 0) -> bool:
         return _from_matmul({o: e for e in inner.eqns for o in e.outvars}, found, depth + 1)
     if eqn.primitive.name not in _THROUGH:
         return False
-    return any(_from_matmul(producer, x, depth + 1) for x in eqn.invars if hasattr(x, "aval"))
+    return any(_from_matmul(producer, x, depth + 1) for x in eqn.invars if _is_var(x))
 
 
 def matmul_tags(jaxpr: Any) -> frozenset[str]:
@@ -100,6 +110,46 @@ def matmul_tags(jaxpr: Any) -> frozenset[str]:
                 found.add(tag)
             todo.extend(W.sub_jaxprs(eqn))
     return frozenset(found)
+
+
+def _has_matmul(j: Any) -> bool:
+    return any(
+        e.primitive.name in _MATMULS or any(_has_matmul(sub) for sub in W.sub_jaxprs(e))
+        for e in j.eqns
+    )
+
+
+def fed_by(jaxpr: Any, depth: int = 8) -> dict[str, frozenset[str]]:
+    """For each checkpoint name, the names applied to the values it is computed from without a
+    matmul between (through elementwise work and calls holding no matmul, up to ``depth``
+    equations back): ``{"mlp_act": {"mlp_up"}}`` where ``mlp_act = gelu(mlp_up)``; a name
+    applied to ``gelu(x @ w)`` with ``x @ w`` untagged is fed by none."""
+    found: dict[str, set[str]] = {}
+    todo = [jaxpr]
+    while todo:
+        j = todo.pop()
+        producer = {o: e for e in j.eqns for o in e.outvars}
+        for eqn in j.eqns:
+            todo.extend(W.sub_jaxprs(eqn))
+            tag = W.eqn_tag(eqn)
+            if tag is None or not eqn.invars:
+                continue
+            feeds = found.setdefault(tag, set())
+            frontier, seen = [(eqn.invars[0], 0)], set()
+            while frontier:
+                v, d = frontier.pop()
+                up = producer.get(v) if _is_var(v) else None
+                if up is None or d >= depth or id(up) in seen:
+                    continue
+                seen.add(id(up))
+                name = W.eqn_tag(up)
+                if name is not None:
+                    feeds.add(name)
+                elif up.primitive.name not in _MATMULS and not any(
+                    _has_matmul(sub) for sub in W.sub_jaxprs(up)
+                ):
+                    frontier += [(x, d + 1) for x in up.invars if _is_var(x)]
+    return {t: frozenset(f) for t, f in found.items()}
 
 
 def recompute_savers(

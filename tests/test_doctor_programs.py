@@ -373,3 +373,13 @@ def test_the_cause_names_a_kept_output_only_where_the_idle_name_is_computed_from
     (check,) = doctor.check_policies(program, [{"qkv": "save", "ffn_act": "save"}], "cpu").checks
     (finding,) = [f for f in check.findings if f.code == "save-removes-no-recompute"]
     assert "keeps ffn_act (" in finding.what and "this policy keeps" not in finding.cause
+
+
+def test_a_registered_policy_in_other_names_is_rewritten_with_the_programs_closest_word():
+    """save-qkv-proj on a program tagging qkv / ctx / ffn_act: the example fix says 'qkv=save'
+    (the word the policy's name shares), not the program's first name in sorted order ('ctx')."""
+    facts = TagFacts(frozenset({"qkv", "ctx", "ffn_act"}), user=True)
+    (finding,) = unknown_tags(Promise.of(remat_kit.get_policy_spec("save-qkv-proj")), facts)
+    assert "'qkv=save'" in finding.fix, finding.fix
+    (plain,) = unknown_tags(Promise.of(remat_kit.get_policy_spec("save-out-proj")), facts)
+    assert "'ctx=save'" in plain.fix  # no shared word: the first name, as before

@@ -10,6 +10,7 @@ registered policies.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -273,6 +274,12 @@ def _fix(promise: Promise, facts: TagFacts, hints: dict[str, str | None]) -> str
         return f"use {', '.join(found)}."
     if facts.user and facts.emitted:
         action = "offload" if promise.offload else "save"
-        example = own_example(facts, action, [h for h in hints.values() if h])
+        # the closest names, else the program's names that share a word with the policy's
+        # (save-qkv-proj -> qkv), rather than its first name in sorted order
+        words = set(re.split(r"[-_]", " ".join([promise.name, *hints]).replace(" ", "-")))
+        prefer = [h for h in hints.values() if h] or [
+            t for t in facts.emitted if words & set(re.split(r"[-_]", t))
+        ]
+        example = own_example(facts, action, prefer)
         return f"write the policy in the program's own names, e.g. {example}."
     return "tag the tensor with checkpoint_name, or drop it from the policy."

@@ -118,7 +118,7 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     ((_, header, body), *_) = results.summary_lines(measured)
     line = body[[b[0] for b in body].index("minimal")]
     ms = 1e3 * row["step_time_s"]
-    digits = f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"  # 6.36 ms is not "6"
+    digits = f"{ms:,.0f}" if ms >= 100 else f"{ms:#.3g}"  # 6.36 ms is not "6"
     assert line[header.index("step ms")] == f"{digits}±{50 * record['step_spread']:.0f}%"
     # the estimate beside the step it predicts, with its error
     est = row["predicted_step_time_s"]

@@ -530,9 +530,10 @@ def _fmt_spread(x: float | None) -> str:
 
 
 def _fmt_ms(seconds: float) -> str:
-    """Milliseconds with the digits that matter (``"1,234"``, ``"12.3"``, ``"0.0412"``)."""
+    """Milliseconds with three significant digits, or whole above 100 (``"1,234"``, ``"12.3"``,
+    ``"3.30"``, ``"0.0412"``)."""
     ms = 1e3 * seconds
-    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:#.3g}"
 
 
 def _fmt_pct(x: float | None) -> str:
@@ -621,7 +622,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
 
 
 #: Narrowest the policy column gets before the table is printed wider than the console.
-_MIN_LABEL_WIDTH = 16
+_MIN_LABEL_WIDTH = 12
 
 
 def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) -> None:

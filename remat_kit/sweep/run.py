@@ -40,6 +40,7 @@ from remat_kit.policies import (
     parse_policy_arg,
     policies_for_tags,
     policy_arg,
+    policy_label,
     policy_specs,
 )
 from remat_kit.preset_program import preset
@@ -443,7 +444,7 @@ def run_program_sweep(
             row = make_row(
                 R.point_key(points[label]),
                 {**common, **points[label], **fields, "policy_spec": spec.description,
-                 "policy_label": cut_labels.get(label, label),
+                 "policy_label": cut_labels.get(label) or policy_label(spec),
                  "policy_notes": per_label.get(label, [])},
                 reports[label], executables.get(label), measurements.get(label),
             )  # fmt: skip

@@ -23,7 +23,7 @@ from remat_kit import targets as T
 from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec
+from remat_kit.policies import PolicySpec, policy_label
 from remat_kit.program import Program, Pure
 from remat_kit.sweep.config import Point
 from remat_kit.training.data import Corpus
@@ -194,7 +194,8 @@ def run_executables(
             steps[key] = err
             continue
         lower_s[key] = time.perf_counter() - t0
-        steps[key] = RunStep(f"the step of {key}", local, lambda low=low: low)
+        what = f"the step of {program.name!r} under {policy_label(spec)!r}"
+        steps[key] = RunStep(what, local, lambda low=low: low)
     out = {**held, **compile_run_steps(steps, engine, lower_s)}
     return {k: out[k] for k in specs}
 

@@ -137,9 +137,10 @@ def make_row(
 ) -> dict[str, Any]:
     """The row of one point (a preset grid's or a program's policy): ``fields`` (what the sweep
     and the point are), the analysis ``report`` (or the exception analysing it raised), the
-    model's fields (``model_fields()``, a preset's: parameters, tokens, model FLOPs), and with
-    ``measure`` its compiled step (``executable``: ``(compiled, compile seconds, reused)`` from
-    :func:`~remat_kit.sweep.measure.run_executables`, or an exception) and its run
+    model's fields (``model()``, a preset's :func:`model_fields`: parameters, tokens, model
+    FLOPs), and with ``measure`` its compiled step (``executable``: ``(compiled, compile
+    seconds, reused)`` from :func:`~remat_kit.sweep.measure.run_executables`, or an exception)
+    and its run
     (``measurement``: from :func:`~remat_kit.sweep.measure.time_runs`, or an exception).
     A failure anywhere gives status ``oom`` / ``error`` and its one-line message; every row has
     every field (None where not reached)."""

@@ -126,6 +126,13 @@ def fed_by(jaxpr: Any, depth: int = 8) -> dict[str, frozenset[str]]:
     equations back): ``{"mlp_act": {"mlp_up"}}`` where ``mlp_act = gelu(mlp_up)``; a name
     applied to ``gelu(x @ w)`` with ``x @ w`` untagged is fed by none."""
     found: dict[str, set[str]] = {}
+    holds: dict[int, bool] = {}  # by equation: a matmul somewhere inside (each call judged once)
+
+    def opaque(e: Any) -> bool:
+        if id(e) not in holds:
+            holds[id(e)] = any(_has_matmul(sub) for sub in W.sub_jaxprs(e))
+        return holds[id(e)]
+
     todo = [jaxpr]
     while todo:
         j = todo.pop()
@@ -146,9 +153,7 @@ def fed_by(jaxpr: Any, depth: int = 8) -> dict[str, frozenset[str]]:
                 name = W.eqn_tag(up)
                 if name is not None:
                     feeds.add(name)
-                elif up.primitive.name not in _MATMULS and not any(
-                    _has_matmul(sub) for sub in W.sub_jaxprs(up)
-                ):
+                elif up.primitive.name not in _MATMULS and not opaque(up):
                     frontier += [(x, d + 1) for x in up.invars if _is_var(x)]
     return {t: frozenset(f) for t, f in found.items()}
 

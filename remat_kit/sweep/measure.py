@@ -118,7 +118,12 @@ class RunStep:
 def lower_mesh_step(point: Point, state_cache: dict | None) -> Any:
     """A preset point's training step on a mesh, lowered for the local devices with its input
     and output shardings fixed (the state is fed back each step; the analyzer's program on the
-    target's devices leaves the output shardings to XLA)."""
+    target's devices leaves the output shardings to XLA). State [the model's parameters and
+    optimizer state], batch int32 [batch, seq] inputs and targets.
+
+    Raises:
+      ValueError: a mesh the local devices cannot form (:func:`remat_kit.sharding.local_mesh`).
+    """
     config = point.model_config()
     host = host_state(point, config, state_cache)
     optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)

@@ -9,6 +9,7 @@ from typing import Any
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
+from remat_kit.residuals import bytes_by_tag
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.config import Point
@@ -66,12 +67,11 @@ def analysis_fields(report: Any) -> dict[str, Any]:
 
 
 def _by_tag(report: Any) -> dict[str, dict[str, int]]:
-    """{checkpoint tag: {"device" / "host": bytes}} of the report's residuals."""
-    out: dict[str, dict[str, int]] = {}
-    for r in report.residuals:
-        per = out.setdefault(r.tag, {})
-        per[r.memory] = per.get(r.memory, 0) + r.nbytes
-    return out
+    """{checkpoint tag: {"device" / "host": bytes}} of the report's residuals
+    (:func:`remat_kit.residuals.bytes_by_tag` per memory)."""
+    by = {m: bytes_by_tag(report.residuals, m) for m in ("device", "host")}
+    tags = dict.fromkeys([*by["device"], *by["host"]])
+    return {t: {m: n[t] for m, n in by.items() if t in n} for t in tags}
 
 
 def model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[str, Any]:

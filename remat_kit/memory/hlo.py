@@ -522,6 +522,16 @@ def instructions_by_name(
     return {i.name: (i, c) for c in comps.values() for i in c.instructions}
 
 
+def argument_category(op: str) -> str:
+    """What an entry argument holds, from its JAX ``op_name`` (the argument's path in the step's
+    signature): ``params`` / ``opt_state`` for a train state's fields, else the path's root
+    (``batch``, ``tokens``), or ``argument`` when JAX named none."""
+    root = re.split(r"[.\[]", op, maxsplit=1)[0] if op else "argument"
+    if root == "state":
+        return "params" if op.startswith("state.params") else "opt_state"
+    return root or "argument"
+
+
 def entry_argument(
     instr: Instruction, comp: Computation, instrs: Mapping[str, tuple[Instruction, Computation]]
 ) -> Instruction | None:

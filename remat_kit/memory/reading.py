@@ -74,10 +74,7 @@ def _kind_and_phase(
     instr, comp = found if found else (None, None)
     op = instr.op_name if instr else ""
     if instr is not None and instr.opcode == "parameter" and comp is not None and comp.is_entry:
-        root = re.split(r"[.\[]", op, maxsplit=1)[0] if op else "argument"
-        if root == "state":
-            root = "params" if op.startswith("state.params") else "opt_state"
-        return root or "argument", "argument"
+        return hlo.argument_category(op), "argument"
     phase = _phase(value, op)
     arrays = hlo.array_shapes(shape)
     if hints.logits_elems and arrays and math.prod(arrays[0][1]) == hints.logits_elems:

@@ -293,13 +293,6 @@ def _dims(shape: str) -> tuple[int, ...] | None:
     return arrays[0][1] if len(arrays) == 1 else None
 
 
-def _argument_category(op: str) -> str:
-    root = re.split(r"[.\[]", op, maxsplit=1)[0] if op else "argument"
-    if root == "state":
-        return "params" if op.startswith("state.params") else "opt_state"
-    return root or "argument"
-
-
 def _residual_name(ops: Sequence[str], shapes: Sequence[str], hints: NamingHints | None) -> str:
     """A residual buffer's category after ``residual:``: the checkpoint names of the residuals
     of its shape (``hints.stacked``, from the jaxpr walker), else a tag in its JAX ``op_name``
@@ -355,7 +348,7 @@ def _category(run: _Run, ctx: _Context) -> tuple[str, str, str, str]:
         argument = hlo.entry_argument(instr, comp, ctx.instrs)  # or XLA's copy of one
         if argument is not None:
             op = _op_name(argument, ctx.comps)
-            return _argument_category(op), value, shape, op
+            return hlo.argument_category(op), value, shape, op
         if best is None or (op and not best[2]):
             best = (value, shape, op)
     value, shape, op = best or (run.values[0], shapes[0] if shapes else "", "")

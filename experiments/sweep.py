@@ -35,7 +35,9 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; nothing under SLURM's
 ``srun``); process 0 writes the results.
 
-Exit codes: 0 done (rows with status ``oom`` / ``error`` included); 2 bad input, one line on
+Exit codes: 0 done (rows with status ``oom`` included: a policy that does not fit is a result);
+1 done, but a point failed with status ``error`` (its row and the last lines say why; every
+other row is written); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
 output, resuming onto another config's results (the line names the first field that differs;
 the file is left as it was), a missing, empty or binary ``--data`` path; with ``--model``: a
@@ -225,8 +227,9 @@ def _measured_line(r: dict, data: str) -> str:
     return "- Analysis only"
 
 
-def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> None:
-    """The table, summary.md and the figures, rebuilt from every row of the run's file."""
+def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int:
+    """The table, summary.md and the figures, rebuilt from every row of the run's file; the
+    exit code (1 when a point of this run failed with status ``error``)."""
     from remat_kit import plots
     from remat_kit.sweep import results
     from remat_kit.sweep.output import warning_lines
@@ -278,6 +281,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> Non
     for r in bad:
         seq = f" s={r['seq_len']}" if r.get("seq_len") is not None else ""
         console.print(f"  [red]{r['status']}[/] {r['model']}{seq} {r['policy']}: {r['error']}")
+    return 1 if any(r["status"] == "error" for r in bad) else 0
 
 
 def _write_html(run, out: Path, argv: list[str] | None) -> Path | None:
@@ -337,8 +341,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        _write_outputs(run, out, args, argv, console)
-        return 0
+        return _write_outputs(run, out, args, argv, console)
     try:
         steps = [o for o in ("warmup_steps", "timed_steps") if getattr(args, o) is not None]
         if steps:
@@ -380,9 +383,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if primary:
-        _write_outputs(run, out, args, argv, console)
-    return 0
+    return _write_outputs(run, out, args, argv, console) if primary else 0
 
 
 if __name__ == "__main__":

@@ -655,17 +655,23 @@ class Program:
     def buffer_names(self, rows: Sequence[TagResiduals], placement: Placement) -> BufferNames:
         """What names the buffers live at the peak: each residual row's shape -> its tags, and
         the differentiated arguments' shapes (parameters; their gradients share them)."""
-        params = []
-        for i in self.argnums if self.make_loss is not None else ():
-            arg = self.loss_args[i]
-            leaves = jax.tree.leaves(nnx.state(arg, nnx.Param) if _is_nnx(arg) else arg)
-            params += [(x.dtype.name, tuple(x.shape)) for x in leaves if is_array(x)]
+        params = [(x.dtype.name, tuple(x.shape)) for x in self.param_leaves()]
         stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         for row in rows:
             key = (row.dtype, tuple(row.shape))
             if row.tag not in stacked.get(key, ()):
                 stacked[key] = (*stacked.get(key, ()), row.tag)
         return BufferNames(stacked=stacked, params=frozenset(params))
+
+    def param_leaves(self) -> list[Any]:
+        """The arrays the loss differentiates: the leaves of its ``argnums`` arguments, an NNX
+        object's ``nnx.Param`` state only (not its RNG keys, counters or batch statistics);
+        empty without a loss."""
+        out = []
+        for i in self.argnums if self.make_loss is not None else ():
+            arg = self.loss_args[i]
+            out += [x for x in jax.tree.leaves(_diff_part(arg)[0]) if is_array(x)]
+        return out
 
     def reach(self) -> PolicyReach:
         """Whether the factories pass the policy on (:func:`policy_reach`: two traces)."""
@@ -735,12 +741,14 @@ class PolicyReach:
       reached: those of them whose policy is the probe or holds it (a wrapper around it).
       without_policy: remat segments in the trace for ``no-remat`` (a factory building without
         remat has none).
+      part: which of the program's factories this judges (``make_step``, ``make_loss``).
     """
 
     program: str
     segments: int
     reached: int
     without_policy: int
+    part: str = "factory"
 
     @property
     def passes(self) -> bool:
@@ -751,17 +759,17 @@ class PolicyReach:
         """One line: why every policy would compile to one program, and what to do."""
         if not self.segments:
             return (
-                f"the factory of program {self.program!r} applies no remat: its traced loss holds "
+                f"the {self.part} of program {self.program!r} applies no remat: its trace holds "
                 "no remat segment (jax.checkpoint / nn.remat / nnx.remat / eqx.filter_checkpoint), "
                 "so every policy would compile to the no-remat program; wrap its layers with the "
                 "policy it receives: jax.checkpoint(layer, policy=policy)"
             )
         return (
-            f"the factory of program {self.program!r} does not pass the policy it receives on: "
-            f"none of its {self.segments} remat segment(s) takes it (a model calling nn.remat / "
-            "jax.checkpoint itself without policy=), so every policy would compile to one "
-            "program; build it with remat_kit.inject_policy(loss) (docs/own-model-no-policy-"
-            "hook.md) or pass the policy to those remat calls"
+            f"the {self.part} of program {self.program!r} does not pass the policy it receives "
+            f"on: none of its {self.segments} remat segment(s) takes it (a remat call with no "
+            "policy= or a fixed policy of its own), so every policy would compile to one "
+            "program; pass the policy it receives to those remat calls, or wrap the loss in "
+            "remat_kit.inject_policy(loss) (docs/own-model-no-policy-hook.md)"
         )
 
     def no_remat_note(self) -> str | None:
@@ -777,16 +785,23 @@ class PolicyReach:
 
 
 def policy_reach(program: Program) -> PolicyReach:
-    """Trace ``program``'s loss (or step) with a probe policy and with None and count the remat
-    segments that take the policy (:class:`PolicyReach`). Traces only."""
+    """Trace ``program``'s step, and its loss where it has one, with a probe policy and with
+    None and count the remat segments that take the policy (:class:`PolicyReach`). The step is
+    what compiles and the loss is what is walked for residuals: a policy either drops is not
+    passed (the loss's judgement where it drops it, else the step's). Traces only."""
     if program.make_loss is not None:
-        return factory_reach(program.make_loss, program.loss_args, program.name)
-    return factory_reach(program.make_step, program.args, program.name)
+        loss = factory_reach(program.make_loss, program.loss_args, program.name, "make_loss")
+        if not loss.passes:
+            return loss
+    return factory_reach(program.make_step, program.args, program.name, "make_step")
 
 
-def factory_reach(make: Factory, args: Sequence[Any], name: str) -> PolicyReach:
+def factory_reach(
+    make: Factory, args: Sequence[Any], name: str, part: str = "factory"
+) -> PolicyReach:
     """:class:`PolicyReach` of a factory ``make(policy) -> fn`` on ``fn``'s arguments ``args``
-    (arrays, ``ShapeDtypeStruct`` s, NNX objects, pytrees with static leaves)."""
+    (arrays, ``ShapeDtypeStruct`` s, NNX objects, pytrees with static leaves); ``part`` names
+    the factory in its messages."""
 
     def probe(prim: Any, *a: Any, **params: Any) -> bool:  # saves nothing, held by no one
         return jax.checkpoint_policies.nothing_saveable(prim, *a, **params)
@@ -798,7 +813,7 @@ def factory_reach(make: Factory, args: Sequence[Any], name: str) -> PolicyReach:
 
     probed = segments(probe)
     reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
-    return PolicyReach(name, len(probed), reached, len(segments(None)))
+    return PolicyReach(name, len(probed), reached, len(segments(None)), part)
 
 
 def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:

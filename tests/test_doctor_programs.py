@@ -211,14 +211,16 @@ def _forgetful(layer):
     return make_loss
 
 
-def test_factory_ignoring_the_policy_is_one_error_per_policy_and_nothing_else():
+def test_factory_ignoring_the_policy_is_one_error_for_every_policy_and_nothing_else():
     program = Program.from_loss(_forgetful(_own_layer), W, X, name="forgot")
-    result = doctor.check_policies(program, ["save-nothing", {"attn_in": "save"}], GPU)
-    for check in result.checks:
+    for given in (["save-nothing", {"attn_in": "save"}], None):  # given, or the default set
+        result = doctor.check_policies(program, given, GPU)
+        (check,) = result.checks  # said once: every policy compiles to the same program
         (only,) = check.findings
+        assert check.label == "every policy" and result.has_errors
         assert only.code == "no-remat-segment" and only.severity == "error"
         assert "contains no remat segment" in only.what and check.label in only.what
-        assert "'forgot' does not use the policy it receives" in only.cause
+        assert "make_loss of 'forgot' does not use the policy it receives" in only.cause
         assert "jax.checkpoint(layer, policy=policy)" in only.fix
         assert "save-nothing" not in only.fix  # never the policy being checked
     # check_function: the same fault, the same single finding

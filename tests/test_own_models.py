@@ -207,6 +207,7 @@ def test_a_factory_that_does_not_pass_the_policy_is_said_once_everywhere(hf, cap
             run()
         assert "remat_kit.inject_policy(loss)" in str(err.value) and "\n" not in str(err.value)
     result = doctor.check_policies(ignoring, ["save-nothing", "save-dots"], "local")
+    (check,) = result.checks  # one error: every policy compiles to the same program
     for check in result.checks:
         (only,) = check.findings
         assert only.code == "policy-not-passed" and only.severity == "error"
@@ -300,3 +301,39 @@ def test_bad_input_is_one_line_naming_what_to_pass(make, args, match):
             Program.from_step(lambda p: lambda m, x: x, args[0], args[1]).step(
                 remat_kit.get_policy_spec("no-remat")
             )
+
+
+def _step_with_its_own_policy():
+    """A user's step that builds its own loss under a fixed policy, beside a ``make_loss``
+    that passes the policy on: what compiles ignores the policy, what is walked does not."""
+    params, opt_state, token_ids = plain_jax.abstract_args()
+    fixed = jax.checkpoint_policies.nothing_saveable
+    return Program.from_step(
+        lambda policy: plain_jax.make_step(fixed), params, opt_state, token_ids,
+        make_loss=plain_jax.make_loss, loss_args=(params, token_ids), name="own-step",
+    )  # fmt: skip
+
+
+def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
+    program = _step_with_its_own_policy()
+    reach = remat_kit.program.policy_reach(program)
+    assert not reach.passes and reach.part == "make_step" and reach.segments == 1  # in a scan
+    for run in (
+        lambda: analyze_policies(program, ["save-nothing", "save-dots"], "local"),
+        lambda: analyze_policies(program, None, "local"),
+        lambda: recommend(program, target="h100-sxm", policies=["save-nothing"]),
+        lambda: remat_kit.sweep.run_program_sweep(program, tmp_path / "s.jsonl", progress=False),
+    ):
+        with pytest.raises(ValueError, match="make_step of program 'own-step' does not pass"):
+            run()
+    assert not (tmp_path / "s.jsonl").exists()  # nothing written
+    result = doctor.check_policies(program, None, "local")
+    ((only,),) = [c.findings for c in result.checks]  # one error, no note built on the probe
+    assert only.code == "policy-not-passed" and "make_step of 'own-step'" in only.cause
+    assert not any("no own-name policy" in n for n in result.notes)
+    # the same program with a step that passes it: no judgement against it
+    fine = Program.from_step(
+        plain_jax.make_step, *plain_jax.abstract_args(), make_loss=plain_jax.make_loss,
+        loss_args=(plain_jax.abstract_args()[0], plain_jax.abstract_args()[2]),
+    )  # fmt: skip
+    assert remat_kit.program.policy_reach(fine).passes

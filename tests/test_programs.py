@@ -360,3 +360,30 @@ def test_integer_leaves_in_the_parameters_are_named_by_path():
 
     with pytest.raises(ValueError, match=r"argnums 0: .*\(at \['step'\]\)"):
         Program.from_loss(make_loss, params, jnp.ones((2, 4)))
+
+
+def test_param_leaves_are_an_nnx_models_params_only():
+    """An NNX model's differentiated arrays are its nnx.Param state: not the RNG keys and
+    counters of its dropout, nor batch statistics (the sweep's num_params counts these)."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 3, rngs=rngs)
+            self.bn = nnx.BatchNorm(3, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.lin(x)))
+
+    net = Net(nnx.Rngs(0, dropout=1))
+
+    def make_loss(policy):
+        return lambda m, x: jax.checkpoint(lambda m, x: (m(x) ** 2).mean(), policy=policy)(m, x)
+
+    program = Program.from_loss(make_loss, net, jnp.ones((2, 4)), name="net")
+    n = sum(x.size for x in program.param_leaves())
+    assert n == 4 * 3 + 3 + 3 + 3  # linear kernel and bias, BatchNorm's scale and bias
+    assert n < sum(x.size for x in jax.tree.leaves(nnx.state(net)))  # the rest: stats, RNGs
+    from remat_kit.sweep.run import _num_params
+
+    assert _num_params(program) == n

@@ -360,3 +360,24 @@ def test_from_loss_with_an_nnx_module_trains_and_donates_like_its_state(tmp_path
     assert module["losses"] == split["losses"] and module["losses"][2] < module["losses"][0]
     assert sorted(module["fed_back"]) == ["model", "opt_state"] and module["recopied"] == []
     assert alias[0] == alias[1] > 0
+
+
+def test_a_point_failing_with_an_error_exits_1_the_rows_kept(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep.jsonl"
+    real = sweep.run_program_sweep
+
+    def failing(*a, **kw):  # the injected failure of one point, the rest run as ever
+        def fail(label):
+            if label == "save-nothing":
+                raise RuntimeError("injected")
+
+        return real(*a, **kw, before_policy=fail)
+
+    monkeypatch.setattr(sweep, "run_program_sweep", failing)
+    argv = ["--model", MODEL, "--out", str(out), "--policy", "no-remat", "--policy",
+            "save-nothing", "--warmup-steps", "0", "--timed-steps", "1", "--no-progress",
+            "--no-plot"]  # fmt: skip
+    assert _cli().main(argv) == 1
+    rows = {r["policy"]: r for r in results.read_rows(out)}
+    assert rows["no-remat"]["status"] == "ok" and rows["save-nothing"]["status"] == "error"
+    assert "RuntimeError: injected" in capsys.readouterr().out

@@ -160,6 +160,20 @@ def check_policies(
         )
     tgt = T.get_target(target)
     tags = program_tags(program)
+    reach = program.reach()  # the judgement analyze and recommend make too
+    wraps = policies is None or any(resolve_policy(p).wrap for p in policies)
+    if not reach.passes and wraps:  # every policy compiles to one program: one error says it
+        factory = f"the {reach.part} of {program.name!r}"
+        finding = (
+            policy_not_passed("every policy", factory, reach.segments)
+            if reach.segments
+            else no_remat_segment("every policy", factory)
+        )
+        first = resolve_policy(policies[0]) if policies else get_policy_spec("save-nothing")
+        notes = [f"no-remat: {reach.no_remat_note()}"] if reach.no_remat_note() else []
+        return ProgramCheck(
+            program.name, tags, (PolicyCheck("every policy", first, (finding,)),), tuple(notes)
+        )
     if policies is None:
         chosen = program_policies(program, tgt, tags=tags)
         specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
@@ -171,26 +185,14 @@ def check_policies(
     if not specs:
         return ProgramCheck(program.name, tags, (), tuple(notes))
     facts = _facts(program, tags)
-    reach = program.reach()  # the judgement analyze and recommend make too
     if reach.no_remat_note():
         notes.append(f"no-remat: {reach.no_remat_note()}")
-    applied = [not spec.wrap or reach.passes for spec in specs]
-    compiled = [s for s, ok in zip(specs, applied, strict=True) if ok]
-    jobs = [*compiled, "no-remat"] if compiled else []  # nothing to compile when none applies
-    reports = analyze_policies(program, jobs, tgt, strict_tags=False) if jobs else []
+    jobs = [*specs, "no-remat"]
+    reports = analyze_policies(program, jobs, tgt, strict_tags=False)
     base = _kept(program, get_policy_spec("no-remat"))
     registered = set(policy_names())
     checks, each = [], iter(reports)
-    for spec, label, ok in zip(specs, labels, applied, strict=True):
-        if not ok:  # the factory ignores the policy: nothing else to say about it
-            factory = f"the factory {program.name!r}"
-            findings = [
-                policy_not_passed(label, factory, reach.segments)
-                if reach.segments
-                else no_remat_segment(label, factory)
-            ]
-            checks.append(PolicyCheck(label, spec, tuple(findings)))
-            continue
+    for spec, label in zip(specs, labels, strict=True):
         promise = Promise.of(spec, registered=spec.name in registered)
         promise = dataclasses.replace(promise, name=label)
         findings = unknown_tags(promise, facts)
@@ -282,10 +284,11 @@ def check_function(
     loss = make_loss(jax_policy)
     jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
     if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
-        return [no_remat_segment(promise.name if promise else "custom-callable", "make_loss")]
+        label = f"policy {promise.name if promise else 'custom-callable'!r}"
+        return [no_remat_segment(label, "make_loss")]
     reach = factory_reach(make_loss, args, "make_loss")  # the judgement analyze makes
     if not reach.passes:  # remat segments of the model's own, none taking the policy
-        label = promise.name if promise else "custom-callable"
+        label = f"policy {promise.name if promise else 'custom-callable'!r}"
         return [policy_not_passed(label, "make_loss", reach.segments)]
     if remat_static_argnums is not None:
         findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)

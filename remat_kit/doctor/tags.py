@@ -194,7 +194,7 @@ def no_remat_segment(label: str, factory: str) -> Finding:
     ``make_loss``) does not apply the policy it receives, so the policy decides nothing."""
     return Finding(
         "no-remat-segment", "error",
-        f"policy {label!r} is never applied: the step contains no remat segment (no "
+        f"{label} is never applied: the step contains no remat segment (no "
         "jax.checkpoint / nn.remat / nnx.remat anywhere in its traced jaxpr), so it stores "
         "what no-remat stores.",
         f"{factory} does not use the policy it receives.",
@@ -205,17 +205,18 @@ def no_remat_segment(label: str, factory: str) -> Finding:
 
 def policy_not_passed(label: str, factory: str, segments: int) -> Finding:
     """The error for a policy that none of the step's ``segments`` remat segments takes: the
-    model rematerializes on its own (``nn.remat`` / ``jax.checkpoint`` without ``policy=``),
-    so every policy compiles to one program."""
+    model rematerializes on its own (``nn.remat`` / ``jax.checkpoint`` without ``policy=``, or
+    with a fixed policy of its own), so every policy compiles to one program."""
     return Finding(
         "policy-not-passed", "error",
-        f"policy {label!r} is never applied: none of the {segments} remat segment(s) of the "
-        "step takes it, so it compiles to the same program as every other policy.",
-        f"{factory} builds remat segments that do not take the policy it receives (a model "
-        "calling nn.remat / jax.checkpoint itself without policy=, e.g. a Hugging Face Flax "
+        f"{label} is never applied: none of the {segments} remat segment(s) of the step takes "
+        "the policy, so every policy compiles to the same program.",
+        f"{factory} builds remat segments that do not take the policy it receives (a remat "
+        "call without policy=, or with a fixed policy of its own, e.g. a Hugging Face Flax "
         "model with gradient_checkpointing=True).",
-        "build the program with Program.from_loss(remat_kit.inject_policy(loss), ...), which "
-        "sets the policy of every remat segment, or pass policy=policy to those remat calls.",
+        "pass the policy the factory receives to those remat calls (policy=policy), or wrap "
+        "the loss in remat_kit.inject_policy(loss), which sets the policy of every remat "
+        "segment (docs/own-model-no-policy-hook.md).",
     )  # fmt: skip
 
 

@@ -578,11 +578,13 @@ def analyze_policies(
         cached = _cached_reports(cache, key, len(specs))
         if cached is not None:  # the same request made before: its reports, nothing traced
             return cached
+    reach = program.reach()  # first: the default set is read from the program's remat
+    if policies is None and not reach.passes:
+        raise ValueError(reach.error())
     if policies is None:
         specs = list(program_policies(program, tgt).specs)
     else:
         specs = [get_policy_spec(p) for p in policies]
-    reach = program.reach()
     if any(spec.wrap for spec in specs) and not reach.passes:
         raise ValueError(reach.error())
     setup = _setup(program, tgt, reach)

@@ -304,11 +304,11 @@ def _identity(program: Program, host: HostArguments, warmup: int, timed: int) ->
 
 
 def _num_params(program: Program) -> int | None:
-    """Elements of the differentiated loss arguments (None without a loss)."""
+    """Elements of the differentiated loss arguments (None without a loss;
+    :meth:`~remat_kit.program.Program.param_leaves`)."""
     if program.make_loss is None:
         return None
-    leaves = jax.tree.leaves([program.loss_args[i] for i in program.argnums])
-    return sum(int(x.size) for x in leaves if hasattr(x, "size"))
+    return sum(int(x.size) for x in program.param_leaves())
 
 
 def select_policies(
@@ -405,7 +405,8 @@ def run_program_sweep(
 
     Raises:
       ValueError: not a Program; bad step counts; an unknown policy, a per-tag spec naming a
-        tag the program does not emit, or no policy acting on its tags; ``out`` not writable,
+        tag the program does not emit, or no policy acting on its tags; a program whose
+        factories do not pass the policy on (:func:`remat_kit.program.policy_reach`); ``out`` not writable,
         holding rows without ``resume`` / ``overwrite``, or rows of another program or step
         counts. Nothing is written then.
     """
@@ -413,6 +414,9 @@ def run_program_sweep(
     _check(program, warmup_steps, timed_steps)
     tags = program_tags(program)
     specs, notes, per_label, cut_labels = select_policies(program, policies, tags)
+    reach = program.reach()  # as analyze: a step ignoring the policy is refused, once
+    if any(s.wrap for s in specs) and not reach.passes:
+        raise ValueError(reach.error())
     host = host_arguments(program.step(get_policy_spec("no-remat")))
     identity = _identity(program, host, warmup_steps, timed_steps)
     path = Path(out)

@@ -143,3 +143,37 @@ def test_cli_shape_flags(capsys):
         assert cli.main(["recommend", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_two_labels_of_one_compiled_program_are_not_a_close_call():
+    """save-out-proj on a program tagging only out_proj of its names compiles to the program
+    custom: out_proj=save compiles to: one program, never a 'close call' against itself (the
+    outside trial's recommend asked to measure both), and the table says which it repeats."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    from remat_kit import Program
+    from remat_kit.cli.recommend import _table
+    from remat_kit.cli.console import console as make_console
+
+    def make_loss(policy):
+        def layer(x, w):
+            h = checkpoint_name(jnp.tanh(x @ w[0]) @ w[1], "out_proj")
+            return x + jnp.sin(h)
+
+        block = jax.checkpoint(layer, policy=policy) if policy is not None else layer
+        return lambda ws, x: (jax.lax.scan(lambda c, w: (block(c, w), None), x, ws)[0] ** 2).mean()
+
+    ws = jax.ShapeDtypeStruct((3, 2, 32, 32), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    program = Program.from_loss(make_loss, ws, x, name="one-tag")
+    rec = recommend(program, target="cpu", budget="1GiB",
+                    policies=["save-out-proj", "out_proj=save"])  # fmt: skip
+    a, b = rec.candidates
+    assert a.program_sha256 == b.program_sha256 is not None and a.label != b.label
+    assert not any(n.startswith("close call") for n in rec.notes)
+    console = make_console(width=200)
+    with console.capture() as cap:
+        console.print(_table(rec, "candidates", rec.candidates))
+    assert f"(same program as {a.label})" in cap.get()

@@ -209,6 +209,11 @@ def test_a_pick_the_time_model_cannot_tell_from_the_next_is_called_close():
     assert close_call(pick, [pick, dataclasses.replace(pick, step_time_s=near.step_time_s)],
                       auto=False) is None  # fmt: skip
     assert close_call(None, [near], auto=False) is None
+    # another label compiled to the same program (save-out-proj and custom: out_proj=save on a
+    # program tagging out_proj only): not a rival, whatever its label
+    one = dataclasses.replace(pick, program_sha256="abc")
+    assert close_call(one, [one, dataclasses.replace(near, program_sha256="abc")], False) is None
+    assert close_call(one, [one, dataclasses.replace(near, program_sha256="def")], False)
     # auto: the lead in tokens per second of each policy's largest batch
     fast = dataclasses.replace(pick, tokens_per_s=1000.0)
     assert close_call(fast, [fast, dataclasses.replace(near, tokens_per_s=990.0)], auto=True)

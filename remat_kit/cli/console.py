@@ -26,7 +26,7 @@ def console(**kwargs: Any) -> Console:
     """A console at the terminal's width (``COLUMNS`` first; :data:`PIPED_WIDTH` when not a
     terminal); ``kwargs`` as :class:`rich.console.Console` takes them (``stderr``, ``quiet``)."""
     out = Console(**kwargs)
-    if out.is_terminal or "COLUMNS" in os.environ:
+    if out.is_terminal or "COLUMNS" in os.environ or "width" in kwargs:
         return out
     return Console(width=PIPED_WIDTH, **kwargs)
 

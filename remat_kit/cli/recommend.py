@@ -152,12 +152,14 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
         *([f"transfer {tu}"] if transfer else []), *(["tokens/s"] if shaped else []), "found by",
     ]  # fmt: skip
     left = ("candidate", "options", "found by")
-    rows = []
+    rows, first = [], {}
     for i, c in enumerate(candidates):
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
+        same = first.setdefault(c.program_sha256, c) if c.program_sha256 else c
+        label = c.label if same is c else f"{c.label} (same program as {same.label})"
         tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
         rows.append([
-            ("* " if c is rec.pick else "") + c.label, *(shape[n][i] for n in shape_cols),
+            ("* " if c is rec.pick else "") + label, *(shape[n][i] for n in shape_cols),
             f"{c.peak_bytes / bs:.2f}",
             *([f"{c.host_bytes / bs:.2f}"] if host else []), "yes" if c.fits else "no",
             f"{c.step_time_s * ts:.{td}f}", *([f"{c.transfer_s * ts:.{td}f}"] if transfer else []),

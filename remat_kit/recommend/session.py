@@ -326,4 +326,5 @@ def to_candidate(
         fits=report.peak_bytes <= budget,
         found_by=given_by(spec) if found_by == "named" else found_by,
         warnings=tuple(report.warnings),
+        program_sha256=getattr(report, "program_sha256", None),
     )

@@ -89,6 +89,10 @@ class Candidate:
     #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.api.ProgramPolicies.labels`),
     #: else None.
     named_label: str | None = None
+    #: The compiled program's key (:attr:`remat_kit.memory.report.MemoryReport.program_sha256`):
+    #: equal for two candidates that compiled to one program (``custom: out_proj=save`` and
+    #: ``save-out-proj`` on a program tagging only ``out_proj`` of that policy's names).
+    program_sha256: str | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -300,7 +304,7 @@ CLOSE_CALL = 0.05
 
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
     """The note for a pick whose estimated lead over the next fitting configuration (another
-    program: another label, or another peak) is under :data:`CLOSE_CALL`: the time model cannot
+    program: another label, or another peak, and not the same compiled program) is under :data:`CLOSE_CALL`: the time model cannot
     tell them apart, so the user should measure both. ``auto``: the lead in tokens per second
     (the largest batch of each policy), else in step time. None when the lead is clear."""
     if pick is None:
@@ -314,6 +318,7 @@ def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) 
     others = [
         c for c in rivals
         if c.fits and c is not pick and (c.label, c.peak_bytes) != (pick.label, pick.peak_bytes)
+        and (c.program_sha256 is None or c.program_sha256 != pick.program_sha256)
     ]  # fmt: skip
     near = min(others, key=lead, default=None)
     if near is None or not 0 <= lead(near) < CLOSE_CALL:

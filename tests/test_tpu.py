@@ -205,6 +205,26 @@ def test_tpu_compile_per_device_params_real_offload_and_xla_peak():
     # Loop trip counts read from the TPU loop conditions: no loop counted once.
     assert not any("unknown trip count" in w for w in report.warnings)
     assert report.flops and report.flops_no_remat
+    assert not any("compiled on 1 of" in w for w in report.warnings)  # sharded over the 4
+
+
+@needs_libtpu
+def test_a_program_on_one_chip_of_a_slice_and_the_assumed_per_op_cost_are_said():
+    """A user's Program is placed on one device: on a 4-chip slice the report says its figures
+    are one chip running the whole step (the outside trial read them as the slice's); the
+    TPU per-op cost no page cites is called assumed in analyze's time line."""
+    from remat_kit.cli.analyze import _time_line
+    from remat_kit.examples import plain_jax
+
+    (report,) = analyze_policies(plain_jax.program(), ["save-nothing"], target="v5e-4")
+    (note,) = [w for w in report.warnings if "compiled on 1 of" in w]
+    assert "v5e-4's 4 devices" in note and "one chip running the whole step" in note
+    line = _time_line([report])
+    assumed = line.split("assumed, not cited: ")[1]
+    assert "launch 1.0 us (assumed: no published per-op figure for TPUs)" in assumed
+    assert "vector units assumed at 1/10 of the matmul peak" in assumed
+    (preset,) = analyze_policies(remat_kit.preset("tiny-gpt", 2, 32), ["save-nothing"], "v5e-4")
+    assert any("--mesh / mesh= shards a preset" in w for w in preset.warnings)
 
 
 def test_compiled_peak_reads_the_platforms_figure():

@@ -276,9 +276,12 @@ def _time_line(results) -> str | None:
         return None
     figures = step.figures.split(":", 1)[0]
     how = "measured on this machine" if step.measured_figures else "from datasheets"
+    # a figure no datasheet gives (a TPU's per-op cost, a GPU's launch, vector units) says so
+    assumed = [p.strip() for p in step.figures.split(";") if "assumed" in p]
     return (
         f"est. step: roofline over the compiled kernels, device figures {how} ({figures}; "
-        "MemoryReport.step_time has the breakdown and the dominant kernels): an estimate, "
+        + (f"assumed, not cited: {'; '.join(assumed)}; " if assumed else "")
+        + "MemoryReport.step_time has the breakdown and the dominant kernels): an estimate, "
         "not a measurement"
     )
 

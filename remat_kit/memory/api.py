@@ -416,6 +416,18 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
             "no residual table: give the program's loss (Program.from_loss, or make_loss= in "
             "Program.from_step) for residuals by checkpoint tag"
         )
+    whole = setup.target.num_devices or 1
+    if setup.placement.devices < whole:
+        fix = (
+            "--mesh / mesh= shards a preset over them (docs/tpu.md)"
+            if setup.program.model_config is not None
+            else "a Program's arguments are placed on one device: its figures are one chip "
+            "running the whole step, unsharded"
+        )
+        notes.append(
+            f"compiled on {setup.placement.devices} of {setup.target.name}'s {whole} devices "
+            f"(chips): {fix}"
+        )
     if not spec.wrap and setup.reach.no_remat_note():
         notes.append(setup.reach.no_remat_note())
     elif setup.reach.without_policy:

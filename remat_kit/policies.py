@@ -341,7 +341,7 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
     for tag, act in spec.items():
         N.validate_name(tag)
         if act not in TAG_ACTIONS:
-            raise N.unknown_value_error(f"action for {tag!r}", act, TAG_ACTIONS)
+            raise ValueError(f"tag {tag!r}: {N.unknown_value_error('action', act, TAG_ACTIONS)}")
         if act == "save":
             save.add(tag)
         elif act == "offload":

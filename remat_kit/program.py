@@ -1005,7 +1005,7 @@ def load_program(ref: str) -> Program:
     factory = getattr(module, attr, None)
     if factory is None:
         found = _factories(module)
-        raise unknown_value_error(f"factory in {module_ref}", attr, found or ["(none)"])
+        raise ValueError(f"{module_ref}: {unknown_value_error('factory', attr, found or ['(none)'])}")
     if callable(factory) and not isinstance(factory, Program):
         try:
             inspect.signature(factory).bind()

@@ -35,10 +35,11 @@ def parse_bytes(text: str | int | float) -> int:
     """A size in bytes from ``"80GiB"`` (2**30), ``"80GB"`` (10**9), ``"8e10"`` or ``512``.
 
     Units (case-insensitive): B, kB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers
-    of 1024); no unit means bytes.
+    of 1024); no unit means bytes. A capitalised prefix before a lowercase b (``Mb``, ``Gib``)
+    is the bits convention and refused.
 
     Raises:
-      ValueError: not a positive size with a known unit.
+      ValueError: not a positive size with a known unit; a size written in bits (``4Mb``).
     """
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else None
@@ -46,6 +47,12 @@ def parse_bytes(text: str | int | float) -> int:
         raise ValueError(
             f"cannot read {str(text)!r} as a size: write a number with an optional unit, e.g. "
             "80GiB, 80GB, 8e10 (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    written = m.group(2)
+    if written[-1:] == "b" and written[:-1] != written[:-1].lower():  # Mb, Gb, GiB-less Mib
+        raise ValueError(
+            f"{str(text)!r}: a lowercase b after {written[:-1]!r} is bits; write "
+            f"{m.group(1)}{written[0].upper()}B or {m.group(1)}{written[0].upper()}iB for bytes"
         )
     value = float(m.group(1)) * _UNITS[unit]
     if value <= 0:

@@ -317,7 +317,7 @@ def test_remat_placement_and_cause_from_what_is_known():
     assert "3 remat region(s) outside a scan have prevent_cse=False" in undone_cause("cuda", loop)
     kept = RematPlacement(in_loop=0, outside=3)
     assert undone_cause("cuda", kept).startswith("not identified: the 3 remat region(s) outside")
-    assert "not identified" in undone_cause("cpu", scanned)
+    assert "not known to remat-kit" in undone_cause("cpu", scanned)
 
 
 #: XLA's buffer assignment as measured on the H100 target (one host allocation, two of the six

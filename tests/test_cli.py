@@ -118,6 +118,16 @@ def test_a_size_offered_as_a_budget_is_rounded_up_and_holds_it(n):
     assert format_bytes(4_112_192, up=True) == "3.93 MiB" and format_bytes(4_112_192) == "3.92 MiB"
 
 
+@pytest.mark.parametrize(("text", "fix"), [("4Mb", "4MB or 4MiB"), ("40Gib", "40GB or 40GiB"),
+                                           ("1Tb", "1TB or 1TiB")])  # fmt: skip
+def test_a_size_in_bits_is_refused_naming_the_bytes(text, fix):
+    """``4Mb`` is megabits by convention: refused with the byte spellings (it was read as 4 MB);
+    all-lowercase ``40gib`` and ``4kb`` stay bytes (nothing capitalised says bits)."""
+    with pytest.raises(argparse.ArgumentTypeError, match=f"lowercase b .* is bits; write {fix}"):
+        cli.parse_bytes(text)
+    assert cli.parse_bytes("40gib") == 40 * 2**30 and cli.parse_bytes("4kb") == 4000
+
+
 @pytest.mark.parametrize("text", ["-5GB", "-1", "0", "-0.5MiB"])
 def test_a_size_that_is_not_positive_is_told_so(text):
     """A negative size is read as a number and said to be not positive (it was 'cannot read

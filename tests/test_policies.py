@@ -293,5 +293,5 @@ def test_every_entry_takes_the_per_tag_text_the_command_line_takes():
         {"mlp_in": "save", "attn": "offload"}
     )
     assert get_policy_spec('{"mlp_in": "save"}') == custom_spec({"mlp_in": "save"})
-    with pytest.raises(ValueError, match="unknown action for 'mlp_in' 'sav'"):
+    with pytest.raises(ValueError, match="tag 'mlp_in': unknown action 'sav'"):
         get_policy_spec("mlp_in=sav")

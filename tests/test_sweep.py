@@ -219,7 +219,7 @@ def no_compile(monkeypatch):
     [
         ({"models": "('gpt-10n',)"}, "unknown preset 'gpt-10n'.*Did you mean 'gpt-10m'"),
         ({"policies": "('save-dot',)"}, "unknown policy 'save-dot'"),
-        ({"policies": "('query_proj=keep',)"}, "unknown action for 'query_proj' 'keep'"),
+        ({"policies": "('query_proj=keep',)"}, "tag 'query_proj': unknown action 'keep'"),
         ({"seq_lens": "(0,)"}, r"seq_lens\[0\] must be a positive integer, got 0"),
         ({"seq_lens": "(4096,)"}, "exceeds max_seq_len=128"),
         ({"remat_group_sizes": "(3,)"}, "remat_group_size=3 does not divide"),
@@ -447,7 +447,7 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
     code = _cli().main(
         ["--config", str(cfg), "--out", out, "--no-plot", "--policy", "query_prj=sve"]
     )
-    assert code == 2 and "unknown action for 'query_prj' 'sve'" in capsys.readouterr().err
+    assert code == 2 and "tag 'query_prj': unknown action 'sve'" in capsys.readouterr().err
     with pytest.raises(_Compiled):
         _cli().main(
             [

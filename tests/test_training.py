@@ -338,5 +338,5 @@ def test_train_config_takes_a_per_tag_policy():
     config = BASE.replace(policy="query_proj=offload,out_proj=save")
     spec = config.model_config().policy_spec
     assert spec.offload == {"query_proj"} and spec.save == {"out_proj"}
-    with pytest.raises(ValueError, match="unknown action for 'out_proj' 'keep'"):
+    with pytest.raises(ValueError, match="tag 'out_proj': unknown action 'keep'"):
         BASE.replace(policy="out_proj=keep")

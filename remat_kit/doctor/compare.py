@@ -365,8 +365,8 @@ def _offload_findings(
         return [
             Finding(
                 "offload-ignored", "info",
-                f"target {target.name!r} ignores host offload: the {nbytes(host_res)} policy "
-                f"{promise.name!r} offloads are counted as device memory.",
+                f"target {target.name!r} ignores host offload: the {nbytes(host_res)} that "
+                f"policy {promise.name!r} offloads are counted as device memory.",
                 "XLA:CPU compiles offloads as plain copies (host memory is device memory).",
                 "analyze offload policies on a GPU target (e.g. --target h100-sxm).",
             )

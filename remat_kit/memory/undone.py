@@ -50,7 +50,10 @@ def undone_cause(platform: str, remat: RematPlacement | None) -> str:
                 f"{remat.outside} remat region(s) of this step are outside any scan; run the "
                 "layers under a scan, or judge remat on a GPU target"
             )
-        return "every remat region is inside a scan: the cause is not identified"
+        return (
+            "every remat region is inside a scan, where XLA:CPU usually keeps it; what undid "
+            "it here is not known to remat-kit (judge remat on a GPU target)"
+        )
     if remat is None:
         return "a jax.checkpoint / nn.remat with prevent_cse=False outside a scan lets CSE do so"
     if remat.no_cse_outside:

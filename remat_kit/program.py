@@ -1005,7 +1005,8 @@ def load_program(ref: str) -> Program:
     factory = getattr(module, attr, None)
     if factory is None:
         found = _factories(module)
-        raise ValueError(f"{module_ref}: {unknown_value_error('factory', attr, found or ['(none)'])}")
+        bad = unknown_value_error("factory", attr, found or ["(none)"])
+        raise ValueError(f"{module_ref}: {bad}")
     if callable(factory) and not isinstance(factory, Program):
         try:
             inspect.signature(factory).bind()

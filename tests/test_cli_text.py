@@ -153,7 +153,9 @@ def test_bad_per_tag_policy_is_one_line_exit_2(capsys, command):
     args = [command, "--model", "tiny-gpt", "--seq", "8", "--policy", "query_proj=ofload"]
     assert cli.main(args + (["--batch", "1"] if command == "analyze" else [])) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("remat-kit: error: argument --policy: tag 'query_proj': unknown action 'ofload'")
+    assert err.startswith(
+        "remat-kit: error: argument --policy: tag 'query_proj': unknown action 'ofload'"
+    )
     assert "valid: save, offload, recompute" in err and "\n" not in err
 
 

@@ -12,7 +12,7 @@ import remat_kit
 from remat_kit import Program, cli, doctor
 from remat_kit.doctor.compare import Residuals, _no_device_saving, _no_op
 from remat_kit.doctor.promise import Promise
-from remat_kit.doctor.tags import TagFacts, fed_by, matmul_tags, unknown_tags
+from remat_kit.doctor.tags import TagFacts, feeds, matmul_tags, unknown_tags
 
 GPU = "h100-sxm"
 D, LAYERS = 32, 2
@@ -311,7 +311,7 @@ def test_matmul_tags_look_through_a_bias_add_and_a_transpose():
     w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.checkpoint(layer))(x, w, w.update(shape=(8,))).jaxpr
     assert matmul_tags(jaxpr) == {"biased", "transposed", "shifted"}
-    assert fed_by(jaxpr)["after"] == {"shifted"} and fed_by(jaxpr)["scaled"] == {"biased"}
+    assert feeds(jaxpr).fed["after"] == {"shifted"} and feeds(jaxpr).fed["scaled"] == {"biased"}
 
 
 def _after_activation_layer(x, w):  # one name before its activation, one after
@@ -357,14 +357,14 @@ def _tagged_matmul_elsewhere(x, w):  # the saved matmul output does not feed the
 
 
 def test_what_a_name_is_computed_from_is_read_through_elementwise_work_only():
-    """``fed_by``: the names a name is computed from with no matmul between (through gelu's
+    """``feeds``: the names a name is computed from with no matmul between (through gelu's
     jitted call), which the doctor's cause names; an untagged matmul between cuts it."""
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-    fed = fed_by(jax.make_jaxpr(jax.checkpoint(_after_activation_layer))(x, w).jaxpr)
-    assert fed == {"mlp_pre": frozenset(), "mlp_act": frozenset({"mlp_pre"})}
-    fed = fed_by(jax.make_jaxpr(jax.checkpoint(_tagged_matmul_elsewhere))(x, w).jaxpr)
-    assert fed == {"qkv": frozenset(), "ffn_act": frozenset()}
+    fed, bare = feeds(jax.make_jaxpr(jax.checkpoint(_after_activation_layer))(x, w).jaxpr)
+    assert fed == {"mlp_pre": frozenset(), "mlp_act": frozenset({"mlp_pre"})} and not bare
+    fed, bare = feeds(jax.make_jaxpr(jax.checkpoint(_tagged_matmul_elsewhere))(x, w).jaxpr)
+    assert fed == {"qkv": frozenset(), "ffn_act": frozenset()} and not bare
 
 
 def test_the_cause_names_a_kept_output_only_where_the_idle_name_is_computed_from_it():
@@ -385,3 +385,31 @@ def test_a_registered_policy_in_other_names_is_rewritten_with_the_programs_close
     assert "'qkv=save'" in finding.fix, finding.fix
     (plain,) = unknown_tags(Promise.of(remat_kit.get_policy_spec("save-out-proj")), facts)
     assert "'ctx=save'" in plain.fix  # no shared word: the first name, as before
+
+
+def _norm_first_layer(x, w):  # a pre-norm block: the layer's input, its norm, then the MLP
+    x = checkpoint_name(x, "layer_in")
+    normed = checkpoint_name(x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6), "normed")
+    up = checkpoint_name(normed @ w, "up")
+    return x + checkpoint_name(jax.nn.gelu(up), "act") @ w.T
+
+
+def test_a_name_computed_from_the_layers_input_alone_is_not_said_to_recompute_a_matmul():
+    """Saving a norm of the layer's input removes no recompute, as saving a name after an
+    activation does, but for another reason: no matmul is computed before it at all. The
+    cause said "recomputes the matmul that produces it" of a norm (outside trial, session 15);
+    each kind gets its own cause."""
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    fed, bare = feeds(jax.make_jaxpr(jax.checkpoint(_norm_first_layer))(x, w).jaxpr)
+    assert bare == {"layer_in", "normed"} and fed["normed"] == {"layer_in"}
+    fed, bare = feeds(jax.make_jaxpr(_norm_first_layer)(x, w).jaxpr)  # no remat segment
+    assert not bare
+    program = _program(_norm_first_layer, "norm-first")
+    checks = doctor.check_policies(program, [{"normed": "save"}, {"act": "save"}], "cpu").checks
+    (norm,) = [f for f in checks[0].findings if f.code == "save-removes-no-recompute"]
+    assert "keeps normed (" in norm.what
+    assert "computed from the remat segment's input with no matmul between" in norm.cause
+    assert "recomputes the matmul" not in norm.cause
+    (act,) = [f for f in checks[1].findings if f.code == "save-removes-no-recompute"]
+    assert "keeps act (" in act.what and "recomputes the matmul that it is" in act.cause

@@ -154,8 +154,8 @@ def test_two_labels_of_one_compiled_program_are_not_a_close_call():
     from jax.ad_checkpoint import checkpoint_name
 
     from remat_kit import Program
-    from remat_kit.cli.recommend import _table
     from remat_kit.cli.console import console as make_console
+    from remat_kit.cli.recommend import _table
 
     def make_loss(policy):
         def layer(x, w):

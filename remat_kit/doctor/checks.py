@@ -40,7 +40,7 @@ from remat_kit.doctor.promise import (
 )
 from remat_kit.doctor.tags import (
     TagFacts,
-    fed_by,
+    feeds,
     matmul_tags,
     no_remat_segment,
     policy_not_passed,
@@ -124,7 +124,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
 
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
     user = program.scan_layers is None
-    return TagFacts(tags, inside, user=user, savers=savers, fed=fed_by(jaxpr))
+    return TagFacts(tags, inside, user=user, savers=savers, feeds=feeds(jaxpr))
 
 
 def check_policies(

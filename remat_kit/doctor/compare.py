@@ -222,13 +222,21 @@ def _saved_without_saving(
     it = "it" if len(idle) == 1 else "them"
     # kept by this policy, saving FLOPs, and what an idle name is computed from (no matmul
     # between): then the idle name spares that elementwise work only
-    fed = facts.fed or {}
+    fed = facts.feeds.fed if facts.feeds else {}
+    bare = facts.feeds.no_matmul if facts.feeds else frozenset()
     also = [t for t in savers if t in promise.save and any(t in fed.get(i, ()) for i in idle)]
-    cause = (
-        f"saved alone, {it} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
-        f"recomputes the matmul that produces {it} for the activation's derivative unless that "
-        "matmul's own output is kept"
-    )
+    if set(idle) <= bare:  # a norm of the layer's input, the input itself: no matmul to spare
+        cause = (
+            f"{it} {'is' if it == 'it' else 'are'} computed from the remat segment's input with "
+            "no matmul between (the input itself, a norm, a cast): the backward pass recomputes "
+            f"no matmul for {it}, so saving {it} spares only that elementwise work"
+        )
+    else:
+        cause = (
+            f"saved alone, {it} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
+            f"recomputes the matmul that {it} {'is' if it == 'it' else 'are'} computed from "
+            "for the activation's derivative unless that matmul's own output is kept"
+        )
     if also:
         cause += (
             f"; this policy keeps {', '.join(also)}, which {it} {'is' if it == 'it' else 'are'} "

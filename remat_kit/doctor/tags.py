@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend import core as jcore
@@ -46,9 +46,10 @@ class TagFacts:
     in_remat: frozenset[str] | None = None
     user: bool = False
     savers: Callable[[], tuple[str, ...]] | None = dataclasses.field(default=None, compare=False)
-    #: For each name, the names applied to what it is computed from with no matmul between
-    #: (:func:`fed_by`); None: not walked.
-    fed: Mapping[str, frozenset[str]] | None = dataclasses.field(default=None, compare=False)
+    #: For each name, the names applied to what it is computed from with no matmul between,
+    #: and the names computed from a remat segment's inputs with no matmul at all
+    #: (:func:`feeds`); None: not walked.
+    feeds: Feeds | None = dataclasses.field(default=None, compare=False)
 
     @property
     def remat_kit_names(self) -> bool:
@@ -68,7 +69,7 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     ``in_remat`` from its jaxpr. Traces only."""
     tags = W.emitted_tags(fn, *args) if emitted is None else emitted
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return TagFacts(frozenset(tags), tags_in_remat(jaxpr), user=True, fed=fed_by(jaxpr))
+    return TagFacts(frozenset(tags), tags_in_remat(jaxpr), user=True, feeds=feeds(jaxpr))
 
 
 #: Primitives looked through from a name back to the matmul it tags: a bias add, a layout
@@ -120,12 +121,30 @@ def _has_matmul(j: Any) -> bool:
     )
 
 
-def fed_by(jaxpr: Any, depth: int = 8) -> dict[str, frozenset[str]]:
-    """For each checkpoint name, the names applied to the values it is computed from without a
-    matmul between (through elementwise work and calls holding no matmul, up to ``depth``
-    equations back): ``{"mlp_act": {"mlp_up"}}`` where ``mlp_act = gelu(mlp_up)``; a name
-    applied to ``gelu(x @ w)`` with ``x @ w`` untagged is fed by none."""
+class Feeds(NamedTuple):
+    """What each checkpoint name is computed from (:func:`feeds`).
+
+    Attributes:
+      fed: for each name, the names applied to the values it is computed from without a
+        matmul between (``{"mlp_act": {"mlp_up"}}`` where ``mlp_act = gelu(mlp_up)``).
+      no_matmul: the names applied directly in a remat segment's body and computed from the
+        segment's inputs alone with no matmul or convolution anywhere between (a norm of the
+        layer's input, the input itself, a name fed only by such names): the backward pass
+        recomputes no matmul for them.
+    """
+
+    fed: dict[str, frozenset[str]]
+    no_matmul: frozenset[str]
+
+
+def feeds(jaxpr: Any, depth: int = 8) -> Feeds:
+    """:class:`Feeds` of ``jaxpr``: from each name back through elementwise work and calls
+    holding no matmul, up to ``depth`` equations. A name applied to ``gelu(x @ w)`` with
+    ``x @ w`` untagged is fed by none and is not in ``no_matmul``; one whose walk stops at the
+    depth, or is applied inside a call nested in the segment (its inputs are not the
+    segment's), is not in ``no_matmul`` either (not known)."""
     found: dict[str, set[str]] = {}
+    rooted: dict[str, bool] = {}  # a name: True while only the segment's inputs were reached
     holds: dict[int, bool] = {}  # by equation: a matmul somewhere inside (each call judged once)
 
     def opaque(e: Any) -> bool:
@@ -133,29 +152,44 @@ def fed_by(jaxpr: Any, depth: int = 8) -> dict[str, frozenset[str]]:
             holds[id(e)] = any(_has_matmul(sub) for sub in W.sub_jaxprs(e))
         return holds[id(e)]
 
-    todo = [jaxpr]
+    todo = [(jaxpr, False)]
     while todo:
-        j = todo.pop()
+        j, segment = todo.pop()
         producer = {o: e for e in j.eqns for o in e.outvars}
         for eqn in j.eqns:
-            todo.extend(W.sub_jaxprs(eqn))
+            todo.extend((sub, W.is_remat(eqn)) for sub in W.sub_jaxprs(eqn))
             tag = W.eqn_tag(eqn)
             if tag is None or not eqn.invars:
                 continue
-            feeds = found.setdefault(tag, set())
+            names = found.setdefault(tag, set())
+            clean = segment and rooted.get(tag, True)
             frontier, seen = [(eqn.invars[0], 0)], set()
             while frontier:
                 v, d = frontier.pop()
                 up = producer.get(v) if _is_var(v) else None
-                if up is None or d >= depth or id(up) in seen:
+                if up is None:  # an input of this body, or a literal
+                    continue
+                if d >= depth or id(up) in seen:
+                    clean = clean and id(up) in seen
                     continue
                 seen.add(id(up))
                 name = W.eqn_tag(up)
                 if name is not None:
-                    feeds.add(name)
-                elif up.primitive.name not in _MATMULS and not opaque(up):
+                    names.add(name)
+                elif up.primitive.name in _MATMULS or opaque(up):
+                    clean = False
+                else:
                     frontier += [(x, d + 1) for x in up.invars if _is_var(x)]
-    return {t: frozenset(f) for t, f in found.items()}
+            rooted[tag] = clean
+    fed = {t: frozenset(f) for t, f in found.items()}
+    # fed only by names that are themselves computed from the inputs alone: a fixed point
+    clear = {t for t, ok in rooted.items() if ok}
+    while True:
+        keep = {t for t in clear if fed[t] <= clear}
+        if keep == clear:
+            break
+        clear = keep
+    return Feeds(fed, frozenset(clear))
 
 
 def recompute_savers(

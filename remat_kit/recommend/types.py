@@ -304,9 +304,10 @@ CLOSE_CALL = 0.05
 
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
     """The note for a pick whose estimated lead over the next fitting configuration (another
-    program: another label, or another peak, and not the same compiled program) is under :data:`CLOSE_CALL`: the time model cannot
-    tell them apart, so the user should measure both. ``auto``: the lead in tokens per second
-    (the largest batch of each policy), else in step time. None when the lead is clear."""
+    program: another label, or another peak, and not the same compiled program) is under
+    :data:`CLOSE_CALL`: the time model cannot tell them apart, so the user should measure both.
+    ``auto``: the lead in tokens per second (the largest batch of each policy), else in step
+    time. None when the lead is clear."""
     if pick is None:
         return None
 

@@ -406,7 +406,8 @@ def run_program_sweep(
     Raises:
       ValueError: not a Program; bad step counts; an unknown policy, a per-tag spec naming a
         tag the program does not emit, or no policy acting on its tags; a program whose
-        factories do not pass the policy on (:func:`remat_kit.program.policy_reach`); ``out`` not writable,
+        factories do not pass the policy on (:func:`remat_kit.program.policy_reach`); ``out``
+        not writable,
         holding rows without ``resume`` / ``overwrite``, or rows of another program or step
         counts. Nothing is written then.
     """

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from remat_kit import plots, targets
+from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.cli.progress import CompileProgress
@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(r, CompileError)
     ]
     if args.timeline and reports:
+        from remat_kit import plots  # matplotlib: imported only when a figure is drawn
+
         plots.timeline(reports, args.timeline, titles=labels)
         print(f"{A.PROG}: wrote {args.timeline}", file=sys.stderr)
     if args.html and reports:

@@ -25,11 +25,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from remat_kit.training.compiled import optimizer_for
@@ -37,6 +36,18 @@ from remat_kit.training.config import RESUME_MAY_CHANGE, TrainConfig
 from remat_kit.training.data import Corpus
 from remat_kit.training.faults import KillAt
 from remat_kit.training.step import TrainState, abstract_train_state, sharded_train_state
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+
+def _orbax() -> Any:
+    """``orbax.checkpoint``, imported where a checkpoint is read or written: ``import
+    remat_kit`` (every CLI call, every analysis) does not pay for it."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
 
 CHECKPOINT_DIR = "checkpoints"
 """Sub-folder of the workdir that holds the orbax checkpoints (one folder per saved step)."""
@@ -57,6 +68,7 @@ def remove_unfinished_saves(directory: Path) -> list[str]:
     Returns:
       The names of the folders removed (empty on other processes).
     """
+    ocp = _orbax()
     removed = []
     if jax.process_index() == 0 and directory.is_dir():
         for tmp in ocp.path.step.all_temporary_paths(directory):
@@ -72,6 +84,7 @@ def open_for_writing(
 ) -> ocp.CheckpointManager:
     """The manager a training run saves with: unfinished saves removed first (see the module
     docstring), the last ``keep`` checkpoints kept, synchronous saves."""
+    ocp = _orbax()
     remove_unfinished_saves(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
@@ -87,12 +100,14 @@ def open_for_writing(
 
 def open_for_reading(directory: Path) -> ocp.CheckpointManager:
     """A manager that restores and lists steps, and never deletes or writes anything."""
+    ocp = _orbax()
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
 def save(mgr, step: int, state: TrainState, rng_data: np.ndarray, meta: dict[str, Any]) -> None:
     """Save checkpoint ``step``: the state, the run's key (uint32[2]) and the JSON ``meta``."""
+    ocp = _orbax()
     mgr.save(
         step,
         args=ocp.args.Composite(
@@ -104,6 +119,7 @@ def save(mgr, step: int, state: TrainState, rng_data: np.ndarray, meta: dict[str
 
 def restore_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
     """The JSON metadata of checkpoint ``step``."""
+    ocp = _orbax()
     return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
@@ -112,6 +128,7 @@ def restore(
 ) -> tuple[TrainState, dict[str, Any]]:
     """Checkpoint ``step``: the state (on ``mesh``, sharded as the train step takes it; None:
     the default device) and the metadata, with the run's key as ``meta["rng"]``."""
+    ocp = _orbax()
     meta = restore_meta(mgr, step)
     cfg = TrainConfig.from_dict(meta["config"])
     if mesh is None:

@@ -26,9 +26,10 @@ import functools
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orbax.checkpoint.path import atomicity
+if TYPE_CHECKING:
+    from orbax.checkpoint.path import atomicity
 
 from remat_kit.validation import unknown_value_error
 
@@ -94,6 +95,8 @@ class _MicroBatchKill:
 
 @functools.lru_cache(maxsize=4)
 def _killing_rename(step_name: str) -> type[atomicity.AtomicRenameTemporaryPath]:
+    from orbax.checkpoint.path import atomicity  # imported only when a test asks for the kill
+
     class KillingRename(atomicity.AtomicRenameTemporaryPath):
         async def finalize(self, *args: Any, **kwargs: Any) -> Any:
             if self.get_final().name == step_name:  # the step folder, not one of its items

@@ -9,11 +9,10 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from remat_kit import sharding as S
@@ -33,6 +32,9 @@ from remat_kit.training.config import NonFiniteLossError, TrainConfig, TrainResu
 from remat_kit.training.data import Batcher, Corpus, load_corpus
 from remat_kit.training.faults import KillAt
 from remat_kit.training.step import TrainState
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 
 @dataclasses.dataclass

@@ -129,3 +129,15 @@ def test_the_code_passes_the_linter():
     cmd = [sys.executable, "-m", "ruff", "check", "--quiet", *dirs]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=PKG.parent)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_importing_the_library_leaves_the_heavy_optional_modules_unloaded():
+    """``import remat_kit.cli`` (every CLI call, a usage error included) loaded orbax and
+    matplotlib (about 2.5 s on this VM) for commands that never checkpoint or draw."""
+    code = (
+        "import sys, remat_kit.cli\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'orbax', 'matplotlib'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

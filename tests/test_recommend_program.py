@@ -136,7 +136,9 @@ def test_cli_recommend_program(capsys, tmp_path):
 
 def test_cli_shape_flags(capsys):
     for argv, match in [
-        (["--model", REF, "--seq", "64"], "--seq applies to presets; program 'plain-jax'"),
+        (["--model", REF, "--seq", "64"], f"--seq applies to presets; program {REF!r}"),
+        # refused before the program is loaded: a reference that cannot load says the same
+        (["--model", "no_such_module:program", "--seq", "64"], "--seq applies to presets"),
         (["--model", REF, "--group-size", "1"], "--group-size applies to presets"),
         (["--model", "tiny-llama"], "required for a preset: --seq"),
     ]:

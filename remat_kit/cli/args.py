@@ -137,19 +137,18 @@ def read_program(
         preset refuses (:func:`remat_kit.preset`).
     """
     if is_program_ref(args.model):
-        program = load_program(args.model)
         given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
         given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
         if args.overrides:
             given.append("--set")
-        if given:
+        if given:  # refused before the program is loaded and built (seconds to minutes)
             verb = "apply" if len(given) > 1 else "applies"
             raise UsageError(
-                f"{' and '.join(given)} {verb} to presets; program {program.name!r} carries its "
+                f"{' and '.join(given)} {verb} to presets; program {args.model!r} carries its "
                 "own arguments, layers and sharding (set shapes in its factory; shard inside "
                 "its step, e.g. jax.jit with in_shardings over a jax.sharding.Mesh)"
             )
-        return program
+        return load_program(args.model)
     config = read_config(args, **fixed)
     missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
     if missing:

@@ -29,7 +29,7 @@ from remat_kit.walker import MemoryKind, Residual, TagResiduals
 
 __all__ = ["MemoryKind", "Residual", "TagResiduals"]  # data types live in remat_kit.walker
 
-_FORWARD_THROUGH = ("add", "reshape", "convert_element_type")
+_FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 #: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
 _DIM_AXES = {
@@ -86,8 +86,9 @@ class _Graph:
         return out
 
     def _bias_add_out(self, eqn: Any, v: Any) -> Any | None:
-        """The output of ``eqn`` when it only adds a bias to ``v`` or reshapes / casts it (the
-        named value of a matmul kept by a dots policy often comes after its bias add)."""
+        """The output of ``eqn`` when it only adds a bias to ``v`` or reshapes, transposes or
+        casts it (the named value of a matmul kept by a dots policy often comes after its bias
+        add; attention's context is its einsum's output transposed)."""
         if eqn.primitive.name not in _FORWARD_THROUGH or len(eqn.outvars) != 1:
             return None
         if eqn.primitive.name == "add":

@@ -132,8 +132,10 @@ def test_each_policy_residual_table_matches_its_promise(model, name):
         assert host == spec.offload & needed, host
     elif spec.base == "dots_no_batch":  # weight matmuls only: no attention scores or context
         assert device == projections | {N.DECODER_LAYER_INPUT} and not host
-    elif spec.base == "dots":  # ... plus the batched attention matmuls (untagged)
-        assert device == projections | {N.DECODER_LAYER_INPUT, "<dot_general>"} and not host
+    elif spec.base == "dots":  # ... plus the batched attention matmuls: the scores (untagged)
+        # and context (its matmul's output before the transpose the name is applied after)
+        kept = {N.DECODER_LAYER_INPUT, N.CONTEXT, "<dot_general>"}
+        assert device == projections | kept and not host
     else:  # no-remat keeps what the backward pass needs, including untagged values
         assert projections - {N.QUERY_PROJ, N.KEY_PROJ, N.OUT_PROJ, N.MLPWO} <= device
         assert any(tag.startswith("<") for tag in device) and not host

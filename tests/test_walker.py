@@ -224,6 +224,10 @@ NAMED_MATMULS = {
     "matmul-in-jit": lambda h, w: checkpoint_name(jax.jit(jnp.matmul)(h, w), "proj"),
     "name-in-remat": lambda h, w: jax.checkpoint(lambda a: checkpoint_name(a, "proj"))(h @ w),
     "custom-vjp": _proj_vjp,
+    # the name applied after a layout change (an einsum's output transposed: attention's context)
+    "after-transpose": lambda h, w: jnp.swapaxes(
+        checkpoint_name(jnp.swapaxes(h @ w, -1, -2), "proj"), -1, -2
+    ),
 }
 PROJ_BYTES = 3 * 4 * 16 * 32 * 4  # [layers, batch, seq, d] float32
 

@@ -60,6 +60,7 @@ from jax.extend import core as jax_core
 
 from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
+from remat_kit.remat_impl import remat_implementation
 from remat_kit.residuals import group_by_tag, saved_residuals
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
@@ -742,6 +743,11 @@ class PolicyReach:
       without_policy: remat segments in the trace for ``no-remat`` (a factory building without
         remat has none).
       part: which of the program's factories this judges (``make_step``, ``make_loss``).
+      linearized: None where the segments were counted; under ``jax_remat3``, which
+        differentiates a remat segment as it traces it (a step's trace holds none), whether
+        the trace changes with the policy (save-everything against save-nothing): True, the
+        policy reaches segments the trace no longer shows (``segments`` and ``reached`` are
+        then 0, not counted).
     """
 
     program: str
@@ -749,14 +755,23 @@ class PolicyReach:
     reached: int
     without_policy: int
     part: str = "factory"
+    linearized: bool | None = None
 
     @property
     def passes(self) -> bool:
         """The policy decides something: at least one remat segment takes it."""
-        return self.reached > 0
+        return self.reached > 0 or bool(self.linearized)
 
     def error(self) -> str:
         """One line: why every policy would compile to one program, and what to do."""
+        if self.linearized is False:
+            return (
+                f"the {self.part} of program {self.program!r} traces to the same step under "
+                "every policy (under jax_remat3, which differentiates remat segments as it "
+                "traces them, save-everything and save-nothing gave one step), so every policy "
+                "would compile to one program; pass the policy it receives to its jax.checkpoint "
+                "/ nn.remat / nnx.remat / eqx.filter_checkpoint calls"
+            )
         if not self.segments:
             return (
                 f"the {self.part} of program {self.program!r} applies no remat: its trace holds "
@@ -789,11 +804,15 @@ def policy_reach(program: Program) -> PolicyReach:
     None and count the remat segments that take the policy (:class:`PolicyReach`). The step is
     what compiles and the loss is what is walked for residuals: a policy either drops is not
     passed (the loss's judgement where it drops it, else the step's). Traces only."""
+    loss = None
     if program.make_loss is not None:
         loss = factory_reach(program.make_loss, program.loss_args, program.name, "make_loss")
         if not loss.passes:
             return loss
-    return factory_reach(program.make_step, program.args, program.name, "make_step")
+    step = factory_reach(program.make_step, program.args, program.name, "make_step")
+    if step.linearized and loss is not None:  # the loss's trace still shows its segments
+        return loss
+    return step
 
 
 def factory_reach(
@@ -813,7 +832,22 @@ def factory_reach(
 
     probed = segments(probe)
     reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
+    if not probed and remat_implementation() == "remat3":
+        # a differentiated trace (a step) under jax_remat3 holds no segment: judged by whether
+        # two policies that keep different values trace to different steps
+        cp = jax.checkpoint_policies
+        every, none = (
+            _trace_text(make, args, p) for p in (cp.everything_saveable, cp.nothing_saveable)
+        )
+        return PolicyReach(name, 0, 0, 0, part, linearized=every != none)
     return PolicyReach(name, len(probed), reached, len(segments(None)), part)
+
+
+def _trace_text(make: Factory, args: Sequence[Any], policy: Any) -> str:
+    """The jaxpr of ``make(policy)`` on ``args``, as text (two traces compared)."""
+    fn = make(policy)
+    pure = purify(fn, args, param_names(fn, len(args)))
+    return str(jax.make_jaxpr(pure.fn)(*pure.args))
 
 
 def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:

@@ -215,3 +215,32 @@ def test_docs_table_is_the_committed_run():
         if row["probe"]["jax_version"] == jax.__version__:
             effect = RI.policy_effect(row["policy"], row["implementation"])
             assert effect.runs_as == row["probe"]["runs_as"], row["policy"]
+
+
+def test_a_users_step_is_judged_to_pass_the_policy_under_remat3():
+    """jax_remat3 differentiates a remat segment as it traces it: a step's trace holds none, and
+    every user program (the docs' plain-JAX example, Equinox, linen) was refused with 'applies
+    no remat' (outside trial, session 16). The step is judged by whether save-everything and
+    save-nothing trace to different steps; one that ignores the policy still is refused."""
+    from remat_kit.examples import plain_jax
+    from remat_kit.program import Program, policy_reach
+
+    def fixed_step(policy):  # a remat of its own: the policy given is dropped
+        return plain_jax.make_step(jax.checkpoint_policies.nothing_saveable)
+
+    args = plain_jax.abstract_args()
+    loss_args = (args[0], args[2])
+    with RI.using("remat3"):
+        from_loss = policy_reach(plain_jax.program())
+        assert from_loss.passes and from_loss.part == "make_loss" and from_loss.segments
+        step = policy_reach(Program.from_step(plain_jax.make_step, *args, name="step"))
+        assert step.passes and step.linearized and step.part == "make_step"
+        both = Program.from_step(
+            fixed_step, *args, name="fixed", make_loss=plain_jax.make_loss, loss_args=loss_args
+        )
+        refused = policy_reach(both)
+        assert not refused.passes and refused.part == "make_step"
+        assert "traces to the same step under every policy" in refused.error()
+    with RI.using("classic"):  # the same judgement, from counted segments
+        assert policy_reach(Program.from_step(plain_jax.make_step, *args, name="s")).reached
+        assert not policy_reach(both).passes

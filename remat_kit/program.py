@@ -92,6 +92,13 @@ def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+def is_float_array(x: Any) -> bool:
+    """An array leaf of a floating (or complex) dtype: what a loss is differentiated by (as
+    ``eqx.is_inexact_array``); integer and boolean arrays (masks, position ids, counters) are
+    carried unchanged."""
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """The non-array leaves of one argument, to put back around its array leaves."""
@@ -101,12 +108,13 @@ class _Static:
     mask: tuple[bool, ...]  # True where the leaf is an array (an argument)
 
 
-def partition(tree: Any) -> tuple[Any, _Static | None]:
-    """``tree`` split as ``eqx.partition(tree, is_array)`` would: the same tree with each
-    non-array leaf replaced by None (an empty subtree to JAX), and what :func:`combine` needs
-    to put them back; ``(tree, None)`` when every leaf is an array."""
+def partition(tree: Any, keep: Callable[[Any], bool] = is_array) -> tuple[Any, _Static | None]:
+    """``tree`` split as ``eqx.partition(tree, keep)`` would: the same tree with each leaf
+    ``keep`` refuses (default: each non-array leaf) replaced by None (an empty subtree to JAX),
+    and what :func:`combine` needs to put them back; ``(tree, None)`` when ``keep`` takes
+    every leaf."""
     leaves, treedef = jax.tree.flatten(tree)
-    mask = tuple(is_array(x) for x in leaves)
+    mask = tuple(keep(x) for x in leaves)
     if all(mask):
         return tree, None
     arrays = [x if m else None for x, m in zip(leaves, mask, strict=True)]
@@ -432,7 +440,9 @@ class Program:
           name: for reports (default: the factory's name).
 
         Raises:
-          ValueError: ``argnums`` out of range or naming an integer array; a parameter
+          ValueError: ``argnums`` out of range or naming an argument with no float arrays
+            (integer and boolean leaves beside floats are carried, not differentiated), or an
+            NNX object with an integer ``nnx.Param``; a parameter
             argument with no array leaves; an argument JAX cannot see into (not a pytree, a
             linen Module); a loss that does not return a float scalar; unknown optimizer.
         """
@@ -442,7 +452,7 @@ class Program:
         check_loss(make_loss, args, names[1:])
         tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
         # the differentiated arrays: each parameter's array leaves (filter semantics)
-        params = tuple(_diff_part(args[i])[0] for i in nums)
+        params = tuple(partition(_diff_part(args[i])[0], is_float_array)[0] for i in nums)
         concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
         # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
         opt_state = tx.init(params) if concrete else jax.eval_shape(tx.init, params)
@@ -450,11 +460,13 @@ class Program:
         def step_of_loss(loss):
             def step(opt_state, *loss_args):
                 parts = [_diff_part(loss_args[i]) for i in nums]
+                # floats differentiated; integer and boolean arrays carried (filter semantics)
+                floats = [partition(arrays, is_float_array) for arrays, _ in parts]
 
                 def of_arrays(*diff):
                     full = list(loss_args)
-                    for i, arrays, (_, static) in zip(nums, diff, parts, strict=True):
-                        full[i] = _whole(arrays, static)
+                    for n, (i, arrays) in enumerate(zip(nums, diff, strict=True)):
+                        full[i] = _whole(combine(arrays, floats[n][1]), parts[n][1])
                     # what the loss changed in an NNX parameter's other variables (RNG
                     # counters, batch statistics), carried out of the differentiated function
                     changed = tuple(
@@ -463,13 +475,14 @@ class Program:
                     )
                     return loss(*full), changed
 
-                params = tuple(p for p, _ in parts)
+                params = tuple(f for f, _ in floats)
                 (value, changed), grads = jax.value_and_grad(
                     of_arrays, argnums=tuple(range(len(nums))), has_aux=True
                 )(*params)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 new, kept = optax.apply_updates(params, updates), []
-                for i, arrays, rest in zip(nums, new, changed, strict=True):
+                for n, (i, arrays, rest) in enumerate(zip(nums, new, changed, strict=True)):
+                    arrays = combine(arrays, floats[n][1])
                     if _is_nnx(loss_args[i]):  # updated in place: the step's NNX state out
                         nnx.update(loss_args[i], arrays, rest)
                     else:
@@ -665,13 +678,13 @@ class Program:
         return BufferNames(stacked=stacked, params=frozenset(params))
 
     def param_leaves(self) -> list[Any]:
-        """The arrays the loss differentiates: the leaves of its ``argnums`` arguments, an NNX
-        object's ``nnx.Param`` state only (not its RNG keys, counters or batch statistics);
-        empty without a loss."""
+        """The arrays the loss differentiates: the float array leaves of its ``argnums``
+        arguments (not integer or boolean buffers), an NNX object's ``nnx.Param`` state only
+        (not its RNG keys, counters or batch statistics); empty without a loss."""
         out = []
         for i in self.argnums if self.make_loss is not None else ():
             arg = self.loss_args[i]
-            out += [x for x in jax.tree.leaves(_diff_part(arg)[0]) if is_array(x)]
+            out += [x for x in jax.tree.leaves(_diff_part(arg)[0]) if is_float_array(x)]
         return out
 
     def reach(self) -> PolicyReach:
@@ -855,19 +868,23 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
     for i in nums:
         if not 0 <= i < len(args):
             raise ValueError(f"argnums {i} out of range for a function of {len(args)} arguments")
-        # an NNX object is differentiated by its nnx.Param state (:func:`_diff_part`)
-        tree = nnx.state(args[i], nnx.Param) if _is_nnx(args[i]) else args[i]
+        # an NNX object is differentiated by its nnx.Param state (:func:`_diff_part`): an
+        # integer nnx.Param is refused; elsewhere integer and boolean arrays (masks, position
+        # ids) are carried, not differentiated, unless the argument holds nothing else
+        nnx_state = _is_nnx(args[i])
+        tree = nnx.state(args[i], nnx.Param) if nnx_state else args[i]
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
         bad = [
             jax.tree_util.keystr(path)
-            for path, x in jax.tree_util.tree_leaves_with_path(tree)
+            for path, x in leaves
             if hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact)
         ]
-        if bad:
+        if bad and (nnx_state or not any(is_float_array(x) for _, x in leaves)):
             where = f" (at {', '.join(p or 'the argument itself' for p in bad[:3])})"
+            what = "no float arrays, only" if not nnx_state else "nnx.Param"
             raise ValueError(
-                f"argnums {i}: argument {i} holds integer or boolean arrays{where}, which are "
-                "not differentiated; pass the float parameters' position, or keep integer "
-                "leaves out of the parameters"
+                f"argnums {i}: argument {i} holds {what} integer or boolean arrays{where}, "
+                "which are not differentiated; pass the float parameters' position"
             )
     return nums
 

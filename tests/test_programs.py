@@ -350,16 +350,36 @@ def test_from_loss_keeps_what_the_loss_changes_in_an_nnx_module():
     assert count(stepped) == count(idiomatic) == count(model) + 1
 
 
-def test_integer_leaves_in_the_parameters_are_named_by_path():
-    """A parameter dict with an integer leaf: the error names the leaf (a user could not tell
-    which of their leaves it meant)."""
-    params = {"w": jnp.ones((4, 4)), "step": jnp.zeros((), jnp.int32)}
+def test_integer_and_boolean_leaves_beside_the_floats_are_carried_not_differentiated():
+    """A parameter argument holding an int32 position table and a boolean mask beside its
+    weights (an Equinox module's buffers) was refused; eqx.filter_value_and_grad
+    differentiates the floats only and so does from_loss now: the gradients are the floats',
+    the integer and boolean leaves come out of the step unchanged, the optimizer state and the
+    parameter count leave them out. An argument with no float arrays is still refused, naming
+    the leaf."""
+    params = {"w": jnp.arange(16.0).reshape(4, 4) / 16, "pos": jnp.arange(2, dtype=jnp.int32),
+              "mask": jnp.array([[True, False], [True, True]])}  # fmt: skip
+    x = jnp.ones((2, 4))
 
     def make_loss(policy):
-        return lambda params, x: jnp.sum((x @ params["w"]) ** 2)
+        def loss(params, x):
+            h = (x + params["pos"][:, None]) @ params["w"]
+            return jnp.sum(jnp.where(params["mask"], h[:, :2], 0.0) ** 2)
 
-    with pytest.raises(ValueError, match=r"argnums 0: .*\(at \['step'\]\)"):
-        Program.from_loss(make_loss, params, jnp.ones((2, 4)))
+        return jax.checkpoint(loss, policy=policy) if policy is not None else loss
+
+    program = Program.from_loss(make_loss, params, x, optimizer=optax.sgd(0.5))
+    assert [int(a.size) for a in program.param_leaves()] == [16]
+    pure = program.step(remat_kit.policies.get_policy_spec("save-nothing"))
+    (new,), _, value = jax.jit(pure.fn)(*pure.args)
+    grads = jax.grad(lambda w: make_loss(None)({**params, "w": w}, x))(params["w"])
+    assert value == make_loss(None)(params, x)
+    assert jnp.allclose(new["w"], params["w"] - 0.5 * grads)
+    assert new["pos"].dtype == jnp.int32 and (new["pos"] == params["pos"]).all()
+    assert (new["mask"] == params["mask"]).all()
+    ints = {"step": jnp.zeros((), jnp.int32)}
+    with pytest.raises(ValueError, match=r"argnums 0: .*no float arrays.*\(at \['step'\]\)"):
+        Program.from_loss(lambda p: lambda ints, x: jnp.sum(x), ints, x)
 
 
 def test_param_leaves_are_an_nnx_models_params_only():

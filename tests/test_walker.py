@@ -374,6 +374,35 @@ ENTRY %main (p0: f32[4,16,32], p1: f32[3,32,32]) -> f32[4,16,32] {
     assert count.flops == 2 * 4 * 16 * 32 * 3 * 32
 
 
+def test_cudnn_convolution_calls_cost_their_forward_convolution():
+    """A cuDNN backward-filter call (operands: the input and the output gradient; result: the
+    kernel's gradient) was counted with the output gradient read as the kernel, its batch as
+    the output features: 16x a ViT patch embedding's work on H100 (outside trial, session 16),
+    so no-remat showed 'recompute 1.05x'. Every kind costs its forward convolution: for this
+    one 2 x [8, 8, 8, 128] outputs x (4 x 4 x 3) taps."""
+    forward = 2 * (8 * 8 * 8 * 128) * (4 * 4 * 3)
+    labels = "window={size=4x4 stride=4x4}, dim_labels=b01f_o01i->b01f, custom_call_target="
+    calls = {
+        "convBiasActivationForward": "(f32[8,8,8,128]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w, %b)",
+        "convBackwardFilter": "(f32[128,4,4,3]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy)",
+        "convBackwardInput": "(f32[8,32,32,3]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %w)",
+    }
+    for target, call in calls.items():
+        text = f"""HloModule m
+
+ENTRY %main (x: f32[8,32,32,3], w: f32[128,4,4,3], dy: f32[8,8,8,128], b: f32[128]) -> f32[1] {{
+  %x = f32[8,32,32,3]{{3,2,1,0}} parameter(0)
+  %w = f32[128,4,4,3]{{3,2,1,0}} parameter(1)
+  %dy = f32[8,8,8,128]{{3,2,1,0}} parameter(2)
+  %b = f32[128]{{0}} parameter(3)
+  %c = {call}, {labels}"__cudnn${target}"
+  ROOT %r = f32[1]{{0}} constant({{0}})
+}}
+"""
+        count = hlo.count_flops(hlo.parse_hlo_module(text))
+        assert count.flops == forward, (target, count.flops)
+
+
 # -- Kind 6: policies read whatever their names ------------------------------------------------
 
 

@@ -218,19 +218,33 @@ def _call_target(instr: Instruction) -> str:
 
 
 def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
-    """``2 * prod(output) * prod(kernel) / kernel_output_features`` of a convolution (or a cuDNN
-    convolution call), the kernel's layout read from ``dim_labels`` (``b01f_01io->b01f``)."""
-    out = array_shapes(instr.shape)
+    """``2 * prod(output) * prod(kernel) / kernel_output_features`` of the forward convolution an
+    instruction computes or differentiates, the kernel's layout read from ``dim_labels``
+    (``b01f_o01i->b01f``). XLA's ``convolution`` is its own forward. A cuDNN call writes the
+    labels of the forward convolution it belongs to (XLA's GPU conv rewriter): for
+    ``__cudnn$convBackwardFilter`` (operands input and output gradient) the forward output is
+    operand 1 and the kernel is the result; for ``__cudnn$convBackwardInput`` (operands output
+    gradient and kernel) the forward output is operand 0. Each costs what the forward does."""
+    result = array_shapes(instr.shape)
     labels = _DIM_LABELS.search(instr.attributes)
-    if not out or len(instr.operands) < 2 or not labels:
+    if not result or len(instr.operands) < 2 or not labels:
         return 0.0
-    rhs = array_shapes(shapes.get(instr.operands[1], ""))
+    operand = [array_shapes(shapes.get(instr.operands[i], "")) for i in (0, 1)]
+    target = _call_target(instr)
+    if "BackwardFilter" in target:
+        out, kernel = operand[1], result
+    elif "BackwardInput" in target:
+        out, kernel = operand[0], operand[1]
+    else:
+        out, kernel = result, operand[1]
     o = labels.group(1).find("o")
-    if not rhs or o < 0 or o >= len(rhs[0][1]):
+    if not out or not kernel or o < 0 or o >= len(kernel[0][1]):
         return 0.0
-    kernel = rhs[0][1]
-    flops = 2.0 * math.prod(out[0][1]) * math.prod(kernel) / max(kernel[o], 1)
-    return flops * _padding_share(instr, shapes)
+    k = kernel[0][1]
+    flops = 2.0 * math.prod(out[0][1]) * math.prod(k) / max(k[o], 1)
+    # the window's padding share is read against the forward input (operand 0 but for the
+    # backward-input call, whose operand 0 is the output gradient)
+    return flops * (1.0 if "BackwardInput" in target else _padding_share(instr, shapes))
 
 
 _WINDOW = re.compile(r"window=\{([^}]*)\}")

@@ -217,6 +217,7 @@ def test_cli_analyze_takes_a_program_by_file_and_says_which_form_was_meant(capsy
     assert {r["tag"] for r in report["residuals"]} >= {"mlp_hidden"}
     for argv, match in [
         (["--model", ref, "--batch", "4"], "--batch applies to presets"),
+        (["--model", ref, "--optimizer", "sgd"], "--optimizer applies to presets"),  # was ignored
         (
             ["--model", "llama3-9b", "--batch", "1", "--seq", "8"],
             "unknown preset 'llama3-9b'.*MODULE:FACTORY",

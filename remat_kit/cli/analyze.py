@@ -47,7 +47,7 @@ def add(subparsers) -> None:
     )
     p.add_argument("--all-policies", action="store_true", help="every registered policy")
     A.add_target(p, "local")
-    A.add_optimizer(p)
+    A.add_optimizer(p, default=None)
     A.add_budget(p, "the target's memory")
     A.add_json(p, "the reports")
     p.add_argument("--buffers", type=int, default=5, help="largest buffers at the peak to show")
@@ -95,13 +95,15 @@ def _resolve(args: argparse.Namespace) -> tuple:
         raise A.UsageError("--doctor checks one device; not with --mesh / --devices")
     mesh = None
     if not A.is_program_ref(args.model):
+        args.optimizer = args.optimizer or "adamw"
         make_optimizer(args.optimizer)
         if target.tpu is not None and args.devices is None and not args.mesh:
             args.devices = target.tpu.num_devices  # a TPU slice: all its chips unless told
         spec = parse_mesh(args.mesh, args.devices)
         args.devices = spec.num_devices
         mesh = None if spec.num_devices == 1 else spec
-    flags = {"--per-layer": args.per_layer, "--mesh": args.mesh, "--devices": args.devices}
+    flags = {"--per-layer": args.per_layer, "--mesh": args.mesh, "--devices": args.devices,
+             "--optimizer": args.optimizer}  # fmt: skip
     program = A.read_program(args, mesh=mesh, preset_only=flags)
     if args.doctor and program.make_loss is None:
         raise A.UsageError(

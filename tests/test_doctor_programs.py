@@ -413,3 +413,21 @@ def test_a_name_computed_from_the_layers_input_alone_is_not_said_to_recompute_a_
     assert "recomputes the matmul" not in norm.cause
     (act,) = [f for f in checks[1].findings if f.code == "save-removes-no-recompute"]
     assert "keeps act (" in act.what and "recomputes the matmul that it is" in act.cause
+
+
+def test_saving_the_layers_input_is_said_to_change_nothing():
+    """A name on the remat segment's input (MaxText's decoder_layer_input on a one-layer
+    segment) is kept by save-nothing as well: the doctor told the user its saving "removes no
+    matmul recompute" and to leave it out, as if it cost memory (outside trial, session 16);
+    the policy saving it alone compiles to save-nothing's program."""
+    program = _program(_norm_first_layer, "norm-first")
+    alone, more = doctor.check_policies(
+        program, [{"layer_in": "save"}, {"layer_in": "save", "up": "save"}], "cpu"
+    ).checks
+    (same,) = [f for f in alone.findings if f.code == "saved-anyway"]
+    assert same.severity == "warning" and "compiles to save-nothing's program" in same.what
+    assert "the input of a remat segment" in same.cause
+    assert not [f for f in alone.findings if f.code == "save-removes-no-recompute"]
+    (part,) = [f for f in more.findings if f.code == "saved-anyway"]
+    assert part.severity == "info" and "saves layer_in," in part.what
+    assert "compiles to save-nothing" not in part.what

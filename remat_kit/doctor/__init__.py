@@ -39,6 +39,10 @@ Finding codes (severity):
   spent to spare elementwise work only (a fair trade where that work is costly, such as a
   softmax; not where memory is what is short). Judged as the solver's per-tag costs and the
   fixes above are (:func:`remat_kit.doctor.tags.recompute_savers`).
+- ``saved-anyway`` (warning when it is all the policy does, else info): the policy saves a
+  name that save-nothing keeps as much of (the input of a remat segment, a scan's carry, or a
+  name applied outside every segment): naming it changes nothing, and a policy doing only that
+  compiles to save-nothing's program.
 - ``remat3-full-remat`` (error): ``jax_remat3`` is on and runs the policy as full remat (it
   honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
   ``everything_saveable`` and the dots policies; offload policies put nothing on host in jax

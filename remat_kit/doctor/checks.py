@@ -190,6 +190,7 @@ def check_policies(
     jobs = [*specs, "no-remat"]
     reports = analyze_policies(program, jobs, tgt, strict_tags=False)
     base = _kept(program, get_policy_spec("no-remat"))
+    nothing = _kept(program, get_policy_spec("save-nothing"))
     registered = set(policy_names())
     checks, each = [], iter(reports)
     for spec, label in zip(specs, labels, strict=True):
@@ -199,7 +200,7 @@ def check_policies(
         findings += effect_findings(label, spec, promise)
         findings += compare(
             promise, next(each), reports[-1], _kept(program, spec), base, tgt,
-            program.scan_layers, facts=facts,
+            program.scan_layers, facts=facts, kept_nothing=nothing,
         )  # fmt: skip
         checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
     return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
@@ -317,6 +318,9 @@ def check_function(
         promise, reports["policy"], reports["no-remat"],
         Residuals.of(R.saved_residuals(losses["policy"], *args)),
         Residuals.of(R.saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops, facts=facts,
+        kept_nothing=Residuals.of(
+            R.saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
+        ),
     )  # fmt: skip
     if opaque:
         findings = [f for f in findings if f.code != "acts-as-full-remat"]

@@ -132,6 +132,7 @@ def compare(
     scan_layers: bool | None = None,
     recomputed_ops: int | None = None,
     facts: TagFacts | None = None,
+    kept_nothing: Residuals | None = None,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
     what each keeps in the jaxpr (:class:`Residuals`).
@@ -144,6 +145,8 @@ def compare(
         it never emits is the ``unknown-tag`` finding's, not repeated here; the cause of a tag
         kept nowhere (outside the remat segment, or not needed by the backward pass) is told
         from them. None: not known.
+      kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs): a name kept no
+        more than that is kept by every policy (``saved-anyway``). None: not known.
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
@@ -166,8 +169,10 @@ def compare(
         out = [f for f in out if f.code != "remat-not-lowering-peak"] + cse
     full = _full_remat(promise, kept, kept_no_remat, facts)
     out += full
+    anyway = kept_nothing.tag_bytes if kept_nothing is not None else {}
     if not full:
-        out += _saved_without_saving(promise, kept, facts)
+        out += _saved_anyway(promise, kept, anyway, facts)
+        out += _saved_without_saving(promise, kept, facts, anyway)
     if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
         out.extend(_offload_findings(promise, report, target, kept, kept_no_remat, facts))
     return out
@@ -198,8 +203,49 @@ def _no_op(promise: Promise, kept: Residuals) -> Finding:
     )  # fmt: skip
 
 
+def _saved_anyway(
+    promise: Promise, kept: Residuals, anyway: Mapping[str, int], facts: TagFacts | None
+) -> list[Finding]:
+    """``saved-anyway``: names the policy saves that save-nothing keeps as much of (a remat
+    segment's input, which every policy keeps): naming them changes nothing; a warning when
+    that is all the policy does (it compiles to save-nothing's program)."""
+    if promise.base != "names":
+        return []
+    same = sorted(t for t in promise.save if 0 < kept.tag_bytes.get(t, 0) <= anyway.get(t, 0))
+    if not same:
+        return []
+    alone = set(same) == set(promise.save) and not promise.offload
+    one = len(same) == 1
+    what = (
+        f"policy {promise.name!r} saves {', '.join(same)}, which save-nothing keeps as well "
+        f"({nbytes(sum(kept.tag_bytes[t] for t in same))}): naming "
+        f"{'it' if one else 'them'} changes nothing"
+        + ("; the policy compiles to save-nothing's program." if alone else ".")
+    )
+    outside = facts.outside_remat(same) if facts is not None else frozenset()
+    if outside:
+        cause = (
+            f"{', '.join(sorted(outside))} {'is' if len(outside) == 1 else 'are'} applied "
+            "outside every remat segment: stored or not regardless of the policy."
+        )
+    else:
+        cause = (
+            f"{'it is' if one else 'they are'} the input of a remat segment (a checkpointed "
+            "layer's argument, a scan's carry), which the backward pass keeps under every "
+            "policy to recompute the segment from."
+        )
+    return [
+        Finding(
+            "saved-anyway", "warning" if alone else "info", what, cause,
+            f"leave {'it' if one else 'them'} out of the policy"
+            + ("; to trade memory for speed, save a tag computed inside the layer."
+               if alone else "."),
+        )
+    ]  # fmt: skip
+
+
 def _saved_without_saving(
-    promise: Promise, kept: Residuals, facts: TagFacts | None
+    promise: Promise, kept: Residuals, facts: TagFacts | None, anyway: Mapping[str, int]
 ) -> list[Finding]:
     """``save-removes-no-recompute``: tags the policy saves on device (new residual bytes; an
     offload is judged by the device memory it frees, not here) that are not among the
@@ -212,7 +258,9 @@ def _saved_without_saving(
         return []
     if promise.registered and not facts.user:  # remat-kit's policies on its own models save
         return []  # matmul outputs (the solver's savers): not worth one trace per tag
-    costly = {t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > 0}
+    costly = {  # beyond what save-nothing keeps of them (``saved-anyway`` says those)
+        t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > anyway.get(t, 0)
+    }
     if not costly:
         return []
     savers = facts.savers()

@@ -179,3 +179,33 @@ def test_two_labels_of_one_compiled_program_are_not_a_close_call():
     with console.capture() as cap:
         console.print(_table(rec, "candidates", rec.candidates))
     assert f"(same program as {a.label})" in cap.get()
+
+
+def test_an_offload_that_buys_no_device_memory_is_not_picked_on_a_close_call():
+    """recommend picked offload-layer-inputs (est. 1.845 ms, peak 33.10 MiB, host transfers)
+    over save-nothing (1.853 ms, 29.57 MiB, none): 0.4% apart, inside the time model's error,
+    and analyze itself said the offload did not lower the peak (outside trial, session 16).
+    Such an offload is passed over and the note says why; a clear lead, or a lower device peak,
+    still wins."""
+    from remat_kit.recommend.types import Candidate, fastest_fitting, offload_passed_over
+
+    def cand(policy, peak, host, step, fits=True):
+        return Candidate(
+            policy=policy, actions=None, remat_group_size=None, batch_size=None, seq_len=None,
+            peak_bytes=peak, host_bytes=host, flops=None, flops_no_remat=None, compute_s=step,
+            transfer_s=0.0, step_time_s=step, tokens_per_s=None, fits=fits, found_by="named",
+        )  # fmt: skip
+
+    mib = 2**20
+    nothing = cand("save-nothing", int(29.57 * mib), 0, 1.853e-3)
+    offload = cand("offload-layer-inputs", int(33.10 * mib), 512 * 1024, 1.845e-3)
+    assert fastest_fitting([offload, nothing]) is nothing
+    note = offload_passed_over(nothing, [offload, nothing], auto=False)
+    assert note.startswith("not picked though estimated faster: offload-layer-inputs")
+    clear = cand("offload-layer-inputs", int(33.10 * mib), 512 * 1024, 1.5e-3)  # 19% faster
+    assert fastest_fitting([clear, nothing]) is clear
+    lower = cand("offload-layer-inputs", int(20 * mib), 512 * 1024, 1.845e-3)  # frees memory
+    assert fastest_fitting([lower, nothing]) is lower
+    unfit = cand("save-nothing", int(29.57 * mib), 0, 1.853e-3, fits=False)
+    assert fastest_fitting([offload, unfit]) is offload  # only an on-device one that fits
+    assert offload_passed_over(offload, [offload, unfit], auto=False) is None

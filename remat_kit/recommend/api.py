@@ -45,7 +45,15 @@ from remat_kit.recommend.structure import (
     search_structure,
     structure_compiles,
 )
-from remat_kit.recommend.types import Candidate, Recommendation, SolveSummary, close_call, rank
+from remat_kit.recommend.types import (
+    Candidate,
+    Recommendation,
+    SolveSummary,
+    close_call,
+    fastest_fitting,
+    offload_passed_over,
+    pointless_offloads,
+)
 from remat_kit.remat_impl import honoured
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
@@ -418,13 +426,17 @@ def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
     """Stage 4 with ``auto``: the largest batch per distinct policy; the pick has the most
     tokens per second (then the least memory)."""
     largest, probes = largest_batch(session, distinct(named))
-    pick = max(largest, key=lambda c: (c.tokens_per_s, -c.peak_bytes), default=None)
+    skip = pointless_offloads(largest, auto=True)
+    usable = [c for c in largest if not any(c is s for s in skip)]
+    pick = max(usable, key=lambda c: (c.tokens_per_s, -c.peak_bytes), default=None)
     return Found([c for _, c, _ in named] + probes, pick, largest=largest)
 
 
 def search_fixed_batch(session: Session, request: Request, named: Sequence[Named]) -> Found:
     """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
-    the fitting candidate with the least estimated step time (:func:`~.types.rank`)."""
+    the fitting candidate with the least estimated step time (:func:`~.types.fastest_fitting`:
+    an offload that a candidate on device matches in peak and, within the model's error, in
+    time is passed over)."""
     candidates = [c for _, c, _ in named]
     if request.groups:
         candidates += group_search(session, named, request.groups, request.batch)
@@ -433,8 +445,7 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
         summary = solve(session, named, request.batch)
         if summary is not None:
             candidates += summary.verified
-    pick = min((c for c in candidates if c.fits), key=rank, default=None)
-    return Found(candidates, pick, summary=summary)
+    return Found(candidates, fastest_fitting(candidates), summary=summary)
 
 
 def search_structure_options(
@@ -449,10 +460,10 @@ def search_structure_options(
         extra = search_structure(session, named, request.batch, math.inf)
         pool += extra
         found.candidates += [c for _, c, _ in extra]
-        found.pick = min((c for c in found.candidates if c.fits), key=rank, default=None)
+        found.pick = fastest_fitting(found.candidates)
     partial = search_partial_layers(session, pool, found.pick, request.batch)
     found.candidates += [c for _, c, _ in partial]
-    found.pick = min((c for c in found.candidates if c.fits), key=rank, default=None)
+    found.pick = fastest_fitting(found.candidates)
     found.made_fit = made_fit(found.pick, found.candidates, session.config.num_layers)
 
 
@@ -474,6 +485,7 @@ def assemble(
     tgt, program = request.target, request.program
     rivals = found.largest if request.auto else found.candidates
     close = close_call(found.pick, rivals, request.auto)
+    passed = offload_passed_over(found.pick, rivals, request.auto)
     return Recommendation(
         model=program.name,
         target=tgt.name,
@@ -491,7 +503,7 @@ def assemble(
         from_compile_cache=session.from_compile_cache,
         wall_s=round(wall_s, 2),
         advice=tuple(found.advice),
-        notes=(time_model_note(tgt), *session.notes, *([close] if close else [])),
+        notes=(time_model_note(tgt), *session.notes, *(n for n in (close, passed) if n)),
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from remat_kit.policies import custom_spec, policy_label
+from remat_kit.units import format_bytes
 
 #: Which stage of the search compiled a candidate.
 FoundBy = Literal[
@@ -302,6 +303,59 @@ def rank(c: Candidate) -> tuple:
 CLOSE_CALL = 0.05
 
 
+def pointless_offloads(candidates: Sequence[Candidate], auto: bool = False) -> list[Candidate]:
+    """The candidates with host traffic that one without makes pointless: that one's device
+    peak is no higher and its estimated speed within :data:`CLOSE_CALL` (step time; ``auto``:
+    tokens per second), so the offload buys no device memory and adds transfers the time
+    model cannot price apart from it (analyze's "offloading did not lower the device peak").
+    Never picked while the other fits."""
+
+    def slower(a: Candidate, b: Candidate) -> float:  # how much slower a is than b
+        if auto:
+            return b.tokens_per_s / a.tokens_per_s - 1 if a.tokens_per_s else math.inf
+        return a.step_time_s / b.step_time_s - 1 if b.step_time_s > 0 else math.inf
+
+    local = [c for c in candidates if c.fits and not c.host_bytes]
+    return [
+        c for c in candidates
+        if c.host_bytes
+        and any(d.peak_bytes <= c.peak_bytes and slower(d, c) < CLOSE_CALL for d in local)
+    ]  # fmt: skip
+
+
+def offload_passed_over(
+    pick: Candidate | None, rivals: Sequence[Candidate], auto: bool
+) -> str | None:
+    """The note for :func:`pointless_offloads` the time model ranks ahead of ``pick``: why the
+    faster estimate was not taken. None when there is none."""
+    if pick is None or pick.host_bytes:
+        return None
+
+    def ahead(c: Candidate) -> bool:
+        if auto:
+            return (c.tokens_per_s or 0.0) > (pick.tokens_per_s or 0.0)
+        return c.step_time_s < pick.step_time_s
+
+    passed = [c for c in pointless_offloads(rivals, auto) if c.fits and ahead(c)]
+    if not passed:
+        return None
+    names = ", ".join(dict.fromkeys(c.label for c in passed))
+    peaks = ", ".join(dict.fromkeys(format_bytes(c.peak_bytes) for c in passed))
+    return (
+        f"not picked though estimated faster: {names} (device peak {peaks}): the pick keeps its "
+        f"tensors on device at a peak no higher ({format_bytes(pick.peak_bytes)}) and without "
+        f"host transfers, within the time model's error ({CLOSE_CALL:.0%}) of their estimate"
+    )
+
+
+def fastest_fitting(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The pick at a fixed batch: the fitting candidate first by :func:`rank`, leaving out
+    :func:`pointless_offloads`; None when none fits."""
+    skip = pointless_offloads(candidates)
+    usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
+    return min(usable, key=rank, default=None)
+
+
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
     """The note for a pick whose estimated lead over the next fitting configuration (another
     program: another label, or another peak, and not the same compiled program) is under
@@ -316,9 +370,11 @@ def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) 
             return (pick.tokens_per_s or 0.0) / c.tokens_per_s - 1 if c.tokens_per_s else math.inf
         return c.step_time_s / pick.step_time_s - 1 if pick.step_time_s > 0 else math.inf
 
+    skip = pointless_offloads(rivals, auto)
     others = [
         c for c in rivals
-        if c.fits and c is not pick and (c.label, c.peak_bytes) != (pick.label, pick.peak_bytes)
+        if c.fits and c is not pick and not any(c is s for s in skip)
+        and (c.label, c.peak_bytes) != (pick.label, pick.peak_bytes)
         and (c.program_sha256 is None or c.program_sha256 != pick.program_sha256)
     ]  # fmt: skip
     near = min(others, key=lead, default=None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.memory.hlo import DumpFiles, parse_allocation_sizes
+from remat_kit.memory.hlo import DumpFiles, array_shapes, parse_allocation_sizes, shape_bytes
 from remat_kit.units import format_bytes
 
 #: Host bytes and offloaded bytes differing by less than this share are not remarked on.
@@ -28,6 +28,10 @@ class HostBuffers:
     allocated: int
     count: int
     buffer_bytes: int
+    #: Bytes of the same buffers' values, unpadded (their shapes' elements x dtype size): below
+    #: ``buffer_bytes`` where the layout pads a dimension (a TPU tile, ``T(8,128)``). None:
+    #: not read.
+    value_bytes: int | None = None
 
 
 def host_buffers(dump: DumpFiles) -> HostBuffers | None:
@@ -39,7 +43,10 @@ def host_buffers(dump: DumpFiles) -> HostBuffers | None:
     host = [s for s in dump.slots.values() if s.on_host]
     sizes = parse_allocation_sizes(dump.buffer_assignment)
     allocated = sum(sizes[a] for a in {s.allocation for s in host})
-    return HostBuffers(allocated, len(host), sum(s.nbytes for s in host)) if host else None
+    if not host:
+        return None
+    values = sum(shape_bytes(t, d) for s in host for t, d in array_shapes(s.shape))
+    return HostBuffers(allocated, len(host), sum(s.nbytes for s in host), values)
 
 
 def host_line(host_bytes: int, offloaded: int | None, found: HostBuffers | None) -> str | None:
@@ -56,11 +63,19 @@ def host_line(host_bytes: int, offloaded: int | None, found: HostBuffers | None)
     if found is None:
         return f"{head} (no buffer assignment to tell why)"
     why = []
-    if found.buffer_bytes > found.allocated:
+    if found.buffer_bytes > found.allocated and host_bytes < offloaded:
         why.append(
             f"XLA reuses host space: its {found.count} host buffers "
             f"({format_bytes(found.buffer_bytes)}) share {format_bytes(found.allocated)}, not "
             "being live at once"
+        )
+    padded = found.buffer_bytes - (found.value_bytes or found.buffer_bytes)
+    if host_bytes > offloaded * (1 + _TOLERANCE) and padded > _TOLERANCE * found.buffer_bytes:
+        why.append(
+            f"the layout pads the host buffers: their values take "
+            f"{format_bytes(found.value_bytes or 0)}, their tiled layout "
+            f"{format_bytes(found.buffer_bytes)} (a dimension rounded up to the tile, as a TPU's "
+            "T(8,128) takes a 65-long axis as 128)"
         )
     if found.buffer_bytes < offloaded * (1 - _TOLERANCE):
         why.append(

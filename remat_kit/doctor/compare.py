@@ -104,8 +104,8 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
             f"policy {promise.name!r} {what}, but the compiled step frees only "
             f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
             f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
-            "the peak is outside the layers (optimizer update, logits, parameters): activations "
-            "do not set it at this size.",
+            "the peak is outside the layers (the optimizer update, the output head, "
+            "parameters): activations do not set it at this size.",
             "look at the buffers live at the peak (remat-kit analyze --timeline); a cheaper "
             "policy may fit as well.",
         )  # fmt: skip
@@ -116,7 +116,7 @@ def _not_effective(promise, report, no_remat, promised, achieved, target, scan_l
         f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
         f"XLA keeps the forward values alive anyway{outside_scan} (XLA:CPU honours remat only "
         "inside lax.scan / nn.scan / nnx.scan)." if outside_scan or on_cpu
-        else "the peak is outside the layers (optimizer update, logits).",
+        else "the peak is outside the layers (the optimizer update, the output head).",
         _scan_fix(scan_layers) if on_cpu else "look at the buffers live at the peak (remat-kit "
         "analyze).",
     )  # fmt: skip
@@ -444,14 +444,14 @@ def _no_device_saving(promise: Promise, report: MemoryReport, without: int) -> F
     if peak > without * (1 + SAME):
         cause = (
             "the copies to and from host are live at the peak, or the peak is elsewhere "
-            "(optimizer update, logits)."
+            "(the optimizer update, the output head)."
         )
         fix = (
             f"keep those tensors on device: a lower peak ({figures} with the offload) and no "
             "transfer."
         )
     else:
-        cause = "the peak is elsewhere (optimizer update, logits)."
+        cause = "the peak is elsewhere (the optimizer update, the output head)."
         fix = (
             f"keep those tensors on device (the same peak, {figures} with the offload, and no "
             "transfer), or offload more."

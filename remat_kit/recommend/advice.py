@@ -156,8 +156,8 @@ def fixed_program_advice(session: Session, candidates: Sequence[Candidate]) -> l
         f"the least-memory configuration, {least.label}, peaks at {_gib(least.peak_bytes)}: "
         f"{_gib(least.peak_bytes - session.budget)} over the budget; a budget of "
         f"{format_bytes(least.peak_bytes, up=True)} fits it (compiled)",
-        f"smaller batch or shorter sequence: change the argument shapes {name!r} is built with "
-        "(its factory) and run recommend again",
+        f"smaller inputs (batch, sequence length, image size): change the argument shapes "
+        f"{name!r} is built with (its factory) and run recommend again",
     ]
     bigger = [
         t.name for t in sorted(T.TARGETS.values(), key=lambda t: t.memory_bytes or 0)

@@ -397,6 +397,15 @@ def get_target(name: str | Target) -> Target:
     )
 
 
+def compile_identity(target: Target) -> str:
+    """What decides which compiler ``target`` is compiled by, for the compile caches: ``cpu``
+    for every CPU target (the ``cpu`` model and ``local`` on a machine without an accelerator
+    compile on the same backend, to the same program), else the target's name."""
+    if target.platform == "cpu" and target.gpu is None and target.tpu is None:
+        return "cpu"
+    return target.name
+
+
 def _local_target() -> Target:
     device = jax.devices()[0]
     platform = device.platform

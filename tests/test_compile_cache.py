@@ -369,3 +369,19 @@ def test_items_are_made_while_the_ones_before_them_compile(target, monkeypatch):
     assert all(isinstance(r, CompileResult) for _, r in out)
     assert len(read) == len(policies) and all(dumped for _, dumped in read)
     assert threading.get_native_id() not in {thread for thread, _ in read}  # in the workers
+
+
+def test_the_cpu_and_the_local_cpu_backend_share_their_compiles():
+    """``analyze`` (target local) then ``recommend --target cpu`` compiled every policy twice
+    on a CPU machine (180 s for 16 compiles: outside trial, session 16): both compile on the one
+    CPU backend, to the same program."""
+    from remat_kit import targets as T
+    from remat_kit.memory.compile_cache import target_fingerprint
+
+    local = T.get_target("local")
+    if local.platform != "cpu":
+        pytest.skip("the local backend is an accelerator here")
+    assert T.compile_identity(local) == T.compile_identity(T.get_target("cpu")) == "cpu"
+    assert target_fingerprint(local) == target_fingerprint(T.get_target("cpu"))
+    assert T.compile_identity(T.get_target("h100-sxm")) == "h100-sxm"
+    assert target_fingerprint(T.get_target("h100-sxm")) != target_fingerprint(local)

@@ -191,7 +191,16 @@ def source_fingerprint() -> str:
 
 def target_fingerprint(target: T.Target) -> str:
     """What of ``target`` the compiler sees: the whole dataclass, the ``GpuTargetConfig`` text of
-    a deviceless GPU model, or the local backend's platform version and device kinds."""
+    a deviceless GPU model, or the local backend's platform version and device kinds. Every
+    CPU target (``cpu``; ``local`` on a machine without an accelerator) compiles on the one CPU
+    backend: one fingerprint, so ``analyze`` (``local``) and ``recommend --target cpu`` share
+    their compiles."""
+    if T.compile_identity(target) == "cpu":
+        import jax
+
+        devices = jax.devices("cpu")
+        kinds = ",".join(sorted({d.device_kind for d in devices}))
+        return f"the CPU backend\n{devices[0].client.platform_version}\n{kinds}"
     parts = [repr(target)]
     if target.gpu is not None:
         parts.append(T.gpu_target_config(target))

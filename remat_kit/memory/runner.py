@@ -614,7 +614,7 @@ class CompileEngine:
                     continue
                 tell("tracing")
                 lowered = item.lower()
-                text = f"{item.target.name}\n{fast}\n{lowered.as_text()}"
+                text = f"{T.compile_identity(item.target)}\n{fast}\n{lowered.as_text()}"
                 key = hashlib.sha256(text.encode()).hexdigest()
                 keys.append(key)
                 names.setdefault(key, item.what)

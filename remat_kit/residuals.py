@@ -145,7 +145,7 @@ class _Graph:
             tag = W.eqn_tag(eqn)
             if tag is not None:
                 return tag
-            if eqn.primitive.name in _PASS_THROUGH and eqn.invars:
+            if eqn.primitive.name in _PASS_THROUGH and eqn.invars and _same_bytes(eqn):
                 tag = self.tag_of(eqn.invars[0], depth + 1)
                 return tag if tag is not None else self.forward_tag(v)
             body = W.body(eqn)
@@ -164,6 +164,14 @@ class _Graph:
         if eqn is not None:  # e.g. a dots policy keeps the raw matmul output, not the named one
             return _module_tag(eqn)
         return None
+
+
+def _same_bytes(eqn: Any) -> bool:
+    """Whether ``eqn``'s output holds its first input's bytes (a copy, an offload, a cast to
+    the same dtype): a cast to another dtype (a norm's ``x.astype(float32)``) is another
+    value, of another size, and does not carry the input's name."""
+    x = eqn.invars[0]
+    return not isinstance(x, jcore.Var) or x.aval.dtype == eqn.outvars[0].aval.dtype
 
 
 def _is_identity(eqn: Any) -> bool:
@@ -185,7 +193,9 @@ def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
     eqn = _Graph(jaxpr).producer.get(v)
     if eqn is None:
         return None
-    if (W.eqn_tag(eqn) is not None or eqn.primitive.name in _PASS_THROUGH) and eqn.invars:
+    if eqn.invars and (
+        W.eqn_tag(eqn) is not None or (eqn.primitive.name in _PASS_THROUGH and _same_bytes(eqn))
+    ):
         return _inner_source(jaxpr, eqn.invars[0], depth + 1)
     inner = W.body(eqn)
     if inner is not None:
@@ -235,7 +245,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
             found = _inner_source(inner, inner.outvars[eqn.outvars.index(v)])
             if found is not None:
                 return found
-        if W.eqn_tag(eqn) is not None or eqn.primitive.name in _PASS_THROUGH:
+        if W.eqn_tag(eqn) is not None or (eqn.primitive.name in _PASS_THROUGH and _same_bytes(eqn)):
             if not isinstance(eqn.invars[0], jcore.Var):
                 return "literal"
             return _source(eqn.invars[0], copied or eqn.primitive.name == "device_put")

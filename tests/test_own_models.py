@@ -22,7 +22,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import remat_kit
-from remat_kit import Program, doctor, inject_policy, tag_eqx, tag_linen
+from remat_kit import Program, doctor, inject_policy, sweep, tag_eqx, tag_linen
 from remat_kit.memory.api import analyze_policies
 from remat_kit.recommend import recommend
 from remat_kit.residuals import saved_residuals
@@ -322,7 +322,7 @@ def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
         lambda: analyze_policies(program, ["save-nothing", "save-dots"], "local"),
         lambda: analyze_policies(program, None, "local"),
         lambda: recommend(program, target="h100-sxm", policies=["save-nothing"]),
-        lambda: remat_kit.sweep.run_program_sweep(program, tmp_path / "s.jsonl", progress=False),
+        lambda: sweep.run_program_sweep(program, tmp_path / "s.jsonl", progress=False),
     ):
         with pytest.raises(ValueError, match="make_step of program 'own-step' does not pass"):
             run()

@@ -181,6 +181,8 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
     tables mean (``legend``: :func:`remat_kit.sweep.results.summary_legend`; ``source``: the
     device figures of the local estimates,
     :func:`~remat_kit.sweep.results.local_estimate_source`)."""
+    from remat_kit.sweep import results
+
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
     r = run.rows[-1] if run.rows else {}
@@ -194,6 +196,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             f"{run.skipped} kept from earlier runs",
             f"- Machine: {_machine(r, run.rows)}",
             *([f"- Estimates on 'local' from {source}"] if source else []),
+            *([f"- Note: {note}"] if (note := results.load_note(run.rows, source)) else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),

@@ -541,3 +541,16 @@ def test_local_estimates_say_which_calibration_they_came_from():
     gpu = [r for r in rows if r["target"] != "local"]
     assert gpu and results.local_estimate_source(gpu) is None
     assert results.local_estimate_source([]) is None
+
+
+def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so():
+    """A newcomer's sweep timed at load average 5 against a calibration taken at 1.2 read every
+    estimate 68-76% low with nothing said (session 16): the summary now says why."""
+    from remat_kit.sweep.results import load_note
+
+    source = "local cpu (Xeon): calibrated on this machine 2026-12-02 20:29 UTC, load average 1.22"
+    busy = [{"load_average": [5.07, 4.0, 3.0]}, {"load_average": [5.62, 4.0, 3.0]}]
+    note = load_note(busy, source)
+    assert note.startswith("the steps were timed at load average 5.07-5.62") and "1.22" in note
+    assert load_note([{"load_average": [1.5, 1.0, 1.0]}], source) is None  # close: no note
+    assert load_note(busy, None) is None and load_note([{}], source) is None  # not known

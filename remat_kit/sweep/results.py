@@ -36,6 +36,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -704,6 +705,31 @@ def local_estimate_source(rows: Iterable[Mapping[str, Any]] | Any) -> str | None
         if r.get("target") == "local" and step.get("figures"):
             return str(step["figures"])
     return None
+
+
+#: A timed load average this much above the calibration's is said beside the estimates.
+_LOAD_GAP = 1.0
+
+
+def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> str | None:
+    """A note when the measured rows were timed on a busier machine than the local device's
+    calibration (``source``: :func:`local_estimate_source`, which says the load average it was
+    taken at): the estimates price the machine as calibrated, so measured steps run slower
+    than estimated by about the share of the cores other work took; None when the loads are
+    close or either is unknown."""
+    found = re.search(r"load average ([0-9.]+)", source or "")
+    loads = [r["load_average"][0] for r in as_records(rows) if r.get("load_average")]
+    if not found or not loads:
+        return None
+    calibrated = float(found.group(1))
+    if max(loads) - calibrated < _LOAD_GAP:
+        return None
+    return (
+        f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f}, the local "
+        f"device calibrated at {calibrated:.2f}: the estimates price the machine as calibrated, "
+        "so on the busier machine measured steps run slower than estimated (est. err) and "
+        "their spread widens; time on idle cores to compare the two"
+    )
 
 
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:

@@ -877,7 +877,7 @@ def _argnums(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ..
         bad = [
             jax.tree_util.keystr(path)
             for path, x in leaves
-            if hasattr(x, "dtype") and not jnp.issubdtype(x.dtype, jnp.inexact)
+            if is_array(x) and not is_float_array(x)
         ]
         if bad and (nnx_state or not any(is_float_array(x) for _, x in leaves)):
             where = f" (at {', '.join(p or 'the argument itself' for p in bad[:3])})"

@@ -179,10 +179,9 @@ def _is_identity(eqn: Any) -> bool:
     name, a copy or offload, a no-op ``reduce_precision`` or same-dtype cast."""
     if W.eqn_tag(eqn) is not None:
         return True
-    name = eqn.primitive.name
-    if name not in _PASS_THROUGH or not eqn.invars or len(eqn.outvars) != 1:
+    if eqn.primitive.name not in _PASS_THROUGH or not eqn.invars or len(eqn.outvars) != 1:
         return False
-    return eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype
+    return _same_bytes(eqn)
 
 
 def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
@@ -193,9 +192,7 @@ def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
     eqn = _Graph(jaxpr).producer.get(v)
     if eqn is None:
         return None
-    if eqn.invars and (
-        W.eqn_tag(eqn) is not None or (eqn.primitive.name in _PASS_THROUGH and _same_bytes(eqn))
-    ):
+    if eqn.invars and _is_identity(eqn):
         return _inner_source(jaxpr, eqn.invars[0], depth + 1)
     inner = W.body(eqn)
     if inner is not None:
@@ -245,7 +242,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
             found = _inner_source(inner, inner.outvars[eqn.outvars.index(v)])
             if found is not None:
                 return found
-        if W.eqn_tag(eqn) is not None or (eqn.primitive.name in _PASS_THROUGH and _same_bytes(eqn)):
+        if eqn.invars and _is_identity(eqn):
             if not isinstance(eqn.invars[0], jcore.Var):
                 return "literal"
             return _source(eqn.invars[0], copied or eqn.primitive.name == "device_put")

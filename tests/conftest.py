@@ -34,6 +34,18 @@ if not os.environ.get("REMAT_KIT_KERNEL_CACHE_DIR"):
     _KERNELS = tempfile.mkdtemp(prefix="remat-kit-test-kernels-")
     atexit.register(shutil.rmtree, _KERNELS, ignore_errors=True)
     os.environ["REMAT_KIT_KERNEL_CACHE_DIR"] = _KERNELS
+# JAX's persistent compilation cache, one for this run, shared by the xdist workers and the
+# processes they start (scripts, multi-process runs, the notebook): the suite runs the same
+# tiny steps again and again (a policy's gradients beside no-remat's, a script after its
+# in-process twin, a killed run resumed); a hit hands back the executable XLA compiled for
+# the same program and options (jax/_src/cache_key.py). remat-kit's own analysis compiles
+# never read it (remat_kit.memory.xla_compile.CACHE_BYPASS_OPTION: they need XLA's dumps).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _JAX_CACHE = tempfile.mkdtemp(prefix="remat-kit-test-jax-cache-")
+    atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # The time model's figures for the local CPU: fixed, so estimates (and recommend's ranking on
 # the local target) do not depend on how busy the machine is while the tests run.
 os.environ.setdefault(
@@ -113,10 +125,29 @@ def pytest_xdist_make_scheduler(config, log):
     return LongestFirst(config, log)
 
 
+def run_folder(tmp_path_factory) -> "os.PathLike":
+    """This pytest run's temporary folder, the same in every xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(autouse=True)
-def _compile_cache_in_tmp(tmp_path_factory, monkeypatch):
-    """Every test gets its own empty compile cache (never the user's ~/.cache/remat-kit):
-    tests stay independent of one another and of earlier runs. Fixtures of a wider scope run
-    before this one, with the cache off (set above)."""
-    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
+def _compile_cache_of_the_run(tmp_path_factory, monkeypatch):
+    """One remat-kit compile cache for this run (never the user's ~/.cache/remat-kit), shared
+    by the xdist workers and the processes they start, as a user's is by the runs of a day:
+    entries are keyed by everything that decides what XLA produces and written atomically
+    (remat_kit.memory.compile_cache), so a test reads the artifacts of the same compile whether
+    another test made them or not; tests/test_compile_cache.py checks a hit against a fresh
+    compile. A test that counts compiles or hits asks for :func:`fresh_compile_cache`.
+    Fixtures of a wider scope run before this one, with the cache off (set above)."""
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(run_folder(tmp_path_factory) / "compile-cache"))
     monkeypatch.setenv("REMAT_KIT_NO_CACHE", "")
+
+
+@pytest.fixture
+def fresh_compile_cache(tmp_path_factory, monkeypatch):
+    """An empty compile cache of this test's own; its folder."""
+    folder = tmp_path_factory.mktemp("compile-cache")
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(folder))
+    monkeypatch.setenv("REMAT_KIT_NO_CACHE", "")
+    return folder

@@ -91,7 +91,7 @@ def test_a_program_without_tags_gets_the_kind_based_policies_and_a_note():
     assert any("emits no checkpoint_name tags" in n for n in chosen.notes)
 
 
-def test_specs_equal_on_the_emitted_tags_lower_to_one_program():
+def test_specs_equal_on_the_emitted_tags_lower_to_one_program(fresh_compile_cache):
     """The ground for compiling them once: the same StableHLO text."""
     program = plain_jax.program()
 

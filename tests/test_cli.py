@@ -160,7 +160,7 @@ def test_policies_and_targets_list_what_exists(capsys):
     assert cli.main(["targets"]) == 0 and "h100-sxm" in capsys.readouterr().out
 
 
-def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
+def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys, fresh_compile_cache):
     from remat_kit.memory import xla_compile as mc
 
     def fail(lowered, platform, what, fast=True, options=None):
@@ -176,7 +176,7 @@ def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
     ) in err
 
 
-def test_doctor_compile_failure_is_one_line_exit_1(monkeypatch, capsys):
+def test_doctor_compile_failure_is_one_line_exit_1(monkeypatch, capsys, fresh_compile_cache):
     """XLA failing to compile the step is said in one line by the doctor too (no traceback)."""
     from remat_kit.memory import xla_compile as mc
 

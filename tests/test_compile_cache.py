@@ -39,8 +39,8 @@ def _args(d_in=16):
 
 
 @pytest.fixture
-def compiles(monkeypatch):
-    """Counts the compiles XLA runs (not those read from the cache)."""
+def compiles(monkeypatch, fresh_compile_cache):
+    """Counts the compiles XLA runs (not those read from the cache), into an empty cache."""
     count = []
     real = runner.compile_with_dump
 

@@ -161,7 +161,7 @@ def test_analyze_any_function_on_abstract_or_real_arguments():
     assert [getattr(slow, p) for p in parts] == [getattr(r, p) for p in parts]
 
 
-def test_compile_failure_names_the_policy_and_xla_first_line(monkeypatch):
+def test_compile_failure_names_the_policy_and_xla_first_line(monkeypatch, fresh_compile_cache):
     class Broken:
         def compile(self, compiler_options=None):
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nwhile compiling\n...")
@@ -429,7 +429,7 @@ def test_unknown_memory_figures_are_none_and_a_cache_hit_says_so():
 
 
 @pytest.mark.parametrize("analysis", ["none", "minus_one"])
-def test_unknown_memory_figures_are_none_never_fits(monkeypatch, analysis):
+def test_unknown_memory_figures_are_none_never_fits(monkeypatch, analysis, fresh_compile_cache):
     """jax#18954 / #12848: memory_analysis() is None or has -1 fields on some backends. The
     report then has peak None, fits None and a warning naming the unknown fields, never 0."""
     import jax.stages

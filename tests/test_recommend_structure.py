@@ -159,7 +159,7 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
 
 
 @needs_cuda_plugin
-def test_partial_search_stopped_by_the_compile_cap_says_so(first_and_reports):
+def test_partial_search_stopped_by_the_compile_cap_says_so(first_and_reports, fresh_compile_cache):
     """A compile cap that leaves one partial-layer probe: the bracket stays open, and the notes
     say where the search stopped and that k is not shown to be the least."""
     first, reports = first_and_reports

@@ -65,7 +65,14 @@ from remat_kit.residuals import group_by_tag, saved_residuals
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
-from remat_kit.walker import Residual, TagResiduals, holds, remat_policy, remat_segments
+from remat_kit.walker import (
+    Residual,
+    TagResiduals,
+    holds,
+    remat_policy,
+    remat_segments,
+    wraps_whole_loop,
+)
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
@@ -761,6 +768,8 @@ class PolicyReach:
         the trace changes with the policy (save-everything against save-nothing): True, the
         policy reaches segments the trace no longer shows (``segments`` and ``reached`` are
         then 0, not counted).
+      around_loop: those segments that wrap a whole loop with no remat in its body
+        (:func:`remat_kit.walker.wraps_whole_loop`: ``jax.checkpoint`` around a ``lax.scan``).
     """
 
     program: str
@@ -769,6 +778,7 @@ class PolicyReach:
     without_policy: int
     part: str = "factory"
     linearized: bool | None = None
+    around_loop: int = 0
 
     @property
     def passes(self) -> bool:
@@ -853,7 +863,8 @@ def factory_reach(
             _trace_text(make, args, p) for p in (cp.everything_saveable, cp.nothing_saveable)
         )
         return PolicyReach(name, 0, 0, 0, part, linearized=every != none)
-    return PolicyReach(name, len(probed), reached, len(segments(None)), part)
+    around = sum(wraps_whole_loop(eqn) for eqn in probed)
+    return PolicyReach(name, len(probed), reached, len(segments(None)), part, around_loop=around)
 
 
 def _trace_text(make: Factory, args: Sequence[Any], policy: Any) -> str:

@@ -225,6 +225,27 @@ def remat_segments(jaxpr: Any) -> list[Any]:
     return [eqn for eqn in walk(jaxpr) if is_remat(eqn)]
 
 
+#: Loop primitives: a ``lax.scan`` (``nn.scan``, ``nnx.scan``) or ``lax.while_loop`` /
+#: ``fori_loop``.
+LOOP_PRIMITIVES = ("scan", "while")
+
+
+def wraps_whole_loop(eqn: Any) -> bool:
+    """Whether remat segment ``eqn`` holds a whole loop (a ``scan`` of more than one iteration,
+    a ``while``) whose body holds no remat segment of its own: ``jax.checkpoint`` around a
+    ``lax.scan`` rather than around its body. Its backward pass re-runs the loop and stacks
+    every iteration's residuals again, so it keeps what no remat keeps."""
+    for sub in sub_jaxprs(eqn):
+        for inner in walk(sub):
+            if inner.primitive.name not in LOOP_PRIMITIVES:
+                continue
+            if inner.primitive.name == "scan" and eqn_params(inner).get("length", 2) < 2:
+                continue
+            if not any(has_remat(j) for j in sub_jaxprs(inner)):
+                return True
+    return False
+
+
 def has_remat(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` holds a remat segment anywhere (nested jaxprs included)."""
     return any(is_remat(eqn) for eqn in walk(jaxpr))

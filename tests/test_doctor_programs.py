@@ -431,3 +431,126 @@ def test_saving_the_layers_input_is_said_to_change_nothing():
     (part,) = [f for f in more.findings if f.code == "saved-anyway"]
     assert part.severity == "info" and "saves layer_in," in part.what
     assert "compiles to save-nothing" not in part.what
+
+
+# -- Placement of the remat: around a whole scan, or for None as well (public reports: jax#27748
+# and jax#3186, a jax.checkpoint around the whole lax.scan; maxtext#3924, policy=None mixed up) --
+
+L6, B6, S6, D6, F6 = 4, 2, 32, 32, 128
+
+
+def _layer6(x, w):
+    h = checkpoint_name(jnp.tanh(x @ w["w1"]), "hidden")
+    return x + h @ w["w2"]
+
+
+_W6 = {
+    "w1": jax.ShapeDtypeStruct((L6, D6, F6), jnp.float32),
+    "w2": jax.ShapeDtypeStruct((L6, F6, D6), jnp.float32),
+}
+_X6 = jax.ShapeDtypeStruct((B6, S6, D6), jnp.float32)
+
+
+def _scan(body):
+    return lambda ws, x: jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0]
+
+
+def _whole_scan_program():
+    """jax.checkpoint around the whole lax.scan (its body has no remat of its own)."""
+
+    def make_loss(policy):
+        run = _scan(_layer6)
+        run = run if policy is None else jax.checkpoint(run, policy=policy)
+        return lambda ws, x: (run(ws, x) ** 2).mean()
+
+    return Program.from_loss(make_loss, _W6, _X6, optimizer="sgd", name="whole-scan")
+
+
+def _always_remat_program():
+    """A factory with no ``if policy is None``: jax.checkpoint(policy=None) saves nothing."""
+
+    def make_loss(policy):
+        run = _scan(jax.checkpoint(_layer6, policy=policy))
+        return lambda ws, x: (run(ws, x) ** 2).mean()
+
+    return Program.from_loss(make_loss, _W6, _X6, optimizer="sgd", name="always-remat")
+
+
+def test_remat_around_a_whole_scan_is_said_with_its_fix_by_analyze_and_the_doctor():
+    program = _whole_scan_program()
+    assert program.reach().around_loop == 1
+    findings = doctor.check(program, policy="save-nothing", target="cpu")
+    (f,) = [f for f in findings if f.code == "remat-around-loop"]
+    assert f.severity == "error" and "wrap a whole lax.scan" in f.cause
+    assert "lax.scan(jax.checkpoint(body" in f.fix
+    # no other cause is offered beside it (the peak "outside the layers", CSE)
+    assert not {"remat-not-lowering-peak", "no-op-policy", "cse-undid-remat"} & {
+        g.code for g in findings
+    }
+    (r,) = remat_kit.analyze_policies(program, ["save-nothing"], target="cpu")
+    assert any(
+        "wrap a whole lax.scan" in w and "checkpoint the loop's body" in w for w in r.warnings
+    )
+    assert not any("XLA undid" in w for w in r.warnings)
+
+
+def test_remat_inside_the_scan_body_is_not_around_a_loop():
+    assert _program(_layer6_d, "in-body").reach().around_loop == 0
+
+
+def _layer6_d(x, w):  # _program's weights: [LAYERS, D, D]
+    return x + jnp.tanh(x @ w)
+
+
+def test_a_factory_remating_for_none_is_judged_against_save_everything_and_said_in_recommend():
+    program = _always_remat_program()
+    assert program.reach().without_policy == 1
+    checked = doctor.check_policies(program, ["save-nothing", "no-remat"], target="cpu")
+    assert any("judged against save-everything" in n for n in checked.notes)
+    (sn,) = [c for c in checked.checks if c.label == "save-nothing"]
+    # against its own (rematerialised) "no-remat" it read "nothing is recomputed"
+    assert "no-op-policy" not in {f.code for f in sn.findings}
+    rec = remat_kit.recommend(program, target="cpu", budget="1GiB", policies=["no-remat"])
+    assert rec.remats_for_none == 1 and rec.pick.policy == "no-remat"
+    assert "still builds 1 remat segment(s) for None" in rec.line()
+    assert "no remat: your factory builds the step without" not in rec.line()
+    assert any("not a no-remat baseline" in n for n in rec.notes)
+
+
+def _tagged_carry_program():
+    """Each layer's output (the scan carry) named ``residual``: only additions and the next
+    layer read it, so no backward pass keeps it (jax#23869's offloaded carry)."""
+
+    def layer(x, w):
+        return checkpoint_name(_layer6(x, w), "residual")
+
+    def make_loss(policy):
+        run = _scan(jax.checkpoint(layer, policy=policy) if policy is not None else layer)
+        return lambda ws, x: (run(ws, x) ** 2).mean()
+
+    return Program.from_loss(make_loss, _W6, _X6, optimizer="sgd", name="tagged-carry")
+
+
+def test_a_name_a_policy_keeps_nowhere_beside_one_it_keeps_is_said():
+    program = _tagged_carry_program()
+    both = doctor.check(program, policy={"hidden": "save", "residual": "save"}, target="cpu")
+    (f,) = [f for f in both if f.code == "name-kept-nowhere"]
+    assert "names residual but does not keep it" in f.what
+    assert "backward pass does not need residual" in f.cause and "leave residual out" in f.fix
+    alone = doctor.check(program, policy={"hidden": "save"}, target="cpu")
+    assert "name-kept-nowhere" not in {g.code for g in alone}
+
+
+def test_an_opaque_callable_keeping_everything_is_not_blamed_on_the_layers_placement():
+    """save_anything_except_these_names (jax#37888): the layers are inside jax.checkpoint; a
+    no-op finding may say the callable keeps everything, never that they are outside it."""
+    cp = jax.checkpoint_policies
+
+    def make_loss(policy):
+        run = _scan(jax.checkpoint(_layer6, policy=policy))
+        return lambda ws, x: (run(ws, x) ** 2).mean()
+
+    found = remat_kit.check_function(
+        make_loss, _W6, _X6, policy=cp.save_anything_except_these_names("hidden"), target="cpu"
+    )
+    assert found and all("outside every jax.checkpoint" not in f.cause for f in found)

@@ -157,6 +157,8 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
         where = c.found_by + (f" (seq {c.seq_len})" if c.seq_len != rec.seq_len else "")
         same = first.setdefault(c.program_sha256, c) if c.program_sha256 else c
         label = c.label if same is c else f"{c.label} (same program as {same.label})"
+        if c.policy == "no-remat" and rec.remats_for_none:
+            label += " (your factory still remats for None)"
         tokens = [f"{c.tokens_per_s:,.0f}"] if shaped else []
         rows.append([
             ("* " if c is rec.pick else "") + label, *(shape[n][i] for n in shape_cols),

@@ -185,11 +185,19 @@ def check_policies(
     if not specs:
         return ProgramCheck(program.name, tags, (), tuple(notes))
     facts = _facts(program, tags)
+    baseline = get_policy_spec("no-remat")
     if reach.no_remat_note():
-        notes.append(f"no-remat: {reach.no_remat_note()}")
-    jobs = [*specs, "no-remat"]
+        # the factory remats for None: what saving everything keeps (jax.checkpoint_policies.
+        # everything_saveable: every residual of the remat segments, none recomputed) is what
+        # a step without remat keeps, and the baseline every policy is judged against
+        baseline = dataclasses.replace(baseline, name="save-everything", wrap=True)
+        notes.append(
+            f"no-remat: {reach.no_remat_note()}; each policy is judged against save-everything "
+            "(jax.checkpoint_policies.everything_saveable), which keeps what no remat keeps"
+        )
+    jobs = [*specs, baseline]
     reports = analyze_policies(program, jobs, tgt, strict_tags=False)
-    base = _kept(program, get_policy_spec("no-remat"))
+    base = _kept(program, baseline)
     nothing = _kept(program, get_policy_spec("save-nothing"))
     registered = set(policy_names())
     checks, each = [], iter(reports)
@@ -201,6 +209,7 @@ def check_policies(
         findings += compare(
             promise, next(each), reports[-1], _kept(program, spec), base, tgt,
             program.scan_layers, facts=facts, kept_nothing=nothing,
+            around_loop=reach.around_loop,
         )  # fmt: skip
         checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
     return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
@@ -325,6 +334,21 @@ def check_function(
     if opaque:
         findings = [f for f in findings if f.code != "acts-as-full-remat"]
         findings += _opaque_full_remat(make_loss, jax_policy, args)
+        # compare read the opaque callable as a name policy naming nothing: its no-op cause
+        # (layers outside every remat) is that reading's; the callable saves what it is asked
+        said = any(f.code == "saves-everything" for f in findings)  # the same fact, its cause
+        findings = [
+            dataclasses.replace(
+                f,
+                cause="the callable marks every value the backward pass needs as saveable.",
+                fix="name what to save: jax.checkpoint_policies.save_only_these_names(...) "
+                "or remat_kit.custom_policy({...}).",
+            )
+            if f.code == "no-op-policy"
+            else f
+            for f in findings
+            if not (said and f.code == "no-op-policy")
+        ]
     return sort_findings(dedupe(findings))
 
 

@@ -15,6 +15,7 @@ from remat_kit.doctor.promise import Promise
 from remat_kit.doctor.tags import TagFacts, own_example
 from remat_kit.memory import MemoryReport
 from remat_kit.memory.runner import cse_undone
+from remat_kit.memory.undone import AROUND_LOOP_FIX, around_loop_cause
 
 #: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
 _DOT_SOURCES = ("dot_general", "conv_general_dilated")
@@ -74,7 +75,20 @@ def _scan_fix(scan_layers: bool | None) -> str:
     return "scan the layers (scan_layers=True); judge remat on a GPU target."
 
 
-def _not_effective(promise, report, no_remat, promised, achieved, target, scan_layers, ops):
+def _not_effective(
+    promise, report, no_remat, promised, achieved, target, scan_layers, ops, around_loop=0
+):
+    if around_loop:  # the segment holds the loop: re-run whole, it stacks what no remat keeps
+        return Finding(
+            "remat-around-loop", "error",
+            f"policy {promise.name!r} "
+            + (f"frees only {nbytes(achieved)} of" if achieved >= 0 else
+               f"adds {nbytes(-achieved)} of temp memory where it promises to free")
+            + f" the {nbytes(promised)} its residuals promise (temp {nbytes(report.temp_bytes)} vs "
+            f"{nbytes(no_remat.temp_bytes)} without remat).",
+            around_loop_cause(around_loop) + ".",
+            AROUND_LOOP_FIX + ".",
+        )  # fmt: skip
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
     on_cpu = target.platform == "cpu"
     recomputes = _recomputes(report, no_remat, ops)
@@ -133,6 +147,7 @@ def compare(
     recomputed_ops: int | None = None,
     facts: TagFacts | None = None,
     kept_nothing: Residuals | None = None,
+    around_loop: int = 0,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
     what each keeps in the jaxpr (:class:`Residuals`).
@@ -147,6 +162,9 @@ def compare(
         from them. None: not known.
       kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs): a name kept no
         more than that is kept by every policy (``saved-anyway``). None: not known.
+      around_loop: the program's remat segments that wrap a whole loop
+        (:attr:`remat_kit.program.PolicyReach.around_loop`): a policy freeing too little is then
+        said to be that (``remat-around-loop``).
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
@@ -161,8 +179,16 @@ def compare(
         # An offload on a real target is judged by its host bytes (below), not by recompute.
         out.append(
             _not_effective(
-                promise, report, no_remat, promised, achieved, target, scan_layers, recomputed_ops
-            )
+                promise,
+                report,
+                no_remat,
+                promised,
+                achieved,
+                target,
+                scan_layers,
+                recomputed_ops,
+                around_loop,
+            )  # fmt: skip
         )
     cse = _cse_findings(promise, report, out)
     if cse:  # the measured cause, not the guess that the peak is outside the layers
@@ -171,6 +197,7 @@ def compare(
     out += full
     anyway = kept_nothing.tag_bytes if kept_nothing is not None else {}
     if not full:
+        out += _names_kept_nowhere(promise, kept, kept_no_remat, facts)
         out += _saved_anyway(promise, kept, anyway, facts)
         out += _saved_without_saving(promise, kept, facts, anyway)
     if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
@@ -356,6 +383,40 @@ def _full_remat(
             f"{', '.join(sorted(named)) or 'matmul outputs'} but "
             f"{'does not keep it' if len(named) == 1 else 'keeps none of them'}: "
             "it runs as full remat (save-nothing).",
+            cause, fix,
+        )
+    ]  # fmt: skip
+
+
+def _names_kept_nowhere(
+    promise: Promise, kept: Residuals, kept_no_remat: Residuals, facts: TagFacts | None
+) -> list[Finding]:
+    """``name-kept-nowhere`` for the emitted names of a policy that keeps others but not these,
+    where the walk tells why (applied outside every remat segment, or not residuals even
+    without remat): that part of the policy does nothing (jax#23869: the scan carry offloaded
+    beside a real tag). A policy keeping none of its names is ``acts-as-full-remat``'s; a
+    registered policy's list is MaxText's, for every model (``minimal`` names ``mlpwo``, a
+    residual of no pre-norm block), and not judged name by name."""
+    if facts is None or promise.base != "names" or promise.registered:
+        return []
+    named = promise.tags & facts.emitted
+    idle = named - kept.tags
+    if not idle or idle == named:
+        return []
+    outside = facts.outside_remat(idle)
+    if outside | (idle - outside - kept_no_remat.tags) != idle:
+        return []  # the walk does not tell why: not said
+    cause, _ = _why_not_kept(idle, kept_no_remat, facts)
+    one, names = len(idle) == 1, ", ".join(sorted(idle))
+    fix = f"leave {names} out of the policy" + (
+        " (or apply its checkpoint_name inside the checkpointed function)." if outside else "."
+    )
+    return [
+        Finding(
+            "name-kept-nowhere", "warning",
+            f"policy {promise.name!r} names {names} but "
+            f"{'does not keep it' if one else 'keeps none of them'}, on device or host: that "
+            "part of the policy does nothing.",
             cause, fix,
         )
     ]  # fmt: skip

@@ -67,7 +67,14 @@ from remat_kit.program import (
 )
 from remat_kit.remat_impl import can_offload
 from remat_kit.residuals import TagResiduals, group_by_tag, held_on_device, saved_residuals
-from remat_kit.walker import emitted_tags, is_remat, sub_jaxprs, tags_in, tags_in_remat
+from remat_kit.walker import (
+    emitted_tags,
+    is_remat,
+    sub_jaxprs,
+    tags_in,
+    tags_in_remat,
+    wraps_whole_loop,
+)
 
 DEFAULT_TOP_K = 10
 #: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
@@ -392,7 +399,7 @@ def remat_placement(jaxpr: Any) -> RematPlacement:
     """Where the remat regions (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``: the
     ``remat`` primitive) of a step's jaxpr are: inside a ``scan`` / ``while`` body or not, and
     how many of those outside one have ``prevent_cse=False``."""
-    counts = {"inside": 0, "outside": 0, "no_cse": 0}
+    counts = {"inside": 0, "outside": 0, "no_cse": 0, "around_loop": 0}
 
     def visit(j: Any, in_loop: bool) -> None:
         for eqn in j.eqns:
@@ -401,11 +408,14 @@ def remat_placement(jaxpr: Any) -> RematPlacement:
                 counts["inside" if in_loop else "outside"] += 1
                 if not in_loop and eqn.params.get("prevent_cse") is False:
                     counts["no_cse"] += 1
+                counts["around_loop"] += wraps_whole_loop(eqn)
             for sub in sub_jaxprs(eqn):
                 visit(sub, in_loop or name in ("scan", "while"))
 
     visit(jaxpr, False)
-    return RematPlacement(counts["inside"], counts["outside"], counts["no_cse"])
+    return RematPlacement(
+        counts["inside"], counts["outside"], counts["no_cse"], counts["around_loop"]
+    )
 
 
 def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:

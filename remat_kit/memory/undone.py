@@ -36,6 +36,26 @@ class RematPlacement:
     in_loop: int
     outside: int
     no_cse_outside: int = 0
+    #: Regions that wrap a whole loop with no remat in its body
+    #: (:func:`remat_kit.walker.wraps_whole_loop`).
+    around_loop: int = 0
+
+
+#: The fix for remat regions wrapping a whole loop (:func:`around_loop_cause`).
+AROUND_LOOP_FIX = (
+    "checkpoint the loop's body instead: lax.scan(jax.checkpoint(body, policy=policy), ...) "
+    "(linen: nn.scan over nn.remat(Layer); NNX: nnx.remat inside nnx.scan)"
+)
+
+
+def around_loop_cause(regions: int) -> str:
+    """Why remat regions wrapping a whole loop free no memory (one home: the analyzer's
+    warning and the doctor's finding; :data:`AROUND_LOOP_FIX` is the fix)."""
+    return (
+        f"{regions} remat region(s) wrap a whole lax.scan / while loop, not its body: the "
+        "backward pass re-runs the loop and stacks every iteration's residuals again, as no "
+        "remat keeps them"
+    )
 
 
 def undone_cause(platform: str, remat: RematPlacement | None) -> str:
@@ -135,6 +155,17 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     if ratio is None and flops and base_flops:  # no ratio reported: the compiled FLOPs tell
         ratio = flops / base_flops
     on_cpu = platform == "cpu"  # XLA:CPU drops remat's barriers outside a scan
+    compiled = (
+        f"drops by {format_bytes(dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"
+        if dropped > 0
+        else f"does not drop ({format_bytes(mine)} against {format_bytes(theirs)})"
+    )
+    if job.remat is not None and job.remat.around_loop:
+        return (
+            f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
+            f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's "
+            f"{what} {compiled}: {around_loop_cause(job.remat.around_loop)}; {AROUND_LOOP_FIX}"
+        )
     if not on_cpu and ratio and ratio > 1.01:
         # it recomputes: the remat stands, the peak is set where it does not reach (the
         # doctor's remat-not-lowering-peak)
@@ -146,11 +177,6 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
             "rematerialised layers (the optimizer update, the logits, the parameters); see the "
             "buffers live at the peak"
         )
-    compiled = (
-        f"drops by {format_bytes(dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"
-        if dropped > 0
-        else f"does not drop ({format_bytes(mine)} against {format_bytes(theirs)})"
-    )
     return (
         f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
         f"jaxpr against {format_bytes(base_act)} without remat, {format_bytes(promised)} "

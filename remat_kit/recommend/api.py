@@ -90,6 +90,9 @@ class Request:
     cut: frozenset[PolicySpec] = frozenset()
     structure: bool = False
     margin: float = DEFAULT_MARGIN
+    #: Remat segments a user's factory builds when given None (``no-remat``): 0 for a step
+    #: without remat (:attr:`remat_kit.program.PolicyReach.without_policy`).
+    remats_for_none: int = 0
 
     @property
     def batch(self) -> int | None:
@@ -364,6 +367,12 @@ def resolve_request(
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
     specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
+    # a user's factory that remats even when given None: its "no-remat" is not a step without
+    # remat (the judgement analyze and the doctor make: PolicyReach.no_remat_note)
+    reach = program.reach() if program.model_config is None else None
+    remats_for_none = reach.without_policy if reach is not None else 0
+    if remats_for_none:
+        notes.append(f"no-remat: {reach.no_remat_note()}")
     on = policies is None if structure is None else bool(structure)
     if structure and program.model_config is None:
         program.variant(structure=True)  # raises: a user's program sets its own structure
@@ -377,7 +386,7 @@ def resolve_request(
         program=program, target=tgt, auto=auto, solve=solve, budget_bytes=budget_bytes,
         budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
         notes=tuple(notes), tags=tags, labels=labels, cut=cut, structure=on and not auto,
-        margin=margin,
+        margin=margin, remats_for_none=remats_for_none,
     )  # fmt: skip
 
 
@@ -510,4 +519,5 @@ def assemble(
         host_link=T.host_link_source(tgt),
         made_fit=found.made_fit,
         tags=tuple(sorted(request.tags)),
+        remats_for_none=request.remats_for_none,
     )

@@ -137,15 +137,23 @@ class Candidate:
             return self.named_label
         return policy_label(custom_spec(self.actions))
 
-    def code(self) -> str:
+    def code(self, remats_for_none: int = 0) -> str:
         """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch
-        and remat group size to use; for a user's program, the policy its factory receives."""
+        and remat group size to use; for a user's program, the policy its factory receives
+        (``remats_for_none``: the remat segments its factory builds for None, said beside a
+        ``no-remat`` pick)."""
         if self.actions is None:
             policy = f'remat_kit.policy("{self.policy}")'
         else:
             body = ", ".join(f'"{t}": "{a}"' for t, a in sorted(self.actions.items()))
             policy = f"remat_kit.custom_policy({{{body}}})"
         if self.batch_size is None:
+            if self.policy == "no-remat" and remats_for_none:
+                return (
+                    f"policy = None  # your factory still builds {remats_for_none} remat "
+                    "segment(s) for None (jax.checkpoint's default policy: save nothing): this "
+                    "is not a step without remat"
+                )
             if self.policy == "no-remat":
                 return (
                     "policy = None  # no remat: your factory builds the step without jax.checkpoint"
@@ -249,6 +257,8 @@ class Recommendation:
       peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
       tags: for a user's program, the ``checkpoint_name`` tags its step emits (None for a
         preset).
+      remats_for_none: remat segments a user's factory builds when given None: its ``no-remat``
+        candidate is then that remat, not a step without remat (0: none).
       made_fit: which structural options (``attention``, ``loss_chunk_size``, ``remat_layers``)
         the pick carries and what they did (made it fit, or made it faster), with the compiled
         figures; None when the pick is a plain step.
@@ -276,13 +286,14 @@ class Recommendation:
     host_link: str
     tags: tuple[str, ...] | None = None
     made_fit: str | None = None
+    remats_for_none: int = 0
     from_compile_cache: int = 0
 
     def line(self) -> str:
         """The pick as one line of code, or what would fit when nothing does."""
         if self.pick is None:
             return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
-        return self.pick.code()
+        return self.pick.code(self.remats_for_none)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (with ``line``)."""

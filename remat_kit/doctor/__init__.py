@@ -24,6 +24,13 @@ Finding codes (severity):
   (:func:`remat_kit.program.policy_reach`), as ``analyze`` and ``recommend`` judge it.
 - ``no-op-policy`` (error): the compiled step needs as much memory as without remat (its fix
   never names the policy being checked).
+- ``remat-around-loop`` (error): the policy frees little or adds memory because a remat segment
+  wraps a whole ``lax.scan`` / ``while`` loop rather than its body: the backward pass re-runs the
+  loop and stacks every iteration's residuals again (jax#27748, jax#3186); the fix checkpoints
+  the body. ``analyze`` gives the same cause in its warning.
+- ``name-kept-nowhere`` (warning): a user's policy keeps some of its names but not these (the
+  backward pass does not need them even without remat, e.g. a scan's carry, jax#23869; or they
+  are applied outside every remat segment): that part of the policy does nothing.
 - ``cse-undid-remat`` (error): the jaxpr recomputes, but the compiled program does not (no
   operation of it recomputes, or no FLOPs over no-remat): XLA merged the recomputation back into
   the forward pass (CSE).
@@ -62,6 +69,11 @@ Finding codes (severity):
 - ``static-argnums-self`` (error): ``nn.remat(..., static_argnums=...)`` on a linen module
   counts ``self`` as argument 0; an index pointing at ``self``, an array or past the arguments
   is off by one.
+
+A factory that builds remat even when given None (``jax.checkpoint(layer, policy=policy)`` with
+no ``if policy is None``) has no step without remat: each policy is then judged against
+``save-everything`` (``everything_saveable``), which keeps what no remat keeps, and the notes
+say so.
 
 Sources: JAX doc "Gradient checkpointing with jax.checkpoint"; ``jax/_src/ad_checkpoint.py``
 (jax 0.10.2, remat3); flax.linen.remat docstring.

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import remat_kit
 from remat_kit import analyze, targets
 from remat_kit.memory import compile_cache as C
 from remat_kit.memory import hlo, runner
@@ -385,3 +386,19 @@ def test_the_cpu_and_the_local_cpu_backend_share_their_compiles():
     assert target_fingerprint(local) == target_fingerprint(T.get_target("cpu"))
     assert T.compile_identity(T.get_target("h100-sxm")) == "h100-sxm"
     assert target_fingerprint(T.get_target("h100-sxm")) != target_fingerprint(local)
+
+
+def test_a_presets_reports_under_jax_remat3_are_not_the_classic_ones(fresh_compile_cache):
+    """The stored reports of a preset request are keyed by the remat implementation too: under
+    jax_remat3 the same request is traced again (its figures and remat_impl its own), never read
+    back from the classic run (a shared cache of the suite's once did)."""
+    from remat_kit import remat_impl as RI
+
+    config = remat_kit.get_config("tiny-gpt", num_layers=1, scan_layers=True)
+    runs = {}
+    for impl in ("classic", "remat3"):
+        with RI.using(impl):
+            (runs[impl],) = remat_kit.analyze_policies(
+                remat_kit.preset(config, 1, 16), ["save-nothing"], target="cpu"
+            )
+    assert runs["classic"].remat_impl == "classic" and runs["remat3"].remat_impl == "remat3"

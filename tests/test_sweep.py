@@ -510,10 +510,11 @@ def test_interleaved_steps_are_each_policys_own(tmp_path):
     assert isinstance(out[0], RuntimeError) and out[1]["losses"] == alone[1]["losses"]
 
 
-def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch):
+def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch, fresh_compile_cache):
     """On one device the sweep's run step, lowered on its own, is the program its analysis
     compiled (same sha256: the engine compiles it once), so the run takes the analysis's
-    executable by its ``program_sha256`` without tracing the step again."""
+    executable by its ``program_sha256`` without tracing the step again. An empty compile cache: a
+    compile read from the cache has no executable to hand over (the run then compiles it)."""
     points = _tiny(policies=("no-remat", "save-nothing", "minimal")).points()
     with CompileEngine() as engine:
         program, specs, reports = _executables(points, engine)

@@ -65,7 +65,7 @@ from remat_kit.program import (
     purify,
     require_program,
 )
-from remat_kit.remat_impl import can_offload
+from remat_kit.remat_impl import can_offload, remat_implementation
 from remat_kit.residuals import TagResiduals, group_by_tag, held_on_device, saved_residuals
 from remat_kit.walker import (
     emitted_tags,
@@ -592,10 +592,16 @@ def analyze_policies(
     key, cache = None, CompileCache.from_env()
     if cache is not None and program.request_key() is not None and policies is not None:
         specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
+        # what decides the trace beside the request: the remat implementation (jax_remat3 runs
+        # some policies as others) and the JAX flags that change dtypes or matmul precision
+        tracing = (
+            remat_implementation(), jax.config.jax_enable_x64,
+            jax.config.jax_default_matmul_precision,
+        )  # fmt: skip
         key = CompileCache.request_key(
             "analyze_policies", program.request_key(), specs, target_fingerprint(tgt),
             budget_bytes, top_k, fast_compile, compare_offload, policy_alone_peak, strict_tags,
-            no_remat_baseline,
+            no_remat_baseline, tracing,
         )  # fmt: skip
         cached = _cached_reports(cache, key, len(specs))
         if cached is not None:  # the same request made before: its reports, nothing traced

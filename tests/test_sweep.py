@@ -337,7 +337,9 @@ def killed_child(tmp_path_factory):
         proc.wait()
 
 
-def test_injected_failure_gives_an_error_row_and_the_rest_complete(tmp_path, killed_child):
+def test_injected_failure_gives_an_error_row_and_the_rest_complete(
+    tmp_path, killed_child, fresh_compile_cache
+):
     def fail(point):
         if point.policy == "save-nothing":
             raise RuntimeError("injected failure\nsecond line")

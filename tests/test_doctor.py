@@ -60,7 +60,9 @@ def test_no_op_policy():
 def test_save_anything_except_these_names_saves_everything():
     policy = cp.save_anything_except_these_names("mlpwi")
     findings = doctor.check_function(_mlp_stack(scan=True), WEIGHTS, X, policy=policy)
-    assert {"saves-everything", "no-op-policy"} <= _codes(findings)
+    # one finding for the one fact (its no-op twin, with a cause about the layers' placement,
+    # is dropped: the layers are inside jax.checkpoint)
+    assert "saves-everything" in _codes(findings) and "no-op-policy" not in _codes(findings)
 
 
 def test_remat_undone_by_cse():

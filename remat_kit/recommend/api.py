@@ -91,7 +91,7 @@ class Request:
     structure: bool = False
     margin: float = DEFAULT_MARGIN
     #: Remat segments a user's factory builds when given None (``no-remat``): 0 for a step
-    #: without remat (:attr:`remat_kit.program.PolicyReach.without_policy`).
+    #: without remat (``without_policy`` of :class:`remat_kit.program.PolicyReach`).
     remats_for_none: int = 0
 
     @property

@@ -554,3 +554,27 @@ def test_an_opaque_callable_keeping_everything_is_not_blamed_on_the_layers_place
         make_loss, _W6, _X6, policy=cp.save_anything_except_these_names("hidden"), target="cpu"
     )
     assert found and all("outside every jax.checkpoint" not in f.cause for f in found)
+
+
+def test_save_any_names_but_these_is_judged_as_the_name_set_it_amounts_to():
+    """save_any_names_but_these("hidden") on a step whose other name (the carry, ``residual``)
+    is never a residual saves nothing: the error the mapping {"residual": "save"} gets; a name
+    it leaves out that the program never emits is a typo; the rest it saves is not judged name
+    by name."""
+    cp = jax.checkpoint_policies
+    program = _tagged_carry_program()
+    args = (_W6, _X6)
+
+    def codes(policy):
+        found = remat_kit.check_function(program.make_loss, *args, policy=policy, target="cpu")
+        return {f.code: f for f in found}
+
+    as_dict = doctor.check(program, policy={"residual": "save"}, target="cpu")
+    assert "acts-as-full-remat" in _codes(as_dict)
+    raw = codes(cp.save_any_names_but_these("hidden"))
+    assert "acts-as-full-remat" in raw and "promises to keep residual" in raw[
+        "acts-as-full-remat"].what  # fmt: skip
+    typo = codes(cp.save_any_names_but_these("hiden"))
+    assert "leaves out 'hiden' (closest: 'hidden')" in typo["unknown-tag"].what
+    assert "name-kept-nowhere" not in typo and "acts-as-full-remat" not in typo
+    assert "acts-as-full-remat" not in codes(cp.save_any_names_but_these("residual"))

@@ -35,6 +35,8 @@ from remat_kit.doctor.promise import (
     Promise,
     describe_callable,
     effect_findings,
+    excluded_unknown,
+    promise_of_exclusions,
     remat3_findings,
     resolve_policy,
 )
@@ -311,6 +313,9 @@ def check_function(
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
+    if promise is None:  # save_any_names_but_these: the name set it amounts to here
+        promise = promise_of_exclusions(policy, facts.emitted)
+        findings += excluded_unknown(policy, facts.emitted)
     opaque = promise is None
     if opaque:  # an opaque callable: judge by what it does, against no-remat
         promise = Promise("custom-callable")

@@ -396,8 +396,9 @@ def _names_kept_nowhere(
     without remat): that part of the policy does nothing (jax#23869: the scan carry offloaded
     beside a real tag). A policy keeping none of its names is ``acts-as-full-remat``'s; a
     registered policy's list is MaxText's, for every model (``minimal`` names ``mlpwo``, a
-    residual of no pre-norm block), and not judged name by name."""
-    if facts is None or promise.base != "names" or promise.registered:
+    residual of no pre-norm block), and not judged name by name; nor is the rest of the
+    program's names that ``save_any_names_but_these`` saves."""
+    if facts is None or promise.base != "names" or promise.registered or promise.by_exclusion:
         return []
     named = promise.tags & facts.emitted
     idle = named - kept.tags

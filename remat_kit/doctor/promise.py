@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from remat_kit.doctor.findings import Finding
+from remat_kit.validation import closest
 from remat_kit.policies import PolicySpec, get_policy_spec, read_jax_policy
 from remat_kit.remat_impl import describe_implementation, policy_effect
 
@@ -38,6 +39,7 @@ class Promise:
     wrap: bool = True
     registered: bool = False  # a remat-kit registry policy (names both MLP families' tags)
     offloads_dots: bool = False  # offload_dot_with_no_batch_dims
+    by_exclusion: bool = False  # save_any_names_but_these: the names are the program's rest
 
     @property
     def tags(self) -> frozenset[str]:
@@ -89,6 +91,43 @@ def describe_callable(policy: Callable[..., Any]) -> tuple[Promise | None, list[
     if qual.startswith("offload_dot_with_no_batch_dims"):
         return Promise("offload_dot_with_no_batch_dims", "dots_no_batch", offloads_dots=True), []
     return None, [_composed(qual)]
+
+
+def promise_of_exclusions(policy: Callable[..., Any], emitted: frozenset[str]) -> Promise | None:
+    """The :class:`Promise` of ``save_any_names_but_these(*names)`` on a program that emits
+    ``emitted``: it saves every emitted name but those (``SaveAnyNamesButThese.names``,
+    jax/_src/ad_checkpoint.py), so it is judged as the name set it amounts to (the per-tag
+    mapping ``{name: "save"}`` of the rest). None for any other policy."""
+    if type(policy).__name__ != "SaveAnyNamesButThese":
+        return None
+    excluded = frozenset(getattr(policy, "names", ()))
+    return Promise(
+        "save_any_names_but_these", save=frozenset(emitted) - excluded, by_exclusion=True
+    )
+
+
+def excluded_unknown(policy: Callable[..., Any], emitted: frozenset[str]) -> list[Finding]:
+    """``unknown-tag`` for the names ``save_any_names_but_these`` leaves out that the program
+    never emits: nothing is recomputed for them (a typo saves what it meant to recompute)."""
+    if type(policy).__name__ != "SaveAnyNamesButThese":
+        return []
+    missing = sorted(frozenset(getattr(policy, "names", ())) - frozenset(emitted))
+    if not missing:
+        return []
+    listed = ", ".join(
+        f"{t!r}" + (f" (closest: {h!r})" if (h := closest(t, sorted(emitted))) else "")
+        for t in missing
+    )
+    return [
+        Finding(
+            "unknown-tag", "error",
+            f"policy 'save_any_names_but_these' leaves out {listed}, which the program never "
+            f"emits (emitted: {', '.join(sorted(emitted)) or 'none'}): leaving "
+            f"{'it' if len(missing) == 1 else 'them'} out recomputes nothing.",
+            "a typo, or a tensor the program does not tag.",
+            "leave out names the program emits (the emitted names above).",
+        )
+    ]  # fmt: skip
 
 
 def remat3_honours(policy: Callable[..., Any]) -> bool:

@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import pytest
 
 import remat_kit
@@ -434,3 +435,38 @@ def test_a_matmul_xla_cannot_tile_without_a_gpu_is_compiled_with_cublas_and_said
             "compiled with xla_gpu_enable_triton_gemm=false (every matmul a cuBLAS call): XLA "
             "found no Triton GEMM tiling for a f32[520,64] matmul without a GPU to autotune on"
         ]
+
+
+def _unrolled_gelu():
+    """Four unrolled blocks whose residuals are gelu outputs [4, 32, 256] f32: XLA fuses them
+    away, so the jaxpr's residuals (3.6 MiB without remat) exceed the compiled peak (jax#12792)."""
+
+    def block(x, w1, w2):
+        return x + checkpoint_name(jax.nn.gelu(x @ w1), "mlp_hidden") @ w2
+
+    def make_loss(policy):
+        def loss(p, x):
+            for i in range(4):
+                f = block if policy is None else jax.checkpoint(block, policy=policy)
+                x = f(x, p["w1"][i], p["w2"][i])
+            return (x**2).mean()
+
+        return loss
+
+    w = {"w1": jax.ShapeDtypeStruct((4, 64, 256), jnp.float32),
+         "w2": jax.ShapeDtypeStruct((4, 256, 64), jnp.float32)}  # fmt: skip
+    x = jax.ShapeDtypeStruct((4, 32, 64), jnp.float32)
+    return Program.from_loss(make_loss, w, x, optimizer="sgd", name="unrolled-gelu")
+
+
+def test_residuals_above_the_compiled_peak_are_said_to_be_the_jaxprs():
+    labels = ["no-remat", "save-nothing"]
+    reports = analyze_policies(_unrolled_gelu(), labels, "local")
+    assert reports[0].activation_bytes > reports[0].peak_bytes  # the case the note is for
+    note = cli_analyze._residuals_over_peak(reports, labels)
+    assert note is not None and "print_saved_residuals" in note
+    assert f"no-remat {cli_analyze._size(reports[0].activation_bytes)} against" in note
+    assert "save-nothing" not in note  # its residuals are below its peak
+    below = analyze_policies(_user_loop(scan=True), ["save-nothing"], "local")
+    assert below[0].activation_bytes < below[0].peak_bytes
+    assert cli_analyze._residuals_over_peak(below, ["save-nothing"]) is None

@@ -311,6 +311,9 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     ]
     if target.platform == "cpu":
         lines.append("CPU backend: these are XLA:CPU numbers, not GPU numbers; offload is not real")
+    over = _residuals_over_peak(results, labels)
+    if over:
+        lines.append(over)
     time_line = _time_line(results)
     if time_line:
         lines.append(time_line)
@@ -339,6 +342,29 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
                 f"device: {verdict}"
             )
     return lines
+
+
+def _residuals_over_peak(results, labels: Sequence[str]) -> str | None:
+    """The note for residual figures above their step's compiled peak, or None: the residuals
+    column is the jaxpr's (``jax.ad_checkpoint.print_saved_residuals``: what the remat boundary
+    keeps before XLA's fusion), and XLA fuses elementwise residuals into their consumers, so it
+    can exceed everything the compiled step holds at once (jax#12792)."""
+    over = [
+        f"{label} {_size(r.activation_bytes)} against a {_size(r.peak_bytes)} peak"
+        for label, r in zip(labels, results, strict=True)
+        if not isinstance(r, CompileError)
+        and r.activation_bytes is not None
+        and r.peak_bytes is not None
+        and r.activation_bytes > r.peak_bytes
+    ]
+    if not over:
+        return None
+    return (
+        "residuals: what JAX's jaxpr keeps at the remat boundary (print_saved_residuals), "
+        "before XLA fuses elementwise residuals away; above the compiled peak here ("
+        + "; ".join(over)
+        + "): the peak is what the step holds"
+    )
 
 
 def _labels(specs: Sequence[PolicySpec], chosen: ProgramPolicies | None) -> list[str]:

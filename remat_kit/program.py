@@ -695,8 +695,13 @@ class Program:
         return out
 
     def reach(self) -> PolicyReach:
-        """Whether the factories pass the policy on (:func:`policy_reach`: two traces)."""
-        return policy_reach(self)
+        """Whether the factories pass the policy on (:func:`policy_reach`: two to four traces),
+        judged once per program and remat implementation: every tool, and each compile a
+        search makes (recommend's candidates, the sweep's points), reads the same judgement."""
+        key = f"_reach_{remat_implementation()}"
+        if key not in self.__dict__:  # frozen: kept beside the fields, not among them
+            object.__setattr__(self, key, policy_reach(self))
+        return self.__dict__[key]
 
     def request_key(self) -> tuple[Any, ...] | None:
         """What decides this program's reports, for the report cache, where it can be said

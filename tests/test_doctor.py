@@ -163,8 +163,8 @@ def test_save_dots_not_lowering_the_peak_says_what_it_recomputes():
     mib = 2**20
     report, base = NS(flops=100.0, temp_bytes=9 * mib), NS(flops=100.0, temp_bytes=9 * mib)
     finding = _not_effective(
-        NS(name="save-dots", base="dots"), report, base, 8 * mib, 0, NS(platform="cuda"), True,
-        None,
+        NS(name="save-dots", base="dots"), report, base, promised=8 * mib, achieved=0,
+        target=NS(platform="cuda"), scan_layers=True, ops=None, around_loop=0,
     )  # fmt: skip
     assert finding.code == "remat-not-lowering-peak"
     assert "recomputes its elementwise work (its matmuls are saved)" in finding.what

@@ -192,7 +192,13 @@ def check_policies(
         # the factory remats for None: what saving everything keeps (jax.checkpoint_policies.
         # everything_saveable: every residual of the remat segments, none recomputed) is what
         # a step without remat keeps, and the baseline every policy is judged against
-        baseline = dataclasses.replace(baseline, name="save-everything", wrap=True)
+        baseline = PolicySpec(
+            "save-everything",
+            "Every residual of the remat segments kept on device, none recomputed; the model "
+            "is wrapped in remat.",
+            base="everything",
+            source="jax.checkpoint_policies.everything_saveable",
+        )
         notes.append(
             f"no-remat: {reach.no_remat_note()}; each policy is judged against save-everything "
             "(jax.checkpoint_policies.everything_saveable), which keeps what no remat keeps"
@@ -341,20 +347,20 @@ def check_function(
         findings += _opaque_full_remat(make_loss, jax_policy, args)
         # compare read the opaque callable as a name policy naming nothing: its no-op cause
         # (layers outside every remat) is that reading's; the callable saves what it is asked
-        said = any(f.code == "saves-everything" for f in findings)  # the same fact, its cause
-        findings = [
-            dataclasses.replace(
-                f,
-                cause="the callable marks every value the backward pass needs as saveable.",
-                fix="name what to save: jax.checkpoint_policies.save_only_these_names(...) "
-                "or remat_kit.custom_policy({...}).",
-            )
-            if f.code == "no-op-policy"
-            else f
-            for f in findings
-            if not (said and f.code == "no-op-policy")
-        ]
+        if any(f.code == "saves-everything" for f in findings):  # the same fact, its cause
+            findings = [f for f in findings if f.code != "no-op-policy"]
+        findings = [_callable_no_op(f) if f.code == "no-op-policy" else f for f in findings]
     return sort_findings(dedupe(findings))
+
+
+def _callable_no_op(finding: Finding) -> Finding:
+    """``no-op-policy`` with the cause an opaque callable has: it saves what it is asked."""
+    return dataclasses.replace(
+        finding,
+        cause="the callable marks every value the backward pass needs as saveable.",
+        fix="name what to save: jax.checkpoint_policies.save_only_these_names(...) "
+        "or remat_kit.custom_policy({...}).",
+    )
 
 
 def _read_policy(policy):

@@ -76,8 +76,10 @@ def _scan_fix(scan_layers: bool | None) -> str:
 
 
 def _not_effective(
-    promise, report, no_remat, promised, achieved, target, scan_layers, ops, around_loop=0
+    promise, report, no_remat, *, promised, achieved, target, scan_layers, ops, around_loop
 ):
+    """The finding for a policy whose fewer residuals (``promised`` bytes) freed ``achieved``
+    bytes of temp memory or less: remat around a loop, XLA's CSE, or the peak set elsewhere."""
     if around_loop:  # the segment holds the loop: re-run whole, it stacks what no remat keeps
         return Finding(
             "remat-around-loop", "error",
@@ -179,15 +181,8 @@ def compare(
         # An offload on a real target is judged by its host bytes (below), not by recompute.
         out.append(
             _not_effective(
-                promise,
-                report,
-                no_remat,
-                promised,
-                achieved,
-                target,
-                scan_layers,
-                recomputed_ops,
-                around_loop,
+                promise, report, no_remat, promised=promised, achieved=achieved, target=target,
+                scan_layers=scan_layers, ops=recomputed_ops, around_loop=around_loop,
             )  # fmt: skip
         )
     cse = _cse_findings(promise, report, out)

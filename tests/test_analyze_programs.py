@@ -64,13 +64,16 @@ def test_default_set_acts_on_the_programs_own_tags():
     ]  # fmt: skip
     skipped = [n for n in chosen.notes if n.startswith("not compiled on")]
     assert len(skipped) == 1 and all(name in skipped[0] for name in SKIPPED)
-    # No host offload on the CPU: no offloading spec; two single-tag specs at most: said.
+    # No host offload on the CPU: no offloading spec; two single-tag specs at most, for the
+    # largest residuals (mlp_hidden [b, s, F] and attn_in [b, s, 3D], not attn_out [b, s, D]):
+    # said.
     cpu = program_policies(program, "cpu", max_single=2)
     assert not any(s.offloads for s in cpu.specs)
     assert any("does not offload" in n for n in cpu.notes)
     assert [policy_label(s) for s in cpu.specs[4:6]] == ["custom: attn_in=save",
-                                                        "custom: attn_out=save"]  # fmt: skip
-    assert any("first 2 only" in n and "mlp_hidden" in n for n in cpu.notes)
+                                                        "custom: mlp_hidden=save"]  # fmt: skip
+    assert any("2 with the largest residuals only" in n and "for attn_out" in n
+               for n in cpu.notes)  # fmt: skip
     # Asked policies are kept as asked.
     assert program_policies(program, "cpu", ["minimal"]).specs == (get_policy_spec("minimal"),)
 
@@ -470,3 +473,26 @@ def test_residuals_above_the_compiled_peak_are_said_to_be_the_jaxprs():
     below = analyze_policies(_user_loop(scan=True), ["save-nothing"], "local")
     assert below[0].activation_bytes < below[0].peak_bytes
     assert cli_analyze._residuals_over_peak(below, ["save-nothing"]) is None
+
+
+def test_capped_save_alone_specs_keep_the_tags_with_the_largest_residuals():
+    """With more tags than save-alone specs, the ones kept are those whose residuals are
+    largest (the choice that trades most memory), not the first names in the alphabet."""
+
+    def layer(x, w):
+        h = checkpoint_name(x @ w["w1"], "z_wide")  # [B, S, 4D]
+        g = checkpoint_name(jnp.tanh(h) @ w["w2"], "a_narrow")  # [B, S, D]
+        return x + jnp.sin(g)
+
+    def make_loss(policy):
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return lambda ws, x: (jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2).mean()
+
+    w = {"w1": jax.ShapeDtypeStruct((2, 16, 64), jnp.float32),
+         "w2": jax.ShapeDtypeStruct((2, 64, 16), jnp.float32)}  # fmt: skip
+    program = Program.from_loss(make_loss, w, jax.ShapeDtypeStruct((2, 8, 16), jnp.float32))
+    chosen = program_policies(program, "cpu", max_single=1)
+    labels = [policy_label(s) for s in chosen.specs]
+    assert "custom: z_wide=save" in labels and "custom: a_narrow=save" not in labels
+    (note,) = [n for n in chosen.notes if "save-alone" in n]
+    assert "with the largest residuals" in note and "NAME=save for a_narrow" in note

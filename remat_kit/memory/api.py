@@ -271,19 +271,28 @@ class ProgramPolicies:
 
 
 def own_tag_specs(
-    tags: frozenset[str], offload: bool, max_single: int = MAX_TAG_SPECS
+    tags: frozenset[str],
+    offload: bool,
+    max_single: int = MAX_TAG_SPECS,
+    kept_bytes: Mapping[str, int] | None = None,
 ) -> tuple[list[PolicySpec], list[str]]:
-    """Specs in a program's own tag names: each tag saved alone (the first ``max_single`` by
-    name), every tag saved, and, where the target offloads, every tag offloaded; with a note
-    when the single-tag specs were capped."""
-    names = sorted(tags)
-    specs = [custom_spec({t: "save"}) for t in names[:max_single]]
+    """Specs in a program's own tag names: each tag saved alone (the first ``max_single``: by
+    the bytes the loss keeps for each when every tag is saved, ``kept_bytes``, largest first,
+    as the choice that trades most memory; by name without them), every tag saved, and, where
+    the target offloads, every tag offloaded; with a note when the single-tag specs were
+    capped."""
+    weight = kept_bytes or {}
+    ranked = sorted(tags, key=lambda t: (-weight.get(t, 0), t))
+    specs = [custom_spec({t: "save"}) for t in sorted(ranked[:max_single])]  # listed by name
     notes = []
-    if len(names) > max_single:
+    if len(ranked) > max_single:
+        which = "with the largest residuals" if kept_bytes else "first by name"
         notes.append(
-            f"{len(names)} checkpoint names emitted: one save-alone policy each for the first "
-            f"{max_single} only (ask for NAME=save for {', '.join(names[max_single:])})"
+            f"{len(ranked)} checkpoint names emitted: one save-alone policy each for the "
+            f"{max_single} {which} only (ask for NAME=save for "
+            f"{', '.join(sorted(ranked[max_single:]))})"
         )
+    names = sorted(tags)
     if len(names) > 1:
         specs.append(custom_spec(dict.fromkeys(names, "save")))
     if offload and names:
@@ -321,10 +330,10 @@ def program_policies(
     tgt = T.get_target(target)
     fit = policies_for_tags(policy_names(), tags)
     notes = fit.notes(f"program {program.name!r}")
-    kept = _residual_tags(program, tags)
-    own_tags = tags if kept is None else tags & kept
+    kept = _residual_bytes(program, tags)
+    own_tags = tags if kept is None else tags & frozenset(kept)
     # per-tag offload specs only where they can offload (target and remat implementation)
-    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single)
+    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single, kept)
     own_notes += _unsaveable_notes(program, tags - own_tags)
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
@@ -379,11 +388,17 @@ def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
     return out
 
 
-def _residual_tags(program: Program, tags: frozenset[str]) -> frozenset[str] | None:
-    """The tags the loss keeps when a policy saves every tag: those the backward pass can use
-    (None without a loss)."""
+def _residual_bytes(program: Program, tags: frozenset[str]) -> dict[str, int] | None:
+    """``{tag: bytes}`` the loss keeps when a policy saves every tag, for the tags it keeps
+    (those the backward pass can use); None without a loss."""
     rows = _program_residuals(program, custom_spec(dict.fromkeys(tags, "save")))
-    return None if rows is None else frozenset(r.tag for r in rows if r.nbytes) & tags
+    if rows is None:
+        return None
+    kept: dict[str, int] = {}
+    for r in rows:
+        if r.nbytes and r.tag in tags:
+            kept[r.tag] = kept.get(r.tag, 0) + r.nbytes
+    return kept
 
 
 def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:

@@ -167,9 +167,9 @@ def check_policies(
     if not reach.passes and wraps:  # every policy compiles to one program: one error says it
         factory = f"the {reach.part} of {program.name!r}"
         finding = (
-            policy_not_passed("every policy", factory, reach.segments)
+            policy_not_passed(None, factory, reach.segments)
             if reach.segments
-            else no_remat_segment("every policy", factory)
+            else no_remat_segment(None, factory)
         )
         first = resolve_policy(policies[0]) if policies else get_policy_spec("save-nothing")
         notes = [f"no-remat: {reach.no_remat_note()}"] if reach.no_remat_note() else []

@@ -223,12 +223,19 @@ def recompute_savers(
     return tuple(sorted(kept, key=lambda t: (t not in first, t)))
 
 
-def no_remat_segment(label: str, factory: str) -> Finding:
-    """The error for a policy whose step holds no remat segment: ``factory`` (the user's
-    ``make_loss``) does not apply the policy it receives, so the policy decides nothing."""
+def _never_applied(label: str | None) -> str:
+    """``"policy 'x' is never applied"``; ``label`` None: every policy (``"no policy is
+    applied"``)."""
+    return "no policy is applied" if label is None else f"{label} is never applied"
+
+
+def no_remat_segment(label: str | None, factory: str) -> Finding:
+    """The error for a policy (``label``; None: every policy) whose step holds no remat
+    segment: ``factory`` (the user's ``make_loss``) does not apply the policy it receives, so
+    the policy decides nothing."""
     return Finding(
         "no-remat-segment", "error",
-        f"{label} is never applied: the step contains no remat segment (no "
+        f"{_never_applied(label)}: the step contains no remat segment (no "
         "jax.checkpoint / nn.remat / nnx.remat anywhere in its traced jaxpr), so it stores "
         "what no-remat stores.",
         f"{factory} does not use the policy it receives.",
@@ -237,13 +244,13 @@ def no_remat_segment(label: str, factory: str) -> Finding:
     )  # fmt: skip
 
 
-def policy_not_passed(label: str, factory: str, segments: int) -> Finding:
-    """The error for a policy that none of the step's ``segments`` remat segments takes: the
+def policy_not_passed(label: str | None, factory: str, segments: int) -> Finding:
+    """The error for a policy (``label``; None: every policy) that none of the step's ``segments`` remat segments takes: the
     model rematerializes on its own (``nn.remat`` / ``jax.checkpoint`` without ``policy=``, or
     with a fixed policy of its own), so every policy compiles to one program."""
     return Finding(
         "policy-not-passed", "error",
-        f"{label} is never applied: none of the {segments} remat segment(s) of the step takes "
+        f"{_never_applied(label)}: none of the {segments} remat segment(s) of the step takes "
         "the policy, so every policy compiles to the same program.",
         f"{factory} builds remat segments that do not take the policy it receives (a remat "
         "call without policy=, or with a fixed policy of its own, e.g. a Hugging Face Flax "

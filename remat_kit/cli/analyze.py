@@ -457,6 +457,7 @@ def _warning_lines(results, labels: Sequence[str]) -> list[str]:
         lines.append("[yellow]every policy:[/yellow] " + text("; ".join(map(short_warning, every))))
     else:
         every = []
+    rows = []
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
             continue
@@ -465,8 +466,30 @@ def _warning_lines(results, labels: Sequence[str]) -> list[str]:
             short_warning(w) for w in r.warnings if "offloading did not" not in w and w not in said
         ]
         if short:
-            lines.append(f"[yellow]{text(label)}:[/yellow] " + text("; ".join(short)))
+            rows.append((label, short))
+    # a cause several policies' warnings share (XLA:CPU undoing every remat outside a scan) is
+    # said once, after them, rather than at the end of each
+    causes = [w.split(_CAUSE, 1)[1] for _, short in rows for w in short if _CAUSE in w]
+    shared = {c for c in causes if causes.count(c) > 1}
+    for label, short in rows:
+        short = [_cut_cause(w, shared) for w in short]
+        lines.append(f"[yellow]{text(label)}:[/yellow] " + text("; ".join(short)))
+    for cause in sorted(shared, key=causes.index):
+        lines.append(
+            f"[yellow]cause of the {causes.count(cause)} warnings marked (*):[/yellow] "
+            + text(cause)
+        )
     return lines
+
+
+_CAUSE = " Cause: "
+
+
+def _cut_cause(warning: str, shared: set[str]) -> str:
+    """``warning`` with its cause replaced by a mark where the cause is one of ``shared``."""
+    if _CAUSE in warning and warning.split(_CAUSE, 1)[1] in shared:
+        return warning.split(_CAUSE, 1)[0] + " (*)"
+    return warning
 
 
 def print_reports(

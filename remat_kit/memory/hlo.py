@@ -529,6 +529,23 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
     )
 
 
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+
+
+def op_name_of(instr: Instruction, comps: Mapping[str, Computation]) -> str:
+    """The JAX ``op_name`` of ``instr``; for one XLA left without it (a fusion), the most
+    specific one (deepest module path) of the instructions in the computation it calls;
+    ``""`` when none has one."""
+    if instr.op_name:
+        return instr.op_name
+    callee = _CALLS.search(instr.attributes)
+    if callee and callee.group(1) in comps:
+        names = [i.op_name for i in comps[callee.group(1)].instructions if i.op_name]
+        if names:
+            return max(reversed(names), key=lambda n: n.count("/"))
+    return ""
+
+
 def instructions_by_name(
     comps: dict[str, Computation],
 ) -> dict[str, tuple[Instruction, Computation]]:

@@ -134,7 +134,6 @@ class DumpReading:
 
 
 _VAGUE_KINDS = ("other", "loop_state")
-_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 
 
 def _borrowed_op_name(
@@ -150,12 +149,7 @@ def _borrowed_op_name(
         if origin is not None and origin[0].op_name:
             return origin[0].op_name
         instr = origin[0] if origin is not None else instr
-    callee = _CALLS.search(instr.attributes)
-    if callee and callee.group(1) in comps:
-        names = [i.op_name for i in comps[callee.group(1)].instructions if i.op_name]
-        if names:  # the most specific (deepest module path) of the fused ops
-            return max(reversed(names), key=lambda n: n.count("/"))
-    return ""
+    return hlo.op_name_of(instr, comps)
 
 
 def _telling(buf: PeakBuffer) -> tuple[int, int, int]:

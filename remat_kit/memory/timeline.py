@@ -51,7 +51,6 @@ SPAN_FRACTION = 0.002
 #: The residual category of values under no checkpoint name (whatever operation made them).
 UNTAGGED = "untagged"
 
-_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _ARGUMENT_CATEGORIES = ("params", "opt_state")
 
 
@@ -240,17 +239,6 @@ def _bytes_over_time(run: _Run, length: int) -> tuple[int, np.ndarray]:
 # -- Phases and categories --------------------------------------------------------------------
 
 
-def _op_name(instr: hlo.Instruction, comps: Mapping[str, hlo.Computation]) -> str:
-    if instr.op_name:
-        return instr.op_name
-    callee = _CALLS.search(instr.attributes)
-    if callee and callee.group(1) in comps:
-        names = [i.op_name for i in comps[callee.group(1)].instructions if i.op_name]
-        if names:
-            return max(reversed(names), key=lambda n: n.count("/"))
-    return ""
-
-
 def _phases(labels: Sequence[str | None]) -> tuple[tuple[str, int, int], ...]:
     """Split the schedule into forward / backward / optimizer spans agreeing with the most
     instruction labels (a few out-of-place ones, e.g. gradient buffers zeroed early, are
@@ -343,11 +331,11 @@ def _category(run: _Run, ctx: _Context) -> tuple[str, str, str, str]:
         if found is None:
             continue
         instr, comp = found
-        op = _op_name(instr, ctx.comps)
+        op = hlo.op_name_of(instr, ctx.comps)
         ops.append(op)
         argument = hlo.entry_argument(instr, comp, ctx.instrs)  # or XLA's copy of one
         if argument is not None:
-            op = _op_name(argument, ctx.comps)
+            op = hlo.op_name_of(argument, ctx.comps)
             return hlo.argument_category(op), value, shape, op
         if best is None or (op and not best[2]):
             best = (value, shape, op)
@@ -430,7 +418,7 @@ def build_timeline(
     comps = dump.module
     instrs = hlo.instructions_by_name(comps)
     labels = [
-        _label(_op_name(instrs[n][0], comps), instrs[n][0].opcode) if n in instrs else None
+        _label(hlo.op_name_of(instrs[n][0], comps), instrs[n][0].opcode) if n in instrs else None
         for n in live.sequence
     ]
     phases = _phases(labels)
@@ -470,7 +458,7 @@ def build_timeline(
     )[:MAX_SPANS]  # fmt: skip
     keep = thin_positions(totals, max_points)
     name = live.sequence[peak]
-    op = _op_name(instrs[name][0], comps) if name in instrs else ""
+    op = hlo.op_name_of(instrs[name][0], comps) if name in instrs else ""
     return Timeline(
         length=len(totals),
         positions=tuple(int(p) for p in keep),

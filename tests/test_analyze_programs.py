@@ -12,8 +12,8 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit import Program, targets

@@ -578,3 +578,30 @@ def test_save_any_names_but_these_is_judged_as_the_name_set_it_amounts_to():
     assert "leaves out 'hiden' (closest: 'hidden')" in typo["unknown-tag"].what
     assert "name-kept-nowhere" not in typo and "acts-as-full-remat" not in typo
     assert "acts-as-full-remat" not in codes(cp.save_any_names_but_these("residual"))
+
+
+def _two_activations_layer(x, w):  # two names, each after its activation: neither spares a matmul
+    a = checkpoint_name(jax.nn.gelu(x @ w), "act_a")
+    b = checkpoint_name(jax.nn.gelu(x @ w.T), "act_b")
+    return x + a * b
+
+
+def test_names_saving_no_recompute_are_said_in_plain_english_and_by_what_the_policy_named():
+    """Two idle names read "they spare", "they are computed from" (not "them"); under
+    save_any_names_but_these the fix says to leave them out by adding them to its list, and a
+    name it saves without naming it is not "named"."""
+    program = _program(_two_activations_layer, "two-activations")
+    (check,) = doctor.check_policies(
+        program, [{"act_a": "save", "act_b": "save"}], target="cpu"
+    ).checks
+    (f,) = [f for f in check.findings if f.code == "save-removes-no-recompute"]
+    assert "saved alone, they spare no matmul" in f.cause
+    assert "the matmul that they are computed from" in f.cause and "them are" not in f.cause
+    found = remat_kit.check_function(
+        _program(_after_activation_layer, "after").make_loss, W, X,
+        policy=jax.checkpoint_policies.save_any_names_but_these("mlp_pre"), target="cpu",
+    )  # fmt: skip
+    (g,) = [f for f in found if f.code == "save-removes-no-recompute"]
+    assert "keeps mlp_act" in g.what
+    assert "add it to the names save_any_names_but_these leaves out" in g.fix
+    assert not [f for f in found if f.code in ("saved-anyway", "name-kept-nowhere")]

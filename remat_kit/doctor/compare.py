@@ -181,8 +181,15 @@ def compare(
         # An offload on a real target is judged by its host bytes (below), not by recompute.
         out.append(
             _not_effective(
-                promise, report, no_remat, promised=promised, achieved=achieved, target=target,
-                scan_layers=scan_layers, ops=recomputed_ops, around_loop=around_loop,
+                promise,
+                report,
+                no_remat,
+                promised=promised,
+                achieved=achieved,
+                target=target,
+                scan_layers=scan_layers,
+                ops=recomputed_ops,
+                around_loop=around_loop,
             )  # fmt: skip
         )
     cse = _cse_findings(promise, report, out)
@@ -231,7 +238,7 @@ def _saved_anyway(
     """``saved-anyway``: names the policy saves that save-nothing keeps as much of (a remat
     segment's input, which every policy keeps): naming them changes nothing; a warning when
     that is all the policy does (it compiles to save-nothing's program)."""
-    if promise.base != "names":
+    if promise.base != "names" or promise.by_exclusion:  # names the policy did not name
         return []
     same = sorted(t for t in promise.save if 0 < kept.tag_bytes.get(t, 0) <= anyway.get(t, 0))
     if not same:
@@ -289,7 +296,8 @@ def _saved_without_saving(
     idle = sorted(t for t in costly if t not in savers)
     if not idle:
         return []
-    it = "it" if len(idle) == 1 else "them"
+    it, they = ("it", "it") if len(idle) == 1 else ("them", "they")
+    are = "is" if it == "it" else "are"
     # kept by this policy, saving FLOPs, and what an idle name is computed from (no matmul
     # between): then the idle name spares that elementwise work only
     fed = facts.feeds.fed if facts.feeds else {}
@@ -297,24 +305,29 @@ def _saved_without_saving(
     also = [t for t in savers if t in promise.save and any(t in fed.get(i, ()) for i in idle)]
     if set(idle) <= bare:  # a norm of the layer's input, the input itself: no matmul to spare
         cause = (
-            f"{it} {'is' if it == 'it' else 'are'} computed from the remat segment's input with "
+            f"{they} {are} computed from the remat segment's input with "
             "no matmul between (the input itself, a norm, a cast): the backward pass recomputes "
             f"no matmul for {it}, so saving {it} spares only that elementwise work"
         )
     else:
         cause = (
-            f"saved alone, {it} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
-            f"recomputes the matmul that {it} {'is' if it == 'it' else 'are'} computed from "
+            f"saved alone, {they} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
+            f"recomputes the matmul that {they} {are} computed from "
             "for the activation's derivative unless that matmul's own output is kept"
         )
     if also:
         cause += (
-            f"; this policy keeps {', '.join(also)}, which {it} {'is' if it == 'it' else 'are'} "
+            f"; this policy keeps {', '.join(also)}, which {they} {are} "
             f"computed from: saving {it} spares only the elementwise work between (the "
             "activation)"
         )
     others = [t for t in savers if t not in promise.tags]
-    fix = f"recompute {it} (leave {it} out of the policy)"
+    leave = (
+        "add {} to the names save_any_names_but_these leaves out"
+        if promise.by_exclusion
+        else "leave {} out of the policy"
+    ).format(it)
+    fix = f"recompute {it} ({leave})"
     if others:
         fix += (
             f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"

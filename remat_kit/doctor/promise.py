@@ -20,9 +20,9 @@ from typing import Any
 import jax
 
 from remat_kit.doctor.findings import Finding
-from remat_kit.validation import closest
 from remat_kit.policies import PolicySpec, get_policy_spec, read_jax_policy
 from remat_kit.remat_impl import describe_implementation, policy_effect
+from remat_kit.validation import closest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,9 +245,10 @@ def no_remat_segment(label: str | None, factory: str) -> Finding:
 
 
 def policy_not_passed(label: str | None, factory: str, segments: int) -> Finding:
-    """The error for a policy (``label``; None: every policy) that none of the step's ``segments`` remat segments takes: the
-    model rematerializes on its own (``nn.remat`` / ``jax.checkpoint`` without ``policy=``, or
-    with a fixed policy of its own), so every policy compiles to one program."""
+    """The error for a policy (``label``; None: every policy) that none of the step's
+    ``segments`` remat segments takes: the model rematerializes on its own (``nn.remat`` /
+    ``jax.checkpoint`` without ``policy=``, or with a fixed policy of its own), so every policy
+    compiles to one program."""
     return Finding(
         "policy-not-passed", "error",
         f"{_never_applied(label)}: none of the {segments} remat segment(s) of the step takes "

@@ -605,3 +605,35 @@ def test_names_saving_no_recompute_are_said_in_plain_english_and_by_what_the_pol
     assert "keeps mlp_act" in g.what
     assert "add it to the names save_any_names_but_these leaves out" in g.fix
     assert not [f for f in found if f.code in ("saved-anyway", "name-kept-nowhere")]
+
+
+def _fused_kv_layer(x, w):  # K and V out of one matmul, as Gemma's kv einsum
+    kv = x @ jnp.concatenate([w, w.T], axis=1)  # [b, s, 2D]
+    k = checkpoint_name(kv[..., :D], "k_part")
+    v = checkpoint_name(kv[..., D:], "v_part")
+    scores = jax.nn.softmax(x @ k.swapaxes(-1, -2), axis=-1)
+    return x + scores @ v
+
+
+def test_names_that_spare_a_matmul_only_together_are_not_said_to_spare_none():
+    """Saving K alone or V alone spares nothing (the matmul is recomputed for the other half);
+    saving both spares it: judged within the policy, no save-removes-no-recompute for the pair,
+    as in analyze's FLOPs (the outside Gemma trial, s18)."""
+    program = _program(_fused_kv_layer, "fused-kv")
+    pair, alone = doctor.check_policies(
+        program, [{"k_part": "save", "v_part": "save"}, {"k_part": "save"}], target="cpu"
+    )
+    assert "save-removes-no-recompute" not in _codes(pair), [f.line() for f in pair]
+    assert "save-removes-no-recompute" in _codes(alone)
+    found = remat_kit.check_function(
+        program.make_loss, W, X,
+        policy=jax.checkpoint_policies.save_only_these_names("k_part", "v_part"), target="cpu",
+    )  # fmt: skip
+    assert "save-removes-no-recompute" not in _codes(found), [f.line() for f in found]
+    # the FLOPs the judgement reads: the pair lowers them, either alone does not
+    flops = {
+        k: remat_kit.analyze_policies(program, [p], "cpu")[0].flops
+        for k, p in {"none": "save-nothing", "k": {"k_part": "save"},
+                     "kv": {"k_part": "save", "v_part": "save"}}.items()
+    }  # fmt: skip
+    assert flops["kv"] < flops["k"] == flops["none"]

@@ -121,12 +121,18 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     def saving(tag: str):
         return program.saved(custom_spec({tag: "save"}))
 
+    @functools.cache
+    def keeping(names: frozenset[str]) -> float:
+        return step_flops(program, custom_spec(dict.fromkeys(sorted(names), "save")))
+
     def flops(tag: str | None) -> float:
-        return step_flops(program, custom_spec({tag: "save"} if tag else {}))
+        return keeping(frozenset([tag] if tag else []))
 
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
     user = program.scan_layers is None
-    return TagFacts(tags, inside, user=user, savers=savers, feeds=feeds(jaxpr))
+    return TagFacts(
+        tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping
+    )
 
 
 def check_policies(
@@ -313,8 +319,11 @@ def check_function(
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
+    keeping = _flops_keeping(make_loss, args)
     facts = dataclasses.replace(
-        facts, savers=_savers(make_loss, args, facts.in_remat or (), matmul_tags(jaxpr))
+        facts,
+        savers=_savers(make_loss, args, facts.in_remat or (), matmul_tags(jaxpr), keeping),
+        flops_keeping=keeping,
     )
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
@@ -374,21 +383,38 @@ def _read_policy(policy):
     return Promise.of(spec, registered=spec.name in policy_names()), [], spec.to_jax()
 
 
-def _savers(make_loss, args: Sequence[Any], tags: frozenset[str], matmuls: frozenset[str]):
-    """:attr:`TagFacts.savers` for a user's function: each name saved alone, on demand."""
+def _flops_keeping(make_loss, args: Sequence[Any]) -> Callable[[frozenset[str]], float]:
+    """:attr:`TagFacts.flops_keeping` for a user's function: traced matmul FLOPs of its
+    forward and backward pass (as saved_residuals' vjp) saving those names, cached."""
 
-    def saving(tag: str):
-        policy = jax.checkpoint_policies.save_only_these_names(tag)
-        return R.saved_residuals(make_loss(policy), *args)
-
-    def flops(tag: str | None) -> float:  # forward and backward, as saved_residuals' vjp
-        loss = make_loss(jax.checkpoint_policies.save_only_these_names(*([tag] if tag else [])))
+    @functools.cache
+    def keeping(names: frozenset[str]) -> float:
+        loss = make_loss(jax.checkpoint_policies.save_only_these_names(*sorted(names)))
 
         def forward_backward(*xs):
             out, back = jax.vjp(loss, *xs)
             return back(jnp.ones_like(out))
 
         return traced_flops(forward_backward, *args)
+
+    return keeping
+
+
+def _savers(
+    make_loss,
+    args: Sequence[Any],
+    tags: frozenset[str],
+    matmuls: frozenset[str],
+    keeping: Callable[[frozenset[str]], float],
+):
+    """:attr:`TagFacts.savers` for a user's function: each name saved alone, on demand."""
+
+    def saving(tag: str):
+        policy = jax.checkpoint_policies.save_only_these_names(tag)
+        return R.saved_residuals(make_loss(policy), *args)
+
+    def flops(tag: str | None) -> float:
+        return keeping(frozenset([tag] if tag else []))
 
     return functools.cache(lambda: recompute_savers(saving, tags, matmuls, flops))
 

@@ -294,6 +294,12 @@ def _saved_without_saving(
         return []
     savers = facts.savers()
     idle = sorted(t for t in costly if t not in savers)
+    if idle and facts.flops_keeping is not None:
+        # within the policy: a name whose removal raises the FLOPs spares a matmul with the
+        # others it keeps (K and V out of one einsum: neither alone, both together)
+        keeping = frozenset(promise.tags & facts.emitted)
+        full = facts.flops_keeping(keeping)
+        idle = [t for t in idle if facts.flops_keeping(keeping - {t}) <= full]
     if not idle:
         return []
     it, they = ("it", "it") if len(idle) == 1 else ("them", "they")

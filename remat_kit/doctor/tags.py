@@ -50,6 +50,13 @@ class TagFacts:
     #: and the names computed from a remat segment's inputs with no matmul at all
     #: (:func:`feeds`); None: not walked.
     feeds: Feeds | None = dataclasses.field(default=None, compare=False)
+    #: ``flops_keeping(names)``: the step's traced matmul FLOPs (forward and backward) when
+    #: ``names`` are kept (saved or offloaded: the FLOPs are the same) and the rest recomputed,
+    #: to judge a name within a policy (names that spare a matmul only together: K and V of one
+    #: einsum). None: not known.
+    flops_keeping: Callable[[frozenset[str]], float] | None = dataclasses.field(
+        default=None, compare=False
+    )
 
     @property
     def remat_kit_names(self) -> bool:

@@ -177,11 +177,17 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
             "rematerialised layers (the optimizer update, the logits, the parameters); see the "
             "buffers live at the peak"
         )
+    if ratio and ratio > 1.01:  # on the CPU: it recomputes, and keeps the values as well
+        verdict = (
+            f"though it recomputes ({ratio:.2f}x the matmul FLOPs), XLA keeps the forward "
+            "values alive anyway"
+        )
+    else:
+        verdict = f"XLA undid {'most of ' if dropped > 0 else ''}the remat"
     return (
         f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
         f"jaxpr against {format_bytes(base_act)} without remat, {format_bytes(promised)} "
-        f"fewer, but the compiled step's {what} {compiled}: XLA undid "
-        f"{'most of ' if dropped > 0 else ''}the remat. Cause: "
+        f"fewer, but the compiled step's {what} {compiled}: {verdict}. Cause: "
         f"{undone_cause(platform, job.remat)}"
     )
 

@@ -40,12 +40,14 @@ Finding codes (severity):
   emits) but keeps none; the cause says whether they are applied outside every remat segment
   (stored or not regardless of the policy) or not needed by the backward pass at all; the fix
   lists the names whose saving removes recompute (matmul outputs first).
-- ``save-removes-no-recompute`` (info): the policy keeps on device a name whose saving alone
-  does not lower the step's traced matmul FLOPs (a name applied after an activation: the
-  activation's derivative needs the matmul output before it, recomputed all the same): memory
-  spent to spare elementwise work only (a fair trade where that work is costly, such as a
-  softmax; not where memory is what is short). Judged as the solver's per-tag costs and the
-  fixes above are (:func:`remat_kit.doctor.tags.recompute_savers`).
+- ``save-removes-no-recompute`` (info): the policy keeps on device a name whose saving
+  does not lower the step's traced matmul FLOPs, alone or beside the names the policy keeps
+  with it (a name applied after an activation: the activation's derivative needs the matmul
+  output before it, recomputed all the same; K and V cut from one einsum spare it only
+  together, and are not flagged together): memory spent to spare elementwise work only (a fair
+  trade where that work is costly, such as a softmax; not where memory is what is short).
+  Judged as the solver's per-tag costs and the fixes above are
+  (:func:`remat_kit.doctor.tags.recompute_savers`), then within the policy.
 - ``saved-anyway`` (warning when it is all the policy does, else info): the policy saves a
   name that save-nothing keeps as much of (the input of a remat segment, a scan's carry, or a
   name applied outside every segment): naming it changes nothing, and a policy doing only that

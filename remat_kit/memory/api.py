@@ -66,7 +66,13 @@ from remat_kit.program import (
     require_program,
 )
 from remat_kit.remat_impl import can_offload, remat_implementation
-from remat_kit.residuals import TagResiduals, group_by_tag, held_on_device, saved_residuals
+from remat_kit.residuals import (
+    TagResiduals,
+    bytes_by_tag,
+    group_by_tag,
+    held_on_device,
+    saved_residuals,
+)
 from remat_kit.walker import (
     emitted_tags,
     is_remat,
@@ -394,11 +400,7 @@ def _residual_bytes(program: Program, tags: frozenset[str]) -> dict[str, int] | 
     rows = _program_residuals(program, custom_spec(dict.fromkeys(tags, "save")))
     if rows is None:
         return None
-    kept: dict[str, int] = {}
-    for r in rows:
-        if r.nbytes and r.tag in tags:
-            kept[r.tag] = kept.get(r.tag, 0) + r.nbytes
-    return kept
+    return {t: n for t, n in bytes_by_tag(rows, memory=None).items() if n and t in tags}
 
 
 def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:

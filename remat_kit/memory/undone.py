@@ -26,6 +26,8 @@ CSE_UNDID_ALL = "XLA's CSE merged the recomputation back"
 CSE_UNDID_PART = "XLA's CSE merged part of the recomputation back"
 #: The jaxpr frees residuals but the compiled temp memory does not drop by this share of them.
 _FREED_SHARE = 0.1
+#: A policy's own recompute ratio above this: the compiled step recomputes (the remat stands).
+_RECOMPUTES = 1.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +168,8 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
             f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's "
             f"{what} {compiled}: {around_loop_cause(job.remat.around_loop)}; {AROUND_LOOP_FIX}"
         )
-    if not on_cpu and ratio and ratio > 1.01:
+    recomputes = bool(ratio and ratio > _RECOMPUTES)
+    if not on_cpu and recomputes:
         # it recomputes: the remat stands, the peak is set where it does not reach (the
         # doctor's remat-not-lowering-peak)
         return (
@@ -177,7 +180,7 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
             "rematerialised layers (the optimizer update, the logits, the parameters); see the "
             "buffers live at the peak"
         )
-    if ratio and ratio > 1.01:  # on the CPU: it recomputes, and keeps the values as well
+    if recomputes:  # on the CPU: it recomputes, and keeps the values as well
         verdict = (
             f"though it recomputes ({ratio:.2f}x the matmul FLOPs), XLA keeps the forward "
             "values alive anyway"

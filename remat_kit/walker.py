@@ -259,6 +259,25 @@ def tags_in_remat(jaxpr: Any) -> frozenset[str]:
     )
 
 
+def dots_in_remat(jaxpr: Any) -> tuple[int, int]:
+    """``(unbatched, batched)``: the ``dot_general`` equations inside remat segments anywhere in
+    ``jaxpr``, without and with batch dimensions (``dimension_numbers``' second pair; a matmul
+    under ``vmap`` or a batched einsum has them). ``dots_with_no_batch_dims_saveable`` saves
+    only the first kind, ``dots_saveable`` both (``jax/_src/ad_checkpoint.py``). A matmul in
+    nested segments is counted once per segment holding it."""
+    unbatched = batched = 0
+    for eqn in walk(jaxpr):
+        if not is_remat(eqn):
+            continue
+        for sub in sub_jaxprs(eqn):
+            for e in walk(sub):
+                if e.primitive.name == "dot_general":
+                    (_, (lhs_batch, _)) = e.params["dimension_numbers"]
+                    batched += bool(lhs_batch)
+                    unbatched += not lhs_batch
+    return unbatched, batched
+
+
 def tags_in(jaxpr: jcore.Jaxpr) -> set[str]:
     """Checkpoint names applied anywhere in ``jaxpr`` (sub-jaxprs included)."""
     return {t for t in map(eqn_tag, walk(jaxpr)) if t is not None}

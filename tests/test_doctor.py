@@ -150,6 +150,102 @@ def test_static_argnums_counting_self():
     assert doctor.check_remat_static_argnums((1,), [np.ones(3), 4])  # numpy arrays too
 
 
+def test_static_argnums_off_by_one_is_said_though_the_trace_fails():
+    """flax#2452: ``nn.remat(Block, static_argnums=(1,))`` with a ``train`` flag at call
+    position 1 marks the array instead, and tracing the loss fails on the flag
+    (TracerBoolConversionError); check_function raised that error before judging the
+    static_argnums it was given. The off-by-one is now the answer; a loss that fails to trace
+    for another reason still raises."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            h = checkpoint_name(nn.Dense(8)(x), "hid")
+            return nn.Dense(8)(jnp.tanh(h) if train else h)
+
+    x = jax.ShapeDtypeStruct((2, 8), jnp.float32)
+    params = jax.eval_shape(lambda: Block().init(jax.random.key(0), jnp.ones((2, 8)), True))
+
+    def make_loss(static_argnums):
+        def build(policy):
+            block = nn.remat(Block, policy=policy, static_argnums=static_argnums)
+            return lambda p, x: (block().apply(p, x, True) ** 2).mean()
+
+        return build
+
+    findings = doctor.check_function(
+        make_loss((1,)), params, x, policy={"hid": "save"}, remat_static_argnums=(1,),
+        remat_call_args=(x, True),
+    )  # fmt: skip
+    (f,) = findings
+    assert f.code == "static-argnums-self" and "use index 2" in f.fix
+    assert "Tracing the loss fails with it (TracerBoolConversionError)" in f.what
+    with pytest.raises(Exception, match="boolean|bool"):  # not explained: JAX's own error
+        doctor.check_function(make_loss((1,)), params, x, policy={"hid": "save"})
+
+
+def test_a_dots_policy_keeping_no_matmul_says_why_from_the_matmuls_in_the_segment():
+    """jax PR#8165: under vmap (an ensemble over its members' weights) every matmul in the
+    checkpointed layer has a batch dimension, so save-dots-no-batch saves none: the doctor's
+    acts-as-full-remat said "its tags are not emitted" of a policy with no tags (s19 bug
+    trial). Now the matmuls the walk finds in the remat segments say why."""
+    from remat_kit.doctor.compare import Residuals, _full_remat
+    from remat_kit.doctor.promise import Promise
+    from remat_kit.doctor.tags import tag_facts
+    from remat_kit.policies import get_policy_spec
+    from remat_kit.walker import dots_in_remat
+
+    def layer(x, w):
+        return x + jnp.tanh(x @ w[0]) @ w[1]
+
+    def make_loss(policy):
+        body = jax.checkpoint(layer, policy=policy)
+
+        def member(ws, x):
+            return (jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0] ** 2).mean()
+
+        return lambda ws, x: jax.vmap(member, in_axes=(0, None))(ws, x).sum()
+
+    ws, x = jnp.ones((3, 2, 2, 16, 16)) * 0.1, jnp.ones((4, 16))  # [members, layers, 2, d, d]
+    jaxpr = jax.make_jaxpr(make_loss(None))(ws, x).jaxpr
+    assert dots_in_remat(jaxpr) == (0, 2)
+    unbatched = jax.make_jaxpr(lambda w, x: jax.checkpoint(layer)(x, w).sum())(ws[0, 0], x)
+    assert dots_in_remat(unbatched.jaxpr) == (2, 0)
+    facts = tag_facts(make_loss(None), ws, x)  # the function path's walk (the program's: _facts)
+    assert facts.remat_dots == (0, 2)
+    kept = Residuals(100, 0, frozenset(), dots=False)  # what save-dots-no-batch keeps here
+    (full,) = _full_remat(Promise.of(get_policy_spec("save-dots-no-batch")), kept, kept, facts)
+    assert full.code == "acts-as-full-remat"
+    assert "2 dot_general equations) has a batch dimension" in full.cause
+    assert "not emitted" not in full.cause and "save-dots (dots_saveable)" in full.fix
+    nowhere = dataclasses.replace(facts, remat_dots=(0, 0))  # the matmuls outside the segments
+    (full,) = _full_remat(Promise.of(get_policy_spec("save-dots")), kept, kept, nowhere)
+    assert "no matmul (dot_general) runs inside a remat segment" in full.cause
+
+
+def test_a_policy_raising_temp_memory_is_said_to_add_it():
+    """jax.checkpoint may raise memory (its docstring): the doctor said "frees only 0 B" of a
+    step whose temp memory went up by 257 KiB (an unrolled loop on the CPU, s19 bug trial);
+    analyze said "does not drop". Both now say by how much it rose."""
+    from types import SimpleNamespace as NS
+
+    from remat_kit.doctor.compare import _not_effective
+
+    kib = 2**10
+    report, base = NS(flops=150.0, temp_bytes=1792 * kib), NS(flops=100.0, temp_bytes=1535 * kib)
+    for platform, code in (("cpu", "no-op-policy"), ("cuda", "remat-not-lowering-peak")):
+        finding = _not_effective(
+            NS(name="save-nothing", base="names"), report, base, promised=864 * kib,
+            achieved=-257 * kib, target=NS(platform=platform), scan_layers=None, ops=None,
+            around_loop=0,
+        )  # fmt: skip
+        assert finding.code == code
+        assert "adds 257.00 KiB of temp memory where its residuals promise to free 864.00 KiB" in (
+            finding.what
+        )
+
+
 # The clean-run matrix (every named policy, h100-sxm, scan and unrolled) is in test_walker.py.
 
 

@@ -57,7 +57,7 @@ from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, factory_reach
-from remat_kit.walker import has_remat, tags_in_remat
+from remat_kit.walker import dots_in_remat, has_remat, tags_in_remat
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
@@ -131,8 +131,9 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
     user = program.scan_layers is None
     return TagFacts(
-        tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping
-    )
+        tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping,
+        remat_dots=dots_in_remat(jaxpr),
+    )  # fmt: skip
 
 
 def check_policies(
@@ -302,11 +303,26 @@ def check_function(
 
     Raises:
       ValueError: unknown policy name or target.
+      Exception: whatever tracing ``make_loss(policy)(*args)`` raises, unless a
+        ``static_argnums`` error found first explains it (the findings are then returned).
     """
     tgt = T.get_target(target)
     promise, findings, jax_policy = _read_policy(policy)
+    # Judged before the trace: an off-by-one static_argnums makes it fail (flax#2452), and the
+    # user should read the cause, not JAX's tracer error.
+    static = (
+        check_remat_static_argnums(remat_static_argnums, remat_call_args)
+        if remat_static_argnums is not None
+        else []
+    )
     loss = make_loss(jax_policy)
-    jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
+    try:
+        jaxpr = jax.make_jaxpr(loss)(*args).jaxpr
+    except Exception as exc:  # noqa: BLE001 - re-raised unless the static_argnums explain it
+        if not has_errors(static):
+            raise
+        failed = f" Tracing the loss fails with it ({type(exc).__name__})."
+        return findings + [dataclasses.replace(f, what=f.what + failed) for f in static]
     if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
         label = f"policy {promise.name if promise else 'custom-callable'!r}"
         return [no_remat_segment(label, "make_loss")]
@@ -314,8 +330,7 @@ def check_function(
     if not reach.passes:  # remat segments of the model's own, none taking the policy
         label = f"policy {promise.name if promise else 'custom-callable'!r}"
         return [policy_not_passed(label, "make_loss", reach.segments)]
-    if remat_static_argnums is not None:
-        findings += check_remat_static_argnums(remat_static_argnums, remat_call_args)
+    findings += static
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))

@@ -15,7 +15,7 @@ from remat_kit.doctor.promise import Promise
 from remat_kit.doctor.tags import TagFacts, own_example
 from remat_kit.memory import MemoryReport
 from remat_kit.memory.runner import cse_undone
-from remat_kit.memory.undone import AROUND_LOOP_FIX, around_loop_cause
+from remat_kit.memory.undone import AROUND_LOOP_FIX, around_loop_cause, peak_set_by
 
 #: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
 _DOT_SOURCES = ("dot_general", "conv_general_dilated")
@@ -75,6 +75,19 @@ def _scan_fix(scan_layers: bool | None) -> str:
     return "scan the layers (scan_layers=True); judge remat on a GPU target."
 
 
+def _freed(achieved: int, promised: int) -> str:
+    """The doctor's words for ``achieved`` bytes of temp memory freed of ``promised``: "frees
+    only A of the P its residuals promise", or, where the compiled step's temp memory went up
+    instead (jax.checkpoint may raise it: its docstring), "adds A of temp memory where its
+    residuals promise to free P"."""
+    if achieved >= 0:
+        return f"frees only {nbytes(achieved)} of the {nbytes(promised)} its residuals promise"
+    return (
+        f"adds {nbytes(-achieved)} of temp memory where its residuals promise to free "
+        f"{nbytes(promised)}"
+    )
+
+
 def _not_effective(
     promise, report, no_remat, *, promised, achieved, target, scan_layers, ops, around_loop
 ):
@@ -83,11 +96,8 @@ def _not_effective(
     if around_loop:  # the segment holds the loop: re-run whole, it stacks what no remat keeps
         return Finding(
             "remat-around-loop", "error",
-            f"policy {promise.name!r} "
-            + (f"frees only {nbytes(achieved)} of" if achieved >= 0 else
-               f"adds {nbytes(-achieved)} of temp memory where it promises to free")
-            + f" the {nbytes(promised)} its residuals promise (temp {nbytes(report.temp_bytes)} vs "
-            f"{nbytes(no_remat.temp_bytes)} without remat).",
+            f"policy {promise.name!r} {_freed(achieved, promised)} (temp "
+            f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
             around_loop_cause(around_loop) + ".",
             AROUND_LOOP_FIX + ".",
         )  # fmt: skip
@@ -101,8 +111,7 @@ def _not_effective(
         return Finding(
             "cse-undid-remat", "error",
             f"policy {promise.name!r} recomputes in the jaxpr, but the compiled step has no "
-            f"recomputation and frees {nbytes(max(achieved, 0))} of the {nbytes(promised)} "
-            "promised.",
+            f"recomputation and {_freed(achieved, promised)}.",
             f"XLA's CSE merged the recomputation back into the forward pass{outside_scan}"
             + ("; XLA:CPU drops remat's optimisation barriers outside loops." if on_cpu else "."),
             "run the layers under lax.scan / nn.scan / nnx.scan, or judge remat on a GPU target "
@@ -117,22 +126,20 @@ def _not_effective(
             what = "recomputes its elementwise work (its matmuls are saved)"
         return Finding(
             "remat-not-lowering-peak", "warning",
-            f"policy {promise.name!r} {what}, but the compiled step frees only "
-            f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
-            f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
-            "the peak is outside the layers (the optimizer update, the output head, "
-            "parameters): activations do not set it at this size.",
+            f"policy {promise.name!r} {what}, but the compiled step {_freed(achieved, promised)}"
+            f" (temp {nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without "
+            "remat).",
+            peak_set_by(report) + ".",
             "look at the buffers live at the peak (remat-kit analyze --timeline); a cheaper "
             "policy may fit as well.",
         )  # fmt: skip
     return Finding(
         "no-op-policy", "error",
-        f"policy {promise.name!r} recomputes but the compiled step frees only "
-        f"{nbytes(max(achieved, 0))} of the {nbytes(promised)} its residuals promise (temp "
-        f"{nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
+        f"policy {promise.name!r} recomputes but the compiled step {_freed(achieved, promised)}"
+        f" (temp {nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
         f"XLA keeps the forward values alive anyway{outside_scan} (XLA:CPU honours remat only "
         "inside lax.scan / nn.scan / nnx.scan)." if outside_scan or on_cpu
-        else "the peak is outside the layers (the optimizer update, the output head).",
+        else peak_set_by(report) + ".",
         _scan_fix(scan_layers) if on_cpu else "look at the buffers live at the peak (remat-kit "
         "analyze).",
     )  # fmt: skip
@@ -389,7 +396,10 @@ def _full_remat(
     named = promise.tags & facts.emitted if facts is not None else promise.tags
     if facts is not None and promise.base == "names" and not named:
         return []
-    cause, fix = _why_not_kept(named, kept_no_remat, facts)
+    if not named and promise.base in ("dots", "dots_no_batch"):
+        cause, fix = _why_no_dots(promise, facts)
+    else:
+        cause, fix = _why_not_kept(named, kept_no_remat, facts)
     return [
         Finding(
             "acts-as-full-remat", "error",
@@ -400,6 +410,31 @@ def _full_remat(
             cause, fix,
         )
     ]  # fmt: skip
+
+
+def _why_no_dots(promise: Promise, facts: TagFacts | None) -> tuple[str, str]:
+    """(cause, fix) for a dots policy that keeps no matmul output, from the matmuls the walk
+    found inside remat segments (:attr:`TagFacts.remat_dots`)."""
+    name_fix = "or name the values to keep with checkpoint_name and save those names."
+    unbatched, batched = facts.remat_dots if facts and facts.remat_dots else (None, None)
+    if unbatched == 0 and batched == 0:
+        return (
+            "no matmul (dot_general) runs inside a remat segment: they are computed outside "
+            "every jax.checkpoint / nn.remat / nnx.remat.",
+            "put the layers' matmuls inside the checkpointed function, " + name_fix,
+        )
+    if promise.base == "dots_no_batch" and unbatched == 0:
+        return (
+            f"every matmul inside the remat segments ({batched} dot_general equations) has a "
+            "batch dimension (a vmap over the layer, or batched einsums), and "
+            "dots_with_no_batch_dims_saveable saves only matmuls without one.",
+            "save-dots (dots_saveable) saves batched matmuls too; " + name_fix,
+        )
+    return (
+        "the matmuls inside the remat segments are not residuals of the backward pass, or "
+        "jax_remat3 runs the policy as full remat.",
+        "name the values to keep with checkpoint_name and save those names.",
+    )
 
 
 def _names_kept_nowhere(

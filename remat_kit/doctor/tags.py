@@ -57,6 +57,9 @@ class TagFacts:
     flops_keeping: Callable[[frozenset[str]], float] | None = dataclasses.field(
         default=None, compare=False
     )
+    #: ``(unbatched, batched)`` matmuls inside remat segments (:func:`remat_kit.walker.
+    #: dots_in_remat`): why a dots policy keeps no matmul output. None: not walked.
+    remat_dots: tuple[int, int] | None = None
 
     @property
     def remat_kit_names(self) -> bool:
@@ -76,7 +79,10 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     ``in_remat`` from its jaxpr. Traces only."""
     tags = W.emitted_tags(fn, *args) if emitted is None else emitted
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return TagFacts(frozenset(tags), tags_in_remat(jaxpr), user=True, feeds=feeds(jaxpr))
+    return TagFacts(
+        frozenset(tags), tags_in_remat(jaxpr), user=True, feeds=feeds(jaxpr),
+        remat_dots=W.dots_in_remat(jaxpr),
+    )  # fmt: skip
 
 
 #: Primitives looked through from a name back to the matmul it tags: a bias add, a layout

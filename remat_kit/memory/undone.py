@@ -50,6 +50,54 @@ AROUND_LOOP_FIX = (
 )
 
 
+#: What a buffer live at the peak is (:attr:`remat_kit.memory.report.PeakBuffer.kind`), in
+#: words; a kind not listed is a checkpoint name (a residual of that name).
+_KINDS = {
+    "params": "the parameters",
+    "opt_state": "the optimizer state",
+    "batch": "the batch",
+    "logits": "the logits",
+    "logits_grad": "the logits' gradient",
+    "attention": "attention values",
+    "norm": "norm outputs",
+    "loop_state": "a scan's carried or stacked values",
+    "other": "untagged values",
+}
+#: Kinds no remat policy of the layers governs: a peak they set is outside the layers.
+_OUTSIDE_LAYERS = frozenset({"params", "opt_state", "batch", "logits", "logits_grad"})
+
+
+def peak_set_by(report: Any) -> str:
+    """Where the compiled peak is set, from the buffers live at it (``report.peak_buffers``,
+    largest first): the largest group by kind and phase with its bytes and an example, e.g.
+    "the peak is set by untagged values of the forward pass: 6 of the 8 largest buffers live
+    at it (3.00 MiB; gemm_fusion_dot.10 f32[8,128,128], jvp()/dot_general)". One home for the
+    analyzer's warning and the doctor's ``remat-not-lowering-peak``; a step whose buffers were
+    not read gets the usual places, said as a guess."""
+    bufs = [b for b in getattr(report, "peak_buffers", ()) or () if b.memory == "device"]
+    if not bufs:
+        return (
+            "the peak is probably set outside the rematerialised layers (the optimizer "
+            "update, the logits, the parameters; the buffers live at it were not read)"
+        )
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for b in bufs:
+        groups.setdefault((b.kind, b.phase), []).append(b)
+    (kind, phase), top = max(groups.items(), key=lambda kv: sum(b.nbytes for b in kv[1]))
+    what = _KINDS.get(kind, f"residuals named {kind}")
+    if phase not in ("argument", ""):
+        what += f" of the {phase.replace('xla_remat', 'XLA-rematerialised')} pass"
+    first = top[0]
+    example = f"{first.value} {first.shape}".strip()
+    example += f", {first.op_name}" if first.op_name else ""
+    outside = ", outside the rematerialised layers" if kind in _OUTSIDE_LAYERS else ""
+    lead = f"the peak is set by {what}{outside}"
+    return (
+        f"{lead}: {len(top)} of the {len(bufs)} largest buffers live at it "
+        f"({format_bytes(sum(b.nbytes for b in top))}; {example})"
+    )
+
+
 def around_loop_cause(regions: int) -> str:
     """Why remat regions wrapping a whole loop free no memory (one home: the analyzer's
     warning and the doctor's finding; :data:`AROUND_LOOP_FIX` is the fix)."""
@@ -160,6 +208,8 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     compiled = (
         f"drops by {format_bytes(dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"
         if dropped > 0
+        else f"rises by {format_bytes(-dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"
+        if dropped < 0
         else f"does not drop ({format_bytes(mine)} against {format_bytes(theirs)})"
     )
     if job.remat is not None and job.remat.around_loop:
@@ -175,10 +225,9 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
         return (
             f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
             f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's "
-            f"{what} drops by {format_bytes(max(dropped, 0))} though it recomputes "
-            f"({ratio:.2f}x the matmul FLOPs): the peak is set outside the "
-            "rematerialised layers (the optimizer update, the logits, the parameters); see the "
-            "buffers live at the peak"
+            f"{what} {compiled} though it recomputes "
+            f"({ratio:.2f}x the matmul FLOPs): {peak_set_by(report)}; see the buffers live "
+            "at the peak (--timeline)"
         )
     if recomputes:  # on the CPU: it recomputes, and keeps the values as well
         verdict = (

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -187,14 +188,14 @@ _REGISTRY: dict[str, PolicySpec] = {
             "Query, key, value and attention output projections kept; the MLP and attention "
             "scores recomputed.",
             save=_QKV | {N.OUT_PROJ},
-            source="MaxText 'save_dot_except_mlp' (without context)",
+            source="MaxText 'save_dot_except_mlp'",
         ),
         PolicySpec(
             "save-dots-except-mlp",
             "Attention matmul outputs kept (q, k, v, context, out_proj); the MLP and the "
             "[seq, seq] attention scores recomputed.",
             save=_QKV | {N.CONTEXT, N.OUT_PROJ},
-            source="MaxText 'save_dot_except_mlp' / 'minimal_with_context'",
+            source="MaxText 'save_dot_with_context_except_mlp'",
         ),
         PolicySpec(
             "minimal",
@@ -226,6 +227,54 @@ _REGISTRY: dict[str, PolicySpec] = {
         ),
     ]
 }
+
+
+def _save_text(names: frozenset[str]) -> str:
+    return ",".join(f"{t}=save" for t in sorted(names))
+
+
+#: MaxText's ``remat_policy`` names (``src/MaxText/layers/decoders.py``, ``get_remat_policy``;
+#: ``minimal`` is remat-kit's name too) -> what remat-kit calls the policy saving the same
+#: checkpoint names (MaxText's fused ``qkv_proj`` left out, as remat-kit's specs do): a
+#: registered name, or the per-tag text of a set remat-kit has no name for (a per-tag spec must
+#: name only what the model emits: the gated MLP's ``mlpwi_0`` / ``mlpwi_1`` are given).
+MAXTEXT_POLICIES = types.MappingProxyType(
+    {
+        "full": "save-nothing",
+        "save_qkv_proj": "save-qkv-proj",
+        "save_out_proj": "save-out-proj",
+        "save_dot_except_mlp": "save-qkv-out-proj",
+        "save_dot_with_context_except_mlp": "save-dots-except-mlp",
+        "qkv_proj_offloaded": "offload-qkv-proj",
+        "minimal_offloaded": "offload-to-host",
+        "save_dot_except_mlpwi": _save_text(_QKV | {N.OUT_PROJ, N.MLPWO}),
+        "minimal_with_context": _save_text(_PROJECTIONS - {N.MLPWI} | {N.CONTEXT}),
+        "minimal_flash": _save_text(_PROJECTIONS - {N.MLPWI} | {N.CONTEXT}),
+    }
+)
+#: MaxText's ``custom`` policy actions (``device`` / ``offload`` / ``remat``) -> remat-kit's.
+_MAXTEXT_ACTIONS = {"device": "save", "remat": "recompute"}
+
+
+def _maxtext_meaning(policy: object) -> str | None:
+    """What a MaxText ``remat_policy`` name is in remat-kit (for the unknown-name error)."""
+    if policy == "custom":
+        return (
+            "MaxText's 'custom' is a per-tag spec here: TAG=ACTION,... with save (MaxText's "
+            "device), offload or recompute (remat), e.g. 'decoder_layer_input=offload,"
+            "query_proj=save'."
+        )
+    meant = MAXTEXT_POLICIES.get(policy) if isinstance(policy, str) else None
+    if meant is None:
+        return None
+    if meant in _REGISTRY:
+        return f"{policy!r} is MaxText's name for remat-kit's {meant!r} (the same names saved)."
+    gated = (
+        " (mlpwi=save for a non-gated MLP; the names your model emits)"
+        if "mlpwi_0" in meant
+        else ""
+    )
+    return f"{policy!r} is MaxText's name for the per-tag spec {meant!r}{gated}."
 
 
 def policy_names() -> list[str]:
@@ -322,7 +371,7 @@ def get_policy_spec(
             "checkpoint, every residual kept)"
         )
     if not isinstance(policy, str) or policy not in _REGISTRY:
-        raise N.unknown_value_error("policy", policy, policy_names())
+        raise N.unknown_value_error("policy", policy, policy_names(), _maxtext_meaning(policy))
     return _REGISTRY[policy]
 
 
@@ -341,7 +390,10 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
     for tag, act in spec.items():
         N.validate_name(tag)
         if act not in TAG_ACTIONS:
-            raise ValueError(f"tag {tag!r}: {N.unknown_value_error('action', act, TAG_ACTIONS)}")
+            maxtext = _MAXTEXT_ACTIONS.get(act) if isinstance(act, str) else None
+            meant = f"MaxText's {act!r} is {maxtext!r} here." if maxtext else None
+            error = N.unknown_value_error("action", act, TAG_ACTIONS, meant)
+            raise ValueError(f"tag {tag!r}: {error}")
         if act == "save":
             save.add(tag)
         elif act == "offload":

@@ -46,17 +46,21 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
-def unknown_value_error(kind: str, value: object, valid: Iterable[str]) -> ValueError:
+def unknown_value_error(
+    kind: str, value: object, valid: Iterable[str], meant: str | None = None
+) -> ValueError:
     """A one-line ``ValueError`` naming the bad value, the valid ones and the closest match.
 
     Args:
       kind: what the value names, e.g. ``"policy"`` or ``"checkpoint name"``.
       value: the value given.
       valid: the accepted values, in the order to print them.
+      meant: what the value is known to mean, said instead of the closest spelling (another
+        tool's name for a valid value: MaxText's ``save_dot_except_mlp``).
     """
     valid = list(valid)
-    hint = closest(str(value), valid) if isinstance(value, str) else None
-    did_you_mean = f" Did you mean {hint!r}?" if hint else ""
+    hint = closest(str(value), valid) if isinstance(value, str) and meant is None else None
+    did_you_mean = f" {meant}" if meant else f" Did you mean {hint!r}?" if hint else ""
     return ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}.{did_you_mean}")
 
 

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 
 import chex
 import flax.linen as nn
@@ -151,6 +152,42 @@ def test_compiled_temp_bytes_ordered_under_scan():
     assert temps["save-nothing"] <= temps["save-dots-no-batch"] <= temps["save-dots"]
     assert temps["save-dots"] <= temps["no-remat"]
     assert temps["save-nothing"] < temps["no-remat"], temps
+
+
+def test_maxtext_policy_names_are_answered_with_the_policy_saving_the_same_names():
+    """A MaxText user's remat_policy name (s19 MaxText-style trial): 'save_dot_except_mlp' got
+    "Did you mean 'save-dots-except-mlp'?", which saves context too (the MaxText set is
+    save-qkv-out-proj's); 'full', 'minimal_offloaded', 'custom' got no pointer at all. Each
+    now names remat-kit's policy saving MaxText's names (MaxText's decoders.py), or the per-tag
+    spec to write, and that spec is valid; MaxText's custom actions are told too."""
+    from remat_kit.policies import MAXTEXT_POLICIES, get_policy_spec
+
+    maxtext = {  # MaxText's name sets (its fused qkv_proj aside)
+        "save_dot_except_mlp": {"query_proj", "key_proj", "value_proj", "out_proj"},
+        "save_dot_with_context_except_mlp": {
+            "query_proj", "key_proj", "value_proj", "out_proj", "context",
+        },
+        "save_dot_except_mlpwi": {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"},
+        "minimal_with_context": {
+            "query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo",
+            "context",
+        },
+        "full": set(),
+    }  # fmt: skip
+    for name, names in maxtext.items():
+        meant = MAXTEXT_POLICIES[name]
+        with pytest.raises(ValueError, match=f"unknown policy '{name}'.*'{re.escape(meant)}'"):
+            remat_kit.policy(name)
+        spec = get_policy_spec(meant)  # a registered name or valid per-tag text
+        assert spec.save == names and not spec.offload, name
+    offloaded = get_policy_spec(MAXTEXT_POLICIES["qkv_proj_offloaded"])
+    assert offloaded.offload == {"query_proj", "key_proj", "value_proj"}
+    with pytest.raises(ValueError, match="MaxText's 'custom' is a per-tag spec here"):
+        remat_kit.policy("custom")
+    with pytest.raises(ValueError, match="unknown action 'device'.*MaxText's 'device' is 'save'"):
+        remat_kit.policy("query_proj=device")
+    with pytest.raises(ValueError, match="Did you mean 'save-dots'"):  # not a MaxText name
+        remat_kit.policy("save-dot")
 
 
 @pytest.mark.parametrize(

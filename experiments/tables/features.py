@@ -220,6 +220,20 @@ _KEPT_BY_BASE = {
 }
 
 
+def maxtext_policies_table(r: Results) -> str:
+    """MaxText's ``remat_policy`` names and remat-kit's policy saving the same names
+    (:data:`remat_kit.policies.MAXTEXT_POLICIES`): not from results; ``r`` unused."""
+    from remat_kit.policies import MAXTEXT_POLICIES, policy_names
+
+    rows = [
+        [f"`{name}`", f"`{meant}`" + ("" if meant in policy_names() else " (per-tag spec)")]
+        for name, meant in MAXTEXT_POLICIES.items()
+    ]
+    rows.insert(0, ["`minimal`", "`minimal` (the same name)"])
+    rows.append(["`custom`", "a per-tag spec: `device` is `save`, `remat` is `recompute`"])
+    return table(["MaxText remat_policy", "remat-kit"], ["---"] * 2, rows)
+
+
 def policies_table(r: Results) -> str:
     """The registered policies (:func:`remat_kit.policy_specs`): not from results; ``r`` unused."""
     from remat_kit import policy_specs

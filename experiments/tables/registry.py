@@ -56,6 +56,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "recommend-structure": F.recommend_structure_table,
     "options": F.options_table,
     "policies": F.policies_table,  # from the registry, not results
+    "maxtext-policies": F.maxtext_policies_table,  # from remat_kit.policies, not results
 }
 
 #: Where claims live ("docs": any page under docs/ or README.md) -> renderers of their texts.

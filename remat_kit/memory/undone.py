@@ -50,7 +50,7 @@ AROUND_LOOP_FIX = (
 )
 
 
-#: What a buffer live at the peak is (:attr:`remat_kit.memory.report.PeakBuffer.kind`), in
+#: What a buffer live at the peak is (``kind`` of :class:`remat_kit.memory.report.PeakBuffer`), in
 #: words; a kind not listed is a checkpoint name (a residual of that name).
 _KINDS = {
     "params": "the parameters",

@@ -209,3 +209,17 @@ def test_an_offload_that_buys_no_device_memory_is_not_picked_on_a_close_call():
     unfit = cand("save-nothing", int(29.57 * mib), 0, 1.853e-3, fits=False)
     assert fastest_fitting([offload, unfit]) is offload  # only an on-device one that fits
     assert offload_passed_over(offload, [offload, unfit], auto=False) is None
+    # The on-device candidate that makes the offload pointless is not always the pick: the
+    # note said the pick (4.00 MiB) kept a peak "no higher" than the offload's 3.94 MiB (v5e-1,
+    # s19 MaxText-style trial); it names the candidate that does (save-nothing, 3.78 MiB).
+    tpu_nothing = cand("save-nothing", int(3.78 * mib), 0, 2.352e-4)
+    tpu_offload = cand("offload-layer-inputs", int(3.94 * mib), 64 * 1024, 2.30e-4)
+    pick = cand("save-qkv-proj", int(4.00 * mib), 0, 2.342e-4)
+    pool = [tpu_nothing, tpu_offload, pick]
+    assert fastest_fitting(pool) is pick
+    note = offload_passed_over(pick, pool, auto=False)
+    assert "offload-layer-inputs (device peak 3.94 MiB): save-nothing keeps its tensors on " in note
+    assert "at a peak no higher (3.78 MiB)" in note and "4.00 MiB" not in note
+    assert "(device peak 33.10 MiB): the pick keeps its tensors on device at a peak no higher" in (
+        offload_passed_over(nothing, [offload, nothing], auto=False)
+    )

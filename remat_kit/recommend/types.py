@@ -321,16 +321,22 @@ def pointless_offloads(candidates: Sequence[Candidate], auto: bool = False) -> l
     model cannot price apart from it (analyze's "offloading did not lower the device peak").
     Never picked while the other fits."""
 
+    return [c for c in candidates if c.host_bytes and on_device_peers(c, candidates, auto)]
+
+
+def on_device_peers(c: Candidate, candidates: Sequence[Candidate], auto: bool) -> list[Candidate]:
+    """The fitting candidates without host traffic that make offload ``c`` pointless: device
+    peak no higher than ``c``'s, estimated speed within :data:`CLOSE_CALL` of it."""
+
     def slower(a: Candidate, b: Candidate) -> float:  # how much slower a is than b
         if auto:
             return b.tokens_per_s / a.tokens_per_s - 1 if a.tokens_per_s else math.inf
         return a.step_time_s / b.step_time_s - 1 if b.step_time_s > 0 else math.inf
 
-    local = [c for c in candidates if c.fits and not c.host_bytes]
     return [
-        c for c in candidates
-        if c.host_bytes
-        and any(d.peak_bytes <= c.peak_bytes and slower(d, c) < CLOSE_CALL for d in local)
+        d for d in candidates
+        if d.fits and not d.host_bytes and d.peak_bytes <= c.peak_bytes
+        and slower(d, c) < CLOSE_CALL
     ]  # fmt: skip
 
 
@@ -347,15 +353,25 @@ def offload_passed_over(
             return (c.tokens_per_s or 0.0) > (pick.tokens_per_s or 0.0)
         return c.step_time_s < pick.step_time_s
 
-    passed = [c for c in pointless_offloads(rivals, auto) if c.fits and ahead(c)]
+    pool = [pick, *rivals]
+    passed = [c for c in pointless_offloads(pool, auto) if c.fits and ahead(c)]
     if not passed:
         return None
-    names = ", ".join(dict.fromkeys(c.label for c in passed))
-    peaks = ", ".join(dict.fromkeys(format_bytes(c.peak_bytes) for c in passed))
+    parts, said = [], set()
+    for c in passed:
+        if c.label in said:
+            continue
+        said.add(c.label)
+        peers = on_device_peers(c, pool, auto)  # said: the pick where it is one, else the least
+        peer = pick if any(d is pick for d in peers) else min(peers, key=lambda d: d.peak_bytes)
+        who = "the pick" if peer is pick else peer.label
+        parts.append(
+            f"{c.label} (device peak {format_bytes(c.peak_bytes)}): {who} keeps its tensors on "
+            f"device at a peak no higher ({format_bytes(peer.peak_bytes)})"
+        )
     return (
-        f"not picked though estimated faster: {names} (device peak {peaks}): the pick keeps its "
-        f"tensors on device at a peak no higher ({format_bytes(pick.peak_bytes)}) and without "
-        f"host transfers, within the time model's error ({CLOSE_CALL:.0%}) of their estimate"
+        f"not picked though estimated faster: {'; '.join(parts)}, without host transfers and "
+        f"within the time model's error ({CLOSE_CALL:.0%}) of the offload's estimate"
     )
 
 

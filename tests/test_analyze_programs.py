@@ -403,6 +403,35 @@ def test_host_bytes_against_the_jaxprs_offloaded_bytes_in_one_line():
     assert host_buffers(DumpFiles(None, None, None, None)) is None
 
 
+def test_values_aliasing_one_host_buffer_are_counted_once():
+    """A scan's stacked offloaded residual on a v5e target: XLA lists the loop's parameter,
+    tuple element, in-place update and result as five values of one 128 KiB buffer; they were
+    summed as five buffers (values 320 KiB, tiled 640 KiB, said beside 128 KiB; s19 MaxText-
+    style trial). Values whose live ranges chain are one buffer; a later value reusing the place
+    after the first is dead is another."""
+    shape = "f32[2,2,64,64]{2,3,1,0:T(8,128)S(5)}"
+    names = ["custom-call.12", "wide.arg_tuple.13{2}", "wide.arg_tuple.1{2}",
+             "dynamic_update_slice.57", "while.7{2}"]  # fmt: skip
+    spans = [(101, 105), (105, 109), (109, 126), (126, 173), (173, 350)]
+    values = "".join(
+        f" value: <{40 + i} {n} @5> (size=131072,offset=0): {shape}\n" for i, n in enumerate(names)
+    )
+    assignment = f"allocation 116: size 131072, color 5, preallocated-temp:\n{values}"
+
+    def live_range(spans):
+        lines = [f"  {n.split('{')[0]}{'{' + n.split('{')[1] if '{' in n else '{}'}:{a}-{b}"
+                 for n, (a, b) in zip(names, spans, strict=True)]  # fmt: skip
+        return "BufferLiveRange:\n" + "\n".join(lines) + "\nLive ranges at 1:\n"
+
+    found = host_buffers(DumpFiles(None, live_range(spans), assignment, None))
+    assert found == HostBuffers(allocated=131072, count=1, buffer_bytes=131072, value_bytes=65536)
+    line = host_line(131072, 65536, found)
+    assert "their values take 64.00 KiB, their tiled layout 128.00 KiB" in line
+    apart = [(101, 105), (106, 109), (110, 126), (127, 173), (174, 350)]  # each dead first
+    assert host_buffers(DumpFiles(None, live_range(apart), assignment, None)).count == 5
+    assert host_buffers(DumpFiles(None, None, assignment, None)).count == 5  # no ranges: as read
+
+
 @needs_cuda_plugin
 def test_offloaded_layers_of_an_unrolled_loop_share_host_space_on_gpu():
     """Measured on the H100 target: the offloaded tensors of unrolled layers are copied back

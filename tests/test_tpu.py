@@ -7,6 +7,8 @@ registry tests run everywhere. One tiny compile in all (a TPU compile costs seco
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import pytest
 
@@ -213,7 +215,7 @@ def test_a_program_on_one_chip_of_a_slice_and_the_assumed_per_op_cost_are_said()
     """A user's Program is placed on one device: on a 4-chip slice the report says its figures
     are one chip running the whole step (the outside trial read them as the slice's); the
     TPU per-op cost no page cites is called assumed in analyze's time line."""
-    from remat_kit.cli.analyze import _time_line
+    from remat_kit.cli.analyze import _summary_lines, _time_line
     from remat_kit.examples import plain_jax
 
     (report,) = analyze_policies(plain_jax.program(), ["save-nothing"], target="v5e-4")
@@ -223,6 +225,14 @@ def test_a_program_on_one_chip_of_a_slice_and_the_assumed_per_op_cost_are_said()
     assumed = line.split("assumed, not cited: ")[1]
     assert "launch 1.0 us (assumed: no published per-op figure for TPUs)" in assumed
     assert "vector units assumed at 1/10 of the matmul peak" in assumed
+    # the arguments' tile padding (XLA's argument bytes beyond their values) named, not a bare
+    # "other" (s19 MaxText-style trial: "other 388.74 KiB" on v5e-1)
+    assert report.arguments["other"] > 0
+    args = argparse.Namespace(budget=None, mesh=None)
+    summary = "\n".join(_summary_lines(targets.get_target("v5e-4"), args, [report], ["x"]))
+    assert "(other: XLA's argument bytes beyond the arguments' values: on a TPU, the tiled" in (
+        summary
+    )
     (preset,) = analyze_policies(remat_kit.preset("tiny-gpt", 2, 32), ["save-nothing"], "v5e-4")
     assert any("--mesh / mesh= shards a preset" in w for w in preset.warnings)
 

@@ -307,7 +307,14 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
             if budget
             else "; target memory unknown (CPU): fits is '-', give --budget to judge it"
         ),
-        "arguments: " + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items()),
+        "arguments: "
+        + ", ".join(f"{k} {_size(v)}" for k, v in first.arguments.items())
+        + (
+            " (other: XLA's argument bytes beyond the arguments' values: on a TPU, the tiled "
+            "layout's padding, T(8,128))"
+            if target.platform == "tpu" and first.arguments.get("other", 0) > 0
+            else ""
+        ),
     ]
     if target.platform == "cpu":
         lines.append("CPU backend: these are XLA:CPU numbers, not GPU numbers; offload is not real")

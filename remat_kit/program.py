@@ -985,21 +985,29 @@ def check_loss(make_loss: Factory, args: Sequence[Any], names: Sequence[str]) ->
         )
 
 
+#: Names a function building a program refers to (its code's global and attribute names).
+_BUILDS = frozenset({"Program", "from_loss", "from_step", "preset"})
+
+
 def _factories(module: Any) -> list[str]:
-    """Names in ``module`` that could be a factory: functions defined there (not imported)
-    callable with no arguments."""
-    out = []
+    """Names in ``module`` that could be a factory: its :class:`Program` objects and the
+    functions defined there (not imported) callable with no arguments, those whose code names
+    ``Program`` / ``from_loss`` / ``from_step`` / ``preset`` where any does (not a helper
+    returning the abstract arguments, which the error listed as valid)."""
+    programs, builders, others = [], [], []
     for n, obj in vars(module).items():
-        if n.startswith("_") or not inspect.isfunction(obj):
+        if n.startswith("_"):
             continue
-        if obj.__module__ != module.__name__:
+        if isinstance(obj, Program):
+            programs.append(n)
+        if not inspect.isfunction(obj) or obj.__module__ != module.__name__:
             continue
         try:
             inspect.signature(obj).bind()
         except TypeError:
             continue
-        out.append(n)
-    return sorted(out)
+        (builders if _BUILDS & set(obj.__code__.co_names) else others).append(n)
+    return sorted(programs + (builders or others))
 
 
 def require_program(obj: Any) -> Program:

@@ -170,6 +170,25 @@ def test_load_program_bad_refs_say_which_form(ref, match):
         remat_kit.load_program(ref)
 
 
+def test_unknown_factory_lists_what_builds_a_program(tmp_path):
+    """The valid factories listed for a misspelt one were every zero-argument function, a
+    helper returning the abstract arguments among them (s18 and s19 trials); they are now the
+    functions that build a program (their code names Program / from_loss / from_step /
+    preset) and the Program objects, falling back to every zero-argument function."""
+    (tmp_path / "m.py").write_text(
+        "from remat_kit import Program, preset\n"
+        "def abstract_args():\n    return (1, 2)\n"
+        "def program():\n    return preset('tiny-gpt', 1, 8)\n"
+        "def program_own():\n    return Program.from_step(None)\n"
+        "built = preset('tiny-gpt', 1, 8)\n"
+    )
+    with pytest.raises(ValueError, match=r"valid: built, program, program_own\.$"):
+        remat_kit.load_program(f"{tmp_path / 'm.py'}:nope")
+    (tmp_path / "h.py").write_text("def helper():\n    return 1\n")
+    with pytest.raises(ValueError, match=r"valid: helper\.$"):
+        remat_kit.load_program(f"{tmp_path / 'h.py'}:nope")
+
+
 def test_a_factory_that_raises_is_one_line_naming_it(tmp_path, capsys):
     """The user's factory raising (a checkpoint file missing) is one line naming the reference
     and the exception, exit 2 from the CLI (it was a 15-line traceback, exit 1); the cause is
@@ -192,7 +211,7 @@ def test_unknown_factory_lists_only_the_modules_own_no_argument_functions():
     with pytest.raises(ValueError) as err:
         remat_kit.load_program("remat_kit/examples/plain_jax.py:nope")
     valid = str(err.value).split("valid: ")[1].rstrip(".").split(", ")
-    assert "program" in valid and "abstract_args" in valid
+    assert "program" in valid and "abstract_args" not in valid  # a helper building no program
     # imported (checkpoint_name), needing arguments (init, layer, make_loss): not factories
     assert not {"checkpoint_name", "init", "layer", "make_loss"} & set(valid)
 

@@ -69,6 +69,7 @@ from remat_kit.walker import (
     Residual,
     TagResiduals,
     holds,
+    remat_in_loop,
     remat_policy,
     remat_segments,
     wraps_whole_loop,
@@ -775,6 +776,8 @@ class PolicyReach:
         then 0, not counted).
       around_loop: those segments that wrap a whole loop with no remat in its body
         (:func:`remat_kit.walker.wraps_whole_loop`: ``jax.checkpoint`` around a ``lax.scan``).
+      lone: the trace's only remat segment sits outside every loop (``jax.checkpoint`` around
+        the whole loss: :data:`remat_kit.memory.undone.LONE_SEGMENT_CAUSE`).
     """
 
     program: str
@@ -784,6 +787,7 @@ class PolicyReach:
     part: str = "factory"
     linearized: bool | None = None
     around_loop: int = 0
+    lone: bool = False
 
     @property
     def passes(self) -> bool:
@@ -853,12 +857,16 @@ def factory_reach(
     def probe(prim: Any, *a: Any, **params: Any) -> bool:  # saves nothing, held by no one
         return jax.checkpoint_policies.nothing_saveable(prim, *a, **params)
 
-    def segments(policy: Any) -> list[Any]:
+    def trace(policy: Any) -> Any:
         fn = make(policy)
         pure = purify(fn, args, param_names(fn, len(args)))
-        return remat_segments(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
+        return jax.make_jaxpr(pure.fn)(*pure.args).jaxpr
 
-    probed = segments(probe)
+    def segments(policy: Any) -> list[Any]:
+        return remat_segments(trace(policy))
+
+    jaxpr = trace(probe)
+    probed = remat_segments(jaxpr)
     reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
     if not probed and remat_implementation() == "remat3":
         # a differentiated trace (a step) under jax_remat3 holds no segment: judged by whether
@@ -869,7 +877,10 @@ def factory_reach(
         )
         return PolicyReach(name, 0, 0, 0, part, linearized=every != none)
     around = sum(wraps_whole_loop(eqn) for eqn in probed)
-    return PolicyReach(name, len(probed), reached, len(segments(None)), part, around_loop=around)
+    lone = len(probed) == 1 and not around and not remat_in_loop(jaxpr)
+    return PolicyReach(
+        name, len(probed), reached, len(segments(None)), part, around_loop=around, lone=lone
+    )
 
 
 def _trace_text(make: Factory, args: Sequence[Any], policy: Any) -> str:

@@ -246,6 +246,14 @@ def wraps_whole_loop(eqn: Any) -> bool:
     return False
 
 
+def remat_in_loop(jaxpr: Any) -> bool:
+    """Whether a remat segment of ``jaxpr`` sits in a loop's body (``scan`` / ``while``)."""
+    return any(
+        eqn.primitive.name in LOOP_PRIMITIVES and any(has_remat(j) for j in sub_jaxprs(eqn))
+        for eqn in walk(jaxpr)
+    )
+
+
 def has_remat(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` holds a remat segment anywhere (nested jaxprs included)."""
     return any(is_remat(eqn) for eqn in walk(jaxpr))

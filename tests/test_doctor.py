@@ -246,6 +246,53 @@ def test_a_policy_raising_temp_memory_is_said_to_add_it():
         )
 
 
+def test_one_remat_segment_around_the_whole_function_is_said_by_doctor_and_analyze():
+    """jax#19822: jax.checkpoint around a whole (unrolled) network frees nothing on a GPU: the
+    backward pass recomputes the one segment in one piece. The doctor and analyze guessed the
+    peak was set outside the layers; both now say the single segment (one cause, one home),
+    told from the trace: one segment outside every loop (not per-layer, not under a scan)."""
+    from types import SimpleNamespace as NS
+
+    from remat_kit.doctor.compare import _not_effective
+    from remat_kit.memory.undone import LONE_SEGMENT_CAUSE, RematPlacement, memory_not_freed
+    from remat_kit.program import factory_reach
+
+    def net(x):
+        for _ in range(3):
+            x = jnp.tanh(x @ x)
+        return x.sum()
+
+    def per_layer(policy):
+        def loss(x):
+            for _ in range(3):
+                x = jax.checkpoint(lambda y: jnp.tanh(y @ y), policy=policy)(x)
+            return x.sum()
+
+        return loss
+
+    def scanned(policy):
+        step = jax.checkpoint(lambda c, _: (jnp.tanh(c @ c), None), policy=policy)
+        return lambda x: jax.lax.scan(step, x, None, length=3)[0].sum()
+
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    assert factory_reach(lambda p: jax.checkpoint(net, policy=p), (x,), "m").lone
+    assert not factory_reach(per_layer, (x,), "m").lone
+    assert not factory_reach(scanned, (x,), "m").lone
+    assert RematPlacement(in_loop=0, outside=1).lone and not RematPlacement(1, 0).lone
+    mib = 2**20
+    report, base = NS(flops=150.0, temp_bytes=9 * mib), NS(flops=100.0, temp_bytes=9 * mib)
+    finding = _not_effective(
+        NS(name="save-nothing", base="names"), report, base, promised=8 * mib, achieved=0,
+        target=NS(platform="cuda"), scan_layers=None, ops=None, around_loop=0, lone=True,
+    )  # fmt: skip
+    assert finding.code == "remat-not-lowering-peak" and LONE_SEGMENT_CAUSE in finding.cause
+    job = NS(label="save-nothing", policy="save-nothing", target=NS(platform="cuda"),
+             remat=RematPlacement(in_loop=0, outside=1))  # fmt: skip
+    kept = NS(activation_bytes=mib, temp_bytes=9 * mib, host_bytes=0, recompute_ratio=1.5)
+    line = memory_not_freed(job, kept, NS(activation_bytes=9 * mib, temp_bytes=9 * mib))
+    assert LONE_SEGMENT_CAUSE in line
+
+
 # The clean-run matrix (every named policy, h100-sxm, scan and unrolled) is in test_walker.py.
 
 

@@ -224,7 +224,7 @@ def check_policies(
         findings += compare(
             promise, next(each), reports[-1], _kept(program, spec), base, tgt,
             program.scan_layers, facts=facts, kept_nothing=nothing,
-            around_loop=reach.around_loop,
+            around_loop=reach.around_loop, lone=reach.lone,
         )  # fmt: skip
         checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
     return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
@@ -365,6 +365,7 @@ def check_function(
         kept_nothing=Residuals.of(
             R.saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
         ),
+        around_loop=reach.around_loop, lone=reach.lone,
     )  # fmt: skip
     if opaque:
         findings = [f for f in findings if f.code != "acts-as-full-remat"]

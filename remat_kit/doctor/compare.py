@@ -15,7 +15,13 @@ from remat_kit.doctor.promise import Promise
 from remat_kit.doctor.tags import TagFacts, own_example
 from remat_kit.memory import MemoryReport
 from remat_kit.memory.runner import cse_undone
-from remat_kit.memory.undone import AROUND_LOOP_FIX, around_loop_cause, peak_set_by
+from remat_kit.memory.undone import (
+    AROUND_LOOP_FIX,
+    LONE_SEGMENT_CAUSE,
+    LONE_SEGMENT_FIX,
+    around_loop_cause,
+    peak_set_by,
+)
 
 #: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
 _DOT_SOURCES = ("dot_general", "conv_general_dilated")
@@ -89,7 +95,17 @@ def _freed(achieved: int, promised: int) -> str:
 
 
 def _not_effective(
-    promise, report, no_remat, *, promised, achieved, target, scan_layers, ops, around_loop
+    promise,
+    report,
+    no_remat,
+    *,
+    promised,
+    achieved,
+    target,
+    scan_layers,
+    ops,
+    around_loop,
+    lone=False,
 ):
     """The finding for a policy whose fewer residuals (``promised`` bytes) freed ``achieved``
     bytes of temp memory or less: remat around a loop, XLA's CSE, or the peak set elsewhere."""
@@ -129,9 +145,9 @@ def _not_effective(
             f"policy {promise.name!r} {what}, but the compiled step {_freed(achieved, promised)}"
             f" (temp {nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without "
             "remat).",
-            peak_set_by(report) + ".",
-            "look at the buffers live at the peak (remat-kit analyze --timeline); a cheaper "
-            "policy may fit as well.",
+            (LONE_SEGMENT_CAUSE if lone else peak_set_by(report)) + ".",
+            LONE_SEGMENT_FIX + "." if lone else "look at the buffers live at the peak "
+            "(remat-kit analyze --timeline); a cheaper policy may fit as well.",
         )  # fmt: skip
     return Finding(
         "no-op-policy", "error",
@@ -139,9 +155,9 @@ def _not_effective(
         f" (temp {nbytes(report.temp_bytes)} vs {nbytes(no_remat.temp_bytes)} without remat).",
         f"XLA keeps the forward values alive anyway{outside_scan} (XLA:CPU honours remat only "
         "inside lax.scan / nn.scan / nnx.scan)." if outside_scan or on_cpu
-        else peak_set_by(report) + ".",
-        _scan_fix(scan_layers) if on_cpu else "look at the buffers live at the peak (remat-kit "
-        "analyze).",
+        else (LONE_SEGMENT_CAUSE if lone else peak_set_by(report)) + ".",
+        _scan_fix(scan_layers) if on_cpu else LONE_SEGMENT_FIX + "." if lone else "look at the "
+        "buffers live at the peak (remat-kit analyze).",
     )  # fmt: skip
 
 
@@ -157,6 +173,7 @@ def compare(
     facts: TagFacts | None = None,
     kept_nothing: Residuals | None = None,
     around_loop: int = 0,
+    lone: bool = False,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
     what each keeps in the jaxpr (:class:`Residuals`).
@@ -174,6 +191,9 @@ def compare(
       around_loop: the program's remat segments that wrap a whole loop
         (:attr:`remat_kit.program.PolicyReach.around_loop`): a policy freeing too little is then
         said to be that (``remat-around-loop``).
+      lone: the program's one remat segment sits outside every loop
+        (:attr:`remat_kit.program.PolicyReach.lone`): the cause of a policy freeing too little
+        on a real target (the CPU's is its own).
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
@@ -197,6 +217,7 @@ def compare(
                 scan_layers=scan_layers,
                 ops=recomputed_ops,
                 around_loop=around_loop,
+                lone=lone,
             )  # fmt: skip
         )
     cse = _cse_findings(promise, report, out)

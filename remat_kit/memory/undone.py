@@ -42,6 +42,24 @@ class RematPlacement:
     #: (:func:`remat_kit.walker.wraps_whole_loop`).
     around_loop: int = 0
 
+    @property
+    def lone(self) -> bool:
+        """One remat region, outside every loop (:data:`LONE_SEGMENT_CAUSE`)."""
+        return self.in_loop == 0 and self.outside == 1 and self.around_loop == 0
+
+
+#: Why one remat segment outside every loop frees little (jax#19822: ``jax.checkpoint`` around
+#: a whole function): the one home of the analyzer's and the doctor's words.
+LONE_SEGMENT_CAUSE = (
+    "the step has a single remat segment, outside every loop: the backward pass recomputes it "
+    "in one piece before using any of its values, so they are all live again at once, as "
+    "without remat (remat frees memory across segments: jax#19822)"
+)
+LONE_SEGMENT_FIX = (
+    "checkpoint each layer instead of the whole function: jax.checkpoint(layer, policy=...) "
+    "under lax.scan (linen: nn.scan over nn.remat(Layer); NNX: nnx.remat inside nnx.scan)"
+)
+
 
 #: The fix for remat regions wrapping a whole loop (:func:`around_loop_cause`).
 AROUND_LOOP_FIX = (
@@ -226,8 +244,12 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
             f"policy {job.label or job.policy!r} keeps {format_bytes(act)} of residuals in the "
             f"jaxpr against {format_bytes(base_act)} without remat, but the compiled step's "
             f"{what} {compiled} though it recomputes "
-            f"({ratio:.2f}x the matmul FLOPs): {peak_set_by(report)}; see the buffers live "
-            "at the peak (--timeline)"
+            f"({ratio:.2f}x the matmul FLOPs): "
+            + (
+                f"{LONE_SEGMENT_CAUSE}; {LONE_SEGMENT_FIX}"
+                if job.remat is not None and job.remat.lone
+                else f"{peak_set_by(report)}; see the buffers live at the peak (--timeline)"
+            )
         )
     if recomputes:  # on the CPU: it recomputes, and keeps the values as well
         verdict = (

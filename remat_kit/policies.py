@@ -306,7 +306,8 @@ def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
     JAX's constructors keep (``jax/_src/ad_checkpoint.py``, jax 0.10.2): the four fixed
     policies, ``save_only_these_names`` (a dataclass with ``saveable_names``) and
     ``save_and_offload_only_these_names`` (a closure over its name sets); named after the
-    constructor. None for a callable whose effect is not a name set or a base rule
+    constructor and its names (``save_only_these_names(attn_out, mlp_up)``). None for a
+    callable whose effect is not a name set or a base rule
     (``save_any_names_but_these``: it depends on the names a program emits;
     ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
     """
@@ -323,14 +324,16 @@ def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
         return PolicySpec(name, f"jax.checkpoint_policies.{name}", base)
     saveable = _names(getattr(policy, "saveable_names", None))
     if saveable is not None:
-        return PolicySpec("save_only_these_names", "jax.checkpoint_policies."
-                          "save_only_these_names", save=saveable)  # fmt: skip
+        # named with its names: two raw policies of other name sets are other rows
+        name = f"save_only_these_names({', '.join(sorted(saveable))})"
+        return PolicySpec(name, "jax.checkpoint_policies.save_only_these_names", save=saveable)
     cells = _closure(policy)
     if "names_which_can_be_offloaded" in cells:
         save = _names(cells.get("names_which_can_be_saved")) or frozenset()
         off = _names(cells["names_which_can_be_offloaded"]) or frozenset()
-        name = "save_and_offload_only_these_names"
-        return PolicySpec(name, f"jax.checkpoint_policies.{name}", save=save, offload=off)
+        kind = "save_and_offload_only_these_names"
+        name = f"{kind}(save: {', '.join(sorted(save)) or '-'}; offload: {', '.join(sorted(off))})"
+        return PolicySpec(name, f"jax.checkpoint_policies.{kind}", save=save, offload=off)
     return None
 
 

@@ -187,7 +187,15 @@ def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
         name="raw")  # fmt: skip
     names = jax.checkpoint_policies.save_only_these_names("hidden")
     spec = remat_kit.get_policy_spec(names)
-    assert (spec.name, spec.save) == ("save_only_these_names", frozenset({"hidden"}))
+    assert (spec.name, spec.save) == ("save_only_these_names(hidden)", frozenset({"hidden"}))
+    # named with its names (s19 Equinox trial: two name sets were both 'save_only_these_names')
+    both = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["b", "a"], names_which_can_be_offloaded=["c"],
+        offload_src="device", offload_dst="pinned_host",
+    )  # fmt: skip
+    assert remat_kit.get_policy_spec(both).name == (
+        "save_and_offload_only_these_names(save: a, b; offload: c)"
+    )
     assert remat_kit.get_policy_spec(jax.checkpoint_policies.dots_saveable).base == "dots"
     saved, custom = analyze_policies(program, [names, {"hidden": "save"}], "cpu", top_k=0)
     assert saved.program_sha256 == custom.program_sha256

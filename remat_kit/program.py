@@ -1117,6 +1117,12 @@ def load_program(ref: str) -> Program:
             raise ValueError(
                 f"{ref}: the factory raised {type(err).__name__}" + (f": {first}" if first else "")
             ) from err
+    elif not isinstance(factory, Program):  # a module, a constant: nothing to call
+        valid = ", ".join(_factories(module)) or "(none)"
+        raise ValueError(
+            f"{module_ref}: {attr!r} is a {type(factory).__name__}, not a factory (a function "
+            f"returning a remat_kit.Program) or a Program; valid: {valid}."
+        )
     else:
         program = factory
     if not isinstance(program, Program):

@@ -162,7 +162,8 @@ def test_analyze_an_unjitted_nnx_step_equals_nnx_jit():
             r"unknown factory .*'progrm'.*Did you mean 'program'",
         ),
         ("tests.user_models.plain_jax:init", r"factory must take no arguments"),
-        ("tests.user_models.plain_jax:TAGS", r"returned tuple, not a remat_kit.Program"),
+        ("tests.user_models.plain_jax:TAGS", r"'TAGS' is a tuple, not a factory .*valid: program"),
+        ("tests.user_models.plain_jax:_example", r"'_example' is a module, not a factory"),
     ],
 )
 def test_load_program_bad_refs_say_which_form(ref, match):

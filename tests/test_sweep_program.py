@@ -149,12 +149,12 @@ def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):
 
 
 def test_feedback_matches_donated_arguments_to_the_outputs():
-    # from_loss: step(opt_state, params, tokens) -> ((params,), opt_state, loss), 0 and 1 donated
+    # from_loss: step(opt_state, params, tokens) -> (opt_state, (params,), loss), 0 and 1 donated
     pure = load_program(MODEL).step(get_policy_spec("no-remat"))
     host = programs.host_arguments(pure)
     out = jax.eval_shape(pure.fn, *host.values)
     paths = programs.feedback_paths(host.values, out, (0, 1))
-    assert paths == {0: (1,), 1: (0, 0)}  # opt_state <- out[1], params <- out[0][0]
+    assert paths == {0: (0,), 1: (1, 0)}  # opt_state <- out[0], params <- out[1][0]
     assert programs.loss_path(out, list(paths.values())) == (2,)
 
 

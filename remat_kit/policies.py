@@ -253,7 +253,7 @@ MAXTEXT_POLICIES = types.MappingProxyType(
     }
 )
 #: MaxText's ``custom`` policy actions (``device`` / ``offload`` / ``remat``) -> remat-kit's.
-_MAXTEXT_ACTIONS = {"device": "save", "remat": "recompute"}
+_MAXTEXT_ACTIONS = types.MappingProxyType({"device": "save", "remat": "recompute"})
 
 
 def _maxtext_meaning(policy: object) -> str | None:

@@ -586,6 +586,22 @@ def _two_activations_layer(x, w):  # two names, each after its activation: neith
     return x + a * b
 
 
+def _pre_and_act_layer(x, w):  # a matmul's output and the activation after it
+    h = checkpoint_name(x @ w, "pre")
+    return x + checkpoint_name(jax.nn.gelu(h), "act") @ w.T
+
+
+def test_an_idle_name_beside_others_is_not_said_to_be_saved_alone():
+    """Judged within the policy (session 18), the cause still said "saved alone" of a name the
+    policy saves beside others (s19 newcomer, on own-model.md's every-name policy)."""
+    program = _program(_pre_and_act_layer, "pre-act")
+    (check,) = doctor.check_policies(program, [{"pre": "save", "act": "save"}], "cpu").checks
+    (f,) = [f for f in check.findings if f.code == "save-removes-no-recompute"]
+    assert "act" in f.what and "saved alone or beside the other names this policy saves" in (
+        f.cause
+    ), f.line()
+
+
 def test_names_saving_no_recompute_are_said_in_plain_english_and_by_what_the_policy_named():
     """Two idle names read "they spare", "they are computed from" (not "them"); under
     save_any_names_but_these the fix says to leave them out by adding them to its list, and a

@@ -344,8 +344,10 @@ def _saved_without_saving(
             f"no matmul for {it}, so saving {it} spares only that elementwise work"
         )
     else:
+        within = facts.flops_keeping is not None and len(promise.tags & facts.emitted) > len(idle)
+        how = "saved alone or beside the other names this policy saves" if within else "saved alone"
         cause = (
-            f"saved alone, {they} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
+            f"{how}, {they} spare{'s' if it == 'it' else ''} no matmul: the backward pass "
             f"recomputes the matmul that {they} {are} computed from "
             "for the activation's derivative unless that matmul's own output is kept"
         )

@@ -500,8 +500,8 @@ class Program:
                 # outputs in the order of the donated inputs (optimizer state, parameters), as
                 # a user's step returns them: out of order, JAX pairs each donated input with
                 # the first output of its shape (Adam's moments have the parameters' shapes),
-                # XLA:CPU then copies to update in place, and the peak was up to 3% above the
-                # user's own step (s19 Equinox trial; the h100 target's agreed either way)
+                # XLA:CPU then copies to update in place, and the peak was 1-6% above the
+                # user's own step (s19 trials; the h100 target's agreed either way)
                 return opt_state, tuple(kept), value
 
             # the loss's own argument names in JAX's debug info, so buffers read "params..."

@@ -74,6 +74,7 @@ from remat_kit.residuals import (
     saved_residuals,
 )
 from remat_kit.walker import (
+    LOOP_PRIMITIVES,
     emitted_tags,
     is_remat,
     sub_jaxprs,
@@ -427,7 +428,7 @@ def remat_placement(jaxpr: Any) -> RematPlacement:
                     counts["no_cse"] += 1
                 counts["around_loop"] += wraps_whole_loop(eqn)
             for sub in sub_jaxprs(eqn):
-                visit(sub, in_loop or name in ("scan", "while"))
+                visit(sub, in_loop or name in LOOP_PRIMITIVES)
 
     visit(jaxpr, False)
     return RematPlacement(

@@ -301,16 +301,38 @@ def _names(value: Any) -> frozenset[str] | None:
     return None
 
 
-def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
+def is_by_exclusion(policy: Any) -> bool:
+    """Whether ``policy`` is ``jax.checkpoint_policies.save_any_names_but_these(*names)``: it
+    saves every ``checkpoint_name`` a program emits but ``names`` (a frozen dataclass,
+    ``SaveAnyNamesButThese.names``, jax/_src/ad_checkpoint.py), so what it keeps depends on
+    the program."""
+    return type(policy).__name__ == "SaveAnyNamesButThese"
+
+
+def read_jax_policy(
+    policy: Callable[..., Any], emitted: Iterable[str] | None = None
+) -> PolicySpec | None:
     """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
     JAX's constructors keep (``jax/_src/ad_checkpoint.py``, jax 0.10.2): the four fixed
     policies, ``save_only_these_names`` (a dataclass with ``saveable_names``) and
     ``save_and_offload_only_these_names`` (a closure over its name sets); named after the
-    constructor and its names (``save_only_these_names(attn_out, mlp_up)``). None for a
-    callable whose effect is not a name set or a base rule
-    (``save_any_names_but_these``: it depends on the names a program emits;
+    constructor and its names (``save_only_these_names(attn_out, mlp_up)``).
+    ``save_any_names_but_these(*names)`` on a program emitting ``emitted`` (its
+    ``checkpoint_name`` values) is the name set it amounts to there: every emitted name but
+    ``names`` saved. None for a callable whose effect is not a name set or a base rule
+    (``save_any_names_but_these`` with no program to read names from;
     ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
     """
+    if is_by_exclusion(policy) and emitted is not None:
+        excluded = frozenset(getattr(policy, "names", ()))
+        save = frozenset(emitted) - excluded
+        return PolicySpec(
+            f"save_any_names_but_these({', '.join(sorted(excluded))})",
+            f"Saves every checkpoint name the program emits but {', '.join(sorted(excluded))}: "
+            f"here {', '.join(sorted(save)) or 'none'}; everything else recomputed.",
+            save=save,
+            source="jax.checkpoint_policies.save_any_names_but_these",
+        )
     cp = jax.checkpoint_policies
     fixed = {
         id(cp.everything_saveable): ("everything_saveable", "everything"),
@@ -339,11 +361,13 @@ def read_jax_policy(policy: Callable[..., Any]) -> PolicySpec | None:
 
 def get_policy_spec(
     policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any],
+    emitted: Iterable[str] | None = None,
 ) -> PolicySpec:
     """Resolve a policy name, per-tag text (``"query_proj=offload,out_proj=save"``, as
     ``--policy`` takes it: :func:`parse_policy_arg`), a custom mapping, a spec, or a raw
     ``jax.checkpoint_policies`` policy that can be read as data (:func:`read_jax_policy`) to a
-    :class:`PolicySpec`.
+    :class:`PolicySpec`. ``emitted``: the ``checkpoint_name`` values of the program the policy
+    is for, which ``save_any_names_but_these`` needs (the tools pass their program's).
 
     Raises:
       ValueError: unknown policy name (the message lists the valid names and the closest match),
@@ -355,12 +379,19 @@ def get_policy_spec(
     if isinstance(policy, Mapping):
         return custom_spec(policy)
     if callable(policy):
-        spec = read_jax_policy(policy)
+        spec = read_jax_policy(policy, emitted)
+        if spec is None and is_by_exclusion(policy):
+            raise ValueError(
+                "policy save_any_names_but_these saves every checkpoint name a program emits "
+                "but the ones given: give it with a program (analyze, recommend, the doctor "
+                "and the sweep read its names), or list what to save with "
+                "save_only_these_names(...)"
+            )
         if spec is None:
             qual = getattr(policy, "__qualname__", type(policy).__name__)
             raise ValueError(
                 f"policy {qual!r} is a callable remat-kit cannot read as data (a composed "
-                "policy, a lambda, save_any_names_but_these, offload_dot_with_no_batch_dims): "
+                "policy, a lambda, offload_dot_with_no_batch_dims): "
                 "give a policy name, a per-tag mapping or save_only_these_names(...); "
                 "remat_kit.check_function judges such a callable by what it does"
             )
@@ -485,7 +516,7 @@ def policies_for_tags(
     """
     tags = frozenset(tags)
     specs, restricted, skipped = [], [], []
-    for spec in dict.fromkeys(get_policy_spec(p) for p in policies):
+    for spec in dict.fromkeys(get_policy_spec(p, tags) for p in policies):
         # the other MLP family's names are absent by design (registered policies name both)
         missing = {t for t in spec.tags - tags if not N.MLP_ALTERNATES.get(t, set()) & tags}
         if _REGISTRY.get(spec.name) != spec or spec.base != "names" or not missing:

@@ -214,6 +214,41 @@ def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
         assert "\n" not in str(err.value)
 
 
+def _two_names_layer(x, w):
+    h = checkpoint_name(x @ w, "hidden")
+    return checkpoint_name(jnp.tanh(h) @ w.T, "proj")
+
+
+def test_save_any_names_but_these_is_read_against_the_program_by_every_tool():
+    """The doctor's function path judged ``save_any_names_but_these`` as the name set it
+    amounts to; the program path (analyze, recommend, the sweep, the doctor on a Program)
+    refused it as "a callable remat-kit cannot read". On a program it is now that name set for
+    every tool; with no program to read names from it is one line saying what to give."""
+    from remat_kit.memory.api import program_tags
+    from remat_kit.policies import policies_for_tags
+
+    cp = jax.checkpoint_policies
+    program = Program.from_loss(lambda p: _scanned(
+        _two_names_layer if p is None else jax.checkpoint(_two_names_layer, policy=p)),
+        *_args(), optimizer="sgd", name="two-names")  # fmt: skip
+    tags = program_tags(program)
+    assert tags == {"hidden", "proj"}
+    but_hidden = cp.save_any_names_but_these("hidden")
+    spec = remat_kit.get_policy_spec(but_hidden, tags)
+    assert (spec.name, spec.save) == ("save_any_names_but_these(hidden)", frozenset({"proj"}))
+    assert policies_for_tags([but_hidden], tags).specs == (spec,)  # recommend's and the sweep's
+    by_exclusion, as_names = analyze_policies(program, [but_hidden, {"proj": "save"}], "cpu")
+    assert by_exclusion.program_sha256 == as_names.program_sha256
+    assert by_exclusion.policy == "save_any_names_but_these(hidden)"
+    # the doctor on the program: the typo the function path reports, and no refusal
+    (typo,) = doctor.check_policies(program, [cp.save_any_names_but_these("hiden")], "cpu")
+    assert any("leaves out 'hiden' (closest: 'hidden')" in f.what for f in typo), [
+        f.line() for f in typo]  # fmt: skip
+    with pytest.raises(ValueError, match="give it with a program") as err:
+        remat_kit.get_policy_spec(but_hidden)
+    assert "\n" not in str(err.value)
+
+
 def test_a_program_file_imports_its_sibling_modules(tmp_path, monkeypatch):
     """``FILE.py:FACTORY`` whose file imports a module beside it, and ``MODULE:FACTORY`` run
     from the module's folder, load as Python runs them (no traceback)."""

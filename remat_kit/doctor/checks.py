@@ -54,7 +54,14 @@ from remat_kit.memory import analyze, hlo
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags
 from remat_kit.memory.flops import step_flops, traced_flops
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
+from remat_kit.policies import (
+    PolicySpec,
+    custom_spec,
+    get_policy_spec,
+    is_by_exclusion,
+    policy_label,
+    policy_names,
+)
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, factory_reach
 from remat_kit.walker import dots_in_remat, has_remat, tags_in_remat
@@ -170,7 +177,7 @@ def check_policies(
     tgt = T.get_target(target)
     tags = program_tags(program)
     reach = program.reach()  # the judgement analyze and recommend make too
-    wraps = policies is None or any(resolve_policy(p).wrap for p in policies)
+    wraps = policies is None or any(resolve_policy(p, tags).wrap for p in policies)
     if not reach.passes and wraps:  # every policy compiles to one program: one error says it
         factory = f"the {reach.part} of {program.name!r}"
         finding = (
@@ -178,7 +185,7 @@ def check_policies(
             if reach.segments
             else no_remat_segment(None, factory)
         )
-        first = resolve_policy(policies[0]) if policies else get_policy_spec("save-nothing")
+        first = resolve_policy(policies[0], tags) if policies else get_policy_spec("save-nothing")
         notes = [f"no-remat: {reach.no_remat_note()}"] if reach.no_remat_note() else []
         return ProgramCheck(
             program.name, tags, (PolicyCheck("every policy", first, (finding,)),), tuple(notes)
@@ -189,7 +196,7 @@ def check_policies(
         if not specs:
             notes.append(f"no policy acts on program {program.name!r}: nothing to check")
     else:
-        specs = [resolve_policy(p) for p in policies]
+        specs = [resolve_policy(p, tags) for p in policies]
         labels, notes = [policy_label(s) for s in specs], []
     if not specs:
         return ProgramCheck(program.name, tags, (), tuple(notes))
@@ -216,10 +223,12 @@ def check_policies(
     nothing = _kept(program, get_policy_spec("save-nothing"))
     registered = set(policy_names())
     checks, each = [], iter(reports)
-    for spec, label in zip(specs, labels, strict=True):
+    given = list(policies) if policies is not None else [None] * len(specs)
+    for spec, label, raw in zip(specs, labels, given, strict=True):
         promise = Promise.of(spec, registered=spec.name in registered)
-        promise = dataclasses.replace(promise, name=label)
-        findings = unknown_tags(promise, facts)
+        # save_any_names_but_these: judged as the name set it amounts to, as check_function does
+        promise = dataclasses.replace(promise, name=label, by_exclusion=is_by_exclusion(raw))
+        findings = unknown_tags(promise, facts) + excluded_unknown(raw, tags)
         findings += effect_findings(label, spec, promise)
         findings += compare(
             promise, next(each), reports[-1], _kept(program, spec), base, tgt,

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from remat_kit.doctor.findings import Finding
-from remat_kit.policies import PolicySpec, get_policy_spec, read_jax_policy
+from remat_kit.policies import PolicySpec, get_policy_spec, is_by_exclusion, read_jax_policy
 from remat_kit.remat_impl import describe_implementation, policy_effect
 from remat_kit.validation import closest
 
@@ -84,7 +84,7 @@ def describe_callable(policy: Callable[..., Any]) -> tuple[Promise | None, list[
     spec = read_jax_policy(policy)  # the fixed policies and the name-set constructors
     if spec is not None:
         return Promise.of(spec), []
-    if type(policy).__name__ == "SaveAnyNamesButThese":
+    if is_by_exclusion(policy):
         return None, []  # data remat3 reads; what it keeps depends on the names emitted
     if qual.startswith("save_anything_except_these_names"):
         return None, [_saves_everything()]
@@ -98,7 +98,7 @@ def promise_of_exclusions(policy: Callable[..., Any], emitted: frozenset[str]) -
     ``emitted``: it saves every emitted name but those (``SaveAnyNamesButThese.names``,
     jax/_src/ad_checkpoint.py), so it is judged as the name set it amounts to (the per-tag
     mapping ``{name: "save"}`` of the rest). None for any other policy."""
-    if type(policy).__name__ != "SaveAnyNamesButThese":
+    if not is_by_exclusion(policy):
         return None
     excluded = frozenset(getattr(policy, "names", ()))
     return Promise(
@@ -109,7 +109,7 @@ def promise_of_exclusions(policy: Callable[..., Any], emitted: frozenset[str]) -
 def excluded_unknown(policy: Callable[..., Any], emitted: frozenset[str]) -> list[Finding]:
     """``unknown-tag`` for the names ``save_any_names_but_these`` leaves out that the program
     never emits: nothing is recomputed for them (a typo saves what it meant to recompute)."""
-    if type(policy).__name__ != "SaveAnyNamesButThese":
+    if not is_by_exclusion(policy):
         return []
     missing = sorted(frozenset(getattr(policy, "names", ())) - frozenset(emitted))
     if not missing:
@@ -160,15 +160,19 @@ def remat3_finding(name: str, promise: Promise | None) -> Finding:
     )  # fmt: skip
 
 
-def resolve_policy(policy: str | PolicySpec | Mapping[str, str]) -> PolicySpec:
+def resolve_policy(
+    policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any],
+    emitted: frozenset[str] | None = None,
+) -> PolicySpec:
     """:func:`remat_kit.get_policy_spec`, with ``"none"`` explained: ``policy=None`` in
-    ``jax.checkpoint`` / ``nn.remat`` saves nothing.
+    ``jax.checkpoint`` / ``nn.remat`` saves nothing. ``emitted``: the program's
+    ``checkpoint_name`` values (``save_any_names_but_these`` is read against them).
 
     Raises:
       ValueError: ``"none"`` (use ``save-nothing``; ``no-remat`` is the opposite, it saves
         everything), or an unknown policy name.
     """
-    return get_policy_spec(policy)
+    return get_policy_spec(policy, emitted)
 
 
 def effect_findings(name: str, spec: PolicySpec, promise: Promise | None) -> list[Finding]:

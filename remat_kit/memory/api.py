@@ -49,6 +49,7 @@ from remat_kit.policies import (
     custom_spec,
     cut_label,
     get_policy_spec,
+    is_by_exclusion,
     policies_for_tags,
     policy_label,
     policy_names,
@@ -309,6 +310,20 @@ def own_tag_specs(
     return specs, notes
 
 
+def given_specs(
+    program: Program, policies: Sequence[str | PolicySpec | Mapping[str, str] | Callable]
+) -> list[PolicySpec]:
+    """The specs of ``policies`` as given for ``program``
+    (:func:`remat_kit.policies.get_policy_spec`); ``save_any_names_but_these`` reads the
+    program's ``checkpoint_name`` values (traced here only for it).
+
+    Raises:
+      ValueError: an unknown policy or one that cannot be read as data.
+    """
+    tags = program_tags(program) if any(is_by_exclusion(p) for p in policies) else None
+    return [get_policy_spec(p, tags) for p in policies]
+
+
 def program_policies(
     program: Program,
     target: str | T.Target,
@@ -333,7 +348,7 @@ def program_policies(
     """
     tags = program_tags(program) if tags is None else tags
     if policies is not None:
-        return ProgramPolicies(tuple(get_policy_spec(p) for p in policies), tags)
+        return ProgramPolicies(tuple(get_policy_spec(p, tags) for p in policies), tags)
     tgt = T.get_target(target)
     fit = policies_for_tags(policy_names(), tags)
     notes = fit.notes(f"program {program.name!r}")
@@ -609,7 +624,7 @@ def analyze_policies(
     tgt = T.get_target(target)
     key, cache = None, CompileCache.from_env()
     if cache is not None and program.request_key() is not None and policies is not None:
-        specs = [get_policy_spec(p) for p in policies]  # unknown names fail before any work
+        specs = given_specs(program, policies)  # unknown names fail before any work
         # what decides the trace beside the request: the remat implementation (jax_remat3 runs
         # some policies as others) and the JAX flags that change dtypes or matmul precision
         tracing = (
@@ -630,7 +645,7 @@ def analyze_policies(
     if policies is None:
         specs = list(program_policies(program, tgt).specs)
     else:
-        specs = [get_policy_spec(p) for p in policies]
+        specs = given_specs(program, policies)
     if any(spec.wrap for spec in specs) and not reach.passes:
         raise ValueError(reach.error())
     setup = _setup(program, tgt, reach)

@@ -140,6 +140,58 @@ def test_fusion_bytes_flops_and_loop_trip_count():
     assert step.top[0].name == "dot.1" and step.top[0].bound == "compute"
 
 
+#: Attention's scores as XLA:CPU fuses them (a batched dot over [batch, heads] inside a
+#: fusion, scaled), then the output projection as a plain dot, and a cuBLAS batched gemm call.
+BATCHED_MODULE = """
+HloModule batched, is_scheduled=true
+
+%fused_scores (param_0: f32[4,6,256,64], param_1: f32[4,6,64,256]) -> f32[4,6,256,256] {
+  %param_0 = f32[4,6,256,64]{3,2,1,0} parameter(0)
+  %param_1 = f32[4,6,64,256]{3,2,1,0} parameter(1)
+  %dot.3 = f32[4,6,256,256]{3,2,1,0} dot(%param_0, %param_1), lhs_batch_dims={0,1}, lhs_contracting_dims={3}, rhs_batch_dims={0,1}, rhs_contracting_dims={2}
+  %constant.3 = f32[] constant(0.125)
+  %broadcast.3 = f32[4,6,256,256]{3,2,1,0} broadcast(%constant.3), dimensions={}
+  ROOT %multiply.3 = f32[4,6,256,256]{3,2,1,0} multiply(%dot.3, %broadcast.3)
+}
+
+ENTRY %main (q: f32[4,6,256,64], k: f32[4,6,64,256], x: f32[1024,384], w: f32[384,384], a: bf16[24,256,64], b: bf16[24,64,256]) -> (f32[4,6,256,256], f32[1024,384], bf16[24,256,256]) {
+  %q = f32[4,6,256,64]{3,2,1,0} parameter(0)
+  %k = f32[4,6,64,256]{3,2,1,0} parameter(1)
+  %x = f32[1024,384]{1,0} parameter(2)
+  %w = f32[384,384]{1,0} parameter(3)
+  %a = bf16[24,256,64]{2,1,0} parameter(4)
+  %b = bf16[24,64,256]{2,1,0} parameter(5)
+  %fusion.scores = f32[4,6,256,256]{3,2,1,0} fusion(%q, %k), kind=kOutput, calls=%fused_scores
+  %dot.out = f32[1024,384]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %gemm.1 = bf16[24,256,256]{2,1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+  ROOT %tuple.3 = (f32[4,6,256,256]{3,2,1,0}, f32[1024,384]{1,0}, bf16[24,256,256]{2,1,0}) tuple(%fusion.scores, %dot.out, %gemm.1)
+}
+"""
+
+
+def test_batched_matmuls_are_timed_at_the_batched_rate():
+    """A dot with batch dimensions (attention's per-head matmuls) runs at the device's batched
+    matmul rate where one is known (a CPU's calibration), the rest at the matmul peak."""
+    kernels = _kernels(BATCHED_MODULE)
+    scores, out, gemm = kernels["fusion.scores"], kernels["dot.out"], kernels["gemm.1"]
+    scores_flops = 2 * 4 * 6 * 256 * 256 * 64
+    assert scores.flops == scores.batched_flops == scores_flops and scores.kind == "matmul"
+    assert out.flops == 2 * 1024 * 384 * 384 and out.batched_flops == 0
+    assert gemm.flops == gemm.batched_flops == 2 * 24 * 256 * 256 * 64 and gemm.dtype == "bf16"
+
+    comps = hlo.parse_hlo_module(BATCHED_MODULE)
+    plain = roofline.estimate(comps, FIGURES)  # no batched figure: every matmul at the peak
+    assert plain.compute_s == pytest.approx((scores_flops + out.flops) / 1e12 + gemm.flops / 4e12)
+    slow = roofline.DeviceFigures(
+        **{**FIGURES.__dict__, "batched_flops": {"f32": 1e11, "bf16": 2e11}}
+    )
+    step = roofline.estimate(comps, slow)
+    assert step.compute_s == pytest.approx(
+        scores_flops / 1e11 + out.flops / 1e12 + gemm.flops / 2e11
+    )
+    assert step.top[0].name == "fusion.scores" and step.top[0].bound == "compute"
+
+
 def test_in_place_update_and_slice_count_what_they_touch():
     kernels = _kernels(SLICE_MODULE)
     ds, dus = kernels["fusion.ds"], kernels["fusion.dus"]
@@ -210,15 +262,19 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
     again = calibrate.calibrate()
     assert len(calls) == 1 and first == again and first.measured
     assert first.peak_flops == {"f32": 1e11, "bf16": 5e10} and first.fresh_bytes_per_s == 1e9
+    assert first.batched_flops is None  # a figures file from before the batched micro-kernel
     # when and at what load it was timed: one taken on a busy machine misprices memory traffic
     assert re.search(r"calibrated on this machine \d{4}-\d\d-\d\d \d\d:\d\d UTC, load "
                      r"average \d+\.\d\d ", first.source), first.source  # fmt: skip
     calibrate.calibrate(refresh=True)
     assert len(calls) == 2
     given = tmp_path / "fixed.json"
-    given.write_text(json.dumps({"figures": {**fake, "peak_flops_f32": 3e11}}))
+    batched = {"batched_flops_f32": 4e10, "batched_flops_bf16": 2e10}
+    given.write_text(json.dumps({"figures": {**fake, **batched, "peak_flops_f32": 3e11}}))
     monkeypatch.setenv(calibrate.CALIBRATION_ENV, str(given))
-    assert calibrate.calibrate().peak_flops["f32"] == 3e11 and len(calls) == 2
+    read = calibrate.calibrate()
+    assert read.peak_flops["f32"] == 3e11 and len(calls) == 2
+    assert read.batched_flops == {"f32": 4e10, "bf16": 2e10}
 
 
 def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch):

@@ -7,6 +7,10 @@ calls), so :func:`calibrate` times five micro-kernels through JAX itself, each c
 same XLA backend as the steps it will judge:
 
 - a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;
+- attention's two batched matmuls per dtype, ``[32, 256, 64] @ [32, 64, 256]`` (scores) and
+  ``[32, 256, 256] @ [32, 256, 64]`` (context), FLOP/s of both over their time: many small
+  matmuls in one kernel run well below a large GEMM's rate on a CPU (measured here, 2-core
+  Intel Xeon, jax 0.10.2: 48-60 GFLOP/s against 194 for the ``[1024, 1024]`` GEMM);
 - ``x * a + b`` over a 256 MiB float32 array (far past any cache), bytes read + written per s;
 - the same over a 1 MiB array repeated in a ``fori_loop`` (a cache-resident re-read);
 - a chain of 32 multiply-adds per element of a cache-resident array (elementwise op/s);
@@ -44,7 +48,7 @@ from remat_kit.memory.roofline import DeviceFigures
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
 #: Version of the calibration's file format and micro-kernels (a change re-times).
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 #: Issue rate of the special-function units per SM per clock for 32-bit transcendental
 #: instructions on compute capability 8.x and 9.0 (CUDA C++ Programming Guide, "Arithmetic
@@ -173,6 +177,14 @@ def measure(runs: int = 5) -> dict[str, float]:
         b = jax.random.normal(key, (n, n), dtype)
         mm = jax.jit(lambda x, y: x @ y)
         out[f"peak_flops_{name}"] = 2 * n**3 / _best_of(lambda mm=mm, a=a, b=b: mm(a, b), runs)
+        heads, seq, dim = 32, 256, 64
+        q = jax.random.normal(key, (heads, seq, dim), dtype)
+        kt = jax.random.normal(key, (heads, dim, seq), dtype)
+        p = jax.random.normal(key, (heads, seq, seq), dtype)
+        bmm = jax.jit(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y))
+        t_scores = _best_of(lambda bmm=bmm, q=q, kt=kt: bmm(q, kt), runs)
+        t_context = _best_of(lambda bmm=bmm, p=p, q=q: bmm(p, q), runs)
+        out[f"batched_flops_{name}"] = 2 * 2 * heads * seq * seq * dim / (t_scores + t_context)
 
     nbytes = 256 * 2**20
     state = {"x": jnp.ones((nbytes // 4,), jnp.float32)}
@@ -298,6 +310,11 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
     return DeviceFigures(
         name=f"local {key['platform']} ({key['cpu_model'] or key['device_kind']})",
         peak_flops={"f32": f["peak_flops_f32"], "bf16": f["peak_flops_bf16"]},
+        batched_flops=(  # absent from a figures file written before version 3
+            {"f32": f["batched_flops_f32"], "bf16": f["batched_flops_bf16"]}
+            if "batched_flops_f32" in f
+            else None
+        ),
         memory_bytes_per_s=f["memory_bytes_per_s"],
         cache_bytes=int(f["cache_bytes"]),
         cache_bytes_per_s=f["cache_bytes_per_s"],

@@ -49,6 +49,8 @@ _VALUE_LINE = re.compile(
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_BATCH = re.compile(r"lhs_batch_dims=\{([0-9,]*)\}")
+_GEMM_BATCH = re.compile(r'"lhs_batch_dimensions":\[([^\]]*)\]')
 _CALLEE = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
 )
@@ -337,6 +339,19 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     if target.startswith("__cudnn$fmha"):
         return _fmha_flops(instr)
     return 0.0
+
+
+def is_batched_matmul(instr: Instruction) -> bool:
+    """Whether a dot or gemm call has batch dimensions (``lhs_batch_dims={0,1}``; a cuBLAS
+    call's ``"lhs_batch_dimensions":["0"]``): many small matmuls in one kernel, such as
+    attention's per-head ``Q @ K^T`` and ``P @ V`` over [batch, heads, seq, head_dim]."""
+    if instr.opcode == "dot":
+        m = _BATCH.search(instr.attributes)
+    elif _is_gemm_call(instr):
+        m = _GEMM_BATCH.search(instr.attributes)
+    else:
+        return False
+    return bool(m and m.group(1).strip())
 
 
 def _is_gemm_call(instr: Instruction) -> bool:

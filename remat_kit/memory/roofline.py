@@ -17,10 +17,15 @@ cuDNN attention calls, copies, collectives, host transfers, and ``while`` loops 
 A kernel's time is the roofline (Williams, Waterman, Patterson, "Roofline: an insightful visual
 performance model for multicore architectures", CACM 52(4), 2009) plus a fixed launch cost:
 
-    t = max(flops / peak_flops[dtype], bytes / bandwidth, elementwise / elementwise_rate
-            + transcendental / transcendental_rate) + launch_s
+    t = max((flops - batched) / peak_flops[dtype] + batched / batched_flops[dtype],
+            bytes / bandwidth,
+            elementwise / elementwise_rate + transcendental / transcendental_rate) + launch_s
 
-where ``bandwidth`` is the cache's when everything the kernel reads was written or read within
+where ``batched`` is the part of ``flops`` in matmuls with batch dimensions (attention's
+per-head matmuls), timed at a rate of their own where the device figures have one
+(``batched_flops``: a CPU's calibration measures it; many small matmuls run well below one
+large GEMM's rate there), else at the peak;
+``bandwidth`` is the cache's when everything the kernel reads was written or read within
 the last ``cache_bytes`` bytes of traffic (a reuse-distance model over the schedule; the cache is
 the last-level cache of a CPU, the L2 of a GPU), else device memory's. Host transfers
 (``copy-start`` / ``copy-done`` to or from XLA's host memory space ``S(5)``) run at the host
@@ -119,8 +124,17 @@ class DeviceFigures:
     #: XLA:CPU allocates a step's temp and output buffers at each execution, and the kernel
     #: zeroes every fresh page of a large (mmap-backed) allocation on first touch.
     fresh_bytes_per_s: float | None = None
+    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T`` and
+    #: ``P @ V``: many small matmuls in one kernel) by operand dtype; None where batched
+    #: matmuls are taken at :attr:`peak_flops` (a datasheet gives no other figure). On a CPU
+    #: they run at a fraction of a large GEMM's rate (measured by the calibration).
+    batched_flops: dict[str, float] | None = None
 
-    def matmul_peak(self, dtype: str) -> float:
+    def matmul_peak(self, dtype: str, batched: bool = False) -> float:
+        """FLOP/s of a matmul whose operands are ``dtype``; ``batched``: one with batch
+        dimensions (:attr:`batched_flops` where known)."""
+        if batched and self.batched_flops:
+            return self.batched_flops.get(dtype) or self.batched_flops["f32"]
         return self.peak_flops.get(dtype) or self.peak_flops["f32"]
 
 
@@ -135,6 +149,9 @@ class Kernel:
         ``other``.
       count: executions per step (the trip counts of the loops around it multiplied).
       flops: matmul FLOPs per execution; dtype: the matmul operands' dtype ("" if none).
+      batched_flops: the part of ``flops`` in matmuls with batch dimensions
+        (:func:`hlo.is_batched_matmul`), timed at :meth:`DeviceFigures.matmul_peak`'s batched
+        rate.
       elementwise, transcendental: operations per execution.
       bytes_read, bytes_written: bytes at the kernel's boundary per execution.
       op_name: JAX's ``op_name`` of the instruction (what the user's code called).
@@ -157,6 +174,7 @@ class Kernel:
     #: For an asynchronous start (``copy-start``, ``all-gather-start``, ``async-start``): its
     #: own name; for a ``*-done``: the start it closes; "" for a synchronous kernel.
     async_start: str = ""
+    batched_flops: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +273,7 @@ def _callees(instr: hlo.Instruction) -> list[str]:
 @dataclasses.dataclass
 class _Inside:
     flops: float = 0.0
+    batched_flops: float = 0.0
     dtype: str = ""
     elementwise: float = 0.0
     transcendental: float = 0.0
@@ -275,6 +294,7 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
         f = hlo.instruction_flops(instr, shapes)
         if f:
             out.flops += f
+            out.batched_flops += f if hlo.is_batched_matmul(instr) else 0.0
             if not out.dtype and instr.operands:
                 out.dtype = _dtype_of(shapes.get(instr.operands[0], ""))
         elif instr.opcode in _TRANSCENDENTAL:
@@ -297,6 +317,7 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
                 continue  # the reducer runs per element: counted above
             sub = _inside(comps, callee, memo)
             out.flops += sub.flops
+            out.batched_flops += sub.batched_flops
             out.dtype = out.dtype or sub.dtype
             out.elementwise += sub.elementwise
             out.transcendental += sub.transcendental
@@ -519,6 +540,7 @@ def _kernel(
     read = sum(reads)
     written = _nbytes(instr.shape)
     flops = hlo.instruction_flops(instr, shapes)
+    batched = flops if flops and hlo.is_batched_matmul(instr) else 0.0
     dtype = _dtype_of(shapes.get(instr.operands[0], "")) if flops and instr.operands else ""
     elementwise = transcendental = 0.0
     kind = "other"
@@ -526,7 +548,7 @@ def _kernel(
         reads, written = _fusion_bytes(instr, comps, shapes)
         read = sum(reads)
         inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
-        flops, dtype = inner.flops, inner.dtype
+        flops, batched, dtype = inner.flops, inner.batched_flops, inner.dtype
         elementwise, transcendental = inner.elementwise, inner.transcendental
         kind = "matmul" if flops else "fusion"
     elif flops:
@@ -584,6 +606,7 @@ def _kernel(
         recompute=rec,
         reads=tuple(zip(instr.operands, reads, strict=True)),
         async_start=instr.name if op.endswith("-start") else "",
+        batched_flops=batched,
     )
 
 
@@ -649,7 +672,7 @@ def time_kernels(
                 KernelTime(k.name, k.kind, k.count, seconds * k.count, term, k.op_name)
             )
             continue
-        compute = k.flops / figures.matmul_peak(k.dtype or "f32") if k.flops else 0.0
+        compute = _matmul_seconds(k, figures)
         cached, uncached = reuse.split(k)
         memory = cached / figures.cache_bytes_per_s + uncached / figures.memory_bytes_per_s
         vector = (
@@ -694,6 +717,18 @@ def time_kernels(
         top=tuple(per_kernel[:top_k]),
         figures=f"{figures.name}: {figures.source}",
         measured_figures=figures.measured,
+    )
+
+
+def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
+    """A kernel's matmul time: its FLOPs in matmuls with batch dimensions at the batched rate,
+    the rest at the matmul peak."""
+    if not k.flops:
+        return 0.0
+    dtype = k.dtype or "f32"
+    plain = k.flops - k.batched_flops
+    return plain / figures.matmul_peak(dtype) + k.batched_flops / figures.matmul_peak(
+        dtype, batched=True
     )
 
 

@@ -7,8 +7,8 @@ Command::
     python experiments/sweep.py --config cpu      # the same, explicitly
 
 Runtime: ~5 CPU-minutes (x86-64, jax 0.10.2, CPU backend): the committed run in
-``experiments/results/cpu/`` took 4 min 30 s of wall time on 2 otherwise idle cores (load
-average under 2, 2026-12-02, Intel Xeon VM), about half of it compiling (each policy's step is
+``experiments/results/cpu/`` took 5 min 53 s of wall time on 2 otherwise idle cores (load
+average under 2.1, 2026-12-03, Intel Xeon VM), about half of it compiling (each policy's step is
 compiled once per sequence length, two at a time, and both analysed and run). Hardware: any CPU;
 part (b) needs the CUDA plugin (``pip install 'remat-kit[cuda12]'``) and is left out without it.
 
@@ -27,7 +27,7 @@ Expected (the committed run): every policy trains to the same losses (within 1e-
 predicted peak -43% (s=128) / -59% (s=256) with full remat, -37% / -51% with
 ``save-dots-no-batch``; compiled matmul FLOPs x1.23 and x1.02-1.03. On this CPU the step is not
 matmul-bound: no-remat, whose temp buffer (allocated and faulted in at every step) is 2-4x the
-others', is the slowest policy in process CPU time (the others -19.3% to -6.1%), and among remat
+others', costs as much process CPU time as full remat (the others -13.2% to +3.7%), and among remat
 policies time does not track the FLOPs ratio; the rows carry the roofline's estimate
 (``predicted_step_time_s``) beside the measured time (``experiments/bench_time_model.py``).
 Wall times on a shared machine are noisy (XLA uses the second core only when it is free); the

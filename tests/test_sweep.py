@@ -557,3 +557,23 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so():
     assert note.startswith("the steps were timed at load average 5.07-5.62") and "1.22" in note
     assert load_note([{"load_average": [1.5, 1.0, 1.0]}], source) is None  # close: no note
     assert load_note(busy, None) is None and load_note([{}], source) is None  # not known
+
+
+def test_progress_in_a_log_or_pipe_is_one_plain_line_per_step():
+    """A newcomer piping the sweep to a file saw nothing for 7 minutes (rich's bar draws only on
+    a terminal): a log now gets one line per stage and per finished point."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from remat_kit.sweep.output import progress
+
+    buf = io.StringIO()
+    with progress(True, Console(file=buf, width=200), 2) as advance:
+        advance(None, "analysing gpt-10m b=4 s=128 (2 policies)")
+        advance(1, "gpt-10m b=4 s=128 save-dots")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\[0:00:\d\d 0/2\] analysing gpt-10m b=4 s=128 \(2 policies\)", lines[0])
+    assert re.fullmatch(r"\[0:00:\d\d 1/2\] done: gpt-10m b=4 s=128 save-dots", lines[1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,11 +107,30 @@ def agreed_todo(points: Sequence[Point], done: Mapping[str, Any] | ValueError) -
 
 @contextlib.contextmanager
 def progress(enabled: bool, console: Any, total: int):
-    """Yields ``advance(n, description)``: a rich progress bar, or nothing when disabled."""
+    """Yields ``advance(n, description)`` (``n`` points finished, or None for a new stage): a
+    rich progress bar on a terminal; where the console is a log or a pipe, one plain line per
+    call (``[0:01:02 5/35] gpt-10m ...``), so a sweep run under ``nohup`` or CI shows where it
+    is; nothing when disabled."""
     if not enabled:
         yield lambda n, description: None
         return
     from rich.console import Console
+
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        start, done = time.monotonic(), [0]
+
+        def line(n: int | None, description: str) -> None:
+            done[0] += n or 0
+            seconds = int(time.monotonic() - start)
+            clock = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+            what = f"done: {description}" if n else description
+            console.print(
+                f"[{clock} {done[0]}/{total}] {what}", markup=False, highlight=False, soft_wrap=True
+            )
+
+        yield line
+        return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -128,7 +148,7 @@ def progress(enabled: bool, console: Any, total: int):
         TextColumn("ETA"),
         TimeRemainingColumn(),
         TextColumn("{task.description}"),
-        console=console or Console(stderr=True),
+        console=console,
     ) as bar:
         task = bar.add_task("", total=total)
 

@@ -161,7 +161,6 @@ def _preset_group(
     )  # fmt: skip
     rows = []
     for p in members:
-        advance(None, p.label)
         rows.append(make_row(
             p.key, {**common, **p.to_dict()}, reports[p.key], executables.get(p.key),
             measurements.get(p.key), measure=p.measure,

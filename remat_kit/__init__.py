@@ -15,6 +15,7 @@ from remat_kit.memory import analyze_model as analyze_model
 from remat_kit.memory import analyze_policies as analyze_policies
 from remat_kit.memory import korthikanti_bytes as korthikanti_bytes
 from remat_kit.memory import per_layer_activations as per_layer_activations
+from remat_kit.memory import program_tags as program_tags
 from remat_kit.models import PRESETS as PRESETS
 from remat_kit.models import Block as Block
 from remat_kit.models import BlockGroup as BlockGroup
@@ -96,6 +97,7 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "per_layer_activations",
+    "program_tags",
     "policy",
     "policy_effect",
     "policy_names",

@@ -367,13 +367,22 @@ def get_policy_spec(
     ``--policy`` takes it: :func:`parse_policy_arg`), a custom mapping, a spec, or a raw
     ``jax.checkpoint_policies`` policy that can be read as data (:func:`read_jax_policy`) to a
     :class:`PolicySpec`. ``emitted``: the ``checkpoint_name`` values of the program the policy
-    is for, which ``save_any_names_but_these`` needs (the tools pass their program's).
+    is for (:func:`remat_kit.program_tags`), which ``save_any_names_but_these`` needs (the tools
+    pass their program's).
 
     Raises:
       ValueError: unknown policy name (the message lists the valid names and the closest match),
-        a bad custom mapping (see :func:`custom_spec`), or a callable that cannot be read as
-        data (the message says what to give instead).
+        a bad custom mapping (see :func:`custom_spec`), a callable that cannot be read as
+        data (the message says what to give instead), ``emitted`` not a collection of names.
     """
+    if emitted is not None:
+        names = list(emitted) if isinstance(emitted, Iterable) else None
+        if isinstance(emitted, str) or names is None or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                f"emitted must be the checkpoint names a program emits (strings: "
+                f"remat_kit.program_tags(program)), got {type(emitted).__name__}"
+            )
+        emitted = frozenset(names)
     if isinstance(policy, PolicySpec):
         return policy
     if isinstance(policy, Mapping):
@@ -384,7 +393,8 @@ def get_policy_spec(
             raise ValueError(
                 "policy save_any_names_but_these saves every checkpoint name a program emits "
                 "but the ones given: give it with a program (analyze, recommend, the doctor "
-                "and the sweep read its names), or list what to save with "
+                "and the sweep read its names; here: get_policy_spec(policy, "
+                "remat_kit.program_tags(program))), or list what to save with "
                 "save_only_these_names(...)"
             )
         if spec is None:

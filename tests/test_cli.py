@@ -204,3 +204,16 @@ def test_help_says_what_a_preset_gets_without_batch_and_seq(command, says, capsy
         cli.main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(s in text for s in says), text
+
+
+def test_buffers_says_it_shows_one_policy(capsys):
+    """``--buffers 6`` with two policies printed nothing and ``--help`` did not say why (s20
+    user trial): the table is one policy's; with several it now says so."""
+    code = cli.main([*_ANALYZE, "--policy", "save-dots", "--policy", "save-nothing",
+                     "--buffers", "3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "--buffers shows the buffers of one policy: give one --policy (analysed 2)" in out
+    assert cli.main([*_ANALYZE, "--policy", "save-dots", "--buffers", "3"]) == 0
+    one = capsys.readouterr().out
+    assert "largest buffers live at XLA's peak (save-dots)" in one and "--buffers shows" not in one

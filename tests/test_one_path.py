@@ -224,14 +224,13 @@ def test_save_any_names_but_these_is_read_against_the_program_by_every_tool():
     amounts to; the program path (analyze, recommend, the sweep, the doctor on a Program)
     refused it as "a callable remat-kit cannot read". On a program it is now that name set for
     every tool; with no program to read names from it is one line saying what to give."""
-    from remat_kit.memory.api import program_tags
     from remat_kit.policies import policies_for_tags
 
     cp = jax.checkpoint_policies
     program = Program.from_loss(lambda p: _scanned(
         _two_names_layer if p is None else jax.checkpoint(_two_names_layer, policy=p)),
         *_args(), optimizer="sgd", name="two-names")  # fmt: skip
-    tags = program_tags(program)
+    tags = remat_kit.program_tags(program)
     assert tags == {"hidden", "proj"}
     but_hidden = cp.save_any_names_but_these("hidden")
     spec = remat_kit.get_policy_spec(but_hidden, tags)
@@ -247,6 +246,10 @@ def test_save_any_names_but_these_is_read_against_the_program_by_every_tool():
     with pytest.raises(ValueError, match="give it with a program") as err:
         remat_kit.get_policy_spec(but_hidden)
     assert "\n" not in str(err.value)
+    # the program itself where its names are asked for (s20 user trial: a bare TypeError)
+    with pytest.raises(ValueError, match=r"remat_kit.program_tags\(program\)\), got Program"):
+        remat_kit.get_policy_spec(but_hidden, program)
+    assert remat_kit.get_policy_spec(but_hidden, remat_kit.program_tags(program)) == spec
 
 
 def test_a_program_file_imports_its_sibling_modules(tmp_path, monkeypatch):

@@ -27,6 +27,9 @@ from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
 
+#: Largest buffers at the peak shown for one policy when ``--buffers`` is not given.
+_BUFFERS = 5
+
 
 def add(subparsers) -> None:
     """Register ``analyze``."""
@@ -50,7 +53,10 @@ def add(subparsers) -> None:
     A.add_optimizer(p, default=None)
     A.add_budget(p, "the target's memory")
     A.add_json(p, "the reports")
-    p.add_argument("--buffers", type=int, default=5, help="largest buffers at the peak to show")
+    p.add_argument(
+        "--buffers", type=int, default=None,
+        help="largest buffers at the peak to show, when one policy is analysed (default 5)",
+    )  # fmt: skip
     p.add_argument(
         "--per-layer",
         action="store_true",
@@ -130,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         with CompileProgress() as bar, CompileEngine(args.workers, progress=bar) as engine:
             results = analyze_policies(
                 program, specs, target=target, budget_bytes=args.budget,
-                top_k=max(args.buffers, 0), raise_errors=False, engine=engine,
+                top_k=max(_BUFFERS if args.buffers is None else args.buffers, 0),
+                raise_errors=False, engine=engine,
                 policy_alone_peak=args.policy_alone_peak,
             )  # fmt: skip
     except CompileError as err:
@@ -523,8 +530,13 @@ def print_reports(
         out.print(line, highlight=False, markup=False)
     for line in _warning_lines(results, labels):
         out.print(line, highlight=False)
-    if args.buffers > 0 and len(reports) == 1:
+    if len(reports) == 1 and (args.buffers is None or args.buffers > 0):
         out.print(buffer_table(reports[0]))
+    elif len(reports) > 1 and args.buffers:  # asked for, but one table per policy is too many
+        out.print(
+            f"--buffers shows the buffers of one policy: give one --policy (analysed "
+            f"{len(reports)})", highlight=False, markup=False,
+        )  # fmt: skip
     if layers:
         out.print(_layer_table(layers))
         for x in layers:

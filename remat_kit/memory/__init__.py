@@ -15,6 +15,7 @@ kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps 
 from remat_kit.memory.api import analyze as analyze
 from remat_kit.memory.api import analyze_model as analyze_model
 from remat_kit.memory.api import analyze_policies as analyze_policies
+from remat_kit.memory.api import program_tags as program_tags
 from remat_kit.memory.diff import PolicyDiff as PolicyDiff
 from remat_kit.memory.diff import diff_reports as diff_reports
 from remat_kit.memory.report import LogitsLine as LogitsLine

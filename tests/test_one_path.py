@@ -241,8 +241,8 @@ def test_save_any_names_but_these_is_read_against_the_program_by_every_tool():
     assert by_exclusion.policy == "save_any_names_but_these(hidden)"
     # the doctor on the program: the typo the function path reports, and no refusal
     (typo,) = doctor.check_policies(program, [cp.save_any_names_but_these("hiden")], "cpu")
-    assert any("leaves out 'hiden' (closest: 'hidden')" in f.what for f in typo), [
-        f.line() for f in typo]  # fmt: skip
+    (found,) = [f for f in typo if "leaves out 'hiden' (closest: 'hidden')" in f.what]
+    assert found.fix == "use 'hidden' for 'hiden' in save_any_names_but_these(...)."
     with pytest.raises(ValueError, match="give it with a program") as err:
         remat_kit.get_policy_spec(but_hidden)
     assert "\n" not in str(err.value)

@@ -125,9 +125,19 @@ def excluded_unknown(policy: Callable[..., Any], emitted: frozenset[str]) -> lis
             f"emits (emitted: {', '.join(sorted(emitted)) or 'none'}): leaving "
             f"{'it' if len(missing) == 1 else 'them'} out recomputes nothing.",
             "a typo, or a tensor the program does not tag.",
-            "leave out names the program emits (the emitted names above).",
+            _excluded_fix(missing, emitted),
         )
     ]  # fmt: skip
+
+
+def _excluded_fix(missing: list[str], emitted: frozenset[str]) -> str:
+    """``use 'attn_scores'`` where each name left out has a closest emitted one, as the
+    ``unknown-tag`` fix of a per-tag spec says; else which names there are."""
+    meant = [closest(t, sorted(emitted)) for t in missing]
+    if all(meant):
+        pairs = ", ".join(f"{m!r} for {t!r}" for t, m in zip(missing, meant, strict=True))
+        return f"use {pairs} in save_any_names_but_these(...)."
+    return "leave out names the program emits (the emitted names above)."
 
 
 def remat3_honours(policy: Callable[..., Any]) -> bool:

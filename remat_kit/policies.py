@@ -328,7 +328,8 @@ def read_jax_policy(
         save = frozenset(emitted) - excluded
         return PolicySpec(
             f"save_any_names_but_these({', '.join(sorted(excluded))})",
-            f"Saves every checkpoint name the program emits but {', '.join(sorted(excluded))}: "
+            f"Saves every checkpoint name the program emits but "
+            f"{', '.join(sorted(excluded)) or 'none'}: "
             f"here {', '.join(sorted(save)) or 'none'}; everything else recomputed.",
             save=save,
             source="jax.checkpoint_policies.save_any_names_but_these",

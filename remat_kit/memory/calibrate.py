@@ -3,7 +3,7 @@
 A GPU or TPU target's :class:`~remat_kit.memory.roofline.DeviceFigures` come from its
 :class:`~remat_kit.targets.Target` fields (vendor figures, cited there). The local device has no
 datasheet here (a CPU's peak depends on its cores, clock, vector width and the libraries XLA
-calls), so :func:`calibrate` times five micro-kernels through JAX itself, each compiled by the
+calls), so :func:`calibrate` times six micro-kernels through JAX itself, each compiled by the
 same XLA backend as the steps it will judge:
 
 - a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;

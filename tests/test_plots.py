@@ -35,25 +35,39 @@ def _bars(fig) -> dict[str, list[float]]:
 def test_cpu_offload_is_drawn_on_the_device_not_as_host_bars():
     rows = _rows("offload-to-host", 128)
     offload = next(r for r in rows if r["policy"] == "offload-to-host")
-    assert offload["host_bytes"] == 0 and offload["offloaded_bytes"] > 0  # the CPU ignores it
+    assert offload["host_bytes"] == 0  # the CPU ignores the offload
     assert results.offload_stayed_on_device(offload)
     bars = _bars(plots.memory_breakdown(rows))
     assert "host (compiled)" not in bars
-    # the offloaded tags are stacked on the device bar of offload-to-host, with the tags it keeps
+    # the tags the policy offloads are stacked on the device bar of offload-to-host, with the
+    # tags it keeps (rows written before 2026-12-03 marked them "host" with offloaded_bytes;
+    # the analyzer now counts them as device memory on a target that does not offload)
     i = [r["policy"] for r in rows].index("offload-to-host")
     unit, _ = plots.units.table_unit([r["peak_bytes"] for r in rows])
     others = ("params", "opt_state", "gradients / other", "untagged")
     tagged = sum(v[i] for k, v in bars.items() if k not in others)
-    kept = sum(x["nbytes"] for x in offload["report"]["residuals"] if x["memory"] == "device")
-    assert abs(tagged - (offload["offloaded_bytes"] + kept) / unit) < 1e-6
+    residuals = offload["report"]["residuals"]
+    kept = sum(x["nbytes"] for x in residuals if x["memory"] in ("device", "host"))
+    assert "mlpwi" in bars and bars["mlpwi"][i] > 0  # an offloaded tag, drawn on the device
+    assert abs(tagged - kept / unit) < 1e-6
 
 
 def test_host_bytes_of_a_compiled_offload_are_a_host_bar():
+    """A row from a target that offloads: its offloaded residuals marked host, its compiled
+    program's host bytes a hatched bar beside the device bar, not stacked on it."""
     rows = copy.deepcopy(_rows("offload-to-host", 128))
     offload = next(r for r in rows if r["policy"] == "offload-to-host")
-    offload["host_bytes"] = offload["offloaded_bytes"] // 2  # as a target that offloads gives
+    moved = {"mlpwi", "key_proj", "out_proj"}
+    for x in offload["report"]["residuals"]:
+        if x["tag"] in moved:
+            x["memory"] = "host"
+    host = [x["nbytes"] for x in offload["report"]["residuals"] if x["memory"] == "host"]
+    assert host, offload["report"]["residuals"]
+    offload["offloaded_bytes"] = sum(host)
+    offload["host_bytes"] = sum(host) // 2  # as a target that offloads gives
     assert not results.offload_stayed_on_device(offload)
     bars = _bars(plots.memory_breakdown(rows))
     unit, _ = plots.units.table_unit([r["peak_bytes"] for r in rows])
     i = [r["policy"] for r in rows].index("offload-to-host")
+    assert bars.get("mlpwi", [0] * len(rows))[i] == 0  # on the host, not on the device bar
     assert abs(bars["host (compiled)"][i] - offload["host_bytes"] / unit) < 1e-6

@@ -226,7 +226,12 @@ class _ProgramSetup:
 
 def program_tags(program: Program) -> frozenset[str]:
     """The ``checkpoint_name`` tags the program's step emits (under no remat; the tags do not
-    depend on the policy), found by walking its jaxpr and every sub-jaxpr."""
+    depend on the policy), found by walking its jaxpr and every sub-jaxpr (and its loss's,
+    where it gives one: a name applied only in a ``custom_vjp`` forward rule shows up there).
+    What :func:`remat_kit.get_policy_spec` reads ``save_any_names_but_these`` against.
+
+    Traces the step (and the loss) once each; compiles nothing. Raises what the program's
+    factory raises while tracing."""
     pure = program.step(get_policy_spec("no-remat"))
     tags = tags_in(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
     loss = program.loss(get_policy_spec("no-remat"))
@@ -623,8 +628,9 @@ def analyze_policies(
     require_program(program)
     tgt = T.get_target(target)
     key, cache = None, CompileCache.from_env()
-    if cache is not None and program.request_key() is not None and policies is not None:
-        specs = given_specs(program, policies)  # unknown names fail before any work
+    # unknown names fail before any work; save_any_names_but_these traces the tags once, here
+    specs = given_specs(program, policies) if policies is not None else None
+    if cache is not None and program.request_key() is not None and specs is not None:
         # what decides the trace beside the request: the remat implementation (jax_remat3 runs
         # some policies as others) and the JAX flags that change dtypes or matmul precision
         tracing = (
@@ -637,15 +643,13 @@ def analyze_policies(
             no_remat_baseline, tracing,
         )  # fmt: skip
         cached = _cached_reports(cache, key, len(specs))
-        if cached is not None:  # the same request made before: its reports, nothing traced
+        if cached is not None:  # the same request made before: its reports, nothing compiled
             return cached
     reach = program.reach()  # first: the default set is read from the program's remat
     if policies is None and not reach.passes:
         raise ValueError(reach.error())
-    if policies is None:
+    if specs is None:
         specs = list(program_policies(program, tgt).specs)
-    else:
-        specs = given_specs(program, policies)
     if any(spec.wrap for spec in specs) and not reach.passes:
         raise ValueError(reach.error())
     setup = _setup(program, tgt, reach)

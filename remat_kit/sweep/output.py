@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -122,8 +123,7 @@ def progress(enabled: bool, console: Any, total: int):
 
         def line(n: int | None, description: str) -> None:
             done[0] += n or 0
-            seconds = int(time.monotonic() - start)
-            clock = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+            clock = datetime.timedelta(seconds=int(time.monotonic() - start))
             what = f"done: {description}" if n else description
             console.print(
                 f"[{clock} {done[0]}/{total}] {what}", markup=False, highlight=False, soft_wrap=True

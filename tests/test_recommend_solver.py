@@ -1,4 +1,4 @@
-"""The per-tag solver's compile decisions (:func:`remat_kit.recommend.solver.verify_choices`) on
+"""The per-tag solver's compile decisions (:func:`remat_kit.recommend.search.verify_choices`) on
 user-style tags (``attn_in``: a segment input, no FLOPs saved; ``mlp_up`` and ``qkv_out``:
 matmul outputs), with a stand-in compiler whose peaks differ from the additive model's, as
 XLA's do (the NNX GPT of the trial: save mlp_up predicted over the budget, compiled under it).
@@ -13,10 +13,15 @@ import pytest
 
 from remat_kit import targets as T
 from remat_kit.policies import custom_spec, get_policy_spec
-from remat_kit.recommend.advice import fixed_program_advice
-from remat_kit.recommend.budget import DEFAULT_MARGIN
+from remat_kit.recommend.api import DEFAULT_MARGIN
+from remat_kit.recommend.search import (
+    SOLVE_VERIFY,
+    ChoiceModel,
+    fixed_program_advice,
+    model_error,
+    verify_choices,
+)
 from remat_kit.recommend.session import given_by, to_candidate
-from remat_kit.recommend.solver import SOLVE_VERIFY, ChoiceModel, model_error, verify_choices
 from remat_kit.recommend.types import Candidate, TagCost
 
 MIB = 2**20

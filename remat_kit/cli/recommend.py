@@ -21,11 +21,6 @@ from remat_kit.sharding import parse_mesh
 from remat_kit.units import GIB, MIB, format_bytes, format_seconds
 
 
-def _gib(n: float | None) -> str:
-    """Bytes in GiB at real sizes, MiB / KiB for a small program (:func:`format_bytes`)."""
-    return format_bytes(n)
-
-
 def add(subparsers) -> argparse.ArgumentParser:
     """Register ``recommend`` on an argparse ``subparsers``; sets ``func=run``."""
     p = subparsers.add_parser(
@@ -175,8 +170,8 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
 
 def _lines(rec: Recommendation) -> list[str]:
     lines = [
-        f"budget {_gib(rec.budget_bytes)} per device ({rec.budget_note})",
-        "arguments: " + ", ".join(f"{k} {_gib(v)}" for k, v in rec.arguments.items()),
+        f"budget {format_bytes(rec.budget_bytes)} per device ({rec.budget_note})",
+        "arguments: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in rec.arguments.items()),
         f"host link: {rec.host_link}",
     ]
     if rec.tags is not None:
@@ -186,7 +181,8 @@ def _lines(rec: Recommendation) -> list[str]:
         allowing = (
             "the additive model's error not measured yet"
             if s.peak_slack_bytes is None
-            else f"allowing {_gib(s.peak_slack_bytes)} for the additive model's error seen so far"
+            else f"allowing {format_bytes(s.peak_slack_bytes)} for the additive model's error seen "
+            "so far"
         )
         lines.append(
             f"solve: {s.combinations:,} per-tag choices enumerated; {s.predicted_fit:,} of them "
@@ -207,8 +203,9 @@ def _lines(rec: Recommendation) -> list[str]:
         tokens = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
         opts = "" if not p.options else f" [{p.options_label}]"
         lines.append(
-            f"pick: {p.label}{opts}{shape}: peak {_gib(p.peak_bytes)} of "
-            f"{_gib(rec.budget_bytes)}, estimated step {format_seconds(p.step_time_s)}{tokens}"
+            f"pick: {p.label}{opts}{shape}: peak {format_bytes(p.peak_bytes)} of "
+            f"{format_bytes(rec.budget_bytes)}, estimated step "
+            f"{format_seconds(p.step_time_s)}{tokens}"
         )
         if rec.made_fit:
             lines.append(f"options: {rec.made_fit}")

@@ -41,7 +41,7 @@ fused kernel avoids.
    the candidates closest to fitting; when a full-remat policy fits with room, the least number
    of layers under it (the first k of L, the rest not rematerialised) that still fits, by
    secant and bisection over k until k fits and k - 1 does not
-   (:mod:`remat_kit.recommend.structure`). The pick's options are
+   (:mod:`remat_kit.recommend.search`). The pick's options are
    in the line to paste (``get_config(..., attention="cudnn", remat_layers=24, ...)``) and
    ``Recommendation.made_fit`` says what they did, against the same policy compiled without.
 6. Nothing fits: a shorter sequence (compiled), a smaller batch (compiled) and more devices
@@ -78,25 +78,25 @@ Example::
     print(rec.line())   # nn.remat(Block, policy=remat_kit.custom_policy({...}))  # batch 1, ...
 """
 
-from remat_kit.recommend.advice import DEVICE_COUNTS as DEVICE_COUNTS
-from remat_kit.recommend.advice import SEQ_HALVINGS as SEQ_HALVINGS
-from remat_kit.recommend.advice import BudgetTooSmall as BudgetTooSmall
+from remat_kit.recommend.api import DEFAULT_MARGIN as DEFAULT_MARGIN
+from remat_kit.recommend.api import parse_budget as parse_budget
 from remat_kit.recommend.api import recommend as recommend
 from remat_kit.recommend.api import recommend_program as recommend_program
-from remat_kit.recommend.budget import DEFAULT_MARGIN as DEFAULT_MARGIN
-from remat_kit.recommend.budget import parse_budget as parse_budget
 from remat_kit.recommend.search import BATCH_PROBES as BATCH_PROBES
+from remat_kit.recommend.search import DEVICE_COUNTS as DEVICE_COUNTS
+from remat_kit.recommend.search import SECANT_PROBES as SECANT_PROBES
+from remat_kit.recommend.search import SEQ_HALVINGS as SEQ_HALVINGS
+from remat_kit.recommend.search import SOLVE_ROUNDS as SOLVE_ROUNDS
+from remat_kit.recommend.search import SOLVE_VERIFY as SOLVE_VERIFY
+from remat_kit.recommend.search import STRUCTURE_PROBES as STRUCTURE_PROBES
 from remat_kit.recommend.search import BatchBracket as BatchBracket
+from remat_kit.recommend.search import BudgetTooSmall as BudgetTooSmall
+from remat_kit.recommend.search import flops_step_time as flops_step_time
+from remat_kit.recommend.search import partial_probes as partial_probes
+from remat_kit.recommend.search import solve_tags as solve_tags
+from remat_kit.recommend.search import structure_compiles as structure_compiles
+from remat_kit.recommend.search import tag_costs as tag_costs
 from remat_kit.recommend.session import CompileCache as CompileCache
-from remat_kit.recommend.solver import SOLVE_ROUNDS as SOLVE_ROUNDS
-from remat_kit.recommend.solver import SOLVE_VERIFY as SOLVE_VERIFY
-from remat_kit.recommend.solver import flops_step_time as flops_step_time
-from remat_kit.recommend.solver import solve_tags as solve_tags
-from remat_kit.recommend.solver import tag_costs as tag_costs
-from remat_kit.recommend.structure import SECANT_PROBES as SECANT_PROBES
-from remat_kit.recommend.structure import STRUCTURE_PROBES as STRUCTURE_PROBES
-from remat_kit.recommend.structure import partial_probes as partial_probes
-from remat_kit.recommend.structure import structure_compiles as structure_compiles
 from remat_kit.recommend.types import Candidate as Candidate
 from remat_kit.recommend.types import FoundBy as FoundBy
 from remat_kit.recommend.types import Recommendation as Recommendation

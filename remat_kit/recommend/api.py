@@ -12,7 +12,7 @@ shapes, the named policies that act on its checkpoint tags and the per-tag solve
 4. :func:`search_largest_batch` (``"auto"``) or :func:`search_fixed_batch` (group sizes, solver).
 5. :func:`search_structure_options` (fixed batch, ``structure``): cuDNN attention, chunked
    cross-entropy and nested remat when nothing fits, then fewer rematerialised layers when a
-   full-remat pick fits with room (:mod:`remat_kit.recommend.structure`).
+   full-remat pick fits with room (:mod:`remat_kit.recommend.search`).
 6. :func:`advise`: when nothing fits, what would.
 7. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
 """
@@ -34,17 +34,21 @@ from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, argument_parts
-from remat_kit.recommend.advice import BudgetTooSmall, advice, fixed_program_advice, too_small
-from remat_kit.recommend.budget import DEFAULT_MARGIN, resolve_budget
-from remat_kit.recommend.search import distinct, group_search, largest_batch
-from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
-from remat_kit.recommend.solver import solve
-from remat_kit.recommend.structure import (
+from remat_kit.recommend.search import (
+    BudgetTooSmall,
+    advice,
+    distinct,
+    fixed_program_advice,
+    group_search,
+    largest_batch,
     made_fit,
     search_partial_layers,
     search_structure,
+    solve,
     structure_compiles,
+    too_small,
 )
+from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
 from remat_kit.recommend.types import (
     Candidate,
     Recommendation,
@@ -55,6 +59,65 @@ from remat_kit.recommend.types import (
     pointless_offloads,
 )
 from remat_kit.remat_impl import honoured
+from remat_kit.units import format_bytes, parse_bytes
+
+#: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
+#: cuBLAS/cuDNN workspaces and allocator fragmentation (about 1-3 GiB on an 80 GB GPU). It
+#: matches XLA:GPU's own target (``xla_gpu_memory_limit_slop_factor`` = 95%). Run with
+#: ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``: JAX preallocates 75% of the GPU by default.
+DEFAULT_MARGIN = 0.05
+
+
+def parse_budget(budget: int | float | str) -> int:
+    """Bytes from an int, a float (``8e10``) or a string (``"76GiB"``, ``"80GB"``, ``"8e10"``;
+    the units of :func:`remat_kit.units.parse_bytes`: kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB
+    powers of 1024).
+
+    Raises:
+      ValueError: not a positive size (the message lists the units).
+    """
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be a size in bytes, got {budget!r}")
+    if isinstance(budget, (int, float)):
+        if not 0 < budget < math.inf:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        return int(budget)
+    try:
+        return parse_bytes(str(budget))
+    except ValueError as err:
+        raise ValueError(f"budget: {err}") from None
+
+
+def resolve_budget(
+    target: T.Target, budget: int | float | str | None, margin: float
+) -> tuple[int, str]:
+    """``(budget bytes per device, where it comes from)``: ``budget`` parsed, or the target's
+    memory less ``margin``.
+
+    Raises:
+      ValueError: ``budget`` not a size (see :func:`parse_budget`); no ``budget`` and the
+        target's memory is unknown.
+    """
+    if budget is None:
+        if target.memory_bytes is None:
+            raise ValueError(f"target {target.name!r} has unknown memory: give a budget")
+        note = (
+            f"{target.name} memory {format_bytes(target.memory_bytes)} less {margin:.0%} for the "
+            "CUDA context, workspaces and fragmentation; run with "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={1 - margin:.2f}"
+        )
+        if target.platform == "tpu":  # the TPU compiler's usable HBM: no CUDA context there
+            note = (
+                f"{target.name} HBM per chip {format_bytes(target.memory_bytes)} (what the TPU "
+                f"compiler lets a program use) less the {margin:.0%} margin"
+            )
+        return int(target.memory_bytes * (1 - margin)), note
+    nbytes = parse_budget(budget)
+    note = "given"
+    if target.memory_bytes is not None and nbytes > target.memory_bytes:
+        note += f", above the {format_bytes(target.memory_bytes)} of device memory of {target.name}"
+    return nbytes, note
+
 
 #: A compiled named policy: its spec, its candidate and the analyzer's report.
 Named = tuple[PolicySpec, Candidate, Any]
@@ -165,9 +228,9 @@ def recommend(
       structure: also search the model's structure (fixed batch only): ``attention="cudnn"``
         where the target has it and ``loss_chunk_size`` when nothing fits, then ``remat_layers``
         (the first k layers under the policy, the rest not rematerialised) when a full-remat pick
-        fits with room (:mod:`remat_kit.recommend.structure`). Default: on when ``policies`` is
+        fits with room (:mod:`remat_kit.recommend.search`). Default: on when ``policies`` is
         None (the full search), off when the policies are given (exactly those are compiled).
-        The compile cap grows by :func:`~remat_kit.recommend.structure.structure_compiles`
+        The compile cap grows by :func:`~remat_kit.recommend.search.structure_compiles`
         (``num_layers``) when on.
       mesh: compile every configuration on this (dp, fsdp, tp) mesh of the target's devices
         (``"fsdp=256"`` on a ``v6e-256`` slice; :func:`remat_kit.sharding.parse_mesh`): the
@@ -462,7 +525,7 @@ def search_structure_options(
 ) -> None:
     """Stage 5 (``structure``): cuDNN attention / chunked loss / nested remat when nothing fits,
     then fewer rematerialised layers when a full-remat pick fits
-    (:mod:`remat_kit.recommend.structure`); the pick is chosen again over every candidate, and
+    (:mod:`remat_kit.recommend.search`); the pick is chosen again over every candidate, and
     ``made_fit`` says what its options did."""
     pool: list[Named] = list(named)
     if found.pick is None:

@@ -43,8 +43,7 @@ import jax  # noqa: E402
 
 from remat_kit.memory.api import analyze_model  # noqa: E402
 from remat_kit.memory.flops import traced_flops  # noqa: E402
-from remat_kit.models.config import ModelConfig, get_config  # noqa: E402
-from remat_kit.models.layer_remat import sqrt_groups, stored_layer_inputs  # noqa: E402
+from remat_kit.models.config import ModelConfig, get_config, sqrt_groups, stored_layer_inputs  # noqa: E402  # noqa: E402
 from remat_kit.residuals import activation_bytes, saved_residuals  # noqa: E402
 from remat_kit.training.step import (  # noqa: E402
     abstract_batch,

@@ -11,10 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from remat_kit import sharding as S
-from remat_kit.models.attention_support import attention_choices
-from remat_kit.models.config import get_config
-from remat_kit.models.layer_remat import RematLayerStack, layer_plan, sqrt_groups
-from remat_kit.models.loss import chunked_cross_entropy
+from remat_kit.models.config import attention_choices, get_config, layer_plan, sqrt_groups
+from remat_kit.models.transformer import RematLayerStack, chunked_cross_entropy
 from remat_kit.residuals import saved_residuals
 from remat_kit.training.step import init_params, loss_fn, make_optimizer, sharded_train_state
 

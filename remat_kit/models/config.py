@@ -1,17 +1,126 @@
-"""ModelConfig and presets at the published shapes of real models."""
+"""ModelConfig and presets at the published shapes of real models, and what a config decides
+before a module is built: the layer plan of partial-layer and nested remat, and which attention
+implementations a target can compile.
+
+**Layer plans.** Two ways to spend less recompute, or less memory, than one policy on every
+layer (the stack itself is :class:`remat_kit.models.transformer.RematLayerStack`):
+
+* **Partial-layer remat** (Megatron-LM's ``--recompute-method block --recompute-num-layers k``):
+  ``remat_layers`` of the ``num_layers`` blocks run under the policy, the others under a second
+  policy (default: not rematerialised). ``placement="first"`` puts them first (two layer scans);
+  ``"interleaved"`` spreads them evenly, every ``num_layers // remat_layers``-th block (one scan
+  over groups of that many blocks, each position with its static choice). See
+  :func:`layer_plan`.
+* **Nested remat** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+  arXiv:1604.06174, section 4; Levanter's nested scan): an outer scan over ``groups`` segments,
+  each checkpointed whole (only its input is kept: the outer carry), an inner scan over the
+  segment's ``num_layers // groups`` blocks under the per-layer policy. The backward pass
+  recomputes one segment at a time, so stored layer inputs are ``groups + num_layers // groups``
+  instead of ``num_layers``: least at ``groups = sqrt(num_layers)`` (:func:`sqrt_groups`), for one
+  more forward pass of every block.
+
+**Attention implementations** (:func:`attention_choices`). cuDNN's fused flash attention
+(``jax.nn.dot_product_attention(implementation="cudnn")``) runs on NVIDIA GPUs of compute
+capability 8.0 or newer (Ampere, Ada, Hopper), in bfloat16 or float16, with a head dimension that
+is a multiple of 8 and at most 128 (256 from Hopper, sm_90): the checks of
+``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention`` (jax 0.10.2) and NVIDIA's
+cuDNN frontend documentation for the SDPA operation. Elsewhere only ``xla`` (and JAX's own
+choice, ``dot_product_attention``) compile.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Literal, get_args
 
+import jax
 import jax.numpy as jnp
 
 from remat_kit import names as N
-from remat_kit.models.layer_remat import Placement, check_nested_groups, layer_plan, sqrt_groups
+from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.validation import positive_int
+from remat_kit.validation import positive_int, unknown_value_error
+
+Placement = Literal["first", "interleaved"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+#: One scan of the stack: the per-position remat choice of one scan step, and the trip count.
+Run = tuple[tuple[bool, ...], int]
+
+
+def layer_plan(
+    num_layers: int, remat_layers: int | None = None, placement: str = "first"
+) -> tuple[Run, ...]:
+    """The layer scans that put ``remat_layers`` of ``num_layers`` blocks under the policy.
+
+    Returns:
+      ``((pattern, repeats), ...)``: one scan per run, each step applying ``len(pattern)``
+      blocks, ``pattern[i]`` True where block ``i`` of the step is rematerialised. ``None`` (all
+      layers) gives ``(((True,), num_layers),)``; ``placement="first"`` with ``0 < k < L`` gives
+      ``(((True,), k), ((False,), L - k))``; ``"interleaved"`` gives one run whose pattern of
+      ``L // k`` blocks rematerialises its first.
+
+    Raises:
+      ValueError: a non-positive ``num_layers``; ``remat_layers`` outside ``0..num_layers``; an
+        unknown placement; ``"interleaved"`` with ``remat_layers`` not dividing ``num_layers``.
+    """
+    positive_int("num_layers", num_layers)
+    if placement not in PLACEMENTS:
+        raise unknown_value_error("remat placement", placement, PLACEMENTS)
+    k = num_layers if remat_layers is None else remat_layers
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= num_layers:
+        raise ValueError(f"remat_layers must be an integer in 0..{num_layers}, got {k!r}")
+    if k in (0, num_layers):
+        return (((k > 0,), num_layers),)
+    if placement == "first":
+        return (((True,), k), ((False,), num_layers - k))
+    if num_layers % k:
+        valid = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise ValueError(
+            f"interleaved remat_layers={k} does not divide num_layers={num_layers}; valid: {valid}"
+        )
+    period = num_layers // k
+    return (((True,) + (False,) * (period - 1), k),)
+
+
+def sqrt_groups(num_layers: int) -> int:
+    """The divisor of ``num_layers`` nearest ``sqrt(num_layers)`` (the smaller on a tie): the
+    outer group count that minimises ``groups + num_layers / groups`` stored layer inputs
+    (Chen et al. 2016). ``sqrt_groups(32) == 4``, ``sqrt_groups(36) == 6``.
+
+    Raises:
+      ValueError: ``num_layers`` is not a positive integer.
+    """
+    positive_int("num_layers", num_layers)
+    root = math.sqrt(num_layers)
+    divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+    return min(divisors, key=lambda d: (abs(d - root), d))
+
+
+def check_nested_groups(num_layers: int, groups: int) -> int:
+    """``groups`` if it divides ``num_layers``.
+
+    Raises:
+      ValueError: ``groups`` not a positive divisor of ``num_layers`` (listing the valid ones).
+    """
+    positive_int("nested_groups", groups)
+    if num_layers % groups:
+        valid = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise ValueError(
+            f"nested_groups={groups} does not divide num_layers={num_layers}; valid: {valid}"
+        )
+    return groups
+
+
+def stored_layer_inputs(num_layers: int, groups: int | None = None) -> int:
+    """Layer inputs live at the start of the backward pass's worst segment: ``num_layers`` for
+    per-layer remat; ``groups + num_layers // groups`` nested (outer carries plus one segment's
+    inner carries while it is recomputed). The textbook count that the measured bytes follow."""
+    if groups is None:
+        return num_layers
+    return groups + num_layers // check_nested_groups(num_layers, groups)
+
 
 Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
@@ -52,8 +161,8 @@ class ModelConfig:
     remat_policy: str | PolicySpec = "no-remat"  # a name from remat_kit.policy_names() or a spec
     scan_layers: bool = True  # nn.scan over blocks (one compiled block) vs an unrolled loop
     remat_group_size: int = 1  # k consecutive blocks form one remat segment
-    # Partial-layer remat (remat_kit.models.layer_remat): only ``remat_layers`` blocks use
-    # ``remat_policy`` (None: all), placed first or interleaved; the rest ``rest_remat_policy``.
+    # Partial-layer remat (layer_plan; transformer.RematLayerStack): only ``remat_layers`` blocks
+    # use ``remat_policy`` (None: all), placed first or interleaved; the rest ``rest_remat_policy``.
     remat_layers: int | None = None
     remat_placement: Placement = "first"
     rest_remat_policy: str | PolicySpec = "no-remat"
@@ -61,8 +170,9 @@ class ModelConfig:
     # sqrt_groups(num_layers)); ``remat_layers`` then counts blocks per segment.
     nested_remat: bool = False
     nested_groups: int | None = None
-    # Chunked cross-entropy (remat_kit.models.loss): LM head + loss over sequence chunks of this
-    # many tokens under remat, so the [batch, seq, vocab] logits never exist whole. None: whole.
+    # Chunked cross-entropy (transformer.chunked_cross_entropy): LM head + loss over sequence
+    # chunks of this many tokens under remat, so the [batch, seq, vocab] logits never exist
+    # whole. None: whole.
     loss_chunk_size: int | None = None
 
     def __post_init__(self):
@@ -121,7 +231,7 @@ class ModelConfig:
     @property
     def layer_structure(self) -> bool:
         """True when partial-layer or nested remat is on (the layer stack is
-        :class:`remat_kit.models.layer_remat.RematLayerStack`)."""
+        :class:`remat_kit.models.transformer.RematLayerStack`)."""
         return self.remat_layers is not None or self.nested_remat
 
     @property
@@ -349,3 +459,40 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
+
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def _compute_capability(target: T.Target) -> tuple[int, int] | None:
+    if target.platform != "cuda":
+        return None
+    if target.gpu is not None:
+        return (target.gpu.cc_major, target.gpu.cc_minor)
+    # the local CUDA device describes itself
+    text = getattr(jax.devices()[0], "compute_capability", None)
+    if not text:
+        return None
+    major, minor = (int(p) for p in str(text).split(".")[:2])
+    return (major, minor)
+
+
+def attention_choices(target: str | T.Target, config: ModelConfig | None = None) -> tuple[str, ...]:
+    """The ``ModelConfig.attention`` values worth searching on ``target``: always ``"xla"``;
+    ``"cudnn"`` where cuDNN flash attention exists (CUDA, compute capability >= 8.0) and, given a
+    ``config``, its dtype (bfloat16 / float16) and head_dim (multiple of 8, <= 128, or <= 256 on
+    sm_90+) qualify.
+
+    Raises:
+      ValueError: unknown target name.
+    """
+    cc = _compute_capability(T.get_target(target))
+    if cc is None or cc < (8, 0):
+        return ("xla",)
+    if config is not None:
+        max_head_dim = 256 if cc >= (9, 0) else 128
+        if config.dtype not in CUDNN_DTYPES:
+            return ("xla",)
+        if config.head_dim % 8 or config.head_dim > max_head_dim:
+            return ("xla",)
+    return ("xla", "cudnn")

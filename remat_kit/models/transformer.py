@@ -1,21 +1,43 @@
-"""Decoder-only transformer in flax.linen whose intermediate tensors carry checkpoint names.
+"""Decoder-only transformer in flax.linen whose intermediate tensors carry checkpoint names, the
+layer stack it scans its blocks with, and its chunked cross-entropy.
 
 Shapes: ``b`` batch, ``s`` sequence, ``h`` d_model, ``a`` query heads, ``g`` key/value heads,
 ``r = a // g`` query heads per key/value head, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
+
+**The layer stack.** :class:`RematLayerStack` is a flax.linen module any linen model can use for
+its layer stack, with partial-layer or nested remat (the plans of
+:func:`remat_kit.models.config.layer_plan`): it takes a factory ``block(name) -> nn.Module`` whose
+module maps ``x [batch, seq, d_model]`` (plus broadcast arguments) to the same shape. Parameters
+are stacked along a leading axis named ``layers`` (``nn.with_logical_partitioning`` metadata), one
+stack per scan.
+
+**Chunked cross-entropy** (:func:`chunked_cross_entropy`): the LM head and the loss over sequence
+chunks, under remat. The whole-sequence loss materialises the logits [batch, seq, vocab] in the
+compute dtype, a float32 copy for the softmax, and the logits' gradient: remat policies inside the
+layer stack do not touch them (llama3-8b, b=1, s=8192: 2 GiB bf16 logits plus a 4 GiB float32
+copy). Here a ``lax.scan`` runs over ``seq // chunk_size`` chunks; each step computes one chunk's
+logits [batch, chunk, vocab] and the summed loss inside ``jax.checkpoint`` (nothing saved), so the
+forward keeps only the scan's inputs (the hidden states [batch, seq, d_model]) and the backward
+recomputes one chunk's logits at a time. Cost: the LM head's matmul runs once more (forward again
+in the backward pass). Same idea as Liger-Kernel's fused linear cross-entropy and MaxText's
+``num_vocab_tiling``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as N
-from remat_kit.models.config import ModelConfig
-from remat_kit.models.layer_remat import RematLayerStack
+from remat_kit.models.config import ModelConfig, check_nested_groups, layer_plan
+from remat_kit.policies import PolicySpec, get_policy_spec
 
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
 
@@ -227,7 +249,7 @@ def structured_stack(config: ModelConfig) -> RematLayerStack:
 class Transformer(nn.Module):
     """Decoder-only language model. tokens [b, s] int32 -> logits [b, s, V] (compute dtype), or
     with ``return_hidden`` the final-norm output [b, s, h] (the LM head's input, for
-    :func:`remat_kit.models.loss.chunked_cross_entropy`)."""
+    :func:`chunked_cross_entropy`)."""
 
     config: ModelConfig
 
@@ -282,3 +304,217 @@ def make_model(config: ModelConfig) -> Transformer:
     """The :class:`Transformer` for ``config`` (the last 64 configs cached, so jitted functions
     see the same module object; ``make_model.cache_clear()`` empties the cache)."""
     return Transformer(config)
+
+
+def resolve_block_policy(policy: Any) -> PolicySpec | Callable[..., bool] | None:
+    """A block's policy as the stack applies it: None for no remat (``"no-remat"``, or None as
+    a :class:`~remat_kit.program.Program` factory receives for no-remat), a jax policy callable
+    as given (``jax.checkpoint_policies.*``, :func:`remat_kit.custom_policy`: what a factory
+    receives otherwise), else the :class:`PolicySpec` of a name, spec or per-tag mapping.
+
+    Raises:
+      ValueError: an unknown policy name or a bad mapping (:func:`get_policy_spec`).
+    """
+    if policy is None:
+        return None
+    if callable(policy) and not isinstance(policy, (str, PolicySpec)):
+        return policy
+    spec = get_policy_spec(policy)
+    return spec if spec.wrap else None
+
+
+def _apply(module: nn.Module, x: jax.Array, *args: Any) -> jax.Array:
+    return module(x, *args)
+
+
+class _Step(nn.Module):
+    """One scan step: ``len(specs)`` blocks, block ``i`` under ``specs[i]`` (None: no remat; see
+    :func:`resolve_block_policy`)."""
+
+    block: Callable[[str], nn.Module]
+    specs: tuple[PolicySpec | Callable[..., bool] | None, ...]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any):
+        for i, spec in enumerate(self.specs):
+            module = self.block(f"block_{i}")
+            if spec is None:
+                x = module(x, *args)
+            else:
+                policy = spec.to_jax() if isinstance(spec, PolicySpec) else spec
+                # Under a scan, prevent_cse=False: CSE cannot merge the recompute across loop
+                # iterations, and the barriers only cost speed (flax.linen.remat docstring).
+                x = nn.remat(_apply, policy=policy, prevent_cse=False)(module, x, *args)
+        return x, None
+
+
+def _scan(body: Any, length: int, axis_name: str) -> Any:
+    return nn.scan(
+        body,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=nn.broadcast,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: axis_name},
+    )
+
+
+class _Segment(nn.Module):
+    """Nested remat's outer step: the inner runs (a segment of blocks), returned as a carry."""
+
+    block: Callable[[str], nn.Module]
+    runs: tuple[tuple[tuple[PolicySpec | None, ...], int], ...]
+    axis_name: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any):
+        for j, (specs, repeats) in enumerate(self.runs):
+            name = "inner" if len(self.runs) == 1 else f"inner_{j}"
+            scan = _scan(_Step, repeats, self.axis_name)
+            x, _ = scan(self.block, specs, name=name)(x, *args)
+        return x, None
+
+
+class RematLayerStack(nn.Module):
+    """``num_layers`` blocks in layer scans with partial-layer or nested remat.
+
+    ``block(name)`` must return a fresh linen module mapping ``x [batch, seq, d_model]`` and the
+    broadcast ``*args`` (e.g. positions [seq]) to ``[batch, seq, d_model]``; for example
+    ``lambda name: MyBlock(features=64, name=name)``.
+
+    Attributes:
+      block: the block factory.
+      num_layers: blocks in the stack (L).
+      policy: remat policy of the rematerialised blocks: a name, :class:`PolicySpec`, per-tag
+        mapping, or what a :class:`~remat_kit.program.Program` factory receives (a jax policy
+        callable, None for no remat); see :func:`resolve_block_policy`.
+      remat_layers: how many blocks use ``policy`` (None: all); the rest use ``rest_policy``.
+      placement: ``"first"`` or ``"interleaved"`` (see :func:`layer_plan`).
+      rest_policy: policy of the other blocks (default ``"no-remat"``).
+      nested_groups: if set, nested remat with this many outer segments (a divisor of L; see
+        :func:`~remat_kit.models.config.sqrt_groups`), each checkpointed whole (nothing saved
+        but its input), the blocks inside under ``policy`` / ``rest_policy`` as
+        ``remat_layers`` says (counted per segment:
+        ``remat_layers`` must then be given per segment, i.e. at most ``L // nested_groups``).
+      axis_name: logical axis name of the stacked parameters' leading dimension (nested: the
+        outer one is ``axis_name + "_outer"``).
+
+    Parameters: ``layers/block_0/...`` with leading dimension L for one run (the plain per-layer
+    scan); ``layers_0``, ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with
+    leading dimensions ``[groups, L // groups]``.
+
+    Raises (when called):
+      ValueError: see :func:`layer_plan` and :func:`check_nested_groups`; unknown policy names.
+    """
+
+    block: Callable[[str], nn.Module]
+    num_layers: int
+    policy: Any = "save-nothing"
+    remat_layers: int | None = None
+    placement: str = "first"
+    rest_policy: Any = "no-remat"
+    nested_groups: int | None = None
+    axis_name: str = "layers"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        spec, rest = resolve_block_policy(self.policy), resolve_block_policy(self.rest_policy)
+        per_scan = self.num_layers
+        if self.nested_groups is not None:
+            per_scan //= check_nested_groups(self.num_layers, self.nested_groups)
+        runs = tuple(
+            (tuple(spec if r else rest for r in pattern), repeats)
+            for pattern, repeats in layer_plan(per_scan, self.remat_layers, self.placement)
+        )
+        if self.nested_groups is not None:
+            outer = nn.remat(
+                _Segment, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+            )
+            # Flax's logical-to-mesh mapping rejects a name used twice: the outer axis gets its
+            # own (absent from the rules, so not split).
+            scan = _scan(outer, self.nested_groups, f"{self.axis_name}_outer")
+            x, _ = scan(self.block, runs, self.axis_name, name="layers")(x, *args)
+            return x
+        for j, (specs, repeats) in enumerate(runs):
+            name = "layers" if len(runs) == 1 else f"layers_{j}"
+            x, _ = _scan(_Step, repeats, self.axis_name)(self.block, specs, name=name)(x, *args)
+        return x
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array,
+    targets: jax.Array,
+    logits_fn: Callable[[jax.Array], jax.Array],
+    chunk_size: int,
+) -> jax.Array:
+    """Mean next-token cross-entropy (nats) computed chunk by chunk along the sequence.
+
+    Args:
+      hidden: [batch, seq, d_model], the LM head's input.
+      targets: [batch, seq] int token ids.
+      logits_fn: ``x [batch, chunk, d_model] -> logits [batch, chunk, vocab]`` (any float dtype,
+        upcast to float32); may close over traced parameters (their gradients flow). A function
+        of arrays: inside a linen module it must not call a submodule (``nn.Dense`` called
+        under this function's ``jax.checkpoint`` / ``lax.scan`` leaks tracers, flax's
+        ``UnexpectedTracerError``); take the head's kernel as an array instead, e.g.
+        ``kernel = self.param("head", init, (d_model, vocab))`` then
+        ``lambda x: x @ kernel``, or call it outside ``apply`` with the params tree.
+      chunk_size: tokens per chunk; must divide ``seq``.
+
+    Returns:
+      float32 scalar, equal (within float32 summation order) to
+      ``optax.softmax_cross_entropy_with_integer_labels(logits_fn(hidden), targets).mean()``.
+
+    Raises:
+      ValueError: ``chunk_size`` not a positive divisor of ``seq``; shapes that disagree.
+    """
+    b, s, h = hidden.shape
+    if targets.shape != (b, s):
+        raise ValueError(f"targets shape {targets.shape} does not match hidden {hidden.shape}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or s % chunk_size:
+        valid = [d for d in range(1, s + 1) if s % d == 0]
+        raise ValueError(
+            f"chunk_size={chunk_size!r} does not divide seq={s}; valid chunk sizes: {valid}"
+        )
+    n = s // chunk_size
+    xs = hidden.reshape(b, n, chunk_size, h).swapaxes(0, 1)  # (n, b, c, h)
+    ts = targets.reshape(b, n, chunk_size).swapaxes(0, 1)  # (n, b, c)
+
+    # Nothing saved but the inputs; under the scan CSE cannot merge the recompute back.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_loss(x, t):
+        logits = logits_fn(x).astype(jnp.float32)  # (b, c, V)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t).sum()
+
+    def body(total, xt):
+        return total + chunk_loss(*xt), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts))
+    return total / (b * s)
+
+
+def lm_head_logits(config: ModelConfig, params: Any, x: jax.Array) -> jax.Array:
+    """The bundled Transformer's LM head on ``x [..., d_model]`` -> ``[..., vocab]`` in the
+    compute dtype: the tied embedding transposed, or the ``lm_head`` kernel [d_model, vocab]."""
+    dtype = config.compute_dtype
+    if config.tied_embeddings:
+        return jnp.dot(x.astype(dtype), params["embed"]["embedding"].astype(dtype).T)
+    return jnp.dot(x.astype(dtype), params["lm_head"]["kernel"].astype(dtype))
+
+
+def chunked_model_loss(params: Any, config: ModelConfig, batch: dict[str, jax.Array]) -> jax.Array:
+    """The bundled model's mean loss on ``batch`` ({"inputs", "targets"}: [batch, seq] int32)
+    with the LM head and cross-entropy chunked by ``config.loss_chunk_size`` tokens.
+
+    Raises:
+      ValueError: ``config.loss_chunk_size`` is None or does not divide the sequence length.
+    """
+    if config.loss_chunk_size is None:
+        raise ValueError("config.loss_chunk_size is None; set it to a divisor of the sequence")
+    hidden = make_model(config).apply({"params": params}, batch["inputs"], return_hidden=True)
+    return chunked_cross_entropy(
+        hidden,
+        batch["targets"],
+        lambda x: lm_head_logits(config, params, x),
+        config.loss_chunk_size,
+    )

@@ -147,8 +147,8 @@ def flops_split(reports_path: Path) -> list[dict]:
     rematerialisation pass."""
     import remat_kit
     from remat_kit import targets
-    from remat_kit.memory.flops import traced_flops
     from remat_kit.training.step import abstract_batch, abstract_train_state, make_train_step
+    from remat_kit.walker import traced_flops
 
     reports = json.loads(reports_path.read_text())["reports"]
     opt = remat_kit.make_optimizer("adamw")

@@ -42,7 +42,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from remat_kit.memory.api import analyze_model  # noqa: E402
-from remat_kit.memory.flops import traced_flops  # noqa: E402
 from remat_kit.models.config import ModelConfig, get_config, sqrt_groups, stored_layer_inputs  # noqa: E402  # noqa: E402
 from remat_kit.residuals import activation_bytes, saved_residuals  # noqa: E402
 from remat_kit.training.step import (  # noqa: E402
@@ -52,6 +51,7 @@ from remat_kit.training.step import (  # noqa: E402
     make_optimizer,
     make_train_step,
 )
+from remat_kit.walker import traced_flops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "experiments" / "results" / "structure"

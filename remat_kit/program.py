@@ -72,6 +72,7 @@ from remat_kit.walker import (
     remat_in_loop,
     remat_policy,
     remat_segments,
+    traced_flops,
     wraps_whole_loop,
 )
 
@@ -1136,3 +1137,14 @@ def load_program(ref: str) -> Program:
         stem = os.path.splitext(os.path.basename(module_ref))[0]
         program = dataclasses.replace(program, name=f"{stem}:{attr}")
     return program
+
+
+def step_flops(program: Program, spec: PolicySpec) -> float:
+    """Matmul FLOPs of ``program``'s whole step under ``spec`` (forward, backward and update;
+    the global step, not one device's share), counted on its jaxpr (:func:`traced_flops`):
+    nothing is compiled. Saving a tag lowers it only where the backward pass then stops
+    recomputing the matmul under the tag; the solver's per-tag costs
+    (:func:`remat_kit.recommend.tag_costs`) and the doctor's "tags whose saving removes
+    recompute" (:func:`remat_kit.doctor.tags.recompute_savers`) both judge by it."""
+    pure = program.step(spec)
+    return traced_flops(pure.fn, *pure.args)

@@ -31,9 +31,9 @@ from remat_kit.memory import (
     per_layer_activations,
 )
 from remat_kit.memory import xla_compile as mc
-from remat_kit.memory.flops import traced_flops
 from remat_kit.policies import policy_specs
 from remat_kit.preset_program import model_residuals
+from remat_kit.walker import traced_flops
 
 needs_cuda_plugin = pytest.mark.skipif(
     targets.cuda_plugin_module() is None,

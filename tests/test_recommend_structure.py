@@ -14,7 +14,6 @@ import pytest
 
 from remat_kit import targets as T
 from remat_kit.cli.recommend import print_recommendation
-from remat_kit.memory.flops import traced_flops
 from remat_kit.models.config import get_config
 from remat_kit.preset_program import model_residuals, preset
 from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
@@ -22,6 +21,7 @@ from remat_kit.recommend.search import loss_chunk, structural_options, structure
 from remat_kit.recommend.session import CompileCounter, Session
 from remat_kit.recommend.types import Candidate
 from remat_kit.units import format_bytes
+from remat_kit.walker import traced_flops
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config("tiny-llama", dtype="bfloat16", param_dtype="bfloat16")

@@ -18,7 +18,7 @@ import remat_kit
 from remat_kit import doctor, walker
 from remat_kit import residuals as R
 from remat_kit.memory import hlo
-from remat_kit.memory.flops import FUSED_ATTENTION_FWD, traced_flops
+from remat_kit.walker import FUSED_ATTENTION_FWD, traced_flops
 
 cp = jax.checkpoint_policies
 GPU = "h100-sxm"

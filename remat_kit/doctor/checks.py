@@ -52,7 +52,6 @@ from remat_kit.doctor.tags import (
 )
 from remat_kit.memory import analyze, hlo
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags
-from remat_kit.memory.flops import step_flops, traced_flops
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
@@ -63,8 +62,8 @@ from remat_kit.policies import (
     policy_names,
 )
 from remat_kit.preset_program import as_program
-from remat_kit.program import Program, factory_reach
-from remat_kit.walker import dots_in_remat, has_remat, tags_in_remat
+from remat_kit.program import Program, factory_reach, step_flops
+from remat_kit.walker import dots_in_remat, has_remat, tags_in_remat, traced_flops
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:

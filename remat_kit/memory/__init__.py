@@ -4,7 +4,7 @@ Modules: :mod:`~remat_kit.memory.api` (the entry points), :mod:`~remat_kit.memor
 report), :mod:`~remat_kit.memory.runner` (lowering and compiling many steps, concurrently, GPU
 kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps and log captured),
 :mod:`~remat_kit.memory.reading` (turning them into report pieces), :mod:`~remat_kit.memory.hlo`
-(parsing XLA's text dumps), :mod:`~remat_kit.memory.flops` (jaxpr FLOPs),
+(parsing XLA's text dumps) (the jaxpr FLOPs are :mod:`remat_kit.walker`'s),
 :mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes),
 :mod:`~remat_kit.memory.timeline` (live bytes over XLA's schedule, by category),
 :mod:`~remat_kit.memory.policy_only` (the policy's own figures, XLA's own remat told apart),

@@ -29,7 +29,6 @@ import optax
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
-from remat_kit.memory.flops import jaxpr_flops, traced_flops
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.runner import (
@@ -78,9 +77,11 @@ from remat_kit.walker import (
     LOOP_PRIMITIVES,
     emitted_tags,
     is_remat,
+    jaxpr_flops,
     sub_jaxprs,
     tags_in,
     tags_in_remat,
+    traced_flops,
     wraps_whole_loop,
 )
 

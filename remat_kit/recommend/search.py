@@ -49,12 +49,11 @@ from typing import Any
 from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.memory.calibrate import figures_for
-from remat_kit.memory.flops import step_flops
 from remat_kit.memory.roofline import DeviceFigures
 from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
 from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
-from remat_kit.program import Placement, Program
+from remat_kit.program import Placement, Program, step_flops
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.types import Candidate, SolveSummary, Structure, TagCost
 from remat_kit.remat_impl import can_offload

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 import remat_kit
-from remat_kit import cli, targets, tpu
+from remat_kit import cli, targets
 from remat_kit.cli.analyze import buffer_table
 from remat_kit.cli.console import console
 from remat_kit.policies import custom_spec, parse_policy_arg
@@ -62,7 +62,7 @@ def test_targets_print_every_description_whole(monkeypatch, capsys):
     for name in targets.target_names():
         if targets.get_target(name).tpu is None:  # TPU slices: one row per generation
             assert _squash(targets.get_target(name).description) in descriptions, name
-    for chip in tpu.CHIPS.values():
+    for chip in targets.CHIPS.values():
         assert _squash(chip.description) in descriptions, chip.generation
 
 

@@ -13,13 +13,13 @@ import jax
 import pytest
 
 import remat_kit
-from remat_kit import cli, targets, tpu
+from remat_kit import cli, targets
 from remat_kit.memory import analyze_policies, hlo
 from remat_kit.memory.reading import compiled_peak_bytes
 from remat_kit.program import leaf_bytes
 
 needs_libtpu = pytest.mark.skipif(
-    not tpu.libtpu_installed(),
+    not targets.libtpu_installed(),
     reason="libtpu (XLA's TPU compiler) is not installed: pip install 'remat-kit[tpu]'",
 )
 
@@ -58,7 +58,7 @@ def test_names_aliases_and_multislice():
     two = targets.get_target("2xv5p-8")
     assert (two.name, two.tpu.num_slices, two.num_devices) == ("2xv5p-8", 2, 8)
     assert "2 slices of 4 chips" in two.description
-    assert set(tpu.slice_names()) <= set(targets.target_names())
+    assert set(targets.slice_names()) <= set(targets.target_names())
 
 
 def test_slices_flag_names_a_multislice_target():
@@ -88,13 +88,13 @@ def test_unknown_slice_is_one_line_naming_valid_sizes(capsys):
 
 
 def test_missing_libtpu_names_the_extra(monkeypatch):
-    monkeypatch.setattr(tpu, "libtpu_installed", lambda: False)
-    tpu.topology.cache_clear()
+    monkeypatch.setattr(targets, "libtpu_installed", lambda: False)
+    targets.topology.cache_clear()
     try:
-        with pytest.raises(tpu.LibtpuMissingError, match=r"pip install 'remat-kit\[tpu\]'"):
+        with pytest.raises(targets.LibtpuMissingError, match=r"pip install 'remat-kit\[tpu\]'"):
             targets.compile_devices("v5e-4", 4)
     finally:
-        tpu.topology.cache_clear()
+        targets.topology.cache_clear()
 
 
 def test_trip_count_inferred_from_a_tpu_loop_condition():
@@ -271,14 +271,14 @@ def test_a_missing_extra_is_one_line_and_exit_2_from_every_command(
 
     monkeypatch.setenv("REMAT_KIT_NO_CACHE", "1")
     monkeypatch.setattr(targets, "cuda_plugin_module", lambda: None)
-    monkeypatch.setattr(tpu, "libtpu_installed", lambda: False)
+    monkeypatch.setattr(targets, "libtpu_installed", lambda: False)
     targets._cuda_topology.cache_clear()
-    tpu.topology.cache_clear()
+    targets.topology.cache_clear()
     try:
         assert main(argv) == 2
     finally:
         targets._cuda_topology.cache_clear()
-        tpu.topology.cache_clear()
+        targets.topology.cache_clear()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"pip install 'remat-kit[{extra}]'" in err

@@ -7,10 +7,11 @@ Command::
     python experiments/sweep.py --config tpu --out experiments/results/tpu
 
 Nothing runs on a TPU: each point lowers the training step on a mesh over the slice's
-deviceless devices (:mod:`remat_kit.tpu`) and compiles it with XLA's TPU compiler; figures are
-per device (= per chip; v5p chips run their two TensorCores as one JAX device). A point whose
-step does not fit the chip's HBM fails to compile on TPU (XLA: "Ran out of memory on HBM") and
-is recorded as such. Host offload is real on TPU: offloading policies show host bytes.
+deviceless devices (:func:`~remat_kit.targets.topology`) and compiles it with XLA's TPU
+compiler; figures are per device (= per chip; v5p chips run their two TensorCores as one JAX
+device). A point whose step does not fit the chip's HBM fails to compile on TPU (XLA: "Ran out
+of memory on HBM") and is recorded as such. Host offload is real on TPU: offloading policies
+show host bytes.
 
 Shapes: llama3-8b, batch 4 (one sequence per chip), s=8192; llama3-70b, batch 256 (one per
 chip), s=8192; bf16 parameters, AdamW state, scanned layers.

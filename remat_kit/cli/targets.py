@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from remat_kit import targets, tpu
+from remat_kit import targets
 from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.units import gib
@@ -40,8 +40,8 @@ def rows() -> list[dict]:
 def tpu_rows() -> list[dict]:
     """One row per TPU generation for the table (the slices one by one are in ``--json``)."""
     out = []
-    for g, chip in tpu.CHIPS.items():
-        names = tpu.slice_names(g)
+    for g, chip in targets.CHIPS.items():
+        names = targets.slice_names(g)
         first = targets.get_target(names[0])
         out.append(
             {

@@ -7,7 +7,6 @@ from typing import Any
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit import tpu
 from remat_kit import validation as V
 from remat_kit.models.config import get_config, preset_names
 from remat_kit.policies import parse_policy_arg
@@ -79,10 +78,10 @@ def _check_targets(where: str, targets: Any) -> None:
                 f"{where}: target {t!r} is compiled deviceless and needs JAX's CUDA plugin: "
                 "pip install 'remat-kit[cuda12]', or drop the target"
             )
-        if target.tpu is not None and not tpu.libtpu_installed():
+        if target.tpu is not None and not T.libtpu_installed():
             raise ValueError(
                 f"{where}: TPU target {t!r} is compiled deviceless and needs libtpu: "
-                f"{tpu.TPU_INSTALL_HINT}, or drop the target"
+                f"{T.TPU_INSTALL_HINT}, or drop the target"
             )
 
 

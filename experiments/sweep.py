@@ -246,7 +246,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
         )  # fmt: skip
     source = results.local_estimate_source(run.rows)
     if source:  # a calibration timed on a busy machine misprices memory traffic: say which
-        from remat_kit.memory.calibrate import cache_dir
+        from remat_kit.memory.roofline import cache_dir
 
         console.print(
             f"est. on 'local' from {source} (to time it again on a quiet machine, delete "

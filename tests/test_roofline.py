@@ -10,7 +10,7 @@ import re
 import pytest
 
 from remat_kit import targets
-from remat_kit.memory import calibrate, hlo, roofline
+from remat_kit.memory import hlo, roofline
 
 MIB = 2**20
 
@@ -255,24 +255,24 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
         "fresh_bytes_per_s": 1e9, "launch_s": 1e-6, "cache_bytes_per_s": 1e11,
         "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
     }  # fmt: skip
-    monkeypatch.setattr(calibrate, "measure", lambda runs=5: calls.append(runs) or dict(fake))
+    monkeypatch.setattr(roofline, "measure", lambda runs=5: calls.append(runs) or dict(fake))
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(calibrate.CALIBRATION_ENV, raising=False)
-    first = calibrate.calibrate()
-    again = calibrate.calibrate()
+    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
+    first = roofline.calibrate()
+    again = roofline.calibrate()
     assert len(calls) == 1 and first == again and first.measured
     assert first.peak_flops == {"f32": 1e11, "bf16": 5e10} and first.fresh_bytes_per_s == 1e9
     assert first.batched_flops is None  # a figures file from before the batched micro-kernel
     # when and at what load it was timed: one taken on a busy machine misprices memory traffic
     assert re.search(r"calibrated on this machine \d{4}-\d\d-\d\d \d\d:\d\d UTC, load "
                      r"average \d+\.\d\d ", first.source), first.source  # fmt: skip
-    calibrate.calibrate(refresh=True)
+    roofline.calibrate(refresh=True)
     assert len(calls) == 2
     given = tmp_path / "fixed.json"
     batched = {"batched_flops_f32": 4e10, "batched_flops_bf16": 2e10}
     given.write_text(json.dumps({"figures": {**fake, **batched, "peak_flops_f32": 3e11}}))
-    monkeypatch.setenv(calibrate.CALIBRATION_ENV, str(given))
-    read = calibrate.calibrate()
+    monkeypatch.setenv(roofline.CALIBRATION_ENV, str(given))
+    read = roofline.calibrate()
     assert read.peak_flops["f32"] == 3e11 and len(calls) == 2
     assert read.batched_flops == {"f32": 4e10, "bf16": 2e10}
 
@@ -297,14 +297,14 @@ def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch
         time.sleep(0.2)  # the window in which the others asked
         return dict(fake)
 
-    monkeypatch.setattr(calibrate, "measure", slow_measure)
+    monkeypatch.setattr(roofline, "measure", slow_measure)
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(calibrate.CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
     got, errors = [], []
 
     def ask():
         try:
-            got.append(calibrate.calibrate())
+            got.append(roofline.calibrate())
         except Exception as err:  # noqa: BLE001 (collected for the assertion)
             errors.append(err)
 
@@ -338,10 +338,10 @@ def test_a_file_replaced_from_many_threads_is_whole(tmp_path):
 
 
 def test_datasheet_figures_cite_their_sources():
-    h100 = calibrate.datasheet_figures(targets.get_target("h100-sxm"))
+    h100 = roofline.datasheet_figures(targets.get_target("h100-sxm"))
     assert h100 is not None and not h100.measured
     assert h100.peak_flops["bf16"] == 989.4e12 and h100.memory_bytes_per_s == 3.35e12
     assert "datasheet" in h100.source and "CUDA C++ Programming Guide" in h100.source
     # 132 SMs x 16 special-function results per clock x 1.98 GHz
     assert h100.transcendental_per_s == pytest.approx(132 * 16 * 1.98e9)
-    assert calibrate.datasheet_figures(targets.get_target("cpu")) is None
+    assert roofline.datasheet_figures(targets.get_target("cpu")) is None

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import targets as T
-from remat_kit.memory import calibrate, hlo, roofline
+from remat_kit.memory import hlo, roofline
 from remat_kit.memory.compile_cache import CompileCache, keep_kernels, kernel_cache_file
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
@@ -221,7 +221,7 @@ def step_time_of(
     figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
     aliased to inputs are allocated anew at each execution, and where the device figures say
     that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count."""
-    figures = calibrate.device_figures(target)
+    figures = roofline.device_figures(target)
     if figures is None or not dump.hlo:
         return None
     outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
@@ -699,7 +699,7 @@ def run_jobs(
     queue = iter(jobs)
     first = next(queue, None)
     if first is not None:  # a local device is calibrated (once per machine) before any compile
-        calibrate.device_figures(first.target)  # loads the cores: its figures are a quiet one's
+        roofline.device_figures(first.target)  # loads the cores: its figures are a quiet one's
 
     def taken() -> Iterator[Job]:
         for job in itertools.chain([first] if first is not None else [], queue):

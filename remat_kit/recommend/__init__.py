@@ -10,9 +10,9 @@ found to fit.
 step runs (loop bodies times their trip counts), ``max(matmul FLOPs / peak for their dtype,
 bytes / memory bandwidth, elementwise work / vector rate) + launch``, plus host transfers and
 collectives the schedule cannot hide; device figures from the target's datasheet, or
-calibrated on the local device (:mod:`remat_kit.memory.calibrate`). ``solve`` predicts choices
-it has not compiled with an additive FLOPs model anchored at the compiled save-nothing
-(:func:`flops_step_time`). Host-link figures: :func:`host_link_source`.
+calibrated on the local device (:func:`remat_kit.memory.roofline.device_figures`). ``solve``
+predicts choices it has not compiled with an additive FLOPs model anchored at the compiled
+save-nothing (:func:`flops_step_time`). Host-link figures: :func:`host_link_source`.
 
 FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
 the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]

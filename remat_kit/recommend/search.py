@@ -48,8 +48,7 @@ from typing import Any
 
 from remat_kit import names as N
 from remat_kit import targets as T
-from remat_kit.memory.calibrate import figures_for
-from remat_kit.memory.roofline import DeviceFigures
+from remat_kit.memory.roofline import DeviceFigures, figures_for
 from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
 from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec

@@ -29,7 +29,7 @@ import jax
 
 from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.memory import analyze_policies, calibrate
+from remat_kit.memory import analyze_policies, roofline
 from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import (
@@ -225,7 +225,7 @@ def run_sweep(
     if any(not T.get_target(p.target).deviceless for p in todo):
         # Time the local device for the step-time model before anything else runs (cached
         # per machine): a calibration beside compiles in flight would time them too.
-        calibrate.device_figures(T.get_target(T.LOCAL))
+        roofline.device_figures(T.get_target(T.LOCAL))
     groups: dict[tuple, list[Point]] = {}
     for p in todo:
         groups.setdefault(p.group, []).append(p)

@@ -14,7 +14,7 @@ Writes ``experiments/results/structure/``:
   llama3-8b shapes (32 layers), b=1, s=8192, bf16 params + AdamW, h100-sxm: per-layer vs nested
   vs partial remat, whole vs chunked logits. One row per variant: compiled peak, temp and
   argument bytes; stored residual bytes (the forward's saved values, from the jaxpr of the
-  loss's VJP: :func:`remat_kit.residuals.saved_residuals`) and the part of them stacked with
+  loss's VJP: :func:`remat_kit.walker.saved_residuals`) and the part of them stacked with
   per-layer shape [b, s, h] (layer inputs, outer carries); bytes of logits-sized buffers live at
   XLA's peak; FLOPs ratios over the traced no-remat step with the same attention:
   ``flops_ratio`` (compiled matmul FLOPs: XLA's own rematerialisation included) and
@@ -43,7 +43,6 @@ import jax  # noqa: E402
 
 from remat_kit.memory.api import analyze_model  # noqa: E402
 from remat_kit.models.config import ModelConfig, get_config, sqrt_groups, stored_layer_inputs  # noqa: E402  # noqa: E402
-from remat_kit.residuals import activation_bytes, saved_residuals  # noqa: E402
 from remat_kit.training.step import (  # noqa: E402
     abstract_batch,
     abstract_train_state,
@@ -51,7 +50,11 @@ from remat_kit.training.step import (  # noqa: E402
     make_optimizer,
     make_train_step,
 )
-from remat_kit.walker import traced_flops  # noqa: E402
+from remat_kit.walker import (  # noqa: E402
+    activation_bytes,
+    saved_residuals,
+    traced_flops,  # noqa: E402
+)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "experiments" / "results" / "structure"

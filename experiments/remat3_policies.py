@@ -95,7 +95,7 @@ def _formulation_rows() -> list[dict]:
 
     import remat_kit as rk
     from remat_kit import remat_impl as RI
-    from remat_kit.residuals import saved_residuals
+    from remat_kit.walker import saved_residuals
 
     cp = jax.checkpoint_policies
 

@@ -27,23 +27,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.models.config import ModelConfig, get_config
+from remat_kit.models.transformer import BlockGroup
+from remat_kit.names import CHECKPOINT_SHAPES
 from remat_kit.policies import PolicySpec
 from remat_kit.program import BufferNames, Placement, PolicyReach, Program, Pure
-from remat_kit.residuals import (
-    TagResiduals,
-    block_residuals,
-    group_by_tag,
-    saved_residuals,
-    split_over_tp,
-)
 from remat_kit.training.step import (
     abstract_batch,
     abstract_train_state,
@@ -53,7 +50,7 @@ from remat_kit.training.step import (
     sharded_train_state,
 )
 from remat_kit.validation import check_batch_split, check_seq_len, positive_int
-from remat_kit.walker import Residual
+from remat_kit.walker import Residual, TagResiduals, group_by_tag, saved_residuals
 
 #: Fields of :meth:`PresetProgram.variant` that are not model fields.
 _SHAPE_FIELDS = ("batch_size", "seq_len")
@@ -157,7 +154,7 @@ class PresetProgram(Program):
         return self.config.remat_policy
 
     def saved(self, spec: PolicySpec) -> list[Residual]:
-        """One remat segment's kept values (:func:`remat_kit.residuals.block_residuals`): the
+        """One remat segment's kept values (:func:`block_residuals`): the
         bundled models repeat one segment, so a policy's effect is read on one."""
         config = self.config.replace(remat_policy=spec)
         return list(block_residuals(config, self.batch_size, self.seq_len))
@@ -264,12 +261,12 @@ def model_residuals(
     config: ModelConfig, batch_size: int, seq_len: int, tp: int = 1
 ) -> tuple[TagResiduals, ...]:
     """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
-    tag, from the jaxpr of one remat segment (:func:`remat_kit.residuals.block_residuals`) times
+    tag, from the jaxpr of one remat segment (:func:`block_residuals`) times
     the number of segments (``num_layers // remat_group_size``).
 
     A structured config (``remat_layers``, ``nested_remat`` or ``loss_chunk_size`` set) is not a
     uniform stack of segments: its rows are the saved values of the whole loss's VJP
-    (:func:`remat_kit.residuals.saved_residuals`, parameters and the batch left out), each row's
+    (:func:`remat_kit.walker.saved_residuals`, parameters and the batch left out), each row's
     shape the stacked one (e.g. [layers, batch, seq, d_model]).
 
     Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
@@ -281,7 +278,7 @@ def model_residuals(
       batch_size: sequences (per device under data parallelism: the caller divides).
       seq_len: tokens per sequence.
       tp: tensor-parallel degree: tagged residuals with a heads, kv_heads or d_ff dimension
-        keep ``1/tp`` of it per device (:func:`remat_kit.residuals.split_over_tp`); shapes and
+        keep ``1/tp`` of it per device (:func:`split_over_tp`); shapes and
         bytes in the rows are then per device.
 
     Raises:
@@ -344,3 +341,86 @@ def as_program(
         if given[name] is None:
             raise ValueError(f"{name} is required for preset {model!r}")
     return preset(model, given["batch_size"], given["seq_len"], optimizer or "adamw", mesh)
+
+
+#: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
+_DIM_AXES = {
+    "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
+    "head_dim": "head_dim", "d_ff": "mlp",
+}  # fmt: skip
+
+
+def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[Residual]:
+    """Residuals of one remat segment (``remat_group_size`` blocks) under the config's policy.
+
+    The segment is traced on abstract shapes (nothing allocated): input x [batch, seq, d_model]
+    in the compute dtype, parameters from ``jax.eval_shape`` of the block's init. Parameters and
+    the segment input appear as ``argument`` residuals; the input of each later block in the
+    segment is tagged ``decoder_layer_input``. Multiply by ``num_layers // remat_group_size`` for
+    the whole model.
+    """
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, config.d_model), config.compute_dtype)
+    positions = jnp.arange(seq_len, dtype=jnp.int32)
+    group = BlockGroup(config)
+    params = jax.eval_shape(lambda: group.init(jax.random.key(0), x, positions)["params"])
+
+    def segment(p, h, pos):
+        return group.apply({"params": p}, h, pos)[0]
+
+    spec = config.policy_spec
+    if spec.wrap:
+        segment = jax.checkpoint(segment, policy=spec.to_jax())
+    pos_spec = jax.ShapeDtypeStruct((seq_len,), jnp.int32)
+    return saved_residuals(segment, params, x, pos_spec)
+
+
+def tag_axes(tag: str) -> tuple[str, ...] | None:
+    """Logical axes of a tagged tensor, from its shape in
+    :data:`remat_kit.names.CHECKPOINT_SHAPES`: ``tag_axes("query_proj") == ("batch", "seq",
+    "heads", "head_dim")``; None for an unknown tag."""
+    dims = CHECKPOINT_SHAPES.get(tag)
+    return None if dims is None else tuple(_DIM_AXES[d] for d in dims)
+
+
+def tp_split_axes() -> frozenset[str]:
+    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.sharding.LOGICAL_RULES`:
+    ``heads``, ``kv_heads``, ``mlp``, ``vocab``)."""
+    return frozenset(axis for axis, mesh in S.LOGICAL_RULES if mesh == "tp")
+
+
+def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
+    """Per-device residuals under ``tp``-way tensor parallelism.
+
+    A tagged residual whose documented shape (:func:`tag_axes`) has an axis that
+    :data:`remat_kit.sharding.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
+    ``1/tp`` of that dimension on each device: the projection's weight is split that way and
+    XLA's sharding propagation splits its output (and the saved residual) likewise (Megatron-LM,
+    Shoeybi et al. 2019, arXiv:1909.08053). The ``embed`` rule (fsdp) is a parameter rule only:
+    FSDP all-gathers a layer's weights, and [batch, seq, d_model] activations stay whole on every
+    device. Untagged residuals and those whose rank differs from the documented shape are kept
+    as they are (their axes are not known).
+
+    Args:
+      residuals: from :func:`saved_residuals` (shapes as traced).
+      tp: size of the ``tp`` mesh axis (>= 1).
+
+    Returns:
+      The residuals with per-device shapes and ``nbytes``, in the same order.
+
+    Raises:
+      ValueError: ``tp`` is not a positive integer.
+    """
+    positive_int("tp", tp)
+    if tp == 1:
+        return list(residuals)
+    split = tp_split_axes()
+    out = []
+    for r in residuals:
+        axes = tag_axes(r.tag) if r.tag is not None else None
+        if axes is None or len(axes) != len(r.shape) or not split.intersection(axes):
+            out.append(r)
+            continue
+        shape = tuple(-(-d // tp) if a in split else d for d, a in zip(r.shape, axes, strict=True))
+        nbytes = math.prod(shape) * jnp.dtype(r.dtype).itemsize
+        out.append(dataclasses.replace(r, shape=shape, nbytes=nbytes))
+    return out

@@ -61,17 +61,18 @@ from jax.extend import core as jax_core
 from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
 from remat_kit.remat_impl import remat_implementation
-from remat_kit.residuals import group_by_tag, saved_residuals
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import format_bytes
 from remat_kit.validation import unknown_value_error
 from remat_kit.walker import (
     Residual,
     TagResiduals,
+    group_by_tag,
     holds,
     remat_in_loop,
     remat_policy,
     remat_segments,
+    saved_residuals,
     traced_flops,
     wraps_whole_loop,
 )

@@ -14,7 +14,7 @@ b69022a, "[remat3] support offloading via save_and_offload_only_these_names").
 Rather than a list of what works where, :func:`policy_effect` asks the JAX in use: it traces a
 tiny checkpointed function that emits the policy's checkpoint names (or a weight matmul and a
 batched matmul, for the dots policies) under the implementation asked for, reads its saved
-residuals (:func:`remat_kit.residuals.saved_residuals`: checkpoint name and memory kind of each)
+residuals (:func:`remat_kit.walker.saved_residuals`: checkpoint name and memory kind of each)
 and compares them with what the policy promises. A trace takes a few milliseconds; results are
 cached per (policy, implementation, jax version).
 
@@ -202,7 +202,7 @@ def _probe(spec: PolicySpec):
 
 
 def _observed(spec: PolicySpec) -> dict[str, str]:
-    from remat_kit.residuals import saved_residuals  # (loads the models: only when probing)
+    from remat_kit.walker import saved_residuals  # (loads the models: only when probing)
 
     loss, args = _probe(spec)
     kept = [r for r in saved_residuals(loss, *args) if not r.is_argument]

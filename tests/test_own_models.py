@@ -25,7 +25,7 @@ import remat_kit
 from remat_kit import Program, doctor, inject_policy, sweep, tag_eqx, tag_linen
 from remat_kit.memory.api import analyze_policies
 from remat_kit.recommend import recommend
-from remat_kit.residuals import saved_residuals
+from remat_kit.walker import saved_residuals
 from tests.conftest import needs_cuda_plugin
 from tests.user_models import eqx_lm, hf_style, plain_jax
 

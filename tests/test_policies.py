@@ -22,8 +22,9 @@ from remat_kit.policies import (
     policies_for_tags,
     policy_names,
 )
-from remat_kit.residuals import block_residuals, group_by_tag
+from remat_kit.preset_program import block_residuals
 from remat_kit.training.step import abstract_batch, loss_fn, make_optimizer, make_train_step
+from remat_kit.walker import group_by_tag
 
 POLICIES = remat_kit.policy_names()
 MODELS = ["tiny-gpt", "tiny-llama"]
@@ -131,7 +132,7 @@ def test_saved_residuals_keep_exactly_the_promised_tags(policy, model):
 def test_no_remat_keeps_more_than_save_nothing():
     full = block_residuals(_config("tiny-gpt", "no-remat", group=2), 2, 16)
     none = block_residuals(_config("tiny-gpt", "save-nothing", group=2), 2, 16)
-    act = remat_kit.residuals.activation_bytes
+    act = remat_kit.walker.activation_bytes
     assert act(none) == 0
     assert act(full) > 0
 

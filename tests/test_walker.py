@@ -16,7 +16,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit import doctor, walker
-from remat_kit import residuals as R
 from remat_kit.memory import hlo
 from remat_kit.walker import FUSED_ATTENTION_FWD, traced_flops
 
@@ -181,7 +180,7 @@ def test_sub_jaxprs_are_found_under_any_parameter_name():
 
 def test_residual_stacked_by_an_inner_scan_is_attributed_to_its_tag():
     loss = inner_scan(cp.save_only_these_names("context"))
-    rows = R.group_by_tag(R.saved_residuals(loss, W, X))
+    rows = walker.group_by_tag(walker.saved_residuals(loss, W, X))
     assert [r.tag for r in rows if r.tag == "context"] == ["context"]
     findings = doctor.check_function(
         inner_scan, W, X, policy=cp.save_only_these_names("context"), target=GPU
@@ -234,7 +233,9 @@ PROJ_BYTES = 3 * 4 * 16 * 32 * 4  # [layers, batch, seq, d] float32
 
 def _proj_rows(where, policy):
     block = lambda h, w: h + jnp.tanh(NAMED_MATMULS[where](h, w)) @ w.T  # noqa: E731
-    return R.bytes_by_tag(R.group_by_tag(R.saved_residuals(_layers(block, policy), W, X)))
+    return walker.bytes_by_tag(
+        walker.group_by_tag(walker.saved_residuals(_layers(block, policy), W, X))
+    )
 
 
 @pytest.mark.parametrize("where", sorted(NAMED_MATMULS))
@@ -256,10 +257,15 @@ def test_a_sum_of_two_matmuls_is_not_attributed_to_the_name_of_the_sum():
     """Only the named value itself (or a matmul before its bias add) takes the name: two kept
     matmuls added together are two other values, not two copies of the tag."""
     block = lambda h, w: h + jnp.tanh(checkpoint_name(h @ w + h @ w.T, "proj")) @ w.T  # noqa: E731
-    rows = R.bytes_by_tag(R.group_by_tag(R.saved_residuals(_layers(block, cp.dots_saveable), W, X)))
+    rows = walker.bytes_by_tag(
+        walker.group_by_tag(walker.saved_residuals(_layers(block, cp.dots_saveable), W, X))
+    )
     assert "proj" not in rows and rows["<dot_general>"] == 2 * PROJ_BYTES, rows
     named = _layers(block, cp.save_only_these_names("proj"))
-    assert R.bytes_by_tag(R.group_by_tag(R.saved_residuals(named, W, X)))["proj"] == PROJ_BYTES
+    assert (
+        walker.bytes_by_tag(walker.group_by_tag(walker.saved_residuals(named, W, X)))["proj"]
+        == PROJ_BYTES
+    )
 
 
 def test_a_cast_of_a_named_value_is_another_value_not_the_name():
@@ -275,11 +281,13 @@ def test_a_cast_of_a_named_value_is_another_value_not_the_name():
         xf = x.astype(jnp.float32)
         return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6)).sum()
 
-    rows = R.saved_residuals(norm, x)
+    rows = walker.saved_residuals(norm, x)
     (cast,) = [r for r in rows if r.source == "convert_element_type"]
     assert cast.tag is None and cast.nbytes == 4 * 16 * 32 * 4 and not cast.is_argument
     assert not any(r.tag == "layer_in" for r in rows)
-    same = R.saved_residuals(lambda x: norm(x.astype(jnp.float32)), x.update(dtype=jnp.float32))
+    same = walker.saved_residuals(
+        lambda x: norm(x.astype(jnp.float32)), x.update(dtype=jnp.float32)
+    )
     assert {r.source for r in same} <= {"argument [0]", "mul", "rsqrt", "broadcast_in_dim"}
 
 
@@ -288,7 +296,7 @@ def test_a_cast_of_a_named_value_is_another_value_not_the_name():
 
 def test_remat3_tags_are_read_and_degraded_policies_reported(remat3):
     loss = inner_scan(cp.save_only_these_names("context"))
-    tags = {r.tag for r in R.saved_residuals(loss, W, X)}
+    tags = {r.tag for r in walker.saved_residuals(loss, W, X)}
     assert "context" in tags and not any(t and "call_hi" in t for t in tags)
     assert walker.emitted_tags(loss, W, X) >= {"context"}
     assert not doctor.remat3_honours(_offload("context"))
@@ -304,7 +312,7 @@ def test_remat3_keeps_matmuls_for_dots_policies_but_not_offloads(remat3):
         return _layers(lambda h, w: h + checkpoint_name(jnp.tanh(h @ w), "mlpwi") @ w.T, policy)
 
     def kept(policy):
-        return [r for r in R.saved_residuals(loss_of(policy), W, X) if not r.is_argument]
+        return [r for r in walker.saved_residuals(loss_of(policy), W, X) if not r.is_argument]
 
     assert any(r.source == "dot_general" for r in kept(cp.dots_saveable))
     assert doctor.remat3_honours(cp.dots_saveable)
@@ -375,7 +383,7 @@ def test_recomputed_fused_attention_is_counted_and_can_be_kept():
     (_, g_names), (loss_keep, g_keep) = grad_of(names), grad_of(keep_fused)
     assert remat_kit.analyze(g_names, q, q, q, target=GPU).flops == pytest.approx(fwd * 4.5)
     assert remat_kit.analyze(g_keep, q, q, q, target=GPU).flops == pytest.approx(fwd * 3.5)
-    kept = {r.source for r in R.saved_residuals(loss_keep, q, q, q)}
+    kept = {r.source for r in walker.saved_residuals(loss_keep, q, q, q)}
     assert "dot_product_attention_fwd_wrapper" in kept
 
 
@@ -530,9 +538,11 @@ def test_residual_rows_keep_each_shape_apart():
         return jnp.sum(jnp.sin(wide @ jnp.ones((64, 8))))  # untagged [4, 16, 8] too
 
     f = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names("proj"))
-    rows = R.group_by_tag(R.saved_residuals(f, jax.ShapeDtypeStruct((32, 32), jnp.float32), X))
+    rows = walker.group_by_tag(
+        walker.saved_residuals(f, jax.ShapeDtypeStruct((32, 32), jnp.float32), X)
+    )
     proj = {r.shape: r.nbytes for r in rows if r.tag == "proj"}
     assert proj == {(4, 16, 32): 4 * 16 * 32 * 4, (4, 16, 64): 4 * 16 * 64 * 4}
-    assert R.bytes_by_tag(rows)["proj"] == sum(proj.values())
+    assert walker.bytes_by_tag(rows)["proj"] == sum(proj.values())
     for r in rows:  # every row's bytes are count arrays of its own shape
         assert r.nbytes == r.count * int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize, r

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import residuals as R
 from remat_kit import targets as T
 from remat_kit import walker as W
 from remat_kit.doctor.compare import Residuals, check_remat_static_argnums, compare
@@ -63,7 +62,7 @@ from remat_kit.policies import (
 )
 from remat_kit.preset_program import as_program
 from remat_kit.program import Program, factory_reach, step_flops
-from remat_kit.walker import dots_in_remat, has_remat, tags_in_remat, traced_flops
+from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
@@ -368,10 +367,10 @@ def check_function(
         ops = recomputed_ops(grads["policy"], args, tgt)
     findings += compare(
         promise, reports["policy"], reports["no-remat"],
-        Residuals.of(R.saved_residuals(losses["policy"], *args)),
-        Residuals.of(R.saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops, facts=facts,
+        Residuals.of(saved_residuals(losses["policy"], *args)),
+        Residuals.of(saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops, facts=facts,
         kept_nothing=Residuals.of(
-            R.saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
+            saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
         ),
         around_loop=reach.around_loop, lone=reach.lone,
     )  # fmt: skip
@@ -435,7 +434,7 @@ def _savers(
 
     def saving(tag: str):
         policy = jax.checkpoint_policies.save_only_these_names(tag)
-        return R.saved_residuals(make_loss(policy), *args)
+        return saved_residuals(make_loss(policy), *args)
 
     def flops(tag: str | None) -> float:
         return keeping(frozenset([tag] if tag else []))
@@ -467,7 +466,7 @@ def _residuals_withremat3_findings(make_loss, policy, args, remat3: bool) -> Res
     saved = jax.config.jax_remat3
     jax.config.update("jax_remat3", remat3)
     try:
-        return Residuals.of(R.saved_residuals(make_loss(policy), *args))
+        return Residuals.of(saved_residuals(make_loss(policy), *args))
     finally:
         jax.config.update("jax_remat3", saved)
 

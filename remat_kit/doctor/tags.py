@@ -221,7 +221,7 @@ def recompute_savers(
 
     Args:
       residuals_saving: ``residuals_saving(tag)``: the residuals of the loss under a policy
-        saving ``tag`` alone (:func:`remat_kit.residuals.saved_residuals`).
+        saving ``tag`` alone (:func:`remat_kit.walker.saved_residuals`).
       flops_saving: ``flops_saving(tag)``: traced matmul FLOPs of the step (forward and
         backward) saving ``tag`` alone; ``flops_saving(None)``: saving nothing.
     """

@@ -66,18 +66,16 @@ from remat_kit.program import (
     require_program,
 )
 from remat_kit.remat_impl import can_offload, remat_implementation
-from remat_kit.residuals import (
-    TagResiduals,
-    bytes_by_tag,
-    group_by_tag,
-    held_on_device,
-    saved_residuals,
-)
 from remat_kit.walker import (
     LOOP_PRIMITIVES,
+    TagResiduals,
+    bytes_by_tag,
     emitted_tags,
+    group_by_tag,
+    held_on_device,
     is_remat,
     jaxpr_flops,
+    saved_residuals,
     sub_jaxprs,
     tags_in,
     tags_in_remat,

@@ -65,8 +65,8 @@ from remat_kit.memory.xla_compile import (
 )
 from remat_kit.policies import on_device_twin
 from remat_kit.remat_impl import policy_effect, remat_implementation
-from remat_kit.residuals import TagResiduals
 from remat_kit.units import format_bytes
+from remat_kit.walker import TagResiduals
 
 
 @dataclasses.dataclass

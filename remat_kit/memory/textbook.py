@@ -26,8 +26,8 @@ allocation, which grows by uneven steps with the layer count (fragmentation): 8,
 8 MiB per layer. It is reported alongside (``compiled_temp_bytes``).
 
 The jaxpr figure is what JAX saves for the backward pass per layer
-(:func:`remat_kit.residuals.block_residuals`, plus the layer input), before XLA fuses, copies or
-upcasts anything.
+(:func:`remat_kit.preset_program.block_residuals`, plus the layer input), before XLA fuses,
+copies or upcasts anything.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ from remat_kit.program import Placement, Program, step_flops
 from remat_kit.recommend.session import Session
 from remat_kit.recommend.types import Candidate, SolveSummary, Structure, TagCost
 from remat_kit.remat_impl import can_offload
-from remat_kit.residuals import bytes_by_tag
 from remat_kit.units import format_bytes, format_seconds
+from remat_kit.walker import bytes_by_tag
 
 #: Probes per policy in the batch search before it stops.
 BATCH_PROBES = 6

@@ -9,11 +9,11 @@ from typing import Any
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.residuals import bytes_by_tag
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.config import Point
 from remat_kit.sweep.measure import model_flops_per_token, param_counts
+from remat_kit.walker import bytes_by_tag
 
 #: Row fields from the point's model and analysis (None in a row whose analysis failed).
 ANALYSIS_KEYS = (
@@ -68,7 +68,7 @@ def analysis_fields(report: Any) -> dict[str, Any]:
 
 def _by_tag(report: Any) -> dict[str, dict[str, int]]:
     """{checkpoint tag: {"device" / "host": bytes}} of the report's residuals
-    (:func:`remat_kit.residuals.bytes_by_tag` per memory)."""
+    (:func:`remat_kit.walker.bytes_by_tag` per memory)."""
     by = {m: bytes_by_tag(report.residuals, m) for m in ("device", "host")}
     tags = dict.fromkeys([*by["device"], *by["host"]])
     return {t: {m: n[t] for m, n in by.items() if t in n} for t in tags}

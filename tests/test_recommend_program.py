@@ -187,7 +187,7 @@ def test_an_offload_that_buys_no_device_memory_is_not_picked_on_a_close_call():
     and analyze itself said the offload did not lower the peak (outside trial, session 16).
     Such an offload is passed over and the note says why; a clear lead, or a lower device peak,
     still wins."""
-    from remat_kit.recommend.types import Candidate, fastest_fitting, offload_passed_over
+    from remat_kit.recommend.session import Candidate, fastest_fitting, offload_passed_over
 
     def cand(policy, peak, host, step, fits=True):
         return Candidate(

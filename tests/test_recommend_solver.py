@@ -21,8 +21,7 @@ from remat_kit.recommend.search import (
     model_error,
     verify_choices,
 )
-from remat_kit.recommend.session import given_by, to_candidate
-from remat_kit.recommend.types import Candidate, TagCost
+from remat_kit.recommend.session import Candidate, TagCost, given_by, to_candidate
 
 MIB = 2**20
 TARGET = T.get_target("h100-sxm")
@@ -200,7 +199,7 @@ def test_a_pick_the_time_model_cannot_tell_from_the_next_is_called_close():
     """A pick whose estimate leads the next fitting configuration by under CLOSE_CALL says so
     (the outside trial's pick led save-nothing by 0.2% and measured slower); a clear lead, a
     rival that does not fit, or the same program under another spec says nothing."""
-    from remat_kit.recommend.types import CLOSE_CALL, close_call
+    from remat_kit.recommend.session import CLOSE_CALL, close_call
 
     budget = 20 * MIB
     pick = _candidate(["mlp_up"], 18 * MIB, budget, [MLP_UP])

@@ -18,8 +18,7 @@ from remat_kit.models.config import get_config
 from remat_kit.preset_program import model_residuals, preset
 from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
 from remat_kit.recommend.search import loss_chunk, structural_options, structure_of
-from remat_kit.recommend.session import CompileCounter, Session
-from remat_kit.recommend.types import Candidate
+from remat_kit.recommend.session import Candidate, CompileCounter, Session
 from remat_kit.units import format_bytes
 from remat_kit.walker import traced_flops
 from tests.conftest import needs_cuda_plugin

@@ -96,12 +96,12 @@ from remat_kit.recommend.search import partial_probes as partial_probes
 from remat_kit.recommend.search import solve_tags as solve_tags
 from remat_kit.recommend.search import structure_compiles as structure_compiles
 from remat_kit.recommend.search import tag_costs as tag_costs
+from remat_kit.recommend.session import Candidate as Candidate
 from remat_kit.recommend.session import CompileCache as CompileCache
-from remat_kit.recommend.types import Candidate as Candidate
-from remat_kit.recommend.types import FoundBy as FoundBy
-from remat_kit.recommend.types import Recommendation as Recommendation
-from remat_kit.recommend.types import SolveSummary as SolveSummary
-from remat_kit.recommend.types import TagCost as TagCost
+from remat_kit.recommend.session import FoundBy as FoundBy
+from remat_kit.recommend.session import Recommendation as Recommendation
+from remat_kit.recommend.session import SolveSummary as SolveSummary
+from remat_kit.recommend.session import TagCost as TagCost
 from remat_kit.targets import host_link_source as host_link_source
 
 __all__ = [

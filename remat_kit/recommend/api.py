@@ -48,12 +48,15 @@ from remat_kit.recommend.search import (
     structure_compiles,
     too_small,
 )
-from remat_kit.recommend.session import CompileCache, CompileCounter, Session, counting
-from remat_kit.recommend.types import (
+from remat_kit.recommend.session import (
     Candidate,
+    CompileCache,
+    CompileCounter,
     Recommendation,
+    Session,
     SolveSummary,
     close_call,
+    counting,
     fastest_fitting,
     offload_passed_over,
     pointless_offloads,
@@ -506,7 +509,7 @@ def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
 
 def search_fixed_batch(session: Session, request: Request, named: Sequence[Named]) -> Found:
     """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
-    the fitting candidate with the least estimated step time (:func:`~.types.fastest_fitting`:
+    the fitting candidate with the least estimated step time (:func:`~.session.fastest_fitting`:
     an offload that a candidate on device matches in peak and, within the model's error, in
     time is passed over)."""
     candidates = [c for _, c, _ in named]

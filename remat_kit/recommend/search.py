@@ -53,8 +53,7 @@ from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
 from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
 from remat_kit.program import Placement, Program, step_flops
-from remat_kit.recommend.session import Session
-from remat_kit.recommend.types import Candidate, SolveSummary, Structure, TagCost
+from remat_kit.recommend.session import Candidate, Session, SolveSummary, Structure, TagCost
 from remat_kit.remat_impl import can_offload
 from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import bytes_by_tag

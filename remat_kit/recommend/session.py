@@ -1,15 +1,20 @@
-"""The compile session of one :func:`~remat_kit.recommend.recommend` call: configurations
-compiled through :func:`remat_kit.memory.analyze_policies`, memoised in a :class:`CompileCache`,
-turned into :class:`~remat_kit.recommend.Candidate` rows, and XLA compiles counted."""
+"""The compile session of one :func:`~remat_kit.recommend.recommend` call, and what it yields:
+configurations compiled through :func:`remat_kit.memory.analyze_policies`, memoised in a
+:class:`CompileCache`, turned into :class:`Candidate` rows, and XLA compiles counted; the
+answer, a :class:`Recommendation`.
+
+Integers are bytes, times seconds, FLOPs counts of floating-point operations.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import jax.monitoring
 
@@ -19,9 +24,410 @@ from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
-from remat_kit.policies import PolicySpec, get_policy_spec, policy_names
+from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
-from remat_kit.recommend.types import Candidate, FoundBy, Structure
+from remat_kit.units import format_bytes
+
+#: Which stage of the search compiled a candidate.
+FoundBy = Literal[
+    "named",
+    "per-tag",
+    "given",
+    "group-size",
+    "batch-search",
+    "solve",
+    "advice",
+    "structure",
+    "partial-layers",
+]
+#: Structural ``ModelConfig`` overrides of a candidate, as sorted ``(field, value)`` pairs
+#: (``attention``, ``loss_chunk_size``, ``nested_groups``, ``nested_remat``, ``remat_layers``);
+#: ``()`` is the config as given.
+Structure = tuple[tuple[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One compiled configuration and its estimated step time.
+
+    Attributes:
+      policy: a registered policy name, or ``"custom"`` (then ``actions`` says what it does).
+      actions: for a custom policy, ``{tag: "save" | "offload"}`` (tags not listed recomputed).
+      remat_group_size: blocks per remat segment; batch_size, seq_len: the step's shape (all
+        three None for a user's program, which carries its own arguments).
+      peak_bytes: XLA's device peak (bytes, per device). host_bytes: bytes in host memory.
+      flops: compiled matmul FLOPs of the step. flops_no_remat: the same step without remat,
+        counted on its jaxpr (the time model's forward share is a third of it).
+      compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
+      tokens_per_s: ``batch_size * seq_len / step_time_s`` (None for a user's program).
+      fits: ``peak_bytes <= budget``.
+      found_by: which stage compiled it (the policies given: ``named`` a registered policy,
+        ``per-tag`` a per-tag spec, ``given`` a user's own spec; ``group-size``,
+        ``batch-search``, ``solve``,
+        ``structure``: cuDNN attention / chunked loss; ``partial-layers``: fewer layers remat).
+      predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
+      warnings: compiler messages (XLA's own rematerialisation, ...).
+      model: the preset or config name (None for a user's program).
+      attention: ``ModelConfig.attention`` compiled (``"xla"`` or ``"cudnn"``; None for a user's
+        program). loss_chunk_size: tokens per chunk of the chunked cross-entropy (None: whole
+        logits). remat_layers: the first ``remat_layers`` of the layers under ``policy``, the
+        rest not rematerialised (None: every layer under ``policy``). nested_groups: nested
+        remat's outer segment count (``ModelConfig.nested_remat`` with ``nested_groups``: only
+        the segments' inputs stored, each segment recomputed whole; None: not nested).
+    """
+
+    policy: str
+    actions: dict[str, str] | None
+    remat_group_size: int | None
+    batch_size: int | None
+    seq_len: int | None
+    peak_bytes: int
+    host_bytes: int
+    flops: float | None
+    flops_no_remat: float | None
+    compute_s: float
+    transfer_s: float
+    step_time_s: float
+    tokens_per_s: float | None
+    fits: bool
+    found_by: FoundBy
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    warnings: tuple[str, ...] = ()
+    model: str | None = None
+    attention: str | None = None
+    loss_chunk_size: int | None = None
+    remat_layers: int | None = None
+    nested_groups: int | None = None
+    #: The label every tool gives this custom spec where it is one of the policies compiled by
+    #: default (a registered policy cut down to a program's tags: ``minimal (cut)``; every tag
+    #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.api.ProgramPolicies.labels`),
+    #: else None.
+    named_label: str | None = None
+    #: The compiled program's key (:attr:`remat_kit.memory.report.MemoryReport.program_sha256`):
+    #: equal for two candidates that compiled to one program (``custom: out_proj=save`` and
+    #: ``save-out-proj`` on a program tagging only ``out_proj`` of that policy's names).
+    program_sha256: str | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The structural options set away from the plain step (``attention`` other than xla,
+        ``loss_chunk_size``, ``nested_remat`` with ``nested_groups``, ``remat_layers``), as
+        ``ModelConfig`` overrides."""
+        out: dict[str, Any] = {}
+        if self.attention not in (None, "xla"):
+            out["attention"] = self.attention
+        if self.loss_chunk_size is not None:
+            out["loss_chunk_size"] = self.loss_chunk_size
+        if self.nested_groups is not None:
+            out["nested_remat"] = True
+            out["nested_groups"] = self.nested_groups
+        if self.remat_layers is not None:
+            out["remat_layers"] = self.remat_layers
+        return out
+
+    @property
+    def options_label(self) -> str:
+        """``"cudnn, loss chunk 1024, nested 4 groups, remat 24 layers"``, or ``"-"`` for the
+        plain step."""
+        o = self.options
+        parts = [o["attention"]] if "attention" in o else []
+        if "loss_chunk_size" in o:
+            parts.append(f"loss chunk {o['loss_chunk_size']}")
+        if "nested_groups" in o:
+            parts.append(f"nested {o['nested_groups']} groups")
+        if "remat_layers" in o:
+            parts.append(f"remat {o['remat_layers']} layers")
+        return ", ".join(parts) or "-"
+
+    @property
+    def label(self) -> str:
+        """Policy name, a default policy's label as every tool gives it (``minimal (cut)``), or
+        the custom actions as analyze prints them (:func:`remat_kit.policies.policy_label`:
+        ``custom: key_proj=save, query_proj=offload``)."""
+        if self.actions is None:
+            return self.policy
+        if self.named_label is not None:
+            return self.named_label
+        return policy_label(custom_spec(self.actions))
+
+    def code(self, remats_for_none: int = 0) -> str:
+        """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch
+        and remat group size to use; for a user's program, the policy its factory receives
+        (``remats_for_none``: the remat segments its factory builds for None, said beside a
+        ``no-remat`` pick)."""
+        if self.actions is None:
+            policy = f'remat_kit.policy("{self.policy}")'
+        else:
+            body = ", ".join(f'"{t}": "{a}"' for t, a in sorted(self.actions.items()))
+            policy = f"remat_kit.custom_policy({{{body}}})"
+        if self.batch_size is None:
+            if self.policy == "no-remat" and remats_for_none:
+                return (
+                    f"policy = None  # your factory still builds {remats_for_none} remat "
+                    "segment(s) for None (jax.checkpoint's default policy: save nothing): this "
+                    "is not a step without remat"
+                )
+            if self.policy == "no-remat":
+                return (
+                    "policy = None  # no remat: your factory builds the step without jax.checkpoint"
+                )
+            return (
+                f"policy = {policy}  # give it to your factory (make_loss / make_step): "
+                "jax.checkpoint(..., policy=policy)"
+            )
+        shape = f"batch {self.batch_size}, seq {self.seq_len}"
+        if self.options:
+            return self._config_code(policy, shape)
+        if self.policy == "no-remat":
+            return f"Block  # no remat: do not wrap the block in nn.remat; {shape}"
+        return (
+            f"nn.remat(Block, policy={policy})  # {shape}, remat_group_size={self.remat_group_size}"
+        )
+
+    def _config_code(self, policy: str, shape: str) -> str:
+        """The bundled model's config with the structural options (``get_config(...)``)."""
+        value = f'"{self.policy}"' if self.actions is None else policy
+        fields = [f"remat_policy={value}"]
+        fields += [f"{k}={v!r}" if not isinstance(v, str) else f'{k}="{v}"'
+                   for k, v in self.options.items()]  # fmt: skip
+        if self.remat_group_size not in (None, 1):
+            fields.append(f"remat_group_size={self.remat_group_size}")
+        head = f'get_config("{self.model}", ' if self.model else "config.replace("
+        return f"{head}{', '.join(fields)}, scan_layers=True)  # {shape}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TagCost:
+    """One checkpoint tag in the solver's additive model (bytes and FLOPs over all layers).
+
+    Attributes:
+      tag: the checkpoint name.
+      nbytes: device bytes of its residuals when kept (from the jaxpr residual table).
+      base_bytes: bytes of it that ``save-nothing`` keeps anyway (the segment inputs).
+      flops_saved: jaxpr matmul FLOPs not recomputed when it is kept (saved or offloaded):
+        FLOPs of the step saving nothing minus those saving only this tag.
+    """
+
+    tag: str
+    nbytes: int
+    base_bytes: int
+    flops_saved: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveSummary:
+    """What :func:`solve_tags` enumerated, predicted and verified.
+
+    Attributes:
+      tags: the model's per-tag costs.
+      actions: the actions allowed per tag (offload only on targets where it is real).
+      combinations: how many per-tag choices were enumerated (all of them: the search is exact
+        under the model). predicted_fit: how many the model predicted to fit within its observed
+        peak error of the budget.
+      peak_slack_bytes: the model's observed peak error: the largest |compiled - predicted| peak
+        (bytes) over the compiled choices it can express other than recompute-everything (named
+        policies selecting by tag, solve compiles); a choice predicted within it of the budget
+        may be compiled. None when no such choice was compiled (unmeasured).
+      flops_scale: compiled / jaxpr FLOPs of ``save-nothing``: predictions are scaled by it.
+      verified: the custom candidates compiled, best predicted first.
+      calibration: (policy, predicted peak, compiled peak) for the named policies the model can
+        express.
+    """
+
+    tags: tuple[TagCost, ...]
+    actions: tuple[str, ...]
+    combinations: int
+    predicted_fit: int
+    peak_slack_bytes: int | None
+    flops_scale: float
+    verified: tuple[Candidate, ...]
+    calibration: tuple[tuple[str, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The answer of :func:`recommend`. Integers are bytes, times seconds.
+
+    Attributes:
+      model, target, seq_len: what was asked. batch_size: the batch asked (None for ``auto``).
+        For a user's program (:class:`~remat_kit.Program`): model is its name, and seq_len,
+        batch_size and optimizer are None (the program carries its own arguments).
+      budget_bytes: the per-device budget; budget_note: where it comes from.
+      arguments: bytes of the step's arguments (``params``, ``opt_state``, ``batch`` at the
+        batch asked, 1 for ``auto``).
+      pick: the fastest candidate that fits (most tokens/s for ``auto``), or None.
+      candidates: every candidate compiled, in the order found.
+      largest_batch: with ``auto``, the largest batch that fits for each distinct policy.
+      compiles: XLA compiles of the train step this call ran, counted from JAX's own
+        backend-compile events (identical programs are compiled once; persistent-cache hits would
+        count). reused: candidates taken from the ``cache`` (not compiled again).
+        from_compile_cache: candidates whose compile was read from the persistent compile cache
+        (:mod:`remat_kit.memory.compile_cache`; not counted in ``compiles``).
+      wall_s: seconds this call took.
+      advice: when nothing fits: what would (each line says whether it was compiled).
+      notes: the assumptions and limits of this answer (time model, search bounds, skipped).
+      solve: the solver's summary, with ``solve=True``.
+      peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
+      tags: for a user's program, the ``checkpoint_name`` tags its step emits (None for a
+        preset).
+      remats_for_none: remat segments a user's factory builds when given None: its ``no-remat``
+        candidate is then that remat, not a step without remat (0: none).
+      made_fit: which structural options (``attention``, ``loss_chunk_size``, ``remat_layers``)
+        the pick carries and what they did (made it fit, or made it faster), with the compiled
+        figures; None when the pick is a plain step.
+    """
+
+    model: str
+    target: str
+    seq_len: int | None
+    batch_size: int | None
+    optimizer: str | None
+    budget_bytes: int
+    budget_note: str
+    arguments: dict[str, int]
+    pick: Candidate | None
+    candidates: tuple[Candidate, ...]
+    largest_batch: tuple[Candidate, ...]
+    compiles: int
+    reused: int
+    wall_s: float
+    advice: tuple[str, ...]
+    notes: tuple[str, ...]
+    solve: SolveSummary | None
+    peak_flops: float
+    host_link_bytes_per_s: float | None
+    host_link: str
+    tags: tuple[str, ...] | None = None
+    made_fit: str | None = None
+    remats_for_none: int = 0
+    from_compile_cache: int = 0
+
+    def line(self) -> str:
+        """The pick as one line of code, or what would fit when nothing does."""
+        if self.pick is None:
+            return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
+        return self.pick.code(self.remats_for_none)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (with ``line``)."""
+        return {**dataclasses.asdict(self), "line": self.line()}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def rank(c: Candidate) -> tuple:
+    """Least estimated time; on a tie, no host traffic over some (the overlap is the least
+    certain part of the model), then least device memory."""
+    return (c.step_time_s, c.host_bytes, c.peak_bytes)
+
+
+#: Estimated step times closer than this (a fraction) are a tie to the time model: its ratio
+#: errors against measured steps reach 7-12% per policy (docs/time-model.md, the CPU checks).
+CLOSE_CALL = 0.05
+
+
+def pointless_offloads(candidates: Sequence[Candidate], auto: bool = False) -> list[Candidate]:
+    """The candidates with host traffic that one without makes pointless: that one's device
+    peak is no higher and its estimated speed within :data:`CLOSE_CALL` (step time; ``auto``:
+    tokens per second), so the offload buys no device memory and adds transfers the time
+    model cannot price apart from it (analyze's "offloading did not lower the device peak").
+    Never picked while the other fits."""
+
+    return [c for c in candidates if c.host_bytes and on_device_peers(c, candidates, auto)]
+
+
+def on_device_peers(c: Candidate, candidates: Sequence[Candidate], auto: bool) -> list[Candidate]:
+    """The fitting candidates without host traffic that make offload ``c`` pointless: device
+    peak no higher than ``c``'s, estimated speed within :data:`CLOSE_CALL` of it."""
+
+    def slower(a: Candidate, b: Candidate) -> float:  # how much slower a is than b
+        if auto:
+            return b.tokens_per_s / a.tokens_per_s - 1 if a.tokens_per_s else math.inf
+        return a.step_time_s / b.step_time_s - 1 if b.step_time_s > 0 else math.inf
+
+    return [
+        d for d in candidates
+        if d.fits and not d.host_bytes and d.peak_bytes <= c.peak_bytes
+        and slower(d, c) < CLOSE_CALL
+    ]  # fmt: skip
+
+
+def offload_passed_over(
+    pick: Candidate | None, rivals: Sequence[Candidate], auto: bool
+) -> str | None:
+    """The note for :func:`pointless_offloads` the time model ranks ahead of ``pick``: why the
+    faster estimate was not taken. None when there is none."""
+    if pick is None or pick.host_bytes:
+        return None
+
+    def ahead(c: Candidate) -> bool:
+        if auto:
+            return (c.tokens_per_s or 0.0) > (pick.tokens_per_s or 0.0)
+        return c.step_time_s < pick.step_time_s
+
+    pool = [pick, *rivals]
+    passed = [c for c in pointless_offloads(pool, auto) if c.fits and ahead(c)]
+    if not passed:
+        return None
+    parts, said = [], set()
+    for c in passed:
+        if c.label in said:
+            continue
+        said.add(c.label)
+        peers = on_device_peers(c, pool, auto)  # said: the pick where it is one, else the least
+        peer = pick if any(d is pick for d in peers) else min(peers, key=lambda d: d.peak_bytes)
+        who = "the pick" if peer is pick else peer.label
+        parts.append(
+            f"{c.label} (device peak {format_bytes(c.peak_bytes)}): {who} keeps its tensors on "
+            f"device at a peak no higher ({format_bytes(peer.peak_bytes)})"
+        )
+    return (
+        f"not picked though estimated faster: {'; '.join(parts)}, without host transfers and "
+        f"within the time model's error ({CLOSE_CALL:.0%}) of the offload's estimate"
+    )
+
+
+def fastest_fitting(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The pick at a fixed batch: the fitting candidate first by :func:`rank`, leaving out
+    :func:`pointless_offloads`; None when none fits."""
+    skip = pointless_offloads(candidates)
+    usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
+    return min(usable, key=rank, default=None)
+
+
+def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
+    """The note for a pick whose estimated lead over the next fitting configuration (another
+    program: another label, or another peak, and not the same compiled program) is under
+    :data:`CLOSE_CALL`: the time model cannot tell them apart, so the user should measure both.
+    ``auto``: the lead in tokens per second (the largest batch of each policy), else in step
+    time. None when the lead is clear."""
+    if pick is None:
+        return None
+
+    def lead(c: Candidate) -> float:
+        if auto:
+            return (pick.tokens_per_s or 0.0) / c.tokens_per_s - 1 if c.tokens_per_s else math.inf
+        return c.step_time_s / pick.step_time_s - 1 if pick.step_time_s > 0 else math.inf
+
+    skip = pointless_offloads(rivals, auto)
+    others = [
+        c for c in rivals
+        if c.fits and c is not pick and not any(c is s for s in skip)
+        and (c.label, c.peak_bytes) != (pick.label, pick.peak_bytes)
+        and (c.program_sha256 is None or c.program_sha256 != pick.program_sha256)
+    ]  # fmt: skip
+    near = min(others, key=lead, default=None)
+    if near is None or not 0 <= lead(near) < CLOSE_CALL:
+        return None
+    what = "tokens per second" if auto else "step time"
+    return (
+        f"close call: the pick {pick.label} leads {near.label} by {lead(near):.1%} in estimated "
+        f"{what}, within the time model's error on measured steps (docs/time-model.md); "
+        "measure both before choosing on speed (the sweep times them: experiments/sweep.py)"
+    )
+
 
 #: JAX's monitoring event for one XLA backend compile.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -36,9 +36,9 @@ from remat_kit.policies import get_policy_spec as get_policy_spec
 from remat_kit.policies import policy as policy
 from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
-from remat_kit.preset_program import preset as preset
 from remat_kit.program import Program as Program
 from remat_kit.program import load_program as load_program
+from remat_kit.program import preset as preset
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.remat_impl import PolicyEffect as PolicyEffect

@@ -32,7 +32,7 @@ from remat_kit.memory import (
 )
 from remat_kit.memory import xla_compile as mc
 from remat_kit.policies import policy_specs
-from remat_kit.preset_program import model_residuals
+from remat_kit.program import model_residuals
 from remat_kit.walker import traced_flops
 
 needs_cuda_plugin = pytest.mark.skipif(

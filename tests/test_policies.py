@@ -22,7 +22,7 @@ from remat_kit.policies import (
     policies_for_tags,
     policy_names,
 )
-from remat_kit.preset_program import block_residuals
+from remat_kit.program import block_residuals
 from remat_kit.training.step import abstract_batch, loss_fn, make_optimizer, make_train_step
 from remat_kit.walker import group_by_tag
 

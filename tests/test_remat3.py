@@ -25,7 +25,7 @@ from remat_kit import doctor, plots
 from remat_kit import names as N
 from remat_kit import remat_impl as RI
 from remat_kit.policies import custom_spec, get_policy_spec, policy_names
-from remat_kit.preset_program import block_residuals
+from remat_kit.program import block_residuals
 from remat_kit.recommend.api import _resolve_specs
 from remat_kit.sweep.output import warning_lines
 from remat_kit.sweep.rows import analysis_fields

@@ -60,8 +60,7 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.preset_program import as_program
-from remat_kit.program import Program, factory_reach, step_flops
+from remat_kit.program import Program, as_program, factory_reach, step_flops
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 
 

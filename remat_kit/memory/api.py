@@ -54,7 +54,6 @@ from remat_kit.policies import (
     policy_names,
     policy_specs,
 )
-from remat_kit.preset_program import preset
 from remat_kit.program import (
     Placement,
     PolicyReach,
@@ -62,6 +61,7 @@ from remat_kit.program import (
     Pure,
     argument_parts,
     param_names,
+    preset,
     purify,
     require_program,
 )

@@ -32,8 +32,7 @@ from remat_kit.memory.roofline import figures_for, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
-from remat_kit.preset_program import as_program
-from remat_kit.program import Program, argument_parts
+from remat_kit.program import Program, argument_parts, as_program
 from remat_kit.recommend.search import (
     BudgetTooSmall,
     advice,

@@ -43,8 +43,7 @@ from remat_kit.policies import (
     policy_label,
     policy_specs,
 )
-from remat_kit.preset_program import preset
-from remat_kit.program import Program, require_program
+from remat_kit.program import Program, preset, require_program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.measure import (

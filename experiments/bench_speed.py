@@ -109,11 +109,11 @@ def instrument(timers: Timers) -> None:
     jstages.Traced.lower = timers.wrap("lower", traced_lower)
     jstages.Lowered.as_text = timers.wrap("lower", jstages.Lowered.as_text)
 
-    from remat_kit import program as preset_program
+    from remat_kit import program as P
 
     api._setup = timers.wrap("setup", api._setup)  # tags, reach and the baseline's trace
-    preset_program.model_residuals = timers.wrap(
-        "residuals", preset_program.model_residuals,
+    P.model_residuals = timers.wrap(
+        "residuals", P.model_residuals,
         lambda config, *a, **k: config.policy_spec.name,
     )  # fmt: skip
 

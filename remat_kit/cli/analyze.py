@@ -20,7 +20,6 @@ from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import make_optimizer
@@ -248,7 +247,7 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
     t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
-            if out_of_memory(r):  # TPU: XLA refuses a step over HBM (its message says by how much)
+            if r.out_of_memory:  # TPU: XLA refuses a step over HBM (its message says by how much)
                 add_row(t, label, "over memory", "", "", "", Text("no", style="red"), "", "", "")
             else:
                 add_row(t, label, "compile failed", "", "", "", "", "", "", "")

@@ -198,6 +198,10 @@ class CompileResult:
         return capture_compiler_log.lines_for(self.thread, self.start, self.end)
 
 
+#: XLA's words for a step that does not fit the device.
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory", re.IGNORECASE)
+
+
 class CompileError(RuntimeError):
     """A step failed to compile; the message names what was compiled and XLA's first line.
 
@@ -213,15 +217,12 @@ class CompileError(RuntimeError):
         self.xla_message = xla_message
         self.policy = policy
 
-
-_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory", re.IGNORECASE)
-
-
-def out_of_memory(err: CompileError) -> bool:
-    """True when the compile failed because the step does not fit the device: XLA's TPU
-    compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
-    exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
-    return bool(_OUT_OF_MEMORY.search(err.xla_message))
+    @property
+    def out_of_memory(self) -> bool:
+        """True when the compile failed because the step does not fit the device: XLA's TPU
+        compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
+        exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
+        return bool(_OUT_OF_MEMORY.search(self.xla_message))
 
 
 def first_line(err: BaseException) -> str:

@@ -22,7 +22,6 @@ from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.memory.xla_compile import out_of_memory
 from remat_kit.models.config import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
@@ -705,7 +704,7 @@ def to_candidate(
             f" ({', '.join([*shape, options] if options else shape)})" if shape or options else ""
         )
         # TPU: XLA refuses a step over HBM instead of compiling it: that is "does not fit".
-        head = "does not fit, XLA refused it: " if out_of_memory(report) else ""
+        head = "does not fit, XLA refused it: " if report.out_of_memory else ""
         notes.append(f"{spec.name}{where}: {head}{report}")
         return None
     flops = report.flops

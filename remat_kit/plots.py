@@ -42,7 +42,6 @@ __all__ = [
     "memory_breakdown",
     "option_effects",
     "pareto",
-    "pareto_frontier",
     "predicted_vs_measured",
     "save_figures",
     "slowdown_vs_flops",
@@ -95,18 +94,6 @@ def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
     return fig
 
 
-def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
-    """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
-    sorted by ``x``."""
-    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
-    out, best = [], float("inf")
-    for i in order:
-        if ys[i] < best:
-            out.append(i)
-            best = ys[i]
-    return out
-
-
 def pareto(
     rows: Any,
     x: str = "step_time_s",
@@ -146,7 +133,7 @@ def pareto(
         unit, unit_name = units.table_unit([r[y] for r in members])
         xs = [r[x] * xscale for r in members]
         ys = [r[y] / unit for r in members]
-        front = pareto_frontier(xs, ys)
+        front = R.pareto_frontier(xs, ys)
         ax.step(
             [xs[i] for i in front],
             [ys[i] for i in front],

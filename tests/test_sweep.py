@@ -176,7 +176,7 @@ def test_summarize_against_no_remat():
     assert recs["save-nothing"]["activation_saved"] == pytest.approx(0.9)
     assert recs["save-nothing"]["slowdown"] == pytest.approx(0.25)
     assert recs["save-dots"]["peak_saved"] is None
-    assert plots.pareto_frontier([1.0, 1.25, 1.1], [100, 40, 120]) == [0, 1]
+    assert results.pareto_frontier([1.0, 1.25, 1.1], [100, 40, 120]) == [0, 1]
 
 
 # -- Bad input: one line, exit 2, nothing compiled ------------------------------------------------

@@ -24,6 +24,7 @@ from remat_kit.memory.diff import diff_reports
 from remat_kit.memory.report import MemoryReport
 from remat_kit.memory.timeline import thin_positions
 from remat_kit.report_html.entries import Entry, Group
+from remat_kit.sweep.results import pareto_frontier
 from remat_kit.units import GIB, KIB, MIB, format_bytes, format_flops
 
 #: A timeline drawn in the page keeps at most this many schedule points (the highest of each
@@ -96,17 +97,6 @@ def _x_options(entries: Sequence[Entry]) -> list[tuple[str, str]]:
     return [(k, name) for k, name in options if any(getattr(e, k) is not None for e in entries)]
 
 
-def _frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
-    """Indices on the lower-left frontier (less x and less y both better), by x."""
-    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
-    out, best = [], float("inf")
-    for i in order:
-        if ys[i] < best:
-            out.append(i)
-            best = ys[i]
-    return out
-
-
 def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: str) -> dict:
     import plotly.graph_objects as go
 
@@ -120,7 +110,7 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
         for i in idx
     ]
     fig = go.Figure()
-    front = _frontier(xs, ys)
+    front = pareto_frontier(xs, ys)
     if len(front) > 1:
         fig.add_trace(
             go.Scatter(

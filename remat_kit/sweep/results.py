@@ -870,3 +870,15 @@ def option_markdown(rows: Any) -> str:
             parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
     return "\n".join(parts)
+
+
+def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
+    """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
+    sorted by ``x``."""
+    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
+    out, best = [], float("inf")
+    for i in order:
+        if ys[i] < best:
+            out.append(i)
+            best = ys[i]
+    return out

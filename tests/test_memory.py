@@ -182,6 +182,20 @@ def test_compile_failure_names_the_policy_and_xla_first_line(monkeypatch, fresh_
     assert "policy 'save-nothing'" in str(results[0]) and "\n" not in str(results[0])
 
 
+@pytest.mark.parametrize(
+    ("xla_message", "over_memory"),
+    [
+        ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 31.2G of 30.75G", True),
+        ("resource_exhausted: XLA:TPU compile permanent error", True),
+        ("INTERNAL: Ran out of memory while allocating scratch", True),
+        ("INTERNAL: ptxas exited with status 1", False),
+        ("UNIMPLEMENTED: GetCostAnalysis is not supported", False),
+    ],
+)
+def test_compile_error_says_whether_xla_refused_the_step_for_memory(xla_message, over_memory):
+    assert CompileError("policy 'x' on target 'v5p-8'", xla_message).out_of_memory is over_memory
+
+
 def test_bad_model_inputs_raise_value_errors():
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         analyze_model("tiny-gpt", 0, 8, "save-nothing", target="cpu")

@@ -35,6 +35,7 @@ from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_
 from remat_kit.program import Program, argument_parts, as_program
 from remat_kit.recommend.search import (
     BudgetTooSmall,
+    Named,
     advice,
     distinct,
     fixed_program_advice,
@@ -119,10 +120,6 @@ def resolve_budget(
     if target.memory_bytes is not None and nbytes > target.memory_bytes:
         note += f", above the {format_bytes(target.memory_bytes)} of device memory of {target.name}"
     return nbytes, note
-
-
-#: A compiled named policy: its spec, its candidate and the analyzer's report.
-Named = tuple[PolicySpec, Candidate, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +496,7 @@ def compile_named(session: Session, request: Request) -> list[Named]:
 def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
     """Stage 4 with ``auto``: the largest batch per distinct policy; the pick has the most
     tokens per second (then the least memory)."""
-    largest, probes = largest_batch(session, distinct(named))
+    largest, probes = largest_batch(session, [(spec, c) for spec, c, _ in distinct(named)])
     skip = pointless_offloads(largest, auto=True)
     usable = [c for c in largest if not any(c is s for s in skip)]
     pick = max(usable, key=lambda c: (c.tokens_per_s, -c.peak_bytes), default=None)

@@ -58,6 +58,8 @@ from remat_kit.remat_impl import can_offload
 from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import bytes_by_tag
 
+#: A compiled named policy: its spec, its candidate and the analyzer's report.
+Named = tuple[PolicySpec, Candidate, Any]
 #: Probes per policy in the batch search before it stops.
 BATCH_PROBES = 6
 
@@ -223,18 +225,16 @@ def largest_batch(
     return [br.lo for br in brackets if br.lo is not None], probes_all
 
 
-def distinct(
-    named: Sequence[tuple[PolicySpec, Candidate, Any]],
-) -> list[tuple[PolicySpec, Candidate]]:
-    """Named candidates less those compiled to the same program as an earlier one (same peak,
-    host bytes and FLOPs: at group size 1, save-layer-inputs is save-nothing)."""
+def distinct(named: Sequence[Named]) -> list[Named]:
+    """``named`` less those compiled to the same program as an earlier one (same peak, host
+    bytes and FLOPs: at group size 1, save-layer-inputs is save-nothing)."""
     seen: set[tuple] = set()
     out = []
-    for spec, c, _ in named:
-        key = (c.peak_bytes, c.host_bytes, c.flops)
+    for t in named:
+        key = (t[1].peak_bytes, t[1].host_bytes, t[1].flops)
         if key not in seen:
             seen.add(key)
-            out.append((spec, c))
+            out.append(t)
     return out
 
 
@@ -261,8 +261,6 @@ def structure_compiles(num_layers: int) -> int:
 
 #: Tokens per chunk of the chunked cross-entropy (or seq / 8 where it does not divide the seq).
 LOSS_CHUNK = 1024
-
-Triple = tuple[PolicySpec, Candidate, Any]
 
 
 def loss_chunk(seq_len: int) -> int | None:
@@ -315,23 +313,12 @@ def structural_options(session: Session) -> list[tuple[str, Structure]]:
     return out
 
 
-def _distinct(triples: Sequence[Triple]) -> list[Triple]:
-    seen: set[tuple] = set()
-    out = []
-    for t in triples:
-        key = (t[1].peak_bytes, t[1].host_bytes, t[1].flops)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
-
-
 def _residual_bytes(report: Any) -> int:
     """Device bytes of the saved residuals of every layer (the analyzer's jaxpr table)."""
     return sum(r.nbytes for r in report.residuals if r.memory == "device")
 
 
-def _saving(structure: Structure, least: Triple, compiled: Triple, other: Triple) -> float:
+def _saving(structure: Structure, least: Named, compiled: Named, other: Named) -> float:
     """Estimated peak saving of ``structure`` for ``other``: the compiled saving of ``least``;
     nested remat adds ``(1 - 1/G)`` of the difference in residual bytes (one segment of L/G
     layers holds its residuals at a time instead of all L layers)."""
@@ -344,8 +331,8 @@ def _saving(structure: Structure, least: Triple, compiled: Triple, other: Triple
 
 
 def search_structure(
-    session: Session, named: Sequence[Triple], batch: int, best_time: float
-) -> list[Triple]:
+    session: Session, named: Sequence[Named], batch: int, best_time: float
+) -> list[Named]:
     """Structural options on the named candidates that do not fit and are faster than
     ``best_time`` (the best fit so far, ``inf`` if none); see the module docstring.
 
@@ -353,8 +340,8 @@ def search_structure(
       Every candidate compiled, as (spec, candidate, report).
     """
     g0 = session.config.remat_group_size
-    over = _distinct([t for t in named if not t[1].fits and t[1].step_time_s < best_time])
-    out: list[Triple] = []
+    over = distinct([t for t in named if not t[1].fits and t[1].step_time_s < best_time])
+    out: list[Named] = []
     for label, structure in structural_options(session) if over else []:
         if session.room() <= 0:
             session.notes.append(f"structure search stopped at the compile cap before {label}")
@@ -385,8 +372,8 @@ def structure_of(c: Candidate) -> Structure:
 
 
 def search_partial_layers(
-    session: Session, pool: Sequence[Triple], pick: Candidate | None, batch: int
-) -> list[Triple]:
+    session: Session, pool: Sequence[Named], pick: Candidate | None, batch: int
+) -> list[Named]:
     """Fewer rematerialised layers for the pick's policy (and the least-memory fitting full-remat
     policy with the same options); see the module docstring.
 
@@ -419,8 +406,8 @@ def search_partial_layers(
     none = [t[1] for t in pool if t[1].policy == "no-remat" and structure_of(t[1]) == base]
     if any(c.fits for c in none):
         return []  # no remat at all fits, and is faster than any partial remat
-    out: list[Triple] = []
-    for spec, full, _ in _distinct(mine + [least]):
+    out: list[Named] = []
+    for spec, full, _ in distinct(mine + [least]):
         out += _bisect_layers(session, spec, full, none[0] if none else None, base, batch)
     return out
 
@@ -432,14 +419,14 @@ def _bisect_layers(
     none: Candidate | None,
     base: Structure,
     batch: int,
-) -> list[Triple]:
+) -> list[Named]:
     """The least ``remat_layers`` that fits for ``spec``: secant, then bisection, until the
     bracket closes (``k`` fits, ``k - 1`` compiled not to; ``k = 0`` is no-remat), within
     :func:`partial_probes` compiles and the session's cap (a note says when it did not close)."""
     layers = session.config.num_layers
     points = {layers: full.peak_bytes} | ({0: none.peak_bytes} if none is not None else {})
     fit, miss = layers, 0
-    out: list[Triple] = []
+    out: list[Named] = []
     stopped = "after its probes"
     for probe in range(partial_probes(layers)):
         if fit - miss <= 1:

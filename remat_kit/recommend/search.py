@@ -50,7 +50,6 @@ from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.memory.roofline import DeviceFigures, figures_for
 from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
-from remat_kit.names import CHECKPOINT_NAMES
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
 from remat_kit.program import Placement, Program, step_flops
 from remat_kit.recommend.session import Candidate, Session, SolveSummary, Structure, TagCost
@@ -589,7 +588,7 @@ def flops_step_time(
 def solve_tags_of(program: Program, tags: frozenset[str]) -> tuple[str, ...]:
     """The tags the solver chooses for, in a fixed order: remat-kit's (MaxText's) names in
     their order, then the program's own names alphabetically."""
-    known = list(CHECKPOINT_NAMES)
+    known = list(N.CHECKPOINT_NAMES)
     return tuple(sorted(tags, key=lambda t: (known.index(t) if t in known else len(known), t)))
 
 

@@ -874,7 +874,12 @@ def option_markdown(rows: Any) -> str:
 
 def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
     """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
-    sorted by ``x``."""
+    sorted by ``x``: the memory-vs-time frontier of the sweep's figures and the HTML report.
+
+    Args:
+      xs, ys: one value per point, the same length, in any units (e.g. step seconds and peak
+        bytes); a tie in ``x`` keeps the point with the lower ``y``.
+    """
     order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
     out, best = [], float("inf")
     for i in order:

@@ -21,7 +21,7 @@ import optax
 from gpu_check_report import label
 
 import remat_kit as rk
-from remat_kit import remat_impl
+from remat_kit import policies as RP
 
 _OOM_MARKERS = ("resource_exhausted", "out of memory", "oom")
 #: A worker's result is the last stdout line with this prefix (JSON after it); a point may print
@@ -272,8 +272,8 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
 
 def runs_as(policy: str | dict[str, str]) -> str | None:
     """What ``policy`` runs as under the remat implementation in use when not as named (a
-    traced probe, :func:`remat_kit.remat_impl.policy_effect`), else None."""
-    effect = remat_impl.policy_effect(spec_of(policy))
+    traced probe, :func:`remat_kit.policies.policy_effect`), else None."""
+    effect = RP.policy_effect(spec_of(policy))
     return None if effect.as_named else effect.runs_as
 
 
@@ -389,8 +389,8 @@ def implementation() -> dict[str, Any]:
     ``remat_impl`` (``classic`` / ``remat3``, read from a traced ``jax.checkpoint``; the text of
     the exception where this JAX's API differs), and ``jax_remat3_flag`` (None: no such flag)."""
     errors: dict[str, str] = {}
-    impl = attempt(errors, "remat_impl", remat_impl.remat_implementation)
-    flag = attempt(errors, "jax_remat3_flag", remat_impl.remat3_flag)
+    impl = attempt(errors, "remat_impl", RP.remat_implementation)
+    flag = attempt(errors, "jax_remat3_flag", RP.remat3_flag)
     return {"jax_version": jax.__version__, "remat_impl": impl or errors.get("remat_impl"),
             "jax_remat3_flag": flag}  # fmt: skip
 
@@ -399,7 +399,7 @@ def run(kind: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run one point of ``kind``; an exception is the point's result (status error / oom).
     ``args["remat_impl"]`` (optional): trace the point under that remat implementation."""
     try:
-        with remat_impl.using(args.get("remat_impl") or remat_impl.remat_implementation()):
+        with RP.using(args.get("remat_impl") or RP.remat_implementation()):
             return {"status": "ok", **KINDS[kind](args), **implementation()}
     except Exception as err:
         text = f"{type(err).__name__}: {str(err)[:1500]}"

@@ -9,7 +9,7 @@ Command (CPU machine; the GPU target compiles deviceless with the CUDA plugin)::
 Writes ``experiments/results/remat3/policies.json``: machine, backend and jax version, and
 
 1. ``policies``: per implementation (``classic``, ``remat3``) and registered policy, the probe of
-   :func:`remat_kit.remat_impl.policy_effect` (promised and observed action per checkpoint name,
+   :func:`remat_kit.policies.policy_effect` (promised and observed action per checkpoint name,
    what it runs as) beside what the analyzer measures for tiny-gpt (b=2, s=64, scanned) compiled
    for a deviceless ``h100-sxm``: device peak, compiled host bytes, the jaxpr's residual bytes
    on device and on host, the compiled program's hash (two policies with one hash compiled to
@@ -51,12 +51,12 @@ MODEL, BATCH, SEQ, TARGET = "tiny-gpt", 2, 64, "h100-sxm"
 
 def _policy_rows() -> list[dict]:
     import remat_kit as rk
-    from remat_kit import remat_impl as RI
+    from remat_kit import policies as RP
 
     names = rk.policy_names()
     rows = []
-    for impl in RI.IMPLEMENTATIONS:
-        with RI.using(impl):  # traces (and the jobs' notes) under this implementation
+    for impl in RP.IMPLEMENTATIONS:
+        with RP.using(impl):  # traces (and the jobs' notes) under this implementation
             t0 = time.perf_counter()
             reports = rk.analyze_policies(
                 rk.preset(MODEL, BATCH, SEQ),
@@ -67,7 +67,7 @@ def _policy_rows() -> list[dict]:
             )
             wall = time.perf_counter() - t0
         for name, rep in zip(names, reports, strict=True):
-            effect = RI.policy_effect(name, impl)
+            effect = RP.policy_effect(name, impl)
             row = {"implementation": impl, "policy": name, "probe": effect.to_dict()}
             if isinstance(rep, Exception):
                 row["error"] = str(rep)
@@ -94,7 +94,7 @@ def _formulation_rows() -> list[dict]:
     from jax.ad_checkpoint import checkpoint_name
 
     import remat_kit as rk
-    from remat_kit import remat_impl as RI
+    from remat_kit import policies as RP
     from remat_kit.walker import saved_residuals
 
     cp = jax.checkpoint_policies
@@ -162,11 +162,11 @@ def _formulation_rows() -> list[dict]:
     ws = jax.ShapeDtypeStruct((8, 512, 512), jnp.float32)
     x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     rows = []
-    for impl in RI.IMPLEMENTATIONS:
+    for impl in RP.IMPLEMENTATIONS:
         for form, (tag_of, policy) in forms.items():
             for scanned in (True, False):
                 row = {"implementation": impl, "formulation": form, "scanned": scanned}
-                with RI.using(impl):
+                with RP.using(impl):
                     try:
                         loss = make(tag_of(), policy, scanned)
                         kinds = sorted(

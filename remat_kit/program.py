@@ -85,8 +85,7 @@ from remat_kit import targets as T
 from remat_kit.models.config import ModelConfig, get_config
 from remat_kit.models.transformer import BlockGroup
 from remat_kit.names import CHECKPOINT_SHAPES
-from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.remat_impl import remat_implementation
+from remat_kit.policies import PolicySpec, get_policy_spec, remat_implementation
 from remat_kit.training.step import (
     abstract_batch,
     abstract_train_state,

@@ -392,12 +392,12 @@ def test_a_presets_reports_under_jax_remat3_are_not_the_classic_ones(fresh_compi
     """The stored reports of a preset request are keyed by the remat implementation too: under
     jax_remat3 the same request is traced again (its figures and remat_impl its own), never read
     back from the classic run (a shared cache of the suite's once did)."""
-    from remat_kit import remat_impl as RI
+    from remat_kit import policies as RP
 
     config = remat_kit.get_config("tiny-gpt", num_layers=1, scan_layers=True)
     runs = {}
     for impl in ("classic", "remat3"):
-        with RI.using(impl):
+        with RP.using(impl):
             (runs[impl],) = remat_kit.analyze_policies(
                 remat_kit.preset(config, 1, 16), ["save-nothing"], target="cpu"
             )

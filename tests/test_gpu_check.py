@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from remat_kit import remat_impl
+from remat_kit import policies as RP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
@@ -81,7 +81,7 @@ def _check_cpu_run(tmp_path):
     assert again["status"] == "ok" and again["remat_impl"] == "remat3"
     assert again["policies"][custom]["equal"] is True
     assert rows["grads"]["policies"][custom]["runs_as"] is None  # as named under classic
-    under_remat3 = remat_impl.policy_effect(gpu_check.CUSTOM, "remat3")
+    under_remat3 = RP.policy_effect(gpu_check.CUSTOM, "remat3")
     assert again["policies"][custom]["runs_as"] == (
         None if under_remat3.as_named else under_remat3.runs_as
     )

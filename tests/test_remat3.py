@@ -3,9 +3,9 @@ the tags the residual table keeps, offload real (host bytes of a compile), and w
 sweep's rows and table, recommend, the timeline and the doctor say when the implementation in
 use runs a policy as something other than its name.
 
-Each check is parametrized over :data:`remat_kit.remat_impl.IMPLEMENTATIONS`. What a policy
+Each check is parametrized over :data:`remat_kit.policies.IMPLEMENTATIONS`. What a policy
 should do there is never a list written here: it is the probe's verdict
-(:func:`remat_kit.remat_impl.policy_effect`), and these tests hold the tools (and the model's
+(:func:`remat_kit.policies.policy_effect`), and these tests hold the tools (and the model's
 own residuals and compiled host bytes) to it.
 """
 
@@ -23,7 +23,7 @@ import remat_kit
 import remat_kit.training
 from remat_kit import doctor, plots
 from remat_kit import names as N
-from remat_kit import remat_impl as RI
+from remat_kit import policies as RP
 from remat_kit.policies import custom_spec, get_policy_spec, policy_names
 from remat_kit.program import block_residuals
 from remat_kit.recommend.api import _resolve_specs
@@ -32,7 +32,7 @@ from remat_kit.sweep.rows import analysis_fields
 from remat_kit.training.step import loss_fn
 from remat_kit.walker import group_by_tag
 
-IMPLS = list(RI.IMPLEMENTATIONS)
+IMPLS = list(RP.IMPLEMENTATIONS)
 POLICIES = policy_names()
 
 
@@ -42,20 +42,20 @@ def _config(policy="no-remat", group=1):
 
 
 def test_implementation_is_read_from_the_trace_and_switched_per_thread():
-    outside = RI.remat_implementation()
+    outside = RP.remat_implementation()
     for impl in IMPLS:
-        with RI.using(impl):
-            assert RI.remat_implementation() == impl
+        with RP.using(impl):
+            assert RP.remat_implementation() == impl
             eqn = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).jaxpr.eqns[0]
             assert (eqn.primitive.name == "remat2") == (impl == "classic")
-    assert RI.remat_implementation() == outside
+    assert RP.remat_implementation() == outside
     with pytest.raises(ValueError, match="remat implementation.*'remat4'"):
-        with RI.using("remat4"):
+        with RP.using("remat4"):
             pass
 
 
 def test_probe_reads_every_registered_policy_as_named_under_classic():
-    assert all(RI.policy_effect(p, "classic").as_named for p in POLICIES)
+    assert all(RP.policy_effect(p, "classic").as_named for p in POLICIES)
 
 
 #: Gradients: every registered policy under classic remat is tests/test_policies.py; here the
@@ -77,7 +77,7 @@ def _losses_and_grads():
     def all_of(p, b):
         out = []
         for impl in IMPLS:
-            with RI.using(impl):
+            with RP.using(impl):
                 out += [jax.value_and_grad(loss_fn)(p, c, b) for c in configs]
         return out
 
@@ -107,9 +107,9 @@ def test_model_residuals_keep_what_the_probe_says_the_policy_runs_as(impl):
     config = _config(group=2)
     emitted = set(config.checkpoint_names)
     for policy in ["save-qkv-proj", "offload-qkv-proj", "offload-layer-inputs"]:
-        effect = RI.policy_effect(policy, impl)
+        effect = RP.policy_effect(policy, impl)
         runs = get_policy_spec(policy) if effect.as_named else get_policy_spec(effect.runs_as)
-        with RI.using(impl):
+        with RP.using(impl):
             rows = group_by_tag(block_residuals(config.replace(remat_policy=policy), 2, 16))
         saved = {r.tag for r in rows if r.memory == "device" and r.tag in N.CHECKPOINT_NAMES}
         offloaded = {r.tag for r in rows if r.memory == "host"}
@@ -120,18 +120,18 @@ def test_model_residuals_keep_what_the_probe_says_the_policy_runs_as(impl):
 def test_recommend_never_picks_a_policy_for_what_the_other_implementation_does(impl):
     tgt = remat_kit.get_target("h100-sxm")
     given = ["offload-qkv-proj", "offload-layer-inputs", "save-nothing", "save-qkv-proj"]
-    with RI.using(impl):
+    with RP.using(impl):
         tags = frozenset(_config().checkpoint_names)
         program = SimpleNamespace(name="p", model_config=None)  # given policies: its name only
         specs, notes, _, _ = _resolve_specs(tgt, given, program, tags)
-        offload_ok = RI.can_offload(tgt)
+        offload_ok = RP.can_offload(tgt)
     kept = [s.name for s in specs]
     for policy in given:
-        effect = RI.policy_effect(policy, impl)
+        effect = RP.policy_effect(policy, impl)
         assert (policy in kept) == effect.as_named
         if not effect.as_named:
             assert sum(effect.line() in n for n in notes) == 1
-    assert offload_ok == RI.offload_works(impl)
+    assert offload_ok == RP.offload_works(impl)
 
 
 def _mlp_loss(policy):
@@ -153,9 +153,9 @@ def test_doctor_reports_what_the_policy_runs_as(impl):
     ws = jax.ShapeDtypeStruct((3, 128, 128), jnp.float32)
     x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
     spec = custom_spec({"mlpwi": "offload"})
-    with RI.using(impl):
+    with RP.using(impl):
         findings = doctor.check_function(_mlp_loss, ws, x, policy=spec)
-    effect = RI.policy_effect(spec, impl)
+    effect = RP.policy_effect(spec, impl)
     codes = {f.code for f in findings}
     assert ("remat3-full-remat" in codes) == (not effect.as_named)
     if not effect.as_named:  # the doctor's line carries the probe's cause and fix
@@ -165,7 +165,7 @@ def test_doctor_reports_what_the_policy_runs_as(impl):
 
 @functools.cache
 def _offload_reports(impl):
-    with RI.using(impl):
+    with RP.using(impl):
         return remat_kit.analyze_policies(
             remat_kit.preset(_config(), 2, 32), ["offload-to-host", "save-nothing"],
             target="h100-sxm",
@@ -177,7 +177,7 @@ def _offload_reports(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_offload_is_real_or_reported_by_analyze_and_the_sweep(impl):
     offload, nothing = _offload_reports(impl)
-    effect = RI.policy_effect("offload-to-host", impl)
+    effect = RP.policy_effect("offload-to-host", impl)
     assert (offload.remat_impl, offload.jax_version) == (impl, jax.__version__)
     row = {**analysis_fields(offload), "status": "ok", "policy": "offload-to-host",
            "model": "tiny-gpt", "target": "h100-sxm", "batch_size": 2, "seq_len": 64}  # fmt: skip
@@ -214,7 +214,7 @@ def test_docs_table_is_the_committed_run():
     assert result["jax"] in page and result["target"] in page  # named with the figures
     for row in result["policies"]:  # the run agrees with the probe of this JAX
         if row["probe"]["jax_version"] == jax.__version__:
-            effect = RI.policy_effect(row["policy"], row["implementation"])
+            effect = RP.policy_effect(row["policy"], row["implementation"])
             assert effect.runs_as == row["probe"]["runs_as"], row["policy"]
 
 
@@ -231,7 +231,7 @@ def test_a_users_step_is_judged_to_pass_the_policy_under_remat3():
 
     args = plain_jax.abstract_args()
     loss_args = (args[0], args[2])
-    with RI.using("remat3"):
+    with RP.using("remat3"):
         from_loss = policy_reach(plain_jax.program())
         assert from_loss.passes and from_loss.part == "make_loss" and from_loss.segments
         step = policy_reach(Program.from_step(plain_jax.make_step, *args, name="step"))
@@ -242,6 +242,6 @@ def test_a_users_step_is_judged_to_pass_the_policy_under_remat3():
         refused = policy_reach(both)
         assert not refused.passes and refused.part == "make_step"
         assert "traces to the same step under every policy" in refused.error()
-    with RI.using("classic"):  # the same judgement, from counted segments
+    with RP.using("classic"):  # the same judgement, from counted segments
         assert policy_reach(Program.from_step(plain_jax.make_step, *args, name="s")).reached
         assert not policy_reach(both).passes

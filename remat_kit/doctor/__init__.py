@@ -56,7 +56,7 @@ Finding codes (severity):
   honours name-set policies ``save_only_these_names`` / ``save_any_names_but_these``,
   ``everything_saveable`` and the dots policies; offload policies put nothing on host in jax
   0.10.2). For a remat-kit policy this is the verdict of a traced probe
-  (:func:`remat_kit.remat_impl.policy_effect`), with its cause and fix.
+  (:func:`remat_kit.policies.policy_effect`), with its cause and fix.
 - ``runs-as-other`` (error): the remat implementation in use runs a remat-kit policy as
   something other than full remat and other than its name (the probe's verdict).
 - ``saves-everything`` (error): ``save_anything_except_these_names`` (a JAX regression: it saves

@@ -20,8 +20,14 @@ from typing import Any
 import jax
 
 from remat_kit.doctor.findings import Finding
-from remat_kit.policies import PolicySpec, get_policy_spec, is_by_exclusion, read_jax_policy
-from remat_kit.remat_impl import describe_implementation, policy_effect
+from remat_kit.policies import (
+    PolicySpec,
+    describe_implementation,
+    get_policy_spec,
+    is_by_exclusion,
+    policy_effect,
+    read_jax_policy,
+)
 from remat_kit.validation import closest
 
 
@@ -187,7 +193,7 @@ def resolve_policy(
 
 def effect_findings(name: str, spec: PolicySpec, promise: Promise | None) -> list[Finding]:
     """The error for a remat-kit policy that the remat implementation in use does not apply as
-    named, from :func:`remat_kit.remat_impl.policy_effect` (a traced probe); ``[]`` when it
+    named, from :func:`remat_kit.policies.policy_effect` (a traced probe); ``[]`` when it
     does. Code ``remat3-full-remat`` when ``jax_remat3`` runs it as full remat, else
     ``runs-as-other``."""
     effect = policy_effect(spec)

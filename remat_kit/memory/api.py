@@ -44,6 +44,7 @@ from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models.config import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
+    can_offload,
     check_tags,
     custom_spec,
     cut_label,
@@ -53,6 +54,7 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
     policy_specs,
+    remat_implementation,
 )
 from remat_kit.program import (
     Placement,
@@ -65,7 +67,6 @@ from remat_kit.program import (
     purify,
     require_program,
 )
-from remat_kit.remat_impl import can_offload, remat_implementation
 from remat_kit.walker import (
     LOOP_PRIMITIVES,
     TagResiduals,

@@ -166,7 +166,7 @@ class MemoryReport:
         compile options and lowered StableHLO text): reports with the same key come from one
         compile of one program (two policies that act the same); None when not known.
       remat_impl: the remat implementation the step was traced under (``classic``, or
-        ``remat3`` with ``jax_remat3`` on; :mod:`remat_kit.remat_impl`); jax_version: JAX's.
+        ``remat3`` with ``jax_remat3`` on; :mod:`remat_kit.policies`); jax_version: JAX's.
       runs_as: what the policy ran as when that implementation does not apply it as named
         (``save-nothing``: full remat); None when it runs as named (a warning says the rest).
       compile_cached: the compile's artifacts were read from the persistent compile cache

@@ -63,8 +63,7 @@ from remat_kit.memory.xla_compile import (
     compile_with_dump,
     jax_backend_description,
 )
-from remat_kit.policies import on_device_twin
-from remat_kit.remat_impl import policy_effect, remat_implementation
+from remat_kit.policies import on_device_twin, policy_effect, remat_implementation
 from remat_kit.units import format_bytes
 from remat_kit.walker import TagResiduals
 
@@ -355,7 +354,7 @@ def _report(
 
 def note_policy_effect(job: Job, spec: Any, target: T.Target) -> Job:
     """Note on a policy's job what it runs as when the remat implementation in use does not
-    apply it as named (:func:`remat_kit.remat_impl.policy_effect`), and on an offloading one
+    apply it as named (:func:`remat_kit.policies.policy_effect`), and on an offloading one
     when ``target`` does not offload."""
     effect = policy_effect(spec)
     if not effect.as_named:

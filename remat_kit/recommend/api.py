@@ -31,7 +31,14 @@ from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.roofline import figures_for, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models.config import ModelConfig
-from remat_kit.policies import PolicySpec, cut_label, policies_for_tags, policy_label, policy_names
+from remat_kit.policies import (
+    PolicySpec,
+    cut_label,
+    honoured,
+    policies_for_tags,
+    policy_label,
+    policy_names,
+)
 from remat_kit.program import Program, argument_parts, as_program
 from remat_kit.recommend.search import (
     BudgetTooSmall,
@@ -61,7 +68,6 @@ from remat_kit.recommend.session import (
     offload_passed_over,
     pointless_offloads,
 )
-from remat_kit.remat_impl import honoured
 from remat_kit.units import format_bytes, parse_bytes
 
 #: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
@@ -340,7 +346,7 @@ def _resolve_specs(
     (:func:`remat_kit.policies.policies_for_tags`); a user's own spec as given (the analyzer
     checks its tags). Dropped with a note: offloading policies where offload is not real, and
     those the remat implementation in use does not apply as named (never picked for what they
-    would do under the other one: :func:`remat_kit.remat_impl.honoured`).
+    would do under the other one: :func:`remat_kit.policies.honoured`).
 
     Raises:
       ValueError: empty ``policies``; unknown policy; nothing left to compile.

@@ -50,10 +50,9 @@ from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.memory.roofline import DeviceFigures, figures_for
 from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
-from remat_kit.policies import TAG_ACTIONS, PolicySpec, custom_spec, get_policy_spec
+from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
 from remat_kit.program import Placement, Program, step_flops
 from remat_kit.recommend.session import Candidate, Session, SolveSummary, Structure, TagCost
-from remat_kit.remat_impl import can_offload
 from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import bytes_by_tag
 

@@ -46,8 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
-from remat_kit.policies import policy_names
-from remat_kit.remat_impl import remat_implementation
+from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
     "OPTION_FAMILIES",
@@ -115,7 +114,7 @@ def environment() -> dict[str, Any]:
     ``backend``, ``device_kind`` (of device 0), ``device_count`` (every process's devices),
     ``process_count``, ``platform``, ``machine``, ``processor``, ``cpu_model`` (None when
     ``/proc/cpuinfo`` has none), ``cpu_count`` and ``remat_impl`` (the remat implementation
-    ``jax.checkpoint`` traces with: ``classic`` or ``remat3``, :mod:`remat_kit.remat_impl`).
+    ``jax.checkpoint`` traces with: ``classic`` or ``remat3``, :mod:`remat_kit.policies`).
     """
 
     def version(dist: str) -> str | None:

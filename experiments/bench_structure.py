@@ -42,7 +42,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from remat_kit.memory.api import analyze_model  # noqa: E402
-from remat_kit.models.config import ModelConfig, get_config, sqrt_groups, stored_layer_inputs  # noqa: E402  # noqa: E402
+from remat_kit.models import ModelConfig, get_config, sqrt_groups, stored_layer_inputs  # noqa: E402  # noqa: E402
 from remat_kit.training.step import (  # noqa: E402
     abstract_batch,
     abstract_train_state,

@@ -20,13 +20,13 @@ from remat_kit.models import PRESETS as PRESETS
 from remat_kit.models import Block as Block
 from remat_kit.models import BlockGroup as BlockGroup
 from remat_kit.models import ModelConfig as ModelConfig
+from remat_kit.models import RematLayerStack as RematLayerStack
 from remat_kit.models import Transformer as Transformer
+from remat_kit.models import attention_choices as attention_choices
+from remat_kit.models import chunked_cross_entropy as chunked_cross_entropy
 from remat_kit.models import get_config as get_config
 from remat_kit.models import make_model as make_model
 from remat_kit.models import preset_names as preset_names
-from remat_kit.models.config import attention_choices as attention_choices
-from remat_kit.models.transformer import RematLayerStack as RematLayerStack
-from remat_kit.models.transformer import chunked_cross_entropy as chunked_cross_entropy
 from remat_kit.names import CHECKPOINT_NAMES as CHECKPOINT_NAMES
 from remat_kit.policies import PolicyEffect as PolicyEffect
 from remat_kit.policies import PolicySpec as PolicySpec

@@ -82,8 +82,7 @@ from jax.extend import core as jax_core
 
 from remat_kit import sharding as S
 from remat_kit import targets as T
-from remat_kit.models.config import ModelConfig, get_config
-from remat_kit.models.transformer import BlockGroup
+from remat_kit.models import BlockGroup, ModelConfig, get_config
 from remat_kit.names import CHECKPOINT_SHAPES
 from remat_kit.policies import PolicySpec, get_policy_spec, remat_implementation
 from remat_kit.training.step import (

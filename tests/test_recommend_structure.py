@@ -14,7 +14,7 @@ import pytest
 
 from remat_kit import targets as T
 from remat_kit.cli.recommend import print_recommendation
-from remat_kit.models.config import get_config
+from remat_kit.models import get_config
 from remat_kit.program import model_residuals, preset
 from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
 from remat_kit.recommend.search import loss_chunk, structural_options, structure_of

@@ -11,8 +11,14 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from remat_kit import sharding as S
-from remat_kit.models.config import attention_choices, get_config, layer_plan, sqrt_groups
-from remat_kit.models.transformer import RematLayerStack, chunked_cross_entropy
+from remat_kit.models import (
+    RematLayerStack,
+    attention_choices,
+    chunked_cross_entropy,
+    get_config,
+    layer_plan,
+    sqrt_groups,
+)
 from remat_kit.training.step import init_params, loss_fn, make_optimizer, sharded_train_state
 from remat_kit.walker import saved_residuals
 

@@ -186,7 +186,7 @@ def test_tpu_compile_per_device_params_real_offload_and_xla_peak():
     assert report.platform == "tpu" and "XLA TPU compiler" in report.backend
     # Per-device parameters: every sharded leaf split 4 ways, the replicated ones whole.
     from remat_kit import sharding as S
-    from remat_kit.models.config import get_config
+    from remat_kit.models import get_config
     from remat_kit.training.step import abstract_train_state, make_optimizer, sharded_train_state
 
     config = get_config("tiny-llama")

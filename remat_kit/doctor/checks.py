@@ -51,7 +51,7 @@ from remat_kit.doctor.tags import (
 )
 from remat_kit.memory import analyze, hlo
 from remat_kit.memory.api import analyze_policies, program_policies, program_tags
-from remat_kit.models.config import ModelConfig
+from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
     custom_spec,

@@ -41,7 +41,7 @@ from remat_kit.memory.runner import (
     run_jobs,
 )
 from remat_kit.memory.xla_compile import CompileError
-from remat_kit.models.config import ModelConfig
+from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
     can_offload,

@@ -42,7 +42,7 @@ import optax
 
 from remat_kit import targets as T
 from remat_kit.memory.api import analyze_policies
-from remat_kit.models.config import ModelConfig, get_config
+from remat_kit.models import ModelConfig, get_config
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label
 from remat_kit.program import model_residuals, preset
 

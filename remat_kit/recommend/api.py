@@ -30,7 +30,7 @@ from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.roofline import figures_for, time_model_note
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.models.config import ModelConfig
+from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
     cut_label,

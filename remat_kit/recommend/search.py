@@ -9,13 +9,13 @@
   return.
 
   - :func:`search_structure`: the options in order of cost (cuDNN flash attention where
-    :func:`~remat_kit.models.config.attention_choices` allows it: fewer FLOPs and no
+    :func:`~remat_kit.models.attention_choices` allows it: fewer FLOPs and no
     [batch, heads, seq, seq] scores; then chunked cross-entropy: the LM head runs once more; then
     both; then nested remat, alone and with the others: every block's forward runs once more),
     each on the candidates that do not fit and are faster than the best fit: the least-memory
     one first (its compiled saving is the estimate for the others), then the fastest ones whose
     peak less that saving would fit, at most :data:`STRUCTURE_PROBES` per option. Nested remat
-    (Chen et al. 2016, arXiv:1604.06174; :func:`remat_kit.models.config.sqrt_groups`) keeps one
+    (Chen et al. 2016, arXiv:1604.06174; :func:`remat_kit.models.sqrt_groups`) keeps one
     outer segment's residuals at a time instead of every layer's, so its saving grows with the
     policy's residuals: the estimate for another policy adds ``(1 - 1/G)`` times the difference
     of their residual bytes (G outer groups). The first option that makes something fit ends
@@ -49,7 +49,7 @@ from typing import Any
 from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.memory.roofline import DeviceFigures, figures_for
-from remat_kit.models.config import ModelConfig, attention_choices, sqrt_groups
+from remat_kit.models import ModelConfig, attention_choices, sqrt_groups
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
 from remat_kit.program import Placement, Program, step_flops
 from remat_kit.recommend.session import Candidate, Session, SolveSummary, Structure, TagCost

@@ -22,7 +22,7 @@ from remat_kit import targets as T
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.models.config import PRESETS, ModelConfig
+from remat_kit.models import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.units import format_bytes

@@ -8,7 +8,7 @@ from typing import Any
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.models.config import get_config, preset_names
+from remat_kit.models import get_config, preset_names
 from remat_kit.policies import parse_policy_arg
 from remat_kit.training.step import OPTIMIZERS
 

@@ -14,7 +14,7 @@ import jax
 from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.models.config import ModelConfig, get_config
+from remat_kit.models import ModelConfig, get_config
 from remat_kit.policies import parse_policy_arg, policy_names
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import check_grid, error_message, within

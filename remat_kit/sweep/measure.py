@@ -22,7 +22,7 @@ from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.models.config import ModelConfig
+from remat_kit.models import ModelConfig
 from remat_kit.policies import PolicySpec, policy_label
 from remat_kit.program import Program, Pure
 from remat_kit.sweep.config import Point

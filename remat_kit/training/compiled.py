@@ -19,8 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from remat_kit import sharding as S
-from remat_kit.models.config import ModelConfig
-from remat_kit.models.transformer import make_model
+from remat_kit.models import ModelConfig, make_model
 from remat_kit.training.config import TrainConfig
 from remat_kit.training.step import (
     TrainState,

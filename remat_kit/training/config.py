@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from remat_kit.models.config import ModelConfig, get_config, preset_names
+from remat_kit.models import ModelConfig, get_config, preset_names
 from remat_kit.policies import parse_policy_arg, policy_names
 from remat_kit.sharding import parse_mesh
 from remat_kit.training.step import OPTIMIZERS, check_micro_batches

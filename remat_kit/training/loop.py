@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from remat_kit import sharding as S
-from remat_kit.models.config import ModelConfig
+from remat_kit.models import ModelConfig
 from remat_kit.training.checkpoint import (
     FORMAT,
     check_compatible,

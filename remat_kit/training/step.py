@@ -13,8 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit import sharding as S
-from remat_kit.models.config import ModelConfig
-from remat_kit.models.transformer import chunked_model_loss, make_model
+from remat_kit.models import ModelConfig, chunked_model_loss, make_model
 from remat_kit.validation import positive_int, unknown_value_error
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -74,7 +73,7 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def loss_fn(params: Any, config: ModelConfig, batch: Batch) -> jax.Array:
     """Loss of the model for ``config`` on ``batch`` ({"inputs", "targets"}: [batch, seq]);
     over sequence chunks when ``config.loss_chunk_size`` is set (the full [batch, seq, vocab]
-    logits never exist at once: :func:`remat_kit.models.transformer.chunked_model_loss`)."""
+    logits never exist at once: :func:`remat_kit.models.chunked_model_loss`)."""
     if config.loss_chunk_size is not None:
         return chunked_model_loss(params, config, batch)
     logits = make_model(config).apply({"params": params}, batch["inputs"])

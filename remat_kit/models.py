@@ -533,16 +533,16 @@ _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Rad
 
 def _partitioned(init, names: tuple[str, ...]):
     """``init`` with logical axis ``names`` on its output. ``rules=()``: a parameter is never
-    constrained inside the model, also while :func:`remat_kit.sharding.activation_sharding`'s
+    constrained inside the model, also while :func:`remat_kit.targets.activation_sharding`'s
     rules are in force (its layout is the jitted step's input sharding; and flax's
     ``DenseGeneral`` would apply an N-d constraint to its flattened 2-d kernel)."""
     return nn.with_logical_partitioning(init, names, rules=())
 
 
 # Logical axis names of every parameter dimension (mapped to mesh axes by
-# remat_kit.sharding.LOGICAL_RULES; without rules they are inert metadata). Scanned parameters get
+# remat_kit.targets.LOGICAL_RULES; without rules they are inert metadata). Scanned parameters get
 # a leading "layers" axis. Activations: ACTIVATION_AXES, constrained only while flax logical axis
-# rules are in force (remat_kit.sharding.activation_sharding), a no-op otherwise.
+# rules are in force (remat_kit.targets.activation_sharding), a no-op otherwise.
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")  # [b, s, h]
 _KERNEL_AXES = {
     N.QUERY_PROJ: ("embed", "heads", "head_dim"),

@@ -80,7 +80,6 @@ import optax
 from flax import nnx
 from jax.extend import core as jax_core
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.models import BlockGroup, ModelConfig, get_config
 from remat_kit.names import CHECKPOINT_SHAPES
@@ -1203,7 +1202,7 @@ class PresetProgram(Program):
     batch_size: int | None = None
     seq_len: int | None = None
     optimizer: str | optax.GradientTransformation = "adamw"
-    mesh: S.MeshSpec | None = None
+    mesh: T.MeshSpec | None = None
     tx: optax.GradientTransformation | None = None
 
     def __repr__(self) -> str:
@@ -1243,9 +1242,9 @@ class PresetProgram(Program):
         (:func:`remat_kit.training.sharded_train_state`) and the batch split over dp*fsdp."""
         if self.mesh is None:
             return super().place(target)
-        mesh = S.make_mesh(self.mesh, T.compile_devices(target, self.mesh.num_devices))
+        mesh = T.make_mesh(self.mesh, T.compile_devices(target, self.mesh.num_devices))
         state, _ = sharded_train_state(self.config, self.tx, mesh)
-        batch = T.abstractify(self.args[1], S.batch_sharding(mesh))
+        batch = T.abstractify(self.args[1], T.batch_sharding(mesh))
         return Placement(lambda args: (state, batch), mesh)
 
     def residuals(self, spec: PolicySpec, placement: Placement) -> tuple[TagResiduals, ...]:
@@ -1327,7 +1326,7 @@ def preset(
     batch_size: int,
     seq_len: int,
     optimizer: str | optax.GradientTransformation = "adamw",
-    mesh: str | S.MeshSpec | None = None,
+    mesh: str | T.MeshSpec | None = None,
 ) -> PresetProgram:
     """A bundled model's training step as a program every tool takes.
 
@@ -1338,7 +1337,7 @@ def preset(
       seq_len: tokens per sequence.
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` (:func:`remat_kit.make_optimizer`) or
         an optax transformation.
-      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4"`` or a :class:`~remat_kit.sharding.MeshSpec`: compile
+      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4"`` or a :class:`~remat_kit.targets.MeshSpec`: compile
         on that many devices of the target, figures per device.
 
     Raises:
@@ -1351,7 +1350,7 @@ def preset(
         raise ValueError(f"model must be a preset name or a ModelConfig, got {model!r}")
     positive_int("batch_size", batch_size)
     check_seq_len(seq_len, config.max_seq_len, config.name)
-    spec = S.parse_mesh(mesh) if mesh is not None else None
+    spec = T.parse_mesh(mesh) if mesh is not None else None
     if spec is not None:
         check_batch_split(batch_size, spec.dp * spec.fsdp, mesh=str(spec))
     tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
@@ -1441,7 +1440,7 @@ def as_program(
     batch_size: int | None = None,
     seq_len: int | None = None,
     optimizer: str | optax.GradientTransformation | None = None,
-    mesh: str | S.MeshSpec | None = None,
+    mesh: str | T.MeshSpec | None = None,
     *,
     default_shape: tuple[int, int] | None = None,
 ) -> Program:
@@ -1513,16 +1512,16 @@ def tag_axes(tag: str) -> tuple[str, ...] | None:
 
 
 def tp_split_axes() -> frozenset[str]:
-    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.sharding.LOGICAL_RULES`:
+    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.targets.LOGICAL_RULES`:
     ``heads``, ``kv_heads``, ``mlp``, ``vocab``)."""
-    return frozenset(axis for axis, mesh in S.LOGICAL_RULES if mesh == "tp")
+    return frozenset(axis for axis, mesh in T.LOGICAL_RULES if mesh == "tp")
 
 
 def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
     """Per-device residuals under ``tp``-way tensor parallelism.
 
     A tagged residual whose documented shape (:func:`tag_axes`) has an axis that
-    :data:`remat_kit.sharding.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
+    :data:`remat_kit.targets.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
     ``1/tp`` of that dimension on each device: the projection's weight is split that way and
     XLA's sharding propagation splits its output (and the saved residual) likewise (Megatron-LM,
     Shoeybi et al. 2019, arXiv:1909.08053). The ``embed`` rule (fsdp) is a parameter rule only:

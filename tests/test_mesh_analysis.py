@@ -11,7 +11,7 @@ import contextlib
 import pytest
 
 from remat_kit import names as N
-from remat_kit import sharding
+from remat_kit import targets
 from remat_kit.memory import analyze_policies, api, hlo
 from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
 from remat_kit.models import get_config
@@ -84,7 +84,7 @@ def test_compiled_stacked_residuals_have_the_analyzers_per_device_shapes():
     as [layers, *shape]; every row of the residual table must be one of them."""
     program = preset(CONFIG, 8, 64, mesh="tp=2")
     setup = api._setup(program, get_target("h100-sxm"), program.reach())
-    with sharding.activation_sharding(setup.placement.mesh), capture_compiler_log():
+    with targets.activation_sharding(setup.placement.mesh), capture_compiler_log():
         job = api._program_job(setup, api.get_policy_spec("minimal"))
         result = compile_with_dump(job.lower(), "cuda", "minimal on tp=2")
     comps = hlo.parse_hlo_module(result.dump.hlo)
@@ -123,7 +123,7 @@ def test_recompute_ratio_is_per_device_when_xla_replicates_work(single_device, m
     each device computes about twice its even share of the matmuls, remat or not. That is not
     recomputation: the ratio must stay that of one device (it read ~2.6 when the baseline was
     the traced FLOPs divided by the device count), and a warning must name the replication."""
-    monkeypatch.setattr(sharding, "activation_sharding", lambda mesh: contextlib.nullcontext())
+    monkeypatch.setattr(targets, "activation_sharding", lambda mesh: contextlib.nullcontext())
     (report,) = analyze_policies(preset(CONFIG, 8, 64, mesh="fsdp=8"), ["save-nothing"], "h100-sxm")
     assert report.recompute_ratio == pytest.approx(single_device.recompute_ratio, rel=0.1)
     assert any("its even share (1/8)" in w for w in report.warnings), report.warnings

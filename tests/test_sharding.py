@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import remat_kit
-from remat_kit import sharding as S
 from remat_kit import targets
+from remat_kit import targets as T
 from remat_kit.training import (
     abstract_batch,
     make_optimizer,
@@ -32,25 +32,25 @@ from remat_kit.training import (
 )
 def test_bad_mesh_raises_one_line(text, n, match):
     with pytest.raises(ValueError, match=match):
-        S.parse_mesh(text, n)
+        T.parse_mesh(text, n)
 
 
 def test_parse_mesh():
-    assert S.parse_mesh("dp=2,fsdp=4", 8).shape == (2, 4, 1)
-    assert S.parse_mesh(None, 4).shape == (4, 1, 1)
+    assert T.parse_mesh("dp=2,fsdp=4", 8).shape == (2, 4, 1)
+    assert T.parse_mesh(None, 4).shape == (4, 1, 1)
 
 
 def _compiled_argument_bytes(config, mesh_text, n):
     optimizer = make_optimizer("adamw")
     devices = targets.compile_devices("h100-sxm", n)
-    mesh = S.make_mesh(S.parse_mesh(mesh_text, n), devices)
+    mesh = T.make_mesh(T.parse_mesh(mesh_text, n), devices)
     state, shardings = sharded_train_state(config, optimizer, mesh)
     batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=S.batch_sharding(mesh)),
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=T.batch_sharding(mesh)),
         abstract_batch(8, 64),
     )
     step = make_train_step(config, optimizer, jit=False)
-    fn = jax.jit(step, in_shardings=(shardings, S.batch_sharding(mesh)), donate_argnums=0)
+    fn = jax.jit(step, in_shardings=(shardings, T.batch_sharding(mesh)), donate_argnums=0)
     return fn.lower(state, batch).compile().memory_analysis().argument_size_in_bytes
 
 
@@ -68,7 +68,7 @@ def test_fsdp_divides_per_device_argument_bytes():
 
 def test_indivisible_axis_names_the_numbers():
     config = remat_kit.get_config("tiny-llama")  # 4 heads, 2 kv heads
-    mesh = S.make_mesh(S.parse_mesh("tp=8", 8), targets.compile_devices("h100-sxm", 8))
+    mesh = T.make_mesh(T.parse_mesh("tp=8", 8), targets.compile_devices("h100-sxm", 8))
     with pytest.raises(ValueError, match=r"dimension 2 of size 2 is not divisible by mesh axes tp"):
         sharded_train_state(config, make_optimizer("adamw"), mesh)
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
-from remat_kit import sharding as S
+from remat_kit import targets as T
 from remat_kit.models import (
     RematLayerStack,
     attention_choices,
@@ -167,7 +167,7 @@ def test_config_validation():
 def test_nested_params_map_to_mesh_axes():
     # Flax rejects a logical name used twice; the outer axis is "layers_outer".
     config = get_config("tiny-llama", nested_remat=True, remat_policy="save-nothing")
-    _, shardings = sharded_train_state(config, make_optimizer("adamw"), S.local_mesh("fsdp=1"))
+    _, shardings = sharded_train_state(config, make_optimizer("adamw"), T.local_mesh("fsdp=1"))
     kernel = shardings.params["stack"]["layers"]["inner"]["block_0"]["attn"]["query_proj"]["kernel"]
     assert kernel.spec == PartitionSpec(None, None, "fsdp", "tp", None)
 

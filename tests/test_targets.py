@@ -156,7 +156,7 @@ def test_eight_gpu_topology_shards_per_device():
     assert len(devices) == 8 and len({d.id for d in devices}) == 8
     assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
     assert targets.compile_devices("h100-sxm", 8) == devices  # cached
-    mesh = targets.make_mesh("h100-sxm", 8, ("data", "model"), (2, 4))
+    mesh = targets.target_mesh("h100-sxm", 8, ("data", "model"), (2, 4))
     assert dict(mesh.shape) == {"data": 2, "model": 4}
     sharded = targets.abstract_sharding("h100-sxm", 8, P("x"))
     x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=sharded)
@@ -184,9 +184,9 @@ def test_missing_cuda_plugin_says_how_to_install(monkeypatch):
 
 def test_make_mesh_checks_its_shape():
     with pytest.raises(ValueError, match="mesh_shape"):
-        targets.make_mesh("cpu", 1, ("a", "b"))
+        targets.target_mesh("cpu", 1, ("a", "b"))
     with pytest.raises(ValueError, match="multiply"):
-        targets.make_mesh("cpu", 1, ("a",), (2,))
+        targets.target_mesh("cpu", 1, ("a",), (2,))
 
 
 def test_abstractify_puts_the_sharding_on_every_array():

@@ -185,13 +185,13 @@ def test_tpu_compile_per_device_params_real_offload_and_xla_peak():
     )  # fmt: skip
     assert report.platform == "tpu" and "XLA TPU compiler" in report.backend
     # Per-device parameters: every sharded leaf split 4 ways, the replicated ones whole.
-    from remat_kit import sharding as S
+    from remat_kit import targets as T
     from remat_kit.models import get_config
     from remat_kit.training.step import abstract_train_state, make_optimizer, sharded_train_state
 
     config = get_config("tiny-llama")
     total = leaf_bytes(abstract_train_state(config, make_optimizer("adamw")).params)
-    mesh = S.make_mesh(S.parse_mesh("fsdp=4"), targets.compile_devices("v5e-4", 4))
+    mesh = T.make_mesh(T.parse_mesh("fsdp=4"), targets.compile_devices("v5e-4", 4))
     sharded, _ = sharded_train_state(config, make_optimizer("adamw"), mesh)
     whole = sum(
         leaf_bytes(x) for x in jax.tree.leaves(sharded.params) if x.sharding.is_fully_replicated

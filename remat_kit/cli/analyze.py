@@ -21,7 +21,7 @@ from remat_kit.memory.report import same_program_as
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
-from remat_kit.sharding import parse_mesh
+from remat_kit.targets import parse_mesh
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size

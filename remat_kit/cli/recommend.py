@@ -17,7 +17,7 @@ from remat_kit.recommend import (
     Recommendation,
     recommend_program,
 )
-from remat_kit.sharding import parse_mesh
+from remat_kit.targets import parse_mesh
 from remat_kit.units import GIB, MIB, format_bytes, format_seconds
 
 

@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import optax
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.reading import Hints, xla_shape
@@ -164,7 +163,7 @@ def analyze_model(
     top_k: int = DEFAULT_TOP_K,
     fast_compile: bool = True,
     compare_offload: bool = True,
-    mesh: str | S.MeshSpec | None = None,
+    mesh: str | T.MeshSpec | None = None,
 ) -> MemoryReport:
     """Report the memory of a whole training step of a bundled model, from abstract shapes only:
     :func:`analyze_policies` of :func:`remat_kit.preset` under one policy.
@@ -184,7 +183,7 @@ def analyze_model(
       budget_bytes: as :func:`analyze`.
       top_k: as :func:`analyze`.
       fast_compile: as :func:`analyze`.
-      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.sharding.MeshSpec`:
+      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.targets.MeshSpec`:
         compile for that many devices of the target and report per device: arguments and
         peak; the residual table (batch split over dp*fsdp, heads / kv_heads / d_ff dimensions
         of tagged residuals over tp); ``flops`` and ``flops_no_remat`` (the compiled step's
@@ -511,7 +510,7 @@ def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tup
     """
     pure = program.step(spec)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
-    with S.activation_sharding(placement.mesh):  # the model traced under the mesh
+    with T.activation_sharding(placement.mesh):  # the model traced under the mesh
         return pure, jitted.trace(*placement.place(pure.args))
 
 
@@ -689,7 +688,7 @@ def analyze_policies(
 
     total = len(own_specs) + sum(has_twin(s, setup.target, compare_offload) for s in own_specs)
     total += baseline
-    with S.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
+    with T.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
         results = run_jobs(
             jobs(), top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total
         )

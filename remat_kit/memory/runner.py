@@ -129,7 +129,7 @@ def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None
     On a mesh the compiled FLOPs are one device's, and its share of the step is not always
     ``1/devices`` of the traced (global) FLOPs: what XLA's sharding propagation leaves
     replicated (measured: activations kept whole across fsdp without the batch constraint of
-    ``remat_kit.sharding.activation_sharding``: 2x the even share on tiny-llama fsdp=8) or
+    ``remat_kit.targets.activation_sharding``: 2x the even share on tiny-llama fsdp=8) or
     pads, every device computes, with or without remat. Dividing by the even split counted that
     as recomputation (save-nothing read 2.57 there instead of 1.25).
     The baseline per device is therefore the compiled step's own matmuls less those that

@@ -25,7 +25,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.roofline import figures_for, time_model_note
@@ -196,7 +195,7 @@ def recommend(
     workers: int | None = None,
     cache: CompileCache | None = None,
     structure: bool | None = None,
-    mesh: str | S.MeshSpec | None = None,
+    mesh: str | T.MeshSpec | None = None,
 ) -> Recommendation:
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
@@ -238,7 +237,7 @@ def recommend(
         The compile cap grows by :func:`~remat_kit.recommend.search.structure_compiles`
         (``num_layers``) when on.
       mesh: compile every configuration on this (dp, fsdp, tp) mesh of the target's devices
-        (``"fsdp=256"`` on a ``v6e-256`` slice; :func:`remat_kit.sharding.parse_mesh`): the
+        (``"fsdp=256"`` on a ``v6e-256`` slice; :func:`remat_kit.targets.parse_mesh`): the
         batch is split over dp*fsdp devices (default one sequence per such device; not with
         ``"auto"``), and budgets, peaks and step times are per device.
 
@@ -256,7 +255,7 @@ def recommend(
         budget that fits).
     """
     auto = batch_size == "auto"
-    spec = S.parse_mesh(mesh) if mesh else None
+    spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
         raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
     if isinstance(model, (str, ModelConfig)):  # a preset: its default batch and required seq

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models import get_config, preset_names
@@ -97,7 +96,7 @@ def _check_steps(where: str, g: Any) -> None:
         raise ValueError(f"{where}: measure must be True or False, got {g.measure!r}")
     if g.mesh is not None:
         try:
-            S.parse_mesh(g.mesh)
+            T.parse_mesh(g.mesh)
         except ValueError as err:
             raise within(where, err) from None
 

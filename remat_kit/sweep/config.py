@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.models import ModelConfig, get_config
@@ -43,7 +42,7 @@ class Grid:
       optimizer: ``adamw``, ``sgd`` or ``adafactor`` (:func:`remat_kit.make_optimizer`).
       learning_rate: the optimizer's learning rate.
       seed: parameter initialisation and batch order seed.
-      mesh: a (dp, fsdp, tp) mesh (:mod:`remat_kit.sharding`), ``"fsdp=4"`` or
+      mesh: a (dp, fsdp, tp) mesh (:mod:`remat_kit.targets`), ``"fsdp=4"`` or
         ``"dp=2,fsdp=2,tp=2"``: local points run on it (its product must be
         ``jax.device_count()``, every process's devices), GPU targets are analysed on that many
         GPUs; figures are per device. ``None``: local points run data parallel over every
@@ -208,14 +207,14 @@ def _point_mesh(g: Grid, target: str, batch_size: int, local_kind: str) -> str |
     None for one device without a mesh."""
     local = _is_local(target, local_kind)
     if g.mesh is not None:
-        spec = S.parse_mesh(g.mesh)
+        spec = T.parse_mesh(g.mesh)
         if local:
             try:
-                S.local_mesh(spec)  # raises unless the mesh has every device of the run
+                T.local_mesh(spec)  # raises unless the mesh has every device of the run
             except ValueError as err:
                 raise within(f"grid {g.name!r}", err) from None
     elif local and jax.device_count() > 1:
-        spec = S.parse_mesh(None, jax.device_count())
+        spec = T.parse_mesh(None, jax.device_count())
     else:
         return None
     try:

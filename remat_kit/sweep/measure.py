@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
@@ -77,7 +76,7 @@ def _device_batch(batcher: Any, step: int, sharding: Any) -> dict[str, jax.Array
     (``sharding``: its input shardings of the batch; on a mesh, split over (dp, fsdp), each
     process placing its own rows)."""
     inputs, targets = batcher.batch_at(step)
-    batch = S.put_global({"inputs": inputs, "targets": targets}, sharding)
+    batch = T.put_global({"inputs": inputs, "targets": targets}, sharding)
     return jax.block_until_ready(batch)
 
 
@@ -122,13 +121,13 @@ def lower_mesh_step(point: Point, state_cache: dict | None) -> Any:
     optimizer state], batch int32 [batch, seq] inputs and targets.
 
     Raises:
-      ValueError: a mesh the local devices cannot form (:func:`remat_kit.sharding.local_mesh`).
+      ValueError: a mesh the local devices cannot form (:func:`remat_kit.targets.local_mesh`).
     """
     config = point.model_config()
     host = host_state(point, config, state_cache)
     optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
-    step = make_train_step(config, optimizer, donate=True, mesh=S.local_mesh(point.mesh))
+    step = make_train_step(config, optimizer, donate=True, mesh=T.local_mesh(point.mesh))
     return step.lower(state, abstract_batch(point.batch_size, point.seq_len))
 
 
@@ -286,7 +285,7 @@ class PresetRun(StepRun):
         host = host_state(point, point.model_config(), state_cache)
         # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
         (state_sharding, self.batch_sharding), _ = compiled.input_shardings
-        self.state = jax.block_until_ready(S.put_global(host, state_sharding))
+        self.state = jax.block_until_ready(T.put_global(host, state_sharding))
         self.batcher = corpus.batcher(point.batch_size, point.seq_len, seed=point.seed)
         self.batch: Any = None
 

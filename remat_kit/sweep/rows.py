@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from remat_kit import sharding as S
 from remat_kit import targets as T
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
@@ -118,7 +117,7 @@ def _measure(
         measured["tokens_per_s"] = row["tokens_per_step"] / measured["step_time_s"]
     peak_flops = T.get_target(row["target"]).peak_flops_bf16
     if peak_flops and row["dtype"] == "bfloat16" and row["model_flops_per_step"]:
-        devices = S.parse_mesh(row["mesh"]).num_devices if row.get("mesh") else 1
+        devices = T.parse_mesh(row["mesh"]).num_devices if row.get("mesh") else 1
         flops = row["model_flops_per_step"]  # over every device of the mesh
         measured["mfu"] = flops / measured["step_time_s"] / (peak_flops * devices)
     if measured["measured_peak_bytes"]:

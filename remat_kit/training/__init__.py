@@ -25,7 +25,7 @@ Devices: the step runs on every device of the run (``jax.devices()``; every proc
 ``jax.distributed``, see :mod:`remat_kit.training.distributed`) on the mesh ``TrainConfig.mesh``
 names (default: data parallel). Every process computes the same initial parameters and the same
 global batch from the seed and places the shards its devices own
-(:func:`remat_kit.sharding.put_global`); orbax saves and restores the sharded state, so a run may
+(:func:`remat_kit.targets.put_global`); orbax saves and restores the sharded state, so a run may
 resume on another mesh or number of processes.
 
 Modules: ``step`` (loss, optimizer, train state, :func:`make_train_step`: what the analyzer

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from remat_kit import sharding as S
+from remat_kit import targets as T
 from remat_kit.models import ModelConfig, make_model
 from remat_kit.training.config import TrainConfig
 from remat_kit.training.step import (
@@ -75,7 +75,7 @@ def initial_state(cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
     init, shardings = _init_on_mesh(
         cfg.model_config(), opt_key(cfg), cfg.lr, cfg.weight_decay, mesh
     )
-    return init(S.put_global(host, shardings.params))
+    return init(T.put_global(host, shardings.params))
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,7 +125,7 @@ def eval_fn(model: ModelConfig, mesh: Mesh | None = None) -> Callable:
     training."""
 
     def loss(params, inputs, targets):
-        with S.activation_sharding(mesh):
+        with T.activation_sharding(mesh):
             return loss_fn(params, model, {"inputs": inputs, "targets": targets})
 
     return jax.jit(loss)

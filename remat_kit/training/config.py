@@ -11,7 +11,7 @@ from typing import Any
 
 from remat_kit.models import ModelConfig, get_config, preset_names
 from remat_kit.policies import parse_policy_arg, policy_names
-from remat_kit.sharding import parse_mesh
+from remat_kit.targets import parse_mesh
 from remat_kit.training.step import OPTIMIZERS, check_micro_batches
 from remat_kit.validation import check_seq_len, positive_int, unknown_value_error
 

@@ -3,7 +3,7 @@
 A run over several hosts (or several processes on one host) starts one process per host, each
 running the same script; :func:`initialize` calls ``jax.distributed.initialize`` in each, after
 which ``jax.devices()`` lists every process's devices and one ``Mesh`` spans them all
-(:func:`remat_kit.sharding.local_mesh`). Each process then runs the same jitted steps (SPMD);
+(:func:`remat_kit.targets.local_mesh`). Each process then runs the same jitted steps (SPMD);
 only process 0 writes results (:func:`is_primary`).
 
 Where the process layout comes from, first match wins:

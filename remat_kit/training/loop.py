@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from remat_kit import sharding as S
+from remat_kit import targets as T
 from remat_kit.models import ModelConfig
 from remat_kit.training.checkpoint import (
     FORMAT,
@@ -65,14 +65,14 @@ class _Progress:
 
 
 def _set_up(cfg: TrainConfig, workdir: str | os.PathLike[str]) -> _Run:
-    mesh = S.local_mesh(cfg.mesh)
-    S.check_batch(cfg.batch_size, mesh, cfg.micro_batches)
-    batch_sharding = S.batch_sharding(mesh)
+    mesh = T.local_mesh(cfg.mesh)
+    T.check_batch(cfg.batch_size, mesh, cfg.micro_batches)
+    batch_sharding = T.batch_sharding(mesh)
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes, val_fraction=cfg.val_fraction)
     val = []
     if cfg.eval_every:
         val = [
-            S.put_global(xy, (batch_sharding, batch_sharding))
+            T.put_global(xy, (batch_sharding, batch_sharding))
             for xy in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         ]
     return _Run(
@@ -172,11 +172,11 @@ def _run_steps(
     on_step: Callable[[dict[str, Any]], None] | None,
 ) -> list[float]:
     """Steps ``start .. steps - 1``: update, validate, checkpoint. Returns seconds per step."""
-    cfg, sharding = run.cfg, S.batch_sharding(run.mesh)
+    cfg, sharding = run.cfg, T.batch_sharding(run.mesh)
     step_times: list[float] = []
     for t in range(progress.start, cfg.steps):
         t0 = time.perf_counter()
-        inputs, targets = S.put_global(run.batcher.batch_at(t), (sharding, sharding))
+        inputs, targets = T.put_global(run.batcher.batch_at(t), (sharding, sharding))
         progress.state, metrics = compiled(progress.state, {"inputs": inputs, "targets": targets})
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         step_times.append(time.perf_counter() - t0)
@@ -254,6 +254,6 @@ def train(
         step_time_s=float(np.mean(step_times[1:] or step_times)) if step_times else float("nan"),
         wall_time_s=time.perf_counter() - t_start,
         data=run.corpus.info(),
-        mesh=str(S.MeshSpec.of(run.mesh)),
+        mesh=str(T.MeshSpec.of(run.mesh)),
         num_processes=jax.process_count(),
     )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit import sharding as S
+from remat_kit import targets as T
 from remat_kit.models import ModelConfig, chunked_model_loss, make_model
 from remat_kit.validation import positive_int, unknown_value_error
 
@@ -210,10 +210,10 @@ def make_train_step(
     config's remat policy), optax update. With ``donate`` the state's buffers are donated
     (``donate_argnums=0``) so the update happens in place, as in a real training loop.
 
-    With a ``mesh`` (axes dp, fsdp, tp; :mod:`remat_kit.sharding`) the jitted step takes and
+    With a ``mesh`` (axes dp, fsdp, tp; :mod:`remat_kit.targets`) the jitted step takes and
     returns the state sharded as :func:`sharded_train_state` lays it out and the batch split
     over (dp, fsdp), the metrics replicated; each block's input is split along the batch while
-    the step is traced (:func:`remat_kit.sharding.activation_sharding`).
+    the step is traced (:func:`remat_kit.targets.activation_sharding`).
 
     ``on_micro_batch(step, k)`` (host callback, two int32 scalars: the state's step counter and
     the micro-batch index) runs through ``jax.debug.callback`` as micro-batch ``k`` begins; it
@@ -229,7 +229,7 @@ def make_train_step(
             hook = lambda k: jax.debug.callback(on_micro_batch, state.step, k)  # noqa: E731
         grads_of = grad_fn(config, micro_batches, hook)
         # Without a mesh, leave an enclosing activation_sharding (the analyzer's) in force.
-        with S.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext():
+        with T.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext():
             loss, grads = grads_of(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -244,7 +244,7 @@ def make_train_step(
     _, state_shardings = sharded_train_state(config, optimizer, mesh)
     return jax.jit(
         step,
-        in_shardings=(state_shardings, S.batch_sharding(mesh)),
+        in_shardings=(state_shardings, T.batch_sharding(mesh)),
         out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=donate_argnums,
     )
@@ -255,7 +255,7 @@ def sharded_train_state(
 ) -> tuple[TrainState, TrainState]:
     """The abstract train state and its shardings on ``mesh`` (nothing allocated).
 
-    Parameters are split as their logical axes say (:data:`remat_kit.sharding.LOGICAL_RULES`),
+    Parameters are split as their logical axes say (:data:`remat_kit.targets.LOGICAL_RULES`),
     optimizer moments like their parameters, everything else replicated.
 
     Returns:
@@ -266,13 +266,13 @@ def sharded_train_state(
       ValueError: a parameter dimension not divisible by its mesh axes.
     """
     boxed = jax.eval_shape(lambda: init_boxed_params(config, jax.random.key(0)))
-    p_shard = S.param_shardings(boxed, mesh)
+    p_shard = T.param_shardings(boxed, mesh)
     state = abstract_train_state(config, optimizer)
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = TrainState(
         step=replicated,
         params=p_shard,
-        opt_state=S.like_params_shardings(state.opt_state, state.params, p_shard, mesh),
+        opt_state=T.like_params_shardings(state.opt_state, state.params, p_shard, mesh),
     )
     abstract = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings

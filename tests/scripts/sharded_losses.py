@@ -9,7 +9,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import remat_kit  # noqa: E402
-from remat_kit import sharding as S  # noqa: E402
+from remat_kit import targets as T  # noqa: E402
 from remat_kit.training import (  # noqa: E402
     init_train_state,
     make_optimizer,
@@ -35,11 +35,11 @@ def losses(mesh_text: str) -> list[float]:
     step = make_train_step(config, optimizer, jit=False)
     b, out_shardings, in_shardings = batch, None, None
     if mesh_text != "none":
-        mesh = S.make_mesh(S.parse_mesh(mesh_text, 8), jax.devices()[:8])
+        mesh = T.make_mesh(T.parse_mesh(mesh_text, 8), jax.devices()[:8])
         _, shardings = sharded_train_state(config, optimizer, mesh)
         state = jax.device_put(state, shardings)
-        b = jax.device_put(batch, S.batch_sharding(mesh))
-        in_shardings, out_shardings = (shardings, S.batch_sharding(mesh)), (shardings, None)
+        b = jax.device_put(batch, T.batch_sharding(mesh))
+        in_shardings, out_shardings = (shardings, T.batch_sharding(mesh)), (shardings, None)
     fn = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings)
     out = []
     for _ in range(3):

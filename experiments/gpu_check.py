@@ -367,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.emit(worker.run(args.worker, json.loads(args.args)))
         return 0
     if not args.budget_s > 0:
-        print(f"error: --budget-s must be positive, got {args.budget_s}", file=sys.stderr)
+        print(
+            f"gpu_check.py: error: --budget-s must be positive, got {args.budget_s}",
+            file=sys.stderr,
+        )
         return 2
     start = time.monotonic()
     rows = run_check(Path(args.out), args.budget_s, args.cpu, args.resume)

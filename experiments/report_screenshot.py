@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--select", default=None, help="select this policy first (its table label)")
     args = p.parse_args(argv)
     if not args.page.is_file():
-        print(f"error: no file {args.page}", file=sys.stderr)
+        print(f"report_screenshot.py: error: no file {args.page}", file=sys.stderr)
         return 2
     screenshot(args.page, args.png, args.width, args.height, args.select)
     print(f"wrote {args.png} ({args.png.stat().st_size / 1024:.0f} KiB)")

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "soak.json"), help="JSON summary")
     args = p.parse_args(argv)
     if args.kills < 1:
-        p.exit(2, f"error: --kills must be a positive integer, got {args.kills}\n")
+        p.exit(2, f"soak.py: error: --kills must be a positive integer, got {args.kills}\n")
     rng = random.Random(args.seed)
     summary: dict[str, Any] = {
         "command": "python experiments/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),

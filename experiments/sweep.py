@@ -75,16 +75,18 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "configs"
 RESULTS = HERE / "results"  # committed runs (written with --out)
 RUNS = HERE.parent / "runs"  # a user's runs (git-ignored)
+#: The name before every error line, as the remat-kit CLI writes ``remat-kit: error: ...``.
+PROG = "sweep.py"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse's default prints the usage too)
-        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
-    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--config",
         default=None,
@@ -331,7 +333,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     try:  # before anything starts JAX's backends
         distributed.initialize_from_args(args)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
@@ -342,7 +344,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         try:
             run, out = _program_sweep(args, console, where)
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"{PROG}: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
         return _write_outputs(run, out, args, argv, console)
     try:
@@ -384,7 +386,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             console=make_console(stderr=True, quiet=not primary),
         )
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _write_outputs(run, out, args, argv, console) if primary else 0
 

@@ -57,9 +57,13 @@ EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
 
 
+#: The name before every error line, as the remat-kit CLI writes ``remat-kit: error: ...``.
+PROG = "train.py"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse's default prints the usage too)
-        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message}\n")
 
 
 def _parse_set(items: list[str]) -> dict:
@@ -77,7 +81,7 @@ def _parse_set(items: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--workdir", required=True, help="checkpoints and result.json go here")
     _add_model_arguments(p, TrainConfig())
     _add_run_arguments(p, TrainConfig())
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before anything starts JAX's backends
         distributed.initialize_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     primary = distributed.is_primary()
     console = Console(highlight=False, markup=False, soft_wrap=True, quiet=not primary)
@@ -222,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = train(cfg, args.workdir, resume=args.resume, on_step=on_step)
     except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_NON_FINITE
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
     out = Path(args.workdir) / "result.json"

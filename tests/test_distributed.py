@@ -135,7 +135,7 @@ def _script(name: str):
 
 def _one_error_line(stderr: str, match: str) -> None:
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert len(lines) == 1 and re.match(r"(train|sweep)\.py: error: ", lines[0]), stderr
     assert re.search(match, lines[0]), lines[0]
 
 

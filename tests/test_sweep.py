@@ -232,7 +232,7 @@ def test_bad_config_exits_2_before_compiling(tmp_path, capsys, no_compile, grid,
     code = _cli().main(["--config", str(cfg), "--out", str(tmp_path / "o.jsonl"), "--no-plot"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert err.startswith("sweep.py: error: ") and err.count("\n") == 1, err
     assert __import__("re").search(message, err), err
 
 
@@ -256,7 +256,7 @@ def test_bad_output_and_data_exit_2(tmp_path, capsys, no_compile):
         argv = ["--config", cfg, "--no-plot", *extra]
         assert cli.main(argv) == 2, extra
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert err.startswith("sweep.py: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_resume_onto_another_config_exits_2(tmp_path, capsys, no_compile):

@@ -144,7 +144,7 @@ def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):
     out.write_text('{"key": "k", "config_fingerprint": "f"}\n')
     assert _cli().main([*extra, "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert err.startswith("sweep.py: error: ") and err.count("\n") == 1 and message in err, err
     assert out.read_text() == '{"key": "k", "config_fingerprint": "f"}\n'
 
 

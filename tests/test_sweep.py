@@ -557,6 +557,14 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so():
     assert note.startswith("the steps were timed at load average 5.07-5.62") and "1.22" in note
     assert load_note([{"load_average": [1.5, 1.0, 1.0]}], source) is None  # close: no note
     assert load_note(busy, None) is None and load_note([{}], source) is None  # not known
+    # the other way round: a calibration timed beside other work (its rates low: estimates high)
+    contended = ("local cpu (EPYC): calibrated on this machine 2026-12-04 04:33 UTC, other "
+                 "processes 62% of the cores, load average 4.54 (jax 0.10.2, 2 cores; contended")  # fmt: skip
+    quiet = [{"load_average": [2.8, 2.0, 2.0]}]
+    note = load_note(quiet, contended)
+    assert note.startswith("the local device was calibrated while other processes used 62%")
+    assert "load average" not in note  # the steps were not timed on a busier machine
+    assert load_note(quiet, contended.replace("62%", "3%").replace("; contended", "")) is None
 
 
 def test_progress_in_a_log_or_pipe_is_one_plain_line_per_step():

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
+from remat_kit.memory.roofline import CONTENDED_SHARE, RETIME_AFTER_S
 from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
@@ -711,24 +712,33 @@ _LOAD_GAP = 1.0
 
 
 def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> str | None:
-    """A note when the measured rows were timed on a busier machine than the local device's
-    calibration (``source``: :func:`local_estimate_source`, which says the load average it was
-    taken at): the estimates price the machine as calibrated, so measured steps run slower
-    than estimated by about the share of the cores other work took; None when the loads are
-    close or either is unknown."""
+    """A note when the measured rows and the local device's calibration (``source``:
+    :func:`local_estimate_source`, which says the share of the cores other processes used while
+    it was timed and the load average) saw the machine in different states: a calibration timed
+    beside other work prices the machine too slow (estimates above the measured steps); steps
+    timed on a busier machine than the calibration run slower than estimated. None when neither
+    holds or nothing is known."""
+    notes = []
+    share = re.search(r"other processes (\d+)% of the cores", source or "")
+    if share and int(share.group(1)) > 100 * CONTENDED_SHARE or "contended" in (source or ""):
+        used = f"while other processes used {share.group(1)}% of the cores" if share else (
+            "beside other work")  # fmt: skip
+        notes.append(
+            f"the local device was calibrated {used}: its rates are low, so the estimates run "
+            f"above the measured steps (est. err); it is timed again when asked "
+            f"{RETIME_AFTER_S / 60:.0f} min after, the quieter kept (or delete "
+            "~/.cache/remat-kit/calibration/ and run again on idle cores)"
+        )
     found = re.search(r"load average ([0-9.]+)", source or "")
     loads = [r["load_average"][0] for r in as_records(rows) if r.get("load_average")]
-    if not found or not loads:
-        return None
-    calibrated = float(found.group(1))
-    if max(loads) - calibrated < _LOAD_GAP:
-        return None
-    return (
-        f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f}, the local "
-        f"device calibrated at {calibrated:.2f}: the estimates price the machine as calibrated, "
-        "so on the busier machine measured steps run slower than estimated (est. err) and "
-        "their spread widens; time on idle cores to compare the two"
-    )
+    if found and loads and max(loads) - float(found.group(1)) >= _LOAD_GAP:
+        notes.append(
+            f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f}, the local "
+            f"device calibrated at {float(found.group(1)):.2f}: the estimates price the machine "
+            "as calibrated, so on the busier machine measured steps run slower than estimated "
+            "(est. err) and their spread widens; time on idle cores to compare the two"
+        )
+    return "; ".join(notes) or None
 
 
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:

@@ -346,3 +346,43 @@ def test_diff_flops_in_a_unit_that_shows_them():
     assert _fmt(12.08e9, "flops") == "12.1 GFLOP"
     assert _fmt(7.4653e14, "flops") == "746.5 TFLOP"
     assert _fmt(512.0, "flops") == "512.0 FLOP"
+
+
+def test_a_policy_keeping_fewer_residuals_yet_peaking_higher_is_explained():
+    """A user's 2-layer model peaked lower under 'mlp_hidden=save' than under save-nothing,
+    with nothing said (a peak is not the residuals alone); tiny-gpt b=4 s=64 does the same
+    (save-out-proj 5.89 MiB, save-nothing 6.40 MiB: the logits live at save-nothing's peak).
+    The note names the pair, the gap, where each peak falls and the categories that differ."""
+    import types
+
+    from remat_kit.memory.diff import peak_inversions
+    from remat_kit.memory.timeline import Timeline
+
+    cats = ("params", "residual:decoder_layer_input", "residual:out_proj", "logits", "gradients")
+    phases = (("forward", 0, 10), ("backward", 10, 20))
+
+    def report(peak_at, residuals, logits, kept):
+        at_peak = (1000, residuals - kept, kept, logits, 300)
+        tl = Timeline(length=20, positions=(peak_at,), categories=cats,
+                      device_bytes=tuple((b,) for b in at_peak), host_bytes=None, phases=phases,
+                      peak_bytes=sum(at_peak), peak_position=peak_at, peak_instruction="",
+                      peak_buffers=())  # fmt: skip
+        return types.SimpleNamespace(
+            timeline=tl, activation_bytes=residuals, peak_bytes=sum(at_peak)
+        )
+
+    nothing = report(15, 256, 1024, 0)  # fewer residuals, the logits at its peak
+    out_proj = report(5, 512, 0, 256)  # more residuals, its peak in the forward pass
+    more = report(12, 2048, 0, 0)  # more residuals and a higher peak: no inversion
+    lines = peak_inversions([nothing, out_proj, more], ["save-nothing", "save-out-proj", "big"])
+    assert lines == [
+        "save-nothing peaks 768 B above save-out-proj though it keeps 256 B fewer "
+        "residuals (save-nothing's in the backward, save-out-proj's in the forward): a peak is "
+        "everything live at one point of XLA's schedule, and at the two peaks save-nothing "
+        "holds logits +1.00 KiB, residuals -256 B against save-out-proj"
+    ]
+    assert peak_inversions([out_proj, more], ["a", "b"]) == []  # more kept, higher peak
+    no_timeline = types.SimpleNamespace(timeline=None, activation_bytes=0, peak_bytes=10**9)
+    assert peak_inversions([no_timeline, out_proj], ["x", "y"]) == []
+    with pytest.raises(ValueError, match="2 reports but 1 labels"):
+        peak_inversions([nothing, out_proj], ["one"])

@@ -17,6 +17,7 @@ from remat_kit.cli.console import add_row, console, table, text
 from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.api import ProgramPolicies, program_policies
+from remat_kit.memory.diff import peak_inversions
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
@@ -330,6 +331,12 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     time_line = _time_line(results)
     if time_line:
         lines.append(time_line)
+    ok = [
+        (label, r)
+        for label, r in zip(labels, results, strict=True)
+        if not isinstance(r, CompileError)
+    ]
+    lines += peak_inversions([r for _, r in ok], [label for label, _ in ok])
     if first.logits:
         lg = first.logits
         lines.append(

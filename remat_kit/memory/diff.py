@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from remat_kit.memory.report import MemoryReport
 from remat_kit.units import format_bytes, format_flops
@@ -189,3 +190,67 @@ def diff_reports(a: MemoryReport, b: MemoryReport, top: int = 5) -> PolicyDiff:
         moved=tuple(moved),
         peak_buffers=(_buffers(a, top), _buffers(b, top)),
     )
+
+
+def _at_peak_by_kind(r: MemoryReport) -> dict[str, int]:
+    """Device bytes at the report's live peak by timeline category, the ``residual:*``
+    categories summed into ``residuals``."""
+    out: dict[str, int] = {}
+    for category, nbytes in r.timeline.at_peak().items():  # type: ignore[union-attr]
+        kind = "residuals" if category.startswith("residual:") else category
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def peak_inversions(
+    reports: Sequence[MemoryReport], labels: Sequence[str], most: int = 3
+) -> list[str]:
+    """One line for each policy that keeps fewer residual bytes than another policy of the same
+    step yet peaks higher (against the one it peaks most above), at most ``most``, largest gap
+    first: a peak is everything live at one point of XLA's schedule (parameters, optimizer state,
+    gradients, logits, temporaries, residuals), so a policy that saves a tensor can move the
+    peak to a point where less is live. Each line says where each peak falls and how the bytes
+    live there differ by category (from the reports' timelines). Reports without a timeline or
+    residual figure are passed over.
+
+    Raises:
+      ValueError: ``reports`` and ``labels`` differ in length.
+    """
+    if len(reports) != len(labels):
+        raise ValueError(f"{len(reports)} reports but {len(labels)} labels")
+    known = [
+        (label, r)
+        for label, r in zip(labels, reports, strict=True)
+        if r.timeline is not None and r.activation_bytes is not None and r.peak_bytes
+    ]
+    found = []
+    for la, a in known:
+        over = [
+            (a.peak_bytes - b.peak_bytes, lb, b)
+            for lb, b in known
+            if b.activation_bytes > a.activation_bytes and b.peak_bytes < a.peak_bytes  # type: ignore[operator]
+        ]
+        if not over:
+            continue
+        gap, lb, b = max(over, key=lambda x: x[0])
+        ka, kb = _at_peak_by_kind(a), _at_peak_by_kind(b)
+        moved = sorted(
+            ((k, ka.get(k, 0) - kb.get(k, 0)) for k in {*ka, *kb}),
+            key=lambda kv: -abs(kv[1]),
+        )
+        parts = [
+            f"{k} {'+' if d > 0 else '-'}{format_bytes(abs(d))}"
+            for k, d in moved[:3]
+            if abs(d) >= 0.01 * a.peak_bytes
+        ]
+        pa = a.timeline.phase_at(a.timeline.peak_position) or "unknown"  # type: ignore[union-attr]
+        pb = b.timeline.phase_at(b.timeline.peak_position) or "unknown"  # type: ignore[union-attr]
+        where = f"both in the {pa} pass" if pa == pb else f"{la}'s in the {pa}, {lb}'s in the {pb}"
+        found.append((gap, (
+            f"{la} peaks {format_bytes(gap)} above {lb} though it keeps "
+            f"{format_bytes(b.activation_bytes - a.activation_bytes)} fewer residuals "  # type: ignore[operator]
+            f"({where}): a peak is everything live at one point of XLA's schedule, and at the "
+            f"two peaks {la} holds " + (", ".join(parts) or "about the same by category")
+            + f" against {lb}"
+        )))  # fmt: skip
+    return [line for _, line in sorted(found, key=lambda x: -x[0])[:most]]

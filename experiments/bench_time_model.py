@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from remat_kit.plots import label_points
 from remat_kit.sweep.results import read_rows, step_spread
 
 #: The issue's goals: every policy's predicted ratio within 10% of the measured one, and a
@@ -148,18 +149,19 @@ def plot(groups: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 5.5))
     lo, hi = 1.0, 1.0
+    labels: list[tuple[float, float, str]] = []
     for g in groups:
         xs = [p["measured_ratio"] for p in g["policies"]]
         ys = [p["predicted_ratio"] for p in g["policies"]]
         lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
         ax.scatter(xs, ys, label=f"s={g['seq_len']} (Spearman {g['spearman']:.2f})")
-        for p, x, y in zip(g["policies"], xs, ys, strict=True):
-            ax.annotate(p["policy"], (x, y), fontsize=6, alpha=0.7)
+        labels += [(x, y, p["policy"]) for p, x, y in zip(g["policies"], xs, ys, strict=True)]
     pad = 0.05 * (hi - lo or 1)
     line = [lo - pad, hi + pad]
     ax.plot(line, line, "k-", lw=0.8, label="y = x")
     ax.fill_between(line, [v * 0.9 for v in line], [v * 1.1 for v in line], alpha=0.1,
                     color="k", label="±10%")  # fmt: skip
+    label_points(ax, labels, alpha=0.7)
     ax.set_xlabel("measured step time / no-remat's")
     ax.set_ylabel("predicted step time / no-remat's")
     if groups:

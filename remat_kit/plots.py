@@ -276,6 +276,33 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
     return _save(fig, path)
 
 
+def label_points(
+    ax, points: Sequence[tuple[float, float, str]], fontsize: float = 6, **text
+) -> None:
+    """Write each ``(x, y, label)`` (data coordinates) beside its point, nudged up or down by
+    whole text lines off the labels already written that it would overlap, with a thin line
+    back to its point when moved: the sweep's policies often sit a few pixels apart. Call it
+    once the axes hold everything else (their limits fix where the labels fall); ``text``
+    goes to ``Axes.annotate``."""
+    ax.autoscale_view()
+    px = ax.figure.dpi / 72  # pixels per point
+    step = 1.25 * fontsize  # one text line, in points
+    placed: list[tuple[float, float, float, float]] = []
+    for x, y, label in sorted(points, key=lambda p: (p[1], p[0])):
+        x0, y0 = ax.transData.transform((x, y))
+        width = 0.6 * fontsize * len(label) * px  # about 0.6 em a character
+        for k in (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6):
+            box = (x0 + 3 * px, x0 + 3 * px + width, y0 + k * step * px, y0 + (k + 1) * step * px)
+            if not any(box[0] < b[1] and b[0] < box[1] and box[2] < b[3] and b[2] < box[3]
+                       for b in placed):  # fmt: skip
+                break
+        placed.append(box)
+        ax.annotate(label, (x, y), xytext=(3, k * step), textcoords="offset points",
+                    fontsize=fontsize, va="bottom",
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray"} if k else None,
+                    **text)  # fmt: skip
+
+
 def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None):
     """The analyzer's predicted peak against ``measured_peak_bytes``, with ``y = x``.
 
@@ -290,11 +317,11 @@ def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None)
         px = [r["peak_bytes"] / unit for r in both]
         my = [r["measured_peak_bytes"] / unit for r in both]
         ax.scatter(px, my, s=20)
-        for xi, yi, r in zip(px, my, both, strict=True):
-            seq = "" if r.get("seq_len") is None else f" s={r['seq_len']}"
-            ax.annotate(f"{r['policy']}{seq}", (xi, yi), fontsize=6)
         top = max(px + my) * 1.05
         ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="y = x")
+        seqs = ["" if r.get("seq_len") is None else f" s={r['seq_len']}" for r in both]
+        label_points(ax, [(xi, yi, f"{r['policy']}{s}")
+                          for xi, yi, r, s in zip(px, my, both, seqs, strict=True)])  # fmt: skip
         ax.set_xlabel(f"predicted peak ({unit_name})")
         ax.set_ylabel(f"measured peak ({unit_name})")
         ax.legend(fontsize=7)
@@ -335,6 +362,7 @@ def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
     lo = min(r["flops_ratio"] for r in recs)
     hi = max(r["flops_ratio"] for r in recs)
     for ax, (field, label) in zip(axes[0], panels, strict=True):
+        labels = []
         for s in sorted({r["seq_len"] for r in recs}, key=lambda v: (v is not None, v or 0)):
             sub = [r for r in recs if r["seq_len"] == s and r[field] is not None]
             xs = [r["flops_ratio"] for r in sub]
@@ -342,10 +370,10 @@ def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
             # rows without a sequence length (a user's program): labelled with the program
             legend = f"s={s}" if s is not None else ", ".join(sorted({r["model"] for r in sub}))
             ax.scatter(xs, ys, label=legend, s=22)
-            for x, y, r in zip(xs, ys, sub, strict=True):
-                ax.annotate(r["policy"], (x, y), fontsize=6)
+            labels += [(x, y, r["policy"]) for x, y, r in zip(xs, ys, sub, strict=True)]
         ax.plot([lo, hi], [100 * (lo - 1), 100 * (hi - 1)], ls="--", color="gray",
                 label="slowdown = FLOPs ratio - 1")  # fmt: skip
+        label_points(ax, labels)
         ax.set_xlabel("compiled matmul FLOPs / no-remat FLOPs")
         ax.set_ylabel(f"step {label} vs no-remat (%)")
         ax.grid(alpha=0.3)

@@ -71,3 +71,29 @@ def test_host_bytes_of_a_compiled_offload_are_a_host_bar():
     i = [r["policy"] for r in rows].index("offload-to-host")
     assert bars.get("mlpwi", [0] * len(rows))[i] == 0  # on the host, not on the device bar
     assert abs(bars["host (compiled)"][i] - offload["host_bytes"] / unit) < 1e-6
+
+
+def test_labels_of_points_a_few_pixels_apart_do_not_overlap():
+    """The sweep's figures wrote policy names on top of each other where policies measured
+    alike (a newcomer's slowdown_vs_flops.png); label_points nudges them apart by whole lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    from remat_kit.plots import label_points
+
+    fig = Figure(figsize=(5, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    names = ["save-nothing", "offload-layer-inputs", "save-layer-inputs", "minimal", "save-dots"]
+    points = [(1.2, -30 + 0.05 * i, n) for i, n in enumerate(names)] + [(1.0, 0.0, "no-remat")]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    ax.set_xlim(0.9, 1.4)
+    ax.set_ylim(-60, 20)
+    label_points(ax, points)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [Text.get_window_extent(t, renderer) for t in ax.texts]  # the text, not its line
+    assert sorted(t.get_text() for t in ax.texts) == sorted(p[2] for p in points)
+    overlaps = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
+    assert overlaps == [], overlaps

@@ -281,7 +281,7 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
 def test_a_calibration_timed_beside_other_work_is_timed_again_and_the_quieter_kept(
     tmp_path, monkeypatch
 ):
-    """A newcomer's sweep reused a calibration another job had timed beside a test run (load
+    """A newcomer's sweep reused a calibration another job had timed beside other work (load
     average 4.54 on 2 cores): its low rates put every estimate 27-179% above the measured steps,
     silently, for good. Now the share of the cores other processes used is recorded; a
     contended calibration says so and is timed again once RETIME_AFTER_S has passed, the

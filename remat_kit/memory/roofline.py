@@ -1030,9 +1030,9 @@ def _last_level_cache_bytes() -> int | None:
 _CALIBRATING = threading.Lock()
 
 #: Above this share of the machine's cores taken by other processes while the micro-kernels
-#: ran, a calibration is *contended*: its rates are too low and every estimate too high (a
-#: newcomer's calibration taken beside a test run on the same 2 cores, 2026-12-04, put the
-#: sweep's estimates 27-179% above its measured steps).
+#: ran, a calibration is *contended*: its rates are too low and every estimate too high (one
+#: timed by another user's trial beside other jobs on the same 2 cores, 2026-12-04, put a
+#: newcomer's sweep estimates 27-179% above its measured steps).
 CONTENDED_SHARE = 0.25
 #: A contended calibration in the cache is timed again when asked for this long after it was
 #: last timed (seconds), and the quieter of the two is kept: a busy machine is not re-timed at

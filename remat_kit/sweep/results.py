@@ -711,6 +711,13 @@ def local_estimate_source(rows: Iterable[Mapping[str, Any]] | Any) -> str | None
 _LOAD_GAP = 1.0
 
 
+def _own_cores(row: Mapping[str, Any]) -> float:
+    """The cores a row's own timed steps kept busy: median process CPU time over median wall
+    time (0 where either is unknown)."""
+    cpu, wall = row.get("step_cpu_s"), row.get("step_time_s")
+    return cpu / wall if cpu and wall else 0.0
+
+
 def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> str | None:
     """A note when the measured rows and the local device's calibration (``source``:
     :func:`local_estimate_source`, which says the share of the cores other processes used while
@@ -730,13 +737,18 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
             "~/.cache/remat-kit/calibration/ and run again on idle cores)"
         )
     found = re.search(r"load average ([0-9.]+)", source or "")
-    loads = [r["load_average"][0] for r in as_records(rows) if r.get("load_average")]
-    if found and loads and max(loads) - float(found.group(1)) >= _LOAD_GAP:
+    timed = [r for r in as_records(rows) if r.get("load_average")]
+    loads = [r["load_average"][0] for r in timed]
+    # the sweep's own threads load the machine too: their cores (process CPU time over wall
+    # time of its steps) are not other work
+    others = [max(0.0, r["load_average"][0] - _own_cores(r)) for r in timed]
+    if found and others and max(others) - float(found.group(1)) >= _LOAD_GAP:
         notes.append(
-            f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f}, the local "
-            f"device calibrated at {float(found.group(1)):.2f}: the estimates price the machine "
-            "as calibrated, so on the busier machine measured steps run slower than estimated "
-            "(est. err) and their spread widens; time on idle cores to compare the two"
+            f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f} (other work "
+            f"about {min(others):.2f}-{max(others):.2f} of it beside the sweep's own steps), the "
+            f"local device calibrated at {float(found.group(1)):.2f}: the estimates price the "
+            "machine as calibrated, so on the busier machine measured steps run slower than "
+            "estimated (est. err) and their spread widens; time on idle cores to compare the two"
         )
     return "; ".join(notes) or None
 

@@ -132,6 +132,15 @@ def _buffers(r: MemoryReport, top: int) -> tuple[str, ...]:
     )
 
 
+def _at_peak_rows(a: MemoryReport, b: MemoryReport) -> list[DiffRow]:
+    """Device bytes at each report's live peak, one row per timeline category (0 where a report
+    has no timeline or not that category)."""
+    peak_a = a.timeline.at_peak() if a.timeline else {}
+    peak_b = b.timeline.at_peak() if b.timeline else {}
+    order = list(peak_a) + [c for c in peak_b if c not in peak_a]
+    return [DiffRow(c, peak_a.get(c, 0), peak_b.get(c, 0), "bytes") for c in order]
+
+
 def diff_reports(a: MemoryReport, b: MemoryReport, top: int = 5) -> PolicyDiff:
     """Compare two reports of the same step (same model, shape and target; any policies).
 
@@ -177,29 +186,15 @@ def diff_reports(a: MemoryReport, b: MemoryReport, top: int = 5) -> PolicyDiff:
         ),
     ]
     residuals, moved = _residual_rows(a, b)
-    peak_a = a.timeline.at_peak() if a.timeline else {}
-    peak_b = b.timeline.at_peak() if b.timeline else {}
-    order = list(peak_a) + [c for c in peak_b if c not in peak_a]
-    at_peak = [DiffRow(c, peak_a.get(c, 0), peak_b.get(c, 0), "bytes") for c in order]
     return PolicyDiff(
         a=a.policy or a.name,
         b=b.policy or b.name,
         figures=tuple(figures),
         residuals=tuple(residuals),
-        at_peak=tuple(at_peak),
+        at_peak=tuple(_at_peak_rows(a, b)),
         moved=tuple(moved),
         peak_buffers=(_buffers(a, top), _buffers(b, top)),
     )
-
-
-def _at_peak_by_kind(r: MemoryReport) -> dict[str, int]:
-    """Device bytes at the report's live peak by timeline category, the ``residual:*``
-    categories summed into ``residuals``."""
-    out: dict[str, int] = {}
-    for category, nbytes in r.timeline.at_peak().items():  # type: ignore[union-attr]
-        kind = "residuals" if category.startswith("residual:") else category
-        out[kind] = out.get(kind, 0) + nbytes
-    return out
 
 
 def peak_inversions(
@@ -233,11 +228,11 @@ def peak_inversions(
         if not over:
             continue
         gap, lb, b = max(over, key=lambda x: x[0])
-        ka, kb = _at_peak_by_kind(a), _at_peak_by_kind(b)
-        moved = sorted(
-            ((k, ka.get(k, 0) - kb.get(k, 0)) for k in {*ka, *kb}),
-            key=lambda kv: -abs(kv[1]),
-        )
+        change: dict[str, int] = {}  # a's bytes less b's, the residual:* categories as one
+        for row in _at_peak_rows(b, a):
+            kind = "residuals" if row.name.startswith("residual:") else row.name
+            change[kind] = change.get(kind, 0) + int(row.change or 0)
+        moved = sorted(change.items(), key=lambda kv: -abs(kv[1]))
         parts = [
             f"{k} {'+' if d > 0 else '-'}{format_bytes(abs(d))}"
             for k, d in moved[:3]

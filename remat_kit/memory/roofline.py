@@ -1128,14 +1128,14 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
         data = json.loads(Path(given).read_text())
         data["key"] = key
         data["when"] = f"{data.get('when', 'unknown date')}, read from ${CALIBRATION_ENV}={given}"
-    elif path.exists():
+    elif path.exists() and not refresh:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             data = None
     if not given:
         cached = data if data is not None and data.get("key") == key else None
-        if refresh or cached is None:
+        if cached is None:  # none, another machine's, or refresh asked
             data = _timed_now(key, runs)
             files.write_text(path, json.dumps(data, indent=1))
         elif _contended(cached) and time.time() - cached.get("timed_at", 0) >= RETIME_AFTER_S:

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
-from remat_kit.memory.roofline import CONTENDED_SHARE, RETIME_AFTER_S
+from remat_kit.memory.roofline import RETIME_AFTER_S
 from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
@@ -727,7 +727,7 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
     holds or nothing is known."""
     notes = []
     share = re.search(r"other processes (\d+)% of the cores", source or "")
-    if share and int(share.group(1)) > 100 * CONTENDED_SHARE or "contended" in (source or ""):
+    if "; contended" in (source or ""):  # the calibration's own judgement (roofline._contended)
         used = f"while other processes used {share.group(1)}% of the cores" if share else (
             "beside other work")  # fmt: skip
         notes.append(

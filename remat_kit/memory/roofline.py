@@ -121,6 +121,13 @@ _HOST = re.compile(r"S\(5\)")
 #: than in place, 40 MiB and more 1.3-1.6 s/GiB (0.36 s/GiB on the idle machine).
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
+#: Runs of the fresh-output kernel a calibration keeps the best of. Measured on a 2-core AMD
+#: EPYC VM (jax 0.10.2, 2026-12-04): the best of two runs gave 0.73 GB/s, the best of nine
+#: 4.4-4.8 GB/s, and a gpt-10m no-remat step (batch 4, seq 128) ran 45-85 ms slower with its
+#: 245 MiB temp buffer faulted in than reused (glibc told to keep its heap: ``MALLOC_ARENA_MAX=1
+#: MALLOC_MMAP_MAX_=0``), i.e. 3-5.7 GB/s: /tmp experiment in the session-23 closing note.
+FRESH_RUNS = 9
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFigures:
@@ -811,7 +818,7 @@ class _ReuseModel:
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
 #: Version of the calibration's file format and micro-kernels (a change re-times).
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 
 #: Issue rate of the special-function units per SM per clock for 32-bit transcendental
 #: instructions on compute capability 8.x and 9.0 (CUDA C++ Programming Guide, "Arithmetic
@@ -885,25 +892,28 @@ def datasheet_figures(target: T.Target) -> DeviceFigures | None:
     )
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo`` (None where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def machine_key() -> dict[str, str]:
     """What the local figures depend on: platform, device kind, CPU model, cores, versions."""
     import jax
     import jaxlib
 
     dev = jax.devices()[0]
-    cpu_model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        cpu_model = _platform.processor()
     return {
         "platform": dev.platform,
         "device_kind": dev.device_kind,
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model() or _platform.processor(),
         "cpu_count": str(os.cpu_count()),
         "machine": _platform.machine(),
         "jax": jax.__version__,
@@ -952,7 +962,11 @@ def measure(runs: int = 5) -> dict[str, float]:
     nbytes = 256 * 2**20
     state = {"x": jnp.ones((nbytes // 4,), jnp.float32)}
     axpb = jax.jit(lambda x: x * 1.0001 + 0.5)
-    t_fresh = _best_of(lambda: axpb(state["x"]), max(2, runs // 2))
+    # Faulting pages in is the most variable figure on a virtual machine (the same kernel
+    # measured 70-390 ms from one run to the next on a 2-core AMD EPYC VM, jax 0.10.2), and a
+    # step's faults, spread among its compute, cost what the undisturbed runs cost: the best of
+    # FRESH_RUNS, not of two.
+    t_fresh = _best_of(lambda: axpb(state["x"]), max(FRESH_RUNS, runs))
     # The same in place (the input donated): no fresh output buffer to fault in.
     inplace = jax.jit(lambda x: x * 1.0001 + 0.5, donate_argnums=0)
 

@@ -223,11 +223,19 @@ def step_time_of(
     figures = roofline.device_figures(target)
     if figures is None or not dump.hlo:
         return None
+    return roofline.estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
+
+
+def fresh_bytes(parts: dict[str, int | None]) -> int:
+    """Bytes a compiled step's execution allocates anew and faults in on XLA:CPU: its temp
+    buffer and its outputs not aliased to inputs, each counted where it reaches
+    :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` (glibc serves smaller ones from its heap).
+    ``parts``: :func:`memory_parts`. Checked against page-fault counts and timed steps by
+    ``experiments/bench_page_faults.py``."""
     outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
-    fresh = sum(
+    return sum(
         n for n in (parts["temp_bytes"] or 0, outputs) if n >= roofline.FRESH_ALLOCATION_MIN_BYTES
     )
-    return roofline.estimate(dump.module, figures, fresh_bytes=fresh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
-from remat_kit.memory.roofline import RETIME_AFTER_S
+from remat_kit.memory.roofline import RETIME_AFTER_S, cpu_model
 from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
@@ -137,21 +137,10 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "remat_impl": remat_implementation(),
     }
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def now_utc() -> str:

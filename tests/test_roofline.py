@@ -10,7 +10,7 @@ import re
 import pytest
 
 from remat_kit import targets
-from remat_kit.memory import hlo, roofline
+from remat_kit.memory import hlo, roofline, runner
 
 MIB = 2**20
 
@@ -227,6 +227,21 @@ def test_allocation_term_only_where_the_backend_allocates_per_step():
     fresh = roofline.estimate(comps, cpu_like, fresh_bytes=10**9)
     assert fresh.allocation_s == pytest.approx(1.0)
     assert fresh.step_time_s == pytest.approx(plain.step_time_s + 1.0)
+
+
+@pytest.mark.parametrize(
+    ("temp", "output", "alias", "fresh"),
+    [
+        (64 * MIB, 128 * MIB, 128 * MIB, 64 * MIB),  # donated state: the temp buffer only
+        (31 * MIB, 0, 0, 0),  # below glibc's mmap ceiling: reused from the heap
+        (40 * MIB, 100 * MIB, 20 * MIB, 120 * MIB),  # new outputs not aliased count too
+        (40 * MIB, 50 * MIB, 20 * MIB, 40 * MIB),  # 30 MiB of new outputs: below the ceiling
+        (None, None, None, 0),  # unknown parts: nothing priced
+    ],
+)
+def test_fresh_bytes_counts_what_a_step_allocates_anew(temp, output, alias, fresh):
+    parts = {"temp_bytes": temp, "output_bytes": output, "alias_bytes": alias}
+    assert runner.fresh_bytes(parts) == fresh
 
 
 def test_reuse_model_serves_recent_values_from_the_cache():

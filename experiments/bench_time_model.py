@@ -5,7 +5,9 @@ and ``predicted_step_time_s``, the roofline's estimate made from the same compil
 step ran: :mod:`remat_kit.memory.roofline`) and, per group (model, target, batch, sequence
 length), sets each policy's predicted step-time ratio against ``no-remat`` beside the measured
 ratio, with the error, and the Spearman rank correlation of predicted vs measured step times
-across policies. Writes ``time_model.json``, ``time_model.md`` (the table) and
+across policies, beside the measurement's own: the Spearman correlation of each policy's odd
+against its even timed steps (split-half reliability: where it is low, noise alone bounds what
+any model can score). Writes ``time_model.json``, ``time_model.md`` (the table) and
 ``time_model.png`` (predicted vs measured ratio, one point per policy, the y = x line) beside
 the rows.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -68,6 +71,7 @@ def compare(frame: pd.DataFrame) -> list[dict]:
         # How much one policy's own timed steps differ: the noise a ratio is measured under.
         g["spread"] = g["step_times_s"].map(step_spread)
         spearman = g["predicted_step_time_s"].corr(g["step_time_s"], method="spearman")
+        reliability = split_half_spearman(g["step_times_s"])
         policies = []
         for _, r in g.iterrows():
             step = (r.get("report") or {}).get("step_time") or {}
@@ -94,6 +98,7 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             "machine": g.iloc[0].get("machine"), "cpu_count": g.iloc[0].get("cpu_count"),
             "device_figures": figures,
             "spearman": spearman, "spearman_goal_met": bool(spearman >= SPEARMAN_GOAL),
+            "split_half_spearman": reliability,
             "max_abs_error": float(g["error"].abs().max()),
             "median_step_spread": float(g["spread"].median()),
             "max_step_spread": float(g["spread"].max()),
@@ -101,6 +106,23 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             "policies": policies,
         })  # fmt: skip
     return groups
+
+
+def split_half_spearman(step_times: pd.Series) -> float | None:
+    """How well the measurement ranks the policies against itself: the Spearman correlation
+    between the medians of each policy's odd and even timed steps (split-half reliability).
+    Near 1, the measured ranking is steady and a model that misranks is wrong; well below 0.8,
+    noise alone keeps the measured ranking from repeating, and with it any model's Spearman.
+    None with fewer than two timed steps per policy or fewer than three policies."""
+    halves = [
+        (statistics.median(t[0::2]), statistics.median(t[1::2]))
+        for t in step_times
+        if t is not None and len(t) >= 2
+    ]
+    if len(halves) < 3 or len(halves) < len(step_times):
+        return None
+    odd, even = (pd.Series(h) for h in zip(*halves, strict=True))
+    return float(odd.corr(even, method="spearman"))
 
 
 def markdown(groups: list[dict]) -> str:
@@ -111,7 +133,9 @@ def markdown(groups: list[dict]) -> str:
             f"**{g['model']} on {g['target']}, batch {g['batch_size']}, seq {g['seq_len']}**: "
             f"Spearman {g['spearman']:.2f} (goal >= {SPEARMAN_GOAL}), "
             f"{g['within_goal']}/{g['policies_n']} policies within {RATIO_GOAL:.0%}, "
-            f"largest |error| {g['max_abs_error']:.1%}; one policy's own timed steps spread by "
+            f"largest |error| {g['max_abs_error']:.1%}; the measurement against itself "
+            f"(odd vs even timed steps) {_fmt(g.get('split_half_spearman'))}; "
+            "one policy's own timed steps spread by "
             f"{g['median_step_spread']:.0%} (median; up to {g['max_step_spread']:.0%}) of their "
             "median",
             "",
@@ -138,6 +162,10 @@ def markdown(groups: list[dict]) -> str:
             "time_model.json). x = step time over no-remat's in the same run."
         )
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None) -> str:
+    return "null (too few steps)" if value is None else f"Spearman {value:.2f}"
 
 
 def plot(groups: list[dict], path: Path) -> None:

@@ -62,7 +62,8 @@ same XLA backend as the steps it will judge:
   the difference is the cost of faulting a fresh allocation's pages in, which XLA:CPU pays
   for a step's temp and output buffers at every execution (bytes per second).
 
-Each figure is the best of a few runs (the least disturbed by other work on the machine). The
+Each figure is the best of a few runs (the least disturbed by other work on the machine); the
+fresh-output kernel, the most variable on a virtual machine, the best of :data:`FRESH_RUNS`. The
 figures are cached per machine (platform, device kind, CPU model, core count, jax and jaxlib
 versions) in ``calibration/`` of remat-kit's cache folder (:func:`cache_dir`); delete the
 file, or pass ``refresh=True``, to time again. A calibration takes a few seconds.
@@ -123,9 +124,9 @@ FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
 #: Runs of the fresh-output kernel a calibration keeps the best of. Measured on a 2-core AMD
 #: EPYC VM (jax 0.10.2, 2026-12-04): the best of two runs gave 0.73 GB/s, the best of nine
-#: 4.4-4.8 GB/s, and a gpt-10m no-remat step (batch 4, seq 128) ran 45-85 ms slower with its
-#: 245 MiB temp buffer faulted in than reused (glibc told to keep its heap: ``MALLOC_ARENA_MAX=1
-#: MALLOC_MMAP_MAX_=0``), i.e. 3-5.7 GB/s: /tmp experiment in the session-23 closing note.
+#: 4.4-4.8 GB/s; a gpt-10m no-remat step (batch 4, seq 256) paid 3.3 GB/s for its 482 MiB temp
+#: buffer, timed against the same step with glibc told to keep its heap
+#: (``experiments/bench_page_faults.py``, whose table is in experiments/results/cpu/).
 FRESH_RUNS = 9
 
 

@@ -546,7 +546,7 @@ def test_local_estimates_say_which_calibration_they_came_from():
     assert results.local_estimate_source([]) is None
 
 
-def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so():
+def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so(monkeypatch, tmp_path):
     """A newcomer's sweep timed at load average 5 against a calibration taken at 1.2 read every
     estimate 68-76% low with nothing said (session 16): the summary now says why."""
     from remat_kit.sweep.results import load_note
@@ -570,6 +570,10 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so():
     note = load_note(quiet, contended)
     assert note.startswith("the local device was calibrated while other processes used 62%")
     assert "load average" not in note  # the steps were not timed on a busier machine
+    # the folder to delete is this machine's cache (a newcomer's $REMAT_KIT_CACHE_DIR was
+    # named as ~/.cache/remat-kit in the summary while the console named the right one)
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path / "cache"))
+    assert f"delete {tmp_path / 'cache' / 'calibration'} and run" in load_note(quiet, contended)
     assert load_note(quiet, contended.replace("62%", "3%").replace("; contended", "")) is None
 
 

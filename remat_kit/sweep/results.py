@@ -46,7 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
-from remat_kit.memory.roofline import RETIME_AFTER_S, cpu_model
+from remat_kit.memory.roofline import RETIME_AFTER_S, cache_dir, cpu_model
 from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
@@ -723,7 +723,7 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
             f"the local device was calibrated {used}: its rates are low, so the estimates run "
             f"above the measured steps (est. err); it is timed again when asked "
             f"{RETIME_AFTER_S / 60:.0f} min after, the quieter kept (or delete "
-            "~/.cache/remat-kit/calibration/ and run again on idle cores)"
+            f"{cache_dir() / 'calibration'} and run again on idle cores)"
         )
     found = re.search(r"load average ([0-9.]+)", source or "")
     timed = [r for r in as_records(rows) if r.get("load_average")]

@@ -531,7 +531,7 @@ class TagFit:
     def notes(self, program: str) -> list[str]:
         """One line per restricted policy and one for all the skipped ones."""
         out = [
-            f"{named.name} names {', '.join(sorted(named.tags - cut.tags))}, which {program} "
+            f"{named.name} names {', '.join(_missing(named, cut))}, which {program} "
             f"does not emit: compiled as {cut.description[len('Custom: ') :]}"
             for named, cut in self.restricted
         ]
@@ -541,6 +541,12 @@ class TagFit:
                 "none of its checkpoint names and would run as save-nothing)"
             )
         return out
+
+
+def _missing(named: PolicySpec, cut: PolicySpec) -> list[str]:
+    """The tags ``named`` names that its cut-down ``cut`` lost, less the other MLP family's
+    (absent by design where the program emits the one ``cut`` keeps)."""
+    return sorted(t for t in named.tags - cut.tags if not N.MLP_ALTERNATES.get(t, set()) & cut.tags)
 
 
 def policies_for_tags(

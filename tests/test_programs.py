@@ -100,6 +100,12 @@ def test_tagged_linen_model_from_elsewhere_under_named_policies():
         program, ["minimal", "save-nothing"], target="h100-sxm"
     )
     assert not any("runs as save-nothing" in w for w in minimal.warnings)
+    # names it partly emits: said as recommend and doctor say it (a user's trial found analyze
+    # silent where both of them named the missing tags)
+    (cut,) = [w for w in minimal.warnings if "does not emit" in w]
+    assert cut.startswith("minimal names ") and "'linen-lm' does not emit: compiled as " in cut
+    assert "mlpwi=save" in cut.split("compiled as ")[1] and "mlpwi" not in cut.split(" which")[0]
+    assert not any("does not emit" in w for w in nothing.warnings)
     kept = {t.tag: t.nbytes for t in minimal.residuals}
     b, s, cfg = 2, 32, linen_lm.Config()
     assert kept["mlpwi"] == cfg.num_layers * b * s * cfg.mlp_dim * 4  # per layer, float32

@@ -487,6 +487,8 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
             f"names {', '.join(sorted(spec.tags))}: none emitted by {setup.program.name!r}, "
             "so it runs as save-nothing"
         )
+    else:  # a registered policy naming only some emitted tags: as recommend and doctor say it
+        notes.extend(policies_for_tags([spec], setup.tags).notes(repr(setup.program.name)))
     return tuple(notes)
 
 

@@ -22,7 +22,8 @@ Command (the committed figures: ``experiments/results/cpu/page_faults.md``)::
 
     python experiments/bench_page_faults.py --out experiments/results/cpu
 
-Runtime: about 2 minutes on a 2-core VM (3 policies x 2 sequence lengths x 2 modes x 3 rounds).
+Runtime: about 4.5 minutes on a 2-core AMD EPYC VM (3 policies x 2 sequence lengths x 2 modes x 3
+rounds, each process compiling its steps).
 Hardware: this machine's CPU; Linux with glibc only (``getrusage`` page-fault counts and the
 ``MALLOC_*`` tunables).
 """

@@ -5,11 +5,12 @@ and ``predicted_step_time_s``, the roofline's estimate made from the same compil
 step ran: :mod:`remat_kit.memory.roofline`) and, per group (model, target, batch, sequence
 length), sets each policy's predicted step-time ratio against ``no-remat`` beside the measured
 ratio, with the error, and the Spearman rank correlation of predicted vs measured step times
-across policies, beside the measurement's own: the Spearman correlation of each policy's odd
-against its even timed steps (split-half reliability: where it is low, noise alone bounds what
-any model can score). Writes ``time_model.json``, ``time_model.md`` (the table) and
-``time_model.png`` (predicted vs measured ratio, one point per policy, the y = x line) beside
-the rows.
+across policies, the same against each policy's fastest timed step (the statistic the
+calibration keeps for its micro-kernels), beside the measurement's own: the Spearman
+correlation of each policy's odd against its even timed steps (split-half reliability: where
+it is low, noise alone bounds what any model can score). Writes ``time_model.json``,
+``time_model.md`` (the table) and ``time_model.png`` (predicted vs measured ratio, one point
+per policy, the y = x line) beside the rows.
 
 Command (the committed figures: ``experiments/results/cpu/``; the sweep first, then this)::
 
@@ -68,6 +69,11 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             ),
         )
         g["error"] = g["predicted_ratio"] / g["measured_ratio"] - 1
+        # Against each policy's fastest timed step: the statistic the calibration keeps for
+        # its micro-kernels (best of N runs), so what the model's figures describe.
+        g["fastest_s"] = g["step_times_s"].map(min)
+        g["fastest_ratio"] = g["fastest_s"] / min(b["step_times_s"])
+        g["fastest_error"] = g["predicted_ratio"] / g["fastest_ratio"] - 1
         # How much one policy's own timed steps differ: the noise a ratio is measured under.
         g["spread"] = g["step_times_s"].map(step_spread)
         spearman = g["predicted_step_time_s"].corr(g["step_time_s"], method="spearman")
@@ -85,6 +91,9 @@ def compare(frame: pd.DataFrame) -> list[dict]:
                 "measured_cpu_ratio": r["measured_cpu_ratio"],
                 "error": r["error"],
                 "within_goal": abs(r["error"]) <= RATIO_GOAL,
+                "fastest_s": r["fastest_s"],
+                "fastest_ratio": r["fastest_ratio"],
+                "fastest_error": r["fastest_error"],
                 "step_spread": r["spread"],
                 "breakdown": {k: step.get(k) for k in (
                     "compute_s", "memory_s", "elementwise_s", "launch_s", "transfer_s",
@@ -101,6 +110,11 @@ def compare(frame: pd.DataFrame) -> list[dict]:
             "split_half_spearman": reliability,
             "max_abs_error": float(g["error"].abs().max()),
             "median_step_spread": float(g["spread"].median()),
+            "fastest": {
+                "spearman": g["predicted_step_time_s"].corr(g["fastest_s"], method="spearman"),
+                "max_abs_error": float(g["fastest_error"].abs().max()),
+                "within_goal": int((g["fastest_error"].abs() <= RATIO_GOAL).sum()),
+            },
             "max_step_spread": float(g["spread"].max()),
             "within_goal": int((g["error"].abs() <= RATIO_GOAL).sum()), "policies_n": len(g),
             "policies": policies,
@@ -139,9 +153,15 @@ def markdown(groups: list[dict]) -> str:
             f"{g['median_step_spread']:.0%} (median; up to {g['max_step_spread']:.0%}) of their "
             "median",
             "",
+            f"Against each policy's fastest timed step instead of the median (the calibration's "
+            f"micro-kernels keep their fastest run, so the model prices an undisturbed step): "
+            f"Spearman {g['fastest']['spearman']:.2f}, {g['fastest']['within_goal']}/"
+            f"{g['policies_n']} within {RATIO_GOAL:.0%}, largest |error| "
+            f"{g['fastest']['max_abs_error']:.1%}",
+            "",
             "| policy | measured ms | predicted ms | measured x | predicted x | error | "
-            "CPU-time x | largest term |",
-            "|---|--:|--:|--:|--:|--:|--:|---|",
+            "fastest x | error | CPU-time x | largest term |",
+            "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
         ]
         for p in g["policies"]:
             terms = {k: v for k, v in p["breakdown"].items() if v is not None}
@@ -151,6 +171,8 @@ def markdown(groups: list[dict]) -> str:
                 f"| {p['policy']} | {1e3 * p['measured_s']:,.0f} | {1e3 * p['predicted_s']:,.0f}"
                 f" | {p['measured_ratio']:.3f} | {p['predicted_ratio']:.3f} | "
                 f"{p['error']:+.1%}{'' if p['within_goal'] else ' ✗'} | "
+                f"{p['fastest_ratio']:.3f} | {p['fastest_error']:+.1%}"
+                f"{'' if abs(p['fastest_error']) <= RATIO_GOAL else ' ✗'} | "
                 f"{p['measured_cpu_ratio']:.3f} | {big.removesuffix('_s')} {share:.0%} |"
             )
         lines.append("")

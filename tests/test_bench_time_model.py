@@ -42,3 +42,28 @@ def test_kernel_benchmark_finds_profiler_events_for_the_compiled_kernels():
         "model": "tiny-gpt", "batch": 2, "steps": 1, "command": "x", "policies": [result],
         "environment": {"cpu_count": 2, "cpu_model": "cpu", "backend": "cpu", "jax": "0"},
     })  # fmt: skip
+
+
+def test_ratios_against_the_median_and_the_fastest_step():
+    # no-remat's steps: median 4 s, fastest 2 s (one undisturbed step); a remat policy's: 3 s
+    # and 3 s. The model predicts 0.75 of no-remat's time: 0% off the medians' ratio (3/4),
+    # -50% off the fastest steps' ratio (3/2 = 1.5).
+    frame = pd.DataFrame([
+        {"model": "m", "target": "local", "batch_size": 1, "seq_len": 8, "policy": "no-remat",
+         "step_times_s": [4.0, 2.0, 4.0, 5.0, 4.0], "step_time_s": 4.0,
+         "predicted_step_time_s": 4.0},
+        {"model": "m", "target": "local", "batch_size": 1, "seq_len": 8, "policy": "save-dots",
+         "step_times_s": [3.0, 3.0, 3.0, 3.0, 3.0], "step_time_s": 3.0,
+         "predicted_step_time_s": 3.0},
+        {"model": "m", "target": "local", "batch_size": 1, "seq_len": 8, "policy": "minimal",
+         "step_times_s": [3.5, 3.5, 3.5, 3.5, 3.5], "step_time_s": 3.5,
+         "predicted_step_time_s": 3.6},
+    ])  # fmt: skip
+    (group,) = bench_time_model.compare(frame)
+    by = {p["policy"]: p for p in group["policies"]}
+    assert by["save-dots"]["error"] == pytest.approx(0.0)
+    assert by["save-dots"]["fastest_ratio"] == pytest.approx(1.5)
+    assert by["save-dots"]["fastest_error"] == pytest.approx(0.75 / 1.5 - 1)
+    assert group["within_goal"] == 3 and group["fastest"]["within_goal"] == 1
+    assert group["fastest"]["max_abs_error"] == pytest.approx(0.5)
+    assert "fastest timed step" in bench_time_model.markdown([group])

@@ -10,7 +10,8 @@ the durations of the events XLA:CPU's thunk executor records under that instruct
 (loop bodies: every iteration). Per policy it reports:
 
 - the step's wall time beside the sum of its measured kernels (above the wall time where
-  XLA:CPU ran kernels side by side on several cores) and the estimate;
+  XLA:CPU ran kernels side by side on several cores), the time some kernel ran and the time
+  two or more ran side by side (the union and the overlap of their events), and the estimate;
 - measured against estimated time by the term that bounds each kernel in the model (compute,
   memory, elementwise, ...): which term is mispriced; the model's allocation term has no
   kernel of its own (its page faults land in the kernels that first touch the buffer);
@@ -43,9 +44,12 @@ PROG = "bench_kernels.py"
 TOP = 12
 
 
-def measured_kernels(run_step, steps: int, names: set[str]) -> tuple[dict[str, float], float]:
+def measured_kernels(
+    run_step, steps: int, names: set[str]
+) -> tuple[dict[str, float], float, dict[str, float]]:
     """Seconds per step XLA:CPU spent in each kernel named in ``names`` (summed over the
-    threads and loop iterations), and the median wall time of the profiled steps."""
+    threads and loop iterations), the median wall time of the profiled steps, and how the
+    kernels' events lie in time (:func:`concurrency`)."""
     import jax
 
     walls = []
@@ -61,12 +65,29 @@ def measured_kernels(run_step, steps: int, names: set[str]) -> tuple[dict[str, f
         (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(path)
         totals: dict[str, float] = collections.defaultdict(float)
+        spans: list[tuple[int, int]] = []
         for plane in data.planes:
             for line in plane.lines:
                 for event in line.events:
                     if event.name in names:
                         totals[event.name] += event.duration_ns * 1e-9 / steps
-    return dict(totals), statistics.median(walls)
+                        spans.append((event.start_ns, event.start_ns + event.duration_ns))
+    side = {k: v / steps for k, v in concurrency(spans).items()}
+    return dict(totals), statistics.median(walls), side
+
+
+def concurrency(spans: list[tuple[int, int]]) -> dict[str, float]:
+    """Seconds in which at least one kernel ran (``busy_s``) and in which two or more ran side
+    by side on different threads (``side_by_side_s``), from ``(start_ns, end_ns)`` events."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    busy = both = 0
+    running, last = 0, None
+    for at, step in edges:
+        if last is not None:
+            busy += (at - last) if running >= 1 else 0
+            both += (at - last) if running >= 2 else 0
+        running, last = running + step, at
+    return {"busy_s": busy * 1e-9, "side_by_side_s": both * 1e-9}
 
 
 def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dict:
@@ -103,7 +124,7 @@ def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dic
     for _ in range(2):  # warm: the first executions fault in arguments and code
         run_step()
     by_name = {t.name: t for t in estimate.top}
-    measured, wall = measured_kernels(run_step, steps, set(by_name))
+    measured, wall, side = measured_kernels(run_step, steps, set(by_name))
     kernels_out = [
         {
             "name": t.name, "op_name": t.op_name, "count": t.count, "bound": t.bound,
@@ -114,7 +135,7 @@ def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dic
     return {
         "policy": policy, "seq": seq, "step_s": wall, "predicted_step_s": estimate.step_time_s,
         "predicted_allocation_s": estimate.allocation_s,
-        "measured_kernels_s": sum(measured.values()), "kernels": kernels_out,
+        "measured_kernels_s": sum(measured.values()), **side, "kernels": kernels_out,
     }  # fmt: skip
 
 
@@ -130,7 +151,9 @@ def markdown(result: dict) -> str:
         missing = len(p["kernels"]) - len(ks)
         lines += [
             f"*{p['policy']}, seq {p['seq']}*: step {p['step_s'] * 1e3:.0f} ms wall; its "
-            f"kernels measured {p['measured_kernels_s'] * 1e3:.0f} ms (summed over threads), "
+            f"kernels measured {p['measured_kernels_s'] * 1e3:.0f} ms (summed over threads; "
+            f"some kernel ran during {p['busy_s'] * 1e3:.0f} ms of the step, two or more side "
+            f"by side during {p['side_by_side_s'] * 1e3:.0f} ms), "
             f"estimated {sum(k['predicted_s'] for k in ks) * 1e3:.0f} ms, plus "
             f"{p['predicted_allocation_s'] * 1e3:.0f} ms of allocation: estimate "
             f"{p['predicted_step_s'] * 1e3:.0f} ms"

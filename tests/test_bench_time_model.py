@@ -67,3 +67,15 @@ def test_ratios_against_the_median_and_the_fastest_step():
     assert group["within_goal"] == 3 and group["fastest"]["within_goal"] == 1
     assert group["fastest"]["max_abs_error"] == pytest.approx(0.5)
     assert "fastest timed step" in bench_time_model.markdown([group])
+
+
+def test_kernel_concurrency_from_event_spans():
+    """Busy time is the union of the kernels' events, side-by-side time where two overlap."""
+    import bench_kernels
+
+    # [0, 10) and [5, 12) overlap on [5, 10); [20, 25) alone; [21, 22) inside it.
+    spans = [(0, 10), (5, 12), (20, 25), (21, 22)]
+    got = bench_kernels.concurrency(spans)
+    assert got["busy_s"] == pytest.approx(17e-9)
+    assert got["side_by_side_s"] == pytest.approx(6e-9)
+    assert bench_kernels.concurrency([]) == {"busy_s": 0.0, "side_by_side_s": 0.0}

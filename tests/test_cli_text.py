@@ -170,6 +170,13 @@ def test_analyze_takes_a_per_tag_policy(capsys):
     assert layer["policy"] == "custom: query_proj=save"  # was: unknown policy 'custom'
 
 
+def test_analyze_says_small_estimated_steps_are_least_trustworthy(capsys):
+    args = ["analyze", "--model", "tiny-gpt", "--batch", "1", "--seq", "8", "--target", "local"]
+    assert cli.main([*args, "--policy", "save-nothing"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table view wraps long lines
+    assert "small steps (estimated" in out and "docs/time-model.md" in out
+
+
 def test_the_library_never_imports_the_cli():
     for path in (_REPO / "remat_kit").rglob("*.py"):
         if "cli" in path.relative_to(_REPO / "remat_kit").parts:

@@ -347,3 +347,6 @@ def test_recommend_on_the_local_device_ranks_by_its_calibrated_estimate():
     assert all(0 < c.step_time_s < math.inf for c in rec.candidates)
     assert rec.pick.step_time_s == min(c.step_time_s for c in rec.candidates)
     assert any("calibrated on this machine" in n for n in rec.notes), rec.notes
+    # tiny-gpt's steps are estimated at well under SMALL_STEP_S: said, with the smallest one
+    (small,) = [n for n in rec.notes if n.startswith("small steps")]
+    assert f"{min(c.step_time_s for c in rec.candidates) * 1e3:.3g} ms" in small

@@ -412,3 +412,15 @@ def test_datasheet_figures_cite_their_sources():
     # 132 SMs x 16 special-function results per clock x 1.98 GHz
     assert h100.transcendental_per_s == pytest.approx(132 * 16 * 1.98e9)
     assert roofline.datasheet_figures(targets.get_target("cpu")) is None
+
+
+def test_small_step_note_only_for_small_estimates_on_a_calibrated_device():
+    from remat_kit.memory.roofline import SMALL_STEP_S, small_step_note
+
+    small = SMALL_STEP_S / 10
+    note = small_step_note([None, 2 * SMALL_STEP_S, small], measured=True)
+    assert note is not None and f"{small * 1e3:.3g} ms" in note and "sweep" in note
+    # datasheet figures (no small GPU/TPU step measured yet), large steps, no estimates: none
+    assert small_step_note([small], measured=False) is None
+    assert small_step_note([SMALL_STEP_S, 3 * SMALL_STEP_S], measured=True) is None
+    assert small_step_note([None], measured=True) is None

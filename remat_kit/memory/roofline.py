@@ -1218,6 +1218,33 @@ def figures_for(target: T.Target) -> DeviceFigures:
     return figures
 
 
+#: Below this estimated step time (seconds) on a calibrated CPU, the estimate has been measured
+#: furthest off (docs/time-model.md, "Small steps": a 6 ms ViT -39%, a 3 ms NNX LM -57% to
+#: -63%, a 24 ms linen LM -10% to -32%, all on 2-core VMs, XLA:CPU, jax 0.10.2).
+SMALL_STEP_S = 0.03
+
+
+def small_step_note(step_times_s: Iterable[float | None], measured: bool) -> str | None:
+    """A caveat for estimates of small steps on the calibrated local device, or None.
+
+    Args:
+      step_times_s: the estimated step times (seconds) a tool shows; None entries are skipped.
+      measured: whether the device figures were calibrated on this machine (the local CPU);
+        datasheet targets get no caveat: no small GPU or TPU step has been measured yet.
+
+    Returns None when no estimate is below :data:`SMALL_STEP_S`.
+    """
+    times = [t for t in step_times_s if t is not None]
+    if not measured or not times or min(times) >= SMALL_STEP_S:
+        return None
+    return (
+        f"small steps (estimated {min(times) * 1e3:.3g} ms and up): below about "
+        f"{SMALL_STEP_S * 1e3:.0f} ms on a CPU the estimate has measured 10-63% below the step "
+        "and its order of the policies did not hold (docs/time-model.md, small steps); time "
+        "the policies you consider (experiments/sweep.py)"
+    )
+
+
 def time_model_note(target: T.Target) -> str:
     """The note every recommendation carries about the time model and its limits."""
     figures = device_figures(target)

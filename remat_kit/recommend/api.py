@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
-from remat_kit.memory.roofline import figures_for, time_model_note
+from remat_kit.memory.roofline import figures_for, small_step_note, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models import ModelConfig
 from remat_kit.policies import (
@@ -562,6 +562,7 @@ def assemble(
     rivals = found.largest if request.auto else found.candidates
     close = close_call(found.pick, rivals, request.auto)
     passed = offload_passed_over(found.pick, rivals, request.auto)
+    small = small_step_note((c.step_time_s for c in found.candidates), figures_for(tgt).measured)
     return Recommendation(
         model=program.name,
         target=tgt.name,
@@ -579,7 +580,7 @@ def assemble(
         from_compile_cache=session.from_compile_cache,
         wall_s=round(wall_s, 2),
         advice=tuple(found.advice),
-        notes=(time_model_note(tgt), *session.notes, *(n for n in (close, passed) if n)),
+        notes=(time_model_note(tgt), *session.notes, *(n for n in (close, passed, small) if n)),
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,

@@ -137,6 +137,7 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         (["--model", "tiny-gpt"], "presets are swept with --config"),
         (["--config", "quick", "--warmup-steps", "1"], "only with --model"),
         (["--model", MODEL, "--timed-steps", "0"], "timed_steps must be a positive integer"),
+        (["--model", MODEL, "--warmup-steps", "-1"], "warmup_steps must be 0 or a positive"),
     ],
 )
 def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):

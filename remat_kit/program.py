@@ -307,11 +307,17 @@ def check_argument(arg: Any, name: str) -> None:
     not arguments, and their bytes missing from every figure).
 
     Raises:
-      ValueError: a flax.linen Module (its parameters live in its variables, not in it), or a
+      ValueError: a flax.linen Module (its parameters live in its variables, not in it), a
         leaf that is not a pytree but holds arrays in its attributes (one line saying what to
-        pass instead).
+        pass instead), or an array or ``ShapeDtypeStruct`` with a negative dimension.
     """
-    for leaf in jax.tree.leaves(arg):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+        if is_array(leaf) and any(d < 0 for d in leaf.shape):
+            where = jax.tree_util.keystr(path) or "itself"
+            raise ValueError(
+                f"argument {name!r} ({where}) has shape {tuple(leaf.shape)}: a dimension is "
+                "negative; every dimension must be 0 or more"
+            )
         if is_array(leaf) or isinstance(leaf, _SCALARS):
             continue
         kind = type(leaf).__name__

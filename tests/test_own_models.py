@@ -282,6 +282,10 @@ class _Opaque:
         (_tiny_loss, (nn.Dense(4), jnp.ones((2, 4))),
          r"argument 'w' is a flax.linen Module \(Dense\), which holds no arrays: pass its "
          "variables"),
+        (_tiny_loss, (jnp.ones((4, 4)), jax.ShapeDtypeStruct((-2, 4), jnp.float32)),
+         r"argument 'x' \(itself\) has shape \(-2, 4\): a dimension is negative"),
+        (_tiny_loss, ({"w": jax.ShapeDtypeStruct((4, -4), jnp.float32)}, jnp.ones((2, 4))),
+         r"argument 'w' \(\['w'\]\) has shape \(4, -4\): a dimension is negative"),
         (lambda policy: lambda w, x: x @ w, (jnp.ones((4, 4)), jnp.ones((2, 4))),
          r"the loss returns float32\[2, 4\], not a scalar: reduce it"),
         (lambda policy: lambda w, x: (x @ w).sum().astype(jnp.int32),

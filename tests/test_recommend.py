@@ -350,3 +350,18 @@ def test_recommend_on_the_local_device_ranks_by_its_calibrated_estimate():
     # tiny-gpt's steps are estimated at well under SMALL_STEP_S: said, with the smallest one
     (small,) = [n for n in rec.notes if n.startswith("small steps")]
     assert f"{min(c.step_time_s for c in rec.candidates) * 1e3:.3g} ms" in small
+
+
+def test_recommend_says_what_analyze_warns_of_its_pick():
+    """An unrolled model on the CPU: XLA:CPU undoes the remat, analyze warns under the policy's
+    row and the doctor finds a no-op policy; recommend's notes say it of the pick too."""
+    from remat_kit.models import get_config
+
+    config = get_config("tiny-gpt", scan_layers=False)
+    rec = recommend(
+        config, seq_len=64, target="cpu", batch_size=2, budget=7_700_000,
+        policies=["no-remat", "save-nothing", "save-dots"], group_sizes=[1], structure=False,
+    )  # fmt: skip
+    assert rec.pick is not None and rec.pick.policy != "no-remat" and rec.pick.warnings
+    said = [n for n in rec.notes if n.startswith(f"{rec.pick.label}: ")]
+    assert said and "outside any scan" in said[0], rec.notes

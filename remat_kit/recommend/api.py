@@ -563,6 +563,8 @@ def assemble(
     close = close_call(found.pick, rivals, request.auto)
     passed = offload_passed_over(found.pick, rivals, request.auto)
     small = small_step_note((c.step_time_s for c in found.candidates), figures_for(tgt).measured)
+    # what analyze prints under the pick's row (remat undone, XLA's own remat, ...), said here too
+    warned = [f"{found.pick.label}: {w}" for w in found.pick.warnings] if found.pick else []
     return Recommendation(
         model=program.name,
         target=tgt.name,
@@ -580,7 +582,12 @@ def assemble(
         from_compile_cache=session.from_compile_cache,
         wall_s=round(wall_s, 2),
         advice=tuple(found.advice),
-        notes=(time_model_note(tgt), *session.notes, *(n for n in (close, passed, small) if n)),
+        notes=(
+            time_model_note(tgt),
+            *session.notes,
+            *warned,
+            *(n for n in (close, passed, small) if n),
+        ),  # fmt: skip
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,
         host_link_bytes_per_s=tgt.host_link_bytes_per_s,

@@ -409,7 +409,9 @@ def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
     if tags & inside:
         out.append(
             f"no own-name policy for {', '.join(sorted(tags & inside))}: saving it keeps "
-            "nothing (the backward pass does not use the value, e.g. a sum or an output)"
+            "nothing more (its remat segment's backward pass does not use the value: e.g. a "
+            "sum, or the segment's output, which the next segment keeps as its input whatever "
+            "the policy)"
         )
     return out
 

@@ -595,3 +595,19 @@ def test_progress_in_a_log_or_pipe_is_one_plain_line_per_step():
     assert len(lines) == 2, lines
     assert re.fullmatch(r"\[0:00:\d\d 0/2\] analysing gpt-10m b=4 s=128 \(2 policies\)", lines[0])
     assert re.fullmatch(r"\[0:00:\d\d 1/2\] done: gpt-10m b=4 s=128 save-dots", lines[1])
+
+
+def test_cpu_config_says_when_its_gpu_analysis_rows_are_left_out(monkeypatch):
+    """Without JAX's CUDA plugin the cpu config drops its h100-sxm analysis grids; its
+    description (the sweep's first log line) says so instead of listing them as analysed."""
+    from remat_kit import targets
+    from remat_kit.sweep.config import load_config
+
+    cpu = ROOT / "experiments" / "configs" / "cpu.py"
+    monkeypatch.setattr(targets, "cuda_plugin_module", lambda: None)
+    left = load_config(cpu)
+    assert len(left.grids) == 1 and "left out" in left.description
+    assert "remat-kit[cuda12]" in left.description and "analysed for" not in left.description
+    monkeypatch.setattr(targets, "cuda_plugin_module", lambda: "jax_plugins.xla_cuda12")
+    full = load_config(cpu)
+    assert len(full.grids) == 4 and "analysed for h100-sxm" in full.description

@@ -71,9 +71,15 @@ def get_config() -> SweepConfig:
                     measure=False,
                 )
             )
+    published = ", ".join(m for m, _, _ in _PUBLISHED)
     return SweepConfig(
         name="cpu",
         description="gpt-10m x every policy x s in {128, 256} measured on the CPU; "
-        "gpt2-small, llama3.2-1b, llama3-8b analysed for h100-sxm",
+        + (
+            f"{published} analysed for h100-sxm"
+            if len(grids) > 1
+            else f"{published} on h100-sxm left out: JAX's CUDA plugin is not installed "
+            "(pip install 'remat-kit[cuda12]')"
+        ),
         grids=tuple(grids),
     )

@@ -126,6 +126,14 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     assert line[header.index("est. err")] == f"{100 * (est / row['step_time_s'] - 1):+.0f}%"
     assert "est. ms" in results.summary_legend(measured)
     assert results.summary_legend([]) == ""
+    # gpt-10m's peaks (hundreds of MiB) keep one decimal; a small model's (under 10 MiB) two,
+    # so 4.38 and 4.50 MiB do not both read 4.4-4.5
+    peak = header.index("peak MiB")
+    assert line[peak] == f"{row['peak_bytes'] / 2**20:,.1f}"
+    small = [{**r, "peak_bytes": r["peak_bytes"] // 64} for r in measured]
+    ((_, header, body), *_) = results.summary_lines(small)
+    line = body[[b[0] for b in body].index("minimal")]
+    assert line[header.index("peak MiB")] == f"{row['peak_bytes'] // 64 / 2**20:,.2f}"
 
 
 def test_corrupt_middle_line_is_an_error(tmp_path):

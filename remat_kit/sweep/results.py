@@ -555,6 +555,8 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     for (model, target, b, k, mesh, overrides), recs in tables.items():
         recs = sorted(recs, key=lambda r: (r["seq_len"] or 0, order.get(r["policy"], len(order))))
         unit, unit_name = units.table_unit([r["peak_bytes"] for r in recs])
+        # a second decimal where every peak is under 10 units (a small model's 4.38 vs 4.50 MiB)
+        digits = 2 if max((r["peak_bytes"] or 0 for r in recs), default=0) < 10 * unit else 1
         measured = any(r["step_time_s"] is not None for r in recs)
         # a program's rows have no sequence length (its arguments carry the shapes)
         seq = [] if all(r["seq_len"] is None for r in recs) else ["s"]
@@ -582,7 +584,7 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
             line = [
                 r["label"],
                 *([str(r["seq_len"])] if seq else []),
-                units.in_unit(r["peak_bytes"], unit),
+                units.in_unit(r["peak_bytes"], unit, digits),
                 _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),
                 _fmt_pct(None if r["activation_saved"] is None else -r["activation_saved"]),
                 "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}",

@@ -75,6 +75,18 @@ def positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def nonnegative_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an integer >= 0 (bool excluded): a count that may be zero,
+    such as warm-up steps.
+
+    Raises:
+      ValueError: ``"{name} must be 0 or a positive integer, got {value!r}"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be 0 or a positive integer, got {value!r}")
+    return int(value)
+
+
 def parse_positive_int(name: str, text: str) -> int:
     """An integer >= 1 from text (a command-line value).
 

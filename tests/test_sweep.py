@@ -233,6 +233,9 @@ def no_compile(monkeypatch):
         ({"remat_group_sizes": "(3,)"}, "remat_group_size=3 does not divide"),
         ({"targets": "('h100',)"}, "unknown target 'h100'"),
         ({"overrides": "{'d_modle': 8}"}, "unknown ModelConfig field 'd_modle'"),
+        # the same wording as a program sweep's --warmup-steps (validation.nonnegative_int)
+        ({"warmup_steps": "-1"}, "warmup_steps must be 0 or a positive integer, got -1"),
+        ({"warmup_steps": "True"}, "warmup_steps must be 0 or a positive integer, got True"),
     ],
 )
 def test_bad_config_exits_2_before_compiling(tmp_path, capsys, no_compile, grid, message):

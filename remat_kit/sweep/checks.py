@@ -87,8 +87,7 @@ def _check_targets(where: str, targets: Any) -> None:
 def _check_steps(where: str, g: Any) -> None:
     if g.optimizer not in OPTIMIZERS:
         raise within(where, V.unknown_value_error("optimizer", g.optimizer, OPTIMIZERS))
-    if not isinstance(g.warmup_steps, int) or g.warmup_steps < 0:
-        raise ValueError(f"{where}: warmup_steps must be >= 0, got {g.warmup_steps!r}")
+    V.nonnegative_int(f"{where}: warmup_steps", g.warmup_steps)
     V.positive_int(f"{where}: timed_steps", g.timed_steps)
     if not (isinstance(g.learning_rate, (int, float)) and g.learning_rate > 0):
         raise ValueError(f"{where}: learning_rate must be > 0, got {g.learning_rate!r}")

@@ -360,10 +360,7 @@ def _cut_labels(restricted: Sequence[tuple[PolicySpec, PolicySpec]]) -> dict[str
 def _check(program: Program, warmup_steps: int, timed_steps: int) -> None:
     require_program(program)
     V.positive_int("timed_steps", timed_steps)
-    if warmup_steps != 0 and (
-        isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1
-    ):
-        raise ValueError(f"warmup_steps must be 0 or a positive integer, got {warmup_steps!r}")
+    V.nonnegative_int("warmup_steps", warmup_steps)
     if jax.process_count() > 1:
         raise ValueError("a program sweep runs in one process (jax.distributed is initialised)")
 

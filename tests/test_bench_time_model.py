@@ -38,6 +38,7 @@ def test_kernel_benchmark_finds_profiler_events_for_the_compiled_kernels():
     assert len(measured) >= len(result["kernels"]) // 2, "most kernels found no event"
     assert 0 < result["measured_kernels_s"] and result["step_s"] > 0
     assert all(k["measured_s"] > 0 and k["predicted_s"] >= 0 for k in measured)
+    assert all(k["completed_s"] >= k["measured_s"] for k in measured)
     assert "| compute |" in bench_kernels.markdown({
         "model": "tiny-gpt", "batch": 2, "steps": 1, "command": "x", "policies": [result],
         "environment": {"cpu_count": 2, "cpu_model": "cpu", "backend": "cpu", "jax": "0"},
@@ -67,6 +68,17 @@ def test_ratios_against_the_median_and_the_fastest_step():
     assert group["within_goal"] == 3 and group["fastest"]["within_goal"] == 1
     assert group["fastest"]["max_abs_error"] == pytest.approx(0.5)
     assert "fastest timed step" in bench_time_model.markdown([group])
+
+
+def test_kernel_spans_run_from_launch_to_completion_marker():
+    """A kernel whose work finishes on other threads completes after its launch event: the
+    i-th launch pairs with the i-th completion marker; none ends before its launch event."""
+    import bench_kernels
+
+    # launches [0, 2) and [10, 11); completions at 7 and 10.5 (the second finished inline,
+    # its marker inside the event); a third launch [20, 21) cut off before its marker.
+    got = bench_kernels.kernel_spans([(10, 11), (0, 2), (20, 21)], [10.5, 7])
+    assert got == [(0, 7), (10, 11), (20, 21)]
 
 
 def test_kernel_concurrency_from_event_spans():

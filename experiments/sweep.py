@@ -68,7 +68,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from remat_kit import files
 from remat_kit.training import distributed
-from remat_kit.validation import closest
+from remat_kit.validation import closest, nonnegative_int, positive_int
 
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
@@ -82,6 +82,20 @@ PROG = "sweep.py"
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse's default prints the usage too)
         self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message}\n")
+
+
+def _count(check, what: str):
+    """An argparse type: an integer that ``check`` (a :mod:`remat_kit.validation` check)
+    accepts, so a bad count is refused when the arguments are read, before any program loads."""
+
+    def convert(text: str) -> int:
+        try:
+            return check("value", int(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+    convert.__name__ = "count"
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep your own program instead of a config: MODULE:FACTORY or FILE.py:FACTORY, a "
         "function of no arguments returning a remat_kit.Program",
     )
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="--model: untimed steps per policy (default 2)")  # fmt: skip
-    p.add_argument("--timed-steps", type=int, default=None,
-                   help="--model: timed steps per policy (default 5)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=_count(nonnegative_int, "0 or a positive integer"),
+                   default=None, help="--model: untimed steps per policy (default 2)")  # fmt: skip
+    p.add_argument("--timed-steps", type=_count(positive_int, "a positive integer"),
+                   default=None, help="--model: timed steps per policy (default 5)")  # fmt: skip
     p.add_argument(
         "--out",
         help="results file (default: runs/<config>/sweep.jsonl); summary.md and the figures "

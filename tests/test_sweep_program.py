@@ -136,14 +136,20 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         (["--model", MODEL, "--policy", "nope=save"], "not emitted"),
         (["--model", "tiny-gpt"], "presets are swept with --config"),
         (["--config", "quick", "--warmup-steps", "1"], "only with --model"),
-        (["--model", MODEL, "--timed-steps", "0"], "timed_steps must be a positive integer"),
-        (["--model", MODEL, "--warmup-steps", "-1"], "warmup_steps must be 0 or a positive"),
+        (["--model", MODEL, "--timed-steps", "0"], "--timed-steps: expected a positive integer"),
+        (["--model", MODEL, "--warmup-steps", "-1"], "--warmup-steps: expected 0 or a positive"),
+        # a bad count is refused as the arguments are read, before the program is looked for
+        (["--model", "no_such.py:f", "--timed-steps", "x"], "expected a positive integer, got 'x'"),
     ],
 )
 def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):
     out = tmp_path / "sweep.jsonl"
     out.write_text('{"key": "k", "config_fingerprint": "f"}\n')
-    assert _cli().main([*extra, "--out", str(out), "--no-progress"]) == 2
+    try:
+        code = _cli().main([*extra, "--out", str(out), "--no-progress"])
+    except SystemExit as exit_:  # argparse refused an argument's value: the same exit 2
+        code = exit_.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("sweep.py: error: ") and err.count("\n") == 1 and message in err, err
     assert out.read_text() == '{"key": "k", "config_fingerprint": "f"}\n'

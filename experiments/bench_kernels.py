@@ -46,6 +46,8 @@ from pathlib import Path
 PROG = "bench_kernels.py"
 #: Kernels listed per policy, by the size of their error.
 TOP = 12
+#: XLA:CPU's name for the marker it records when a kernel completes.
+END = "end: "
 
 
 def measured_kernels(
@@ -98,10 +100,6 @@ def measured_kernels(
         spans += ends
     side = {k: v / steps for k, v in concurrency(spans).items()}
     return on_thread, completed, statistics.median(walls), side
-
-
-#: XLA:CPU's name for the marker it records when a kernel completes.
-END = "end: "
 
 
 def kernel_spans(launches: list[tuple[int, int]], completions: list[int]) -> list[tuple[int, int]]:

@@ -68,6 +68,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from remat_kit import files
 from remat_kit.training import distributed
+from remat_kit.units import format_span
 from remat_kit.validation import closest, nonnegative_int, positive_int
 
 EXIT_BAD_INPUT = 2
@@ -213,6 +214,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             f"- Machine: {_machine(r, run.rows)}",
             *([f"- Estimates on 'local' from {source}"] if source else []),
             *([f"- Note: {note}"] if (note := results.load_note(run.rows, source)) else []),
+            *([f"- Note: {small}"] if (small := results.small_step_note(run.rows)) else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
@@ -226,7 +228,7 @@ def _machine(r: dict, rows: list[dict] | None = None) -> str:
     """Where the rows' figures come from: backend, devices, CPUs, library versions, and the
     1-minute load average when the measured ``rows`` were timed (other work slows steps)."""
     loads = [x["load_average"][0] for x in rows or () if x.get("load_average")]
-    load = f"; load average {min(loads)}-{max(loads)} when timed" if loads else ""
+    load = f"; load average {format_span(loads)} when timed" if loads else ""
     return (
         f"{r.get('backend')} backend, {r.get('device_count')} x {r.get('device_kind')} in "
         f"{r.get('process_count', 1)} process(es), {r.get('cpu_count')} CPUs "
@@ -269,6 +271,9 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
             f"{cache_dir() / 'calibration'})",
             highlight=False, markup=False,
         )  # fmt: skip
+    small = results.small_step_note(run.rows)
+    if small:  # as analyze and recommend say it under their tables
+        console.print(f"note: {small}", highlight=False, markup=False)
     legend = results.summary_legend(run.rows)
     if legend:  # what the columns mean, under the table as at the top of summary.md
         console.print(f"columns: {legend}", highlight=False, markup=False)

@@ -528,12 +528,14 @@ class TagFit:
     restricted: tuple[tuple[PolicySpec, PolicySpec], ...]
     skipped: tuple[PolicySpec, ...]
 
-    def notes(self, program: str) -> list[str]:
-        """One line per restricted policy and one for all the skipped ones."""
+    def notes(self, program: str, named: bool = True) -> list[str]:
+        """One line per restricted policy and one for all the skipped ones; ``named=False``
+        leaves the policy's name out of the first kind (a note printed under that policy)."""
         out = [
-            f"{named.name} names {', '.join(_missing(named, cut))}, which {program} "
-            f"does not emit: compiled as {cut.description[len('Custom: ') :]}"
-            for named, cut in self.restricted
+            f"{spec.name + ' ' if named else ''}names {', '.join(_missing(spec, cut))}, which "
+            f"{program} does not emit: compiled as "
+            f"{cut.description[len('Custom: ') :].rstrip('.')}"
+            for spec, cut in self.restricted
         ]
         if self.skipped:
             out.append(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 KIB = 2**10
 MIB = 2**20
@@ -114,3 +115,17 @@ def in_unit(n: float | int | None, unit: int, digits: int = 1) -> str:
     """Bytes as a bare figure in ``unit`` bytes, thousands separated (``"-"`` for unknown), for
     columns whose header names the unit (see :func:`table_unit`)."""
     return "-" if n is None else f"{n / unit:,.{digits}f}"
+
+
+def format_span(values: Iterable[float], digits: int = 2) -> str:
+    """The range of ``values`` as ``"lo-hi"``, or one figure where all are equal when printed
+    (``[3.61, 3.61]`` -> ``"3.61"``): a load average, a spread of ratios.
+
+    Raises:
+      ValueError: ``values`` is empty.
+    """
+    values = list(values)
+    if not values:
+        raise ValueError("format_span needs at least one value")
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"

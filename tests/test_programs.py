@@ -103,7 +103,9 @@ def test_tagged_linen_model_from_elsewhere_under_named_policies():
     # names it partly emits: said as recommend and doctor say it (a user's trial found analyze
     # silent where both of them named the missing tags)
     (cut,) = [w for w in minimal.warnings if "does not emit" in w]
-    assert cut.startswith("minimal names ") and "'linen-lm' does not emit: compiled as " in cut
+    # under the policy's own row: its name is not said again ("minimal: minimal names ...")
+    assert cut.startswith("names ") and "'linen-lm' does not emit: compiled as " in cut
+    assert not cut.endswith(".")  # joined to other warnings with "; " (not ".;")
     assert "mlpwi=save" in cut.split("compiled as ")[1] and "mlpwi" not in cut.split(" which")[0]
     assert not any("does not emit" in w for w in nothing.warnings)
     kept = {t.tag: t.nbytes for t in minimal.residuals}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from remat_kit import cli, targets
@@ -129,6 +130,8 @@ def test_cli_recommend_program(capsys, tmp_path):
     assert cli.main([*argv, "--policy", "save-dots", "--html", str(html)]) == 0
     out = capsys.readouterr().out
     assert "plain-jax (your program)" in out and "checkpoint tags the program emits" in out
+    # every figure names what it was compiled on and the jax version (a user's trial: none said)
+    assert f"compiled on: {TARGET} (" in out and f"jax {jax.__version__})" in out
     assert out.strip().splitlines()[-1].startswith('policy = remat_kit.policy("save-')
     page = html.read_text()  # the candidates, the pick marked, the estimated step times
     assert '"label": "* save-' in page and "est. step" in page and "recommend: plain-jax" in page

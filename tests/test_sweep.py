@@ -136,6 +136,30 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     assert line[header.index("peak MiB")] == f"{row['peak_bytes'] // 64 / 2**20:,.2f}"
 
 
+def test_a_policy_compiled_to_an_earlier_ones_program_is_labelled_so():
+    """A user's program swept: a cut-down policy compiled to save-out-proj's program measured
+    -25% against save-out-proj's -9%, noise the table showed as a real difference; analyze and
+    recommend label such rows "same program as". Another sequence length is its own group."""
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    measured = [r for r in rows if r.get("step_time_s") is not None]
+    by = {(r["policy"], r["seq_len"]): r for r in measured}
+    twin = {**by["save-qkv-out-proj", 128]}
+    twin["report"] = {**twin["report"], "program_sha256": by["save-out-proj", 128]["report"][
+        "program_sha256"]}  # fmt: skip
+    other_seq = {**by["save-qkv-out-proj", 256]}  # same sha, other group: no label
+    other_seq["report"] = twin["report"]
+    rows = [r if r is not by["save-qkv-out-proj", 128] else twin for r in measured]
+    rows = [r if r is not by["save-qkv-out-proj", 256] else other_seq for r in rows]
+    records = {(r["policy"], r["seq_len"]): r for r in results.summarize(rows)}
+    assert records["save-qkv-out-proj", 128]["same_program_as"] == "save-out-proj"
+    assert records["save-qkv-out-proj", 256]["same_program_as"] is None
+    assert records["save-out-proj", 128]["same_program_as"] is None
+    ((_, _, body), *_) = results.summary_lines(rows)
+    labels = [line[0] for line in body]
+    assert "save-qkv-out-proj (same program as save-out-proj)" in labels
+    assert labels.count("save-qkv-out-proj") == 1  # the s=256 row
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')
@@ -571,7 +595,9 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so(monkey
     own = [{"load_average": [1.5, 2.3, 2.5], "step_cpu_s": 0.405, "step_time_s": 0.223}]
     assert load_note(own, source.replace("1.22", "0.22")) is None
     others = [{"load_average": [4.5, 2.3, 2.5], "step_cpu_s": 0.405, "step_time_s": 0.223}]
-    assert "other work about 2.68-2.68" in load_note(others, source.replace("1.22", "0.22"))
+    # one timed row, or equal loads: one figure, not a range of one value ("3.61-3.61")
+    assert "other work about 2.68 of it" in load_note(others, source.replace("1.22", "0.22"))
+    assert "at load average 4.50 (" in load_note(others, source.replace("1.22", "0.22"))
     assert load_note([{"load_average": [1.5, 1.0, 1.0]}], source) is None  # close: no note
     assert load_note(busy, None) is None and load_note([{}], source) is None  # not known
     # the other way round: a calibration timed beside other work (its rates low: estimates high)
@@ -622,3 +648,20 @@ def test_cpu_config_says_when_its_gpu_analysis_rows_are_left_out(monkeypatch):
     monkeypatch.setattr(targets, "cuda_plugin_module", lambda: "jax_plugins.xla_cuda12")
     full = load_config(cpu)
     assert len(full.grids) == 4 and "analysed for h100-sxm" in full.description
+
+
+def test_small_local_steps_carry_the_same_caveat_as_analyze_and_recommend():
+    """A user's small program swept on the CPU: every estimate 49-61% under its step, and the
+    sweep alone of the tools said nothing (analyze and recommend print the small-step note)."""
+    calibrated = {"step_time": {"measured_figures": True}}
+    timed = [{"target": "local", "report": calibrated, "predicted_step_time_s": 0.0027,
+              "step_time_s": 0.0066}]  # fmt: skip
+    note = results.small_step_note(timed)
+    assert note.startswith("small steps (estimated 2.7 ms and up)")
+    assert note.endswith("go by the measured steps beside them")
+    analysed = [{**timed[0], "step_time_s": None}]
+    assert results.small_step_note(analysed).endswith("(experiments/sweep.py)")
+    # datasheet figures (a GPU model compiled without a GPU) and large steps: no caveat
+    datasheet = [{**timed[0], "target": "h100-sxm", "report": {"step_time": {}}}]
+    assert results.small_step_note(datasheet) is None
+    assert results.small_step_note([{**timed[0], "predicted_step_time_s": 0.3}]) is None

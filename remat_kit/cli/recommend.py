@@ -170,6 +170,7 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
 
 def _lines(rec: Recommendation) -> list[str]:
     lines = [
+        *([f"compiled on: {rec.compiled_on}"] if rec.compiled_on else []),
         f"budget {format_bytes(rec.budget_bytes)} per device ({rec.budget_note})",
         "arguments: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in rec.arguments.items()),
         f"host link: {rec.host_link}",

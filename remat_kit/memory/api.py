@@ -490,7 +490,8 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
             "so it runs as save-nothing"
         )
     else:  # a registered policy naming only some emitted tags: as recommend and doctor say it
-        notes.extend(policies_for_tags([spec], setup.tags).notes(repr(setup.program.name)))
+        fit = policies_for_tags([spec], setup.tags)
+        notes.extend(fit.notes(repr(setup.program.name), named=False))
     return tuple(notes)
 
 

@@ -1224,24 +1224,32 @@ def figures_for(target: T.Target) -> DeviceFigures:
 SMALL_STEP_S = 0.03
 
 
-def small_step_note(step_times_s: Iterable[float | None], measured: bool) -> str | None:
+def small_step_note(
+    step_times_s: Iterable[float | None], measured: bool, timed: bool = False
+) -> str | None:
     """A caveat for estimates of small steps on the calibrated local device, or None.
 
     Args:
       step_times_s: the estimated step times (seconds) a tool shows; None entries are skipped.
       measured: whether the device figures were calibrated on this machine (the local CPU);
         datasheet targets get no caveat: no small GPU or TPU step has been measured yet.
+      timed: the estimates stand beside measured steps (the sweep): the caveat points to them
+        rather than to the sweep.
 
     Returns None when no estimate is below :data:`SMALL_STEP_S`.
     """
     times = [t for t in step_times_s if t is not None]
     if not measured or not times or min(times) >= SMALL_STEP_S:
         return None
+    advice = (
+        "go by the measured steps beside them"
+        if timed
+        else "time the policies you consider (experiments/sweep.py)"
+    )
     return (
         f"small steps (estimated {min(times) * 1e3:.3g} ms and up): below about "
         f"{SMALL_STEP_S * 1e3:.0f} ms on a CPU the estimate has measured 10-63% below the step "
-        "and its order of the policies did not hold (docs/time-model.md, small steps); time "
-        "the policies you consider (experiments/sweep.py)"
+        f"and its order of the policies did not hold (docs/time-model.md, small steps); {advice}"
     )
 
 

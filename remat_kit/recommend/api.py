@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
 from remat_kit.memory.roofline import figures_for, small_step_note, time_model_note
 from remat_kit.memory.runner import CompileEngine
+from remat_kit.memory.xla_compile import jax_backend_description
 from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
@@ -595,4 +597,18 @@ def assemble(
         made_fit=found.made_fit,
         tags=tuple(sorted(request.tags)),
         remats_for_none=request.remats_for_none,
+        compiled_on=compiled_on(tgt),
     )
+
+
+def compiled_on(tgt: T.Target) -> str:
+    """What the candidates were compiled on and by, e.g. ``"local (local cpu (AMD EPYC), 2
+    cores); XLA CPU compiler (local device, jax 0.10.2)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
+    HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``."""
+    figures = figures_for(tgt)
+    where = (
+        f"{figures.name}, {os.cpu_count()} cores"
+        if figures.measured and tgt.platform == "cpu"
+        else tgt.description
+    )
+    return f"{tgt.name} ({where}); {jax_backend_description(tgt.platform, tgt.deviceless)}"

@@ -272,6 +272,8 @@ class Recommendation:
         preset).
       remats_for_none: remat segments a user's factory builds when given None: its ``no-remat``
         candidate is then that remat, not a step without remat (0: none).
+      compiled_on: the target, the device behind it (for the local CPU its model and cores)
+        and the compiler that compiled the candidates, with jax's version.
       made_fit: which structural options (``attention``, ``loss_chunk_size``, ``remat_layers``)
         the pick carries and what they did (made it fit, or made it faster), with the compiled
         figures; None when the pick is a plain step.
@@ -301,6 +303,7 @@ class Recommendation:
     made_fit: str | None = None
     remats_for_none: int = 0
     from_compile_cache: int = 0
+    compiled_on: str = ""
 
     def line(self) -> str:
         """The pick as one line of code, or what would fit when nothing does."""

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 
 from remat_kit import units
+from remat_kit.memory import roofline
 from remat_kit.memory.roofline import RETIME_AFTER_S, cache_dir, cpu_model
 from remat_kit.policies import policy_names, remat_implementation
 
@@ -446,14 +447,26 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
       overrides, policy, status, peak_bytes, peak_saved, activation_bytes, activation_saved,
       step_time_s, slowdown, step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits,
       measured_peak_bytes, mfu, predicted_step_time_s, predicted_slowdown, prediction_error,
-      estimate_error``.
+      estimate_error, same_program_as`` (the label of the first earlier row of the group compiled
+      to the same program, :attr:`MemoryReport.program_sha256`; None for the first or unknown).
     """
     records = as_records(rows)
     base: dict[tuple, Mapping[str, Any]] = {}
     for r in records:
         if r.get("policy") == "no-remat" and r.get("status") == "ok":
             base[group_key(r)] = r
-    return [_summary_record(r, base.get(group_key(r), {})) for r in records]
+    out = [_summary_record(r, base.get(group_key(r), {})) for r in records]
+    # a policy compiled to the same program as an earlier one of its group (a name-based
+    # policy cut down to a program's tags, an offload on a target that does not offload):
+    # its step time differs from that one's by noise alone, as analyze and recommend say
+    first: dict[tuple, str] = {}
+    for r, rec in zip(records, out, strict=True):
+        sha = (r.get("report") or {}).get("program_sha256") if rec["status"] == "ok" else None
+        key = (group_key(r), sha)
+        rec["same_program_as"] = first.get(key) if sha else None
+        if sha:
+            first.setdefault(key, rec["label"])
+    return out
 
 
 def step_spread(times: Sequence[float] | None) -> float | None:
@@ -581,8 +594,9 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
                 lead = [r["label"], *([str(r["seq_len"])] if seq else []), r["status"]]
                 body.append(lead + [""] * (len(header) - len(lead)))
                 continue
+            same = r["same_program_as"]
             line = [
-                r["label"],
+                r["label"] + (f" (same program as {same})" if same else ""),
                 *([str(r["seq_len"])] if seq else []),
                 units.in_unit(r["peak_bytes"], unit, digits),
                 _fmt_pct(None if r["peak_saved"] is None else -r["peak_saved"]),
@@ -722,8 +736,10 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
         used = f"while other processes used {share.group(1)}% of the cores" if share else (
             "beside other work")  # fmt: skip
         notes.append(
-            f"the local device was calibrated {used}: its rates are low, so the estimates run "
-            f"above the measured steps (est. err); it is timed again when asked "
+            f"the local device was calibrated {used}: its rates are below an idle machine's, "
+            f"so the estimates run higher than idle cores would give them (est. err reads "
+            f"higher; steps timed on a machine busier still can read below); it is timed again "
+            f"when asked "
             f"{RETIME_AFTER_S / 60:.0f} min after, the quieter kept (or delete "
             f"{cache_dir() / 'calibration'} and run again on idle cores)"
         )
@@ -735,13 +751,27 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
     others = [max(0.0, r["load_average"][0] - _own_cores(r)) for r in timed]
     if found and others and max(others) - float(found.group(1)) >= _LOAD_GAP:
         notes.append(
-            f"the steps were timed at load average {min(loads):.2f}-{max(loads):.2f} (other work "
-            f"about {min(others):.2f}-{max(others):.2f} of it beside the sweep's own steps), the "
+            f"the steps were timed at load average {units.format_span(loads)} (other work "
+            f"about {units.format_span(others)} of it beside the sweep's own steps), the "
             f"local device calibrated at {float(found.group(1)):.2f}: the estimates price the "
             "machine as calibrated, so on the busier machine measured steps run slower than "
             "estimated (est. err) and their spread widens; time on idle cores to compare the two"
         )
     return "; ".join(notes) or None
+
+
+def small_step_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """:func:`remat_kit.memory.roofline.small_step_note` for the rows' estimates on the
+    calibrated local device (as analyze and recommend say it under their tables), or None."""
+    local = [
+        r for r in as_records(rows)
+        if r.get("target") == "local"
+        and ((r.get("report") or {}).get("step_time") or {}).get("measured_figures")
+    ]  # fmt: skip
+    timed = any(r.get("step_time_s") is not None for r in local)
+    return roofline.small_step_note(
+        (r.get("predicted_step_time_s") for r in local), bool(local), timed=timed
+    )
 
 
 def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:

@@ -99,6 +99,19 @@ def _count(check, what: str):
     return convert
 
 
+def _policy(text: str) -> str:
+    """An argparse type: a ``--policy`` value as every remat-kit command reads it
+    (:func:`remat_kit.policies.parse_policy_arg`), checked when the arguments are read (a
+    misspelled name is refused before a program is traced), kept as the text given."""
+    from remat_kit.policies import parse_policy_arg
+
+    try:
+        parse_policy_arg(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -123,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "are written in its folder, so give each sweep its own folder",
     )
     p.add_argument(
-        "--policy", action="append", default=None,
+        "--policy", action="append", default=None, type=_policy,
         help="run these policies instead of the config's (repeatable): a name or a per-tag spec "
         "'query_proj=offload,out_proj=save' / its JSON form",
     )  # fmt: skip
@@ -168,7 +181,6 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     out = Path(args.out) if args.out else RUNS / program.name / "sweep.jsonl"
     where.append(out)
     console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")
-    console.print(f"results: {out}")
     run = sweep.run_program_sweep(
         program, out, policies=args.policy,
         warmup_steps=2 if args.warmup_steps is None else args.warmup_steps,
@@ -176,6 +188,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
         resume=args.resume, overwrite=args.overwrite,
         ref=args.model, progress=not args.no_progress, console=make_console(stderr=True),
     )  # fmt: skip
+    console.print(f"results: {out}")  # once written: a bad policy is refused before any row
     for note in run.notes:
         console.print(f"note: {note}")
     return run, out

@@ -481,10 +481,11 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
     (stopped here by no_compile), a bad one exits 2 before it."""
     cfg = _config_file(tmp_path)
     out = str(tmp_path / "o.jsonl")
-    code = _cli().main(
-        ["--config", str(cfg), "--out", out, "--no-plot", "--policy", "query_prj=sve"]
-    )
-    assert code == 2 and "tag 'query_prj': unknown action 'sve'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # refused as the arguments are read
+        _cli().main(["--config", str(cfg), "--out", out, "--no-plot", "--policy", "query_prj=sve"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "tag 'query_prj': unknown action 'sve'" in err
+    assert err.startswith("sweep.py: error: argument --policy: ") and err.count("\n") == 1
     with pytest.raises(_Compiled):
         _cli().main(
             [

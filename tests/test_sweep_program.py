@@ -140,6 +140,7 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         (["--model", MODEL, "--warmup-steps", "-1"], "--warmup-steps: expected 0 or a positive"),
         # a bad count is refused as the arguments are read, before the program is looked for
         (["--model", "no_such.py:f", "--timed-steps", "x"], "expected a positive integer, got 'x'"),
+        (["--model", "no_such.py:f", "--policy", "save-dots-no-bach"], "'save-dots-no-batch'?"),
     ],
 )
 def test_bad_input_exits_2_and_keeps_the_file(tmp_path, capsys, extra, message):

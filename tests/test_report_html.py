@@ -116,6 +116,13 @@ def test_rows_make_groups_and_failed_rows_stay(reports):
     (g,) = H.groups_of_rows(rows)
     assert [e.label for e in g.entries] == [*LABELS, "save-dots"]
     assert g.entries[0].measured_step_time_s == 0.012 and g.entries[2].error == "out of memory"
+    # a row compiled to an earlier row's program says so, as the sweep's table does
+    twin = {**rows[1], "policy": "minimal", "report": {**rows[1]["report"],
+            "program_sha256": rows[0]["report"]["program_sha256"] or "same"}}  # fmt: skip
+    rows[0]["report"] = {**rows[0]["report"], "program_sha256": twin["report"]["program_sha256"]}
+    (g,) = H.groups_of_rows([*rows, twin])
+    assert g.entries[-1].label == f"minimal (same program as {LABELS[0]})"
+    assert g.entries[0].label == LABELS[0]
 
 
 # -- In the browser ----------------------------------------------------------------------------

@@ -9,7 +9,6 @@ report's ``to_dict()`` and, when run, the measured step time) or a recommendatio
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -130,14 +129,15 @@ def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
     """Sweep rows (:mod:`remat_kit.sweep.results`) as groups: one per model, shape, target and mesh
     (:func:`remat_kit.sweep.results.group_key`), in file order. A row's ``step_time_s`` is the
     measured one; the estimate is its report's, where it has one."""
-    groups: dict[tuple, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(R.group_key(row), []).append(row)
+    groups: dict[tuple, list[tuple[Mapping[str, Any], str | None]]] = {}
+    for row, same in zip(rows, R.same_program_as(rows), strict=True):
+        groups.setdefault(R.group_key(row), []).append((row, same))
     out = []
-    for members in groups.values():
+    for pairs in groups.values():
         entries = []
-        for row in members:
-            label = _row_label(row)
+        members = [row for row, _ in pairs]
+        for row, same in pairs:
+            label = R.row_label(row) + (f" (same program as {same})" if same else "")
             if row.get("status") != "ok" or not row.get("report"):
                 entries.append(_failed(label, row.get("error") or row.get("status") or "no report"))
                 continue
@@ -161,11 +161,6 @@ def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
             Group(f"{what}{shape}{overrides} on {first.get('target')}{mesh}", tuple(entries))
         )
     return out
-
-
-def _row_label(row: Mapping[str, Any]) -> str:
-    policy = row.get("policy_label") or row.get("policy")  # a cut-down one: "minimal (cut)"
-    return policy if isinstance(policy, str) else json.dumps(policy, sort_keys=True)
 
 
 def _known_fields(data: Mapping[str, Any]) -> dict[str, Any]:

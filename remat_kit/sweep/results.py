@@ -456,16 +456,33 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
         if r.get("policy") == "no-remat" and r.get("status") == "ok":
             base[group_key(r)] = r
     out = [_summary_record(r, base.get(group_key(r), {})) for r in records]
-    # a policy compiled to the same program as an earlier one of its group (a name-based
-    # policy cut down to a program's tags, an offload on a target that does not offload):
-    # its step time differs from that one's by noise alone, as analyze and recommend say
+    for rec, same in zip(out, same_program_as(records), strict=True):
+        rec["same_program_as"] = same
+    return out
+
+
+def row_label(row: Mapping[str, Any]) -> str:
+    """What tables call a row's policy: a program sweep's cut-down policy as every tool names
+    it (``minimal (cut)``), else the policy (a per-tag spec as sorted JSON)."""
+    policy = row.get("policy_label") or row.get("policy")
+    return policy if isinstance(policy, str) else json.dumps(policy, sort_keys=True)
+
+
+def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]:
+    """For each row, the label (:func:`row_label`) of the first earlier ``ok`` row of its group
+    (:func:`group_key`) compiled to the same program (the report's ``program_sha256``), else
+    None: a name-based policy cut down to a program's tags, an offload on a target that does not
+    offload. Its step time differs from that row's by noise alone, as analyze and recommend
+    say of such rows."""
     first: dict[tuple, str] = {}
-    for r, rec in zip(records, out, strict=True):
-        sha = (r.get("report") or {}).get("program_sha256") if rec["status"] == "ok" else None
+    out: list[str | None] = []
+    for r in as_records(rows):
+        ok = r.get("status") == "ok"
+        sha = (r.get("report") or {}).get("program_sha256") if ok else None
         key = (group_key(r), sha)
-        rec["same_program_as"] = first.get(key) if sha else None
+        out.append(first.get(key) if sha else None)
         if sha:
-            first.setdefault(key, rec["label"])
+            first.setdefault(key, row_label(r))
     return out
 
 
@@ -499,8 +516,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "mesh": r.get("mesh"),
         "overrides": r.get("overrides"),
         "policy": r.get("policy"),
-        # what tables call it: a program sweep's cut-down policy as every tool names it
-        "label": r.get("policy_label") or r.get("policy"),
+        "label": row_label(r),
         "status": r.get("status"),
         "peak_bytes": peak,
         "peak_saved": None if peak_ratio is None else 1 - peak_ratio,

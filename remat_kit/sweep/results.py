@@ -470,10 +470,9 @@ def row_label(row: Mapping[str, Any]) -> str:
 
 def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]:
     """For each row, the label (:func:`row_label`) of the first earlier ``ok`` row of its group
-    (:func:`group_key`) compiled to the same program (the report's ``program_sha256``), else
-    None: a name-based policy cut down to a program's tags, an offload on a target that does not
-    offload. Its step time differs from that row's by noise alone, as analyze and recommend
-    say of such rows."""
+    (:func:`group_key`) compiled from the same lowered program (the report's
+    ``program_sha256``), else None: a name-based policy cut down to a program's tags. Its step
+    time differs from that row's by noise alone, as analyze and recommend say of such rows."""
     first: dict[tuple, str] = {}
     out: list[str | None] = []
     for r in as_records(rows):

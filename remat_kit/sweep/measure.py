@@ -324,10 +324,12 @@ def time_runs(
 ) -> list[dict[str, Any] | BaseException]:
     """Time each run ``makers`` make (:class:`StepRun`): one after the other, each made just
     before its steps; or with ``interleave`` (see :func:`can_interleave`) every run made
-    first and step ``i`` of every run taken before step ``i + 1`` of any, the order rotating
-    by one run each step: a drift of the machine's speed (other processes, clocks) then falls
-    on every policy alike instead of on whichever ran during it (on a shared 2-core VM, one
-    program timed twice a minute apart differed by up to 12%).
+    first and step ``i`` of every run taken before step ``i + 1`` of any, in the order
+    :func:`round_order` gives step ``i``: a drift of the machine's speed (other processes,
+    clocks) then falls on every policy alike instead of on whichever ran during it (on a shared
+    2-core VM, one program timed twice a minute apart differed by up to 12%), and no run always
+    follows the same one (a run right after another of the same executable measured 3-5%
+    faster in most rounds, warm).
 
     Returns:
       Per run, in order: :meth:`StepRun.result` with ``measured_peak_bytes`` /
@@ -357,9 +359,8 @@ def time_runs(
             runs.append(err)
     live = [r for r in runs if isinstance(r, StepRun)]
     for i in range(max((r.steps for r in live), default=0)):
-        k = i % len(live)
-        for run in live[k:] + live[:k]:
-            run.step(i)
+        for k in round_order(len(live), i):
+            live[k].step(i)
     # can_interleave: the backend reports no peak, so none is mixed (the note says it)
     peak = {**measured_peak(None), "step_order": "interleaved", "load_average": load_average()}
     for run in runs:
@@ -370,6 +371,30 @@ def time_runs(
         except Exception as err:
             results.append(err)
     return results
+
+
+def round_order(n: int, i: int) -> list[int]:
+    """The order of ``n`` runs in round ``i`` of interleaved timing: row ``i`` (cyclically) of
+    a Williams design, a Latin square in which every run takes every position once and follows
+    every other run equally often (once over the ``n`` rows for even ``n``; twice over ``2n``
+    rows, each row and its mirror image, for odd ``n``), so what one run leaves behind (warm
+    caches, a freed allocation) does not always fall on the same next run. E. J. Williams,
+    "Experimental designs balanced for the estimation of residual effects of treatments",
+    Australian Journal of Scientific Research A 2(2), 1949: first row ``0, 1, n-1, 2, n-2, ...``,
+    row ``j`` that row plus ``j`` modulo ``n``.
+
+    Raises:
+      ValueError: ``n`` below 1 or ``i`` negative.
+    """
+    if n < 1 or i < 0:
+        raise ValueError(f"round_order needs n >= 1 and i >= 0, got n={n}, i={i}")
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = n if n % 2 == 0 else 2 * n
+    j = i % rows
+    row = [(x + j % n) % n for x in first]
+    return row[::-1] if j >= n else row
 
 
 def load_average() -> list[float] | None:

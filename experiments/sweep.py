@@ -228,6 +228,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             *([f"- Estimates on 'local' from {source}"] if source else []),
             *([f"- Note: {note}"] if (note := results.load_note(run.rows, source)) else []),
             *([f"- Note: {small}"] if (small := results.small_step_note(run.rows)) else []),
+            *([f"- Note: {peak}"] if (peak := results.measured_peak_note(run.rows)) else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
@@ -284,9 +285,9 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
             f"{cache_dir() / 'calibration'})",
             highlight=False, markup=False,
         )  # fmt: skip
-    small = results.small_step_note(run.rows)
-    if small:  # as analyze and recommend say it under their tables
-        console.print(f"note: {small}", highlight=False, markup=False)
+    for note in (results.small_step_note(run.rows), results.measured_peak_note(run.rows)):
+        if note:  # the small-step caveat as analyze and recommend say it; a null measured peak
+            console.print(f"note: {note}", highlight=False, markup=False)
     legend = results.summary_legend(run.rows)
     if legend:  # what the columns mean, under the table as at the top of summary.md
         console.print(f"columns: {legend}", highlight=False, markup=False)

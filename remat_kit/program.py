@@ -1087,6 +1087,13 @@ def _on_path(folder: str) -> None:
         sys.path.insert(0, folder)
 
 
+def _syntax_error(err: SyntaxError, ref: str) -> str:
+    """One line for a program file Python cannot parse: file, line, column and its message
+    (an error in the code it runs is the user's traceback to read, and is not caught)."""
+    where = f"{err.filename}, line {err.lineno}" + (f", column {err.offset}" if err.offset else "")
+    return f"cannot load {ref!r}: {type(err).__name__} in {where}: {err.msg}"
+
+
 def load_program(ref: str) -> Program:
     """The :class:`Program` a reference names: ``"pkg.module:factory"`` or
     ``"path/to/file.py:factory"``, where ``factory()`` (no arguments) returns a Program.
@@ -1099,8 +1106,9 @@ def load_program(ref: str) -> Program:
 
     Raises:
       ValueError: ``ref`` without ``:``, a module or file that cannot be found or imported, a
-        missing factory, a factory that raises (its exception chained) or that does not return
-        a Program (one line naming which).
+        file Python cannot parse (``SyntaxError``: file and line in one line), a missing
+        factory, a factory that raises (its exception chained) or that does not return a
+        Program (one line naming which).
 
     A program left with its default name (its loss or step function's, often ``make_loss``)
     is named ``FILE:FACTORY`` (``gpt:program``) in reports; a name given to ``from_loss`` /
@@ -1121,11 +1129,16 @@ def load_program(ref: str) -> Program:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as err:  # the file cannot run at all: where, in one line
+            raise ValueError(_syntax_error(err, ref)) from None
     else:
         _on_path(os.getcwd())  # as `python -m` has it: modules of the folder it runs from
         try:
             module = importlib.import_module(module_ref)
+        except SyntaxError as err:
+            raise ValueError(_syntax_error(err, ref)) from None
         except ModuleNotFoundError as err:
             if err.name and module_ref.startswith(err.name):
                 raise ValueError(

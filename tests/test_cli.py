@@ -87,6 +87,19 @@ def test_bad_input_is_one_line_exit_2(bad_runs, case, capfd):
         assert out == ""
 
 
+def test_a_program_file_python_cannot_parse_is_one_line_exit_2(tmp_path, capfd):
+    """A user's file with a syntax error printed a traceback through remat-kit's loader and
+    exited 1 (an Equinox user's trial): it is bad input, said where, in one line."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import jax\ndef program(:\n    pass\n")
+    for command in ("analyze", "doctor"):
+        code, out, err = _main_in_this_process([command, "--model", f"{broken}:program"], capfd)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("remat-kit: error: cannot load ")
+        assert f"SyntaxError in {broken}, line 2" in lines[0]
+
+
 def test_every_process_case_is_a_bad_input():
     assert set(IN_A_PROCESS) <= {needle for _, needle in BAD_INPUTS}
 

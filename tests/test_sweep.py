@@ -697,3 +697,14 @@ def test_no_run_follows_the_same_run_in_every_round():
     assert all(len(v) >= 4 for v in before.values())
     with pytest.raises(ValueError, match="n >= 1"):
         round_order(0, 0)
+
+
+def test_a_null_measured_peak_is_said_in_the_summary():
+    """The CPU reports no peak: every timed row records null with why, and the summary says so
+    (it was in the JSONL alone)."""
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    note = results.measured_peak_note(rows)
+    assert note.startswith("measured peak: null on every timed row (the cpu backend reports")
+    timed = [r for r in rows if r.get("step_time_s") is not None]
+    assert results.measured_peak_note([{**timed[0], "measured_peak_bytes": 5}, *timed]) is None
+    assert results.measured_peak_note([r for r in rows if r.get("step_time_s") is None]) is None

@@ -143,7 +143,7 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
     shape_cols = [name for name, vals in shape.items() if len(set(vals)) > 1]
     header = [
         "candidate", *shape_cols, f"peak {bu}",
-        *([f"host {bu}"] if host else []), "fits", f"step {tu}",
+        *([f"host {bu}"] if host else []), "fits", f"est. step {tu}",
         *([f"transfer {tu}"] if transfer else []), *(["tokens/s"] if shaped else []), "found by",
     ]  # fmt: skip
     left = ("candidate", "options", "found by")

@@ -1249,7 +1249,8 @@ def small_step_note(
     return (
         f"small steps (estimated {min(times) * 1e3:.3g} ms and up): below about "
         f"{SMALL_STEP_S * 1e3:.0f} ms on a CPU the estimate has measured 10-63% below the step "
-        f"and its order of the policies did not hold (docs/time-model.md, small steps); {advice}"
+        "in the runs docs/time-model.md records (small steps), more for the smallest, and its "
+        f"order of the policies did not hold; {advice}"
     )
 
 

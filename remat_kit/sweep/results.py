@@ -775,6 +775,17 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
     return "; ".join(notes) or None
 
 
+def measured_peak_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """A line when no timed row has a measured peak: the peak columns are then the analyzer's
+    alone, and the rows record null and why (``measured_peak_note``: on the CPU, the backend
+    reports no ``peak_bytes_in_use``); None when some row has one or none was timed."""
+    timed = [r for r in as_records(rows) if r.get("step_time_s") is not None]
+    if not timed or any(r.get("measured_peak_bytes") is not None for r in timed):
+        return None
+    why = timed[0].get("measured_peak_note") or "not reported"
+    return f"measured peak: null on every timed row ({why}); the peaks shown are the analyzer's"
+
+
 def small_step_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
     """:func:`remat_kit.memory.roofline.small_step_note` for the rows' estimates on the
     calibrated local device (as analyze and recommend say it under their tables), or None."""

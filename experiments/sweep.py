@@ -67,9 +67,11 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat_kit import files
+from remat_kit.cli.args import arg_type, nonnegative_int, positive_int
+from remat_kit.policies import parse_policy_arg
 from remat_kit.training import distributed
 from remat_kit.units import format_span
-from remat_kit.validation import closest, nonnegative_int, positive_int
+from remat_kit.validation import closest
 
 EXIT_BAD_INPUT = 2
 HERE = Path(__file__).resolve().parent
@@ -85,30 +87,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message}\n")
 
 
-def _count(check, what: str):
-    """An argparse type: an integer that ``check`` (a :mod:`remat_kit.validation` check)
-    accepts, so a bad count is refused when the arguments are read, before any program loads."""
-
-    def convert(text: str) -> int:
-        try:
-            return check("value", int(text))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-
-    convert.__name__ = "count"
-    return convert
-
-
-def _policy(text: str) -> str:
-    """An argparse type: a ``--policy`` value as every remat-kit command reads it
-    (:func:`remat_kit.policies.parse_policy_arg`), checked when the arguments are read (a
-    misspelled name is refused before a program is traced), kept as the text given."""
-    from remat_kit.policies import parse_policy_arg
-
-    try:
-        parse_policy_arg(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _policy_text(text: str) -> str:
+    """A ``--policy`` value checked as every remat-kit command reads it
+    (:func:`remat_kit.policies.parse_policy_arg`: a misspelled name is refused before a program
+    is traced), kept as the text given (a config's grids hold policies as text)."""
+    parse_policy_arg(text)
     return text
 
 
@@ -126,17 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep your own program instead of a config: MODULE:FACTORY or FILE.py:FACTORY, a "
         "function of no arguments returning a remat_kit.Program",
     )
-    p.add_argument("--warmup-steps", type=_count(nonnegative_int, "0 or a positive integer"),
-                   default=None, help="--model: untimed steps per policy (default 2)")  # fmt: skip
-    p.add_argument("--timed-steps", type=_count(positive_int, "a positive integer"),
-                   default=None, help="--model: timed steps per policy (default 5)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
+                   help="--model: untimed steps per policy (default 2)")  # fmt: skip
+    p.add_argument("--timed-steps", type=positive_int, default=None,
+                   help="--model: timed steps per policy (default 5)")  # fmt: skip
     p.add_argument(
         "--out",
         help="results file (default: runs/<config>/sweep.jsonl); summary.md and the figures "
         "are written in its folder, so give each sweep its own folder",
     )
     p.add_argument(
-        "--policy", action="append", default=None, type=_policy,
+        "--policy", action="append", default=None, type=arg_type(_policy_text, "policy"),
         help="run these policies instead of the config's (repeatable): a name or a per-tag spec "
         "'query_proj=offload,out_proj=save' / its JSON form",
     )  # fmt: skip

@@ -54,6 +54,13 @@ def _positive(text: str) -> int:
         raise ValueError(f"expected a positive integer, got {text!r}") from None
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        return validation.nonnegative_int("value", int(text))
+    except ValueError:
+        raise ValueError(f"expected 0 or a positive integer, got {text!r}") from None
+
+
 def _batch_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
@@ -67,6 +74,8 @@ def _batch_or_auto(text: str) -> int | str:
 parse_bytes = arg_type(units.parse_bytes, "size")
 #: argparse type: an integer > 0.
 positive_int = arg_type(_positive, "positive integer")
+#: argparse type: an integer >= 0 (a count that may be zero, such as warm-up steps).
+nonnegative_int = arg_type(_nonnegative, "count")
 #: argparse type: a positive integer or ``auto``.
 batch_or_auto = arg_type(_batch_or_auto, "batch")
 #: argparse type: one ``--policy`` value (:func:`remat_kit.policies.parse_policy_arg`).

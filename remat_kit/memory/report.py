@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from remat_kit.memory.roofline import StepTime
@@ -270,15 +270,20 @@ class MemoryReport:
         return ", ".join(p for p in parts if p)
 
 
-def same_program_as(reports: Sequence[MemoryReport | Any]) -> list[int | None]:
+def same_program_as(
+    reports: Sequence[MemoryReport | Any], key: Callable[[Any], Hashable | None] | None = None
+) -> list[int | None]:
     """For each report, the index of the first earlier report of the same compiled program
     (equal :attr:`MemoryReport.program_sha256`), else None; entries that are not reports (a
-    :class:`~remat_kit.memory.xla_compile.CompileError`) get None."""
-    first: dict[str, int] = {}
+    :class:`~remat_kit.memory.xla_compile.CompileError`) get None. ``key``: what identifies
+    an entry's program instead (None: unknown, never matched), e.g. a sweep row's group and
+    its report's ``program_sha256``."""
+    key = key or (lambda r: getattr(r, "program_sha256", None))
+    first: dict[Hashable, int] = {}
     out: list[int | None] = []
     for i, r in enumerate(reports):
-        key = getattr(r, "program_sha256", None)
-        out.append(None if key is None or key not in first else first[key])
-        if key is not None:
-            first.setdefault(key, i)
+        k = key(r)
+        out.append(None if k is None else first.get(k))
+        if k is not None:
+            first.setdefault(k, i)
     return out

@@ -604,7 +604,15 @@ def assemble(
 def compiled_on(tgt: T.Target) -> str:
     """What the candidates were compiled on and by, e.g. ``"local (local cpu (AMD EPYC), 2
     cores); XLA CPU compiler (local device, jax 0.10.2)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
-    HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``."""
+    HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``: the local CPU as
+    its calibration names it (:func:`~remat_kit.memory.roofline.figures_for`), any other target
+    by its description (:mod:`remat_kit.targets`), and the compiler
+    (:func:`~remat_kit.memory.xla_compile.jax_backend_description`).
+
+    Raises:
+      ValueError: the target has no device figures (what ``figures_for`` raises; recommend
+        has refused such a target before this is asked).
+    """
     figures = figures_for(tgt)
     where = (
         f"{figures.name}, {os.cpu_count()} cores"

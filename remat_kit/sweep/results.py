@@ -47,6 +47,7 @@ import jax
 
 from remat_kit import units
 from remat_kit.memory import roofline
+from remat_kit.memory.report import same_program_as as report_same_program
 from remat_kit.memory.roofline import RETIME_AFTER_S, cache_dir, cpu_model
 from remat_kit.policies import policy_names, remat_implementation
 
@@ -473,16 +474,14 @@ def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]
     (:func:`group_key`) compiled from the same lowered program (the report's
     ``program_sha256``), else None: a name-based policy cut down to a program's tags. Its step
     time differs from that row's by noise alone, as analyze and recommend say of such rows."""
-    first: dict[tuple, str] = {}
-    out: list[str | None] = []
-    for r in as_records(rows):
+    records = as_records(rows)
+
+    def key(r: Mapping[str, Any]) -> tuple | None:
         ok = r.get("status") == "ok"
         sha = (r.get("report") or {}).get("program_sha256") if ok else None
-        key = (group_key(r), sha)
-        out.append(first.get(key) if sha else None)
-        if sha:
-            first.setdefault(key, row_label(r))
-    return out
+        return (group_key(r), sha) if sha else None
+
+    return [None if i is None else row_label(records[i]) for i in report_same_program(records, key)]
 
 
 def step_spread(times: Sequence[float] | None) -> float | None:

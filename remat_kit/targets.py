@@ -532,6 +532,20 @@ class Target:
     interconnect_bytes_per_s: float | None = None
     #: Fixed cost of one kernel launch in seconds (the time model's per-kernel overhead).
     launch_s: float | None = None
+    #: Share of ``peak_flops_bf16`` a large matmul achieves on this device, measured (the
+    #: best shape of a brute-force search, e.g. MAMF, see :data:`_MAMF_SOURCE`); None: the
+    #: datasheet peak is used as it is.
+    matmul_efficiency: float | None = None
+    #: Share of ``hbm_bytes_per_s`` a streaming kernel achieves, measured; None: the datasheet
+    #: bandwidth is used as it is.
+    memory_efficiency: float | None = None
+    #: Devices joined by ``interconnect_bytes_per_s`` (a GPU node's NVLink/NVSwitch domain); a
+    #: collective over devices of more than one node runs over ``network_bytes_per_s`` too.
+    #: None: one domain of any size (a TPU slice's ICI).
+    node_size: int | None = None
+    #: Network bytes/s per device, per direction, between nodes (a GPU's InfiniBand NIC); None
+    #: where unknown.
+    network_bytes_per_s: float | None = None
     #: For TPU slices compiled deviceless: the slice's topology (see :class:`TpuSlice`).
     tpu: TpuSlice | None = None
 
@@ -630,6 +644,44 @@ _L4_SOURCE = (
     "whitepaper (58 SMs, 48 MB L2, 2.04 GHz boost); memory size: nvidia-smi total 23034 MiB"
 )
 
+#: Measured matmul efficiency (Bekman, "Machine Learning Engineering Open Book",
+#: github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
+#: FLOPS comparison table", BF16 inputs, best shape of a brute-force search with mamf-finder.py,
+#: PyTorch + cuBLAS): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989 (80.3%,
+#: "H200 is the same").
+_MAMF_SOURCE = (
+    "matmul efficiency: Maximum Achievable Matmul FLOPS, BF16, best shape (Bekman, ML "
+    "Engineering Open Book, compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s, "
+    "H100 SXM 794.5 of 989 ('H200 is the same')"
+)
+#: Measured streaming bandwidth: 1.80 of 2.04 TB/s (88%) on an A100 80GB SXM, read kernel timed
+#: with events and confirmed by Nsight Compute, where "the maximum memory bandwidth achieved by
+#: any kernel was around 90%" in NVIDIA's GTC talk it cites (NVIDIA Developer Forums, "Trouble
+#: to Reach Peak Bandwidth of A100", forums.developer.nvidia.com/t/339083). Taken for every
+#: NVIDIA HBM GPU here.
+_HBM_EFFICIENCY = 0.88
+_HBM_SOURCE = (
+    "memory efficiency 88%: 1.80 of 2.04 TB/s measured on an A100 80GB SXM, ~90% the best any "
+    "kernel reached in NVIDIA's GTC talk (NVIDIA Developer Forums, 'Trouble to Reach Peak "
+    "Bandwidth of A100')"
+)
+#: NVLink, per GPU per direction, as a ring collective's bus bandwidth: an A100 node's
+#: nccl-tests all_reduce measured 235 GB/s busbw against NVLink 3's 300 GB/s per direction;
+#: an 8x H200 node (NVLink 4, NVSwitch) copies 396.40 GB/s per direction against 450 GB/s
+#: (Bekman, ML Engineering Open Book, network/README.md, "Unidirectional vs Bidirectional").
+#: Between nodes a ring crosses each node boundary once per node, all of a node's NICs in
+#: flight (ibid., "Inter-node speed depends on intra-node speed": within 6% of a measured
+#: 4-node all-reduce), so a collective over several nodes runs at the smaller of the NVLink
+#: figure and node_size x the per-GPU NIC rate: DGX A100, 8 x 200 Gb/s HDR InfiniBand
+#: (25 GB/s per GPU); DGX H100/H200, 8 x 400 Gb/s NDR (50 GB/s per GPU) (NVIDIA DGX A100 and
+#: DGX H100 user guides, system specifications).
+_NVLINK_SOURCE = (
+    "NVLink as measured ring bus bandwidth: A100 node all_reduce 235 GB/s busbw (of 300 per "
+    "direction), H200 node 396.4 GB/s per direction (of 450) (Bekman, ML Engineering Open "
+    "Book, network/README.md); between nodes 8 x {nic} InfiniBand per node (DGX {dgx} "
+    "system specifications), a ring over nodes at min(NVLink, 8 x NIC)"
+)
+
 _CPU = Target(
     name="cpu",
     platform="cpu",
@@ -652,7 +704,13 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=3.35e12,
         host_link_bytes_per_s=64e9,
         supports_host_offload=True,
-        source=_H100_SOURCE,
+        source=f"{_H100_SOURCE}; {_MAMF_SOURCE}; {_HBM_SOURCE}; "
+        + _NVLINK_SOURCE.format(nic="400 Gb/s NDR", dgx="H100"),
+        matmul_efficiency=794.5 / 989.0,
+        memory_efficiency=_HBM_EFFICIENCY,
+        interconnect_bytes_per_s=396.4e9,
+        node_size=8,
+        network_bytes_per_s=50e9,
         gpu=GpuSpec(**_HOPPER, device_description="NVIDIA H100 80GB HBM3"),
     ),
     Target(
@@ -664,7 +722,13 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=4.8e12,
         host_link_bytes_per_s=64e9,
         supports_host_offload=True,
-        source=_H200_SOURCE,
+        source=f"{_H200_SOURCE}; {_MAMF_SOURCE}; {_HBM_SOURCE}; "
+        + _NVLINK_SOURCE.format(nic="400 Gb/s NDR", dgx="H200"),
+        matmul_efficiency=794.5 / 989.0,
+        memory_efficiency=_HBM_EFFICIENCY,
+        interconnect_bytes_per_s=396.4e9,
+        node_size=8,
+        network_bytes_per_s=50e9,
         gpu=GpuSpec(**_HOPPER, device_description="NVIDIA H200"),
     ),
     Target(
@@ -676,7 +740,13 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=2.039e12,
         host_link_bytes_per_s=32e9,
         supports_host_offload=True,
-        source=_A100_SOURCE.format(bw="2,039", spec="a100_sxm_80"),
+        source=f"{_A100_SOURCE.format(bw='2,039', spec='a100_sxm_80')}; {_MAMF_SOURCE}; "
+        f"{_HBM_SOURCE}; " + _NVLINK_SOURCE.format(nic="200 Gb/s HDR", dgx="A100"),
+        matmul_efficiency=271.2 / 312.0,
+        memory_efficiency=_HBM_EFFICIENCY,
+        interconnect_bytes_per_s=235e9,
+        node_size=8,
+        network_bytes_per_s=25e9,
         gpu=GpuSpec(**_A100, device_description="NVIDIA A100-SXM4-80GB"),
     ),
     Target(
@@ -688,7 +758,13 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=1.555e12,
         host_link_bytes_per_s=32e9,
         supports_host_offload=True,
-        source=_A100_SOURCE.format(bw="1,555", spec="a100_sxm_40"),
+        source=f"{_A100_SOURCE.format(bw='1,555', spec='a100_sxm_40')}; {_MAMF_SOURCE}; "
+        f"{_HBM_SOURCE}; " + _NVLINK_SOURCE.format(nic="200 Gb/s HDR", dgx="A100"),
+        matmul_efficiency=271.2 / 312.0,
+        memory_efficiency=_HBM_EFFICIENCY,
+        interconnect_bytes_per_s=235e9,
+        node_size=8,
+        network_bytes_per_s=25e9,
         gpu=GpuSpec(**_A100, device_description="NVIDIA A100-SXM4-40GB"),
     ),
     Target(
@@ -700,7 +776,10 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=300e9,
         host_link_bytes_per_s=32e9,
         supports_host_offload=True,
-        source=_L4_SOURCE,
+        source=f"{_L4_SOURCE}; {_MAMF_SOURCE} (no L4 figure: H100's share assumed); "
+        f"{_HBM_SOURCE}; PCIe card: no NVLink",
+        matmul_efficiency=794.5 / 989.0,
+        memory_efficiency=_HBM_EFFICIENCY,
         gpu=GpuSpec(
             core_count=58,
             cc_major=8,

@@ -354,6 +354,24 @@ def is_batched_matmul(instr: Instruction) -> bool:
     return bool(m and m.group(1).strip())
 
 
+def gemm_dims(instr: Instruction) -> tuple[int, int, int] | None:
+    """``(batch, m, n)`` of a dot or gemm call's output: the product of its batch dimensions
+    (they come first in a dot's output), of the other dimensions but the last, and the last;
+    None for anything else. What a GPU's tiles cover (:mod:`remat_kit.memory.roofline`)."""
+    if instr.opcode != "dot" and not _is_gemm_call(instr):
+        return None
+    out = array_shapes(instr.shape)
+    if not out or not out[0][1]:
+        return None
+    dims = out[0][1]
+    m = _BATCH.search(instr.attributes) if instr.opcode == "dot" else (
+        _GEMM_BATCH.search(instr.attributes))  # fmt: skip
+    nb = len([d for d in m.group(1).split(",") if d.strip()]) if m else 0
+    nb = min(nb, max(len(dims) - 1, 0))
+    rest = dims[nb:]
+    return math.prod(dims[:nb]), math.prod(rest[:-1]), rest[-1]
+
+
 def _is_gemm_call(instr: Instruction) -> bool:
     if instr.opcode != "custom-call":
         return False

@@ -110,7 +110,6 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
                 "ragged-all-to-all", "collective-broadcast")  # fmt: skip
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _REPLICA_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _HOST = re.compile(r"S\(5\)")
 
 
@@ -173,6 +172,13 @@ class DeviceFigures:
     #: matmuls are taken at :attr:`peak_flops` (a datasheet gives no other figure). On a CPU
     #: they run at a fraction of a large GEMM's rate (measured by the calibration).
     batched_flops: dict[str, float] | None = None
+    #: Streaming multiprocessors a GPU spreads a matmul's output tiles over (wave and tile
+    #: quantization, :func:`gemm_efficiency`); 0 where matmuls are not costed by tiles.
+    sm_count: int = 0
+    #: Devices joined by :attr:`interconnect_bytes_per_s` (a GPU node); None: any number.
+    node_size: int | None = None
+    #: Per-device bytes/s between nodes (a GPU's NIC), None where unknown.
+    network_bytes_per_s: float | None = None
 
     def matmul_peak(self, dtype: str, batched: bool = False) -> float:
         """FLOP/s of a matmul whose operands are ``dtype``; ``batched``: one with batch
@@ -219,6 +225,11 @@ class Kernel:
     #: own name; for a ``*-done``: the start it closes; "" for a synchronous kernel.
     async_start: str = ""
     batched_flops: float = 0.0
+    #: ``(batch, m, n)`` of the kernel's largest matmul output (:func:`hlo.gemm_dims`), the
+    #: tiles a GPU covers; () for no matmul.
+    gemm: tuple[int, int, int] = ()
+    #: A collective's first replica group: the device ids that exchange data; () if unknown.
+    group: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +332,8 @@ class _Inside:
     dtype: str = ""
     elementwise: float = 0.0
     transcendental: float = 0.0
+    gemm: tuple[int, int, int] = ()
+    gemm_flops: float = 0.0
 
 
 def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside:
@@ -339,6 +352,9 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
         if f:
             out.flops += f
             out.batched_flops += f if hlo.is_batched_matmul(instr) else 0.0
+            dims = hlo.gemm_dims(instr)
+            if dims and f > out.gemm_flops:
+                out.gemm, out.gemm_flops = dims, f
             if not out.dtype and instr.operands:
                 out.dtype = _dtype_of(shapes.get(instr.operands[0], ""))
         elif instr.opcode in _TRANSCENDENTAL:
@@ -365,6 +381,8 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
             out.dtype = out.dtype or sub.dtype
             out.elementwise += sub.elementwise
             out.transcendental += sub.transcendental
+            if sub.gemm_flops > out.gemm_flops:
+                out.gemm, out.gemm_flops = sub.gemm, sub.gemm_flops
     memo[name] = out
     return out
 
@@ -460,14 +478,47 @@ def _uses_through_bitcasts(name: str, users: dict[str, list[hlo.Instruction]]):
     return [u for a in _aliases(name, users) for u in users.get(a, []) if u.opcode != "bitcast"]
 
 
-def _group_size(instr: hlo.Instruction) -> int:
-    m = _REPLICA_GROUPS.search(instr.attributes)
+_IOTA_LIST = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{\{(\d+),(\d+)\}")
+
+
+def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
+    """The device ids of a collective's first replica group, in the three ways XLA prints them:
+    a list (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``replica_groups=[2,4]<=[8]``,
+    ``[4,2]<=[2,4]T(1,0)``: ``iota(8).reshape(2, 4).transpose(1, 0).reshape(4, 2)``, one group a
+    row) and a mesh (``replica_groups=mesh['x'=2,'y'=4] {'y'}``: the devices of a row-major mesh
+    that differ along the named axes only). A ``collective-permute`` gives its first source and
+    target. () where none is written (every device: unknown here)."""
+    text = instr.attributes
+    m = _REPLICA_GROUPS.search(text)
     if m and m.group(1):
-        return len(m.group(1).split(","))
-    m = _IOTA_GROUPS.search(instr.attributes)
+        return tuple(int(x) for x in m.group(1).split(","))
+    m = _IOTA_LIST.search(text)
     if m:
-        return int(m.group(2))
-    return 1
+        import numpy as np
+
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return tuple(int(x) for x in ids.reshape(shape[0], -1)[0])
+    m = _MESH_GROUPS.search(text)
+    if m:
+        axes = re.findall(r"'([^']*)'=(\d+)", m.group(1))
+        chosen = set(re.findall(r"'([^']*)'", m.group(2)))
+        sizes = [int(n) for _, n in axes]
+        strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+        ids = [0]
+        for (name, n), stride in zip(axes, strides, strict=True):
+            if name in chosen:
+                ids = [i + k * stride for i in ids for k in range(int(n))]
+        return tuple(sorted(ids))
+    m = _PAIRS.search(text)
+    if m:
+        return (int(m.group(1)), int(m.group(2)))
+    return ()
 
 
 def _collective_factor(opcode: str, n: int) -> float:
@@ -588,11 +639,14 @@ def _kernel(
     dtype = _dtype_of(shapes.get(instr.operands[0], "")) if flops and instr.operands else ""
     elementwise = transcendental = 0.0
     kind = "other"
+    gemm = (hlo.gemm_dims(instr) or ()) if flops else ()
+    group: tuple[int, ...] = ()
     if op == "fusion":
         reads, written = _fusion_bytes(instr, comps, shapes)
         read = sum(reads)
         inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
         flops, batched, dtype = inner.flops, inner.batched_flops, inner.dtype
+        gemm = inner.gemm
         elementwise, transcendental = inner.elementwise, inner.transcendental
         kind = "matmul" if flops else "fusion"
     elif flops:
@@ -615,9 +669,9 @@ def _kernel(
             read, written = moved, moved
     elif base in _COLLECTIVES:
         kind = "collective"
-        n = _group_size(instr)
+        group = replica_group(instr)
         side = max(read, written)
-        read, written = int(side * _collective_factor(base, n)), 0
+        read, written = int(side * _collective_factor(base, len(group))), 0
     elif op in ("copy", "transpose"):
         kind = "copy"
     elif op in ("dynamic-update-slice",) and len(instr.operands) > 1:
@@ -651,6 +705,8 @@ def _kernel(
         reads=tuple(zip(instr.operands, reads, strict=True)),
         async_start=instr.name if op.endswith("-start") else "",
         batched_flops=batched,
+        gemm=gemm,
+        group=group,
     )
 
 
@@ -701,7 +757,7 @@ def time_kernels(
             bw = (
                 figures.host_link_bytes_per_s
                 if term == "host_link"
-                else figures.interconnect_bytes_per_s
+                else collective_bandwidth(k.group, figures)
             )
             # a transfer's bytes cross once (read on one side, written on the other); a
             # collective's wire bytes are its bytes_read (see _collective_factor)
@@ -766,14 +822,64 @@ def time_kernels(
 
 def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
     """A kernel's matmul time: its FLOPs in matmuls with batch dimensions at the batched rate,
-    the rest at the matmul peak."""
+    the rest at the matmul peak, both over :func:`gemm_efficiency` of its largest matmul."""
     if not k.flops:
         return 0.0
     dtype = k.dtype or "f32"
     plain = k.flops - k.batched_flops
-    return plain / figures.matmul_peak(dtype) + k.batched_flops / figures.matmul_peak(
+    seconds = plain / figures.matmul_peak(dtype) + k.batched_flops / figures.matmul_peak(
         dtype, batched=True
     )
+    return seconds / gemm_efficiency(k.gemm, figures.sm_count)
+
+
+#: Output tiles (rows x columns) a GPU matmul kernel computes one per thread block, the sizes
+#: cuBLAS picks among for large matmuls (NVIDIA, "Matrix Multiplication Background User's
+#: Guide", docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication,
+#: "Tile quantization" and "Wave quantization").
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+
+def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> float:
+    """The share of a GPU's matmul rate a ``(batch, m, n)`` output keeps after tile and wave
+    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): the output is cut
+    into tiles, one thread block each, run ``sm_count`` at a time; a partial tile costs a whole
+    one, and the last wave runs with idle SMs. For each tile in :data:`GEMM_TILES`,
+    ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch * ceil(m / tm) *
+    ceil(n / tn) / sm_count)``; the best tile is taken (cuBLAS's heuristics pick among them).
+    1.0 where ``sm_count`` is 0 or the shape unknown. The large-matmul rate it scales
+    (:attr:`DeviceFigures.peak_flops`) is itself measured at a best shape, so a large matmul
+    keeps about 1.0."""
+    if not sm_count or not gemm:
+        return 1.0
+    batch, m, n = gemm
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sm_count)
+        best = max(best, batch * m * n / (waves * sm_count * tm * tn))
+    return min(best, 1.0) or 1.0
+
+
+def collective_bandwidth(group: tuple[int, ...], figures: DeviceFigures) -> float | None:
+    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``:
+    the interconnect's inside one node; over several nodes, a ring crosses each node's
+    boundary through the NICs of the group's devices in that node, so at most ``devices of
+    the group per node x figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book,
+    network/README.md, "Inter-node speed depends on intra-node speed": a flat-ring model
+    within 6% of a measured 4-node all-reduce). None where no figure is known."""
+    bw = figures.interconnect_bytes_per_s
+    size = figures.node_size
+    if not group or not size or not figures.network_bytes_per_s:
+        return bw
+    nodes: dict[int, int] = {}
+    for device in group:
+        nodes[device // size] = nodes.get(device // size, 0) + 1
+    if len(nodes) <= 1:
+        return bw
+    per_node = min(nodes.values())
+    network = per_node * figures.network_bytes_per_s
+    return network if bw is None else min(bw, network)
 
 
 def _hide(in_flight: dict[str, list], per_exec: float, count: int) -> None:
@@ -875,20 +981,34 @@ def datasheet_figures(target: T.Target) -> DeviceFigures | None:
         launch, launch_note = TPU_OP_S, " (assumed: no published per-op figure for TPUs)"
     else:
         launch, launch_note = GPU_LAUNCH_S, " (assumed: NVIDIA blog, CUDA Graphs)"
+    mm = target.matmul_efficiency or 1.0
+    hbm = target.hbm_bytes_per_s * (target.memory_efficiency or 1.0)
+    achieved = (
+        f"; matmuls at {mm:.1%} of peak, memory at {target.memory_efficiency or 1.0:.0%} of its "
+        "bandwidth (measured shares, in the datasheet source)"
+    )
     return DeviceFigures(
         name=target.name,
-        peak_flops={"bf16": target.peak_flops_bf16, "f32": f32, "f16": target.peak_flops_bf16},
-        memory_bytes_per_s=target.hbm_bytes_per_s,
+        peak_flops={
+            "bf16": target.peak_flops_bf16 * mm,
+            "f32": f32 * mm,
+            "f16": target.peak_flops_bf16 * mm,
+        },
+        memory_bytes_per_s=hbm,
         cache_bytes=0,
-        cache_bytes_per_s=target.hbm_bytes_per_s,
+        cache_bytes_per_s=hbm,
         elementwise_per_s=elementwise,
         transcendental_per_s=transcendental,
         launch_s=launch,
         host_link_bytes_per_s=target.host_link_bytes_per_s,
         interconnect_bytes_per_s=target.interconnect_bytes_per_s,
+        sm_count=gpu.core_count if gpu is not None else 0,
+        node_size=target.node_size,
+        network_bytes_per_s=target.network_bytes_per_s,
         source=(
             f"datasheet: {target.source}; {vector_source}; launch {launch * 1e6:.1f} us"
             + launch_note
+            + achieved
         ),
     )
 

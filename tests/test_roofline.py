@@ -527,8 +527,12 @@ def test_collective_over_nodes_runs_at_the_nics_of_its_devices():
     group's devices per node (a tensor-parallel group inside a node, a data-parallel group of
     one device per node, an FSDP group of whole nodes)."""
     gpu = roofline.DeviceFigures(
-        **{**FIGURES.__dict__, "interconnect_bytes_per_s": 300e9, "node_size": 8,
-           "network_bytes_per_s": 25e9}  # fmt: skip
+        **{
+            **FIGURES.__dict__,
+            "interconnect_bytes_per_s": 300e9,
+            "node_size": 8,
+            "network_bytes_per_s": 25e9,
+        }  # fmt: skip
     )
     assert roofline.collective_bandwidth(tuple(range(8)), gpu) == 300e9
     assert roofline.collective_bandwidth((0, 8, 16, 24), gpu) == 25e9

@@ -226,3 +226,41 @@ def test_an_offload_that_buys_no_device_memory_is_not_picked_on_a_close_call():
     assert "(device peak 33.10 MiB): the pick keeps its tensors on device at a peak no higher" in (
         offload_passed_over(nothing, [offload, nothing], auto=False)
     )
+
+
+def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
+    """On a datasheet target the pick is the fitting candidate that recomputes least among
+    those estimated within the model's error of the fastest (issue: the GPU estimate picked
+    save-dots over a fitting no-remat 16% 'faster'); a lead beyond the error still wins, and
+    the calibrated CPU keeps the fastest estimate."""
+    from remat_kit import targets
+    from remat_kit.memory.roofline import DATASHEET_ESTIMATE_ERROR, estimate_error
+    from remat_kit.recommend.session import Candidate, fastest_fitting, less_recompute_note
+
+    def cand(policy, flops, step, fits=True, recompute_s=0.0):
+        return Candidate(
+            policy=policy, actions=None, remat_group_size=None, batch_size=None, seq_len=None,
+            peak_bytes=2**30, host_bytes=0, flops=flops, flops_no_remat=1e12, compute_s=step,
+            transfer_s=0.0, step_time_s=step, tokens_per_s=None, fits=fits, found_by="named",
+            recompute_s=recompute_s,
+        )  # fmt: skip
+
+    margin = estimate_error(targets.get_target("a100-80gb"))
+    assert margin == DATASHEET_ESTIMATE_ERROR > 0
+    assert estimate_error(targets.get_target("local")) == 0.0
+    none = cand("no-remat", 1.00e12, 0.100)
+    dots = cand("save-dots", 1.05e12, 0.100 / (1 + margin / 2))  # faster by half the error
+    full = cand("save-nothing", 1.33e12, 0.100 / (1 + 2 * margin))  # faster by twice it
+    assert fastest_fitting([dots, none], margin) is none
+    note = less_recompute_note(none, [dots, none], margin)
+    assert note.startswith("picked no-remat") and "save-dots" in note and f"{margin:.0%}" in note
+    assert fastest_fitting([dots, none]) is dots  # no margin: the fastest estimate
+    assert less_recompute_note(dots, [dots, none], 0.0) is None
+    assert fastest_fitting([full, dots, none], margin) is full  # a lead beyond the error
+    assert less_recompute_note(full, [full, dots, none], margin) is None
+    unfit = cand("no-remat", 1.00e12, 0.100, fits=False)
+    assert fastest_fitting([dots, unfit], margin) is dots  # only what fits
+    # the same matmul FLOPs (save-dots keeps every matmul output): the one that recomputes
+    # no elementwise work either
+    elementwise = cand("save-dots", 1.00e12, 0.100 / (1 + margin / 2), recompute_s=0.002)
+    assert fastest_fitting([elementwise, none], margin) is none

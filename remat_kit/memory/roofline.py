@@ -1338,6 +1338,22 @@ def figures_for(target: T.Target) -> DeviceFigures:
     return figures
 
 
+#: Error of the datasheet (GPU and TPU) estimates, as a fraction of step time: the largest gap
+#: between the estimated and the published overhead of recomputation over the published GPU
+#: configurations of docs/results/published.md (``experiments/bench_published.py``). A policy
+#: that recomputes less is preferred to one estimated faster by less than this.
+DATASHEET_ESTIMATE_ERROR = 0.25
+
+
+def estimate_error(target: T.Target) -> float:
+    """The share of step time within which two estimates on ``target`` cannot be told apart
+    when one recomputes more: :data:`DATASHEET_ESTIMATE_ERROR` for a GPU or TPU target timed by
+    its datasheet, 0 for the calibrated local device (its steps are measured beside the
+    estimates by the sweep, and remat measures faster there)."""
+    figures = device_figures(target)
+    return 0.0 if figures is None or figures.measured else DATASHEET_ESTIMATE_ERROR
+
+
 #: Below this estimated step time (seconds) on a calibrated CPU, the estimate has been measured
 #: furthest off (docs/time-model.md, "Small steps": a 6 ms ViT -39%, a 3 ms NNX LM -57% to
 #: -63%, a 24 ms linen LM -10% to -32%, all on 2-core VMs, XLA:CPU, jax 0.10.2).

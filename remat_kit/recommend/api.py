@@ -28,7 +28,12 @@ from typing import Any, Literal
 
 from remat_kit import targets as T
 from remat_kit.memory.api import program_policies, program_tags
-from remat_kit.memory.roofline import figures_for, small_step_note, time_model_note
+from remat_kit.memory.roofline import (
+    estimate_error,
+    figures_for,
+    small_step_note,
+    time_model_note,
+)
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import jax_backend_description
 from remat_kit.models import ModelConfig
@@ -66,6 +71,7 @@ from remat_kit.recommend.session import (
     close_call,
     counting,
     fastest_fitting,
+    less_recompute_note,
     offload_passed_over,
     pointless_offloads,
 )
@@ -523,7 +529,11 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
         summary = solve(session, named, request.batch)
         if summary is not None:
             candidates += summary.verified
-    return Found(candidates, fastest_fitting(candidates), summary=summary)
+    return Found(
+        candidates,
+        fastest_fitting(candidates, estimate_error(session.target)),
+        summary=summary,
+    )
 
 
 def search_structure_options(
@@ -538,10 +548,10 @@ def search_structure_options(
         extra = search_structure(session, named, request.batch, math.inf)
         pool += extra
         found.candidates += [c for _, c, _ in extra]
-        found.pick = fastest_fitting(found.candidates)
+        found.pick = fastest_fitting(found.candidates, estimate_error(session.target))
     partial = search_partial_layers(session, pool, found.pick, request.batch)
     found.candidates += [c for _, c, _ in partial]
-    found.pick = fastest_fitting(found.candidates)
+    found.pick = fastest_fitting(found.candidates, estimate_error(session.target))
     found.made_fit = made_fit(found.pick, found.candidates, session.config.num_layers)
 
 
@@ -563,6 +573,9 @@ def assemble(
     tgt, program = request.target, request.program
     rivals = found.largest if request.auto else found.candidates
     close = close_call(found.pick, rivals, request.auto)
+    less = None if request.auto else less_recompute_note(
+        found.pick, found.candidates, estimate_error(tgt)
+    )  # fmt: skip
     passed = offload_passed_over(found.pick, rivals, request.auto)
     small = small_step_note((c.step_time_s for c in found.candidates), figures_for(tgt).measured)
     # what analyze prints under the pick's row (remat undone, XLA's own remat, ...), said here too
@@ -588,7 +601,7 @@ def assemble(
             time_model_note(tgt),
             *session.notes,
             *warned,
-            *(n for n in (close, passed, small) if n),
+            *(n for n in (less, close, passed, small) if n),
         ),  # fmt: skip
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,

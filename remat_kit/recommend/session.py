@@ -25,7 +25,7 @@ from remat_kit.memory.runner import CompileEngine
 from remat_kit.models import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
-from remat_kit.units import format_bytes
+from remat_kit.units import format_bytes, format_seconds
 
 #: Which stage of the search compiled a candidate.
 FoundBy = Literal[
@@ -92,6 +92,9 @@ class Candidate:
     found_by: FoundBy
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
+    #: Estimated seconds of the kernels that recompute the forward pass
+    #: (:attr:`~remat_kit.memory.roofline.StepTime.recompute_s`); None without an estimate.
+    recompute_s: float | None = None
     warnings: tuple[str, ...] = ()
     model: str | None = None
     attention: str | None = None
@@ -391,12 +394,47 @@ def offload_passed_over(
     )
 
 
-def fastest_fitting(candidates: Sequence[Candidate]) -> Candidate | None:
+def fastest_fitting(candidates: Sequence[Candidate], margin: float = 0.0) -> Candidate | None:
     """The pick at a fixed batch: the fitting candidate first by :func:`rank`, leaving out
-    :func:`pointless_offloads`; None when none fits."""
+    :func:`pointless_offloads`; None when none fits. With ``margin`` (the time model's error
+    on the target, :func:`remat_kit.memory.roofline.estimate_error`), the candidate that
+    recomputes least (:func:`recompute_key`) among those estimated within ``margin`` of the
+    fastest: recomputation is work a step surely does, the estimated lead is not."""
     skip = pointless_offloads(candidates)
     usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
-    return min(usable, key=rank, default=None)
+    best = min(usable, key=rank, default=None)
+    if best is None or margin <= 0:
+        return best
+    near = [c for c in usable if c.step_time_s <= best.step_time_s * (1 + margin)]
+    return min(near, key=lambda c: (*recompute_key(c), rank(c)))
+
+
+def recompute_key(c: Candidate) -> tuple[float, float]:
+    """How much ``c`` recomputes: compiled matmul FLOPs, then the estimated seconds of its
+    recomputing kernels (elementwise recomputation costs no matmul FLOPs); unknown last."""
+    flops = c.flops if c.flops is not None else math.inf
+    return flops, c.recompute_s if c.recompute_s is not None else math.inf
+
+
+def less_recompute_note(
+    pick: Candidate | None, candidates: Sequence[Candidate], margin: float
+) -> str | None:
+    """The note for a pick that :func:`fastest_fitting` preferred, for recomputing less, to a
+    fitting candidate estimated faster within ``margin``; None otherwise."""
+    if pick is None or margin <= 0:
+        return None
+    skip = pointless_offloads(candidates)
+    usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
+    best = min(usable, key=rank, default=None)
+    if best is None or best is pick or best.step_time_s >= pick.step_time_s:
+        return None
+    return (
+        f"picked {pick.label} (est. {format_seconds(pick.step_time_s)}) over {best.label} "
+        f"(est. {format_seconds(best.step_time_s)}, {1 - best.step_time_s / pick.step_time_s:.0%}"
+        f" faster): {pick.label} recomputes less, and the estimates differ by less than the "
+        f"time model's error on this target ({margin:.0%}, docs/results/published.md); "
+        "measure both to choose on speed"
+    )
 
 
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
@@ -735,4 +773,5 @@ def to_candidate(
         found_by=given_by(spec) if found_by == "named" else found_by,
         warnings=tuple(report.warnings),
         program_sha256=getattr(report, "program_sha256", None),
+        recompute_s=report.step_time.recompute_s if report.step_time else None,
     )

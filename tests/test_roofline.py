@@ -555,3 +555,26 @@ def test_collective_over_nodes_runs_at_the_nics_of_its_devices():
 def test_gemm_efficiency_counts_tiles_and_waves(gemm, efficiency):
     assert roofline.gemm_efficiency(gemm, 128) == pytest.approx(efficiency)
     assert roofline.gemm_efficiency(gemm, 0) == 1.0  # no SMs: no quantization (a CPU)
+
+
+def test_xla_cost_model_is_set_beside_the_estimate_loop_bodies_once():
+    """XLA's cost analysis counts each loop body once: the cross-check counts this model's
+    kernels once too, and warns only beyond a factor of XLA_DISAGREEMENT."""
+    from remat_kit.memory.compile_cache import CachedExecutable, cost_fields
+
+    comps = hlo.parse_hlo_module(LOOP_MODULE)
+    step = roofline.estimate(comps, FIGURES)
+    once = step.step_time_s / 4  # the loop runs its body 4 times
+    assert roofline.cross_checked(step, comps, FIGURES, None) is step  # GPU: no XLA figure
+    near = roofline.cross_checked(step, comps, FIGURES, {"optimal_seconds": once * 1.5})
+    assert near.loop_once_s == pytest.approx(once) and near.xla_optimal_s == once * 1.5
+    assert roofline.xla_disagreement(near) is None
+    far = roofline.cross_checked(step, comps, FIGURES, {"optimal_seconds": once / 3})
+    warning = roofline.xla_disagreement(far)
+    assert warning is not None and "(3.00x)" in warning and "counted once" in warning
+    assert roofline.StepTime.from_dict(far.to_dict()) == far
+    # what a compile's cost analysis gives is kept through the compile cache's stand-in
+    cost = {"flops": 2.0, "bytes accessed": 8.0, "optimal_seconds": 1e-6, "utilization0{}": 1.0}
+    kept = cost_fields(CachedExecutable(None, None, cost))
+    assert kept == {"flops": 2.0, "bytes accessed": 8.0, "optimal_seconds": 1e-6}
+    assert cost_fields(CachedExecutable(None, None, None)) is None

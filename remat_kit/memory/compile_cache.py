@@ -218,15 +218,21 @@ class CachedExecutable:
     """Stands in for a ``jax.stages.Compiled`` read from the cache: ``memory_analysis()`` and
     ``as_text()`` (the optimized HLO) as the compile gave them; it cannot run."""
 
-    def __init__(self, memory: Mapping[str, Any] | None, hlo_text: str | None):
+    def __init__(
+        self,
+        memory: Mapping[str, Any] | None,
+        hlo_text: str | None,
+        cost: Mapping[str, float] | None = None,
+    ):
         self._memory = None if memory is None else types.SimpleNamespace(**memory)
         self._hlo = hlo_text
+        self._cost = None if cost is None else dict(cost)
 
     def memory_analysis(self) -> Any:
         return self._memory
 
-    def cost_analysis(self) -> None:
-        return None
+    def cost_analysis(self) -> dict[str, float] | None:
+        return None if self._cost is None else dict(self._cost)
 
     def as_text(self) -> str | None:
         return self._hlo
@@ -235,6 +241,23 @@ class CachedExecutable:
         raise RuntimeError(
             "this compile was read from remat-kit's compile cache: it has no executable"
         )
+
+
+def cost_fields(compiled: Any) -> dict[str, float] | None:
+    """XLA's own cost analysis of a compile (``compiled.cost_analysis()``): its whole-module
+    figures (``flops``, ``bytes accessed``, ``transcendentals``, ``optimal_seconds``), each
+    ``while`` body counted once; None where the backend gives none (deviceless GPU compiles:
+    "GetCostAnalysis is not supported"; the TPU compiler answers deviceless)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without it raises its own error types
+        return None
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if not cost:
+        return None
+    keep = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+    return {k: float(cost[k]) for k in keep if isinstance(cost.get(k), (int, float))} or None
 
 
 def _memory_fields(compiled: Any) -> dict[str, Any] | None:
@@ -400,7 +423,9 @@ class CompileCache:
             dump = hlo.DumpFiles(**data["dump"])
             logged = [LogLine(*line) for line in data["log"]]
             result = CompileResult(
-                compiled=CachedExecutable(data["memory_analysis"], dump.hlo),
+                compiled=CachedExecutable(
+                    data["memory_analysis"], dump.hlo, data.get("cost_analysis")
+                ),
                 compile_s=float(data["compile_s"]),
                 dump=dump,
                 thread=0,
@@ -427,6 +452,7 @@ class CompileCache:
             "what": what,
             "versions": compiler_versions(),
             "memory_analysis": _memory_fields(result.compiled),
+            "cost_analysis": cost_fields(result.compiled),
             "compile_s": result.compile_s,
             "dump": dataclasses.asdict(result.dump),
             "log": [dataclasses.astuple(line) for line in result.log_lines()],

@@ -263,6 +263,11 @@ class StepTime:
       top: the kernels taking the most time, largest first.
       figures: the device figures used (name and source).
       measured_figures: True when they were calibrated on this machine.
+      xla_optimal_s: XLA's own cost model's time for the module (``cost_analysis()``'s
+        ``optimal_seconds``, every loop body counted once), None where the backend gives none
+        (deviceless GPU compiles); loop_once_s: this model's time counted the same way (each
+        kernel once per step, whatever its loop's trip count): the two side by side are the
+        cross-check (:func:`xla_disagreement`).
     """
 
     step_time_s: float
@@ -278,6 +283,8 @@ class StepTime:
     top: tuple[KernelTime, ...]
     figures: str
     measured_figures: bool
+    xla_optimal_s: float | None = None
+    loop_once_s: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -729,6 +736,43 @@ def estimate(
       top_k: how many of the costliest kernels to keep in ``StepTime.top``.
     """
     return time_kernels(executed_kernels(comps), figures, fresh_bytes, top_k)
+
+
+def cross_checked(
+    step: StepTime, comps: dict[str, hlo.Computation], figures: DeviceFigures, xla_cost: Any
+) -> StepTime:
+    """``step`` with XLA's own estimate beside it: ``xla_cost`` is the compile's cost analysis
+    (:func:`remat_kit.memory.compile_cache.cost_fields`); its ``optimal_seconds`` counts each
+    loop body once, so this model's time is counted the same way for the comparison. ``step``
+    unchanged where XLA gives no time."""
+    optimal = (xla_cost or {}).get("optimal_seconds")
+    if not optimal or optimal <= 0:
+        return step
+    once = [dataclasses.replace(k, count=1) for k in executed_kernels(comps)]
+    return dataclasses.replace(
+        step, xla_optimal_s=float(optimal), loop_once_s=time_kernels(once, figures).step_time_s
+    )
+
+
+#: The factor between this model's and XLA's own time (both counting loop bodies once) beyond
+#: which :func:`xla_disagreement` says so.
+XLA_DISAGREEMENT = 2.0
+
+
+def xla_disagreement(step: StepTime | None) -> str | None:
+    """A one-line warning where this model and XLA's own cost model (:func:`cross_checked`)
+    differ by more than :data:`XLA_DISAGREEMENT` times; None where they agree or XLA gave no
+    time."""
+    if step is None or not step.xla_optimal_s or not step.loop_once_s:
+        return None
+    ratio = step.loop_once_s / step.xla_optimal_s
+    if 1 / XLA_DISAGREEMENT <= ratio <= XLA_DISAGREEMENT:
+        return None
+    return (
+        f"time model and XLA's own cost model disagree: {format_seconds(step.loop_once_s, 3)} "
+        f"against XLA's {format_seconds(step.xla_optimal_s, 3)} (cost_analysis "
+        f"optimal_seconds), each loop body counted once ({ratio:.2f}x)"
+    )
 
 
 def time_kernels(

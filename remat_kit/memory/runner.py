@@ -31,7 +31,12 @@ import jax.numpy as jnp
 
 from remat_kit import targets as T
 from remat_kit.memory import hlo, roofline
-from remat_kit.memory.compile_cache import CompileCache, keep_kernels, kernel_cache_file
+from remat_kit.memory.compile_cache import (
+    CompileCache,
+    cost_fields,
+    keep_kernels,
+    kernel_cache_file,
+)
 from remat_kit.memory.host_buffers import host_buffers, host_line
 from remat_kit.memory.policy_only import policy_only_figures, xla_remat_line
 from remat_kit.memory.reading import (
@@ -214,16 +219,22 @@ class _KernelCaches:
 
 
 def step_time_of(
-    target: T.Target, dump: hlo.DumpFiles, parts: dict[str, int | None]
+    target: T.Target,
+    dump: hlo.DumpFiles,
+    parts: dict[str, int | None],
+    xla_cost: dict[str, float] | None = None,
 ) -> roofline.StepTime | None:
     """The roofline estimate of a compiled step on ``target`` (None without a dump or device
     figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
     aliased to inputs are allocated anew at each execution, and where the device figures say
-    that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count."""
+    that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count.
+    ``xla_cost``: XLA's own cost analysis of the compile, set beside the estimate
+    (:func:`roofline.cross_checked`)."""
     figures = roofline.device_figures(target)
     if figures is None or not dump.hlo:
         return None
-    return roofline.estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
+    step = roofline.estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
+    return roofline.cross_checked(step, dump.module, figures, xla_cost)
 
 
 def fresh_bytes(parts: dict[str, int | None]) -> int:
@@ -258,7 +269,9 @@ def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
     return _Read(
         parts,
         read_dump(result.dump, top_k, job.hints),
-        step_time_of(job.target, result.dump, parts) if shown else None,
+        step_time_of(job.target, result.dump, parts, cost_fields(result.compiled))
+        if shown
+        else None,
         build_timeline(result.dump, job.hints) if shown else None,
     )
 
@@ -313,6 +326,9 @@ def _report(
     if undone:
         xla_line += (undone,)
     step_time = read.step_time
+    disagree = roofline.xla_disagreement(step_time)
+    if disagree:
+        xla_line += (disagree,)
     host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
     if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
         xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,

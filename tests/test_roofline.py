@@ -513,6 +513,11 @@ def test_gpu_rules_in_place_stack_and_collectives_on_the_critical_path():
         ("replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add", (0, 4)),
         ("replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=%add", (0, 4)),
         ("replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, to_apply=%add", (0, 1, 4, 5)),
+        (
+            "replica_groups=mesh['a'=4,'b'=3], device_ids=([3,4]T(1,0)) {'a'}, dimensions={0}",
+            (0, 1, 2, 3),  # mesh position (i, 0) holds device i: the transposed iota
+        ),
+        ("replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'b'}", (0, 2)),
         ("source_target_pairs={{0,1},{1,2}}", (0, 1)),
         ("replica_groups={}, to_apply=%add", ()),
     ],

@@ -486,8 +486,27 @@ def _uses_through_bitcasts(name: str, users: dict[str, list[hlo.Instruction]]):
 
 
 _IOTA_LIST = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}"
+)
 _PAIRS = re.compile(r"source_target_pairs=\{\{(\d+),(\d+)\}")
+
+
+def _mesh_devices(text: str | None, n: int) -> list[int]:
+    """The device id at each position of a mesh (row-major) from a mesh's ``device_ids``: an
+    iota (``[3,32]T(1,0)``: ``iota(96).reshape(3, 32).transpose(1, 0)`` flattened) or a list
+    (``0,2,1,3``); ``range(n)`` where none is written."""
+    if not text:
+        return list(range(n))
+    m = re.fullmatch(r"\s*\[([0-9,]+)\](?:T\(([0-9,]+)\))?\s*", text)
+    if m:
+        import numpy as np
+
+        ids = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return [int(x) for x in ids.reshape(-1)]
+    return [int(x) for x in re.findall(r"\d+", text)]
 
 
 def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
@@ -495,7 +514,8 @@ def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
     a list (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``replica_groups=[2,4]<=[8]``,
     ``[4,2]<=[2,4]T(1,0)``: ``iota(8).reshape(2, 4).transpose(1, 0).reshape(4, 2)``, one group a
     row) and a mesh (``replica_groups=mesh['x'=2,'y'=4] {'y'}``: the devices of a row-major mesh
-    that differ along the named axes only). A ``collective-permute`` gives its first source and
+    that differ along the named axes only, through the mesh's ``device_ids`` where it has
+    them). A ``collective-permute`` gives its first source and
     target. () where none is written (every device: unknown here)."""
     text = instr.attributes
     m = _REPLICA_GROUPS.search(text)
@@ -514,14 +534,15 @@ def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
     m = _MESH_GROUPS.search(text)
     if m:
         axes = re.findall(r"'([^']*)'=(\d+)", m.group(1))
-        chosen = set(re.findall(r"'([^']*)'", m.group(2)))
+        chosen = set(re.findall(r"'([^']*)'", m.group(3)))
         sizes = [int(n) for _, n in axes]
         strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
         ids = [0]
         for (name, n), stride in zip(axes, strides, strict=True):
             if name in chosen:
                 ids = [i + k * stride for i in ids for k in range(int(n))]
-        return tuple(sorted(ids))
+        devices = _mesh_devices(m.group(2), math.prod(sizes))
+        return tuple(sorted(devices[i] for i in ids))
     m = _PAIRS.search(text)
     if m:
         return (int(m.group(1)), int(m.group(2)))

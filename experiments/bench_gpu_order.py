@@ -61,7 +61,8 @@ def table(rows: dict[str, dict], target: str) -> str:
         f"Per-layer estimated step time (ms), {target} (deviceless), batch {BATCH}, seq {SEQ}, "
         f"scanned layers, jax {jax.__version__}; memory / matmul / collective terms of each "
         "policy in brackets.\n\n"
-        "| preset | no-remat | save-dots-no-batch | save-nothing | in order |\n|---|---|---|---|---|"
+        "| preset | no-remat | save-dots-no-batch | save-nothing | in order |\n"
+        "|---|---|---|---|---|"
     )
     lines = [head]
     for preset, row in rows.items():
@@ -92,8 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"order_{args.target}"
     (args.out / f"{name}.json").write_text(
-        json.dumps({"target": args.target, "jax": jax.__version__, "batch": BATCH, "seq": SEQ,
-                    "rows": rows}, indent=1)  # fmt: skip
+        json.dumps(
+            {
+                "target": args.target,
+                "jax": jax.__version__,
+                "batch": BATCH,
+                "seq": SEQ,
+                "rows": rows,
+            },
+            indent=1,
+        )  # fmt: skip
     )
     text = table(rows, args.target)
     (args.out / f"{name}.md").write_text(text)

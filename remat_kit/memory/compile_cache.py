@@ -282,8 +282,7 @@ def kernel_cache_file(target: T.Target, folder: Path | None) -> Path | None:
     (a local GPU runs its kernels: only a file of its own compiles may reach it).
 
     Kernels change no figure: the HLO passes, the schedule and buffer assignment come before
-    code generation, which the file only shortens (tiny-gpt b=2 s=64 save-dots on h100-sxm:
-    3.6 s cold, 1.8 s with its kernels cached; 2-core x86 VM, jax 0.10.2).
+    code generation, which the file only shortens (docs/performance.md).
     """
     root = Path(os.environ[ENV_KERNELS]) if os.environ.get(ENV_KERNELS) else None
     if root is None and folder is not None:

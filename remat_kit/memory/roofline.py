@@ -51,8 +51,8 @@ same XLA backend as the steps it will judge:
 - a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;
 - attention's two batched matmuls per dtype, ``[32, 256, 64] @ [32, 64, 256]`` (scores) and
   ``[32, 256, 256] @ [32, 256, 64]`` (context), FLOP/s of both over their time: many small
-  matmuls in one kernel run well below a large GEMM's rate on a CPU (measured here, 2-core
-  Intel Xeon, jax 0.10.2: 48-60 GFLOP/s against 194 for the ``[1024, 1024]`` GEMM);
+  matmuls in one kernel run at a quarter to a third of a large GEMM's rate on a CPU
+  (docs/time-model.md);
 - ``x * a + b`` over a 256 MiB float32 array (far past any cache), bytes read + written per s;
 - the same over a 1 MiB array repeated in a ``fori_loop`` (a cache-resident re-read);
 - a chain of 32 multiply-adds per element of a cache-resident array (elementwise op/s);
@@ -116,16 +116,13 @@ _HOST = re.compile(r"S\(5\)")
 #: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc's malloc
 #: serves requests at or above its mmap threshold with a fresh mmap, and the threshold's
 #: dynamic ceiling is 32 MiB on 64-bit systems (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX = 4 *
-#: 1024 * 1024 * sizeof(long)); smaller buffers are reused from the heap. Measured here (2-core
-#: AMD EPYC, jax 0.10.2, loaded by other jobs): a fresh 24 MiB output costs 0.02 s/GiB more
-#: than in place, 40 MiB and more 1.3-1.6 s/GiB (0.36 s/GiB on the idle machine).
+#: 1024 * 1024 * sizeof(long)); smaller buffers are reused from the heap (the measured
+#: threshold: docs/time-model.md, ``experiments/bench_page_faults.py``).
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
-#: Runs of the fresh-output kernel a calibration keeps the best of. Measured on a 2-core AMD
-#: EPYC VM (jax 0.10.2, 2026-12-04): the best of two runs gave 0.73 GB/s, the best of nine
-#: 4.4-4.8 GB/s; a gpt-10m no-remat step (batch 4, seq 256) paid 3.3 GB/s for its 482 MiB temp
-#: buffer, timed against the same step with glibc told to keep its heap
-#: (``experiments/bench_page_faults.py``, whose table is in experiments/results/cpu/).
+#: Runs of the fresh-output kernel a calibration keeps the best of: the fault rate varies most
+#: from run to run of all the figures, and the best of a few runs is far below the rate a
+#: step pays (``experiments/bench_page_faults.py``, whose table is in experiments/results/cpu/).
 FRESH_RUNS = 9
 
 
@@ -1148,10 +1145,9 @@ def measure(runs: int = 5) -> dict[str, float]:
     nbytes = 256 * 2**20
     state = {"x": jnp.ones((nbytes // 4,), jnp.float32)}
     axpb = jax.jit(lambda x: x * 1.0001 + 0.5)
-    # Faulting pages in is the most variable figure on a virtual machine (the same kernel
-    # measured 70-390 ms from one run to the next on a 2-core AMD EPYC VM, jax 0.10.2), and a
-    # step's faults, spread among its compute, cost what the undisturbed runs cost: the best of
-    # FRESH_RUNS, not of two.
+    # Faulting pages in is the most variable figure on a virtual machine, and a step's faults,
+    # spread among its compute, cost what the undisturbed runs cost: the best of FRESH_RUNS,
+    # not of two.
     t_fresh = _best_of(lambda: axpb(state["x"]), max(FRESH_RUNS, runs))
     # The same in place (the input donated): no fresh output buffer to fault in.
     inplace = jax.jit(lambda x: x * 1.0001 + 0.5, donate_argnums=0)
@@ -1230,9 +1226,8 @@ def _last_level_cache_bytes() -> int | None:
 _CALIBRATING = threading.Lock()
 
 #: Above this share of the machine's cores taken by other processes while the micro-kernels
-#: ran, a calibration is *contended*: its rates are too low and every estimate too high (one
-#: timed by another user's trial beside other jobs on the same 2 cores, 2026-12-04, put a
-#: newcomer's sweep estimates 27-179% above its measured steps).
+#: ran, a calibration is *contended*: its rates are too low and every estimate too high
+#: (docs/time-model.md, "Device figures").
 CONTENDED_SHARE = 0.25
 #: A contended calibration in the cache is timed again when asked for this long after it was
 #: last timed (seconds), and the quieter of the two is kept: a busy machine is not re-timed at
@@ -1422,8 +1417,7 @@ def estimate_error(target: T.Target) -> float:
 
 
 #: Below this estimated step time (seconds) on a calibrated CPU, the estimate has been measured
-#: furthest off (docs/time-model.md, "Small steps": a 6 ms ViT -39%, a 3 ms NNX LM -57% to
-#: -63%, a 24 ms linen LM -10% to -32%, all on 2-core VMs, XLA:CPU, jax 0.10.2).
+#: furthest off (docs/time-model.md, "Small steps": 10-63% below the measured step).
 SMALL_STEP_S = 0.03
 
 

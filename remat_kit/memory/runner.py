@@ -157,8 +157,8 @@ def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None
 def default_workers() -> int:
     """Concurrent compiles by default: one per core, at most 4. The first compile runs alone
     (it fills the GPU kernel cache the others read) while the next policies are lowered; the
-    rest run side by side. llama3-8b s=8192 h100-sxm, 13 policies, 2-core VM: 22.6 s with one
-    worker, 19.1-20.3 s with two (``remat-kit analyze ... --all-policies --workers N``)."""
+    rest run side by side (``remat-kit analyze ... --all-policies --workers N``; timings in
+    docs/performance.md)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 

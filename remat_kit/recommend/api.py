@@ -615,8 +615,8 @@ def assemble(
 
 
 def compiled_on(tgt: T.Target) -> str:
-    """What the candidates were compiled on and by, e.g. ``"local (local cpu (AMD EPYC), 2
-    cores); XLA CPU compiler (local device, jax 0.10.2)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
+    """What the candidates were compiled on and by, e.g. ``"local (local cpu (CPU MODEL), N
+    cores); XLA CPU compiler (local device, jax X.Y.Z)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
     HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``: the local CPU as
     its calibration names it (:func:`~remat_kit.memory.roofline.figures_for`), any other target
     by its description (:mod:`remat_kit.targets`), and the compiler

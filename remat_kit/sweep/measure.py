@@ -326,10 +326,9 @@ def time_runs(
     before its steps; or with ``interleave`` (see :func:`can_interleave`) every run made
     first and step ``i`` of every run taken before step ``i + 1`` of any, in the order
     :func:`round_order` gives step ``i``: a drift of the machine's speed (other processes,
-    clocks) then falls on every policy alike instead of on whichever ran during it (on a shared
-    2-core VM, one program timed twice a minute apart differed by up to 12%), and no run always
-    follows the same one (a run right after another of the same executable measured 3-5%
-    faster in most rounds, warm).
+    clocks) then falls on every policy alike instead of on whichever ran during it, and no run
+    always follows the same one (a run right after another of the same executable measures
+    faster, warm: docs/sweep.md).
 
     Returns:
       Per run, in order: :meth:`StepRun.result` with ``measured_peak_bytes`` /

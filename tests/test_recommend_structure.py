@@ -140,7 +140,17 @@ def test_room_gives_fewer_rematerialised_layers(first, cache):
     rec = recommend(CONFIG, SEQ, TARGET, budget=budget, cache=cache, **KW)
     pick = rec.pick
     assert pick is not None and pick.fits and pick.peak_bytes <= budget
-    assert pick.step_time_s == min(c.step_time_s for c in rec.candidates if c.fits)
+    # the least recomputing of the candidates estimated within the model's error of the fastest
+    from remat_kit.memory.roofline import estimate_error
+    from remat_kit.recommend.session import recompute_key
+    from remat_kit.targets import get_target
+
+    fastest = min(c.step_time_s for c in rec.candidates if c.fits)
+    near = [
+        c for c in rec.candidates
+        if c.fits and c.step_time_s <= fastest * (1 + estimate_error(get_target(TARGET)))
+    ]  # fmt: skip
+    assert pick in near and recompute_key(pick) == min(recompute_key(c) for c in near)
     # The partial-layer search ran on save-nothing (it fits with room): fewer rematerialised
     # layers, the least that fits proven by compiling k - 1 (k - 1 == 0 is no-remat).
     partial = [c for c in rec.candidates if c.found_by == "partial-layers"]

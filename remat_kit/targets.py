@@ -539,6 +539,10 @@ class Target:
     #: Share of ``hbm_bytes_per_s`` a streaming kernel achieves, measured; None: the datasheet
     #: bandwidth is used as it is.
     memory_efficiency: float | None = None
+    #: Share of ``peak_flops_bf16`` a fused attention kernel (cuDNN's flash attention, what
+    #: XLA:GPU calls for ``jax.nn.dot_product_attention(implementation="cudnn")``) achieves,
+    #: measured at long sequences; None: attention runs at ``matmul_efficiency``.
+    attention_efficiency: float | None = None
     #: Devices joined by ``interconnect_bytes_per_s`` (a GPU node's NVLink/NVSwitch domain); a
     #: collective over devices of more than one node runs over ``network_bytes_per_s`` too.
     #: None: one domain of any size (a TPU slice's ICI).
@@ -654,6 +658,15 @@ _MAMF_SOURCE = (
     "Engineering Open Book, compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s, "
     "H100 SXM 794.5 of 989 ('H200 is the same')"
 )
+#: Measured fused attention on Hopper: cuDNN's flash attention on an H100 80GB SXM5, BF16, head
+#: dim 128, sequence 8k: 529 TFLOP/s forward with a causal mask, 518 TFLOP/s backward (Shah et
+#: al., "FlashAttention-3", arXiv:2407.08608, Figures 5 and 6): the forward's share, 529 of 989.
+_HOPPER_ATTENTION = 529.0 / 989.0
+_ATTENTION_SOURCE = (
+    "fused attention: cuDNN flash attention 529 TFLOP/s forward (causal) and 518 backward of 989, "
+    "BF16, head dim 128, seq 8k, H100 SXM5 (Shah et al., FlashAttention-3, arXiv:2407.08608, "
+    "Figs. 5-6)"
+)
 #: Measured streaming bandwidth: 1.80 of 2.04 TB/s (88%) on an A100 80GB SXM, read kernel timed
 #: with events and confirmed by Nsight Compute, where "the maximum memory bandwidth achieved by
 #: any kernel was around 90%" in NVIDIA's GTC talk it cites (NVIDIA Developer Forums, "Trouble
@@ -704,10 +717,11 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=3.35e12,
         host_link_bytes_per_s=64e9,
         supports_host_offload=True,
-        source=f"{_H100_SOURCE}; {_MAMF_SOURCE}; {_HBM_SOURCE}; "
+        source=f"{_H100_SOURCE}; {_MAMF_SOURCE}; {_ATTENTION_SOURCE}; {_HBM_SOURCE}; "
         + _NVLINK_SOURCE.format(nic="400 Gb/s NDR", dgx="H100"),
         matmul_efficiency=794.5 / 989.0,
         memory_efficiency=_HBM_EFFICIENCY,
+        attention_efficiency=_HOPPER_ATTENTION,
         interconnect_bytes_per_s=396.4e9,
         node_size=8,
         network_bytes_per_s=50e9,
@@ -722,10 +736,11 @@ _GPU_TARGETS: tuple[Target, ...] = (
         hbm_bytes_per_s=4.8e12,
         host_link_bytes_per_s=64e9,
         supports_host_offload=True,
-        source=f"{_H200_SOURCE}; {_MAMF_SOURCE}; {_HBM_SOURCE}; "
+        source=f"{_H200_SOURCE}; {_MAMF_SOURCE}; {_ATTENTION_SOURCE}; {_HBM_SOURCE}; "
         + _NVLINK_SOURCE.format(nic="400 Gb/s NDR", dgx="H200"),
         matmul_efficiency=794.5 / 989.0,
         memory_efficiency=_HBM_EFFICIENCY,
+        attention_efficiency=_HOPPER_ATTENTION,
         interconnect_bytes_per_s=396.4e9,
         node_size=8,
         network_bytes_per_s=50e9,

@@ -583,3 +583,18 @@ def test_xla_cost_model_is_set_beside_the_estimate_loop_bodies_once():
     kept = cost_fields(CachedExecutable(None, None, cost))
     assert kept == {"flops": 2.0, "bytes accessed": 8.0, "optimal_seconds": 1e-6}
     assert cost_fields(CachedExecutable(None, None, None)) is None
+
+
+def test_fused_attention_runs_at_the_measured_attention_rate():
+    """A cuDNN fused attention call runs at the device's measured attention rate where it has
+    one (Hopper: FlashAttention-3's cuDNN figures), not at the matmul rate."""
+    kernel = roofline.Kernel(
+        "fmha.1", "attention", 1, 1e12, "bf16", 0.0, 0.0, 0, 0, "", False, gemm=(32, 8192, 128)
+    )
+    assert roofline._matmul_seconds(kernel, FIGURES) == pytest.approx(1e12 / 4e12)
+    fast = roofline.DeviceFigures(**{**FIGURES.__dict__, "attention_flops": {"bf16": 2e12}})
+    assert roofline._matmul_seconds(kernel, fast) == pytest.approx(0.5)
+    h100 = roofline.datasheet_figures(targets.get_target("h100-sxm"))
+    assert h100.attention_flops["bf16"] == pytest.approx(989.4e12 * 529 / 989)
+    assert "FlashAttention-3" in h100.source
+    assert roofline.datasheet_figures(targets.get_target("a100-80gb")).attention_flops is None

@@ -176,6 +176,9 @@ class DeviceFigures:
     node_size: int | None = None
     #: Per-device bytes/s between nodes (a GPU's NIC), None where unknown.
     network_bytes_per_s: float | None = None
+    #: FLOP/s of a fused attention call (cuDNN flash attention) by operand dtype; None: at
+    #: :attr:`peak_flops`.
+    attention_flops: dict[str, float] | None = None
 
     def matmul_peak(self, dtype: str, batched: bool = False) -> float:
         """FLOP/s of a matmul whose operands are ``dtype``; ``batched``: one with batch
@@ -883,11 +886,15 @@ def time_kernels(
 
 
 def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
-    """A kernel's matmul time: its FLOPs in matmuls with batch dimensions at the batched rate,
-    the rest at the matmul peak, both over :func:`gemm_efficiency` of its largest matmul."""
+    """A kernel's matmul time: a fused attention call's FLOPs at the device's attention rate
+    where it has one; else its FLOPs in matmuls with batch dimensions at the batched rate, the
+    rest at the matmul peak, both over :func:`gemm_efficiency` of its largest matmul."""
     if not k.flops:
         return 0.0
     dtype = k.dtype or "f32"
+    if k.kind == "attention" and figures.attention_flops:
+        rate = figures.attention_flops.get(dtype) or figures.attention_flops["bf16"]
+        return k.flops / rate
     plain = k.flops - k.batched_flops
     seconds = plain / figures.matmul_peak(dtype) + k.batched_flops / figures.matmul_peak(
         dtype, batched=True
@@ -1067,6 +1074,14 @@ def datasheet_figures(target: T.Target) -> DeviceFigures | None:
         sm_count=gpu.core_count if gpu is not None else 0,
         node_size=target.node_size,
         network_bytes_per_s=target.network_bytes_per_s,
+        attention_flops=(
+            {
+                "bf16": target.peak_flops_bf16 * target.attention_efficiency,
+                "f16": target.peak_flops_bf16 * target.attention_efficiency,
+            }
+            if target.attention_efficiency
+            else None
+        ),  # fmt: skip
         source=(
             f"datasheet: {target.source}; {vector_source}; launch {launch * 1e6:.1f} us"
             + launch_note

@@ -567,3 +567,47 @@ def test_capped_save_alone_specs_keep_the_tags_with_the_largest_residuals():
     assert "custom: z_wide=save" in labels and "custom: a_narrow=save" not in labels
     (note,) = [n for n in chosen.notes if "save-alone" in n]
     assert "with the largest residuals" in note and "NAME=save for a_narrow" in note
+
+
+def _meshed_loss(mesh):
+    """A scanned loss constraining its activations to ``mesh`` (as a model built on a mesh
+    does, MaxText's among them)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def make_loss(policy):
+        def layer(h, w):
+            h = jax.lax.with_sharding_constraint(h, sharding)
+            return jnp.tanh(checkpoint_name(h @ w, "mlp_hidden")), None
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return lambda w, x: jax.lax.scan(body, x, w)[0].sum()
+
+    return make_loss
+
+
+@needs_cuda_plugin
+def test_a_step_that_cannot_be_lowered_for_the_target_is_reported_per_policy():
+    """A model built on a mesh of the CPU's devices, analysed for a GPU: JAX refuses to lower
+    it ("incompatible devices"). Each policy gets its CompileError (raise_errors=False), which
+    says how to fix it; with raise_errors one CompileError, not JAX's ValueError; the fix it
+    names (the mesh on compile_devices(target)) lowers."""
+    w, x = jax.ShapeDtypeStruct((2, 8, 8), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    cpu = jax.sharding.Mesh(jax.devices("cpu")[:1], ("x",))
+    program = Program.from_loss(_meshed_loss(cpu), w, x, optimizer="sgd", name="cpu-mesh")
+    policies = ["no-remat", "save-nothing"]
+    got = analyze_policies(program, policies, "h100-sxm", raise_errors=False)
+    assert [type(r).__name__ for r in got] == ["CompileError", "CompileError"]
+    fix = "build the model's mesh on remat_kit.targets.compile_devices('h100-sxm')"
+    for policy, err in zip(policies, got, strict=True):
+        assert err.policy == policy and err.stage == "lower"
+        assert str(err).startswith(f"policy {policy!r} of 'cpu-mesh' on target 'h100-sxm' failed")
+        assert "incompatible devices" in str(err) and fix in str(err) and "\n" not in str(err)
+    with pytest.raises(remat_kit.CompileError, match="failed to lower: Received incompatible"):
+        analyze_policies(program, ["save-nothing"], "h100-sxm")
+    gpu = jax.sharding.Mesh(targets.compile_devices("h100-sxm"), ("x",))
+    fixed = Program.from_loss(_meshed_loss(gpu), w, x, optimizer="sgd")
+    spec = get_policy_spec("save-nothing")
+    traced = remat_kit.memory.api.traced_step(
+        fixed, spec, fixed.place(targets.get_target("h100-sxm"))
+    )
+    assert "sharding" in traced[1].lower().as_text()  # lowers: the compile can go on

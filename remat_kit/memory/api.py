@@ -600,7 +600,7 @@ def analyze_policies(
         emits and specs in its own tag names; what it leaves out is in that function's notes).
       target, budget_bytes, top_k, fast_compile: as :func:`remat_kit.analyze`.
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
-      raise_errors: False: a policy that fails to compile gives its :class:`CompileError`.
+      raise_errors: False: a policy that fails to lower or compile gives its :class:`CompileError`.
       compare_offload: also compile each policy that offloads a tag the program emits with
         those tags kept on device, where the target offloads, and report that peak
         (``peak_bytes_without_offload``).
@@ -627,7 +627,8 @@ def analyze_policies(
         (the message lists the emitted tags and the closest); a factory that does not pass the
         policy to any remat segment (:class:`~remat_kit.program.PolicyReach`: every policy
         would compile to one program).
-      CompileError: with ``raise_errors``, the first policy that failed to compile.
+      CompileError: with ``raise_errors``, the first policy that failed to lower or compile
+        (a mesh built on other devices than the target's: the message says how to fix it).
     """
     require_program(program)
     tgt = T.get_target(target)
@@ -715,7 +716,7 @@ def _same_program(
     program, target = setup.program.name, setup.target.name
     what = f"policy {policy_label(spec)!r} of {program!r} on target {target!r}"
     if isinstance(result, CompileError):
-        return CompileError(what, result.xla_message, policy_label(spec))
+        return result.renamed(what, policy_label(spec))
     theirs = _spec_notes(setup, compiled)
     warnings = tuple(w for w in result.warnings if w not in theirs)
     return dataclasses.replace(

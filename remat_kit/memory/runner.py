@@ -67,6 +67,7 @@ from remat_kit.memory.xla_compile import (
     compile_options,
     compile_with_dump,
     jax_backend_description,
+    lower_for,
 )
 from remat_kit.policies import on_device_twin, policy_effect, remat_implementation
 from remat_kit.units import format_bytes
@@ -613,7 +614,9 @@ class CompileEngine:
             beside the compiles still running.
 
         Returns:
-          ``(program key, CompileResult or CompileError)`` per item, in order.
+          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX
+          could not lower for its target gets its :class:`CompileError` (``stage="lower"``,
+          :func:`~remat_kit.memory.xla_compile.lower_for`) and the items after it go on.
         """
         keys: list[str] = []
         futures: dict[str, Future] = {}
@@ -636,7 +639,16 @@ class CompileEngine:
                     tell("same program")
                     continue
                 tell("tracing")
-                lowered = item.lower()
+                try:
+                    lowered = lower_for(item)
+                except CompileError as err:  # reported as this item's result, as XLA's are
+                    key = hashlib.sha256(f"lower\n{index}\n{err}".encode()).hexdigest()
+                    keys.append(key)
+                    self._done[key] = err
+                    if item.program_key is not None:
+                        by_item_key[item.program_key] = key
+                    tell("done")
+                    continue
                 text = f"{T.compile_identity(item.target)}\n{fast}\n{lowered.as_text()}"
                 key = hashlib.sha256(text.encode()).hexdigest()
                 keys.append(key)
@@ -712,11 +724,12 @@ def run_jobs(
       total: how many jobs there are, for progress (default ``len(jobs)``).
 
     Returns:
-      One report per job, in order; a job that failed to compile gives its
+      One report per job, in order; a job that failed to lower or compile gives its
       :class:`CompileError` when ``raise_errors`` is False.
 
     Raises:
-      CompileError: with ``raise_errors``, for the first visible job (in order) that failed.
+      CompileError: with ``raise_errors``, for the first visible job (in order) that failed
+        to lower or compile.
     """
     made: list[Job] = []
     queue = iter(jobs)
@@ -744,7 +757,7 @@ def run_jobs(
     out: list[MemoryReport | CompileError] = []
     for job, (key, result) in zip(jobs, compiled, strict=True):
         if isinstance(result, CompileError):
-            err = CompileError(job.what, result.xla_message, job.policy)
+            err = result.renamed(job.what, job.policy)
             if raise_errors and job.visible:
                 raise err from result
             out.append(err)

@@ -203,19 +203,29 @@ _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory", re.IGNORECA
 
 
 class CompileError(RuntimeError):
-    """A step failed to compile; the message names what was compiled and XLA's first line.
+    """A step failed to lower or compile; the message names what was compiled, the stage and
+    the first line of the error (XLA's, or JAX's when lowering failed).
 
     Attributes:
       what: what was compiled (``"policy 'save-dots' on target 'h100-sxm'"``).
-      xla_message: the first line of XLA's error.
+      xla_message: the first line of the error (and, for a known cause, how to fix it).
       policy: the policy name, when a model step.
+      stage: ``"compile"`` (XLA refused the program) or ``"lower"`` (JAX could not lower the
+        traced step for the target: :func:`lower_for`).
     """
 
-    def __init__(self, what: str, xla_message: str, policy: str | None = None):
-        super().__init__(f"{what} failed to compile: {xla_message}")
+    def __init__(
+        self, what: str, xla_message: str, policy: str | None = None, stage: str = "compile"
+    ):
+        super().__init__(f"{what} failed to {stage}: {xla_message}")
         self.what = what
         self.xla_message = xla_message
         self.policy = policy
+        self.stage = stage
+
+    def renamed(self, what: str, policy: str | None) -> CompileError:
+        """The same failure said of ``what`` under ``policy`` (a job sharing the program)."""
+        return CompileError(what, self.xla_message, policy, self.stage)
 
     @property
     def out_of_memory(self) -> bool:
@@ -223,6 +233,42 @@ class CompileError(RuntimeError):
         compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
         exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
         return bool(_OUT_OF_MEMORY.search(self.xla_message))
+
+
+#: JAX's words when a step's arguments and a sharding inside it are on different devices (a
+#: mesh built on the CPU's devices, the arguments on the target's compile-only ones):
+#: "Received incompatible devices for jitted computation. Got argument ... on platform GPU
+#: and sharding_constraint inside jit with device ids [0] on platform CPU".
+_DEVICE_MISMATCH = "incompatible devices"
+
+
+def lowering_message(err: BaseException, target: str) -> str:
+    """The first line of a lowering error for ``target`` (a target name), with the fix where
+    the cause is known: a mesh built on other devices than the target's gets the call that
+    makes the right ones (:func:`remat_kit.targets.compile_devices`)."""
+    line = first_line(err)
+    if _DEVICE_MISMATCH in line:
+        line += (
+            f"; build the model's mesh on remat_kit.targets.compile_devices({target!r}) "
+            f"(compile_devices({target!r}, n) for n devices), the devices remat-kit lowers "
+            "for that target on (docs/own-model.md)"
+        )
+    return line
+
+
+def lower_for(item: Any) -> Any:
+    """``item.lower()`` (a ``jax.stages.Lowered``) for an item of
+    :meth:`~remat_kit.memory.runner.CompileEngine.compile_all` (``what``, ``target``).
+
+    Raises:
+      CompileError: JAX could not lower the step for ``item.target`` (``stage="lower"``; the
+        message says how to fix a known cause, :func:`lowering_message`).
+    """
+    try:
+        return item.lower()
+    except Exception as err:  # ValueError (devices), NotImplementedError (no lowering), ...
+        message = lowering_message(err, item.target.name)
+        raise CompileError(item.what, message, stage="lower") from err
 
 
 def first_line(err: BaseException) -> str:

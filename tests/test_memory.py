@@ -413,7 +413,7 @@ def test_gpu_config_far_too_large_does_not_fit():
     assert r.logits.f32_bytes == 32 * _S * 128256 * 4  # the logits alone exceed the L4
 
 
-def test_unknown_memory_figures_are_none_and_a_cache_hit_says_so():
+def test_unknown_memory_figures_are_none_and_a_missing_dump_says_so():
     from types import SimpleNamespace
 
     from remat_kit.memory import hlo, reading
@@ -439,7 +439,54 @@ def test_unknown_memory_figures_are_none_and_a_cache_hit_says_so():
     assert len(reading.unknown_memory_fields(Compiled(None))) == 4
     reading_ = reading.read_dump(hlo.DumpFiles(None, None, None, None), 5, reading.Hints())
     assert reading_.flops is None and reading_.peak_buffers == ()
-    assert "persistent compilation cache" in reading_.warnings[0]
+    assert reading_.warnings[0].startswith("XLA wrote no dump of this compile")
+
+
+def test_no_dump_warning_names_the_users_dump_flags(monkeypatch):
+    """A compile that left no dump is said with the --xla_dump* flags of XLA_FLAGS, the likely
+    cause (it blamed JAX's persistent compilation cache, which the analysis never reads)."""
+    from remat_kit.memory import hlo, reading
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true --xla_dump_hlo_module_re=x")
+    (line,) = reading.read_dump(hlo.DumpFiles(None, None, None, None), 5, reading.Hints()).warnings
+    assert "XLA_FLAGS sets --xla_dump_hlo_module_re=x, which" in line and "thunk" not in line
+    assert "cache" not in line
+
+
+#: A tiny scanned step analysed in a fresh process (XLA_FLAGS is read when the backend starts).
+_ANALYZE_UNDER_FLAGS = """
+import jax, jax.numpy as jnp, remat_kit
+
+def loss(w, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w)[0].sum()
+
+r = remat_kit.analyze(jax.grad(loss), jnp.ones((2, 16, 16)), jnp.ones((4, 16)), target="cpu")
+print(r.flops, len(r.peak_buffers), any(b.op_name for b in r.peak_buffers))
+print(r.warnings)
+"""
+
+
+def test_the_users_xla_dump_flags_leave_the_analysis_whole(tmp_path):
+    """MaxText's pyconfig sets XLA_FLAGS to dump only its own train step into a folder of its
+    own: the analysis compiles' dumps were filtered out (FLOPs None, no buffers at the peak).
+    The analysis overrides the dump flags for its own compiles (xla_compile.DUMP_OPTIONS)."""
+    import subprocess
+    import sys
+
+    flags = (
+        f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=jit_train_step "
+        "--xla_dump_max_hlo_modules=0 --xla_dump_disable_metadata=true"
+    )
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}"}
+    run = subprocess.run(
+        [sys.executable, "-c", _ANALYZE_UNDER_FLAGS], env=env, capture_output=True, text=True,
+        timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    flops, buffers, named = run.stdout.splitlines()[0].split()
+    assert float(flops) == 2 * (2 * 4 * 16 * 16) * 3  # 2 layers: forward + 2 backward matmuls
+    assert int(buffers) > 0 and named == "True", run.stdout
+    assert "no dump" not in run.stdout
 
 
 @pytest.mark.parametrize("analysis", ["none", "minus_one"])

@@ -14,7 +14,7 @@ from remat_kit import names as N
 from remat_kit.memory import hlo
 from remat_kit.memory.report import PeakBuffer
 from remat_kit.memory.timeline import live_at_peak
-from remat_kit.memory.xla_compile import CompileResult
+from remat_kit.memory.xla_compile import CompileResult, user_dump_flags
 
 #: Flax module names -> the checkpoint name of their output. The bundled model names each
 #: projection's module after its tag; these are the plain names other models use.
@@ -161,21 +161,25 @@ def _telling(buf: PeakBuffer) -> tuple[int, int, int]:
     )
 
 
+def no_dump_line() -> str:
+    """The warning for a compile that left no dump to read, naming the ``--xla_dump*`` flags of
+    ``XLA_FLAGS`` where any is set (the analysis overrides the known ones:
+    :data:`~remat_kit.memory.xla_compile.DUMP_OPTIONS`)."""
+    line = "XLA wrote no dump of this compile: no buffers at peak, FLOPs unknown (None)"
+    flags = user_dump_flags()
+    if flags:
+        line += (
+            f"; XLA_FLAGS sets {' '.join(flags)}, which may keep XLA from writing it: unset "
+            "them for the analysis"
+        )
+    return line
+
+
 def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
     """Flops, the physical buffers live at XLA's peak (largest ``top_k``) and warnings."""
     warnings: list[str] = []
     if dump.hlo is None:
-        return DumpReading(
-            None,
-            (),
-            None,
-            0,
-            (
-                "XLA wrote no dump: the executable came from JAX's persistent compilation "
-                "cache (jax_compilation_cache_dir), which skips XLA and its dumps: no buffers "
-                "at peak, FLOPs unknown (None); compile with the cache off to see them",
-            ),
-        )
+        return DumpReading(None, (), None, 0, (no_dump_line(),))
     comps = dump.module
     count = dump.flop_count
     if count.unknown_trip_counts:

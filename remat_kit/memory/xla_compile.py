@@ -289,10 +289,32 @@ def count_xla_remat(hlo_text: str | None) -> int:
     return sum(hlo.is_xla_remat(n) for n in _INSTR_NAME.findall(hlo_text or ""))
 
 
+#: The dump options of every analysis compile. Compiler options override the ``XLA_FLAGS``
+#: the backend read (MaxText's pyconfig sets ``--xla_dump_to=... --xla_dump_hlo_module_re=
+#: jit_train_step``), so these keep the user's dump flags from filtering or thinning the dumps
+#: the analysis reads: a module filter that wrote none of them (FLOPs None, no buffers at the
+#: peak), a cap on the modules dumped, metadata off (no op names), and every HLO pass dumped
+#: (many files, each compile slower).
+DUMP_OPTIONS: dict[str, Any] = {
+    "xla_dump_hlo_as_text": True,
+    "xla_dump_hlo_module_re": ".*",
+    "xla_dump_max_hlo_modules": -1,
+    "xla_dump_disable_metadata": False,
+    "xla_dump_hlo_pass_re": "",
+}
+
+
+def user_dump_flags() -> list[str]:
+    """The ``--xla_dump*`` flags of the ``XLA_FLAGS`` environment variable (``[]`` for none),
+    named in the warning when a compile wrote no dump."""
+    return [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_dump")]
+
+
 def compile_options(platform: str, fast: bool = True, options: dict | None = None) -> dict:
-    """The compiler options :func:`compile_with_dump` passes, less the dump folder: text dumps
-    on, the :data:`FAST_COMPILE_OPTIONS` of ``platform`` with ``fast``, then ``options``."""
-    opts: dict[str, Any] = {"xla_dump_hlo_as_text": True}
+    """The compiler options :func:`compile_with_dump` passes, less the dump folder: the
+    :data:`DUMP_OPTIONS`, the :data:`FAST_COMPILE_OPTIONS` of ``platform`` with ``fast``, then
+    ``options``."""
+    opts: dict[str, Any] = dict(DUMP_OPTIONS)
     if fast:
         opts.update(FAST_COMPILE_OPTIONS.get(platform, {}))
     opts.update(options or {})

@@ -1,13 +1,21 @@
-"""The checkpoint-name vocabulary: tags the bundled modules put on intermediate values.
+"""The checkpoint-name vocabulary: tags the bundled modules put on intermediate values, and the
+other names MaxText's layers emit.
 
 Each tag is applied with :func:`jax.ad_checkpoint.checkpoint_name` inside a transformer block, so
 a rematerialization policy can refer to a tensor by name (``save_only_these_names``,
 ``save_and_offload_only_these_names``). The names are MaxText's (``maxtext/layers/*.py``), so a
-per-tensor configuration written for MaxText ports over unchanged.
+per-tensor configuration written for MaxText ports over unchanged. The table also holds the
+names MaxText emits that the bundled modules do not (``attention_out``, its fused and MLA
+projections, its MoE experts' projections, its pipeline's ``iteration_input``: every literal
+name of its ``checkpoint_name`` calls and of its ``custom`` policy's list), so a MaxText model's
+program is read in the same vocabulary (buffers named after them, the solver's order).
 
 Shapes use ``batch``, ``seq``, ``d_model``, ``heads`` (query heads), ``kv_heads`` (key/value
-heads, ``== heads`` without grouped-query attention), ``head_dim = d_model // heads`` and ``d_ff``
-(MLP hidden width). Every tagged tensor has the block's compute dtype (``ModelConfig.dtype``).
+heads, ``== heads`` without grouped-query attention), ``head_dim = d_model // heads``, ``d_ff``
+(MLP hidden width) and, for MaxText's multi-head latent attention (MLA), ``q_lora_rank`` and
+``kv_lora_rank`` (the latent widths). A name whose layout depends on MaxText's configuration
+(a fused projection, an MoE implementation) has none (:data:`CHECKPOINT_SHAPES` leaves it out).
+Every tagged tensor of the bundled modules has the block's compute dtype (``ModelConfig.dtype``).
 """
 
 from __future__ import annotations
@@ -27,9 +35,23 @@ MLPWI: Final = "mlpwi"
 MLPWI_0: Final = "mlpwi_0"
 MLPWI_1: Final = "mlpwi_1"
 MLPWO: Final = "mlpwo"
+# Emitted by MaxText's layers, not by the bundled modules.
+ATTENTION_OUT: Final = "attention_out"
+QKV_PROJ: Final = "qkv_proj"
+KV_PROJ: Final = "kv_proj"
+QUERY_WA_PROJ: Final = "query_wa_proj"
+KV_WA_PROJ: Final = "kv_wa_proj"
+MLA_Q: Final = "mla_q"
+MLA_KV: Final = "mla_kv"
+MOE_MLPWI_0: Final = "moe_mlpwi_0"
+MOE_MLPWI_1: Final = "moe_mlpwi_1"
+MOE_MLPWO: Final = "moe_mlpwo"
+INDEXER_CUTOFF_THRESHOLD: Final = "indexer_cutoff_threshold"
+ITERATION_INPUT: Final = "iteration_input"
 
-#: Every tag the bundled modules can emit: the tensor it names and its shape (dimension names).
-_TAGS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
+#: Every tag the bundled modules can emit, then MaxText's others: the tensor it names and its
+#: shape (dimension names; None where MaxText's configuration decides the layout).
+_TAGS: Final[dict[str, tuple[str, tuple[str, ...] | None]]] = {
     DECODER_LAYER_INPUT: ("input of a transformer block (residual stream)",
                           ("batch", "seq", "d_model")),
     QUERY_PROJ: ("query projection output x @ W_q (before RoPE)",
@@ -46,15 +68,40 @@ _TAGS: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
               ("batch", "seq", "d_ff")),
     MLPWI_1: ("gated (SwiGLU) MLP up projection x @ W_up", ("batch", "seq", "d_ff")),
     MLPWO: ("MLP output projection h @ W_o", ("batch", "seq", "d_model")),
+    ATTENTION_OUT: ("attention output before the output projection, as MaxText's attention "
+                    "layers tag it (they tag context inside the cuDNN flash kernel only)",
+                    ("batch", "seq", "heads", "head_dim")),
+    QKV_PROJ: ("fused query/key/value projection output (MaxText's fused_qkv; [batch, seq, "
+               "heads + 2 kv_heads, head_dim], or [batch, seq, 3, heads, head_dim] in its GPT-3)",
+               None),
+    KV_PROJ: ("fused key/value projection output (MaxText's compressed attention)", None),
+    QUERY_WA_PROJ: ("MLA query down-projection x @ W_qa, before its norm",
+                    ("batch", "seq", "q_lora_rank")),
+    KV_WA_PROJ: ("MLA key/value down-projection x @ W_kva, before its norm ([batch, seq, "
+                 "kv_lora_rank + the RoPE head width])", None),
+    MLA_Q: ("MLA query latent after its norm", ("batch", "seq", "q_lora_rank")),
+    MLA_KV: ("MLA key/value latent after its norm", ("batch", "seq", "kv_lora_rank")),
+    MOE_MLPWI_0: ("MoE experts' gate projection output (also tagged mlpwi_0; the layout is the "
+                  "MoE implementation's)", None),
+    MOE_MLPWI_1: ("MoE experts' up projection output (also tagged mlpwi_1)", None),
+    MOE_MLPWO: ("MoE experts' output projection (also tagged mlpwo)", None),
+    INDEXER_CUTOFF_THRESHOLD: ("sparse attention indexer's top-k cutoff score per query "
+                               "(MaxText's DeepSeek MLA)", ("batch", "seq")),
+    ITERATION_INPUT: ("pipeline stages' input at each iteration (MaxText's pipeline "
+                      "parallelism, [stages, microbatch, seq, d_model])", None),
 }  # fmt: skip
 
-#: Tag -> its shape as dimension names (``("batch", "seq", "heads", "head_dim")``).
-CHECKPOINT_SHAPES: Final[dict[str, tuple[str, ...]]] = {t: shape for t, (_, shape) in _TAGS.items()}
+#: Tag -> its shape as dimension names (``("batch", "seq", "heads", "head_dim")``), for every
+#: tag whose layout is fixed.
+CHECKPOINT_SHAPES: Final[dict[str, tuple[str, ...]]] = {
+    t: shape for t, (_, shape) in _TAGS.items() if shape is not None
+}
 
 #: Tag -> the tensor it names and its shape, e.g. ``"value projection output x @ W_v, [batch,
 #: seq, kv_heads, head_dim]"``.
 CHECKPOINT_NAMES: Final[dict[str, str]] = {
-    t: f"{what}, [{', '.join(shape)}]" for t, (what, shape) in _TAGS.items()
+    t: what if shape is None else f"{what}, [{', '.join(shape)}]"
+    for t, (what, shape) in _TAGS.items()
 }
 
 #: The MLP input projection's names in the other family: a plain MLP's ``mlpwi`` and a gated

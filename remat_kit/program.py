@@ -1500,7 +1500,7 @@ def as_program(
 #: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
 _DIM_AXES = {
     "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
-    "head_dim": "head_dim", "d_ff": "mlp",
+    "head_dim": "head_dim", "d_ff": "mlp", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora",
 }  # fmt: skip
 
 

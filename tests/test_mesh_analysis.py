@@ -17,6 +17,7 @@ from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
 from remat_kit.models import get_config
 from remat_kit.program import model_residuals, preset, split_over_tp, tag_axes
 from remat_kit.targets import get_target
+from remat_kit.walker import Residual
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config(
@@ -24,16 +25,40 @@ CONFIG = get_config(
     param_dtype="bfloat16",
 )  # fmt: skip
 #: Tags with a heads / kv_heads / d_ff dimension (split over tp) and those [batch, seq, d_model].
-SPLIT = {N.QUERY_PROJ, N.KEY_PROJ, N.VALUE_PROJ, N.CONTEXT, N.MLPWI, N.MLPWI_0, N.MLPWI_1}
+SPLIT = {N.QUERY_PROJ, N.KEY_PROJ, N.VALUE_PROJ, N.CONTEXT, N.MLPWI, N.MLPWI_0, N.MLPWI_1,
+         N.ATTENTION_OUT}  # fmt: skip
 WHOLE = {N.DECODER_LAYER_INPUT, N.OUT_PROJ, N.MLPWO}
 
 
 def test_every_tag_has_axes_read_from_its_documented_shape():
-    for tag in N.CHECKPOINT_NAMES:
+    for tag in N.CHECKPOINT_SHAPES:
         axes = tag_axes(tag)
         assert axes is not None and axes[:2] == ("batch", "seq"), (tag, axes)
         assert bool({"heads", "kv_heads", "mlp"} & set(axes)) == (tag in SPLIT), (tag, axes)
     assert tag_axes("no_such_tag") is None
+    assert tag_axes(N.QKV_PROJ) is None  # its layout is MaxText's configuration's: not split
+
+
+#: Every literal name of MaxText's checkpoint_name calls (src/maxtext/layers, models, kernels)
+#: and of its 'custom' policy's list (configs/base.yml), less 'engram' (a config field no layer
+#: emits).
+MAXTEXT_NAMES = (
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
+    "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "attention_out", "qkv_proj", "kv_proj",
+    "query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
+    "indexer_cutoff_threshold", "iteration_input",
+)  # fmt: skip
+
+
+def test_the_name_table_holds_every_name_maxtext_emits():
+    """MaxText's attention layers tag attention_out, which the table lacked (a MaxText trial):
+    every name MaxText emits is described there, and attention_out splits over tp by heads."""
+    missing = [t for t in MAXTEXT_NAMES if t not in N.CHECKPOINT_NAMES]
+    assert not missing
+    assert N.CHECKPOINT_NAMES["attention_out"].endswith("[batch, seq, heads, head_dim]")
+    row = Residual("attention_out", "dot_general", (2, 8, 4, 16), "float32", "device", 4096)
+    (half,) = split_over_tp([row], 2)
+    assert half.shape == (2, 8, 2, 16) and half.nbytes == row.nbytes // 2
 
 
 def test_residual_rows_under_tp_halve_head_and_mlp_tags_only():

@@ -510,6 +510,14 @@ def test_a_factory_remating_for_none_is_judged_against_save_everything_and_said_
     (sn,) = [c for c in checked.checks if c.label == "save-nothing"]
     # against its own (rematerialised) "no-remat" it read "nothing is recomputed"
     assert "no-op-policy" not in {f.code for f in sn.findings}
+    # the no-remat row itself: analyze warns under it, the doctor said nothing (MaxText's
+    # scanned remat_policy='none'); a factory building none for None gets no such error
+    # (test_default_set_on_own_tags_is_clean_with_one_note)
+    (nr,) = [c for c in checked.checks if c.label == "no-remat"]
+    (err,) = [f for f in nr.findings if f.code == "no-remat-remats"]
+    assert err.severity == "error" and "builds 1 remat segment(s) when given" in err.what
+    assert "make_loss passes None on" in err.cause and "inject_policy" in err.fix
+    assert "no-remat-remats" not in {f.code for f in sn.findings}
     rec = remat_kit.recommend(program, target="cpu", budget="1GiB", policies=["no-remat"])
     assert rec.remats_for_none == 1 and rec.pick.policy == "no-remat"
     assert "still builds 1 remat segment(s) for None" in rec.line()

@@ -22,6 +22,10 @@ Finding codes (severity):
   ``policy=``, as Hugging Face's Flax models do): every policy is the same program. The fix
   names :func:`remat_kit.inject_policy`. Judged once per program
   (:func:`remat_kit.program.policy_reach`), as ``analyze`` and ``recommend`` judge it.
+- ``no-remat-remats`` (error): the ``no-remat`` row still rematerializes: the factory builds
+  remat segments when given None (``jax.checkpoint(layer, policy=None)`` saves nothing, as
+  MaxText's scanned ``remat_policy='none'`` builds it), so the row is no step without remat
+  (``analyze`` warns under the same row).
 - ``no-op-policy`` (error): the compiled step needs as much memory as without remat (its fix
   never names the policy being checked).
 - ``remat-around-loop`` (error): the policy frees little or adds memory because a remat segment
@@ -75,7 +79,7 @@ Finding codes (severity):
 A factory that builds remat even when given None (``jax.checkpoint(layer, policy=policy)`` with
 no ``if policy is None``) has no step without remat: each policy is then judged against
 ``save-everything`` (``everything_saveable``), which keeps what no remat keeps, and the notes
-say so.
+say so; its ``no-remat`` row gets the ``no-remat-remats`` error.
 
 Sources: JAX doc "Gradient checkpointing with jax.checkpoint"; ``jax/_src/ad_checkpoint.py``
 (jax 0.10.2, remat3); flax.linen.remat docstring.

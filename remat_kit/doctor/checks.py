@@ -43,6 +43,7 @@ from remat_kit.doctor.tags import (
     TagFacts,
     feeds,
     matmul_tags,
+    no_remat_remats,
     no_remat_segment,
     policy_not_passed,
     recompute_savers,
@@ -227,6 +228,10 @@ def check_policies(
         promise = dataclasses.replace(promise, name=label, by_exclusion=is_by_exclusion(raw))
         findings = unknown_tags(promise, facts) + excluded_unknown(raw, tags)
         findings += effect_findings(label, spec, promise)
+        if not spec.wrap and reach.without_policy:  # analyze's "not a no-remat baseline"
+            # a from_loss step is remat-kit's around the user's make_loss: name theirs
+            factory = "make_loss" if program.step_of_loss is not None else reach.part
+            findings.append(no_remat_remats(label, factory, reach.without_policy))
         findings += compare(
             promise, next(each), reports[-1], _kept(program, spec), base, tgt,
             program.scan_layers, facts=facts, kept_nothing=nothing,

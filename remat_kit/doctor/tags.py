@@ -275,6 +275,25 @@ def policy_not_passed(label: str | None, factory: str, segments: int) -> Finding
     )  # fmt: skip
 
 
+def no_remat_remats(label: str, factory: str, segments: int) -> Finding:
+    """The error for the ``no-remat`` row (``label``) of a program whose ``factory`` builds
+    ``segments`` remat segments when given None (:meth:`~remat_kit.program.PolicyReach.
+    no_remat_note`, which analyze writes under the same row): it is no step without remat."""
+    return Finding(
+        "no-remat-remats", "error",
+        f"policy {label!r} still rematerializes: the factory builds {segments} remat "
+        "segment(s) when given no policy (None), so this row is not a step without remat "
+        "and no policy's recompute is measured against it.",
+        f"{factory} passes None on to its remat calls (jax.checkpoint / nn.remat / nnx.remat "
+        "with policy=None save nothing: full remat), as MaxText's scanned "
+        "remat_policy='none' does, instead of building the layers without remat.",
+        "build the layers without remat when the policy is None (body = layer if policy is "
+        "None else jax.checkpoint(layer, policy=policy)), or wrap the loss in "
+        "remat_kit.inject_policy(loss), which builds none for None "
+        "(docs/own-model-no-policy-hook.md).",
+    )  # fmt: skip
+
+
 def own_example(facts: TagFacts, action: str, prefer: Iterable[str] = ()) -> str:
     """A per-tag policy in the program's own names: ``'attn_in=offload'`` (the first of
     ``prefer`` it emits, else its first name); ``""`` when it emits none."""

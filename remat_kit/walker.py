@@ -394,6 +394,8 @@ def traced_flops(fn: Callable[..., Any], *args: Any) -> float:
 
 
 _FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")
+#: Primitives followed back from an added operand to the array it holds the values of.
+_BROADCAST_THROUGH = ("broadcast_in_dim", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 
 
@@ -447,15 +449,32 @@ class _Graph:
     def _bias_add_out(self, eqn: Any, v: Any) -> Any | None:
         """The output of ``eqn`` when it only adds a bias to ``v`` or reshapes, transposes or
         casts it (the named value of a matmul kept by a dots policy often comes after its bias
-        add; attention's context is its einsum's output transposed)."""
+        add; attention's context is its einsum's output transposed). A bias is an operand
+        smaller than ``v``, or one broadcast to ``v``'s shape from a smaller array
+        (:meth:`_broadcast_from`: Haiku's ``hk.Linear`` adds ``jnp.broadcast_to(b, out.shape)``)."""
         if eqn.primitive.name not in _FORWARD_THROUGH or len(eqn.outvars) != 1:
             return None
         if eqn.primitive.name == "add":
             others = [u for u in eqn.invars if u is not v]
             size = math.prod(v.aval.shape)
-            if len(others) != 1 or math.prod(getattr(others[0].aval, "shape", ())) >= size:
+            if len(others) != 1 or self._broadcast_from(others[0]) >= size:
                 return None  # a sum of two activations (a residual stream) is another value
         return eqn.outvars[0]
+
+    def _broadcast_from(self, u: Any) -> int:
+        """Elements of the array ``u`` holds the values of: its own size, or, where ``u`` is
+        made here by ``broadcast_in_dim`` (through casts, copies and names), the size of the
+        array broadcast."""
+        size = math.prod(getattr(u.aval, "shape", ()))
+        for _ in range(8):
+            eqn = self.producer.get(u) if isinstance(u, jcore.Var) else None
+            if eqn is None or not eqn.invars:
+                break
+            if eqn.primitive.name not in _BROADCAST_THROUGH and not _is_identity(eqn):
+                break
+            u = eqn.invars[0]
+            size = min(size, math.prod(getattr(u.aval, "shape", ())))
+        return size
 
     def twins(self, eqn: Any, v: Any) -> list[Any]:
         """The other outputs of the call ``eqn`` (whose body is this jaxpr) that return the

@@ -215,10 +215,20 @@ def _proj_bwd(res, g):
 
 _proj_vjp.defvjp(_proj_fwd, _proj_bwd)
 
+
+def _haiku_linear(h, w):
+    """As Haiku's ``hk.Linear`` adds its bias: broadcast to the output's whole shape first."""
+    out = jnp.dot(h, w)
+    return out + jnp.broadcast_to(w[0].astype(jnp.bfloat16), out.shape).astype(out.dtype)
+
+
 #: Where ``checkpoint_name(h @ w, "proj")`` can sit relative to the matmul a dots policy keeps.
 NAMED_MATMULS = {
     "direct": lambda h, w: checkpoint_name(h @ w, "proj"),
     "after-bias": lambda h, w: checkpoint_name(h @ w + w[0], "proj"),  # linen Dense(use_bias)
+    # hk.Linear: the added operand is as large as the matmul's output (it read as a residual
+    # stream's sum, so the kept matmul showed as <dot_general>)
+    "after-broadcast-bias": lambda h, w: checkpoint_name(_haiku_linear(h, w), "proj"),
     "name-in-jit": lambda h, w: jax.jit(lambda a: checkpoint_name(a, "proj"))(h @ w),
     "matmul-in-jit": lambda h, w: checkpoint_name(jax.jit(jnp.matmul)(h, w), "proj"),
     "name-in-remat": lambda h, w: jax.checkpoint(lambda a: checkpoint_name(a, "proj"))(h @ w),
@@ -247,7 +257,9 @@ def test_matmul_kept_by_a_dots_policy_is_attributed_to_the_name_it_feeds(where, 
     assert rows.get("proj") == PROJ_BYTES and "<dot_general>" not in rows, rows
 
 
-@pytest.mark.parametrize("where", ["direct", "after-bias", "name-in-jit", "matmul-in-jit"])
+@pytest.mark.parametrize(
+    "where", ["direct", "after-bias", "after-broadcast-bias", "name-in-jit", "matmul-in-jit"]
+)
 def test_matmul_kept_under_remat3_is_attributed_to_the_name_it_feeds(remat3, where):
     rows = _proj_rows(where, cp.dots_saveable)
     assert rows.get("proj") == PROJ_BYTES and "<dot_general>" not in rows, rows

@@ -661,3 +661,32 @@ def test_names_that_spare_a_matmul_only_together_are_not_said_to_spare_none():
                      "kv": {"k_part": "save", "v_part": "save"}}.items()
     }  # fmt: skip
     assert flops["kv"] < flops["k"] == flops["none"]
+
+
+def _fused_kv_attention(x, w):  # Gemma in flax's examples: one k/v projection, tagged key_proj
+    q = checkpoint_name(x @ w, "query_proj")
+    k, v = jnp.split(checkpoint_name(x @ jnp.concatenate([w, w.T], -1), "key_proj"), 2, -1)
+    return x + checkpoint_name((jnp.tanh(q * k) * v) @ w.T, "out_proj")
+
+
+def fused_kv_program():
+    """``--model tests.test_doctor_programs:fused_kv_program``: emits key_proj, no value_proj."""
+    return _program(_fused_kv_attention, "fused-kv")
+
+
+def test_a_registered_policy_naming_a_tag_the_model_fuses_away_is_a_note(capsys):
+    """The doctor exited 1 with unknown-tag for the registered minimal on a model that fuses k
+    and v (it names value_proj); that is a note now, as analyze's. A user's own spec naming
+    value_proj stays an error, and so does a registered policy naming none of its tags."""
+    argv = ["doctor", "--model", "tests.test_doctor_programs:fused_kv_program", "--json"]
+    assert cli.main([*argv, "--target", "cpu", "--policy", "minimal"]) == 0
+    (note,) = __import__("json").loads(capsys.readouterr().out)["policies"]["minimal"]
+    assert (note["severity"], note["code"]) == ("info", "tag-not-emitted")
+    assert "mlpwo, value_proj, which the program does not emit" in note["what"]
+    assert "runs as key_proj=save, out_proj=save, query_proj=save" in note["what"]
+    own = Promise("custom", save=frozenset({"key_proj", "value_proj"}))
+    registered = Promise("save-nothing-here", save=frozenset({"mlpwo"}), registered=True)
+    facts = TagFacts(frozenset({"key_proj", "out_proj", "query_proj"}), user=True)
+    for promise in (own, registered):
+        (err,) = unknown_tags(promise, facts)
+        assert (err.code, err.severity) == ("unknown-tag", "error")

@@ -13,6 +13,11 @@ Finding codes (severity):
   or offloads nothing for them (one finding per policy: each name with the closest emitted one,
   and what the policy runs as). Without a policy list, a user's program is checked only with the
   policies that act on its names (:func:`check_policies`); the others are one note.
+- ``tag-not-emitted`` (info): a registered policy names checkpoint names the program does not
+  emit beside names it does (``minimal`` names ``value_proj``; a model fusing its key and value
+  projections tags ``key_proj`` alone): it acts on those it emits, as analyze's note says. A
+  name in the user's own spec that the program never emits stays an ``unknown-tag`` error, and
+  so does a registered policy none of whose names the program emits.
 - ``no-remat-segment`` (error): the step traced under the policy holds no remat segment (no
   ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``): the user's factory does not apply the
   policy it receives. The only finding for that policy (nothing else follows from a policy

@@ -312,7 +312,10 @@ def _runs_as(promise: Promise, acting: frozenset[str]) -> str:
 def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
     """One ``unknown-tag`` error for the names the policy saves or offloads that the program
     never emits: each with its closest emitted name, the emitted names, and what the policy runs
-    as without them."""
+    as without them. A registered policy that acts on some emitted names gets a
+    ``tag-not-emitted`` note (info) for the rest instead: it names every tensor of its kind in
+    remat-kit's (MaxText's) vocabulary and a model emits those it has (a fused key/value
+    projection tags ``key_proj`` alone), as analyze's note under its row says."""
     emitted = facts.emitted
     missing = promise.tags - emitted
     if promise.registered and promise.tags & emitted & _MLP_FAMILIES:
@@ -320,6 +323,8 @@ def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
         missing -= _MLP_FAMILIES
     if not missing:
         return []
+    if promise.registered and promise.tags & emitted:
+        return [_not_emitted(promise, missing, promise.tags & emitted)]
     hints = {t: closest(t, sorted(emitted)) for t in sorted(missing)}
     listed = ", ".join(f"{t!r}" + (f" (closest: {h!r})" if h else "") for t, h in hints.items())
     what = (
@@ -330,6 +335,20 @@ def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
     )
     return [Finding("unknown-tag", "error", what, _cause(promise, facts, missing),
                     _fix(promise, facts, hints))]  # fmt: skip
+
+
+def _not_emitted(promise: Promise, missing: frozenset[str], acting: frozenset[str]) -> Finding:
+    """The note for a registered policy naming ``missing`` beside the names it acts on."""
+    runs = _runs_as(promise, acting)
+    return Finding(
+        "tag-not-emitted", "info",
+        f"policy {promise.name!r} names {', '.join(sorted(missing))}, which the program does "
+        f"not emit: it acts on the names it emits and runs as {runs}.",
+        "remat-kit's registered policies name every tensor of their kind in its (MaxText's) "
+        "vocabulary; a model emits those it has (one fusing its key and value projections tags "
+        "key_proj alone).",
+        "none needed; to name exactly what it keeps, write the per-tag spec it runs as.",
+    )  # fmt: skip
 
 
 def _cause(promise: Promise, facts: TagFacts, missing: frozenset[str]) -> str:

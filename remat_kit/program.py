@@ -172,6 +172,32 @@ def combine(arrays: Any, static: _Static | None) -> Any:
     return jax.tree.unflatten(static.treedef, leaves)
 
 
+def filtered_factory(make: Factory, args: Sequence[Any]) -> tuple[Factory, tuple[Any, ...]]:
+    """A factory and its arguments with filter semantics, for code that traces, differentiates
+    and compiles ``make(policy)(*args)`` itself: ``(make', arrays)``, ``arrays`` the arguments'
+    array parts (:func:`partition`) and ``make'(policy)`` the function ``make(policy)`` of them,
+    each argument's non-array leaves put back (:func:`combine`): a Python float or bool of an
+    ``equinox.Module`` (a dropout's ``p``, ``inference``) stays static, never a traced input.
+    NNX objects are passed as given; ``(make, args)`` when no argument has a static leaf."""
+    parts = [(a, None) if _is_nnx(a) else partition(a) for a in args]
+    statics = [st for _, st in parts]
+    if all(st is None for st in statics):
+        return make, tuple(args)
+
+    def filtered(policy: Any) -> Callable[..., Any]:
+        fn = make(policy)
+
+        def of_arrays(*arrays: Any) -> Any:
+            return fn(*(combine(a, st) for a, st in zip(arrays, statics, strict=True)))
+
+        of_arrays.__wrapped__ = fn  # the function's own parameter names (param_names)
+        of_arrays.__name__ = getattr(fn, "__name__", "loss")
+        return of_arrays
+
+    filtered.__wrapped__ = make
+    return filtered, tuple(a for a, _ in parts)
+
+
 def arrays_only(tree: Any) -> Any:
     """``tree`` with its non-array leaves replaced by None (what a jitted function may return)."""
     return jax.tree.map(lambda x: x if is_array(x) else None, tree)

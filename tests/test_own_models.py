@@ -18,6 +18,7 @@ import equinox as eqx  # the dev extra installs it (remat-kit[eqx])
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
@@ -341,3 +342,57 @@ def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
         loss_args=(plain_jax.abstract_args()[0], plain_jax.abstract_args()[2]),
     )  # fmt: skip
     assert remat_kit.program.policy_reach(fine).passes
+
+
+class _DropLayer(eqx.Module):
+    """A residual layer with a dropout (its ``p`` a float, ``inference`` a bool)."""
+
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(8, 8, key=key)
+        self.dropout = eqx.nn.Dropout(0.1, inference=True)
+
+    def __call__(self, x):  # x: [8]
+        return x + self.dropout(jnp.tanh(self.linear(x)))
+
+
+def _drop_loss(policy):
+    def loss(layers, x):  # layers stacked [3]; x: [batch, 8]
+        dynamic, static = eqx.partition(layers, eqx.is_array)
+
+        def layer(h, p):
+            return jax.vmap(eqx.combine(p, static))(h)
+
+        if policy is not None:
+            layer = eqx.filter_checkpoint(layer, policy=policy)
+        return (jax.lax.scan(lambda h, p: (layer(h, p), None), x, dynamic)[0] ** 2).mean()
+
+    return loss
+
+
+def test_a_modules_float_and_bool_leaves_stay_static_on_every_path():
+    """check_function traced an equinox.Module's float and bool leaves as inputs, so the
+    model's own eqx.partition took the dropout's p for an array and its scan failed. It takes
+    the arguments as a Program does now (static leaves closed over); from_step and from_loss
+    over the same module trace as well."""
+    layers = eqx.filter_vmap(_DropLayer)(jax.random.split(jax.random.key(0), 3))
+    x = jnp.ones((4, 8))
+    findings = doctor.check_function(_drop_loss, layers, x, policy="save-nothing", target="cpu")
+    assert not doctor.has_errors(findings), [f.line() for f in findings]
+    tx = optax.sgd(0.1)
+
+    def make_step(policy):
+        @eqx.filter_jit
+        def step(layers, opt_state, x):
+            value, grads = eqx.filter_value_and_grad(_drop_loss(policy))(layers, x)
+            updates, opt_state = tx.update(grads, opt_state, eqx.filter(layers, eqx.is_array))
+            return eqx.apply_updates(layers, updates), opt_state, value
+
+        return step
+
+    opt_state = tx.init(eqx.filter(layers, eqx.is_array))
+    stepped = Program.from_step(make_step, layers, opt_state, x, donate_argnums=(0, 1))
+    for program in (stepped, Program.from_loss(_drop_loss, layers, x, optimizer=tx)):
+        assert program.reach().passes

@@ -61,7 +61,7 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program, as_program, factory_reach, step_flops
+from remat_kit.program import Program, as_program, factory_reach, filtered_factory, step_flops
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 
 
@@ -298,7 +298,9 @@ def check_function(
     Args:
       make_loss: ``make_loss(jax_policy) -> loss(*args) -> scalar``: builds the user's loss with
         ``jax.checkpoint`` / ``nn.remat`` under the given ``jax.checkpoint`` policy.
-      *args: the loss's arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: the loss's arguments (arrays or ``jax.ShapeDtypeStruct``, or pytrees such as an
+        ``equinox.Module`` whose other leaves are static, as :class:`~remat_kit.Program` takes
+        them).
       policy: a remat-kit policy (name, spec, mapping), a raw ``jax.checkpoint_policies``
         policy (its names read back whatever they are), or None: as in ``jax.checkpoint``,
         save nothing.
@@ -318,6 +320,9 @@ def check_function(
         ``static_argnums`` error found first explains it (the findings are then returned).
     """
     tgt = T.get_target(target)
+    # filter semantics, as a Program takes its arguments: an equinox.Module's float / bool
+    # leaves static, never traced (they failed inside the module's own code)
+    make_loss, args = filtered_factory(make_loss, args)
     promise, findings, jax_policy = _read_policy(policy)
     # Judged before the trace: an off-by-one static_argnums makes it fail (flax#2452), and the
     # user should read the cause, not JAX's tracer error.

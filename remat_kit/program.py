@@ -855,6 +855,10 @@ class PolicyReach:
         (:func:`remat_kit.walker.wraps_whole_loop`: ``jax.checkpoint`` around a ``lax.scan``).
       lone: the trace's only remat segment sits outside every loop (``jax.checkpoint`` around
         the whole loss: :data:`remat_kit.memory.undone.LONE_SEGMENT_CAUSE`).
+      differentiated: those of the ``reached`` segments JAX had already differentiated when
+        they took the policy (the ``remat`` primitive's ``differentiated`` parameter: a policy
+        set on a step after its gradient, e.g. ``remat_kit.inject_policy`` around the whole
+        step), where it changes nothing JAX keeps.
     """
 
     program: str
@@ -865,6 +869,19 @@ class PolicyReach:
     linearized: bool | None = None
     around_loop: int = 0
     lone: bool = False
+    differentiated: int = 0
+
+    def after_gradient_cause(self) -> str | None:
+        """Why every policy compiles to one program when each reached segment was already
+        differentiated (None otherwise), with the fix."""
+        if not self.reached or self.differentiated < self.reached:
+            return None
+        return (
+            f"the {self.part}'s remat segments take the policy only after the step's gradient is "
+            "taken (remat_kit.inject_policy wrapped around a whole step), when JAX has already "
+            "chosen what they keep; hand it to the loss's remat calls: Program.from_loss("
+            "inject_policy(loss), ...), or inject_policy(loss)(policy) inside make_step"
+        )
 
     @property
     def passes(self) -> bool:
@@ -944,7 +961,9 @@ def factory_reach(
 
     jaxpr = trace(probe)
     probed = remat_segments(jaxpr)
-    reached = sum(holds(remat_policy(eqn), probe) for eqn in probed)
+    taking = [eqn for eqn in probed if holds(remat_policy(eqn), probe)]
+    reached = len(taking)
+    after = sum(bool(eqn.params.get("differentiated", False)) for eqn in taking)
     if not probed and remat_implementation() == "remat3":
         # a differentiated trace (a step) under jax_remat3 holds no segment: judged by whether
         # two policies that keep different values trace to different steps
@@ -956,8 +975,9 @@ def factory_reach(
     around = sum(wraps_whole_loop(eqn) for eqn in probed)
     lone = len(probed) == 1 and not around and not remat_in_loop(jaxpr)
     return PolicyReach(
-        name, len(probed), reached, len(segments(None)), part, around_loop=around, lone=lone
-    )
+        name, len(probed), reached, len(segments(None)), part, around_loop=around, lone=lone,
+        differentiated=after,
+    )  # fmt: skip
 
 
 def _trace_text(make: Factory, args: Sequence[Any], policy: Any) -> str:

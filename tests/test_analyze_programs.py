@@ -611,3 +611,45 @@ def test_a_step_that_cannot_be_lowered_for_the_target_is_reported_per_policy():
         fixed, spec, fixed.place(targets.get_target("h100-sxm"))
     )
     assert "sharding" in traced[1].lower().as_text()  # lowers: the compile can go on
+
+
+def _own_remat_loss(w, x):
+    """Layers under the model's own jax.checkpoint (no policy), scanned; unbatched matmuls only."""
+    body = jax.checkpoint(lambda h, w: (jnp.tanh(checkpoint_name(h @ w, "mlp_hidden")), None))
+    return jax.lax.scan(body, x, w)[0].sum()
+
+
+def test_policies_compiled_to_one_program_are_said_on_the_reports():
+    """inject_policy wrapped around a whole step, after its gradient: the policy reaches the
+    remat segments only once they are differentiated, so every policy compiled to one program
+    and analyze_policies returned identical reports with no word (only program_sha256 showed
+    it). Each report says so now, with the fix; a policy compiled to another's program beside
+    policies that differ says which, and policies one by construction say nothing more."""
+    w, x = jnp.ones((2, 16, 16)) * 0.1, jnp.ones((4, 16))
+
+    def step(w, x):
+        value, grad = jax.value_and_grad(_own_remat_loss)(w, x)
+        return w - 0.1 * grad, value
+
+    around = Program.from_step(remat_kit.inject_policy(step), w, x, donate_argnums=0)
+    kw = {"top_k": 0, "no_remat_baseline": False}  # the compiles compared, no more
+    both = analyze_policies(around, ["save-nothing", "save-dots"], "cpu", **kw)
+    assert both[0].program_sha256 == both[1].program_sha256
+    reach = around.reach()  # the cause, from the trace: each segment took it differentiated
+    assert reach.passes and reach.differentiated == reach.reached > 0
+    for r in both:
+        (line,) = [m for m in r.warnings if m.startswith("every policy (save-nothing, save-dots)")]
+        assert "changes nothing here: the make_step's remat segments take the policy" in line
+        assert "after the step's gradient is taken" in line and "inject_policy(loss)" in line
+    # the loss given to inject_policy instead: save-dots and save-dots-no-batch (no batched
+    # matmul here) one program, save-nothing another; save-qkv-proj is save-nothing by its names
+    loss = Program.from_loss(remat_kit.inject_policy(_own_remat_loss), w, x, optimizer="sgd")
+    policies = ["save-nothing", "save-dots", "save-dots-no-batch", "save-qkv-proj"]
+    reports = analyze_policies(loss, policies, "cpu", **kw)
+    said = [[m for m in r.warnings if "same program" in m] for r in reports]
+    assert said[:3] == [[], [], [
+        "the same program as policy 'save-dots' (equal program_sha256): on this program it "
+        "keeps and recomputes what 'save-dots' does"
+    ]]  # fmt: skip
+    assert reports[3].program_sha256 == reports[0].program_sha256 and said[3] == []
+    assert not any("every policy" in m for r in reports for m in r.warnings)

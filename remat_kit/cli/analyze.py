@@ -18,7 +18,7 @@ from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.diff import peak_inversions
-from remat_kit.memory.report import same_program_as
+from remat_kit.memory.report import SAME_PROGRAM, same_program_as
 from remat_kit.memory.roofline import StepTime, small_step_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
@@ -487,7 +487,10 @@ def _warning_lines(results, labels: Sequence[str]) -> list[str]:
             continue
         said = (*every, *(results[same].warnings if same is not None else ()))
         short = [
-            short_warning(w) for w in r.warnings if "offloading did not" not in w and w not in said
+            short_warning(w)
+            for w in r.warnings
+            # the table's row says "(same program as X)"
+            if "offloading did not" not in w and w not in said and not w.startswith(SAME_PROGRAM)
         ]
         if short:
             rows.append((label, short))

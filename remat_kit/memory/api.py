@@ -29,7 +29,7 @@ import optax
 from remat_kit import targets as T
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.reading import Hints, xla_shape
-from remat_kit.memory.report import MemoryReport
+from remat_kit.memory.report import MemoryReport, same_program_lines
 from remat_kit.memory.runner import (
     CompileEngine,
     Job,
@@ -621,6 +621,11 @@ def analyze_policies(
     Returns:
       One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
       recompute ratio (compiled matmul FLOPs over the traced no-remat step's), buffers at peak.
+      A policy that compiled to the same program as an earlier one for no reason known before
+      compiling (equal ``program_sha256``) says so in its warnings, and when every policy did,
+      each report says the policy changes nothing, and why where the trace shows it (it reaches
+      remat segments only after the step's gradient is taken:
+      :func:`~remat_kit.memory.report.same_program_lines`).
 
     Raises:
       ValueError: unknown policy or target; a policy naming a tag the program never emits
@@ -703,6 +708,13 @@ def analyze_policies(
     for i, spec in enumerate(specs):
         j = first[_effective_key(spec, setup.tags)]
         out.append(own[i] if i == j else _same_program(setup, spec, specs[j], own[j]))
+    # policies that compiled to one program without acting the same by construction
+    expected = [first[_effective_key(spec, setup.tags)] for spec in specs]
+    labels = [policy_label(spec) for spec in specs]
+    cause = reach.after_gradient_cause()
+    for i, lines in enumerate(same_program_lines(labels, out, expected, cause)):
+        if lines:
+            out[i] = dataclasses.replace(out[i], warnings=(*out[i].warnings, *lines))
     if key is not None and all(isinstance(r, MemoryReport) for r in out):
         cache.store_json(key, {"reports": [r.to_dict() for r in out]})
     return out

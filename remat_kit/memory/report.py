@@ -270,6 +270,59 @@ class MemoryReport:
         return ", ".join(p for p in parts if p)
 
 
+#: How a report compiled to the same program as an earlier policy's begins
+#: (:func:`same_program_lines`); the command line's table says it in its own column instead.
+SAME_PROGRAM = "the same program as policy "
+
+
+def same_program_lines(
+    labels: Sequence[str],
+    reports: Sequence[MemoryReport | Any],
+    expected: Sequence[Hashable],
+    cause: str | None = None,
+) -> list[tuple[str, ...]]:
+    """The warning lines to add to each report (one tuple per report) where a policy compiled to
+    the same program (equal :attr:`MemoryReport.program_sha256`) as an earlier one for no reason
+    already given: ``expected[i] == expected[j]`` says reports ``i`` and ``j`` are one program by
+    construction (policies acting the same on the program's names, noted on their own).
+
+    A later report of another's program gets ``"the same program as policy 'X' ..."``
+    (:data:`SAME_PROGRAM`). When every one of two or more reports compiled to one program and
+    none was expected to, each gets one line instead saying the policy changes nothing here,
+    and ``cause`` where known.
+
+    Args:
+      labels: each report's policy as its row names it.
+      reports: :class:`MemoryReport` or :class:`~remat_kit.memory.xla_compile.CompileError`
+        (never matched), in the order compiled.
+      expected: per report, what makes two reports one program by construction.
+      cause: why every policy would compile to one program, with the fix (e.g.
+        :meth:`remat_kit.program.PolicyReach.after_gradient_cause`), or None.
+    """
+    same = same_program_as(reports)
+    out: list[tuple[str, ...]] = [() for _ in reports]
+    for i, j in enumerate(same):
+        if j is not None and expected[i] != expected[j]:
+            out[i] = (
+                f"{SAME_PROGRAM}{labels[j]!r} (equal program_sha256): on this program it keeps "
+                f"and recomputes what {labels[j]!r} does",
+            )
+    shown = [i for i, r in enumerate(reports) if getattr(r, "program_sha256", None)]
+    if (
+        len(shown) > 1
+        and all(same[i] == shown[0] for i in shown[1:])
+        and len({expected[i] for i in shown}) == len(shown)
+    ):
+        sha = reports[shown[0]].program_sha256[:12]
+        line = (
+            f"every policy ({', '.join(labels[i] for i in shown)}) compiled to the same program "
+            f"(program_sha256 {sha}...): the policy changes nothing here"
+        ) + (f": {cause}" if cause else "")
+        for i in shown:
+            out[i] = (line,)
+    return out
+
+
 def same_program_as(
     reports: Sequence[MemoryReport | Any], key: Callable[[Any], Hashable | None] | None = None
 ) -> list[int | None]:

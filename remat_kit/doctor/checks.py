@@ -259,8 +259,10 @@ def check(
     Args:
       model: a preset name or :class:`ModelConfig` (its ``scan_layers`` / ``remat_group_size``
         are used), or a :class:`~remat_kit.program.Program`.
-      batch_size, seq_len: a preset's step shape ([batch, seq] tokens; default 2 and 64); not
-        for a Program (it carries its own arguments).
+      batch_size: a preset's sequences per step (default 2); not for a Program (it carries
+        its own arguments).
+      seq_len: a preset's tokens per sequence (default 64; the step's tokens are
+        [batch_size, seq_len]); not for a Program.
       policy: policy name, spec or custom mapping; default a preset's ``remat_policy`` (a
         Program needs one).
       target: compile target name.
@@ -305,9 +307,10 @@ def check_function(
         policy (its names read back whatever they are), or None: as in ``jax.checkpoint``,
         save nothing.
       target: compile target name.
-      remat_static_argnums, remat_call_args: the ``static_argnums`` given to ``nn.remat`` and
-        the positional arguments of one call of the module (without ``self``), to check the
+      remat_static_argnums: the ``static_argnums`` given to ``nn.remat``, to check the
         off-by-one of ``self`` (:func:`check_remat_static_argnums`).
+      remat_call_args: the positional arguments of one call of the module (without ``self``),
+        for that check.
       argnums: the arguments to differentiate (default: every argument whose arrays are all
         floating point; integer token arrays and other non-differentiable inputs are not).
 

@@ -511,7 +511,8 @@ def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tup
     lowered program, so one compile serves both).
 
     Raises:
-      Whatever tracing the program's step raises (its own code, or JAX on its arguments).
+      Exception: whatever tracing the program's step raises (its own code, or JAX on its
+        arguments).
     """
     pure = program.step(spec)
     jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
@@ -598,7 +599,10 @@ def analyze_policies(
       policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names;
         None: the default set of :func:`program_policies` (the policies that act on the tags it
         emits and specs in its own tag names; what it leaves out is in that function's notes).
-      target, budget_bytes, top_k, fast_compile: as :func:`remat_kit.analyze`.
+      target: the compile target (as :func:`remat_kit.analyze`).
+      budget_bytes: the budget ``fits`` is judged against (as :func:`remat_kit.analyze`).
+      top_k: the largest buffers at the peak to keep (as :func:`remat_kit.analyze`).
+      fast_compile: code-generation-only compiler options (as :func:`remat_kit.analyze`).
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
       raise_errors: False: a policy that fails to lower or compile gives its :class:`CompileError`.
       compare_offload: also compile each policy that offloads a tag the program emits with

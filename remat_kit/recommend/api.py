@@ -140,14 +140,16 @@ class Request:
     """What :func:`recommend` was asked, checked and resolved (see its arguments).
 
     Attributes:
-      program: compiled first (a preset at batch 1 with ``auto``). specs: the policies kept, in
-      order. groups: the group sizes to consider (none for a user's program). arguments: bytes
-      of the step's arguments, per device. tags: the checkpoint names the program emits.
+      program: compiled first (a preset at batch 1 with ``auto``).
+      specs: the policies kept, in order.
+      groups: the group sizes to consider (none for a user's program).
+      arguments: bytes of the step's arguments, per device.
+      tags: the checkpoint names the program emits.
       labels: custom specs among ``specs`` with the label every tool gives them (a registered
-      policy cut down to those tags: ``minimal (cut)``). cut: the specs registered policies
-      were cut down to. notes:
-      what resolving dropped or cut down (offloading policies on a target that does not
-      offload, policies naming no emitted tag).
+        policy cut down to those tags: ``minimal (cut)``).
+      cut: the specs registered policies were cut down to.
+      notes: what resolving dropped or cut down (offloading policies on a target that does
+        not offload, policies naming no emitted tag).
     """
 
     program: Program

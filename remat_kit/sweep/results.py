@@ -944,8 +944,9 @@ def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
     sorted by ``x``: the memory-vs-time frontier of the sweep's figures and the HTML report.
 
     Args:
-      xs, ys: one value per point, the same length, in any units (e.g. step seconds and peak
-        bytes); a tie in ``x`` keeps the point with the lower ``y``.
+      xs: one value per point, in any unit (e.g. step seconds).
+      ys: one value per point, as many as ``xs`` (e.g. peak bytes); a tie in ``x`` keeps the
+        point with the lower ``y``.
     """
     order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
     out, best = [], float("inf")

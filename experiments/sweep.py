@@ -150,6 +150,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
     from remat_kit.program import load_program
+    from remat_kit.sweep.output import check_output_flags
 
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
     if given:
@@ -163,6 +164,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     program = load_program(args.model)
     out = Path(args.out) if args.out else RUNS / program.name / "sweep.jsonl"
     where.append(out)
+    check_output_flags(out, args.resume, args.overwrite)  # before the banner
     console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")
     run = sweep.run_program_sweep(
         program, out, policies=args.policy,
@@ -353,6 +355,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         return EXIT_BAD_INPUT
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
+    from remat_kit.sweep.output import check_output_flags
 
     primary = distributed.is_primary()
     console = make_console(quiet=not primary)  # COLUMNS, else the terminal's width (160 when piped)
@@ -389,6 +392,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             sweep.validate(config)
         out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
         where.append(out)
+        check_output_flags(out, args.resume, args.overwrite)  # before the banner
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
         run = sweep.run_sweep(

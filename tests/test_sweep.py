@@ -309,6 +309,25 @@ def test_resume_onto_another_config_exits_2(tmp_path, capsys, no_compile):
     assert out.read_bytes() == before  # nothing overwritten
 
 
+@pytest.mark.parametrize("model", [False, True])
+def test_a_full_results_file_is_refused_before_the_banner(tmp_path, capsys, no_compile, model):
+    """Run again into a file that holds rows: one line, exit 2, and nothing on stdout before it
+    (the banner once came first), for a config and for a program (--model)."""
+    out = tmp_path / "o.jsonl"
+    results.append_row(out, {"key": "x"})
+    if model:
+        argv = ["--model", "tests/user_models/plain_jax.py:program", "--out", str(out)]
+    else:
+        argv = ["--config", str(_config_file(tmp_path)), "--out", str(out), "--no-plot"]
+    assert _cli().main(argv) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "", printed.out
+    assert printed.err == (
+        f"sweep.py: error: {out} already holds 1 row(s); pass --resume to continue that sweep, "
+        "--overwrite to start again, or --out for a new file\n"
+    )
+
+
 def test_first_difference_names_the_field():
     a = _tiny().identity()
     b = _tiny(timed_steps=2).identity()

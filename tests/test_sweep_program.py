@@ -133,7 +133,8 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         (["--model", "no_such_module_xyz:program"], "cannot import module"),
         (["--model", "tests/user_models/plain_jax.py:abstract_args"], "not a remat_kit.Program"),
         (["--model", MODEL, "--config", "quick"], "--config: not with --model"),
-        (["--model", MODEL, "--policy", "nope=save"], "not emitted"),
+        # --resume: without it the file's row is refused first (before the banner)
+        (["--model", MODEL, "--policy", "nope=save", "--resume"], "not emitted"),
         (["--model", "tiny-gpt"], "presets are swept with --config"),
         (["--config", "quick", "--warmup-steps", "1"], "only with --model"),
         (["--model", MODEL, "--timed-steps", "0"], "--timed-steps: expected a positive integer"),

@@ -54,6 +54,25 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"cannot write results to {str(path)!r}: {err}") from None
 
 
+def check_output_flags(path: str | os.PathLike[str], resume: bool, overwrite: bool) -> None:
+    """Refuse a run that cannot go on, before it starts (its banner, a program's load): both
+    flags, or ``path`` holding rows with neither (what to do with them is the user's call).
+
+    Raises:
+      ValueError: one line naming the flags to pass.
+    """
+    if resume and overwrite:
+        raise ValueError("pass --resume or --overwrite, not both")
+    if resume or overwrite or not Path(path).is_file():
+        return
+    rows = R.read_rows(path, timelines=False)
+    if rows:
+        raise ValueError(
+            f"{path} already holds {len(rows)} row(s); pass --resume to continue that sweep, "
+            "--overwrite to start again, or --out for a new file"
+        )
+
+
 def prepare_output(
     path: Path, identity: Mapping[str, Any], resume: bool, overwrite: bool
 ) -> dict[str, dict]:
@@ -63,24 +82,21 @@ def prepare_output(
     mid-write) is truncated away (``resume``), or every row is dropped (``overwrite``).
 
     Args:
+      path: the results file.
       identity: the sweep's :meth:`~remat_kit.sweep.SweepConfig.identity` (config and data).
+      resume: keep the rows there and run the points missing.
+      overwrite: drop the rows there.
 
     Raises:
-      ValueError: both flags; ``path`` not writable; rows there without either flag; rows of
-        another config (the message names what differs).
+      ValueError: both flags; ``path`` not writable; rows there without either flag
+        (:func:`check_output_flags`); rows of another config (the message names what differs).
     """
-    if resume and overwrite:
-        raise ValueError("pass --resume or --overwrite, not both")
+    check_output_flags(path, resume, overwrite)
     _check_writable(path)
     rows = R.read_rows(path)
     if rows and overwrite:
         R.truncate(path)
         return {}
-    if rows and not resume:
-        raise ValueError(
-            f"{path} already holds {len(rows)} row(s); pass --resume to continue that sweep, "
-            "--overwrite to start again, or --out for a new file"
-        )
     R.check_resumable(rows, R.fingerprint(identity), str(path), identity)
     R.repair(path)
     return {r["key"]: r for r in rows if "key" in r}

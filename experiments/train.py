@@ -52,6 +52,7 @@ from remat_kit.training import (
     environment_info,
     train,
 )
+from remat_kit.validation import SeqLenError
 
 EXIT_BAD_INPUT = 2
 EXIT_NON_FINITE = 3
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_NON_FINITE
     except ValueError as e:
+        if isinstance(e, SeqLenError):  # said in this command line's terms
+            e = e.with_how(f"--set max_seq_len={e.seq_len}")
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -69,7 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.policies import PolicySpec, get_policy_spec
-from remat_kit.validation import positive_int, unknown_value_error
+from remat_kit.validation import check_seq_len, positive_int, unknown_value_error
 
 Placement = Literal["first", "interleaved"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -746,8 +746,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens: jax.Array, return_hidden: bool = False) -> jax.Array:
         c = self.config
         seq = tokens.shape[-1]
-        if seq > c.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len={c.max_seq_len}")
+        check_seq_len(seq, c.max_seq_len, c.name, how=f"config.replace(max_seq_len={seq})")
         positions = jnp.arange(seq, dtype=jnp.int32)
         embed = nn.Embed(
             c.vocab_size, c.d_model, embedding_init=_partitioned(_EMBED_INIT, ("vocab", "embed")),

@@ -100,20 +100,54 @@ def parse_positive_int(name: str, text: str) -> int:
     return positive_int(name, value)
 
 
-def check_seq_len(seq_len: int, max_seq_len: int, model: str | None = None) -> int:
+class SeqLenError(ValueError):
+    """A sequence longer than a model's ``max_seq_len`` (its learned positions table). The
+    message says how to raise the limit in the caller's terms (``how``): a front end that
+    knows its own (``--set max_seq_len=4096`` on the command line) says it with
+    :meth:`with_how`.
+
+    Attributes:
+      seq_len: the sequence length asked for.
+      max_seq_len: the model's limit.
+      model: the model's name, when known.
+    """
+
+    def __init__(self, seq_len: int, max_seq_len: int, model: str | None = None,
+                 how: str | None = None):  # fmt: skip
+        self.seq_len, self.max_seq_len, self.model = seq_len, max_seq_len, model
+        if how is None:  # the Python API's way
+            name = f'"{model}", ' if model else ""
+            how = f"get_config({name}max_seq_len={seq_len})"
+        of = f" of {model!r}" if model else ""
+        super().__init__(
+            f"seq_len={seq_len} exceeds max_seq_len={max_seq_len}{of}; use a shorter sequence or "
+            f"raise max_seq_len: {how}"
+        )
+
+    def with_how(self, how: str) -> SeqLenError:
+        """The same error, saying ``how`` to raise the limit."""
+        return SeqLenError(self.seq_len, self.max_seq_len, self.model, how)
+
+
+def check_seq_len(
+    seq_len: int, max_seq_len: int, model: str | None = None, how: str | None = None
+) -> int:
     """Return ``seq_len`` if it is a positive integer no longer than ``max_seq_len``.
 
+    Args:
+      seq_len: tokens per sequence.
+      max_seq_len: the model's limit.
+      model: the model's name, for the message.
+      how: how to raise ``max_seq_len`` where the caller's user set it (default: the Python
+        API's ``get_config(model, max_seq_len=N)``).
+
     Raises:
-      ValueError: ``seq_len`` is not a positive integer, or exceeds the model's ``max_seq_len``
-        (message says how to raise it).
+      ValueError: ``seq_len`` is not a positive integer; :class:`SeqLenError` (a ValueError)
+        when it exceeds ``max_seq_len``, saying how to raise it.
     """
     positive_int("seq_len", seq_len)
     if seq_len > max_seq_len:
-        of = f" of {model!r}" if model else ""
-        raise ValueError(
-            f"seq_len={seq_len} exceeds max_seq_len={max_seq_len}{of}; use a shorter sequence or "
-            "override max_seq_len"
-        )
+        raise SeqLenError(seq_len, max_seq_len, model, how)
     return seq_len
 
 

@@ -27,7 +27,7 @@ BAD_INPUTS = [
     ([*_ANALYZE, "--budget", "eighty"], "cannot read 'eighty' as a size"),
     # a value starting with "-" that is not a plain number still reaches the check naming it
     ([*_ANALYZE, "--budget", "-5GiB"], "'-5GiB'"),
-    ([*_ANALYZE, "--seq", "4096"], "exceeds max_seq_len"),
+    ([*_ANALYZE, "--seq", "4096"], "raise max_seq_len: --set max_seq_len=4096"),
     ([*_ANALYZE, "--policy", "save-nothing", "--all-policies"], "not both"),
     (["analyse"], "invalid choice"),
 ]
@@ -48,7 +48,7 @@ def _run(args: list[str]) -> subprocess.Popen:
 #: The bad inputs also run as ``python -m remat_kit.cli`` processes (what a fresh interpreter
 #: writes besides the error: nothing; each process pays JAX's import, ~3 CPU seconds): one
 #: refused by the argument parser, one by the model's config after the preset is built.
-IN_A_PROCESS = ("invalid choice", "exceeds max_seq_len")
+IN_A_PROCESS = ("invalid choice", "raise max_seq_len: --set max_seq_len=4096")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,30 @@ def test_a_program_file_python_cannot_parse_is_one_line_exit_2(tmp_path, capfd):
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
         assert lines[0].startswith("remat-kit: error: cannot load ")
         assert f"SyntaxError in {broken}, line 2" in lines[0]
+
+
+def test_a_sequence_over_max_seq_len_says_how_to_raise_it_where_it_was_set():
+    """The message once said "override max_seq_len", not how: each entry says it in its own
+    terms (the command line's through SeqLenError.with_how, tested above)."""
+    import remat_kit
+    from remat_kit.sweep import Grid, SweepConfig, validate
+    from remat_kit.training import TrainConfig
+
+    how = {
+        'get_config("tiny-gpt", max_seq_len=4096)': lambda: remat_kit.preset("tiny-gpt", 1, 4096),
+        "overrides={'max_seq_len': 4096}": lambda: TrainConfig(preset="tiny-gpt", seq_len=4096),
+        "overrides={'max_seq_len': 4096} in the grid": lambda: validate(SweepConfig(
+            "s", (Grid("g", models=("tiny-gpt",), policies=("no-remat",),
+                       batch_sizes=(1,), seq_lens=(4096,)),))),
+    }  # fmt: skip
+    for fix, make in how.items():
+        with pytest.raises(ValueError) as err:
+            make()
+        assert str(err.value).endswith(f"use a shorter sequence or raise max_seq_len: {fix}")
+    config = remat_kit.get_config("tiny-gpt")
+    tokens = __import__("jax").numpy.zeros((1, 4096), "int32")
+    with pytest.raises(ValueError, match=r"raise max_seq_len: config.replace\(max_seq_len=4096\)"):
+        remat_kit.Transformer(config).init(__import__("jax").random.key(0), tokens)
 
 
 def test_every_process_case_is_a_bad_input():

@@ -40,7 +40,7 @@ from remat_kit.cli.args import Parser, resolve_slices
 from remat_kit.cli.args import UsageError as UsageError
 from remat_kit.cli.args import parse_bytes as parse_bytes
 from remat_kit.cli.args import positive_int as positive_int
-from remat_kit.validation import MissingExtraError
+from remat_kit.validation import MissingExtraError, SeqLenError
 
 #: Subcommand registrars, in help order.
 COMMANDS: list[Callable[[argparse._SubParsersAction], object]] = [
@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _cache_off(getattr(args, "no_cache", False)):
             return args.func(args)
     except (UsageError, ValueError, MissingExtraError) as err:
+        if isinstance(err, SeqLenError):  # said in the command line's terms
+            err = err.with_how(f"--set max_seq_len={err.seq_len}")
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 

@@ -110,7 +110,9 @@ def _check_models(where: str, g: Any) -> None:
         for k in g.remat_group_sizes:
             try:
                 cfg = get_config(m, remat_group_size=k, **dict(g.overrides))
-                V.check_seq_len(max(g.seq_lens), cfg.max_seq_len, m)
+                seq = max(g.seq_lens)
+                how = f"overrides={{'max_seq_len': {seq}}} in the grid"
+                V.check_seq_len(seq, cfg.max_seq_len, m, how=how)
             except ValueError as err:
                 raise within(f"{where}, model {m!r}", err) from None
 

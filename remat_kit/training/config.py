@@ -118,7 +118,8 @@ class TrainConfig:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         model = self.model_config()  # raises on bad overrides / group size
-        check_seq_len(self.seq_len, model.max_seq_len, self.preset)
+        how = f"overrides={{'max_seq_len': {self.seq_len}}}"
+        check_seq_len(self.seq_len, model.max_seq_len, self.preset, how=how)
 
     def model_config(self) -> ModelConfig:
         """The :class:`ModelConfig`: the preset with ``overrides``, the policy and group size."""

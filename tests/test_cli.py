@@ -124,6 +124,20 @@ def test_a_sequence_over_max_seq_len_says_how_to_raise_it_where_it_was_set():
         remat_kit.Transformer(config).init(__import__("jax").random.key(0), tokens)
 
 
+@pytest.mark.parametrize("command", ["analyze", "doctor", "recommend"])
+def test_an_unknown_target_is_one_short_line_on_every_command(command, capfd):
+    """It listed every TPU slice size (~450 characters): now the GPU and CPU targets, the TPU
+    generations with example slices, and the closest name."""
+    code, out, err = _main_in_this_process(
+        [command, "--model", "tiny-gpt", "--seq", "8", "--target", "h100"], capfd
+    )
+    (line,) = err.splitlines()
+    assert code == 2 and out == "" and len(line) < 250, line
+    assert line.startswith("remat-kit: error: argument --target: unknown target 'h100'; valid: ")
+    assert "h100-sxm, h200, a100-80gb" in line and "v5p-N, v6e-N (e.g. v5p-8, v6e-256" in line
+    assert line.endswith("did you mean 'h100-sxm'?") and "17920" not in line
+
+
 def test_every_process_case_is_a_bad_input():
     assert set(IN_A_PROCESS) <= {needle for _, needle in BAD_INPUTS}
 

@@ -9,6 +9,7 @@ becomes ``argparse.ArgumentTypeError`` with the library's one-line message.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -80,6 +81,33 @@ nonnegative_int = arg_type(_nonnegative, "count")
 batch_or_auto = arg_type(_batch_or_auto, "batch")
 #: argparse type: one ``--policy`` value (:func:`remat_kit.policies.parse_policy_arg`).
 policy_arg = arg_type(parse_policy_arg, "policy")
+
+
+def _target(text: str) -> str:
+    """``text`` if it names a compile target (:func:`remat_kit.targets.get_target`). An unknown
+    name is refused in one short line: the GPU and CPU targets by name, the TPU generations
+    with example slices (their every size is in ``remat-kit targets``), and the closest name
+    as the library finds it; a TPU generation's unknown size keeps the library's message (the
+    sizes of that generation)."""
+    from remat_kit import targets
+
+    try:
+        targets.get_target(text)
+    except ValueError as err:
+        if not str(err).startswith("unknown target "):
+            raise
+        hint = re.search(r"; (did you mean .*\?)$", str(err))
+        slices = ", ".join(f"{g}-N" for g in targets.CHIPS)
+        raise ValueError(
+            f"unknown target {text!r}; valid: {', '.join([targets.LOCAL, *targets.TARGETS])}, "
+            f"TPU slices {slices} (e.g. v5p-8, v6e-256; sizes in `remat-kit targets`)"
+            + (f"; {hint.group(1)}" if hint else "")
+        ) from None
+    return text
+
+
+#: argparse type: a compile target's name, checked (an unknown one in one short line).
+target_name = arg_type(_target, "target")
 
 
 def add_model(p: argparse.ArgumentParser, example: str = "llama3-8b") -> None:
@@ -188,6 +216,7 @@ def add_target(p: argparse.ArgumentParser, default: str) -> None:
     folded into the target name (``2xv5p-8``) by :func:`resolve_slices`."""
     p.add_argument(
         "--target",
+        type=target_name,
         default=default,
         help=f"compile target (see `remat-kit targets`; default {default})",
     )

@@ -227,6 +227,54 @@ def test_compile_failure_is_one_line_exit_1(monkeypatch, capsys, fresh_compile_c
     ) in err
 
 
+_REFUSED = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (26.05G) exceeds available HBM (15.75G)."
+)
+
+
+def test_a_step_refused_as_over_memory_is_a_row_that_does_not_fit(monkeypatch, capsys):
+    """XLA:TPU refuses a step over HBM where a GPU target compiles it and reports a peak over
+    memory: it is the same answer, a row with fits False (peak null, never 0), exit 0, in the
+    JSON and the table; another failure stays an error (exit 1). The analysis is faked: a real
+    refusal takes ~10 s (tiny-gpt, d_model 1024, b=1024, s=128 on v5e-1), tracing alone ~3 s."""
+    from remat_kit.memory import CompileError
+
+    def refuse(program, specs, **kwargs):
+        return [
+            CompileError(
+                f"policy {s.name!r}", _REFUSED if s.name == "no-remat" else "INTERNAL: boom"
+            )
+            for s in specs
+        ]
+
+    monkeypatch.setattr("remat_kit.cli.analyze.analyze_policies", refuse)
+    argv = [*_ANALYZE, "--policy", "no-remat"]
+    assert cli.main([*argv, "--json"]) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    ((row,),) = [out["reports"]]
+    assert out["labels"] == ["no-remat"] and out["errors"] == [] and printed.err == ""
+    assert row["fits"] is False and row["peak_bytes"] is None and row["flops"] is None
+    assert row["policy"] == "no-remat" and row["name"] == "tiny-gpt b=1 s=8"
+    assert row["warnings"] == [
+        "does not fit: XLA refused to compile the step (26.05G of HLO temporaries against "
+        f"15.75G of HBM): {_REFUSED}"
+    ]
+    from remat_kit.memory.report import MemoryReport
+
+    assert set(row) == {f.name for f in __import__("dataclasses").fields(MemoryReport)}
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "over memory" in printed.out and printed.err == ""
+    assert "no-remat: does not fit cpu: XLA refused to compile it (26.05G of HLO temporaries" in (
+        " ".join(printed.out.split())
+    )
+    assert cli.main([*argv, "--policy", "save-nothing", "--json"]) == 1  # a failure
+    printed = capsys.readouterr()
+    assert [e["error"] for e in json.loads(printed.out)["errors"]] == ["INTERNAL: boom"]
+
+
 def test_doctor_compile_failure_is_one_line_exit_1(monkeypatch, capsys, fresh_compile_cache):
     """XLA failing to compile the step is said in one line by the doctor too (no traceback)."""
     from remat_kit.memory import xla_compile as mc

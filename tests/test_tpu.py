@@ -87,6 +87,28 @@ def test_unknown_slice_is_one_line_naming_valid_sizes(capsys):
     assert "v6e-3" in err_text and "--slices applies to TPU slices" in err_text
 
 
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (479.30G) exceeds available HBM (95.74G).",
+         "479.30G of HLO temporaries against 95.74G of HBM"),
+        ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+         "hbm. Used 172.82G of 95.74G hbm. Exceeded hbm capacity by 77.08G.",
+         "172.82G against 95.74G of HBM"),
+        ("RESOURCE_EXHAUSTED: out of memory", "XLA gave no figure"),
+        ("INTERNAL: Couldn't find output tile sizes", None),
+    ],
+)  # fmt: skip
+def test_a_refusal_over_memory_is_told_from_a_failure_with_xlas_figures(message, said):
+    """analyze makes a refused step a row that does not fit (not an error) from this."""
+    from remat_kit.memory import CompileError
+
+    err = CompileError("policy 'no-remat' on target 'v5p-8'", message)
+    assert err.out_of_memory is (said is not None)
+    assert err.over_memory() == said
+
+
 def test_missing_libtpu_names_the_extra(monkeypatch):
     monkeypatch.setattr(targets, "libtpu_installed", lambda: False)
     targets.topology.cache_clear()

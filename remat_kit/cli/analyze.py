@@ -18,7 +18,7 @@ from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.diff import peak_inversions
-from remat_kit.memory.report import SAME_PROGRAM, same_program_as
+from remat_kit.memory.report import SAME_PROGRAM, MemoryReport, same_program_as
 from remat_kit.memory.roofline import StepTime, small_step_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
@@ -127,7 +127,9 @@ def _resolve(args: argparse.Namespace) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed."""
+    """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed. A step the compiler refused as
+    over the device's memory (XLA:TPU) is an answer, not a failure: a row that does not fit,
+    as a GPU target's peak over memory is."""
     program, target, specs = _resolve(args)
     chosen = specs if isinstance(specs, ProgramPolicies) else None
     if chosen is not None:
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{A.PROG}: error: {err}", file=sys.stderr)
         return 1
     reports = [r for r in results if not isinstance(r, CompileError)]
-    errors = [e for e in results if isinstance(e, CompileError)]
+    errors = [e for e in results if isinstance(e, CompileError) and not e.out_of_memory]
     layers = []
     if args.per_layer and reports:
         try:
@@ -168,9 +170,19 @@ def run(args: argparse.Namespace) -> int:
     if args.html and reports:
         _write_html(args, program, target, specs, results, labels, chosen)
     if args.json:
+        rows = [  # the reports, and the steps refused as over memory, in policy order
+            (label, r)
+            for label, r in zip(_labels(specs, chosen), results, strict=True)
+            if not isinstance(r, CompileError) or r.out_of_memory
+        ]
         out = {
-            "reports": [_report_dict(r, with_timeline=bool(args.timeline)) for r in reports],
-            "labels": labels,
+            "reports": [
+                refused_dict(r, label, program, target, args.budget)
+                if isinstance(r, CompileError)
+                else _report_dict(r, with_timeline=bool(args.timeline))
+                for label, r in rows
+            ],
+            "labels": [label for label, _ in rows],
             "errors": [{"what": e.what, "error": e.xla_message} for e in errors],
         }
         if chosen is not None:
@@ -206,6 +218,30 @@ def _write_html(args, config, target, specs, results, labels, chosen) -> None:
     )
     size = report_html.write_report(args.html, [group], command=A.command_line(args))
     print(f"{A.PROG}: wrote {args.html} ({size / 2**20:.1f} MiB)", file=sys.stderr)
+
+
+def refused_dict(err: CompileError, label: str, program, target, budget: int | None) -> dict:
+    """A step the compiler refused as over the device's memory, as a ``--json`` report: every
+    field of :class:`~remat_kit.memory.report.MemoryReport`, ``fits`` False, the peak and the
+    other compiled figures unknown (null, never 0), XLA's message in ``warnings``."""
+    row: dict = {f.name: None for f in dataclasses.fields(MemoryReport)}
+    row.update(
+        name=program.title, target=target.name, platform=target.platform, policy=label,
+        memory_bytes=target.memory_bytes,
+        budget_bytes=budget if budget is not None else target.memory_bytes, fits=False,
+        arguments={}, residuals=[], peak_buffers=[], compile_cached=False,
+        warnings=[f"does not fit: XLA refused to compile the step ({err.over_memory()}): "
+                  f"{err.xla_message}"],
+    )  # fmt: skip
+    return row
+
+
+def _refused_line(err: CompileError, label: str, target) -> str:
+    """The note under the table for a step refused as over memory."""
+    return (
+        f"{label}: does not fit {target.name}: XLA refused to compile it "
+        f"({err.over_memory()}); its peak is unknown (--json has XLA's message)"
+    )
 
 
 def _report_dict(report, with_timeline: bool) -> dict:
@@ -529,6 +565,9 @@ def print_reports(
     out = console()
     labels = _labels(specs, chosen)
     out.print(_policy_table(config, target, args, results, labels))
+    for label, r in zip(labels, results, strict=True):
+        if isinstance(r, CompileError) and r.out_of_memory:
+            out.print(_refused_line(r, label, target), highlight=False, markup=False)
     reports = [r for r in results if not isinstance(r, CompileError)]
     if not reports:
         return

@@ -200,6 +200,15 @@ class CompileResult:
 
 #: XLA's words for a step that does not fit the device.
 _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory", re.IGNORECASE)
+#: The figures XLA:TPU states when it refuses a step: "the total memory required for HLO
+#: temporaries (26.05G) exceeds available HBM (15.75G)", or "Used 479.22G of 95.74G hbm".
+_REFUSED_FIGURES = (
+    re.compile(
+        r"required for (?P<what>[^(]+?) \((?P<need>[\d.]+\w*)\) exceeds available "
+        r"(?P<memory>\w+) \((?P<have>[\d.]+\w*)\)"
+    ),
+    re.compile(r"Used (?P<need>[\d.]+\w*) of (?P<have>[\d.]+\w*) (?P<memory>\w+)"),
+)
 
 
 class CompileError(RuntimeError):
@@ -233,6 +242,20 @@ class CompileError(RuntimeError):
         compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
         exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
         return bool(_OUT_OF_MEMORY.search(self.xla_message))
+
+    def over_memory(self) -> str | None:
+        """For a step refused as over the device's memory (:attr:`out_of_memory`), what does
+        not fit in XLA's own figures when its message states them ("26.05G of HLO temporaries
+        against 15.75G of HBM"), else "XLA gave no figure"; None for any other failure."""
+        if not self.out_of_memory:
+            return None
+        for pattern in _REFUSED_FIGURES:
+            m = pattern.search(self.xla_message)
+            if m:
+                what = m.groupdict().get("what")
+                need = m["need"] + (f" of {what}" if what else "")
+                return f"{need} against {m['have']} of {m['memory'].upper()}"
+        return "XLA gave no figure"
 
 
 #: JAX's words when a step's arguments and a sharding inside it are on different devices (a

@@ -353,6 +353,10 @@ def test_a_per_tag_policy_is_a_candidate(first, cache):
     assert c.policy == "custom" and c.actions == {t: "save" for t in spec.save}
     assert c.peak_bytes == named.peak_bytes and c.step_time_s == named.step_time_s
     assert rec.pick is c and "remat_kit.custom_policy({" in rec.line()
+    # the comment names the target and the budget the pick is for
+    assert rec.line().endswith(
+        f"; {TARGET}: peak {format_bytes(c.peak_bytes)} of a 953.67 MiB budget"
+    )
 
 
 def test_recommend_on_the_local_device_ranks_by_its_calibrated_estimate():

@@ -207,14 +207,21 @@ def test_nested_remat_makes_it_fit(capsys):
     assert not any(c.fits for c in rec.candidates if c.nested_groups is None)
     config_again = config.replace(remat_policy=pick.policy, **dict(structure_of(pick)))
     assert config_again.nested_remat and config_again.outer_groups == 2
-    assert rec.line() == (
+    code = (
         'get_config("tiny-llama", remat_policy="no-remat", nested_remat=True, nested_groups=2, '
-        f"scan_layers=True)  # batch {BATCH}, seq {SEQ}"
+        "scan_layers=True)"
     )
+    comment = (
+        f"batch {BATCH}, seq {SEQ}; {TARGET}: peak {format_bytes(pick.peak_bytes)} of a "
+        f"{format_bytes(budget)} budget"
+    )
+    assert rec.line() == f"{code}  # {comment}"
     assert rec.made_fit.startswith("nested_remat=True + nested_groups=2 made it fit: no-remat on")
     with_and_without = f"peaks at {format_bytes(plain.peak_bytes)} without it, "
     assert with_and_without + f"{format_bytes(pick.peak_bytes)} with it" in rec.made_fit
     print_recommendation(rec)
-    out = " ".join(capsys.readouterr().out.split())
+    printed = capsys.readouterr().out
+    assert printed.endswith(f"# {comment}\n{code}\n")  # the code whole, on a line of its own
+    out = " ".join(printed.split())
     assert "options: nested_remat=True + nested_groups=2 made it fit" in out
     assert "nested 2 groups" in out

@@ -231,5 +231,6 @@ def print_recommendation(rec: Recommendation) -> None:
         out.print(_table(rec, name, cands))
     for line in _lines(rec):
         out.print(line, highlight=False, markup=False)
-    if rec.pick is not None:
-        print(rec.line())
+    if rec.pick is not None:  # its comment above it: the code stays one line to paste
+        code, _, comment = rec.line().partition("  # ")
+        print(f"# {comment}\n{code}" if comment else code)

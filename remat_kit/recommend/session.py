@@ -309,10 +309,17 @@ class Recommendation:
     compiled_on: str = ""
 
     def line(self) -> str:
-        """The pick as one line of code, or what would fit when nothing does."""
+        """The pick as one line of code, its comment naming the shape, the target and the
+        budget it was picked for (``# batch 1, seq 64, remat_group_size=1; h100-sxm: peak
+        4.79 MiB of a 6.00 MiB budget``), or what would fit when nothing does."""
         if self.pick is None:
             return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
-        return self.pick.code(self.remats_for_none)
+        code = self.pick.code(self.remats_for_none)
+        fit = (
+            f"{self.target}: peak {format_bytes(self.pick.peak_bytes)} of a "
+            f"{format_bytes(self.budget_bytes)} budget"
+        )
+        return f"{code}; {fit}" if "  # " in code else f"{code}  # {fit}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (with ``line``)."""

@@ -212,6 +212,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             f"- Machine: {_machine(r, run.rows)}",
             *([f"- Estimates on 'local' from {source}"] if source else []),
             *([f"- Note: {note}"] if (note := results.load_note(run.rows, source)) else []),
+            *([f"- Note: {fast}"] if (fast := results.cpu_faster_note(run.rows)) else []),
             *([f"- Note: {small}"] if (small := results.small_step_note(run.rows)) else []),
             *([f"- Note: {peak}"] if (peak := results.measured_peak_note(run.rows)) else []),
             _measured_line(r, data),
@@ -270,8 +271,13 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
             f"{cache_dir() / 'calibration'})",
             highlight=False, markup=False,
         )  # fmt: skip
-    for note in (results.small_step_note(run.rows), results.measured_peak_note(run.rows)):
-        if note:  # the small-step caveat as analyze and recommend say it; a null measured peak
+    for note in (
+        results.load_note(run.rows, source),  # the machine's load while the steps were timed
+        results.cpu_faster_note(run.rows),  # why remat can time faster than no-remat on a CPU
+        results.small_step_note(run.rows),  # the small-step caveat as analyze and recommend say it
+        results.measured_peak_note(run.rows),  # a null measured peak
+    ):
+        if note:
             console.print(f"note: {note}", highlight=False, markup=False)
     legend = results.summary_legend(run.rows)
     if legend:  # what the columns mean, under the table as at the top of summary.md

@@ -727,3 +727,35 @@ def test_a_null_measured_peak_is_said_in_the_summary():
     timed = [r for r in rows if r.get("step_time_s") is not None]
     assert results.measured_peak_note([{**timed[0], "measured_peak_bytes": 5}, *timed]) is None
     assert results.measured_peak_note([r for r in rows if r.get("step_time_s") is None]) is None
+
+
+def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_path):
+    """Where the timings are printed: the machine's load while they were timed (it was only in
+    summary.md) and why remat policies measured faster than no-remat on the CPU. The committed
+    CPU run, its load raised as a busy machine's."""
+    import io
+
+    from rich.console import Console
+
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    for r in rows:
+        if r.get("load_average"):
+            r["load_average"] = [9.0, 9.0, 9.0]
+    load = results.load_note(rows, results.local_estimate_source(rows))
+    fast = results.cpu_faster_note(rows)
+    assert load and "timed at load average 9.00" in load
+    assert fast == (
+        "remat ran faster than no-remat on the CPU in 24 row(s): XLA:CPU faults in each step's "
+        "fresh temp buffer page by page, and no-remat's is 2.0-4.2x theirs (docs/time-model.md)"
+    )
+    run = sweep.SweepRun(tmp_path / "sweep.jsonl", rows, [], 0, 1.0)
+    cli = _cli()
+    console = Console(width=100, record=True, file=io.StringIO())
+    cli._write_outputs(run, run.path, cli.build_parser().parse_args(["--no-plot"]), [], console)
+    printed = " ".join(console.export_text().split())
+    assert f"note: {load}" in printed and f"note: {fast}" in printed
+    assert f"- Note: {fast}" in (tmp_path / "summary.md").read_text()
+    # none where no remat row beat no-remat on the CPU, nor on another backend
+    slower = [{**r, "step_time_s": 1.0 if r["policy"] != "no-remat" else 0.5} for r in rows]
+    gpu = [{**r, "backend": "gpu"} for r in rows]
+    assert results.cpu_faster_note(slower) is None and results.cpu_faster_note(gpu) is None

@@ -785,6 +785,36 @@ def measured_peak_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
     return f"measured peak: null on every timed row ({why}); the peaks shown are the analyzer's"
 
 
+def cpu_faster_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """One line where a policy measured faster than its group's no-remat on the CPU backend
+    (a negative step Δ, though it does as much arithmetic or more): XLA:CPU allocates each
+    step's temp buffer afresh and faults in its pages every step, and no-remat's is the
+    largest (the ratio of the rows' ``temp_bytes``; docs/time-model.md, "What it counts").
+    None where no such row was timed."""
+    records = as_records(rows)
+    base = {group_key(r): r for r in records if r.get("policy") == "no-remat"
+            and r.get("status") == "ok"}  # fmt: skip
+    ratios = []
+    for r in records:
+        b = base.get(group_key(r))
+        if (
+            b is None or r is b or r.get("status") != "ok" or r.get("backend") != "cpu"
+            or not r.get("step_time_s") or not b.get("step_time_s")
+            or r["step_time_s"] >= b["step_time_s"]
+        ):  # fmt: skip
+            continue
+        ratios.append(_ratio(b.get("temp_bytes"), r.get("temp_bytes")))
+    if not ratios:
+        return None
+    known = [x for x in ratios if x]
+    size = f"{units.format_span(known, 1)}x theirs" if known else "the largest"
+    return (
+        f"remat ran faster than no-remat on the CPU in {len(ratios)} row(s): XLA:CPU faults in "
+        f"each step's fresh temp buffer page by page, and no-remat's is {size} "
+        "(docs/time-model.md)"
+    )
+
+
 def small_step_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
     """:func:`remat_kit.memory.roofline.small_step_note` for the rows' estimates on the
     calibrated local device (as analyze and recommend say it under their tables), or None."""

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -266,9 +267,11 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
     if source:  # a calibration timed on a busy machine misprices memory traffic: say which
         from remat_kit.memory.roofline import cache_dir
 
+        # its figures (name=value, ...) are in summary.md: the terminal gets where and when
+        brief = re.sub(r": \w+=[^,]+(, \w+=[^,]+)*$", "", source)
         console.print(
-            f"est. on 'local' from {source} (to time it again on a quiet machine, delete "
-            f"{cache_dir() / 'calibration'})",
+            f"est. on 'local' from {brief} (figures in summary.md; to time it again on a quiet "
+            f"machine, delete {cache_dir() / 'calibration'})",
             highlight=False, markup=False,
         )  # fmt: skip
     for note in (
@@ -284,8 +287,8 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
         console.print(f"columns: {legend}", highlight=False, markup=False)
     warnings = warning_lines(run.rows)  # each policy's analysis warnings, shared ones once
     if warnings:
-        console.print("analysis warnings:")
-    for line in warnings:
+        console.print("analysis warnings (summary.md has XLA's messages whole):")
+    for line in warning_lines(run.rows, short=True):
         console.print(f"  - {line}", highlight=False, markup=False)
     # Rebuilt from every row on each run (a resumed one too); written beside, then renamed.
     options = results.option_markdown(run.rows)  # "" unless rows differ in overrides
@@ -364,7 +367,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     from remat_kit.sweep.output import check_output_flags
 
     primary = distributed.is_primary()
-    console = make_console(quiet=not primary)  # COLUMNS, else the terminal's width (160 when piped)
+    console = make_console(quiet=not primary)  # COLUMNS, else the terminal's width (100 when piped)
     if args.model is not None:
         try:
             run, out = _program_sweep(args, console, where)

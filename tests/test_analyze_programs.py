@@ -261,8 +261,8 @@ def test_remat_undone_on_the_cpu_outside_a_scan_is_said_with_its_cause():
     # the command line says the cause the two policies' warnings share once, after them
     lines = cli_analyze._warning_lines(loop, ["no-remat", "save-nothing", "custom: attn_in"])
     assert sum(CPU_CAUSE in line for line in lines) == 1, lines
-    assert "cause of the 2 warnings marked (*)" in lines[-1] and CPU_CAUSE in lines[-1]
-    assert sum(line.count("(*)") for line in lines[:-1]) == 2
+    assert lines[-1].startswith("cause 1: ") and CPU_CAUSE in lines[-1]
+    assert sum(line.count("[cause 1]") for line in lines[:-1]) == 2
     scanned = analyze_policies(_user_loop(scan=True), policies, "local")
     assert scanned[1].temp_bytes < 0.8 * scanned[0].temp_bytes  # honoured inside the scan
     for r in scanned:

@@ -5,6 +5,7 @@ syntax on every command (:func:`remat_kit.policies.parse_policy_arg`)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -41,7 +42,7 @@ def _column(out: str, index: int) -> str:
     return _squash("".join(pieces))
 
 
-@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("columns", [80, 100, 120])
 def test_policies_fit_the_width_with_every_description_whole(monkeypatch, capsys, columns):
     monkeypatch.setenv("COLUMNS", str(columns))
     assert cli.main(["policies"]) == 0
@@ -53,11 +54,12 @@ def test_policies_fit_the_width_with_every_description_whole(monkeypatch, capsys
     assert "[seq,seq]" in descriptions  # rich would drop it as a markup tag
 
 
-def test_targets_print_every_description_whole(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "80")
+@pytest.mark.parametrize("columns", [80, 100])
+def test_targets_print_every_description_whole(monkeypatch, capsys, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
     assert cli.main(["targets"]) == 0
     out = capsys.readouterr().out
-    assert max(len(line) for line in out.splitlines()) <= 80
+    assert max(len(line) for line in out.splitlines()) <= columns
     descriptions = _column(out, 5)
     for name in targets.target_names():
         if targets.get_target(name).tpu is None:  # TPU slices: one row per generation
@@ -190,3 +192,121 @@ def test_the_library_never_imports_the_cli():
             assert not any(n == "remat_kit.cli" or n.startswith("remat_kit.cli.") for n in names), (
                 path
             )
+
+
+# -- 100 columns: every command's terminal output, notes said once ----------------------------
+
+_WIDTH = 100
+
+
+def _fits(out: str, width: int = _WIDTH) -> None:
+    widest = max(out.splitlines(), key=len)
+    assert len(widest) <= width, widest
+
+
+def _whole_in_column(out: str, names) -> None:
+    """Each name whole in the first column of a boxed table (not folded onto two lines)."""
+    cells = {line.split("│")[1].strip().removeprefix("* ") for line in out.splitlines()
+             if line.startswith("│")}  # fmt: skip
+    assert set(names) <= cells, set(names) - cells
+
+
+@pytest.fixture(scope="module")
+def swept():
+    """The committed CPU sweep's reports by table: gpt-10m on the CPU (13 policies, three that
+    offload on a target that does not) and llama3-8b on an H100 (XLA's remat pass gives up)."""
+    from remat_kit.memory.report import MemoryReport
+    from remat_kit.sweep import results
+
+    rows = results.read_rows(_REPO / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    tables: dict = {}
+    for r in rows:
+        if r["status"] == "ok":
+            tables.setdefault((r["model"], r["target"], r["seq_len"]), []).append(r)
+    return {
+        key: ([r["policy"] for r in group], [MemoryReport.from_dict(r["report"]) for r in group])
+        for key, group in tables.items()
+    }
+
+
+@pytest.mark.parametrize("key", [("gpt-10m", "local", 128), ("llama3-8b", "h100-sxm", 4096)])
+def test_analyze_fits_100_columns_with_each_note_once(monkeypatch, capsys, swept, key):
+    """Rendered as the terminal gets it at COLUMNS=100 (analyze printed policy names folded,
+    the same sentence three times and XLA's 530-character warnings whole)."""
+    from remat_kit.cli.analyze import print_reports
+
+    monkeypatch.setenv("COLUMNS", str(_WIDTH))
+    labels, reports = swept[key]
+    model, target, seq = key
+    config = SimpleNamespace(name=model, batch_size=reports[0].batch_size)
+    args = SimpleNamespace(batch=reports[0].batch_size, seq=seq, budget=None, buffers=None)
+    specs = [remat_kit.get_policy_spec(label) for label in labels]
+    print_reports(config, targets.get_target(target), args, reports, [], specs)
+    out = capsys.readouterr().out
+    _fits(out)
+    _whole_in_column(out, labels)
+    flat = _norm(out)
+    if target == "local":  # three offloading policies, one sentence
+        assert flat.count("does not offload") == 1
+        assert "offload-to-host, offload-layer-inputs, offload-qkv-proj: target 'local'" in flat
+    else:  # XLA's message in one line (the report keeps it whole)
+        assert any("Can't reduce memory use below" in w for r in reports for w in r.warnings)
+        assert "Can't reduce" not in flat
+        assert "no-remat: XLA's remat pass missed its own 62.37GiB target, not the device's" in flat
+
+
+def test_doctor_fits_100_columns_and_says_a_shared_cause_once(monkeypatch, capsys):
+    from remat_kit.cli.doctor import _print
+    from remat_kit.doctor.findings import Finding
+
+    monkeypatch.setenv("COLUMNS", str(_WIDTH))
+    cause = "XLA:CPU compiles offloads as plain copies (host memory is device memory)."
+    fix = "analyze offload policies on a GPU target (e.g. --target h100-sxm)."
+    labels = remat_kit.policy_names()
+    findings = [
+        [Finding("offload-ignored", "info", f"target 'local' ignores host offload: the 32.00 KiB "
+                 f"that policy {p!r} offloads are counted as device memory.", cause, fix)]
+        if p.startswith("offload") else []
+        for p in labels
+    ]  # fmt: skip
+    _print(SimpleNamespace(json=False), labels, findings, ["a note"])
+    out = capsys.readouterr().out
+    _fits(out)
+    flat = _norm(out)
+    assert flat.count(cause) == 1 and flat.count("[cause 1]") == 3
+    assert f"no finding: {', '.join(p for p in labels if not p.startswith('offload'))}" in flat
+    assert flat.count("error:") == 0 and "note: a note" in flat
+
+
+def test_recommend_fits_100_columns_with_candidate_names_whole(monkeypatch, capsys):
+    from remat_kit.cli.recommend import print_recommendation
+    from remat_kit.recommend import Recommendation
+    from remat_kit.recommend.session import Candidate
+
+    monkeypatch.setenv("COLUMNS", str(_WIDTH))
+    names = remat_kit.policy_names()
+
+    def candidate(i, policy, **kw):
+        return Candidate(
+            policy=policy, actions=None, remat_group_size=1, batch_size=2, seq_len=64,
+            peak_bytes=(4 + i % 5) * 2**20, host_bytes=2**20 if "offload" in policy else 0,
+            flops=1e9, flops_no_remat=1e9, compute_s=1.4e-3, transfer_s=1e-5, step_time_s=1.41e-3,
+            tokens_per_s=90_000.0, fits=i % 5 < 2, found_by="named", model="tiny-gpt", **kw,
+        )  # fmt: skip
+
+    cands = [candidate(i, p) for i, p in enumerate(names)]
+    cands += [candidate(0, "save-dots-except-mlp", remat_layers=3)]  # found by partial-layers
+    cands[-1] = dataclasses.replace(cands[-1], found_by="partial-layers")
+    rec = Recommendation(
+        model="tiny-gpt", target="h100-sxm", seq_len=64, batch_size=2, optimizer="adamw",
+        budget_bytes=6 * 2**20, budget_note="given", arguments={"params": 2**20},
+        pick=cands[-1], candidates=tuple(cands), largest_batch=(), compiles=14, reused=0,
+        wall_s=1.0, advice=(), notes=("a note " * 30,), solve=None, peak_flops=1e15,
+        host_link_bytes_per_s=64e9, host_link="64 GB/s",
+    )  # fmt: skip
+    print_recommendation(rec)
+    out = capsys.readouterr().out
+    code = rec.line().partition("  # ")[0]
+    _fits(out.replace(code, ""))  # the code to paste stays one line, whatever its length
+    assert code in out.splitlines()
+    _whole_in_column(out, names)

@@ -375,11 +375,18 @@ def test_a_policy_keeping_fewer_residuals_yet_peaking_higher_is_explained():
     out_proj = report(5, 512, 0, 256)  # more residuals, its peak in the forward pass
     more = report(12, 2048, 0, 0)  # more residuals and a higher peak: no inversion
     lines = peak_inversions([nothing, out_proj, more], ["save-nothing", "save-out-proj", "big"])
-    assert lines == [
-        "save-nothing peaks 768 B above save-out-proj though it keeps 256 B fewer "
-        "residuals (save-nothing's in the backward, save-out-proj's in the forward): a peak is "
-        "everything live at one point of XLA's schedule, and at the two peaks save-nothing "
-        "holds logits +1.00 KiB, residuals -256 B against save-out-proj"
+    line = (
+        "peaks 768 B above save-out-proj though it keeps 256 B fewer residuals (its in the "
+        "backward, save-out-proj's in the forward): at the two peaks it holds logits +1.00 KiB, "
+        "residuals -256 B against save-out-proj; a peak is everything live at one point of "
+        "XLA's schedule"
+    )
+    assert lines == [f"save-nothing: {line}"]
+    # one program under several names (the CPU compiles save-nothing and save-layer-inputs to
+    # one): one line naming them, not the same sentence twice
+    labels = ["save-nothing", "save-out-proj", "big", "save-layer-inputs"]
+    assert peak_inversions([nothing, out_proj, more, nothing], labels) == [
+        f"save-nothing, save-layer-inputs: {line}"
     ]
     assert peak_inversions([out_proj, more], ["a", "b"]) == []  # more kept, higher peak
     no_timeline = types.SimpleNamespace(timeline=None, activation_bytes=0, peak_bytes=10**9)

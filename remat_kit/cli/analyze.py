@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from collections.abc import Sequence
 
@@ -13,7 +12,7 @@ from rich.text import Text
 
 from remat_kit import targets
 from remat_kit.cli import args as A
-from remat_kit.cli.console import add_row, console, table, text
+from remat_kit.cli.console import add_row, console, table
 from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
 from remat_kit.memory.api import ProgramPolicies, program_policies
@@ -23,6 +22,7 @@ from remat_kit.memory.roofline import StepTime, small_step_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.targets import parse_mesh
+from remat_kit.terminal import group_notes, short_xla
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
@@ -253,41 +253,25 @@ def _report_dict(report, with_timeline: bool) -> dict:
     return d
 
 
-_REMAT_WARNING = re.compile(
-    r"Can't reduce memory use below ([\d.]+\w+) .*only reduced to ([\d.]+\w+).*down from "
-    r"([\d.]+\w+)"
-)
-
-
-def short_warning(text: str) -> str:
-    """XLA's long messages, shortened for the table view (``--json`` keeps them whole)."""
-    m = _REMAT_WARNING.search(text)
-    if m:
-        limit, reached, before = m.groups()
-        return (
-            f"XLA's remat pass missed its own {limit} target, not the device's memory "
-            f"({before} -> {reached})"
-        )
-    m = re.search(r"recomputed (\d+) instruction", text)
-    if m and "rematerialisation pass" in text:
-        return f"XLA recomputed {m.group(1)} instructions itself (in the FLOPs)"
-    return text
-
-
 def _policy_table(config, target, args, results, labels: Sequence[str]):
+    """One row per policy, fitted to the terminal: the host column only where some policy puts
+    bytes on the host, and the compile seconds left out first when it does not fit."""
     shape = "" if config.batch_size is None else f", batch={args.batch} seq={args.seq},"
     title = f"{config.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
-    cols = ("policy", "peak", "host", "residuals", "recompute", "fits", "est. step", "bound by",
-            "compile s")  # fmt: skip
-    t = table(f"{title}, bytes in {name}", cols, right=cols[1:])
+    host = any(r.host_bytes for r in ok)
+    cols = ("policy", "peak", *(["host"] if host else []), "residuals", "recompute", "fits",
+            "est. step", "bound by", "compile s")  # fmt: skip
+    none = "" if host else ", none on the host"
+    t = table(f"{title}, bytes in {name}{none}", cols, right=cols[1:], optional=("compile s",))
     for label, r, same in zip(labels, results, same_program_as(results), strict=True):
         if isinstance(r, CompileError):
-            if r.out_of_memory:  # TPU: XLA refuses a step over HBM (its message says by how much)
-                add_row(t, label, "over memory", "", "", "", Text("no", style="red"), "", "", "")
-            else:
-                add_row(t, label, "compile failed", "", "", "", "", "", "", "")
+            # TPU: XLA refuses a step over HBM (a note below gives its figures)
+            over = r.out_of_memory
+            first = ("over memory", "", "", "", Text("no", style="red")) if over else (
+                "compile failed", "", "", "", "")  # fmt: skip
+            add_row(t, label, *first[: 1 + host], *first[2:], "", "", "")
             continue
         seconds = "cached" if r.compile_cached else f"{r.compile_s:.1f}"
         if same is not None:  # compiled once, for the first row of that program
@@ -296,7 +280,8 @@ def _policy_table(config, target, args, results, labels: Sequence[str]):
         style = "" if r.fits is None else ("green" if r.fits else "red")
         ratio = "-" if r.recompute_ratio is None else f"{r.recompute_ratio:.2f}x"
         add_row(
-            t, label, in_unit(r.peak_bytes, unit, 2), in_unit(r.host_bytes, unit, 2),
+            t, label, in_unit(r.peak_bytes, unit, 2),
+            *([in_unit(r.host_bytes, unit, 2)] if host else []),
             in_unit(r.activation_bytes, unit, 2), ratio, Text(fits, style=style),
             format_seconds(r.step_time_s, 3), _bound_by(r.step_time), seconds,
         )  # fmt: skip
@@ -508,51 +493,24 @@ def _layer_table(layers):
 
 
 def _warning_lines(results, labels: Sequence[str]) -> list[str]:
-    """Each report's warnings, shortened; a row that is the same program as an earlier one
-    gives only the warnings that one did not."""
-    reports = [r for r in results if not isinstance(r, CompileError)]
-    every = [w for w in reports[0].warnings if all(w in r.warnings for r in reports[1:])]
-    lines = []
-    if len(reports) > 1 and every:
-        lines.append("[yellow]every policy:[/yellow] " + text("; ".join(map(short_warning, every))))
-    else:
-        every = []
-    rows = []
-    for label, r, same in zip(labels, results, same_program_as(results), strict=True):
-        if isinstance(r, CompileError):
-            continue
-        said = (*every, *(results[same].warnings if same is not None else ()))
-        short = [
-            short_warning(w)
-            for w in r.warnings
-            # the table's row says "(same program as X)"
-            if "offloading did not" not in w and w not in said and not w.startswith(SAME_PROGRAM)
-        ]
-        if short:
-            rows.append((label, short))
-    # a cause several policies' warnings share (XLA:CPU undoing every remat outside a scan) is
-    # said once, after them, rather than at the end of each
-    causes = [w.split(_CAUSE, 1)[1] for _, short in rows for w in short if _CAUSE in w]
-    shared = {c for c in causes if causes.count(c) > 1}
-    for label, short in rows:
-        short = [_cut_cause(w, shared) for w in short]
-        lines.append(f"[yellow]{text(label)}:[/yellow] " + text("; ".join(short)))
-    for cause in sorted(shared, key=causes.index):
-        lines.append(
-            f"[yellow]cause of the {causes.count(cause)} warnings marked (*):[/yellow] "
-            + text(cause)
+    """Each report's warnings, XLA's long ones in one line (:func:`remat_kit.terminal.short_xla`;
+    ``--json`` keeps them whole), each said once with every policy that has it ("all
+    policies" for all), a cause several share said once after them
+    (:func:`remat_kit.terminal.group_notes`)."""
+    items = [
+        (
+            label,
+            [
+                short_xla(w)
+                for w in r.warnings
+                # the table's row says "(same program as X)"
+                if "offloading did not" not in w and not w.startswith(SAME_PROGRAM)
+            ],
         )
-    return lines
-
-
-_CAUSE = " Cause: "
-
-
-def _cut_cause(warning: str, shared: set[str]) -> str:
-    """``warning`` with its cause replaced by a mark where the cause is one of ``shared``."""
-    if _CAUSE in warning and warning.split(_CAUSE, 1)[1] in shared:
-        return warning.split(_CAUSE, 1)[0] + " (*)"
-    return warning
+        for label, r in zip(labels, results, strict=True)
+        if not isinstance(r, CompileError)
+    ]
+    return group_notes(items)
 
 
 def print_reports(
@@ -581,7 +539,7 @@ def print_reports(
     for line in _summary_lines(target, args, results, labels) + notes:
         out.print(line, highlight=False, markup=False)
     for line in _warning_lines(results, labels):
-        out.print(line, highlight=False)
+        out.print(line, highlight=False, markup=False)
     if len(reports) == 1 and (args.buffers is None or args.buffers > 0):
         out.print(buffer_table(reports[0]))
     elif len(reports) > 1 and args.buffers:  # asked for, but one table per policy is too many

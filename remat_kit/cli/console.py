@@ -1,9 +1,10 @@
-"""Rendering shared by the commands: a console that follows the terminal, tables whose cells
-wrap instead of being cut, and data escaped so rich never reads it as markup.
+"""Rendering shared by the commands: a console that follows the terminal, tables fitted to its
+width (:class:`remat_kit.terminal.FittedTable`: headers wrap, then optional columns go, then
+cells wrap at spaces; a policy name is never cut), and data escaped so rich never reads it as
+markup.
 
 Width: ``COLUMNS`` when set, else the terminal's, else :data:`PIPED_WIDTH` (piped into a file
-or a log, where rich would take 80 and fold the policy names of every table). ``--json``
-output never goes through rich.
+or a log). ``--json`` output never goes through rich.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-#: Width of the output written to a file or a pipe when ``COLUMNS`` is not set: the widest
-#: table (the sweep's summary, 11 columns) fits with its policy names whole.
-PIPED_WIDTH = 160
+from remat_kit.terminal import FittedTable
+
+#: Width of the output written to a file or a pipe when ``COLUMNS`` is not set.
+PIPED_WIDTH = 100
 
 
 def console(**kwargs: Any) -> Console:
@@ -37,10 +39,18 @@ def text(value: object) -> str:
     return escape(str(value))
 
 
-def table(title: str, columns: Sequence[str], right: Sequence[str] = ()) -> Table:
-    """A table whose cells wrap at word boundaries (long words fold) rather than being cut with
-    an ellipsis; ``right`` names the right-justified (numeric) columns."""
-    t = Table(title=text(title), title_justify="left")
+def table(
+    title: str,
+    columns: Sequence[str],
+    right: Sequence[str] = (),
+    optional: Sequence[str] = (),
+    why: str = "--json has them",
+) -> Table:
+    """A table fitted to the width it is printed at (:func:`remat_kit.terminal.fit_table`):
+    cells wrap at word boundaries rather than being cut with an ellipsis; ``right`` names the
+    right-justified (numeric) columns, ``optional`` those left out first when the table does
+    not fit (the caption names them, and ``why`` where to see them)."""
+    t = FittedTable(title=text(title), title_justify="left", optional=optional, why=why)
     for col in columns:
         t.add_column(col, justify="right" if col in right else "left", overflow="fold")
     return t

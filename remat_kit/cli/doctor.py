@@ -9,10 +9,12 @@ import sys
 
 from remat_kit import targets
 from remat_kit.cli import args as A
+from remat_kit.cli.console import console
 from remat_kit.doctor import check_policies
 from remat_kit.doctor.checks import DEFAULT_SHAPE
 from remat_kit.memory import CompileError
 from remat_kit.policies import get_policy_spec, policy_names
+from remat_kit.terminal import group_notes
 
 
 def add(subparsers) -> None:
@@ -22,7 +24,8 @@ def add(subparsers) -> None:
         help="check that a remat policy does what it promises on a model",
         description="Compare what a policy promises (tags saved, offloaded, the rest recomputed) "
         "with what the traced and compiled training step does; one line per finding: what is "
-        "wrong, the likely cause, the fix. Exit code 1 when a finding is an error.",
+        "wrong, the likely cause, the fix (a cause and fix several findings share, once). Exit "
+        "code 1 when a finding is an error.",
     )
     A.add_model(p, "tiny-gpt or llama3-8b")
     A.add_policy(
@@ -88,9 +91,13 @@ def _print(args, labels, results, notes) -> None:
             out = {"policies": out, "notes": notes}
         print(json.dumps(out, indent=2))
         return
+    out = console()
     for line in notes:
-        print(f"note: {line}")
-    for label, findings in zip(labels, results, strict=True):
-        print(f"{label}: " + ("ok" if not findings else f"{len(findings)} finding(s)"))
-        for f in findings:
-            print(f"  {f.line()}")
+        out.print(f"note: {line}", highlight=False, markup=False)
+    clean = [label for label, findings in zip(labels, results, strict=True) if not findings]
+    if clean:
+        out.print(f"no finding: {', '.join(clean)}", highlight=False, markup=False)
+    # each finding after its policy, a cause and fix several share said once after them
+    found = [(label, [f.line() for f in fs]) for label, fs in zip(labels, results, strict=True)]
+    for line in group_notes([(label, lines) for label, lines in found if lines], everyone=None):
+        out.print(line, highlight=False, markup=False)

@@ -126,7 +126,8 @@ def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str,
 def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
     """One row per candidate; a user's program (no group, batch or tokens) drops those columns,
     and the host and transfer columns go where every candidate's is zero (nothing offloaded),
-    leaving the candidates' names the width."""
+    leaving the candidates' names the width; on a narrow terminal "found by", then the transfer
+    and tokens columns go (the caption says which; ``--json`` has them)."""
     (bu, bs), (tu, ts, td) = _units(candidates)
     shaped = rec.seq_len is not None
     host = any(c.host_bytes for c in candidates)
@@ -162,7 +163,9 @@ def _table(rec: Recommendation, title: str, candidates: Sequence[Candidate]):
             f"{c.step_time_s * ts:.{td}f}", *([f"{c.transfer_s * ts:.{td}f}"] if transfer else []),
             *tokens, where,
         ])  # fmt: skip
-    t = table(title, header, [h for h in header if h not in left])
+    # left out first where the terminal is narrow: how a candidate was found, its transfer time
+    optional = ("found by", f"transfer {tu}", "tokens/s")
+    t = table(title, header, [h for h in header if h not in left], optional=optional)
     for row in rows:
         add_row(t, *row)
     return t

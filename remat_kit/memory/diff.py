@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from remat_kit.memory.report import MemoryReport
+from remat_kit.terminal import group_notes
 from remat_kit.units import format_bytes, format_flops
 
 
@@ -205,8 +206,10 @@ def peak_inversions(
     first: a peak is everything live at one point of XLA's schedule (parameters, optimizer state,
     gradients, logits, temporaries, residuals), so a policy that saves a tensor can move the
     peak to a point where less is live. Each line says where each peak falls and how the bytes
-    live there differ by category (from the reports' timelines). Reports without a timeline or
-    residual figure are passed over.
+    live there differ by category (from the reports' timelines); policies whose lines would
+    read the same (one program under several names) share one, naming them all
+    (:func:`remat_kit.terminal.group_notes`). Reports without a timeline or residual figure are
+    passed over.
 
     Raises:
       ValueError: ``reports`` and ``labels`` differ in length.
@@ -240,12 +243,14 @@ def peak_inversions(
         ]
         pa = a.timeline.phase_at(a.timeline.peak_position) or "unknown"  # type: ignore[union-attr]
         pb = b.timeline.phase_at(b.timeline.peak_position) or "unknown"  # type: ignore[union-attr]
-        where = f"both in the {pa} pass" if pa == pb else f"{la}'s in the {pa}, {lb}'s in the {pb}"
-        found.append((gap, (
-            f"{la} peaks {format_bytes(gap)} above {lb} though it keeps "
+        where = f"both in the {pa} pass" if pa == pb else f"its in the {pa}, {lb}'s in the {pb}"
+        found.append((gap, la, (
+            f"peaks {format_bytes(gap)} above {lb} though it keeps "
             f"{format_bytes(b.activation_bytes - a.activation_bytes)} fewer residuals "  # type: ignore[operator]
-            f"({where}): a peak is everything live at one point of XLA's schedule, and at the "
-            f"two peaks {la} holds " + (", ".join(parts) or "about the same by category")
-            + f" against {lb}"
+            f"({where}): at the two peaks it holds "
+            + (", ".join(parts) or "about the same by category")
+            + f" against {lb}; a peak is everything live at one point of XLA's schedule"
         )))  # fmt: skip
-    return [line for _, line in sorted(found, key=lambda x: -x[0])[:most]]
+    ranked = sorted(found, key=lambda x: -x[0])
+    lines = group_notes([(label, [text]) for _, label, text in ranked], everyone=None)
+    return lines[:most]

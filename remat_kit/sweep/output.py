@@ -17,6 +17,7 @@ import numpy as np
 
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point
+from remat_kit.terminal import group_notes, short_xla
 
 
 @dataclasses.dataclass
@@ -174,40 +175,26 @@ def progress(enabled: bool, console: Any, total: int):
         yield advance
 
 
-def warning_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+def warning_lines(rows: Sequence[Mapping[str, Any]], short: bool = False) -> list[str]:
     """The analysis warnings of the ``ok`` rows, one line per distinct warning: a warning every
     policy of its table (same model, target and shapes: :func:`remat_kit.sweep.results.group_key`)
     shares once as ``all policies: ...``, another after the policies that have it
     (``save-nothing, attn_in=save: ...``); a cause several warnings give (``... Cause: X``) is
-    written once (``[cause 1]``, then ``cause 1: X``); the table is named first when there are
-    several."""
+    written once (``[cause 1]``, then ``cause 1: X``) (:func:`remat_kit.terminal.group_notes`);
+    the table is named first when there are several. ``short``: XLA's long messages in one
+    line, for a terminal (:func:`remat_kit.terminal.short_xla`; the rows keep them whole)."""
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
         if r.get("status") == "ok":
             groups.setdefault(R.group_key(r), []).append(r)
     out = []
     for members in groups.values():
-        by_warning: dict[str, list[str]] = {}
-        for r in members:
-            for w in dict.fromkeys(r.get("warnings") or ()):
-                by_warning.setdefault(w, []).append(str(r.get("policy")))
         r0 = members[0]
         shape = ", ".join(f"{k} {r0[k]}" for k in ("batch_size", "seq_len") if r0.get(k))
         where = f"{r0.get('model')} on {r0.get('target')}" + (f", {shape}" if shape else "")
-        lead = f"{where}: " if len(groups) > 1 else ""
-        causes: dict[str, int] = {}  # a cause several warnings end with, said once
-        ends = [w.split(_CAUSE, 1)[1] for w in by_warning if _CAUSE in w]
-        shared = [c for c in dict.fromkeys(ends) if ends.count(c) > 1]
-        for w, policies in by_warning.items():
-            who = "all policies" if len(policies) == len(members) > 1 else ", ".join(policies)
-            head, _, cause = w.partition(_CAUSE)
-            if cause in shared:
-                n = causes.setdefault(cause, len(causes) + 1)
-                w = f"{head} [cause {n}]"
-            out.append(f"{lead}{who}: {w}")
-        out += [f"{lead}cause {n}: {cause}" for cause, n in causes.items()]
+        items = [
+            (str(r.get("policy")), [short_xla(w) if short else w for w in r.get("warnings") or ()])
+            for r in members
+        ]
+        out += group_notes(items, lead=f"{where}: " if len(groups) > 1 else "")
     return out
-
-
-#: How the analyzer's warnings give their cause (:mod:`remat_kit.memory.undone`).
-_CAUSE = " Cause: "

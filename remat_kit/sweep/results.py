@@ -641,40 +641,41 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     return out
 
 
-#: Narrowest the policy column gets before the table is printed wider than the console.
-_MIN_LABEL_WIDTH = 12
+#: Columns of the summary tables left out first on a narrow terminal (summary.md keeps them).
+OPTIONAL_COLUMNS = ("CPU Δ", "tok/s", "est. Δ")
 
 
 def print_summary(rows: Sequence[Mapping[str, Any]] | Any, console: Any = None) -> None:
-    """Print :func:`summary_lines` as rich tables. Figures are never cut: their columns keep
-    their full width (headers wrap at spaces), a long policy label folds onto more lines, and
-    a console too narrow even then gets the table at the width it needs."""
+    """Print :func:`summary_lines` as rich tables fitted to the console's width
+    (:func:`remat_kit.terminal.fit_table`): headers wrap at spaces, then the columns of
+    :data:`OPTIONAL_COLUMNS` go (the caption says which), then labels wrap at spaces. Figures
+    and policy names are never cut: a console too narrow even then gets the table at the width
+    it needs, every column in it."""
+    import copy
+
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
+    from remat_kit.terminal import fit_table
+
     console = console or Console()
     for title, header, body in summary_lines(rows):
-        # no edges, two spaces between columns: the measured tables' 11 columns fit 80
+        # no edges, two spaces between columns
         table = Table(
             title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
             pad_edge=False, collapse_padding=True,
         )  # fmt: skip
-        # figures keep their full width; the policy column folds; when the console is narrow,
-        # headers wrap at their spaces
-        cells = [max(len(line[i]) for line in body) if body else 0 for i in range(len(header))]
-        widths = [max(c, len(h)) for c, h in zip(cells, header, strict=True)]
-        label = min(_MIN_LABEL_WIDTH, widths[0])
-        if label + sum(widths[1:]) + 2 * (len(header) - 1) > console.width:
-            words = [max(len(w) for w in h.split()) for h in header]
-            widths = [max(c, w) for c, w in zip(cells, words, strict=True)]
-        table.add_column(header[0], overflow="fold", min_width=label)
-        for h, w in zip(header[1:], widths[1:], strict=True):
-            table.add_column(h, justify="right", overflow="fold", width=w)
+        table.add_column(header[0], overflow="fold")
+        for h in header[1:]:
+            table.add_column(h, justify="right", overflow="fold")
         for line in body:
             table.add_row(*line)
-        # narrower than the figures need: print wider (the terminal wraps) rather than cut them
-        needed = label + sum(widths[1:]) + 2 * (len(header) - 1)  # two spaces between columns
+        whole = copy.deepcopy(table)
+        needed = fit_table(table, console.width, OPTIONAL_COLUMNS, "summary.md has them")
+        if needed > console.width:  # print it as narrow as it goes (the terminal wraps)
+            table = whole
+            needed = fit_table(table, 0)
         width = console.width
         console.width = max(width, needed)  # print(width=) cannot exceed the console's width
         try:

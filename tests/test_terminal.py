@@ -1,0 +1,94 @@
+"""Terminal output sized for a terminal (:mod:`remat_kit.terminal`): tables fitted to the width
+with figures and names whole, notes said once, XLA's long messages in one line."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from remat_kit.terminal import FittedTable, fit_table, group_notes, short_xla
+
+
+def _table(optional=()):
+    t = FittedTable(title="t", optional=optional, why="--json has them")
+    t.add_column("policy")
+    for h in ("peak MiB", "est. step", "bound by", "compile s"):
+        t.add_column(h, justify="right")
+    for name in ("save-dots-except-mlp", "offload-layer-inputs (same program as save-nothing)"):
+        t.add_row(name, "1,234.56", "3.34 ms", "memory 63%", "cached")
+    return t
+
+
+def _render(table, width: int) -> list[str]:
+    out = Console(width=width, file=io.StringIO(), color_system=None)
+    with out.capture() as capture:
+        out.print(table)
+    return capture.get().splitlines()
+
+
+def test_a_table_fits_with_its_figures_and_names_whole():
+    """Headers wrap first, then text at spaces; a figure or a policy name is never folded
+    (rich alone cut "save-dots-except-mlp" to "save-dots-exce" / "pt-mlp")."""
+    lines = _render(_table(), 70)
+    assert max(map(len, lines)) <= 70
+    text = "\n".join(lines)
+    for whole in ("save-dots-except-mlp", "1,234.56", "3.34 ms", "memory 63%", "cached"):
+        assert whole in text, whole
+    assert "│ offload-layer-inputs" in text  # the label wraps at its spaces
+
+
+def test_optional_columns_go_first_and_the_caption_says_so():
+    lines = _render(_table(optional=("compile s",)), 60)
+    text = "\n".join(lines)
+    assert max(map(len, lines)) <= 60 and "compile" not in text.split("\n")[2]
+    assert "compile s: left out for the width (--json has them)" in text
+    assert "memory 63%" in text and "save-dots-except-mlp" in text
+    wide = _render(_table(optional=("compile s",)), 120)
+    assert "left out" not in "\n".join(wide)  # kept where it fits
+
+
+def test_a_long_word_folds_and_a_table_too_wide_even_so_says_the_width_it_needs():
+    """A label longer than the room folds (down to FOLD_WIDTH); figures never do: a table
+    whose figures alone exceed the width says the width it needs."""
+    lines = _render(_table(), 55)
+    text = "\n".join(lines)
+    assert max(map(len, lines)) <= 55 and "…" not in text
+    assert "│ save-dots-exce" in text and "1,234.56" in text and "│ memory │" in text
+    t = _table()
+    needed = fit_table(t, 20)
+    assert needed > 20
+    lines = _render(t, needed)
+    assert max(map(len, lines)) == needed and "1,234.56" in "\n".join(lines)
+
+
+def test_notes_are_said_once_with_the_policies_they_concern():
+    cause = "XLA:CPU honours remat only inside lax.scan"
+    items = [
+        ("no-remat", ["shared"]),
+        ("save-nothing", ["shared", "offload ignored", f"undid save-nothing. Cause: {cause}"]),
+        ("offload", ["shared", "offload ignored", f"undid offload. Cause: {cause}"]),
+    ]
+    assert group_notes(items) == [
+        "all policies: shared",
+        "save-nothing, offload: offload ignored",
+        "save-nothing: undid save-nothing. [cause 1]",
+        "offload: undid offload. [cause 1]",
+        f"cause 1: {cause}",
+    ]
+    assert (
+        group_notes(items[:2], everyone=None, lead="t: ")[0] == "t: no-remat, save-nothing: shared"
+    )
+
+
+def test_xlas_long_messages_shortened_to_one_line():
+    text = (
+        "hlo_rematerialization.cc: Can't reduce memory use below 60.47GiB (64927346170 bytes) "
+        "by rematerialization; only reduced to 109.21GiB (117262955178 bytes), down from "
+        "109.21GiB (117262955178 bytes) originally [remat-kit: that limit is XLA's own ...]"
+    )
+    assert short_xla(text) == (
+        "XLA's remat pass missed its own 60.47GiB target, not the device's memory "
+        "(109.21GiB -> 109.21GiB)"
+    )
+    assert short_xla("something else") == "something else"

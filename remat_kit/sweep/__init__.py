@@ -15,14 +15,17 @@ point (:class:`Point`) :func:`run_sweep`
    time, tokens per second, model FLOPs utilisation where the device's peak FLOP/s is known, the
    measured peak memory (``memory_stats()["peak_bytes_in_use"]`` where the backend gives it,
    ``None`` otherwise: the CPU backend gives none) and every loss;
-3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as soon as the point finishes
-   (one write, flushed and fsync-ed: a kill leaves whole rows and at most a torn last line,
-   which a resume drops).
+3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as soon as the point's task
+   finishes, in whatever order tasks finish (one write, flushed and fsync-ed: a kill leaves
+   whole rows and at most a torn last line, which a resume drops); a row's figures, the resume
+   and the summary do not depend on that order.
 
 Where the code lives: ``config`` (Grid, SweepConfig, Point, config files), ``checks`` (grid
 validation, failure wording), ``measure`` (the step's executable, its arguments placed, its
 steps timed; model FLOPs), ``rows`` (one row per point), ``output`` (the results file, resume,
-progress), ``run`` (the one loop, for a grid of presets and for a user's own
+progress), ``tasks`` (points as tasks: a group's points run together, keyed by their rows'
+keys; progress over tasks), ``engine`` (what runs the tasks: this process, one after the other),
+``run`` (the one loop, for a grid of presets and for a user's own
 :class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
 :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the
 analysis compiled, so it is compiled once (one device); on a mesh the run fixes its output

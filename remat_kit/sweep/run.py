@@ -1,6 +1,8 @@
 """The sweep loop, one for a preset grid and a user's program: each group of points (one
 program, several policies) is analysed, its measured points' steps compiled (the analysis's own
-executables) and timed, and one row per point appended as soon as the group finishes.
+executables) and timed, and one row per point appended as soon as the group finishes. A preset
+grid's groups run as tasks (:mod:`remat_kit.sweep.tasks`) through an engine
+(:mod:`remat_kit.sweep.engine`); :class:`TaskRunner` runs a task wherever the engine puts it.
 
 :func:`run_sweep` runs a :class:`~remat_kit.sweep.config.SweepConfig` (presets, one group per
 model, shape and target; measured points run on text). :func:`run_program_sweep` runs a user's
@@ -46,6 +48,7 @@ from remat_kit.policies import (
 from remat_kit.program import Program, preset, require_program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
+from remat_kit.sweep.engine import SerialEngine
 from remat_kit.sweep.measure import (
     HostArguments,
     PresetRun,
@@ -60,6 +63,7 @@ from remat_kit.sweep.measure import (
 )
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
 from remat_kit.sweep.rows import make_row, model_fields
+from remat_kit.sweep.tasks import Tally, Task, TaskSetup, error_rows, make_tasks
 from remat_kit.training.data import Corpus, load_corpus
 from remat_kit.training.step import make_optimizer
 
@@ -136,10 +140,10 @@ def _before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseExcepti
 
 
 def _preset_group(
-    members: list[Point], before_point: Callable | None, advance: Callable, corpus: Corpus | None,
-    state_cache: dict, counts: dict, common: Mapping[str, Any],
+    members: Sequence[Point], before_point: Callable | None, advance: Callable,
+    corpus: Corpus | None, state_cache: dict, counts: dict, common: Mapping[str, Any],
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The rows of one group of a preset grid (points differing only in the policy)."""
+    """The rows of one task: points of one group (differing only in the policy)."""
     p0 = members[0]
     by_key = {p.key: p for p in members}
 
@@ -165,8 +169,30 @@ def _preset_group(
             measurements.get(p.key), measure=p.measure,
             model=functools.partial(model_fields, p, counts),
         ))  # fmt: skip
-        advance(1, p.label)
     return rows
+
+
+class TaskRunner:
+    """Runs tasks (:class:`~remat_kit.sweep.tasks.Task`) in one process, wherever that is (the
+    driver, a worker process, a Ray task), keeping what its tasks share: the corpus (loaded at
+    the first measured task), initial states on the host by model, parameter counts by model,
+    and this process's :func:`~remat_kit.sweep.results.environment` (in every row)."""
+
+    def __init__(self, setup: TaskSetup):
+        self.setup = setup
+        self.corpus: Corpus | None = None
+        self.state_cache: dict = {}  # initial states on the host, by model, optimizer and seed
+        self.counts: dict = {}  # parameter counts by model
+        self.common = {**setup.common, **R.environment()}
+
+    def __call__(self, task: Task, advance: Callable | None = None) -> list[dict[str, Any]]:
+        """The rows of ``task``'s points, in its order (a failure at a point is its row)."""
+        if task.measure and self.corpus is None:
+            self.corpus = load_corpus(self.setup.data, max_bytes=self.setup.max_data_bytes)
+        return _preset_group(
+            task.points, self.setup.before_point, advance or (lambda n, description: None),
+            self.corpus, self.state_cache, self.counts, self.common,
+        )  # fmt: skip
 
 
 def run_sweep(
@@ -180,12 +206,18 @@ def run_sweep(
     progress: bool = True,
     console: Any = None,
     before_point: Callable[[Point], None] | None = None,
+    engine: Any = None,
 ) -> SweepRun:
     """Run every point of ``config`` not yet in ``out``; append one row per point.
 
     Everything that can be checked is checked before anything compiles: the config
     (:func:`validate`), the output file (writable; from the same config when resuming), the
     data (when a point is measured).
+
+    The points run as tasks (:func:`~remat_kit.sweep.tasks.make_tasks`: a group's points, or
+    shares of a group where processes run side by side), each task's rows appended as it
+    finishes, in whatever order the engine finishes them; a row's figures do not depend on the
+    order, and :attr:`SweepRun.rows` are in point order.
 
     Args:
       config: the sweep.
@@ -200,6 +232,8 @@ def run_sweep(
       before_point: called with each point before its group (the points differing only in the
         policy) is analysed; an exception it raises becomes that point's ``error`` row and the
         point is neither analysed nor run (used to test fault handling).
+      engine: what runs the tasks (:mod:`remat_kit.sweep.engine`); None: this process, one
+        task after the other (:class:`~remat_kit.sweep.engine.SerialEngine`).
 
     Returns:
       A :class:`SweepRun`.
@@ -218,28 +252,31 @@ def run_sweep(
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
-    if not any(p.measure for p in todo):
-        corpus = None
-    common = _common_fields(config, identity, corpus)
     if any(not T.get_target(p.target).deviceless for p in todo):
         # Time the local device for the step-time model before anything else runs (cached
         # per machine): a calibration beside compiles in flight would time them too.
         roofline.device_figures(T.get_target(T.LOCAL))
-    groups: dict[tuple, list[Point]] = {}
-    for p in todo:
-        groups.setdefault(p.group, []).append(p)
+    engine = engine or SerialEngine()
+    setup = TaskSetup(
+        _common_fields(config, identity, corpus), None if data is None else str(data),
+        max_data_bytes, before_point,
+    )  # fmt: skip
+    tasks = make_tasks(todo, engine.analysis_slots, engine.device_slots)
     written: list[dict[str, Any]] = []
-    state_cache: dict = {}  # initial states on the host, by model, optimizer and seed
-    counts: dict = {}  # parameter counts by model
     with _progress_bar(progress and primary, console, len(todo)) as advance:
-        for members in groups.values():
-            rows = _preset_group(
-                members, before_point, advance, corpus, state_cache, counts, common
-            )
-            for row in rows:
-                if primary:
-                    R.append_row(path, row)
-            written += rows
+        with Tally(len(todo), advance) as tally:
+            for event in engine.run(tasks, functools.partial(TaskRunner, setup), tally.advance):
+                if event.kind == "start":
+                    tally.start(event.task)
+                    continue
+                rows = event.rows
+                if rows is None:
+                    rows = error_rows(event.task, setup.common, event.error)  # type: ignore[arg-type]
+                for row in rows:
+                    if primary:
+                        R.append_row(path, row)
+                written += rows
+                tally.finish(event.task, rows)
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)
@@ -271,12 +308,12 @@ _progress_bar = progress  # run_sweep's argument of the same name hides the func
 def _common_fields(
     config: SweepConfig, identity: Mapping[str, Any], corpus: Corpus | None
 ) -> dict[str, Any]:
-    """Fields every row of this call shares: the sweep, its identity, where it ran, the data."""
+    """Fields every row of this call shares wherever it runs: the sweep, its identity, the data
+    (when the config measures; each process running tasks adds where it ran)."""
     return {
         "sweep": config.name,
         "config_fingerprint": R.fingerprint(identity),
         "sweep_config": dict(identity),
-        **R.environment(),
         **(corpus.info() if corpus is not None else {}),
     }
 

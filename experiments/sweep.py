@@ -35,15 +35,27 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; nothing under SLURM's
 ``srun``); process 0 writes the results.
 
+A SLURM job array (or any N processes, on any machines that share a folder): array task I of
+N runs ``--shard I/N``, the I-th of N deterministic parts of the points, into its own part
+file beside ``--out`` (``sweep.part-I-of-N.jsonl``; ``--resume`` continues a part); then
+``--merge`` joins the parts into ``--out`` and writes the summary, the figures and the report
+(``--merge PART ...``: the part files named; docs/multi-device.md has an sbatch script)::
+
+    python experiments/sweep.py --config cpu --out /shared/s/sweep.jsonl --shard 0/2
+    python experiments/sweep.py --config cpu --out /shared/s/sweep.jsonl --shard 1/2
+    python experiments/sweep.py --config cpu --out /shared/s/sweep.jsonl --merge
+
 Exit codes: 0 done (rows with status ``oom`` included: a policy that does not fit is a result);
 1 done, but a point failed with status ``error`` (its row and the last lines say why; every
-other row is written); 2 bad input, one line on
+other row is written), or a merge found points in no part yet (a note names the part to
+resume); 2 bad input, one line on
 stderr before anything compiles (unknown preset or policy, invalid grid values, unwritable
 output, resuming onto another config's results (the line names the first field that differs;
-the file is left as it was), a missing, empty or binary ``--data`` path; with ``--model``: a
-module, file or factory that cannot be loaded, a factory not returning a Program, ``--config`` /
-``--data`` / ``--mesh`` beside it, a ``--policy`` naming a tag the program does not emit, or no
-policy acting on its tags).
+the file is left as it was), a missing, empty or binary ``--data`` path, a ``--shard`` not
+``I/N`` with ``0 <= I < N``, a part file missing or of another config at ``--merge``; with
+``--model``: a module, file or factory that cannot be loaded, a factory not returning a
+Program, ``--config`` / ``--data`` / ``--mesh`` beside it, a ``--policy`` naming a tag the
+program does not emit, or no policy acting on its tags).
 
 Ctrl-C: one line (``interrupted: N rows kept in FILE; --resume continues``), exit 130.
 
@@ -70,6 +82,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from remat_kit import files
 from remat_kit.cli.args import arg_type, nonnegative_int, positive_int
 from remat_kit.policies import parse_policy_arg
+from remat_kit.sweep.shard import merge_parts, parse_shard, part_path
 from remat_kit.training import distributed
 from remat_kit.units import format_span
 from remat_kit.validation import closest
@@ -131,13 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true",
                    help="skip the figures (pareto.png, ...) and report.html")  # fmt: skip
+    p.add_argument(
+        "--shard", type=arg_type(parse_shard, "shard"), metavar="I/N",
+        help="run part I of N of the points (a SLURM array task: "
+        "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT) into its own part file beside "
+        "--out (sweep.part-I-of-N.jsonl); no summary or figures until --merge",
+    )  # fmt: skip
+    p.add_argument(
+        "--merge", nargs="*", metavar="PART", default=None,
+        help="join the part files (default: every sweep.part-I-of-N.jsonl beside --out) into "
+        "--out, then write the summary, the figures and the report",
+    )  # fmt: skip
     distributed.add_arguments(p)
     return p
 
 
 #: Options of a preset sweep that a program sweep (``--model``) does not take.
 _PRESET_ONLY = ("config", "data", "max_data_bytes", "mesh", "coordinator", "num_processes",
-                "process_id")  # fmt: skip
+                "process_id", "shard")  # fmt: skip
 
 
 def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
@@ -154,6 +178,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     from remat_kit.sweep.output import check_output_flags
 
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
+    given += ["--merge"] if args.merge is not None else []
     if given:
         raise ValueError(f"{', '.join(given)}: not with --model (a program sweep runs the "
                          "program's own arguments on this device)")  # fmt: skip
@@ -376,6 +401,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             return EXIT_BAD_INPUT
         return _write_outputs(run, out, args, argv, console)
     try:
+        _check_parts(args)
         steps = [o for o in ("warmup_steps", "timed_steps") if getattr(args, o) is not None]
         if steps:
             names = ", ".join(f"--{o.replace('_', '-')}" for o in steps)
@@ -400,24 +426,65 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             config = dataclasses.replace(config, grids=grids)
             sweep.validate(config)
         out = Path(args.out) if args.out else RUNS / config.name / "sweep.jsonl"
+        merged = out
+        if args.shard is not None:
+            out = part_path(out, args.shard)
         where.append(out)
         check_output_flags(out, args.resume, args.overwrite)  # before the banner
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
-        run = sweep.run_sweep(
-            config,
-            out,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            data=args.data,
-            max_data_bytes=args.max_data_bytes,
-            progress=not args.no_progress,
-            console=make_console(stderr=True, quiet=not primary),
-        )
+        if args.merge is not None:
+            if not primary:
+                return 0
+            run = merge_parts(config, out, args.merge or None, data=args.data)
+        else:
+            run = sweep.run_sweep(
+                config,
+                out,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                data=args.data,
+                max_data_bytes=args.max_data_bytes,
+                progress=not args.no_progress,
+                console=make_console(stderr=True, quiet=not primary),
+                shard=args.shard,
+            )
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return _write_outputs(run, out, args, argv, console) if primary else 0
+    if not primary:
+        return 0
+    if args.shard is not None:
+        return _part_done(run, args.shard, merged, console)
+    code = _write_outputs(run, out, args, argv, console)
+    for note in run.notes if args.merge is not None else ():
+        console.print(f"note: {note}", highlight=False, markup=False)
+    return max(code, 1) if args.merge is not None and run.notes else code
+
+
+def _check_parts(args: argparse.Namespace) -> None:
+    """``--shard`` / ``--merge`` with what they cannot go with (ValueError: one line)."""
+    if args.shard is not None and args.merge is not None:
+        raise ValueError("--shard and --merge: one or the other (run the parts, then merge)")
+    given = [f"--{o}" for o in ("resume", "overwrite") if getattr(args, o)]
+    if args.merge is not None and given:
+        raise ValueError(
+            f"--merge: not with {' / '.join(given)} (it joins finished parts; a part resumes "
+            "with --shard I/N --resume)"
+        )
+
+
+def _part_done(run, shard, merged: Path, console) -> int:
+    """One part of a sharded sweep finished: what it wrote and what comes next (the summary and
+    the figures come from the merged parts); 1 when a point failed with status ``error``."""
+    bad = [r for r in run.new_rows if r["status"] != "ok"]
+    console.print(
+        f"part {shard}: {len(run.new_rows)} point(s) run, {run.skipped} skipped (already in "
+        f"{run.path.name}), {len(bad)} failed; {run.wall_s:.0f} s. When every part is done: "
+        f"--merge (with --out {merged})",
+        highlight=False, markup=False,
+    )  # fmt: skip
+    return 1 if any(r["status"] == "error" for r in bad) else 0
 
 
 if __name__ == "__main__":

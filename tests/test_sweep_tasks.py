@@ -8,15 +8,18 @@ reference, into the run's compile cache) and every other run reads its compiles 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import re
 import time
+from pathlib import Path
 
 import pytest
 from conftest import run_folder
 
 from remat_kit.sweep import Grid, SweepConfig, results, run_sweep
 from remat_kit.sweep.engine import SerialEngine
+from remat_kit.sweep.shard import Shard, parse_shard, shard_points
 from remat_kit.sweep.tasks import Tally, Task, make_tasks
 
 #: Row fields that are times or say how a figure was obtained (cached or not), not what it is.
@@ -169,3 +172,112 @@ def test_a_task_that_fails_outside_its_points_gives_an_error_row_per_point(tmp_p
     assert lost["seq_len"] == 32 and lost["peak_bytes"] is None
     assert set(lost) == set(rows[points[1].key])  # every field
     assert [r["status"] for r in run.rows] == ["error", "ok"]
+
+
+# -- Shards (SLURM arrays) and their merge -------------------------------------------------------
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "sweep.py"
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("sweep_cli_tasks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config_file(tmp_path) -> Path:
+    path = tmp_path / "grid.py"
+    path.write_text(
+        "from remat_kit.sweep import Grid, SweepConfig\n"
+        "def get_config():\n"
+        "    return SweepConfig('tasks', grids=(Grid(name='analysis', models=('tiny-gpt',),\n"
+        "        policies=('no-remat',), batch_sizes=(2,), seq_lens=(32, 64),\n"
+        "        overrides={'num_layers': 1}, measure=False),))\n"
+    )
+    return path
+
+
+def test_shards_then_merge_give_the_serial_rows_summary_and_figures(tmp_path, serial, capsys):
+    """--shard 0/2 and --shard 1/2 write their own part files (no summary), --merge joins
+    them into --out: the serial run's rows by key (timings aside), its summary table, the
+    figures and the report."""
+    first, path = serial
+    cli = _cli()
+    cfg, out = str(_config_file(tmp_path)), tmp_path / "s" / "sweep.jsonl"
+    base = ["--config", cfg, "--out", str(out), "--no-progress"]
+    for i in (1, 0):  # in either order
+        assert cli.main([*base, "--shard", f"{i}/2"]) == 0
+        said = capsys.readouterr().out
+        assert f"part {i}/2: 1 point(s) run" in said and "--merge" in said, said
+    parts = [tmp_path / "s" / f"sweep.part-{i}-of-2.jsonl" for i in (0, 1)]
+    assert [len(results.read_rows(p)) for p in parts] == [1, 1]
+    assert [results.read_rows(p)[0]["seq_len"] for p in parts] == [32, 64]
+    assert not out.exists() and not (out.parent / "summary.md").exists()
+    assert cli.main([*base, "--merge"]) == 0
+    merged = results.read_rows(out)
+    assert [r["key"] for r in merged] == [r["key"] for r in first.rows]
+    assert by_key(merged) == by_key(results.read_rows(path))
+    summary = (out.parent / "summary.md").read_text()
+    assert results.summary_markdown(first.rows) in summary
+    assert (out.parent / "pareto_analysis.png").stat().st_size > 0
+    assert (out.parent / "report.html").stat().st_size > 0
+    assert "2 point(s) run" in capsys.readouterr().out
+    # merging again (the parts unchanged) gives the same file
+    data = out.read_bytes()
+    assert cli.main([*base, "--merge", "--no-plot"]) == 0
+    assert out.read_bytes() == data
+    # a part missing: one line naming it, exit 2, the merged file untouched
+    parts[1].unlink()
+    assert cli.main([*base, "--merge", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sweep.part-1-of-2.jsonl missing" in err, err
+    assert out.read_bytes() == data
+    # the parts named: a merge of part 0 alone says which part to resume, exit 1
+    other = tmp_path / "t" / "sweep.jsonl"
+    named = ["--config", cfg, "--out", str(other), "--merge", str(parts[0]), "--no-plot"]
+    assert cli.main(named) == 1
+    said = capsys.readouterr().out
+    assert "1 of 2 points are in no file yet (part 1/2 (1 left)" in said, said
+    assert len(results.read_rows(other)) == 1
+
+
+@pytest.mark.parametrize("value", ["2/2", "0/0", "-1/2", "1", "a/b", "1/2/3", ""])
+def test_a_bad_shard_is_one_line_naming_the_value_and_the_form(tmp_path, capsys, value):
+    argv = ["--config", "quick", "--out", str(tmp_path / "o.jsonl"), f"--shard={value}"]
+    with pytest.raises(SystemExit) as exit_:  # argparse's, before anything is loaded
+        _cli().main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("sweep.py: error: "), err
+    assert "argument --shard: expected I/N (part I of N, 0 <= I < N" in err
+    assert f"got {value!r}" in err, err
+
+
+def test_shard_and_merge_refuse_what_they_cannot_go_with(tmp_path, capsys):
+    cli = _cli()
+    base = ["--config", "quick", "--out", str(tmp_path / "o.jsonl")]
+    cases = [
+        (["--shard", "0/2", "--merge"], "--shard and --merge: one or the other"),
+        (["--merge", "--resume"], "--merge: not with --resume"),
+        (["--merge"], "no part files o.part-I-of-N.jsonl in"),
+    ]
+    for extra, message in cases:
+        assert cli.main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("sweep.py: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    model = ["--model", "remat_kit.examples.plain_jax:program", "--shard", "0/2"]
+    assert cli.main(model) == 2
+    assert "--shard: not with --model" in capsys.readouterr().err
+
+
+def test_shard_points_are_contiguous_disjoint_and_cover_the_points():
+    points = analysis_grid(policies=("no-remat", "save-nothing", "save-dots")).points()
+    for count in (1, 2, 4, 7):
+        parts = [shard_points(points, Shard(i, count)) for i in range(count)]
+        assert [p for part in parts for p in part] == points
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert parse_shard(" 3/4 ") == Shard(3, 4) and str(Shard(3, 4)) == "3/4"
+    with pytest.raises(ValueError, match="expected I/N"):
+        Shard(4, 4)

@@ -25,7 +25,8 @@ validation, failure wording), ``measure`` (the step's executable, its arguments 
 steps timed; model FLOPs), ``rows`` (one row per point), ``output`` (the results file, resume,
 progress), ``tasks`` (points as tasks: a group's points run together, keyed by their rows'
 keys; progress over tasks), ``engine`` (what runs the tasks: this process, one after the other),
-``run`` (the one loop, for a grid of presets and for a user's own
+``shard`` (the i-th of N parts of the points, each in its own part file, and their merge:
+SLURM job arrays), ``run`` (the one loop, for a grid of presets and for a user's own
 :class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
 :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the
 analysis compiled, so it is compiled once (one device); on a mesh the run fixes its output

@@ -63,6 +63,7 @@ from remat_kit.sweep.measure import (
 )
 from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
 from remat_kit.sweep.rows import make_row, model_fields
+from remat_kit.sweep.shard import Shard, shard_points
 from remat_kit.sweep.tasks import Tally, Task, TaskSetup, error_rows, make_tasks
 from remat_kit.training.data import Corpus, load_corpus
 from remat_kit.training.step import make_optimizer
@@ -207,6 +208,7 @@ def run_sweep(
     console: Any = None,
     before_point: Callable[[Point], None] | None = None,
     engine: Any = None,
+    shard: Shard | None = None,
 ) -> SweepRun:
     """Run every point of ``config`` not yet in ``out``; append one row per point.
 
@@ -234,6 +236,10 @@ def run_sweep(
         point is neither analysed nor run (used to test fault handling).
       engine: what runs the tasks (:mod:`remat_kit.sweep.engine`); None: this process, one
         task after the other (:class:`~remat_kit.sweep.engine.SerialEngine`).
+      shard: run only this part of the points (:func:`~remat_kit.sweep.shard.shard_points`;
+        ``out`` is then the part's file, :func:`~remat_kit.sweep.shard.part_path`, and
+        :func:`~remat_kit.sweep.shard.merge_parts` joins the parts); its rows are those of
+        the whole sweep (same identity and fingerprint).
 
     Returns:
       A :class:`SweepRun`.
@@ -244,11 +250,12 @@ def run_sweep(
         missing, empty or binary ``data`` path.
     """
     start = time.perf_counter()
-    points = config.points()
+    every = config.points()
+    points = every if shard is None else shard_points(every, shard)
     path = Path(out)
     identity = config.identity(data)
     corpus = None
-    if any(p.measure for p in points):  # a bad data path fails before the output is touched
+    if any(p.measure for p in every):  # a bad data path fails before the output is touched
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)

@@ -28,9 +28,13 @@ local device (the program's own arrays, or values materialised from its ``ShapeD
 
     python experiments/sweep.py --model remat_kit.examples.plain_jax:program
 
-Several devices: measured points run on every device JAX sees (data parallel, or ``--mesh
-fsdp=4`` / ``dp=2,fsdp=2,tp=2``, which also sets the mesh GPU targets are analysed on; on a CPU,
-``JAX_NUM_CPU_DEVICES=4`` gives 4 devices); figures are per device. Several processes: the same
+Several devices: on a machine with GPUs, measured points run side by side, one GPU each, in
+worker processes (``CUDA_VISIBLE_DEVICES`` set per worker), or each on a group of GPUs with
+``--mesh fsdp=4`` / ``dp=2,fsdp=2,tp=2`` (which also sets the mesh GPU targets are analysed on);
+``XLA_PYTHON_CLIENT_PREALLOCATE=true`` keeps every point in this process on every GPU. On a CPU
+the points run on every device JAX sees (``JAX_NUM_CPU_DEVICES=4`` gives 4), data parallel or on
+the ``--mesh``; figures are per device. ``--workers N``: N processes analyse the analysis-only
+points side by side (a line every 10 s says what runs). Several processes: the same
 command once per process with ``--coordinator HOST:PORT --num-processes N --process-id I`` (or
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; nothing under SLURM's
 ``srun``); process 0 writes the results.
@@ -82,6 +86,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from remat_kit import files
 from remat_kit.cli.args import arg_type, nonnegative_int, positive_int
 from remat_kit.policies import parse_policy_arg
+from remat_kit.sweep.engine import local_engine
 from remat_kit.sweep.shard import merge_parts, parse_shard, part_path
 from remat_kit.training import distributed
 from remat_kit.units import format_span
@@ -145,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true",
                    help="skip the figures (pareto.png, ...) and report.html")  # fmt: skip
     p.add_argument(
+        "--workers", type=positive_int, default=1, metavar="N",
+        help="processes analysing the analysis-only points side by side (JAX_PLATFORMS=cpu; "
+        "default 1: this process). Measured points run side by side on every GPU JAX sees, one "
+        "GPU each (a --mesh point: a group of as many GPUs)",
+    )  # fmt: skip
+    p.add_argument(
         "--shard", type=arg_type(parse_shard, "shard"), metavar="I/N",
         help="run part I of N of the points (a SLURM array task: "
         "--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT) into its own part file beside "
@@ -179,6 +190,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
 
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
     given += ["--merge"] if args.merge is not None else []
+    given += ["--workers"] if args.workers != 1 else []
     if given:
         raise ValueError(f"{', '.join(given)}: not with --model (a program sweep runs the "
                          "program's own arguments on this device)")  # fmt: skip
@@ -383,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, where: list[Path]) -> int:
     args = build_parser().parse_args(argv)
     try:  # before anything starts JAX's backends
-        distributed.initialize_from_args(args)
+        several = distributed.initialize_from_args(args)
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    worker_env = {} if several or args.model is not None or args.merge is not None else (
+        _leave_gpu_memory())  # fmt: skip
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
     from remat_kit.sweep.output import check_output_flags
@@ -448,6 +462,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
                 progress=not args.no_progress,
                 console=make_console(stderr=True, quiet=not primary),
                 shard=args.shard,
+                engine=local_engine(args.workers, env=worker_env),
             )
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
@@ -462,15 +477,30 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
     return max(code, 1) if args.merge is not None and run.notes else code
 
 
+def _leave_gpu_memory() -> dict[str, str | None]:
+    """Start JAX in this process without it taking most of each GPU's memory, so the GPUs can
+    go to worker processes, one point each (:func:`remat_kit.sweep.engine.shareable_gpus`);
+    the environment overrides that give the workers the user's own setting back. Nothing when
+    the user set it (``XLA_PYTHON_CLIENT_PREALLOCATE=true``: the points run in this process,
+    on every GPU together, as before)."""
+    from remat_kit.sweep.engine import PREALLOCATE
+
+    if PREALLOCATE in os.environ:
+        return {}
+    os.environ[PREALLOCATE] = "false"
+    return {PREALLOCATE: None}
+
+
 def _check_parts(args: argparse.Namespace) -> None:
     """``--shard`` / ``--merge`` with what they cannot go with (ValueError: one line)."""
     if args.shard is not None and args.merge is not None:
         raise ValueError("--shard and --merge: one or the other (run the parts, then merge)")
     given = [f"--{o}" for o in ("resume", "overwrite") if getattr(args, o)]
+    given += ["--workers"] if args.workers != 1 else []
     if args.merge is not None and given:
         raise ValueError(
-            f"--merge: not with {' / '.join(given)} (it joins finished parts; a part resumes "
-            "with --shard I/N --resume)"
+            f"--merge: not with {' / '.join(given)} (it joins finished parts, running no "
+            "point; a part resumes with --shard I/N --resume)"
         )
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_folder
 
 from remat_kit.sweep import Grid, SweepConfig, results, run_sweep
-from remat_kit.sweep.engine import SerialEngine
+from remat_kit.sweep.engine import LocalEngine, SerialEngine
 from remat_kit.sweep.shard import Shard, parse_shard, shard_points
 from remat_kit.sweep.tasks import Tally, Task, make_tasks
 
@@ -144,6 +144,16 @@ def test_tasks_in_any_order_give_the_same_rows_summary_and_resume(tmp_path, seri
     assert results.summary_markdown(resumed.rows) == results.summary_markdown(first.rows)
 
 
+def test_worker_processes_give_the_serial_rows(tmp_path, serial):
+    """The grid on the local engine's two CPU worker processes (one group each): the serial
+    run's rows by key, timings aside; each row says where it ran (a worker's environment)."""
+    first, path = serial
+    run = run_sweep(analysis_grid(), tmp_path / "w.jsonl", progress=False, engine=LocalEngine(2))
+    assert [r["key"] for r in run.rows] == [r["key"] for r in first.rows]
+    assert by_key(results.read_rows(tmp_path / "w.jsonl")) == by_key(results.read_rows(path))
+    assert results.summary_markdown(run.rows) == results.summary_markdown(first.rows)
+
+
 def test_a_task_that_fails_outside_its_points_gives_an_error_row_per_point(tmp_path, serial):
     """A runner raising (a bug, a lost process) loses only its task's points: each gets an
     error row with every field, and the other tasks' rows are written."""
@@ -260,6 +270,7 @@ def test_shard_and_merge_refuse_what_they_cannot_go_with(tmp_path, capsys):
     cases = [
         (["--shard", "0/2", "--merge"], "--shard and --merge: one or the other"),
         (["--merge", "--resume"], "--merge: not with --resume"),
+        (["--merge", "--workers", "2"], "--merge: not with --workers"),
         (["--merge"], "no part files o.part-I-of-N.jsonl in"),
     ]
     for extra, message in cases:

@@ -11,9 +11,10 @@ minutes on one H100 / H200 (jax 0.10.2 with CUDA 12), most of it compiling (2 co
 policies x 3 lengths x 2 models, a few seconds each). Results go to
 ``experiments/results/<device>/`` (``h200`` on an H200).
 
-One GPU is measured: batch 1 cannot split over data-parallel devices, so on a machine with
-several GPUs run ``CUDA_VISIBLE_DEVICES=0 python experiments/sweep.py`` (or ``--mesh tp=N`` to
-split heads and MLP over N GPUs; figures are then per device).
+Each point is measured on one GPU: on a machine with several, the points run side by side,
+one GPU each (worker processes, ``CUDA_VISIBLE_DEVICES`` set per worker), so 8 GPUs measure 8
+points at a time; ``--mesh tp=N`` runs each point on a group of N GPUs (heads and MLP split;
+figures per device).
 
 Shapes: batch 1, bf16 parameters and AdamW state, scanned layers; gpt2-medium's learned position
 table is widened to 8192 (``max_seq_len`` override) so the three lengths apply to both models.

@@ -24,9 +24,12 @@ Where the code lives: ``config`` (Grid, SweepConfig, Point, config files), ``che
 validation, failure wording), ``measure`` (the step's executable, its arguments placed, its
 steps timed; model FLOPs), ``rows`` (one row per point), ``output`` (the results file, resume,
 progress), ``tasks`` (points as tasks: a group's points run together, keyed by their rows'
-keys; progress over tasks), ``engine`` (what runs the tasks: this process, one after the other),
-``shard`` (the i-th of N parts of the points, each in its own part file, and their merge:
-SLURM job arrays), ``run`` (the one loop, for a grid of presets and for a user's own
+keys; progress over tasks), ``engine`` (what runs the tasks: this process, one after the other;
+or side by side, analysis-only tasks on CPU worker processes and each measured point on its own
+GPU(s): :func:`~remat_kit.sweep.engine.local_engine`), ``worker`` (a worker process's loop),
+``shard`` (the i-th of N parts of the points, each in its own part file, and their merge: SLURM
+job arrays), ``run``
+(the one loop, for a grid of presets and for a user's own
 :class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
 :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the
 analysis compiled, so it is compiled once (one device); on a mesh the run fixes its output

@@ -164,16 +164,24 @@ class SweepConfig:
         """:func:`remat_kit.sweep.results.fingerprint` of :meth:`identity`."""
         return R.fingerprint(self.identity(data))
 
-    def points(self) -> list[Point]:
+    def points(self, local_devices: int | None = None) -> list[Point]:
         """Every point, validated, in run order (grid, model, target, group size, batch,
         sequence length, then policy).
 
+        Args:
+          local_devices: how many devices a local point without a grid mesh runs on (data
+            parallel over them when more than one): None, every device of the run (a grid's
+            mesh must then span them all); a number, where an engine hands devices out to
+            points side by side (1: one GPU each; a grid's mesh then takes a group of that
+            many devices, at most every device).
+
         Raises:
-          ValueError: see :func:`validate`.
+          ValueError: see :func:`validate`; a grid's mesh needing more devices than the run
+            has (or, with ``local_devices`` None, other than all of them).
         """
         validate(self)
         local_kind = jax.default_backend()
-        out = [point for g in self.grids for point in _grid_points(g, local_kind)]
+        out = [point for g in self.grids for point in _grid_points(g, local_kind, local_devices)]
         keys = [p.key for p in out]
         if len(set(keys)) != len(keys):
             dup = next(p for p in out if keys.count(p.key) > 1)
@@ -181,7 +189,7 @@ class SweepConfig:
         return out
 
 
-def _grid_points(g: Grid, local_kind: str) -> Iterator[Point]:
+def _grid_points(g: Grid, local_kind: str, local_devices: int | None) -> Iterator[Point]:
     for model, target, group, b, s, policy in _product(g):
         yield Point(
             grid=g.name,
@@ -198,23 +206,30 @@ def _grid_points(g: Grid, local_kind: str) -> Iterator[Point]:
             optimizer=g.optimizer,
             learning_rate=g.learning_rate,
             seed=g.seed,
-            mesh=_point_mesh(g, target, b, local_kind),
+            mesh=_point_mesh(g, target, b, local_kind, local_devices),
         )
 
 
-def _point_mesh(g: Grid, target: str, batch_size: int, local_kind: str) -> str | None:
+def _point_mesh(
+    g: Grid, target: str, batch_size: int, local_kind: str, local_devices: int | None
+) -> str | None:
     """The mesh a point runs or is analysed on (see :attr:`Grid.mesh`), as ``MeshSpec`` text;
-    None for one device without a mesh."""
+    None for one device without a mesh (``local_devices``: see :meth:`SweepConfig.points`)."""
     local = _is_local(target, local_kind)
     if g.mesh is not None:
         spec = T.parse_mesh(g.mesh)
-        if local:
+        if local and local_devices is None:
             try:
                 T.local_mesh(spec)  # raises unless the mesh has every device of the run
             except ValueError as err:
                 raise within(f"grid {g.name!r}", err) from None
-    elif local and jax.device_count() > 1:
-        spec = T.parse_mesh(None, jax.device_count())
+        elif local and spec.num_devices > jax.device_count():
+            raise ValueError(
+                f"grid {g.name!r}: mesh {spec} needs {spec.num_devices} devices (product of "
+                f"its sizes) but this machine has {jax.device_count()} (jax.device_count())"
+            )
+    elif local and (local_devices or jax.device_count()) > 1:
+        spec = T.parse_mesh(None, local_devices or jax.device_count())
     else:
         return None
     try:

@@ -234,8 +234,10 @@ def run_sweep(
       before_point: called with each point before its group (the points differing only in the
         policy) is analysed; an exception it raises becomes that point's ``error`` row and the
         point is neither analysed nor run (used to test fault handling).
-      engine: what runs the tasks (:mod:`remat_kit.sweep.engine`); None: this process, one
-        task after the other (:class:`~remat_kit.sweep.engine.SerialEngine`).
+      engine: what runs the tasks (:mod:`remat_kit.sweep.engine`): None, this process, one
+        task after the other (:class:`~remat_kit.sweep.engine.SerialEngine`);
+        :func:`~remat_kit.sweep.engine.local_engine` for worker processes and every GPU (a
+        local point then runs on one GPU unless its grid has a mesh: its ``local_devices``).
       shard: run only this part of the points (:func:`~remat_kit.sweep.shard.shard_points`;
         ``out`` is then the part's file, :func:`~remat_kit.sweep.shard.part_path`, and
         :func:`~remat_kit.sweep.shard.merge_parts` joins the parts); its rows are those of
@@ -250,7 +252,8 @@ def run_sweep(
         missing, empty or binary ``data`` path.
     """
     start = time.perf_counter()
-    every = config.points()
+    engine = engine or SerialEngine()
+    every = config.points(engine.local_devices)
     points = every if shard is None else shard_points(every, shard)
     path = Path(out)
     identity = config.identity(data)
@@ -259,34 +262,62 @@ def run_sweep(
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
-    if any(not T.get_target(p.target).deviceless for p in todo):
+    if engine.runs_here and any(not T.get_target(p.target).deviceless for p in todo):
         # Time the local device for the step-time model before anything else runs (cached
-        # per machine): a calibration beside compiles in flight would time them too.
+        # per machine): a calibration beside compiles in flight would time them too. (GPUs
+        # handed to worker processes are timed there, each by the first point it runs.)
         roofline.device_figures(T.get_target(T.LOCAL))
-    engine = engine or SerialEngine()
     setup = TaskSetup(
         _common_fields(config, identity, corpus), None if data is None else str(data),
         max_data_bytes, before_point,
     )  # fmt: skip
-    tasks = make_tasks(todo, engine.analysis_slots, engine.device_slots)
-    written: list[dict[str, Any]] = []
-    with _progress_bar(progress and primary, console, len(todo)) as advance:
-        with Tally(len(todo), advance) as tally:
-            for event in engine.run(tasks, functools.partial(TaskRunner, setup), tally.advance):
-                if event.kind == "start":
-                    tally.start(event.task)
-                    continue
-                rows = event.rows
-                if rows is None:
-                    rows = error_rows(event.task, setup.common, event.error)  # type: ignore[arg-type]
-                for row in rows:
-                    if primary:
-                        R.append_row(path, row)
-                written += rows
-                tally.finish(event.task, rows)
+    tasks = make_tasks(todo, engine.analysis_slots, engine.device_slots, engine.backend)
+    written = run_tasks(
+        engine, tasks, functools.partial(TaskRunner, setup), path, setup.common,
+        progress=progress and primary, console=console, primary=primary,
+    )  # fmt: skip
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)
+
+
+def run_tasks(
+    engine: Any,
+    tasks: Sequence[Task],
+    make_runner: Callable,
+    path: Path,
+    common: Mapping[str, Any],
+    *,
+    progress: bool = True,
+    console: Any = None,
+    primary: bool = True,
+) -> list[dict[str, Any]]:
+    """Run ``tasks`` through ``engine`` (:mod:`remat_kit.sweep.engine`; ``make_runner``: the
+    factory of task runners it calls in each process) and append each task's rows to ``path``
+    as it finishes (``primary``: this process writes; under ``jax.distributed``, process 0),
+    in whatever order; a task lost (its process gone, its runner raising) gets an error row
+    per point (``common``: the fields those rows share). Progress: a bar or a line per point,
+    and what is running every 10 s (:class:`~remat_kit.sweep.tasks.Tally`).
+
+    Returns:
+      The rows written, in the order written.
+    """
+    written: list[dict[str, Any]] = []
+    total = sum(len(t.points) for t in tasks)
+    with _progress_bar(progress, console, total) as advance, Tally(total, advance) as tally:
+        for event in engine.run(tasks, make_runner, tally.advance):
+            if event.kind == "start":
+                tally.start(event.task)
+                continue
+            rows = event.rows
+            if rows is None:
+                rows = error_rows(event.task, common, event.error)  # type: ignore[arg-type]
+            for row in rows:
+                if primary:
+                    R.append_row(path, row)
+            written += rows
+            tally.finish(event.task, rows)
+    return written
 
 
 def _todo(

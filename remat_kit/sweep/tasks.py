@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
+from remat_kit import targets as T
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point
 from remat_kit.sweep.rows import make_row
@@ -29,9 +32,11 @@ class Task:
 
     Attributes:
       points: the points, in run order (at least one).
+      on_device: the task runs where the local device is (:func:`on_device`).
     """
 
     points: tuple[Point, ...]
+    on_device: bool = False
 
     @property
     def key(self) -> str:
@@ -45,6 +50,12 @@ class Task:
         return any(p.measure for p in self.points)
 
     @property
+    def devices(self) -> int:
+        """Devices the task's points run on: its mesh's (a meshed point's), else 1."""
+        mesh = self.points[0].mesh
+        return T.parse_mesh(mesh).num_devices if mesh else 1
+
+    @property
     def label(self) -> str:
         """The group's label and how many policies (``tiny-gpt b=2 s=64 @local, 3 policies``)."""
         head = self.points[0].label.rsplit(" ", 2)[0]
@@ -52,13 +63,26 @@ class Task:
         return f"{head} @{self.points[0].target}, {n} polic{'y' if n == 1 else 'ies'}"
 
 
+def on_device(point: Point, backend: str) -> bool:
+    """Whether ``point`` runs where the local device is: measured, or analysed for the local
+    device when that is not the CPU (``backend``: the local one; a CPU worker process compiles
+    for the CPU, a deviceless target anywhere)."""
+    return point.measure or (backend != "cpu" and not T.get_target(point.target).deviceless)
+
+
 def make_tasks(
-    points: Sequence[Point], analysis_slots: int = 1, device_slots: int = 1
+    points: Sequence[Point],
+    analysis_slots: int = 1,
+    device_slots: int = 1,
+    backend: str | None = None,
 ) -> list[Task]:
-    """The tasks of ``points``, in run order: one per group (:attr:`Point.group`).
+    """The tasks of ``points``, in run order: one per group (:attr:`Point.group`), on the
+    device or not (:func:`on_device`; ``backend``: the local one, default
+    ``jax.default_backend()``).
 
     Where more processes run tasks side by side than there are groups of a kind (analysis-only,
-    run by ``analysis_slots`` processes; measured, by ``device_slots``), each group of that kind
+    run by ``analysis_slots`` processes; on the device, by ``device_slots``), each group of that
+    kind
     is cut into ``ceil(slots / groups)`` contiguous shares of near-equal size, so every process
     has work. A share without ``no-remat`` compiles the no-remat step once more (the baseline
     :func:`remat_kit.memory.analyze_policies` judges memory against); the figures of a point
@@ -69,19 +93,20 @@ def make_tasks(
     """
     if analysis_slots < 1 or device_slots < 1:
         raise ValueError(f"slots must be >= 1, got {analysis_slots} and {device_slots}")
+    backend = backend or jax.default_backend()
     groups: dict[tuple, list[Point]] = {}
     for p in points:
         groups.setdefault(p.group, []).append(p)
-    measured = sum(1 for g in groups.values() if g[0].measure)
-    counts = {True: measured, False: len(groups) - measured}
+    kinds = {g: on_device(members[0], backend) for g, members in groups.items()}
+    counts = {k: sum(1 for v in kinds.values() if v == k) for k in (False, True)}
     slots = {True: device_slots, False: analysis_slots}
     tasks = []
-    for members in groups.values():
-        kind = members[0].measure
+    for g, members in groups.items():
+        kind = kinds[g]
         pieces = min(len(members), math.ceil(slots[kind] / counts[kind]))
         for i in range(pieces):
             share = members[i * len(members) // pieces : (i + 1) * len(members) // pieces]
-            tasks.append(Task(tuple(share)))
+            tasks.append(Task(tuple(share), kind))
     return tasks
 
 

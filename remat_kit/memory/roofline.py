@@ -917,7 +917,7 @@ def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> fl
     ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch * ceil(m / tm) *
     ceil(n / tn) / sm_count)``; the best tile is taken (cuBLAS's heuristics pick among them).
     1.0 where ``sm_count`` is 0 or the shape unknown. The large-matmul rate it scales
-    (:attr:`DeviceFigures.peak_flops`) is itself measured at a best shape, so a large matmul
+    (``DeviceFigures.peak_flops``) is itself measured at a best shape, so a large matmul
     keeps about 1.0."""
     if not sm_count or not gemm:
         return 1.0

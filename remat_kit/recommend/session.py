@@ -93,7 +93,7 @@ class Candidate:
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     #: Estimated seconds of the kernels that recompute the forward pass
-    #: (:attr:`~remat_kit.memory.roofline.StepTime.recompute_s`); None without an estimate.
+    #: (``StepTime.recompute_s`` of :mod:`remat_kit.memory.roofline`); None without an estimate.
     recompute_s: float | None = None
     warnings: tuple[str, ...] = ()
     model: str | None = None

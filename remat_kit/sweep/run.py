@@ -219,7 +219,7 @@ def run_sweep(
     The points run as tasks (:func:`~remat_kit.sweep.tasks.make_tasks`: a group's points, or
     shares of a group where processes run side by side), each task's rows appended as it
     finishes, in whatever order the engine finishes them; a row's figures do not depend on the
-    order, and :attr:`SweepRun.rows` are in point order.
+    order, and the ``rows`` of :class:`~remat_kit.sweep.output.SweepRun` are in point order.
 
     Args:
       config: the sweep.

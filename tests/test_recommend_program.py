@@ -235,7 +235,12 @@ def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
     the calibrated CPU keeps the fastest estimate."""
     from remat_kit import targets
     from remat_kit.memory.roofline import DATASHEET_ESTIMATE_ERROR, estimate_error
-    from remat_kit.recommend.session import Candidate, fastest_fitting, less_recompute_note
+    from remat_kit.recommend.session import (
+        Candidate,
+        fastest_fitting,
+        less_recompute_note,
+        passed_over_note,
+    )
 
     def cand(policy, flops, step, fits=True, recompute_s=0.0):
         return Candidate(
@@ -264,3 +269,9 @@ def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
     # no elementwise work either
     elementwise = cand("save-dots", 1.00e12, 0.100 / (1 + margin / 2), recompute_s=0.002)
     assert fastest_fitting([elementwise, none], margin) is none
+    # no-remat beyond the error: passed over, and a note says so and why
+    assert passed_over_note(full, [full, dots, none], margin).startswith(
+        "not picked though it recomputes less: no-remat"
+    )
+    assert passed_over_note(none, [dots, none], margin) is None  # the pick recomputes least
+    assert passed_over_note(full, [full, dots, none], 0.0) is None  # calibrated: no rule

@@ -73,6 +73,7 @@ from remat_kit.recommend.session import (
     fastest_fitting,
     less_recompute_note,
     offload_passed_over,
+    passed_over_note,
     pointless_offloads,
 )
 from remat_kit.units import format_bytes, parse_bytes
@@ -575,9 +576,9 @@ def assemble(
     tgt, program = request.target, request.program
     rivals = found.largest if request.auto else found.candidates
     close = close_call(found.pick, rivals, request.auto)
-    less = None if request.auto else less_recompute_note(
-        found.pick, found.candidates, estimate_error(tgt)
-    )  # fmt: skip
+    margin = estimate_error(tgt)
+    less = None if request.auto else less_recompute_note(found.pick, found.candidates, margin)
+    over = None if request.auto else passed_over_note(found.pick, found.candidates, margin)
     passed = offload_passed_over(found.pick, rivals, request.auto)
     small = small_step_note((c.step_time_s for c in found.candidates), figures_for(tgt).measured)
     # what analyze prints under the pick's row (remat undone, XLA's own remat, ...), said here too
@@ -603,7 +604,7 @@ def assemble(
             time_model_note(tgt),
             *session.notes,
             *warned,
-            *(n for n in (less, close, passed, small) if n),
+            *(n for n in (less, over, close, passed, small) if n),
         ),  # fmt: skip
         solve=found.summary,
         peak_flops=tgt.peak_flops_bf16,

@@ -444,6 +444,32 @@ def less_recompute_note(
     )
 
 
+def passed_over_note(
+    pick: Candidate | None, candidates: Sequence[Candidate], margin: float
+) -> str | None:
+    """The note for a fitting candidate that recomputes less than the pick (no-remat, most
+    often) but is estimated slower than the fastest by more than ``margin``: what makes it
+    slower in the estimate and that no GPU measurement confirms it; None where there is none.
+    """
+    if pick is None or margin <= 0:
+        return None
+    skip = pointless_offloads(candidates)
+    usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
+    less = [c for c in usable if recompute_key(c) < recompute_key(pick)]
+    if not less:
+        return None
+    best = min(usable, key=rank)
+    other = min(less, key=recompute_key)
+    return (
+        f"not picked though it recomputes less: {other.label} (est. "
+        f"{format_seconds(other.step_time_s)}, {other.step_time_s / best.step_time_s - 1:.0%} "
+        f"above the fastest, beyond the time model's {margin:.0%} error): the estimate charges a "
+        "scanned step that keeps its residuals the copies that stack them per layer and read "
+        "them back, which recomputation avoids; no GPU measurement of remat-kit's confirms "
+        "it yet (docs/time-model.md): time both if it fits"
+    )
+
+
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
     """The note for a pick whose estimated lead over the next fitting configuration (another
     program: another label, or another peak, and not the same compiled program) is under

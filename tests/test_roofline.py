@@ -598,3 +598,14 @@ def test_fused_attention_runs_at_the_measured_attention_rate():
     assert h100.attention_flops["bf16"] == pytest.approx(989.4e12 * 529 / 989)
     assert "FlashAttention-3" in h100.source
     assert roofline.datasheet_figures(targets.get_target("a100-80gb")).attention_flops is None
+
+
+def test_no_remat_slower_is_explained_on_datasheet_targets_only():
+    note = roofline.no_remat_slower_note(
+        {"no-remat": 0.053, "save-dots-no-batch": 0.0349, "save-nothing": 0.0351}, False
+    )
+    assert note is not None and note.startswith("no-remat is estimated 52% slower than ")
+    assert "save-dots-no-batch" in note and "dynamic-update-slice" in note
+    assert roofline.no_remat_slower_note({"no-remat": 0.03, "save-nothing": 0.04}, False) is None
+    assert roofline.no_remat_slower_note({"no-remat": 0.05, "save-nothing": 0.04}, True) is None
+    assert roofline.no_remat_slower_note({"save-nothing": 0.04}, False) is None

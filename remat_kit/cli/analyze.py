@@ -18,7 +18,7 @@ from remat_kit.memory import CompileError, analyze_policies, per_layer_activatio
 from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.diff import peak_inversions
 from remat_kit.memory.report import SAME_PROGRAM, MemoryReport, same_program_as
-from remat_kit.memory.roofline import StepTime, small_step_note
+from remat_kit.memory.roofline import StepTime, no_remat_slower_note, small_step_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.targets import parse_mesh
@@ -314,11 +314,15 @@ def _time_line(results) -> str | None:
         (r.step_time_s for r in results if not isinstance(r, CompileError)),
         step.measured_figures,
     )
+    slower = no_remat_slower_note(
+        {r.policy: r.step_time_s for r in results if not isinstance(r, CompileError)},
+        step.measured_figures,
+    )
     return (
         f"est. step: roofline over the compiled kernels, device figures {how} ({figures}; "
         + (f"assumed, not cited: {'; '.join(assumed)}; " if assumed else "")
         + "MemoryReport.step_time has the breakdown and the dominant kernels): an estimate, "
-        "not a measurement" + (f"; {small}" if small else "")
+        "not a measurement" + (f"; {small}" if small else "") + (f"; {slower}" if slower else "")
     )
 
 

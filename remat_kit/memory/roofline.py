@@ -1466,6 +1466,29 @@ def small_step_note(
     )
 
 
+def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) -> str | None:
+    """Why no-remat is estimated slower than a policy that recomputes, on a datasheet (GPU or
+    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them
+    back, copies recomputation avoids (docs/time-model.md, "On GPUs"); no GPU run confirms
+    it yet. ``step_times_s``: estimated seconds by policy label. None where no-remat is not
+    among them, is not slower, or the figures are calibrated on this machine (the CPU's own
+    reason is in the sweep's notes)."""
+    mine = step_times_s.get("no-remat")
+    others = {k: v for k, v in step_times_s.items() if k != "no-remat" and v}
+    if measured or not mine or not others:
+        return None
+    label, best = min(others.items(), key=lambda kv: kv[1])
+    if mine <= best:
+        return None
+    return (
+        f"no-remat is estimated {mine / best - 1:.0%} slower than {label}: the estimate charges "
+        "a scanned step that keeps its residuals the copies that stack them per layer "
+        "(dynamic-update-slice), read them back (dynamic-slice), transpose and zero-fill the "
+        "stacks; recomputation avoids them. No GPU measurement of remat-kit's confirms this "
+        "yet (docs/time-model.md): time both before trusting the order"
+    )
+
+
 def time_model_note(target: T.Target) -> str:
     """The note every recommendation carries about the time model and its limits."""
     figures = device_figures(target)

@@ -39,6 +39,10 @@ command once per process with ``--coordinator HOST:PORT --num-processes N --proc
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``; nothing under SLURM's
 ``srun``); process 0 writes the results.
 
+A Ray cluster: ``--engine ray`` (``pip install 'remat-kit[ray]'``) runs each task as a Ray task
+asking for its GPUs or a CPU, on a Ray instance started for the run or on ``--address`` /
+``RAY_ADDRESS``; rows come back to this process, so ``--resume`` continues a killed driver.
+
 A SLURM job array (or any N processes, on any machines that share a folder): array task I of
 N runs ``--shard I/N``, the I-th of N deterministic parts of the points, into its own part
 file beside ``--out`` (``sweep.part-I-of-N.jsonl``; ``--resume`` continues a part); then
@@ -150,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true",
                    help="skip the figures (pareto.png, ...) and report.html")  # fmt: skip
     p.add_argument(
+        "--engine", choices=("local", "ray"), default="local",
+        help="what runs the points: local (this machine: --workers processes, every GPU) or "
+        "ray (Ray tasks, each asking for its GPUs or a CPU; pip install 'remat-kit[ray]')",
+    )  # fmt: skip
+    p.add_argument(
+        "--address", default=None,
+        help="--engine ray: the Ray cluster to run on (default: $RAY_ADDRESS, else a Ray "
+        "instance started on this machine)",
+    )  # fmt: skip
+    p.add_argument(
         "--workers", type=positive_int, default=1, metavar="N",
         help="processes analysing the analysis-only points side by side (JAX_PLATFORMS=cpu; "
         "default 1: this process). Measured points run side by side on every GPU JAX sees, one "
@@ -191,6 +205,8 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]
     given += ["--merge"] if args.merge is not None else []
     given += ["--workers"] if args.workers != 1 else []
+    given += ["--engine"] if args.engine != "local" else []
+    given += ["--address"] if args.address is not None else []
     if given:
         raise ValueError(f"{', '.join(given)}: not with --model (a program sweep runs the "
                          "program's own arguments on this device)")  # fmt: skip
@@ -462,7 +478,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
                 progress=not args.no_progress,
                 console=make_console(stderr=True, quiet=not primary),
                 shard=args.shard,
-                engine=local_engine(args.workers, env=worker_env),
+                engine=_engine(args, worker_env),
             )
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
@@ -491,12 +507,37 @@ def _leave_gpu_memory() -> dict[str, str | None]:
     return {PREALLOCATE: None}
 
 
+def _engine(args: argparse.Namespace, worker_env: dict[str, str | None]):
+    """The engine ``--engine`` names: this machine's (:func:`remat_kit.sweep.engine.local_engine`)
+    or Ray's (:class:`remat_kit.sweep.ray_engine.RayEngine`: its GPU tasks get JAX's own
+    memory setting back, as local workers do).
+
+    Raises:
+      ValueError: Ray not installed (one line naming the install command).
+    """
+    if args.engine == "ray":
+        from remat_kit.sweep.ray_engine import RayEngine
+
+        env = {k: "true" if v is None else v for k, v in worker_env.items()}  # JAX's default
+        return RayEngine(args.address, runtime_env={"env_vars": env} if env else None)
+    return local_engine(args.workers, env=worker_env)
+
+
 def _check_parts(args: argparse.Namespace) -> None:
-    """``--shard`` / ``--merge`` with what they cannot go with (ValueError: one line)."""
+    """``--shard`` / ``--merge`` / ``--engine`` with what they cannot go with (ValueError: one
+    line)."""
+    if args.address is not None and args.engine != "ray":
+        raise ValueError("--address: only with --engine ray (the Ray cluster to run on)")
+    if args.engine == "ray" and args.workers != 1:
+        raise ValueError(
+            "--workers: not with --engine ray (Ray runs as many points as the cluster has CPUs "
+            "and GPUs for)"
+        )
     if args.shard is not None and args.merge is not None:
         raise ValueError("--shard and --merge: one or the other (run the parts, then merge)")
     given = [f"--{o}" for o in ("resume", "overwrite") if getattr(args, o)]
     given += ["--workers"] if args.workers != 1 else []
+    given += ["--engine"] if args.engine != "local" else []
     if args.merge is not None and given:
         raise ValueError(
             f"--merge: not with {' / '.join(given)} (it joins finished parts, running no "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -264,10 +265,17 @@ def test_a_bad_shard_is_one_line_naming_the_value_and_the_form(tmp_path, capsys,
     assert f"got {value!r}" in err, err
 
 
-def test_shard_and_merge_refuse_what_they_cannot_go_with(tmp_path, capsys):
+def test_shard_merge_and_engine_refuse_what_they_cannot_go_with(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
     cli = _cli()
     base = ["--config", "quick", "--out", str(tmp_path / "o.jsonl")]
     cases = [
+        (
+            ["--engine", "ray"],
+            "--engine ray needs Ray, which is not installed: pip install 'remat-kit[ray]'",
+        ),
+        (["--address", "10.0.0.1:6379"], "--address: only with --engine ray"),
+        (["--engine", "ray", "--workers", "2"], "--workers: not with --engine ray"),
         (["--shard", "0/2", "--merge"], "--shard and --merge: one or the other"),
         (["--merge", "--resume"], "--merge: not with --resume"),
         (["--merge", "--workers", "2"], "--merge: not with --workers"),

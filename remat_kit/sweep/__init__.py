@@ -27,8 +27,8 @@ progress), ``tasks`` (points as tasks: a group's points run together, keyed by t
 keys; progress over tasks), ``engine`` (what runs the tasks: this process, one after the other;
 or side by side, analysis-only tasks on CPU worker processes and each measured point on its own
 GPU(s): :func:`~remat_kit.sweep.engine.local_engine`), ``worker`` (a worker process's loop),
-``shard`` (the i-th of N parts of the points, each in its own part file, and their merge: SLURM
-job arrays), ``run``
+``ray_engine`` (tasks as Ray tasks, ``pip install 'remat-kit[ray]'``), ``shard`` (the i-th of N
+parts of the points, each in its own part file, and their merge: SLURM job arrays), ``run``
 (the one loop, for a grid of presets and for a user's own
 :class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
 :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the

@@ -8,9 +8,9 @@ called with a task and an ``advance`` for stage lines, returns its rows) and yie
 Its attributes say how it runs them: ``analysis_slots`` / ``device_slots`` (tasks of each kind
 side by side, for :func:`~remat_kit.sweep.tasks.make_tasks`), ``local_devices`` (the devices
 a local point runs on, for :meth:`~remat_kit.sweep.SweepConfig.points`: None, every device),
-``backend`` (where the device tasks run: None, this process's JAX backend) and ``runs_here``
-(the local device's tasks run in this process, which times the device for the step-time model
-before they start).
+``backend`` (where the device tasks run: None, this process's JAX backend) and
+``calibrate_here`` (the tasks' local device is this machine's and no worker holds it yet: the
+driver times it for the step-time model before they start, and they read its figures).
 
 :class:`SerialEngine` runs every task in the driver's own process, one after the other.
 :class:`LocalEngine` runs them side by side on this machine: analysis-only tasks on CPU worker
@@ -61,7 +61,7 @@ class SerialEngine:
     device_slots = 1
     local_devices: int | None = None
     backend: str | None = None
-    runs_here = True
+    calibrate_here = True
 
     def run(
         self, tasks: Sequence[Task], make_runner: RunnerFactory, advance: Callable
@@ -240,7 +240,7 @@ class LocalEngine:
         self.device_slots = len(self.gpus) if self.gpus else 1
         self.local_devices = 1 if self.gpus else None
         self.backend: str | None = None
-        self.runs_here = self.gpus is None
+        self.calibrate_here = self.gpus is None
 
     def run(
         self, tasks: Sequence[Task], make_runner: RunnerFactory, advance: Callable

@@ -262,7 +262,7 @@ def run_sweep(
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
-    if engine.runs_here and any(not T.get_target(p.target).deviceless for p in todo):
+    if engine.calibrate_here and any(not T.get_target(p.target).deviceless for p in todo):
         # Time the local device for the step-time model before anything else runs (cached
         # per machine): a calibration beside compiles in flight would time them too. (GPUs
         # handed to worker processes are timed there, each by the first point it runs.)

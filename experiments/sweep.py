@@ -460,7 +460,8 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         if args.shard is not None:
             out = part_path(out, args.shard)
         where.append(out)
-        check_output_flags(out, args.resume, args.overwrite)  # before the banner
+        if args.merge is None:  # a merge replaces the rows of its parts' keys, keeps the rest
+            check_output_flags(out, args.resume, args.overwrite)  # before the banner
         console.print(f"sweep [bold]{config.name}[/]: {config.description}")
         console.print(f"results: {out}")
         if args.merge is not None:

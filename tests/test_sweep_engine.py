@@ -76,3 +76,5 @@ def test_local_engine_is_this_process_when_nothing_runs_side_by_side():
     assert isinstance(engine, LocalEngine) and engine.gpus is None and engine.workers == 3
     with pytest.raises(ValueError, match="workers must be a positive integer"):
         LocalEngine(0)
+    with pytest.raises(ValueError, match="need a task runner they can import"):
+        list(LocalEngine(2).run([EchoTask(0)], lambda: EchoRunner(), lambda n, d: None))

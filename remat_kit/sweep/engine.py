@@ -245,6 +245,18 @@ class LocalEngine:
     def run(
         self, tasks: Sequence[Task], make_runner: RunnerFactory, advance: Callable
     ) -> Iterator[Event]:
+        """Run ``tasks`` (see the module docstring).
+
+        Raises:
+          ValueError: ``make_runner`` cannot be sent to a worker process (not picklable: a
+            lambda or a local function, e.g. a ``before_point`` hook).
+        """
+        try:
+            pickle.dumps(make_runner)
+        except Exception as err:
+            raise ValueError(
+                f"worker processes need a task runner they can import (pickle): {err}"
+            ) from None
         with contextlib.ExitStack() as stack:
             logs = Path(self.log_dir or stack.enter_context(tempfile.TemporaryDirectory()))
             logs.mkdir(parents=True, exist_ok=True)

@@ -60,9 +60,19 @@ def test_free_budget_picks_a_compiled_named_policy(free):
     assert 1 <= free.compiles <= len(names)
     pick = free.pick
     assert pick is not None and pick.fits and pick.flops is not None
-    assert pick.step_time_s == min(c.step_time_s for c in free.candidates)
+    # the least recomputing of the candidates within the time model's error of the fastest
+    from remat_kit.memory.roofline import estimate_error
+    from remat_kit.recommend.session import recompute_key
+    from remat_kit.targets import get_target
+
+    fastest = min(c.step_time_s for c in free.candidates)
+    margin = estimate_error(get_target(free.target))
+    near = [c for c in free.candidates if c.fits and c.step_time_s <= fastest * (1 + margin)]
+    assert pick in near and recompute_key(pick) == min(recompute_key(c) for c in near)
     assert pick.tokens_per_s is None and pick.batch_size is None
-    assert free.line().startswith("policy = remat_kit.policy(")
+    assert free.line().startswith(
+        "policy = None  # no remat" if pick.policy == "no-remat" else "policy = remat_kit.policy("
+    )
     assert set(free.arguments) == {"params", "opt_state", "tokens"}
     assert json.loads(free.to_json())["pick"]["peak_bytes"] == pick.peak_bytes
 

@@ -334,6 +334,33 @@ def test_compiler_log_lines_go_to_the_compile_that_logged_them(capfd):
     assert "from another thread" in err and "plain line" in err and "Can't reduce" not in err
 
 
+_PROGRESS_DURING_CAPTURE = """
+import os, sys
+from remat_kit.memory import xla_compile as mc
+path = sys.argv[1]
+with mc.capture_compiler_log():
+    print("progress line", file=sys.stderr)
+    os.write(2, b"compiler line\\n")
+    with open(path) as f:
+        print("seen during capture:", repr(f.read()))
+print("after:", repr(open(path).read()))
+"""
+
+
+def test_python_stderr_reaches_the_terminal_while_compiles_are_captured(tmp_path):
+    """A progress line printed while fd 2 is captured is written at once, not when it ends."""
+    import subprocess
+    import sys
+
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        out = subprocess.run([sys.executable, "-c", _PROGRESS_DURING_CAPTURE, str(err)],
+                             stderr=f, stdout=subprocess.PIPE, text=True, check=True).stdout
+    during, after = out.splitlines()
+    assert "progress line" in during and "compiler line" not in during
+    assert "progress line" in after and "compiler line" in after
+
+
 # -- Textbook -------------------------------------------------------------------------------
 
 

@@ -5,7 +5,9 @@ reduce memory use below X by rematerialization; only reduced to Y" when a progra
 to fit the device. Those lines go to file descriptor 2 from the C++ logger, out of Python's reach,
 so :class:`capture_compiler_log` points fd 2 at a temporary file while compiles run and gives each
 compile the lines its own thread logged (absl log lines carry the native thread id). Lines no
-compile claims are written back to the real stderr when the capture ends.
+compile claims are written back to the real stderr when the capture ends. Python's own writes to
+``sys.stderr`` (progress bars, warnings printed by the tools) keep reaching the terminal while
+the capture runs: ``sys.stderr`` is pointed at the original stream for that time.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
     """Context manager: redirect fd 2 to a temporary file; re-entrant across threads.
 
     The outermost ``with`` installs the redirect and, on exit, parses the file, keeps absl log
-    lines for :meth:`lines_for`, and writes every other line back to the original stderr.
+    lines for :meth:`lines_for`, and writes every other line back to the original stderr. While
+    it is installed, a ``sys.stderr`` that wrote to fd 2 writes to the original stderr instead,
+    so progress lines are seen as they happen, not when the compiles end.
     """
 
     _lock = threading.Lock()
@@ -107,6 +111,8 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
     _file = None
     _lines: list[LogLine] = []
     _claims: list[tuple[int, float, float]] = []
+    _python_stderr: Any = None
+    _own_stderr: Any = None
 
     def __enter__(self) -> capture_compiler_log:
         cls = type(self)
@@ -118,6 +124,14 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
                 os.dup2(cls._file.fileno(), 2)
                 cls._lines = []
                 cls._claims = []
+                cls._python_stderr = None
+                if _writes_to_fd2(sys.stderr):
+                    cls._python_stderr = sys.stderr
+                    sys.stderr = cls._own_stderr = os.fdopen(
+                        os.dup(cls._saved_fd), "w", buffering=1,
+                        encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                        errors="backslashreplace",
+                    )
             cls._depth += 1
         return self
 
@@ -128,6 +142,11 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
             if cls._depth > 0:
                 return
             sys.stderr.flush()
+            if cls._own_stderr is not None:
+                if sys.stderr is cls._own_stderr:
+                    sys.stderr = cls._python_stderr
+                cls._own_stderr.close()
+                cls._own_stderr = cls._python_stderr = None
             os.dup2(cls._saved_fd, 2)
             os.close(cls._saved_fd)
             cls._file.seek(0)
@@ -153,6 +172,14 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
     def lines_for(cls, thread: int, start: float, end: float) -> list[LogLine]:
         """Lines logged by ``thread`` between ``start`` and ``end`` (after the capture ended)."""
         return [line for line in cls._lines if _claimed(line, (thread, start, end))]
+
+
+def _writes_to_fd2(stream: Any) -> bool:
+    """Whether ``stream`` is a file object over file descriptor 2 (not a capture in memory)."""
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 #: Seconds of slack around a compile's window (log stamps are microseconds of the same clock).

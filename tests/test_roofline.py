@@ -5,6 +5,7 @@ a collective's wire bytes; the calibration's cache and override."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -342,6 +343,37 @@ def test_a_calibration_timed_beside_other_work_is_timed_again_and_the_quieter_ke
         shares[:], rates[:] = [0.0], [4e11]
         got = roofline.calibrate()
         assert (got.peak_flops["f32"] == 4e11) is contended and bool(shares) is not contended
+
+
+def test_a_pinned_calibration_prices_a_whole_run_with_one_set_of_figures(tmp_path, monkeypatch):
+    """A sweep's rows were priced with figures 5x apart: the contended calibration was timed
+    again mid-sweep. Within pinned_calibration every calibration (of this process and of the
+    workers it starts) reads the pinned file; a resumed run keeps the file it started with."""
+    fake = {
+        "peak_flops_f32": 1e11, "peak_flops_bf16": 5e10, "memory_bytes_per_s": 2e10,
+        "fresh_bytes_per_s": 1e9, "launch_s": 1e-6, "cache_bytes_per_s": 1e11,
+        "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
+    }  # fmt: skip
+    rates, shares = [1e11, 2e11, 3e11], [0.9, 0.5, 0.4]  # each timing quieter than the last
+    monkeypatch.setattr(roofline, "others_share",
+                        lambda fn: ({**fake, "peak_flops_f32": rates.pop(0)}, shares.pop(0)))  # fmt: skip
+    monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
+    pin = tmp_path / "run.calibration.json"
+    with roofline.pinned_calibration(pin):
+        assert os.environ[roofline.CALIBRATION_ENV] == str(pin)
+        (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
+        data = json.loads(cached.read_text())  # contended and old: outside a pin, timed again
+        cached.write_text(json.dumps({**data, "timed_at": data["timed_at"] - roofline.RETIME_AFTER_S}))
+        seen = {roofline.calibrate().peak_flops["f32"] for _ in range(3)}
+        assert seen == {1e11} and len(rates) == 2
+    assert roofline.CALIBRATION_ENV not in os.environ
+    assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1  # re-timed outside
+    with roofline.pinned_calibration(pin):  # resumed: the figures the run started with
+        assert roofline.calibrate().peak_flops["f32"] == 1e11
+    other = tmp_path / "other.calibration.json"
+    with roofline.pinned_calibration(other):  # a new run: the cached calibration of now
+        assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1
 
 
 def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch):

@@ -71,6 +71,7 @@ file, or pass ``refresh=True``, to time again. A calibration takes a few seconds
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -80,7 +81,7 @@ import platform as _platform
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1330,6 +1331,42 @@ def _timed_now(key: dict[str, str], runs: int) -> dict[str, Any]:
 
 def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
     key = machine_key()
+    return _figures_of(_calibration_data(key, refresh, runs), key)
+
+
+@contextlib.contextmanager
+def pinned_calibration(path: str | Path) -> Iterator[None]:
+    """Within the ``with``, every calibration of this process and of the processes it starts is
+    the one in ``path``: a long run (a sweep) prices all its rows with one set of figures even
+    when the cached calibration would be timed again meanwhile (:data:`RETIME_AFTER_S`).
+
+    ``path`` is kept when it holds this machine's calibration (a resumed run keeps the figures
+    it started with); otherwise the cached calibration (timed now if there is none) is written
+    there. Nothing is pinned when :data:`CALIBRATION_ENV` already names a file.
+    """
+    if os.environ.get(CALIBRATION_ENV):
+        yield
+        return
+    path = Path(path)
+    key = machine_key()
+    try:
+        kept = json.loads(path.read_text()).get("key") == key
+    except (OSError, json.JSONDecodeError, AttributeError):
+        kept = False
+    if not kept:
+        with _CALIBRATING:
+            data = _calibration_data(key, False, 5)
+        files.write_text(path, json.dumps(data, indent=1))
+    os.environ[CALIBRATION_ENV] = str(path)
+    try:
+        yield
+    finally:
+        os.environ.pop(CALIBRATION_ENV, None)
+
+
+def _calibration_data(key: dict[str, str], refresh: bool, runs: int) -> dict[str, Any]:
+    """The calibration file's content for this machine: the given one, the cached one, or
+    timed now (written to the cache)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
     given = os.environ.get(CALIBRATION_ENV)
@@ -1356,6 +1393,10 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
             data = new if quieter else {**cached, "timed_at": new["timed_at"]}
             files.write_text(path, json.dumps(data, indent=1))
     assert data is not None
+    return data
+
+
+def _figures_of(data: dict[str, Any], key: dict[str, str]) -> DeviceFigures:
     f = data["figures"]
     return DeviceFigures(
         name=f"local {key['platform']} ({key['cpu_model'] or key['device_kind']})",

@@ -128,7 +128,9 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
                 if _writes_to_fd2(sys.stderr):
                     cls._python_stderr = sys.stderr
                     sys.stderr = cls._own_stderr = os.fdopen(
-                        os.dup(cls._saved_fd), "w", buffering=1,
+                        os.dup(cls._saved_fd),
+                        "w",
+                        buffering=1,
                         encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
                         errors="backslashreplace",
                     )

@@ -74,6 +74,13 @@ def check_output_flags(path: str | os.PathLike[str], resume: bool, overwrite: bo
         )
 
 
+def calibration_path(path: str | os.PathLike[str]) -> Path:
+    """Where a sweep writing ``path`` keeps the local device's calibration its rows are priced
+    with (``results.jsonl`` -> ``results.calibration.json``)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.calibration.json")
+
+
 def prepare_output(
     path: Path, identity: Mapping[str, Any], resume: bool, overwrite: bool
 ) -> dict[str, dict]:
@@ -95,6 +102,8 @@ def prepare_output(
     check_output_flags(path, resume, overwrite)
     _check_writable(path)
     rows = R.read_rows(path)
+    if overwrite:
+        calibration_path(path).unlink(missing_ok=True)
     if rows and overwrite:
         R.truncate(path)
         return {}

@@ -20,6 +20,7 @@ one policy gives a row with status ``oom`` / ``error`` and the sweep goes on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -61,7 +62,13 @@ from remat_kit.sweep.measure import (
     run_executables,
     time_runs,
 )
-from remat_kit.sweep.output import SweepRun, agreed_todo, prepare_output, progress
+from remat_kit.sweep.output import (
+    SweepRun,
+    agreed_todo,
+    calibration_path,
+    prepare_output,
+    progress,
+)
 from remat_kit.sweep.rows import make_row, model_fields
 from remat_kit.sweep.shard import Shard, shard_points
 from remat_kit.sweep.tasks import Tally, Task, TaskSetup, error_rows, make_tasks
@@ -262,20 +269,23 @@ def run_sweep(
         corpus = load_corpus(data, max_bytes=max_data_bytes)
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
+    pinned = contextlib.nullcontext()
     if engine.calibrate_here and any(not T.get_target(p.target).deviceless for p in todo):
         # Time the local device for the step-time model before anything else runs (cached
-        # per machine): a calibration beside compiles in flight would time them too. (GPUs
-        # handed to worker processes are timed there, each by the first point it runs.)
-        roofline.device_figures(T.get_target(T.LOCAL))
+        # per machine): a calibration beside compiles in flight would time them too. Every row
+        # of the sweep (a resumed one too) is priced with that one calibration, kept beside the
+        # results. (GPUs handed to worker processes are timed there, each by its first point.)
+        pinned = roofline.pinned_calibration(calibration_path(path))
     setup = TaskSetup(
         _common_fields(config, identity, corpus), None if data is None else str(data),
         max_data_bytes, before_point,
     )  # fmt: skip
     tasks = make_tasks(todo, engine.analysis_slots, engine.device_slots, engine.backend)
-    written = run_tasks(
-        engine, tasks, functools.partial(TaskRunner, setup), path, setup.common,
-        progress=progress and primary, console=console, primary=primary,
-    )  # fmt: skip
+    with pinned:
+        written = run_tasks(
+            engine, tasks, functools.partial(TaskRunner, setup), path, setup.common,
+            progress=progress and primary, console=console, primary=primary,
+        )  # fmt: skip
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)

@@ -354,8 +354,13 @@ def test_python_stderr_reaches_the_terminal_while_compiles_are_captured(tmp_path
 
     err = tmp_path / "stderr.txt"
     with open(err, "w") as f:
-        out = subprocess.run([sys.executable, "-c", _PROGRESS_DURING_CAPTURE, str(err)],
-                             stderr=f, stdout=subprocess.PIPE, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", _PROGRESS_DURING_CAPTURE, str(err)],
+            stderr=f,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        ).stdout
     during, after = out.splitlines()
     assert "progress line" in during and "compiler line" not in during
     assert "progress line" in after and "compiler line" in after

@@ -364,7 +364,9 @@ def test_a_pinned_calibration_prices_a_whole_run_with_one_set_of_figures(tmp_pat
         assert os.environ[roofline.CALIBRATION_ENV] == str(pin)
         (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
         data = json.loads(cached.read_text())  # contended and old: outside a pin, timed again
-        cached.write_text(json.dumps({**data, "timed_at": data["timed_at"] - roofline.RETIME_AFTER_S}))
+        cached.write_text(
+            json.dumps({**data, "timed_at": data["timed_at"] - roofline.RETIME_AFTER_S})
+        )
         seen = {roofline.calibrate().peak_flops["f32"] for _ in range(3)}
         assert seen == {1e11} and len(rates) == 2
     assert roofline.CALIBRATION_ENV not in os.environ

@@ -120,7 +120,8 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     line = body[[b[0] for b in body].index("minimal")]
     ms = 1e3 * row["step_time_s"]
     digits = f"{ms:,.0f}" if ms >= 100 else f"{ms:#.3g}"  # 6.36 ms is not "6"
-    assert line[header.index("step ms")] == f"{digits}±{50 * record['step_spread']:.0f}%"
+    mark = "*" if record["noisy"] else ""
+    assert line[header.index("step ms")] == f"{digits}±{50 * record['step_spread']:.0f}%{mark}"
     # the estimate beside the step it predicts, with its error
     est = row["predicted_step_time_s"]
     assert header.index("est. ms") == header.index("step ms") + 1
@@ -210,6 +211,31 @@ def test_summarize_against_no_remat():
     assert recs["save-nothing"]["slowdown"] == pytest.approx(0.25)
     assert recs["save-dots"]["peak_saved"] is None
     assert results.pareto_frontier([1.0, 1.25, 1.1], [100, 40, 120]) == [0, 1]
+    # a noisy timing is neither on the frontier nor pushes a point off it
+    assert results.pareto_frontier([1.0, 1.25, 1.1], [100, 40, 120], left_out={1}) == [0]
+    assert results.pareto_frontier([0.9, 1.0, 1.25], [50, 100, 40], left_out={0}) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("times", "noisy", "cell"),
+    [([0.50, 0.52, 0.51], False, "510±2%"), ([0.40, 0.55, 0.61], True, "550±19%*"),
+     ([0.50], False, "500"), ([0.46, 0.50, 0.55], False, "500±9%")],
+)  # fmt: skip
+def test_a_noisy_timing_is_marked_where_it_is_shown(times, noisy, cell):
+    """A step whose own timed steps spread beyond NOISY_SPREAD carries a * in the table and
+    `noisy` in its record."""
+    import statistics
+
+    base = {"model": "m", "target": "local", "batch_size": 1, "seq_len": 8, "status": "ok",
+            "peak_bytes": 1000}  # fmt: skip
+    row = {**base, "policy": "save-nothing", "step_times_s": times,
+           "step_time_s": statistics.median(times)}  # fmt: skip
+    rows = [{**base, "policy": "no-remat", "step_time_s": 0.4}, row]
+    assert results.is_noisy(row) is noisy
+    (rec,) = [r for r in results.summarize(rows) if r["policy"] == "save-nothing"]
+    assert rec["noisy"] is noisy
+    ((_, header, body),) = results.summary_lines(rows)
+    assert body[1][header.index("step ms")] == cell
 
 
 # -- Bad input: one line, exit 2, nothing compiled ------------------------------------------------

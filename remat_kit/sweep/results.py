@@ -39,7 +39,7 @@ import platform
 import re
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ __all__ = [
     "environment",
     "fingerprint",
     "first_difference",
+    "is_noisy",
     "option_markdown",
     "option_records",
     "option_sets",
@@ -484,6 +485,20 @@ def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]
     return [None if i is None else row_label(records[i]) for i in report_same_program(records, key)]
 
 
+#: A point whose timed steps spread more than this ((max - min) / median: ±10%) is *noisy*: the
+#: policies it is compared with differ in step time by a few percent to a few tens of percent
+#: (docs/results), so a spread this wide can reorder them. A noisy point is marked in the tables
+#: and figures and never placed on a Pareto frontier.
+NOISY_SPREAD = 0.2
+
+
+def is_noisy(row: Mapping[str, Any]) -> bool:
+    """Whether a measured row's own timed steps spread beyond :data:`NOISY_SPREAD` (False for a
+    row without timed steps)."""
+    spread = step_spread(row.get("step_times_s"))
+    return spread is not None and spread > NOISY_SPREAD
+
+
 def step_spread(times: Sequence[float] | None) -> float | None:
     """How far a point's own timed steps spread, the noise of its step time: (max - min) /
     median of ``times`` (seconds; a ratio, 0.1 = 10%); None for fewer than two steps."""
@@ -523,6 +538,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
         "step_time_s": step,
         "slowdown": None if step_ratio is None else step_ratio - 1,
         "step_spread": spread,
+        "noisy": spread is not None and spread > NOISY_SPREAD,
         "step_cpu_s": r.get("step_cpu_s") if ok else None,
         "cpu_slowdown": None if cpu_ratio is None else cpu_ratio - 1,
         "backend": r.get("backend"),
@@ -542,8 +558,11 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
 
 
 def _fmt_spread(x: float | None) -> str:
-    """``"±6%"``: half the range of a point's timed steps over their median ("" unknown)."""
-    return "" if x is None else f"±{50 * x:.0f}%"
+    """``"±6%"``: half the range of a point's timed steps over their median ("" unknown); a
+    noisy point's (:data:`NOISY_SPREAD`) ends in ``*``."""
+    if x is None:
+        return ""
+    return f"±{50 * x:.0f}%" + ("*" if x > NOISY_SPREAD else "")
 
 
 def _fmt_ms(seconds: float) -> str:
@@ -693,8 +712,9 @@ COLUMN_LEGEND = {
     "FLOPs x": "FLOPs x: compiled matmul FLOPs over the no-remat step's",
     "fits": "fits: predicted peak within the target's memory",
     "step ms": "step ms / step Δ: median measured step (wall), ± half the range of the "
-    "point's own timed steps over their median (a step Δ within two points' ± is noise), and "
-    "its change vs no-remat",
+    "point's own timed steps over their median (a step Δ within two points' ± is noise; * "
+    f"noisy: beyond ±{50 * NOISY_SPREAD:.0f}%, never on a Pareto frontier), and its change vs "
+    "no-remat",
     "est. ms": "est. ms: the estimated step time (roofline over the compiled kernels, "
     "docs/time-model.md)",
     "est. err": "est. err: the estimate against the measured step (est. / step - 1)",
@@ -970,7 +990,9 @@ def option_markdown(rows: Any) -> str:
     return "\n".join(parts)
 
 
-def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
+def pareto_frontier(
+    xs: Sequence[float], ys: Sequence[float], left_out: Collection[int] = ()
+) -> list[int]:
     """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
     sorted by ``x``: the memory-vs-time frontier of the sweep's figures and the HTML report.
 
@@ -978,8 +1000,10 @@ def pareto_frontier(xs: Sequence[float], ys: Sequence[float]) -> list[int]:
       xs: one value per point, in any unit (e.g. step seconds).
       ys: one value per point, as many as ``xs`` (e.g. peak bytes); a tie in ``x`` keeps the
         point with the lower ``y``.
+      left_out: indices of points that may neither be on the frontier nor push others off it
+        (noisy timings: :func:`is_noisy`).
     """
-    order = sorted(range(len(xs)), key=lambda i: (xs[i], ys[i]))
+    order = sorted((i for i in range(len(xs)) if i not in left_out), key=lambda i: (xs[i], ys[i]))
     out, best = [], float("inf")
     for i in order:
         if ys[i] < best:

@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -425,9 +426,17 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(
         if point.policy == "save-nothing":
             raise RuntimeError("injected failure\nsecond line")
 
-    out = tmp_path / "r.jsonl"
-    run = sweep.run_sweep(_tiny(), out, progress=False, before_point=fail)
+    import io
+
+    from rich.console import Console
+
+    out, log = tmp_path / "r.jsonl", io.StringIO()
+    run = sweep.run_sweep(_tiny(), out, before_point=fail, console=Console(file=log, width=200))
     rows = {r["policy"]: r for r in results.read_rows(out)}
+    # progress as it happens: a line per compile and per timed round, not one per stage
+    lines = log.getvalue().splitlines()
+    assert sum("compiles done" in line for line in lines) >= 2, lines
+    assert any(re.search(r"timing .*: round 2 of 2 done", line) for line in lines), lines
     assert [r["policy"] for r in run.rows] == list(POLICIES)
     assert rows["save-nothing"]["status"] == "error"
     assert rows["save-nothing"]["error"] == "RuntimeError: injected failure"

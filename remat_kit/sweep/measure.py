@@ -320,7 +320,9 @@ def can_interleave(points: Sequence[Any], state_bytes: Sequence[int]) -> bool:
 
 
 def time_runs(
-    makers: Sequence[Callable[[], StepRun]], interleave: bool
+    makers: Sequence[Callable[[], StepRun]],
+    interleave: bool,
+    on_round: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any] | BaseException]:
     """Time each run ``makers`` make (:class:`StepRun`): one after the other, each made just
     before its steps; or with ``interleave`` (see :func:`can_interleave`) every run made
@@ -330,14 +332,18 @@ def time_runs(
     always follows the same one (a run right after another of the same executable measures
     faster, warm: docs/sweep.md).
 
+    ``on_round(done, total)`` is called after each round of interleaved steps (after each run
+    when they run one after the other), for progress.
+
     Returns:
       Per run, in order: :meth:`StepRun.result` with ``measured_peak_bytes`` /
       ``measured_peak_note`` and ``step_order`` (``"alone"`` / ``"interleaved"``), or the
       exception making or running it raised.
     """
     results: list[dict[str, Any] | BaseException] = []
+    tell = on_round or (lambda done, total: None)
     if not interleave:
-        for make in makers:
+        for n, make in enumerate(makers, 1):
             before = peak_bytes_in_use()
             try:
                 run = make()
@@ -349,6 +355,7 @@ def time_runs(
                 })  # fmt: skip
             except Exception as err:
                 results.append(err)
+            tell(n, len(makers))
         return results
     runs: list[StepRun | BaseException] = []
     for make in makers:
@@ -357,9 +364,11 @@ def time_runs(
         except Exception as err:
             runs.append(err)
     live = [r for r in runs if isinstance(r, StepRun)]
-    for i in range(max((r.steps for r in live), default=0)):
+    rounds = max((r.steps for r in live), default=0)
+    for i in range(rounds):
         for k in round_order(len(live), i):
             live[k].step(i)
+        tell(i + 1, rounds)
     # can_interleave: the backend reports no peak, so none is mixed (the note says it)
     peak = {**measured_peak(None), "step_order": "interleaved", "load_average": load_average()}
     for run in runs:

@@ -105,14 +105,23 @@ def analyse_and_run(
     live = {k: s for k, s in specs.items() if k not in failed}
     executables: dict[str, Any] = {}
     measurements: dict[str, Any] = {}
-    with CompileEngine() as engine:  # one per group: its executables go with it
+    finished = [0]
+
+    def compiled(index: int, total: int, item: str, stage: str) -> None:
+        """A line per compile finished (or answered by the cache): never minutes of silence."""
+        if stage in ("done", "cached", "same program"):
+            finished[0] += 1
+            advance(None, f"{what}: {finished[0]} of {total} compiles done ({stage})")
+
+    # one engine per group: its executables go with it
+    with CompileEngine(progress=compiled) as engine:
         advance(None, f"analysing {what} ({len(live)} policies)")
-        keep = engine if any(k in measure for k in live) else None
+        timed = any(k in measure for k in live)
         try:
             program = make_program()
             out = analyze_policies(
                 program, list(live.values()), target, raise_errors=False,
-                fast_compile=keep is None, engine=keep,
+                fast_compile=not timed, engine=engine,
             )  # fmt: skip
         except Exception as err:  # the whole group failed: every point gets the error
             out = [err] * len(live)
@@ -124,6 +133,7 @@ def analyse_and_run(
         }
         if to_run:
             advance(None, f"compiling {len(to_run)} steps of {what}")
+            finished[0] = 0
             executables = run_executables(program, to_run, reports, engine, lower)
         ran = [k for k in to_run if isinstance(executables[k], tuple)]
         if ran:
@@ -131,8 +141,13 @@ def analyse_and_run(
             how = " interleaved" if interleave else ""
             advance(None, f"timing {len(ran)} steps of {what}{how}")
             makers = [functools.partial(make_run, k, program, executables[k][0]) for k in ran]
-            measurements = dict(zip(ran, time_runs(makers, interleave), strict=True))
+            rounds = functools.partial(_timed_round, advance, f"timing {what}{how}")
+            measurements = dict(zip(ran, time_runs(makers, interleave, rounds), strict=True))
     return reports, executables, measurements
+
+
+def _timed_round(advance: Callable, what: str, done: int, total: int) -> None:
+    advance(None, f"{what}: round {done} of {total} done")
 
 
 def _before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseException]:

@@ -688,6 +688,11 @@ def test_progress_in_a_log_or_pipe_is_one_plain_line_per_step():
     assert len(lines) == 2, lines
     assert re.fullmatch(r"\[0:00:\d\d 0/2\] analysing gpt-10m b=4 s=128 \(2 policies\)", lines[0])
     assert re.fullmatch(r"\[0:00:\d\d 1/2\] done: gpt-10m b=4 s=128 save-dots", lines[1])
+    narrow = io.StringIO()  # COLUMNS=100: a long description is cut, never wrapped
+    with progress(True, Console(file=narrow, width=100), 2) as advance:
+        advance(None, "analysing " + '{"mlpwi": "offload", "query_proj": "device"} ' * 4)
+    (line,) = narrow.getvalue().splitlines()
+    assert len(line) == 100 and line.endswith("…")
 
 
 def test_cpu_config_says_when_its_gpu_analysis_rows_are_left_out(monkeypatch):

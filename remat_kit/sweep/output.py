@@ -136,8 +136,8 @@ def agreed_todo(points: Sequence[Point], done: Mapping[str, Any] | ValueError) -
 def progress(enabled: bool, console: Any, total: int):
     """Yields ``advance(n, description)`` (``n`` points finished, or None for a new stage): a
     rich progress bar on a terminal; where the console is a log or a pipe, one plain line per
-    call (``[0:01:02 5/35] gpt-10m ...``), so a sweep run under ``nohup`` or CI shows where it
-    is; nothing when disabled."""
+    call (``[0:01:02 5/35] gpt-10m ...``, cut to the console's width), so a sweep run under
+    ``nohup`` or CI shows where it is; nothing when disabled."""
     if not enabled:
         yield lambda n, description: None
         return
@@ -151,9 +151,10 @@ def progress(enabled: bool, console: Any, total: int):
             done[0] += n or 0
             clock = datetime.timedelta(seconds=int(time.monotonic() - start))
             what = f"done: {description}" if n else description
-            console.print(
-                f"[{clock} {done[0]}/{total}] {what}", markup=False, highlight=False, soft_wrap=True
-            )
+            text = f"[{clock} {done[0]}/{total}] {what}"
+            if len(text) > console.width:  # one line each, within the width (COLUMNS)
+                text = text[: console.width - 1] + "…"
+            console.print(text, markup=False, highlight=False, soft_wrap=True)
 
         yield line
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from remat_kit import targets
@@ -236,4 +237,6 @@ def print_recommendation(rec: Recommendation) -> None:
         out.print(line, highlight=False, markup=False)
     if rec.pick is not None:  # its comment above it: the code stays one line to paste
         code, _, comment = rec.line().partition("  # ")
-        print(f"# {comment}\n{code}" if comment else code)
+        for part in textwrap.wrap(comment, max(40, out.width - 2)):  # comments within the width
+            print(f"# {part}")
+        print(code)

@@ -335,21 +335,38 @@ def _names(value: Any) -> frozenset[str] | None:
     return None
 
 
+def _made_by(policy: Any, constructor: str) -> bool:
+    """Whether ``policy`` is the closure ``constructor`` of ``jax.checkpoint_policies``
+    returns (its ``__qualname__`` is ``"<constructor>.<locals>.policy"``)."""
+    return getattr(policy, "__qualname__", "") == f"{constructor}.<locals>.policy"
+
+
 def is_by_exclusion(policy: Any) -> bool:
     """Whether ``policy`` is ``jax.checkpoint_policies.save_any_names_but_these(*names)``: it
-    saves every ``checkpoint_name`` a program emits but ``names`` (a frozen dataclass,
-    ``SaveAnyNamesButThese.names``, jax/_src/ad_checkpoint.py), so what it keeps depends on
-    the program."""
-    return type(policy).__name__ == "SaveAnyNamesButThese"
+    saves every ``checkpoint_name`` a program emits but ``names``, so what it keeps depends on
+    the program. JAX keeps ``names`` as a frozen dataclass's field (``SaveAnyNamesButThese``,
+    jax 0.10) or in the returned closure (``names_not_to_save``, jax 0.12); both are read."""
+    return type(policy).__name__ == "SaveAnyNamesButThese" or _made_by(
+        policy, "save_any_names_but_these"
+    )
+
+
+def _excluded_names(policy: Any) -> frozenset[str]:
+    """The names ``save_any_names_but_these(*names)`` leaves out (see :func:`is_by_exclusion`)."""
+    names = getattr(policy, "names", None)
+    if names is None:
+        names = _closure(policy).get("names_not_to_save", ())
+    return _names(names) or frozenset()
 
 
 def read_jax_policy(
     policy: Callable[..., Any], emitted: Iterable[str] | None = None
 ) -> PolicySpec | None:
     """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
-    JAX's constructors keep (``jax/_src/ad_checkpoint.py``, jax 0.10.2): the four fixed
-    policies, ``save_only_these_names`` (a dataclass with ``saveable_names``) and
-    ``save_and_offload_only_these_names`` (a closure over its name sets); named after the
+    JAX's constructors keep (``jax/_src/ad_checkpoint.py``): the four fixed policies,
+    ``save_only_these_names`` (a dataclass with ``saveable_names`` in jax 0.10, a closure over
+    ``names_which_can_be_saved`` in jax 0.12) and ``save_and_offload_only_these_names`` (a
+    closure over its name sets); named after the
     constructor and its names (``save_only_these_names(attn_out, mlp_up)``).
     ``save_any_names_but_these(*names)`` on a program emitting ``emitted`` (its
     ``checkpoint_name`` values) is the name set it amounts to there: every emitted name but
@@ -358,7 +375,7 @@ def read_jax_policy(
     ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
     """
     if is_by_exclusion(policy) and emitted is not None:
-        excluded = frozenset(getattr(policy, "names", ()))
+        excluded = _excluded_names(policy)
         save = frozenset(emitted) - excluded
         return PolicySpec(
             f"save_any_names_but_these({', '.join(sorted(excluded))})",
@@ -380,6 +397,8 @@ def read_jax_policy(
         name, base = fixed[id(policy)]
         return PolicySpec(name, f"jax.checkpoint_policies.{name}", base)
     saveable = _names(getattr(policy, "saveable_names", None))
+    if saveable is None and _made_by(policy, "save_only_these_names"):
+        saveable = _names(_closure(policy).get("names_which_can_be_saved"))
     if saveable is not None:
         # named with its names: two raw policies of other name sets are other rows
         name = f"save_only_these_names({', '.join(sorted(saveable))})"

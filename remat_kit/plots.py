@@ -24,14 +24,18 @@ needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.text import Text
 
 from remat_kit import files, units
 from remat_kit.memory.report import MemoryReport
@@ -74,10 +78,21 @@ def _title(key: tuple) -> str:
     return f"{model} @{target}" + (f"\n{line2}" if line2 else "") + (f"\n{own}" if own else "")
 
 
+#: Pixels per inch of every figure, on screen and in the PNG (labels are placed in pixels).
+DPI = 120
+
+
+def _figure(figsize: tuple[float, float]) -> Figure:
+    """A figure drawn by Agg at :data:`DPI`, so text can be measured before it is saved."""
+    fig = Figure(figsize=figsize, dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def _grid(n: int, size: tuple[float, float] = (5.0, 4.0)):
     cols = min(n, 3)
     rows = (n + cols - 1) // cols
-    fig = Figure(figsize=(size[0] * cols, size[1] * rows))
+    fig = _figure((size[0] * cols, size[1] * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
@@ -90,8 +105,64 @@ def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
     if path is not None:
         path = Path(path)
         with files.replacing(path) as part:  # a kill mid-write never leaves a torn figure
-            fig.savefig(part, dpi=120, format=path.suffix.lstrip(".") or None)
+            fig.savefig(part, dpi=DPI, format=path.suffix.lstrip(".") or None)
     return fig
+
+
+def _renderer(fig: Figure):
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    return fig.canvas.get_renderer()
+
+
+def _finish(
+    fig: Figure,
+    title: str,
+    handles: Sequence[Any] = (),
+    note: str | None = None,
+    max_cols: int = 5,
+) -> None:
+    """Lay a figure out once, for good: ``title`` as its suptitle, one legend of ``handles``
+    (artists with labels) centred below the panels in as many columns as fit the width (at
+    most ``max_cols``), ``note`` in small grey type at the bottom left. The figure grows by the
+    height of the title, legend and note, so the panels keep the size they were given; they
+    fill the rest (``tight_layout``). Labels placed afterwards (:func:`label_points`) stay
+    where they are put."""
+    renderer = _renderer(fig)
+    width = fig.bbox.width
+    heading = fig.suptitle(title, fontsize=13, va="top")
+    grow = heading.get_window_extent(renderer).height + 8
+    text = legend = None
+    if note:
+        text = fig.text(0.005, 0.005, note, fontsize=6.5, color="gray", ha="left", va="bottom")
+        grow += text.get_window_extent(renderer).height + 4
+    if handles:
+        labels = [h.get_label() for h in handles]
+        for ncol in range(min(max_cols, len(handles)), 0, -1):
+            legend = fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8.5,
+                                frameon=False)  # fmt: skip
+            box = legend.get_window_extent(renderer)
+            if box.width <= 0.98 * width or ncol == 1:
+                break
+            legend.remove()
+        grow += box.height + 6
+    w, h = fig.get_size_inches()
+    fig.set_size_inches(w, h + grow / fig.dpi)
+    height = fig.bbox.height
+    heading.set_y(1 - 6 / height)
+    bottom = 4.0
+    if text is not None:
+        bottom = 0.005 * height + text.get_window_extent(renderer).height + 4
+    if legend is not None:
+        legend.set_bbox_to_anchor((0.5, bottom / height), transform=fig.transFigure)
+        bottom += legend.get_window_extent(renderer).height + 2
+    fig.tight_layout(rect=(0, bottom / height, 1, 1))
+
+
+def _text_boxes(ax, renderer) -> list:
+    """Window boxes (pixels) of the texts already written in ``ax`` (a label's text, not its
+    line)."""
+    return [Text.get_window_extent(t, renderer) for t in ax.texts]
 
 
 def pareto(
@@ -100,17 +171,29 @@ def pareto(
     y: str = "peak_bytes",
     path: str | os.PathLike[str] | None = None,
     title: str | None = None,
+    note: str | None = None,
 ) -> Figure:
     """Peak memory against step time, one point per policy, the Pareto frontier drawn.
 
+    Drawn per panel: each policy's point (a color and marker per policy, one legend for all
+    panels); the frontier (:func:`remat_kit.sweep.results.pareto_frontier`) as a red step line,
+    its points ringed in red. For measured step times (``x="step_time_s"``), each point's range
+    of its own timed steps (``step_times_s``, min to max, ms) as a horizontal error bar, and
+    noisy points (:func:`remat_kit.sweep.results.is_noisy`) hollow and off the frontier. The
+    device memory of the panel's target (the row's ``memory_bytes``, else the target's) as a
+    dashed horizontal line when it is at most :data:`BUDGET_LINE_WITHIN` times the panel's
+    highest point (else stated in the panel's title): a point above it does not fit.
+
     Args:
       rows: result rows (list of dicts or ``DataFrame``); rows without ``x`` are left out.
-      x: ``"step_time_s"`` (measured median, seconds), ``"predicted_step_time_s"`` (the
-        roofline's estimate, seconds: :mod:`remat_kit.memory.roofline`) or ``"recompute_ratio"``
-        (compiled matmul FLOPs over the no-remat step's).
-      y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``.
+      x: ``"step_time_s"`` (measured median, seconds; drawn in ms), ``"predicted_step_time_s"``
+        (the roofline's estimate, seconds, drawn in ms: :mod:`remat_kit.memory.roofline`) or
+        ``"recompute_ratio"`` (compiled matmul FLOPs over the no-remat step's).
+      y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``; drawn in MiB or GiB per
+        panel, as the summary tables (:func:`remat_kit.units.table_unit`).
       path: save the figure there (PNG).
-      title: figure title.
+      title: figure title (default: what is drawn against what).
+      note: a line of small grey text at the bottom (e.g. :func:`provenance`).
 
     Returns:
       The ``Figure``: one panel per model / target / batch size / sequence length.
@@ -122,61 +205,88 @@ def pareto(
     if not usable:
         raise ValueError(f"no ok rows with both {x!r} and {y!r} to plot")
     panels = _panels(usable)
-    fig, axes = _grid(len(panels))
+    fig, axes = _grid(len(panels), size=(5.2, 3.8))
     xscale, xlabel = (1e3, "median step time (ms)") if x == "step_time_s" else (1.0, x)
     if x == "predicted_step_time_s":
         xscale, xlabel = 1e3, "estimated step time (ms, roofline)"
     if x == "recompute_ratio":
         xlabel = "compiled matmul FLOPs / no-remat FLOPs"
+    measured = x == "step_time_s"
     styles = _policy_styles([r["policy"] for r in usable])
+    extra: dict[str, Any] = {}  # legend entries beyond the policies, by label
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
         unit, unit_name = units.table_unit([r[y] for r in members])
         xs = [r[x] * xscale for r in members]
         ys = [r[y] / unit for r in members]
-        front = R.pareto_frontier(xs, ys)
-        ax.step(
-            [xs[i] for i in front],
-            [ys[i] for i in front],
-            where="post",
-            color="tab:red",
-            lw=1.2,
-            alpha=0.6,
-            zorder=1,
-        )
+        noisy = {i for i, r in enumerate(members) if measured and R.is_noisy(r)}
+        front = R.pareto_frontier(xs, ys, left_out=noisy)
+        if front:
+            extra.setdefault("Pareto frontier", ax.step(
+                [xs[i] for i in front], [ys[i] for i in front], where="post", color="tab:red",
+                lw=1.2, alpha=0.6, zorder=1, label="Pareto frontier")[0])  # fmt: skip
         for i, (xi, yi, r) in enumerate(zip(xs, ys, members, strict=True)):
             color, marker = styles[r["policy"]]
+            steps = r.get("step_times_s") if measured else None
+            if steps:
+                lo, hi = 1e3 * min(steps), 1e3 * max(steps)
+                bars = ax.errorbar([xi], [yi], xerr=[[max(0.0, xi - lo)], [max(0.0, hi - xi)]],
+                                   fmt="none", ecolor=color, elinewidth=1, capsize=2.5,
+                                   alpha=0.8, zorder=2, label=STEP_RANGE)  # fmt: skip
+                extra.setdefault(bars.get_label(), bars)
             ax.scatter(
                 [xi],
                 [yi],
-                color=color,
+                color="none" if i in noisy else color,
                 marker=marker,
                 s=60 if i in front else 30,
-                edgecolors="tab:red" if i in front else "none",
+                edgecolors="tab:red" if i in front else (color if i in noisy else "none"),
                 linewidths=1.5,
                 zorder=3,
             )
-        ax.set_title(_title(key), fontsize=9)
+        if noisy:
+            text = (f"noisy timing (steps spread beyond ±{50 * R.NOISY_SPREAD:.0f}%): "
+                    "not on the frontier")  # fmt: skip
+            extra.setdefault(text, Line2D([], [], color="gray", marker="o", ls="",
+                                          markerfacecolor="none", label=text))  # fmt: skip
+        off = ""
+        memory = _device_memory(members)
+        if memory is not None and memory[1] <= BUDGET_LINE_WITHIN * max(r[y] for r in members):
+            name, nbytes = memory
+            text = f"{name} device memory ({units.format_bytes(nbytes)})"
+            line = ax.axhline(nbytes / unit, ls="--", color="black", lw=1, zorder=1, label=text)
+            extra.setdefault(text, line)
+        elif memory is not None:
+            off = f"\n{memory[0]} memory {units.format_bytes(memory[1])}: all fit (off scale)"
+        ax.set_title(_title(key) + off, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{'predicted' if y == 'peak_bytes' else 'measured'} peak ({unit_name})")
         ax.grid(alpha=0.3)
     handles = [
         Line2D([], [], color=c, marker=m, ls="", label=name) for name, (c, m) in styles.items()
     ]
-    handles.append(Line2D([], [], color="tab:red", alpha=0.6, label="Pareto frontier"))
-    ncol = min(5 if len(axes) > 1 else 3, len(handles))  # one 5-inch panel holds 3 labels a row
-    fig.legend(
-        handles=handles,
-        loc="lower center",
-        ncol=ncol,
-        fontsize=8,
-        frameon=False,
-        bbox_to_anchor=(0.5, 0.0),
-    )
-    if title:
-        fig.suptitle(title)
-    rows = (len(handles) - 1) // ncol
-    fig.tight_layout(rect=(0, 0.06 + (0.035 if len(axes) > 1 else 0.05) * rows, 1, 1))
+    if title is None:
+        title = f"Predicted peak memory vs {xlabel.split(' (')[0]}"
+    _finish(fig, title, handles + list(extra.values()), note)
     return _save(fig, path, layout=False)
+
+
+def _device_memory(members: Sequence[Mapping[str, Any]]) -> tuple[str, int] | None:
+    """``(target name, device memory in bytes)`` of a panel's target: the rows'
+    ``memory_bytes``, else the named target's (:func:`remat_kit.targets.get_target`; never
+    ``local``, which would start JAX); None where unknown (a CPU)."""
+    from remat_kit import targets
+
+    name = members[0].get("target")
+    known = [r["memory_bytes"] for r in members if r.get("memory_bytes")]
+    if known:
+        return str(name), int(max(known))
+    if not name or name == targets.LOCAL:
+        return None
+    try:
+        nbytes = targets.get_target(str(name)).memory_bytes
+    except ValueError:
+        return None
+    return None if nbytes is None else (str(name), nbytes)
 
 
 def _policy_styles(policies: Sequence[str]) -> dict[str, tuple[Any, str]]:
@@ -206,17 +316,34 @@ def _residual_parts(row: Mapping[str, Any]) -> dict[str, int]:
     return parts
 
 
-def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
-    """Stacked bars of each policy's predicted peak, one panel per model / target / shape.
+#: The legend's name of a measured point's error bar: its own timed steps' range.
+STEP_RANGE = "range of the point's timed steps (min to max)"
+#: The legend's name of the residuals no ``checkpoint_name`` tags (jaxpr residuals whose tag is
+#: the primitive that made them, e.g. ``<mul>``): the activations a policy keeps without naming
+#: them, such as attention scores and norm statistics under ``no-remat``.
+UNTAGGED = "untagged residuals (no checkpoint_name)"
 
-    Layers (bytes, from the row and its ``report``): ``params``, ``opt_state``, the residuals
-    kept on device by checkpoint name (from the jaxpr, all layers; untagged ones together), then
-    ``gradients / other``:
-    the rest of the compiled peak (gradients, logits, optimizer temporaries, XLA's own copies;
-    shown as 0 where the jaxpr residuals exceed it). The bytes the compiled program keeps in host
-    memory (``host_bytes``) are a hatched bar beside: they are not in the device peak. Where the
-    compiled program put nothing in host memory (the CPU backend ignores offload), the residuals
-    the policy offloads are drawn on the device, where they are, and no host bar is drawn.
+
+def memory_breakdown(
+    rows: Any,
+    path: str | os.PathLike[str] | None = None,
+    title: str = "Predicted peak memory by part, per policy",
+    note: str | None = None,
+) -> Figure:
+    """Stacked bars of each policy's predicted peak, one panel per model / target / shape, in
+    MiB or GiB per panel (as the summary tables); one legend for all panels.
+
+    Layers (bytes, from the row and its ``report``), bottom up: ``params``, ``opt_state``, the
+    residuals kept on device by checkpoint name (from the jaxpr, all layers); then the
+    residuals no ``checkpoint_name`` tags, together (:data:`UNTAGGED`: values the policy saves
+    without a name, e.g. attention scores, softmax and norm statistics: under ``no-remat``
+    most of the peak); then ``gradients / other``: the rest of the compiled peak (gradients,
+    logits, optimizer temporaries, XLA's own copies; shown as 0 where the jaxpr residuals
+    exceed it). The bytes the compiled program keeps in host memory (``host_bytes``) are a
+    hatched bar beside: they are not in the device peak. Where the compiled program put
+    nothing in host memory (the CPU backend ignores offload), the residuals the policy
+    offloads are drawn on the device, where they are, and no host bar is drawn. ``note`` is
+    written small at the bottom (e.g. :func:`provenance`).
 
     Raises:
       ValueError: no ``ok`` row with a report.
@@ -225,19 +352,21 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
     if not usable:
         raise ValueError("no ok rows with a memory report to plot")
     panels = _panels(usable)
-    fig, axes = _grid(len(panels), size=(8.0, 4.5))
+    fig, axes = _grid(len(panels), size=(5.4, 3.6))
     tags = sorted({t for r in usable for t in _residual_parts(r)} - {"untagged"})
     tags.append("untagged")
     cmap = matplotlib.colormaps["tab20"]
     colors = {t: cmap((i + 4) % 20) for i, t in enumerate(tags)}  # 0-3: params, opt_state
     colors["untagged"] = "dimgray"
+    names = {t: f"residual {t}" for t in tags} | {"untagged": UNTAGGED}
+    seen: dict[str, Any] = {}
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
         unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
-        names = [r["policy"] for r in members]
+        policies = [r["policy"] for r in members]
         bottoms = [0.0] * len(members)
 
         def layer(values, label, color, bottom, _ax=ax, _unit=unit):
-            _ax.bar(
+            bars = _ax.bar(
                 range(len(values)),
                 [v / _unit for v in values],
                 bottom=bottom,
@@ -246,6 +375,7 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
                 edgecolor="white",
                 width=0.7,
             )
+            seen.setdefault(label, bars)
 
         for field, color in (("params_bytes", "tab:blue"), ("opt_state_bytes", "tab:orange")):
             vals = [r.get(field) or 0 for r in members]
@@ -254,13 +384,13 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
         for tag in tags:
             vals = [_residual_parts(r).get(tag, 0) for r in members]
             if any(vals):
-                layer(vals, tag, colors[tag], [b / unit for b in bottoms])
+                layer(vals, names[tag], colors[tag], [b / unit for b in bottoms])
                 bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
         rest = [max(0, r["peak_bytes"] - b) for r, b in zip(members, bottoms, strict=True)]
         layer(rest, "gradients / other", "lightgray", [b / unit for b in bottoms])
         host = [r.get("host_bytes") or 0 for r in members]  # compiled, not the jaxpr's marks
         if any(host):
-            ax.bar(
+            bars = ax.bar(
                 [i + 0.38 for i in range(len(members))],
                 [h / unit for h in host],
                 width=0.2,
@@ -269,38 +399,92 @@ def memory_breakdown(rows: Any, path: str | os.PathLike[str] | None = None):
                 hatch="///",
                 label="host (compiled)",
             )
-        ax.set_xticks(range(len(members)), names, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel(f"bytes ({unit_name})")
-        ax.set_title(_title(key), fontsize=9)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    return _save(fig, path)
+            seen.setdefault("host (compiled)", bars)
+        ax.set_xticks(range(len(members)), policies, rotation=40, ha="right", fontsize=8)
+        ax.set_ylabel(f"predicted peak ({unit_name})")
+        ax.set_title(_title(key), fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    order = ["params", "opt_state", *(names[t] for t in tags), "gradients / other",
+             "host (compiled)"]  # fmt: skip
+    _finish(fig, title, [seen[k] for k in order if k in seen], note, max_cols=4)
+    return _save(fig, path, layout=False)
 
 
 def label_points(
-    ax, points: Sequence[tuple[float, float, str]], fontsize: float = 6, **text
+    ax, points: Sequence[tuple[float, float, str]], fontsize: float = 7, **text
 ) -> None:
-    """Write each ``(x, y, label)`` (data coordinates) beside its point, nudged up or down by
-    whole text lines off the labels already written that it would overlap, with a thin line
-    back to its point when moved: the sweep's policies often sit a few pixels apart. Call it
-    once the axes hold everything else (their limits fix where the labels fall); ``text``
-    goes to ``Axes.annotate``."""
+    """Write each ``(x, y, label)`` (data coordinates) beside its point, inside the axes,
+    where its text (measured by the renderer) overlaps no label already written and no other
+    point, and no label's line crosses it: right of the point, else left, else moved up or
+    down by whole text lines, with a thin line back to its point when moved. The sweep's
+    policies often sit a few pixels apart. Call it once the figure is laid out (the axes' size
+    fixes where the labels fall); ``text`` goes to ``Axes.annotate``."""
     ax.autoscale_view()
+    renderer = _renderer(ax.figure)
     px = ax.figure.dpi / 72  # pixels per point
-    step = 1.25 * fontsize  # one text line, in points
-    placed: list[tuple[float, float, float, float]] = []
-    for x, y, label in sorted(points, key=lambda p: (p[1], p[0])):
+    step = 1.3 * fontsize  # one text line, in points
+    frame = ax.get_window_extent(renderer)
+    marks = [tuple(ax.transData.transform((x, y))) for x, y, _ in points]
+    placed = [(b.x0, b.x1, b.y0, b.y1) for b in _text_boxes(ax, renderer)]
+    lines: list[tuple[tuple[float, float], tuple[float, float]]] = []  # point -> label centre
+    # (horizontal offset in points, text lines up or down)
+    shifts = [(side * dx, k) for dx in (4, 16, 32) for side in (1, -1) for k in range(-10, 11)]
+
+    def crowd(p):  # the points within 60 pixels: the most crowded choose first
+        px0, py0 = ax.transData.transform(p[:2])
+        return -sum(math.hypot(mx - px0, my - py0) < 60 for mx, my in marks), -p[1], p[0]
+
+    for x, y, label in sorted(points, key=crowd):
         x0, y0 = ax.transData.transform((x, y))
-        width = 0.6 * fontsize * len(label) * px  # about 0.6 em a character
-        for k in (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6):
-            box = (x0 + 3 * px, x0 + 3 * px + width, y0 + k * step * px, y0 + (k + 1) * step * px)
-            if not any(box[0] < b[1] and b[0] < box[1] and box[2] < b[3] and b[2] < box[3]
-                       for b in placed):  # fmt: skip
-                break
-        placed.append(box)
-        ax.annotate(label, (x, y), xytext=(3, k * step), textcoords="offset points",
-                    fontsize=fontsize, va="bottom",
-                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray"} if k else None,
+        probe = ax.annotate(label, (x, y), fontsize=fontsize, **text)
+        size = Text.get_window_extent(probe, renderer)
+        probe.remove()
+
+        def box(dx, k, x0=x0, y0=y0, w=size.width, h=size.height):
+            left = x0 + dx * px - (w if dx < 0 else 0)
+            mid = y0 + k * step * px
+            return (left, left + w, mid - h / 2, mid + h / 2)
+
+        def cost(dx, k, x=x0, y=y0) -> tuple[bool, bool, float]:
+            """(unreadable: outside the axes or on a label; crossed: on a label's line or
+            its own line through a label; distance, each other point covered counting 20
+            points more), the lowest best."""
+            b = box(dx, k)
+            line = ((x, y), ((b[0] + b[1]) / 2, (b[2] + b[3]) / 2))
+            unreadable = not (
+                frame.x0 <= b[0] and b[1] <= frame.x1 and frame.y0 <= b[2] and b[3] <= frame.y1
+            ) or any(_overlap(b, o) for o in placed)
+            crossed = any(_crosses(s, b) for s in lines) or (
+                (k or dx != 4) and any(_crosses(line, o) for o in placed)
+            )
+            covered = sum(_overlap(b, (mx - 3, mx + 3, my - 3, my + 3))
+                          for mx, my in marks if (mx, my) != (x, y))  # fmt: skip
+            return unreadable, crossed, math.hypot(dx, k * step) + (dx < 0) + 20 * covered
+
+        dx, k = min(shifts, key=lambda c: cost(*c))
+        b = box(dx, k)
+        placed.append(b)
+        moved = k or abs(dx) > 4
+        if moved:
+            lines.append(((x0, y0), ((b[0] + b[1]) / 2, (b[2] + b[3]) / 2)))
+        ax.annotate(label, (x, y), xytext=(dx, k * step), textcoords="offset points",
+                    fontsize=fontsize, va="center", ha="left" if dx > 0 else "right",
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray"} if moved else None,
                     **text)  # fmt: skip
+
+
+def _overlap(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether boxes ``(x0, x1, y0, y1)`` (pixels) overlap."""
+    return a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]
+
+
+def _crosses(line, b: Sequence[float], n: int = 32) -> bool:
+    """Whether the segment ``((x, y), (x, y))`` passes through box ``b`` (pixels)."""
+    (xa, ya), (xb, yb) = line
+    return any(
+        b[0] < xa + (xb - xa) * i / n < b[1] and b[2] < ya + (yb - ya) * i / n < b[3]
+        for i in range(n + 1)
+    )
 
 
 def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None):
@@ -341,11 +525,16 @@ def predicted_vs_measured(rows: Any, path: str | os.PathLike[str] | None = None)
     return _save(fig, path)
 
 
-def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
-    """Measured slowdown vs ``no-remat`` against the compiled FLOPs ratio, one point per
-    measured policy and sequence length, labelled with the policy; ``y = x - 1`` is a step
-    whose time is all matmul FLOPs. A second panel shows process CPU time per step for rows
-    measured on the CPU backend (wall time there is at the mercy of other processes).
+def slowdown_vs_flops(
+    rows: Any, path: str | os.PathLike[str] | None = None, note: str | None = None
+) -> Figure:
+    """Measured slowdown vs ``no-remat`` (percent of its step time) against the compiled matmul
+    FLOPs ratio, one point per measured policy and sequence length, labelled with the policy
+    (``no-remat`` once: it is the baseline, at (1, 0%) for every length); the dashed line
+    ``y = x - 1`` is a step whose time is all matmul FLOPs. A second panel shows process CPU
+    time per step for rows measured on the CPU backend (wall time there is at the mercy of
+    other processes). One legend (the sequence lengths, the line); ``note`` is written small
+    at the bottom (e.g. :func:`provenance`).
 
     Raises:
       ValueError: no measured rows with a ``no-remat`` row beside them.
@@ -357,28 +546,38 @@ def slowdown_vs_flops(rows: Any, path: str | os.PathLike[str] | None = None):
     recs = [r for r in summary if r["slowdown"] is not None and r["flops_ratio"] is not None]
     if not recs:
         raise ValueError("no measured rows with a no-remat baseline to plot")
-    fig = Figure(figsize=(5.5 * len(panels), 4.5))
-    axes = fig.subplots(1, len(panels), squeeze=False)
+    fig = _figure((6.5 * len(panels), 5.0))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
     lo = min(r["flops_ratio"] for r in recs)
     hi = max(r["flops_ratio"] for r in recs)
-    for ax, (field, label) in zip(axes[0], panels, strict=True):
-        labels = []
+    labels: dict[Any, list[tuple[float, float, str]]] = {}
+    for ax, (field, label) in zip(axes, panels, strict=True):
+        labels[ax] = []
         for s in sorted({r["seq_len"] for r in recs}, key=lambda v: (v is not None, v or 0)):
             sub = [r for r in recs if r["seq_len"] == s and r[field] is not None]
             xs = [r["flops_ratio"] for r in sub]
             ys = [100 * r[field] for r in sub]
             # rows without a sequence length (a user's program): labelled with the program
             legend = f"s={s}" if s is not None else ", ".join(sorted({r["model"] for r in sub}))
-            ax.scatter(xs, ys, label=legend, s=22)
-            labels += [(x, y, r["policy"]) for x, y, r in zip(xs, ys, sub, strict=True)]
+            ax.scatter(xs, ys, label=legend, s=22, zorder=3)
+            labels[ax] += [(x, y, r["policy"]) for x, y, r in zip(xs, ys, sub, strict=True)
+                           if r["policy"] != "no-remat"]  # fmt: skip
+        if any(r["policy"] == "no-remat" and r[field] is not None for r in recs):
+            labels[ax].append((1.0, 0.0, "no-remat (baseline)"))
         ax.plot([lo, hi], [100 * (lo - 1), 100 * (hi - 1)], ls="--", color="gray",
                 label="slowdown = FLOPs ratio - 1")  # fmt: skip
-        label_points(ax, labels)
+        ax.set_title(f"{label} per step", fontsize=10)
         ax.set_xlabel("compiled matmul FLOPs / no-remat FLOPs")
         ax.set_ylabel(f"step {label} vs no-remat (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return _save(fig, path)
+        span = hi - lo or 0.1
+        ax.set_xlim(lo - 0.25 * span, hi + 0.3 * span)  # room for the labels inside the panel
+        ax.margins(y=0.12)
+    handles, _ = axes[0].get_legend_handles_labels()
+    _finish(fig, "Measured slowdown vs compiled matmul FLOPs, against no-remat", handles, note)
+    for ax, points in labels.items():
+        label_points(ax, points)
+    return _save(fig, path, layout=False)
 
 
 def layer_activations(rows: Any, path: str | os.PathLike[str] | None = None):
@@ -424,7 +623,8 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
     * ``options.png``: each option's effect (:func:`option_effects`), when rows of one shape
       differ in ``overrides``.
 
-    A figure with no rows to show is skipped.
+    Each has a title, one legend, and a footnote (:func:`provenance`) naming the targets of
+    the rows it draws. A figure with no rows to show is skipped.
     """
     ok = _ok(rows)
     folder = Path(folder)
@@ -432,45 +632,43 @@ def save_figures(rows: Any, folder: str | os.PathLike[str]) -> list[Path]:
     measured = [r for r in ok if r.get("step_time_s") is not None]
     analysis = [r for r in ok if r.get("step_time_s") is None and r.get("recompute_ratio")]
     timed = bool(analysis) and all(r.get("predicted_step_time_s") for r in analysis)
+    options = [r for members in R.option_sets(rows).values() for r in members]
     jobs = [
-        ("pareto.png", measured, lambda p: pareto(
-            measured, path=p, title="Predicted peak memory vs measured step time")),
-        ("pareto_analysis.png", analysis, lambda p: pareto(
-            analysis, x="predicted_step_time_s" if timed else "recompute_ratio", path=p,
+        ("pareto.png", measured, lambda p, n: pareto(
+            measured, path=p, note=n, title="Predicted peak memory vs measured step time")),
+        ("pareto_analysis.png", analysis, lambda p, n: pareto(
+            analysis, x="predicted_step_time_s" if timed else "recompute_ratio", path=p, note=n,
             title="Predicted peak memory vs estimated step time (analysis only)" if timed
             else "Predicted peak memory vs compiled FLOPs (analysis only)")),
-        ("slowdown_vs_flops.png", measured, lambda p: slowdown_vs_flops(ok, path=p)),
-        ("memory_breakdown.png", ok, lambda p: memory_breakdown(ok, path=p)),
-        ("options.png", R.option_sets(rows), lambda p: option_effects(rows, path=p)),
+        ("slowdown_vs_flops.png", measured, lambda p, n: slowdown_vs_flops(ok, path=p, note=n)),
+        ("memory_breakdown.png", ok, lambda p, n: memory_breakdown(ok, path=p, note=n)),
+        ("options.png", options, lambda p, n: option_effects(rows, path=p, note=n)),
     ]  # fmt: skip
-    stamp = provenance(ok)
-    for name, needed, draw in jobs:
-        if not needed:
+    for name, drawn, draw in jobs:
+        if not drawn:
             continue
-        try:
-            fig = draw(None)
+        try:  # each figure's footnote names the targets of the rows it draws, no others
+            draw(folder / name, provenance([r for r in drawn if r.get("status") == "ok"]))
         except ValueError:  # e.g. measured rows without a no-remat baseline
             continue
-        if stamp:
-            fig.text(0.005, 0.005, stamp, fontsize=6, color="gray", ha="left", va="bottom")
-        _save(fig, folder / name, layout=False)
         written.append(folder / name)
     return written
 
 
 def provenance(rows: Sequence[Mapping[str, Any]]) -> str:
     """Where the rows were measured, for a figure's footer: CPU, devices, backend, jax version
-    and the compile targets, from the rows' own :func:`remat_kit.sweep.results.environment` fields
-    ("" without rows)."""
+    (the first row's :func:`remat_kit.sweep.results.environment` fields) and the compile targets
+    of these rows only: pass the rows the figure draws ("" without rows)."""
     if not rows:
         return ""
     r0 = rows[0]
     cpu = r0.get("cpu_model") or r0.get("processor") or "?"
     targets = sorted({str(r.get("target")) for r in rows if r.get("target")})
+    named = [t if t in ("local", "cpu") else f"{t} (compiled deviceless)" for t in targets]
     return (
         f"{cpu} x{r0.get('cpu_count', '?')}, {r0.get('device_kind', '?')} "
-        f"({r0.get('backend', '?')} backend), jax {r0.get('jax', '?')}; targets: "
-        f"{', '.join(targets)} (GPU / TPU targets compiled deviceless)"
+        f"({r0.get('backend', '?')} backend), jax {r0.get('jax', '?')}; "
+        f"target{'s' if len(targets) > 1 else ''}: {', '.join(named)}"
     )
 
 
@@ -608,14 +806,13 @@ def _panel(ax, recs: Sequence[Mapping[str, Any]], values: list, xlabel: str, fmt
     if marks is not None and any(m is not None for m in marks):
         ys_m = [y for y, m in zip(ys, marks, strict=True) if m is not None]
         ax.scatter([m for m in marks if m is not None], ys_m, marker="|", s=120, color="black",
-                   label="process CPU time", zorder=3)  # fmt: skip
-        ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
+                   label="process CPU time per step", zorder=3)  # fmt: skip
     plain = [
         v for r, v in zip(recs, values, strict=True)
         if r["option"] == "plain" and r["policy"] == "no-remat" and v is not None
     ]  # fmt: skip
     if plain:
-        ax.axvline(plain[0], color="black", lw=0.8, ls="--", alpha=0.5)
+        ax.axvline(plain[0], color="black", lw=0.8, ls="--", alpha=0.5, label="plain no-remat")
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylim(len(recs) - 0.5, -0.5)  # first variant on top, texts inside without bars
     if all(v is None for v in values):
@@ -625,12 +822,16 @@ def _panel(ax, recs: Sequence[Mapping[str, Any]], values: list, xlabel: str, fmt
     ax.grid(axis="x", alpha=0.3)
 
 
-def option_effects(rows: Any, path: str | os.PathLike[str] | None = None) -> Figure:
-    """Each option's effect, one row of three panels per option set: the predicted peak (bytes,
-    in the set's unit), :func:`remat_kit.sweep.results.option_records`' ``flops_ratio`` and the
-    median measured step time (ms, wall clock; a tick marks the process CPU time per step where
-    the row has it; "n/a" where the row has no step time: an analysis-only target). Bars of
-    ``no-remat`` rows are hatched; the dashed line marks the plain ``no-remat`` row's value.
+def option_effects(
+    rows: Any, path: str | os.PathLike[str] | None = None, note: str | None = None
+) -> Figure:
+    """Each option's effect, one row of three panels per option set: the predicted peak (MiB or
+    GiB, the set's unit as in the tables), :func:`remat_kit.sweep.results.option_records`'
+    ``flops_ratio`` and the median measured step time (ms, wall clock; a tick marks the process
+    CPU time per step where the row has it; "n/a" where the row has no step time: an
+    analysis-only target). Bars are colored by option family; bars of ``no-remat`` rows are
+    hatched; the dashed line marks the plain ``no-remat`` row's value. One legend for all
+    panels; ``note`` is written small at the bottom (e.g. :func:`provenance`).
 
     Returns:
       The ``Figure`` (saved as a PNG at ``path`` when given).
@@ -648,7 +849,7 @@ def option_effects(rows: Any, path: str | os.PathLike[str] | None = None) -> Fig
     for r in recs:
         sets.setdefault((r["model"], r["target"], r["batch_size"], r["seq_len"]), []).append(r)
     heights = [0.32 * len(v) + 1.2 for v in sets.values()]
-    fig = Figure(figsize=(15, sum(heights)), layout="constrained")
+    fig = _figure((15, sum(heights)))
     grid = fig.add_gridspec(len(sets), 3, height_ratios=heights)
     for i, ((model, target, b, s), members) in enumerate(sets.items()):
         unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
@@ -672,4 +873,16 @@ def option_effects(rows: Any, path: str | os.PathLike[str] | None = None) -> Fig
                 ax.set_title(f"{model} @{target}, b={b} s={s}", fontsize=9, loc="left")
             else:
                 ax.set_yticks([])
+    families = list(dict.fromkeys(r["family"] for r in recs))
+    handles = [Patch(color=_FAMILY_COLORS.get(f, "tab:cyan"), alpha=0.8, label=f)
+               for f in families]  # fmt: skip
+    handles.append(Patch(facecolor="lightgray", hatch="//", edgecolor="white", label="no-remat"))
+    for ax in fig.axes:
+        for artist in (*ax.lines, *ax.collections):
+            if artist.get_label() in ("plain no-remat", "process CPU time per step") and not any(
+                h.get_label() == artist.get_label() for h in handles
+            ):
+                handles.append(artist)
+    _finish(fig, "Each option's effect on predicted peak, matmul FLOPs and step time", handles,
+            note)  # fmt: skip
     return _save(fig, path, layout=False)

@@ -107,6 +107,32 @@ def test_group_of_reports_rejects_mismatched_labels(reports):
         H.group_of_reports(reports, ["only-one"])
 
 
+def test_header_and_group_menu_name_the_groups_targets(reports, tmp_path):
+    """The header names the targets the groups hold (not the machine the rows ran on), and the
+    group menu reads ``gpt-10m b=4 s=128 scan_layers=True @ local``, not a Python dict."""
+    rows = [
+        {"model": "gpt-10m", "target": target, "batch_size": 4, "seq_len": 128,
+         "overrides": {"scan_layers": True}, "policy": label, "status": "ok",
+         "report": r.to_dict(), "step_time_s": 0.2}
+        for target in ("h100-sxm", "local")
+        for r, label in zip(reports, LABELS, strict=True)
+    ]  # fmt: skip
+    groups = H.groups_of_rows(rows)
+    assert [g.title for g in groups] == [
+        "gpt-10m b=4 s=128 scan_layers=True @ h100-sxm",
+        "gpt-10m b=4 s=128 scan_layers=True @ local",
+    ]
+    path = tmp_path / "sweep.html"
+    H.write_report(path, groups, command="pytest", hardware="1 x cpu (cpu backend)")
+    header = path.read_text().split("<header>")[1].split("</header>")[0]
+    assert "<dt>targets</dt><dd>h100-sxm: NVIDIA H100" in header and "; local</dd>" in header
+    assert "<dt>run on</dt><dd>1 x cpu (cpu backend)</dd>" in header
+    data = _data(path)
+    assert data["template"] and all("template" not in f["layout"]
+                                    for f in data["groups"][0]["scatter"].values())  # fmt: skip
+    assert data["groups"][0]["rows"][0]["cells"][3] == [0.2, "200 ms"]  # ms, as the sweep's
+
+
 def test_rows_make_groups_and_failed_rows_stay(reports):
     base = {"program": "plain-jax", "target": "cpu"}
     rows = [
@@ -217,6 +243,49 @@ def test_report_renders_without_errors_and_selecting_a_policy_changes_the_page(
     _wait(browser, f"{heading} !== {json.dumps(at_peak)}")
     assert re.match(r"live at schedule position \d+: \d+ of the", browser.execute_script(heading))
     assert browser.execute_script(heading) != at_peak
+    assert _errors(browser) == []
+
+
+#: The page's plotly controls and titles, and which controls lie on which titles (page
+#: coordinates, each plot's own; a hidden control, drawn on hover only, counts as drawn).
+_LAYOUT = """
+const rect = (e) => { const r = e.getBoundingClientRect();
+  return [r.left, r.top, r.right, r.bottom, r.width * r.height]; };
+const plots = [...document.querySelectorAll('.js-plotly-plot')];
+const hits = [];
+for (const p of plots) {
+  const titles = [...p.querySelectorAll('.gtitle')].filter((t) => t.textContent.trim());
+  for (const m of p.querySelectorAll('.modebar')) {
+    const a = rect(m);
+    for (const t of titles) { const b = rect(t);
+      if (a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3]) hits.push([p.id, t.textContent]); }
+  }
+}
+return {plots: plots.map((p) => p.id), hits: hits,
+  titles: plots.map((p) => p.querySelectorAll('.gtitle').length),
+  modebars: plots.map((p) => p.querySelectorAll('.modebar').length),
+  legends: plots.map((p) => p.querySelectorAll('.legend').length)};
+"""
+
+
+def test_no_control_covers_a_title_and_every_plot_has_a_legend(browser, page, tmp_path):
+    """At a 1400-pixel window: plotly's toolbar (the mode bar) lies on no plot title (it
+    covered the side-by-side timelines' titles), every plot has a legend (the two side-by-side
+    timelines had none), and the step times are in ms (the table's unit) on the plot too."""
+    _open(browser, page)
+    browser.set_window_size(1400, 1800)
+    _wait(browser, "return document.querySelectorAll('#cmp-b .scatterlayer .trace').length > 0")
+    browser.execute_script("document.getElementById('compare').scrollIntoView()")
+    browser.save_screenshot(str(tmp_path / "compare.png"))
+    layout = browser.execute_script(_LAYOUT)
+    assert set(layout["plots"]) >= {"scatter", "timeline", "cmp-a", "cmp-b"}, layout
+    assert all(n >= 1 for n in layout["titles"]) and all(n >= 1 for n in layout["modebars"])
+    assert layout["hits"] == [], layout
+    assert all(n == 1 for n in layout["legends"]), layout
+    axis = browser.execute_script(
+        "return document.getElementById('scatter').layout.xaxis.title.text"
+    )
+    assert "(ms)" in axis or "FLOPs" in axis, axis
     assert _errors(browser) == []
 
 

@@ -8,8 +8,10 @@ measured step time and the FLOPs ratio that some entry has); for the selected po
 live-bytes timeline stacked by category (hover lists the buffers live at that point: name,
 checkpoint tag, dtype, shape, bytes, op), the buffers at the peak, the residuals by tag, the
 doctor's findings and the notes; and two policies side by side
-(:func:`remat_kit.memory.diff.diff_reports` and both timelines). The header names the target,
-the machine, the backend, the jax version and the command that made it.
+(:func:`remat_kit.memory.diff.diff_reports` and both timelines). The header names the targets
+the groups were compiled for, the machine, the backend, the jax version and the command that made
+it. Step times are in ms everywhere on the page; every plot has a legend, and its title sits under
+plotly's toolbar.
 
 Made by ``remat-kit analyze ... --html report.html``, ``remat-kit recommend ... --html``, and
 the sweep (``report.html`` beside its rows).

@@ -51,11 +51,14 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Entries compared with one another (same step and target): a title and shared notes."""
+    """Entries compared with one another (same step and target): a title (what the page's
+    group menu shows), shared notes, and the target they were compiled for (a
+    :mod:`remat_kit.targets` name; None where unknown), which the page's header names."""
 
     title: str
     entries: tuple[Entry, ...]
     notes: tuple[str, ...] = ()
+    target: str | None = None
 
 
 def entry_of_report(
@@ -113,7 +116,7 @@ def group_of_reports(
         else:
             name = label or getattr(r, "what", type(r).__name__)
             entries.append(_failed(name, str(r)))
-    return Group(title or _title_of(ok[0]), tuple(entries), tuple(notes))
+    return Group(title or _title_of(ok[0]), tuple(entries), tuple(notes), target=ok[0].target)
 
 
 def _failed(label: str, error: str) -> Entry:
@@ -121,8 +124,24 @@ def _failed(label: str, error: str) -> Entry:
 
 
 def _title_of(r: MemoryReport) -> str:
-    shape = f" batch={r.batch_size} seq={r.seq_len}" if r.batch_size else ""
-    return f"{r.model or r.name}{shape} on {r.target}"
+    return group_title(r.model or r.name, r.batch_size, r.seq_len, None, r.target)
+
+
+def group_title(
+    what: str,
+    batch_size: int | None,
+    seq_len: int | None,
+    overrides: Mapping[str, Any] | None,
+    target: str | None,
+    mesh: Any = None,
+) -> str:
+    """A group's name as a reader reads it: ``"gpt-10m b=4 s=128 scan_layers=True @ local"``
+    (the shape where known, the overrides as ``key=value``, the target after ``@``)."""
+    parts = [what]
+    parts += [f"{k}={v}" for k, v in (("b", batch_size), ("s", seq_len)) if v is not None]
+    parts += [f"{k}={v}" for k, v in (overrides or {}).items()]
+    where = f" @ {target}" if target else ""
+    return " ".join(parts) + where + (f" mesh {mesh}" if mesh else "")
 
 
 def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
@@ -149,17 +168,15 @@ def groups_of_rows(rows: Sequence[Mapping[str, Any]]) -> list[Group]:
                 )
             )
         first = members[0]
-        shape = (
-            f" batch={first.get('batch_size')} seq={first.get('seq_len')}"
-            if first.get("seq_len") is not None
-            else ""
+        title = group_title(
+            first.get("model") or first.get("program") or "?",
+            first.get("batch_size") if first.get("seq_len") is not None else None,
+            first.get("seq_len"),
+            first.get("overrides"),
+            first.get("target"),
+            first.get("mesh"),
         )
-        mesh = f" mesh {first['mesh']}" if first.get("mesh") else ""
-        overrides = f" {first['overrides']}" if first.get("overrides") else ""
-        what = first.get("model") or first.get("program") or "?"
-        out.append(
-            Group(f"{what}{shape}{overrides} on {first.get('target')}{mesh}", tuple(entries))
-        )
+        out.append(Group(title, tuple(entries), target=first.get("target")))
     return out
 
 
@@ -191,10 +208,12 @@ def group_of_recommendation(rec: Any) -> Group:
                 notes=(f"found by {c.found_by}", *c.warnings),
             )
         )
-    seq = f" seq={rec.seq_len}" if rec.seq_len is not None else ""
+    seq = f" s={rec.seq_len}" if rec.seq_len is not None else ""
     notes = [f"budget {rec.budget_bytes} bytes per device ({rec.budget_note})", *rec.notes]
     if rec.pick is not None:
         notes.append(f"pick: {rec.line()}")
     else:
         notes += [f"nothing fits; what would: {a}" for a in rec.advice]
-    return Group(f"recommend: {rec.model}{seq} on {rec.target}", tuple(entries), tuple(notes))
+    return Group(
+        f"recommend: {rec.model}{seq} @ {rec.target}", tuple(entries), tuple(notes), rec.target
+    )

@@ -41,6 +41,14 @@
 
   function group() { return DATA.groups[st.g]; }
 
+  // A figure as written (page.py: the shared template and a timeline's x written once), whole.
+  function whole(fig, extra) {
+    const data = fig.x ? fig.data.map((t) => (t.x === undefined ? Object.assign({ x: fig.x }, t) : t)) : fig.data;
+    const layout = Object.assign({}, fig.layout, extra || {});
+    if (DATA.template && !layout.template) layout.template = DATA.template;
+    return [data, layout];
+  }
+
   function firstSelected(g) { // the lowest peak (with a report, where any has one)
     const anyReport = g.rows.some((r) => r.has_report);
     let best = -1;
@@ -95,8 +103,8 @@
     const g = group();
     const div = document.getElementById("scatter");
     if (!st.x) { div.textContent = "no figure to plot against the peak"; return; }
-    const fig = g.scatter[st.x];
-    Plotly.newPlot(div, fig.data, fig.layout, CONFIG).then(() => {
+    const [data, layout] = whole(g.scatter[st.x]);
+    Plotly.newPlot(div, data, layout, CONFIG).then(() => {
       highlight();
       div.on("plotly_click", (ev) => {
         const p = ev.points.find((q) => q.customdata !== undefined);
@@ -108,11 +116,11 @@
   function highlight() {
     const div = document.getElementById("scatter");
     if (!div || !div.data) return;
-    const k = div.data.findIndex((t) => t.name === "policies");
-    if (k < 0) return;
-    const widths = div.data[k].customdata.map((i) => (i === st.sel ? 3 : 0));
-    const sizes = div.data[k].customdata.map((i) => (i === st.sel ? 16 : 11));
-    Plotly.restyle(div, { "marker.line.width": [widths], "marker.size": [sizes] }, [k]);
+    const ks = div.data.map((t, k) => (t.customdata ? k : -1)).filter((k) => k >= 0);
+    if (!ks.length) return;
+    const widths = ks.map((k) => div.data[k].customdata.map((i) => (i === st.sel ? 3 : 0)));
+    const sizes = ks.map((k) => div.data[k].customdata.map((i) => (i === st.sel ? 16 : 11)));
+    Plotly.restyle(div, { "marker.line.width": widths, "marker.size": sizes }, ks);
   }
 
   // -- The selected policy ---------------------------------------------------------------------
@@ -175,7 +183,8 @@
     box.replaceChildren(...kids);
     if (d.timeline) {
       const div = document.getElementById("timeline");
-      Plotly.newPlot(div, d.timeline.data, d.timeline.layout, CONFIG).then(() => {
+      const [data, layout] = whole(d.timeline);
+      Plotly.newPlot(div, data, layout, CONFIG).then(() => {
         div.on("plotly_hover", (ev) => liveAt(d, ev.points[0].x));
       });
       liveAt(d, d.peak_position);
@@ -230,7 +239,10 @@
     for (const [id, i] of [["cmp-a", a], ["cmp-b", b]]) {
       const t = g.details[i].timeline;
       const div = document.getElementById(id);
-      if (t) drawn.push(Plotly.newPlot(div, t.data, Object.assign({}, t.layout, { height: 360, showlegend: false }), CONFIG));
+      // the legend below the plot: half a row is narrow
+      const below = { height: 560, legend: { orientation: "h", yanchor: "top", y: -0.22, font: { size: 10 } },
+        margin: Object.assign({}, t && t.layout.margin, { b: 170 }) };
+      if (t) drawn.push(Plotly.newPlot(div, ...whole(t, below), CONFIG));
       else div.textContent = "no timeline for " + g.rows[i].label;
     }
     Promise.all(drawn).then((divs) => { // one y range for both, so heights compare

@@ -53,13 +53,14 @@ def _unit(values: Sequence[int | None]) -> tuple[int, str]:
     return (MIB, "MiB") if top >= MIB else (KIB, "KiB")
 
 
-def _seconds(s: float | None) -> str:
+def _ms(s: float | None) -> str:
+    """Seconds as milliseconds, the page's one unit of time (the sweep's tables use it too):
+    three significant digits, whole and thousands separated from 100 ms (``"1,234 ms"``,
+    ``"12.3 ms"``, ``"0.0412 ms"``)."""
     if s is None:
         return "—"
-    for scale, name in ((1, "s"), (1e-3, "ms"), (1e-6, "µs")):
-        if s >= scale:
-            return f"{s / scale:.3g} {name}"
-    return f"{s * 1e9:.3g} ns"
+    ms = 1e3 * s
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:#.3g} ms"
 
 
 def _cell(value: float | None, text: str) -> list:
@@ -76,60 +77,83 @@ def _row(e: Entry, unit: int, uname: str) -> dict[str, Any]:
         "cells": [
             _cell(e.peak_bytes, f"{(e.peak_bytes or 0) / unit:,.2f}"),
             _cell(e.host_bytes, f"{(e.host_bytes or 0) / unit:,.2f}"),
-            _cell(e.step_time_s, _seconds(e.step_time_s)),
-            _cell(e.measured_step_time_s, _seconds(e.measured_step_time_s)),
+            _cell(e.step_time_s, _ms(e.step_time_s)),
+            _cell(e.measured_step_time_s, _ms(e.measured_step_time_s)),
             _cell(e.recompute_ratio, f"x{e.recompute_ratio or 0:.3f}"),
             [fits, "—" if fits is None else ("yes" if fits else "no")],
         ],
     }
 
 
-COLUMNS = ("policy", "peak {u}", "host {u}", "est. step", "measured step", "FLOPs ratio", "fits")
+COLUMNS = (
+    "policy", "peak {u}", "host {u}", "est. step (ms)", "measured step (ms)", "FLOPs ratio", "fits",
+)  # fmt: skip
+#: Every plot's title sits this many pixels below the top of its plot, under plotly's toolbar
+#: (the mode bar, about 25 pixels high at the top right), which then covers no title.
+TITLE_BELOW_TOOLBAR = 34
+
+
+def _title(text: str, lines: int = 1) -> tuple[dict[str, Any], int]:
+    """A plot's title placed under the toolbar, and the top margin that holds it (pixels)."""
+    title = {"text": text, "font": {"size": 13}, "x": 0.0, "xanchor": "left", "xref": "paper",
+             "y": 1.0, "yref": "container", "yanchor": "top",
+             "pad": {"t": TITLE_BELOW_TOOLBAR}}  # fmt: skip
+    return title, TITLE_BELOW_TOOLBAR + 18 * lines + 12
 
 
 def _x_options(entries: Sequence[Entry]) -> list[tuple[str, str]]:
     """The x axes the trade-off plot offers: only those some entry has a figure for."""
     options = [
-        ("step_time_s", "estimated step time (s)"),
-        ("measured_step_time_s", "measured step time (s)"),
+        ("step_time_s", "estimated step time (ms)"),
+        ("measured_step_time_s", "measured step time (ms)"),
         ("recompute_ratio", "matmul FLOPs / no-remat FLOPs"),
     ]
     return [(k, name) for k, name in options if any(getattr(e, k) is not None for e in entries)]
 
 
+#: The trade-off plot's point colors, one legend entry each: whether the peak fits the budget.
+_FITS = ((True, "#2ca02c", "fits the budget"), (False, "#d62728", "does not fit"),
+         (None, "#888", "fit unknown (no budget)"))  # fmt: skip
+
+
 def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: str) -> dict:
+    """The memory-vs-time plot against ``key`` (step times drawn in ms): one trace of points
+    per fit status (green fits, red does not, grey unknown), the Pareto frontier, the budget."""
     import plotly.graph_objects as go
 
     idx = [
         i for i, e in enumerate(entries) if getattr(e, key) is not None and e.peak_bytes is not None
     ]
-    xs = [getattr(entries[i], key) for i in idx]
+    scale = 1e3 if key.endswith("_s") else 1.0
+    xs = [getattr(entries[i], key) * scale for i in idx]
     ys = [entries[i].peak_bytes / unit for i in idx]
-    colors = [
-        "#888" if entries[i].fits is None else ("#2ca02c" if entries[i].fits else "#d62728")
-        for i in idx
-    ]
     fig = go.Figure()
     front = pareto_frontier(xs, ys)
     if len(front) > 1:
         fig.add_trace(
             go.Scatter(
                 x=[xs[j] for j in front], y=[ys[j] for j in front], mode="lines",
-                line={"color": "#bbb", "dash": "dot"}, hoverinfo="skip", name="frontier",
+                line={"color": "#bbb", "dash": "dot"}, hoverinfo="skip", name="Pareto frontier",
             )
         )  # fmt: skip
-    fig.add_trace(
-        go.Scatter(
-            x=xs, y=ys, mode="markers+text" if len(idx) <= LABELLED_UP_TO else "markers",
-            text=[html.escape(entries[i].label) for i in idx],
-            textposition="top center", textfont={"size": 10}, customdata=idx,
-            marker={"size": 11, "color": colors,
-                    "line": {"width": [0] * len(idx), "color": "#000"}},
-            hovertemplate="<b>%{text}</b><br>" + xname + ": %{x:.4g}<br>peak: %{y:.2f} "
-            + uname + "<extra></extra>",
-            name="policies",
-        )
-    )  # fmt: skip
+    for fits, color, name in _FITS:
+        own = [k for k, i in enumerate(idx) if entries[i].fits is fits]
+        if not own:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[xs[k] for k in own], y=[ys[k] for k in own],
+                mode="markers+text" if len(idx) <= LABELLED_UP_TO else "markers",
+                text=[html.escape(entries[idx[k]].label) for k in own],
+                textposition="top center", textfont={"size": 10},
+                customdata=[idx[k] for k in own],
+                marker={"size": 11, "color": color,
+                        "line": {"width": [0] * len(own), "color": "#000"}},
+                hovertemplate="<b>%{text}</b><br>" + xname + ": %{x:.4g}<br>peak: %{y:.2f} "
+                + uname + "<extra></extra>",
+                name=name,
+            )
+        )  # fmt: skip
     budgets = {entries[i].report.budget_bytes for i in idx if entries[i].report is not None}
     if len(budgets) == 1 and None not in budgets:
         budget = budgets.pop() / unit  # a trace, not a shape: shapes on a log axis take log10
@@ -143,11 +167,12 @@ def _scatter(entries: Sequence[Entry], key: str, xname: str, unit: int, uname: s
         )  # fmt: skip
     if ys and min(ys) > 0 and max(ys) / min(ys) > 4:  # a no-remat far above the rest
         fig.update_yaxes(type="log", tickvals=_log_ticks(min(ys), max(ys)))
+    title, top = _title("memory vs time (click a point to select)")
     fig.update_layout(
-        xaxis_title=xname, yaxis_title=f"peak ({uname} per device)", showlegend=False,
-        margin={"l": 60, "r": 20, "t": 30, "b": 50}, height=420, template="plotly_white",
-        clickmode="event", title={"text": "memory vs time (click a point to select)",
-                                  "font": {"size": 13}},
+        xaxis_title=xname, yaxis_title=f"peak ({uname} per device)", showlegend=True,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.2, "font": {"size": 10}},
+        margin={"l": 60, "r": 20, "t": top, "b": 110}, height=500, template="plotly_white",
+        clickmode="event", title=title,
     )  # fmt: skip
     return fig.to_plotly_json()
 
@@ -188,7 +213,7 @@ def _timeline(r: MemoryReport, label: str, colors: dict[str, str], unit: int, un
     for c, row in zip(tl.categories, rows, strict=True):
         fig.add_trace(
             go.Scatter(
-                x=x, y=np.round(row[keep] / unit, 4), name=html.escape(c), stackgroup="device",
+                y=np.round(row[keep] / unit, 4), name=html.escape(c), stackgroup="device",
                 mode="lines", line={"width": 0.5, "color": colors[c]}, fillcolor=colors[c],
                 hovertemplate="%{y:.3f} " + uname,
             )
@@ -196,7 +221,7 @@ def _timeline(r: MemoryReport, label: str, colors: dict[str, str], unit: int, un
     if tl.host_bytes is not None:
         host = np.array(tl.host_bytes, dtype=np.float64)[keep] / unit
         fig.add_trace(
-            go.Scatter(x=x, y=np.round(host, 4), name="host memory", mode="lines",
+            go.Scatter(y=np.round(host, 4), name="host memory", mode="lines",
                        line={"color": "#000", "dash": "dash", "width": 1.5},
                        hovertemplate="%{y:.3f} " + uname)
         )  # fmt: skip
@@ -205,16 +230,20 @@ def _timeline(r: MemoryReport, label: str, colors: dict[str, str], unit: int, un
                       line_width=0, annotation_text=name, annotation_position="top left",
                       annotation_font_size=10)  # fmt: skip
     fig.add_vline(x=tl.peak_position, line={"color": "#d62728", "width": 1, "dash": "dot"})
+    title, top = _title(
+        f"live device bytes over XLA's schedule: {html.escape(label)}<br>(peak "
+        f"{format_bytes(tl.peak_bytes)} at {tl.peak_position} of {tl.length})",
+        lines=2,
+    )
     fig.update_layout(
-        title={"text": f"live device bytes over XLA's schedule: {html.escape(label)} (peak "
-               f"{format_bytes(tl.peak_bytes)} at {tl.peak_position} of {tl.length})",
-               "font": {"size": 13}},
-        xaxis_title="position in XLA's schedule (loop bodies once)",
+        title=title, xaxis_title="position in XLA's schedule (loop bodies once)",
         yaxis_title=f"{uname} per device", yaxis_rangemode="tozero",
-        hovermode="x unified", template="plotly_white", height=430,
-        margin={"l": 60, "r": 20, "t": 40, "b": 50}, legend={"font": {"size": 10}},
+        hovermode="x unified", template="plotly_white", height=470, showlegend=True,
+        margin={"l": 60, "r": 20, "t": top, "b": 50}, legend={"font": {"size": 10}},
     )  # fmt: skip
-    return fig.to_plotly_json()
+    out = fig.to_plotly_json()
+    out["x"] = x  # every trace's x, written once: page.js gives it to each trace
+    return out
 
 
 def _split_shape(shape: str) -> tuple[str, str]:
@@ -280,15 +309,15 @@ def _step_time(r: MemoryReport) -> str:
     the report has them."""
     t = getattr(r, "step_time", None)
     if t is None:
-        return _seconds(getattr(r, "step_time_s", None))
+        return _ms(getattr(r, "step_time_s", None))
     parts = [
         (name, getattr(t, f"{name}_s", None))
         for name in ("compute", "memory", "elementwise", "launch", "transfer", "collective",
                      "allocation")
     ]  # fmt: skip
-    shown = ", ".join(f"{n} {_seconds(v)}" for n, v in parts if v)
-    recompute = f"; recompute {_seconds(t.recompute_s)}" if getattr(t, "recompute_s", 0) else ""
-    return f"{_seconds(t.step_time_s)} ({shown}{recompute}; {t.figures})"
+    shown = ", ".join(f"{n} {_ms(v)}" for n, v in parts if v)
+    recompute = f"; recompute {_ms(t.recompute_s)}" if getattr(t, "recompute_s", 0) else ""
+    return f"{_ms(t.step_time_s)} ({shown}{recompute}; {t.figures})"
 
 
 def _flops(n: float | None) -> str:
@@ -373,24 +402,34 @@ def machine() -> str:
     )
 
 
+def _targets(groups: Sequence[Group]) -> list[str]:
+    """The targets the groups were compiled for, in order, each with its description (``local``
+    is where the rows ran: its description would be this machine's, so it has none)."""
+    from remat_kit import targets
+
+    names = [g.target for g in groups if g.target]
+    names += [e.report.target for g in groups for e in g.entries if e.report and not g.target]
+    out = []
+    for name in dict.fromkeys(names):
+        try:
+            t = None if name == targets.LOCAL else targets.get_target(name)
+        except ValueError:
+            t = None
+        out.append(f"{name}: {t.description}" if t is not None else str(name))
+    return out
+
+
 def _header(groups: Sequence[Group], command: str, title: str, hardware: str | None) -> str:
     import jax
     import plotly
 
     first = next((e.report for g in groups for e in g.entries if e.report is not None), None)
     backend = first.backend if first is not None else jax.default_backend()
-    target = ""
-    if first is not None:
-        from remat_kit import targets
-
-        try:
-            t = targets.get_target(first.target)
-            target = f"{t.name}: {t.description}"
-        except ValueError:
-            target = first.target
+    names = _targets(groups)
     items = [
         ("command", f"<code>{html.escape(command)}</code>"),
-        ("target", html.escape(hardware or target or "—")),
+        ("target" if len(names) == 1 else "targets", html.escape("; ".join(names) or "—")),
+        *([("run on", html.escape(hardware))] if hardware else []),
         ("compiled on", html.escape(machine())),
         ("backend", html.escape(backend)),
         ("jax", html.escape(jax.__version__)),
@@ -414,7 +453,9 @@ def render(
         raise ValueError("nothing to report: no group has an entry")
     command = command if command is not None else " ".join(["remat-kit", *sys.argv[1:]])
     title = title or groups[0].title
-    data = json.dumps({"groups": [_group_data(g) for g in groups]}, default=_json_default)
+    groups_data = [_group_data(g) for g in groups]
+    template = _share_template(groups_data)
+    data = json.dumps({"groups": groups_data, "template": template}, default=_json_default)
     data = data.replace("</", "<\\/")  # never ends the script element early
     css = (_HERE / "page.css").read_text()
     js = (_HERE / "page.js").read_text()
@@ -427,6 +468,18 @@ def render(
         f"<script id='report-data' type='application/json'>{data}</script>"
         f"<script>{js}</script></body></html>"
     )
+
+
+def _share_template(groups_data: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Take the plotly template (~7 KB) out of every figure that has the first one's, and
+    return it: the page writes it once and page.js gives it back to each figure."""
+    figures = [f for g in groups_data for f in g["scatter"].values()]
+    figures += [d["timeline"] for g in groups_data for d in g["details"] if d.get("timeline")]
+    shared = next((f["layout"]["template"] for f in figures if "template" in f["layout"]), None)
+    for f in figures:
+        if shared is not None and f["layout"].get("template") == shared:
+            del f["layout"]["template"]
+    return shared
 
 
 def _json_default(x: Any) -> Any:
@@ -455,7 +508,8 @@ def write_report(
       command: the command that made it, shown at the top (default: ``remat-kit`` and this
         process's arguments).
       title: the page title (default: the first group's).
-      hardware: the target in words (default: the first report's target and its description).
+      hardware: the device the entries were run (timed) on, in words, shown as "run on"
+        beside the targets the groups were compiled for (which the header always names).
 
     Returns:
       The file's size in bytes.

@@ -359,11 +359,17 @@ def ensure_tpu_env() -> None:
       loads libtpu to look for a TPU, which costs seconds and prints libtpu's start-up lines on
       every run. The local backend is the CPU either way.
 
+    - ``TPU_LOG_DIR=disabled``: libtpu writes no log files (by default each process that
+      initialises it writes its own into ``/tmp/tpu_logs``, and a sweep or a test run starts
+      many); its lines on stderr stay, and remat-kit reads those (Marin sets the same for its
+      TPU workers, marin-community/marin#2078).
+
     On a TPU machine nothing is set: the runtime there needs the real values.
     """
     if has_tpu_chips():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_LOG_DIR", "disabled")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     gpu_files = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
     if (

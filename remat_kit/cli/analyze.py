@@ -326,6 +326,18 @@ def _time_line(results) -> str | None:
     )
 
 
+def _margin_note(memory: int) -> str:
+    """What recommend's default budget keeps free of the same memory, so a policy fitting here
+    and not there reads as the margin, not a disagreement."""
+    from remat_kit.recommend.api import DEFAULT_MARGIN
+
+    kept = int(memory * (1 - DEFAULT_MARGIN))
+    return (
+        f" (the whole memory; recommend's default budget keeps {DEFAULT_MARGIN:.0%} free: "
+        f"{_size(kept)})"
+    )
+
+
 def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
     reports = [r for r in results if not isinstance(r, CompileError)]
     first = reports[0]
@@ -339,7 +351,7 @@ def _summary_lines(target, args, results, labels: Sequence[str]) -> list[str]:
             else "argument + output + temp - alias (per device)"
         )
         + (
-            f"; budget {_size(budget)}"
+            f"; budget {_size(budget)}" + (_margin_note(budget) if args.budget is None else "")
             if budget
             else "; target memory unknown (CPU): fits is '-', give --budget to judge it"
         ),

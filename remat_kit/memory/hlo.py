@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -206,9 +207,7 @@ def _dot_flops(instr: Instruction, shapes: dict[str, str]) -> float:
 
 _CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _DIM_LABELS = re.compile(r"dim_labels=[0-9a-z]+_([0-9a-z]+)->")
-_FMHA_SCORES = re.compile(
-    r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":\[([^\]]*)\]'
-)
+_BACKEND_CONFIG = "backend_config="
 #: Matmul FLOPs of a fused attention's backward pass over its forward (FlashAttention-2, Dao
 #: 2023, arXiv:2307.08691: five matmuls against two).
 FMHA_BACKWARD_FACTOR = 2.5
@@ -309,19 +308,39 @@ def _padding_share(instr: Instruction, shapes: dict[str, str]) -> float:
     return share
 
 
+@functools.lru_cache(maxsize=4096)
+def _json_object(text: str) -> dict:
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def backend_config(instr: Instruction) -> dict:
+    """An instruction's ``backend_config={...}`` as a dict (``{}`` without one, or when it is
+    not JSON). Read as JSON, not by pattern: XLA's writers differ in key order and spacing
+    (jax 0.12's dumps sort the keys, ``as_text()`` puts spaces after colons)."""
+    at = instr.attributes.find(_BACKEND_CONFIG)
+    if at < 0:
+        return {}
+    return _json_object(instr.attributes[at + len(_BACKEND_CONFIG) :])
+
+
 def _fmha_flops(instr: Instruction) -> float:
     """A cuDNN fused attention call (``__cudnn$fmha*``): ``4 * prod(output) * kv_len`` (the
     ``Q K^T`` and ``P V`` matmuls; the first output has the query's shape, the scores
-    ``intermediate_tensor_shape`` is [batch, heads, q_len, kv_len]), halved under a causal
-    mask, times :data:`FMHA_BACKWARD_FACTOR` for a backward call."""
-    config = instr.attributes.replace(" ", "")
-    scores = _FMHA_SCORES.search(config)
+    ``intermediate_tensor_shape`` of its ``cudnn_fmha_backend_config`` is [batch, heads, q_len,
+    kv_len]), halved under a causal mask, times :data:`FMHA_BACKWARD_FACTOR` for a backward
+    call."""
+    config = backend_config(instr).get("cudnn_fmha_backend_config", {})
+    scores = config.get("intermediate_tensor_shape", {}).get("dimensions", [])
     out = array_shapes(instr.shape)
     if not scores or not out:
         return 0.0
-    kv_len = int(scores.group(1).split(",")[-1].strip('"'))
+    kv_len = int(scores[-1])
     flops = 4.0 * math.prod(out[0][1]) * kv_len
-    if re.search(r'"mask_type":"[A-Z_]*CAUSAL"', config):
+    if str(config.get("mask_type", "")).endswith("CAUSAL"):
         flops /= 2
     if "Backward" in _call_target(instr):
         flops *= FMHA_BACKWARD_FACTOR

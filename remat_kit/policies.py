@@ -351,8 +351,11 @@ def is_by_exclusion(policy: Any) -> bool:
     )
 
 
-def _excluded_names(policy: Any) -> frozenset[str]:
-    """The names ``save_any_names_but_these(*names)`` leaves out (see :func:`is_by_exclusion`)."""
+def excluded_names(policy: Any) -> frozenset[str]:
+    """The names ``save_any_names_but_these(*names)`` leaves out (see :func:`is_by_exclusion`);
+    empty for any other policy."""
+    if not is_by_exclusion(policy):
+        return frozenset()
     names = getattr(policy, "names", None)
     if names is None:
         names = _closure(policy).get("names_not_to_save", ())
@@ -375,7 +378,7 @@ def read_jax_policy(
     ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
     """
     if is_by_exclusion(policy) and emitted is not None:
-        excluded = _excluded_names(policy)
+        excluded = excluded_names(policy)
         save = frozenset(emitted) - excluded
         return PolicySpec(
             f"save_any_names_but_these({', '.join(sorted(excluded))})",
@@ -811,6 +814,33 @@ def using(implementation: RematImplementation) -> Iterator[None]:
         )
     with state(implementation == "remat3"):
         yield
+
+
+@functools.cache
+def _remat3_asks_callables(version: str) -> bool:
+    def body(w, x):  # w [8, 8], x [2, 8]
+        return jnp.sum(jnp.sin(checkpoint_name(jnp.sin(x @ w), N.QUERY_PROJ)))
+
+    def plain(prim, *_, **params):  # no constructor of jax.checkpoint_policies
+        return params.get("name") == N.QUERY_PROJ
+
+    args = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    with using("remat3"):
+        kept = saved_residuals(jax.checkpoint(body, policy=plain), *args)
+    return any(r.tag == N.QUERY_PROJ and not r.is_argument for r in kept)
+
+
+def remat3_asks_any_policy() -> bool:
+    """Whether this JAX's ``jax_remat3`` asks *any* policy callable at ``checkpoint_name``
+    values and matmuls (and honours its ``Saveable`` / ``Offloadable`` answers), as jax 0.12's
+    ``CheckpointName.remat`` and ``lax._dot_general_remat`` do; False where it reads only
+    policies it knows as data (jax 0.10.2: the ``SaveOnlyTheseNames``,
+    ``SaveAnyNamesButThese`` and ``DotsSaveable`` dataclasses and ``everything_saveable``),
+    running every other callable as full remat, or where JAX has no ``jax_remat3``. Read from
+    a traced probe (a plain function saving one name), once per JAX version."""
+    if remat3_flag() is None:
+        return False
+    return _remat3_asks_callables(jax.__version__)
 
 
 def describe_implementation(implementation: RematImplementation | None = None) -> str:

@@ -91,7 +91,12 @@ def test_composed_policy_acts_as_full_remat_under_remat3():
         findings = doctor.check_function(_mlp_stack(scan=True), WEIGHTS, X, policy=composed)
     finally:
         jax.config.update("jax_remat3", False)
-    assert {"composed-policy", "acts-as-full-remat"} <= _codes(findings)
+    if remat_kit.policies.remat3_asks_any_policy():
+        # jax 0.12: jax_remat3 asks the callable at each name and keeps what it answers
+        assert "composed-policy" in _codes(findings) and not doctor.has_errors(findings)
+        assert "acts-as-full-remat" not in _codes(findings)
+    else:  # jax 0.10.2: a callable is not data jax_remat3 reads: full remat
+        assert {"composed-policy", "acts-as-full-remat"} <= _codes(findings)
     # Without remat3 the same callable works: a warning about the future, no error.
     findings = doctor.check_function(_mlp_stack(scan=True), WEIGHTS, X, policy=composed)
     assert _codes(findings) == {"composed-policy"}

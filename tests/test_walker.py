@@ -311,10 +311,19 @@ def test_remat3_tags_are_read_and_degraded_policies_reported(remat3):
     tags = {r.tag for r in walker.saved_residuals(loss, W, X)}
     assert "context" in tags and not any(t and "call_hi" in t for t in tags)
     assert walker.emitted_tags(loss, W, X) >= {"context"}
-    assert not doctor.remat3_honours(_offload("context"))
     assert doctor.remat3_honours(cp.save_only_these_names("context"))
+    offloaded = {r.tag for r in walker.saved_residuals(inner_scan(_offload("context")), W, X)
+                 if r.memory == "host"}  # fmt: skip
     findings = doctor.check_function(inner_scan, W, X, policy=_offload("context"), target=GPU)
-    assert "remat3-full-remat" in _codes(findings) and "unknown-tag" not in _codes(findings)
+    assert "unknown-tag" not in _codes(findings)
+    if remat_kit.policies.remat3_asks_any_policy():
+        # jax 0.12: jax_remat3 asks the offloading closure at the name and offloads it
+        assert doctor.remat3_honours(_offload("context")) and offloaded == {"context"}
+        assert "remat3-full-remat" not in _codes(findings)
+        return
+    # jax 0.10.2: the closure is not data jax_remat3 reads: full remat, nothing on host
+    assert not doctor.remat3_honours(_offload("context")) and not offloaded
+    assert "remat3-full-remat" in _codes(findings)
     remat3_error = next(f for f in findings if f.code == "remat3-full-remat")
     assert "host" in remat3_error.what
 
@@ -328,8 +337,13 @@ def test_remat3_keeps_matmuls_for_dots_policies_but_not_offloads(remat3):
 
     assert any(r.source == "dot_general" for r in kept(cp.dots_saveable))
     assert doctor.remat3_honours(cp.dots_saveable)
-    assert not any(r.memory == "host" for r in kept(_offload("mlpwi")))
-    assert len(kept(_offload("mlpwi"))) == len(kept(cp.nothing_saveable))
+    host = [r for r in kept(_offload("mlpwi")) if r.memory == "host"]
+    if remat_kit.policies.remat3_asks_any_policy():  # jax 0.12 honours Offloadable answers
+        assert host and {r.tag for r in host} == {"mlpwi"}
+        assert len(kept(_offload("mlpwi"))) > len(kept(cp.nothing_saveable))
+    else:  # jax 0.10.2: an offloading closure runs as full remat
+        assert not host
+        assert len(kept(_offload("mlpwi"))) == len(kept(cp.nothing_saveable))
 
 
 # -- Kind 3: recomputation judged from the compiled program ------------------------------------

@@ -37,6 +37,7 @@ from remat_kit.doctor.promise import (
     excluded_unknown,
     promise_of_exclusions,
     remat3_findings,
+    remat3_rule,
     resolve_policy,
 )
 from remat_kit.doctor.tags import (
@@ -498,8 +499,7 @@ def _opaque_full_remat(make_loss, policy, args) -> list[Finding]:
                 "acts-as-full-remat", "error",
                 f"the policy keeps {kept(classic)} residual bytes under classic remat but "
                 f"{kept(current)} under jax_remat3: it runs as full remat (save-nothing).",
-                "jax_remat3 reads policies as data and runs callables it cannot read as full "
-                "remat.",
+                remat3_rule(),
                 "build the policy from name sets: remat_kit.custom_policy({...}).",
             )
         ]  # fmt: skip

@@ -1,14 +1,18 @@
 """What a policy promises: read from a remat-kit policy or from a raw ``jax.checkpoint`` policy
 built with JAX's constructors, whatever its names, and what ``jax_remat3`` makes of it.
 
-JAX's constructors keep their data where it can be read back (``jax/_src/ad_checkpoint.py``,
-jax 0.10.2): ``save_only_these_names`` and ``save_any_names_but_these`` return frozen
-dataclasses (``saveable_names``, ``names``); ``save_and_offload_only_these_names`` and
+JAX's constructors keep their data where it can be read back (``jax/_src/ad_checkpoint.py``):
+``save_only_these_names`` and ``save_any_names_but_these`` return frozen dataclasses
+(``saveable_names``, ``names``) in jax 0.10.2 and closures over ``names_which_can_be_saved`` /
+``names_not_to_save`` in jax 0.12; ``save_and_offload_only_these_names`` and
 ``offload_dot_with_no_batch_dims`` return closures whose cells hold the name sets and the
-memory kinds. ``jax_remat3`` asks a policy only at ``checkpoint_name`` values (honouring
-``SaveOnlyTheseNames``, ``SaveAnyNamesButThese`` and ``everything_saveable``) and at matmuls
-(``dot_general``, honouring the ``DotsSaveable`` dots policies; not convolutions): every other
-policy (offloading closures, composed callables) runs as full remat there.
+memory kinds (:mod:`remat_kit.policies` reads every layout). ``jax_remat3`` asks a policy only
+at ``checkpoint_name`` values and at matmuls (``dot_general``; convolutions too in jax 0.12).
+Which policies it asks there depends on the JAX (:func:`remat_kit.policies.
+remat3_asks_any_policy`, a traced probe): jax 0.10.2 honours only ``SaveOnlyTheseNames``,
+``SaveAnyNamesButThese``, ``everything_saveable`` and the ``DotsSaveable`` dots policies, and
+runs every other policy (offloading closures, composed callables) as full remat; jax 0.12 asks
+any callable and honours its ``Saveable`` and ``Offloadable`` answers.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from remat_kit.doctor.findings import Finding
 from remat_kit.policies import (
     PolicySpec,
     describe_implementation,
+    excluded_names,
     get_policy_spec,
     is_by_exclusion,
+    offload_works,
     policy_effect,
     read_jax_policy,
+    remat3_asks_any_policy,
 )
 from remat_kit.validation import closest
 
@@ -71,6 +78,16 @@ def _saves_everything() -> Finding:
 
 def _composed(qual: str) -> Finding:
     on = jax.config.jax_remat3
+    if remat3_asks_any_policy():  # jax_remat3 calls it, but only at names and matmuls
+        return Finding(
+            "composed-policy", "warning",
+            f"policy {qual!r} is a callable remat-kit cannot read as data: it is judged by "
+            "what it does.",
+            f"{remat3_rule()} A callable that saves other values (elementwise outputs) "
+            "keeps them under classic remat only" + (" — and jax_remat3 is on." if on else "."),
+            "build the policy from name sets: remat_kit.custom_policy({...}) or "
+            "jax.checkpoint_policies.save_only_these_names(...).",
+        )  # fmt: skip
     return Finding(
         "composed-policy", "error" if on else "warning",
         f"policy {qual!r} is a callable JAX cannot read as data.",
@@ -80,6 +97,39 @@ def _composed(qual: str) -> Finding:
         "build the policy from name sets: remat_kit.custom_policy({...}) or "
         "jax.checkpoint_policies.save_only_these_names(...).",
     )  # fmt: skip
+
+
+def _remat3_has_conv_rule() -> bool:
+    """Whether jax_remat3 has a rule for convolutions (``remat.rules``; jax 0.12), which asks the
+    policy at them as at matmuls; without one a convolution is recomputed."""
+    try:
+        from jax._src.interpreters import remat
+        from jax._src.lax import convolution
+    except ImportError:
+        return False
+    return convolution.conv_general_dilated_p in getattr(remat, "rules", {})
+
+
+def remat3_rule() -> str:
+    """What this JAX's ``jax_remat3`` does with a policy, in one sentence (the cause the
+    findings about it give; see :func:`remat_kit.policies.remat3_asks_any_policy`)."""
+    if remat3_asks_any_policy():
+        offload = (
+            "keeps or offloads what it answers"
+            if offload_works("remat3")
+            else "keeps what it answers (offloading nothing to host)"
+        )
+        convs = " and convolutions" if _remat3_has_conv_rule() else ""
+        return (
+            f"jax_remat3 (jax {jax.__version__}) asks any policy only at checkpoint_name "
+            f"values and matmuls{convs} and {offload}; every other value is recomputed."
+        )
+    return (
+        f"jax_remat3 (jax {jax.__version__}) applies policies only at checkpoint_name values "
+        "(save_only_these_names, save_any_names_but_these, everything_saveable) and matmuls "
+        "(dots policies); save_and_offload_only_these_names, offload_dot_with_no_batch_dims and "
+        "composed callables recompute everything."
+    )
 
 
 def describe_callable(policy: Callable[..., Any]) -> tuple[Promise | None, list[Finding]]:
@@ -106,7 +156,7 @@ def promise_of_exclusions(policy: Callable[..., Any], emitted: frozenset[str]) -
     mapping ``{name: "save"}`` of the rest). None for any other policy."""
     if not is_by_exclusion(policy):
         return None
-    excluded = frozenset(getattr(policy, "names", ()))
+    excluded = excluded_names(policy)
     return Promise(
         "save_any_names_but_these", save=frozenset(emitted) - excluded, by_exclusion=True
     )
@@ -117,7 +167,7 @@ def excluded_unknown(policy: Callable[..., Any], emitted: frozenset[str]) -> lis
     never emits: nothing is recomputed for them (a typo saves what it meant to recompute)."""
     if not is_by_exclusion(policy):
         return []
-    missing = sorted(frozenset(getattr(policy, "names", ())) - frozenset(emitted))
+    missing = sorted(excluded_names(policy) - frozenset(emitted))
     if not missing:
         return []
     listed = ", ".join(
@@ -147,16 +197,26 @@ def _excluded_fix(missing: list[str], emitted: frozenset[str]) -> str:
 
 
 def remat3_honours(policy: Callable[..., Any]) -> bool:
-    """Whether ``jax_remat3`` (jax 0.10.2) applies ``policy`` as written. Its remat rules
-    (``jax/_src/interpreters/remat.py`` ``rules``) consult a policy only at ``checkpoint_name``
-    values, where ``SaveOnlyTheseNames``, ``SaveAnyNamesButThese`` and ``everything_saveable``
-    keep values (``CheckpointName.remat``), and at ``dot_general``, where the ``DotsSaveable``
-    dots policies keep matmul outputs (``lax._dot_general_remat``; convolutions are recomputed).
-    ``nothing_saveable`` keeps nothing either way. Every other policy (offloading closures,
-    composed callables) runs as full remat."""
+    """Whether ``jax_remat3`` applies ``policy`` as written, by the rule of the JAX installed.
+    Its remat rules (``jax/_src/interpreters/remat.py`` ``rules``) consult a policy only at
+    ``checkpoint_name`` values (``CheckpointName.remat``) and at ``dot_general``
+    (``lax._dot_general_remat``). jax 0.12 asks any policy there (convolutions too) and honours
+    ``Saveable`` and ``Offloadable`` answers: every policy of ``jax.checkpoint_policies`` is
+    applied, an offloading one where offload works under remat3 (:func:`remat_kit.policies.
+    offload_works`); an opaque callable is judged by what it does. jax 0.10.2 honours only
+    ``SaveOnlyTheseNames``, ``SaveAnyNamesButThese``, ``everything_saveable`` (names) and the
+    ``DotsSaveable`` dots policies (matmuls; convolutions are recomputed); every other policy
+    (offloading closures, composed callables) runs as full remat. ``nothing_saveable`` keeps
+    nothing either way."""
     cp = jax.checkpoint_policies
     if policy is cp.everything_saveable or policy is cp.nothing_saveable:
         return True
+    if remat3_asks_any_policy():
+        spec = read_jax_policy(policy)
+        offloads = (spec is not None and spec.offloads) or getattr(
+            policy, "__qualname__", ""
+        ).startswith("offload_dot_with_no_batch_dims")
+        return not offloads or offload_works("remat3")
     return type(policy).__name__ in ("SaveOnlyTheseNames", "SaveAnyNamesButThese", "DotsSaveable")
 
 
@@ -167,10 +227,7 @@ def remat3_finding(name: str, promise: Promise | None) -> Finding:
         "remat3-full-remat", "error",
         f"policy {name!r} runs as full remat under jax_remat3: it {what}recomputes everything "
         "it promised to keep.",
-        "jax_remat3 applies policies only at checkpoint_name values (save_only_these_names, "
-        "save_any_names_but_these, everything_saveable) and matmuls (dots policies); "
-        "save_and_offload_only_these_names, offload_dot_with_no_batch_dims and composed "
-        "callables recompute everything.",
+        remat3_rule(),
         "turn jax_remat3 off (jax.config.update('jax_remat3', False)) for offload policies, "
         "or save the tensors on device with save_only_these_names.",
     )  # fmt: skip

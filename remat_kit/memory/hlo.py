@@ -37,6 +37,7 @@ _ITEMSIZE = {
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+_INDEX_COMMENT = re.compile(r"^/\*[^*]*\*/")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _LIVE_LINE = re.compile(r"^\s+([\w.\-]+)(\{[0-9,]*\}): (\d+) bytes")
 #: XLA's memory space for pinned host memory (``S(5)`` in layouts, ``@5`` on values).
@@ -103,6 +104,35 @@ def shape_bytes(dtype: str, dims: Iterable[int]) -> int:
     return math.prod(dims) * _ITEMSIZE.get(dtype, 4)
 
 
+def tuple_element(operand: str) -> tuple[str, int | None]:
+    """``("while.3", 2)`` for the operand ``while.3#2``: newer XLA writes an element of a tuple
+    value as ``name#index`` where older XLA made a ``get-tuple-element`` instruction;
+    ``(operand, None)`` for a plain operand."""
+    name, sep, index = operand.rpartition("#")
+    return (name, int(index)) if sep and index.isdigit() else (operand, None)
+
+
+class Shapes(dict):
+    """Instruction (and parameter) name -> HLO shape, where an operand ``name#k`` (see
+    :func:`tuple_element`) has the shape of element ``k`` of ``name``'s tuple shape."""
+
+    def __missing__(self, key: str) -> str:
+        name, index = tuple_element(key)
+        if index is None or name not in self:
+            raise KeyError(key)
+        shape = dict.__getitem__(self, name).strip()
+        elements = _split_top_level(shape[1:-1]) if shape.startswith("(") else []
+        if index >= len(elements):
+            raise KeyError(key)
+        return elements[index]
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
@@ -146,8 +176,10 @@ def _parse_instruction(line: str) -> Instruction | None:
         return None
     opcode = rest[:paren]
     close = _matching(rest, paren)
-    operands = tuple(
-        op.split()[-1].lstrip("%") for op in _split_top_level(rest[paren + 1 : close]) if op
+    operands = tuple(  # "/*index=5*/%copy.3" (XLA numbers every fifth operand): "copy.3"
+        _INDEX_COMMENT.sub("", op.split()[-1]).lstrip("%")
+        for op in _split_top_level(rest[paren + 1 : close])
+        if op
     )
     attributes = rest[close + 1 :]
     op_name = _OP_NAME.search(attributes)
@@ -484,10 +516,10 @@ def inferred_trip_count(
 ) -> int | None:
     """Trip count of a ``while`` without ``known_trip_count`` (XLA's TPU compiler writes none),
     from its condition ``ROOT compare(get-tuple-element(param), index=0), constant(N)),
-    direction=LT`` and the counter's initial constant ``c`` in the loop's init tuple: ``N - c``
-    (the TPU compiler peels a first iteration out of the loop and starts the counter at 1:
-    the peeled copy's dots are counted where they are). None when the loop is not of that
-    form."""
+    direction=LT`` (``compare(param#0, constant(N))`` in newer XLA's text) and the counter's
+    initial constant ``c`` in the loop's init tuple: ``N - c`` (the TPU compiler peels a first
+    iteration out of the loop and starts the counter at 1: the peeled copy's dots are counted
+    where they are). None when the loop is not of that form."""
     cond = re.search(r"\bcondition=%([\w.\-]+)", loop.attributes)
     cond_comp = comps.get(cond.group(1)) if cond else None
     if cond_comp is None or not cond_comp.instructions or len(loop.operands) != 1:
@@ -496,16 +528,18 @@ def inferred_trip_count(
     root = cond_comp.instructions[-1]
     if root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
         return None
-    counter, bound = (in_cond.get(o) for o in root.operands)
-    if counter is None or counter.opcode != "get-tuple-element":
-        return None
-    index = re.search(r"\bindex=(\d+)", counter.attributes)
+    k = tuple_element(root.operands[0])[1]  # the counter written as ``param#k``
+    if k is None:  # or as a get-tuple-element(param), index=k
+        counter = in_cond.get(root.operands[0])
+        if counter is None or counter.opcode != "get-tuple-element":
+            return None
+        index = re.search(r"\bindex=(\d+)", counter.attributes)
+        k = int(index.group(1)) if index else None
     limit = _scalar_constant(root.operands[1], in_cond)
     in_comp = {i.name: i for i in comp.instructions}
     init = in_comp.get(loop.operands[0])
-    if index is None or limit is None or init is None or init.opcode != "tuple":
+    if k is None or limit is None or init is None or init.opcode != "tuple":
         return None
-    k = int(index.group(1))
     start = _scalar_constant(init.operands[k], in_comp) if k < len(init.operands) else None
     return None if start is None or limit < start else limit - start
 
@@ -534,7 +568,7 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
         comp = comps.get(name)
         if comp is None:
             return nothing
-        shapes = dict(comp.param_shapes)
+        shapes = Shapes(comp.param_shapes)
         total = rec = xla = 0.0
 
         def add(f: tuple[float, float, float], instr: Instruction) -> None:

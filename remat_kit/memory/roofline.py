@@ -353,7 +353,7 @@ def _inside(comps: dict[str, hlo.Computation], name: str, memo: dict) -> _Inside
     if comp is None:
         memo[name] = out
         return out
-    shapes = dict(comp.param_shapes)
+    shapes = hlo.Shapes(comp.param_shapes)
     for instr in comp.instructions:
         shapes[instr.name] = instr.shape
         f = hlo.instruction_flops(instr, shapes)
@@ -469,7 +469,11 @@ def _source(name: str, by_name: dict[str, hlo.Instruction]) -> str:
 def _shape_in(comp: hlo.Computation, name: str, by_name: dict[str, hlo.Instruction]) -> str:
     if name in by_name:
         return by_name[name].shape
-    return comp.param_shapes.get(name, "")
+    shapes = hlo.Shapes(comp.param_shapes)  # a parameter, or an element ``x#k`` of a tuple
+    base, _ = hlo.tuple_element(name)
+    if base in by_name:
+        shapes[base] = by_name[base].shape
+    return shapes.get(name, "") or ""
 
 
 def _aliases(name: str, users: dict[str, list[hlo.Instruction]]) -> set[str]:
@@ -575,7 +579,7 @@ def executed_kernels(comps: dict[str, hlo.Computation]) -> list[Kernel]:
         comp = comps.get(name)
         if comp is None or depth > 64:
             return
-        shapes = dict(comp.param_shapes)
+        shapes = hlo.Shapes(comp.param_shapes)
         for instr in comp.instructions:
             shapes[instr.name] = instr.shape
             op = instr.opcode

@@ -20,6 +20,7 @@ from remat_kit.memory.undone import (
     LONE_SEGMENT_CAUSE,
     LONE_SEGMENT_FIX,
     around_loop_cause,
+    cpu_undoes_remat_outside_scan,
     peak_set_by,
 )
 
@@ -118,7 +119,8 @@ def _not_effective(
             AROUND_LOOP_FIX + ".",
         )  # fmt: skip
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
-    on_cpu = target.platform == "cpu"
+    # XLA:CPU undoing remat outside a scan (jax 0.10.2's; jax 0.12's keeps it as a GPU does)
+    on_cpu = cpu_undoes_remat_outside_scan(target.platform)
     recomputes = _recomputes(report, no_remat, ops)
     keeps_dots = promise.base == "dots" and ops is None  # recomputes elementwise ops only:
     if keeps_dots and recomputes is False:  # matmul FLOPs cannot show it either way

@@ -10,11 +10,14 @@ memory does not drop though the jaxpr keeps fewer residuals than without remat
 Measured here (jax 0.10.2, XLA:CPU): remat outside a ``lax.scan`` is undone on the CPU whatever
 ``prevent_cse`` is (an NNX GPT with ``nnx.remat`` in an unrolled loop compiles every policy to
 the same peak); on GPU targets a remat outside a scan is kept unless ``prevent_cse=False``.
+jax 0.12's XLA:CPU keeps it as GPU targets do. Which of the two the XLA in use does is read
+from a probe compile (:func:`cpu_undoes_remat_outside_scan`), not assumed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,10 +129,50 @@ def around_loop_cause(regions: int) -> str:
     )
 
 
+@functools.cache
+def _cpu_undoes(version: str) -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    from remat_kit.memory import hlo
+
+    def layer(x, w):  # x [4, 16], w [16, 16]
+        return jnp.sin(jnp.sin(x @ w) @ w)
+
+    def grad_of(f):
+        def loss(w, x):
+            for _ in range(2):  # unrolled: no scan
+                x = f(x, w)
+            return x.sum()
+
+        return jax.grad(loss)
+
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=cpu) for s in ((16, 16), (4, 16))]
+
+    def flops(f) -> float:
+        text = jax.jit(grad_of(f)).lower(*args).compile().as_text()
+        return hlo.count_flops(hlo.parse_hlo_module(text)).flops
+
+    return flops(jax.checkpoint(layer)) <= flops(layer)  # prevent_cse=True, the default
+
+
+def cpu_undoes_remat_outside_scan(platform: str = "cpu") -> bool:
+    """Whether ``platform`` is XLA:CPU and the XLA in use undoes a remat outside a scan whatever
+    ``prevent_cse`` is (jax 0.10.2's does; jax 0.12's keeps it unless ``prevent_cse=False``, as
+    GPU targets do). From a probe compile on the CPU, once per jax version: the gradient of two
+    unrolled ``jax.checkpoint`` layers recomputes no matmul FLOPs when it is undone."""
+    if platform != "cpu":
+        return False
+    import jax
+
+    return _cpu_undoes(jax.__version__)
+
+
 def undone_cause(platform: str, remat: RematPlacement | None) -> str:
     """Why XLA undid the recomputation, from the platform and the remat's placement (None:
     not known): only what those facts say."""
-    if platform == "cpu":
+    if cpu_undoes_remat_outside_scan(platform):
         if remat is None:
             return "XLA:CPU honours remat only inside lax.scan / nn.scan / nnx.scan"
         if remat.outside:

@@ -25,7 +25,7 @@ from remat_kit.memory.hlo import DumpFiles
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
 from remat_kit.memory.reading import XLA_REMAT_LIMIT_NOTE
 from remat_kit.memory.report import same_program_as
-from remat_kit.memory.undone import RematPlacement, undone_cause
+from remat_kit.memory.undone import RematPlacement, cpu_undoes_remat_outside_scan, undone_cause
 from remat_kit.policies import get_policy_spec, policy_label
 from remat_kit.units import MIB, in_unit
 from tests.conftest import needs_cuda_plugin
@@ -251,6 +251,12 @@ def test_remat_undone_on_the_cpu_outside_a_scan_is_said_with_its_cause():
     label; the same layers under lax.scan get no such warning."""
     policies = ["no-remat", "save-nothing", {"attn_in": "save"}]
     loop = analyze_policies(_user_loop(scan=False), policies, "local")
+    if not cpu_undoes_remat_outside_scan("cpu"):
+        # jax 0.12's XLA:CPU keeps remat outside a scan (prevent_cse=True): nothing undone
+        assert loop[1].temp_bytes < 0.8 * loop[0].temp_bytes
+        for r in loop:
+            assert not any(CPU_CAUSE in w or "merged" in w for w in r.warnings), r.warnings
+        return
     assert loop[1].temp_bytes >= 0.95 * loop[0].temp_bytes  # the remat was undone
     for r in loop[1:]:
         said = [w for w in r.warnings if CPU_CAUSE in w]
@@ -359,11 +365,15 @@ def test_remat_placement_and_cause_from_what_is_known():
     pure = _user_loop(scan=True).step(get_policy_spec("save-nothing"))
     scanned = remat_placement(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
     assert scanned.outside == 0 and scanned.in_loop >= 1
-    assert CPU_CAUSE in undone_cause("cpu", loop)
     assert "3 remat region(s) outside a scan have prevent_cse=False" in undone_cause("cuda", loop)
     kept = RematPlacement(in_loop=0, outside=3)
     assert undone_cause("cuda", kept).startswith("not identified: the 3 remat region(s) outside")
-    assert "not known to remat-kit" in undone_cause("cpu", scanned)
+    if cpu_undoes_remat_outside_scan("cpu"):  # jax 0.10.2's XLA:CPU: a cause of its own
+        assert CPU_CAUSE in undone_cause("cpu", loop)
+        assert "not known to remat-kit" in undone_cause("cpu", scanned)
+    else:  # jax 0.12's XLA:CPU keeps remat outside a scan: the causes a GPU's are
+        assert undone_cause("cpu", loop) == undone_cause("cuda", loop)
+        assert undone_cause("cpu", scanned) == undone_cause("cuda", scanned)
 
 
 #: XLA's buffer assignment as measured on the H100 target (one host allocation, two of the six

@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 import remat_kit
 from remat_kit import doctor
 from remat_kit.memory import analyze_model
+from remat_kit.memory.undone import cpu_undoes_remat_outside_scan
 
 cp = jax.checkpoint_policies
 WEIGHTS = [jax.ShapeDtypeStruct((128, 128), jnp.float32) for _ in range(3)]
@@ -76,6 +77,9 @@ def test_remat_undone_by_cse():
 def test_unrolled_on_cpu_saves_no_memory():
     config = remat_kit.get_config("tiny-gpt", scan_layers=False)
     findings = doctor.check(config, 2, 64, "save-nothing", "cpu")
+    if not cpu_undoes_remat_outside_scan("cpu"):  # jax 0.12's XLA:CPU keeps the remat
+        assert not doctor.has_errors(findings) and "no-op-policy" not in _codes(findings)
+        return
     assert "no-op-policy" in _codes(findings)
     assert "outside lax.scan" in findings[0].cause
     # Each figure in its own unit: no "0.00 GiB" on a small model.

@@ -13,6 +13,7 @@ from remat_kit import Program, cli, doctor
 from remat_kit.doctor.compare import Residuals, _no_device_saving, _no_op
 from remat_kit.doctor.promise import Promise
 from remat_kit.doctor.tags import TagFacts, feeds, matmul_tags, unknown_tags
+from tests.conftest import needs_cuda_plugin
 
 GPU = "h100-sxm"
 D, LAYERS = 32, 2
@@ -85,6 +86,7 @@ def test_named_policies_cut_down_to_the_emitted_names_are_labelled():
     assert not result.has_errors, [f.line() for c in result.checks for f in c.findings]
 
 
+@needs_cuda_plugin
 def test_explicit_policy_naming_absent_tags_is_one_error_in_the_programs_terms():
     results = doctor.check_policies(
         own_tags_program(),
@@ -120,6 +122,7 @@ def _outside(x):  # tagged before the scan: outside every remat segment
     return checkpoint_name(jnp.sin(x), "embed_out")
 
 
+@needs_cuda_plugin
 def test_emitted_tag_that_is_not_a_residual_gets_the_right_cause():
     unneeded = doctor.check_policies(
         _program(_unneeded_layer, "unneeded"), [{"skip": "save"}, {"skip": "offload"}], GPU
@@ -161,6 +164,7 @@ def _unrolled(prevent_cse):
     return Program.from_loss(make_loss, ws, x, name="unrolled")
 
 
+@needs_cuda_plugin
 def test_partial_cse_is_a_warning_as_analyze_says():
     program = _unrolled((True, False, False))
     (report,) = remat_kit.analyze_policies(program, ["save-nothing"], GPU)
@@ -170,6 +174,7 @@ def test_partial_cse_is_a_warning_as_analyze_says():
     assert findings[0].severity == "warning" and not doctor.has_errors(findings)
 
 
+@needs_cuda_plugin
 def test_recomputation_in_a_scan_is_not_reported_as_undone():
     # Measured (jax 0.10.2, h100-sxm deviceless): the recomputed dot of this scan body carries
     # no remat scope in its op_name; the compiled FLOPs over no-remat show it recomputes.
@@ -261,6 +266,7 @@ def _two_savers_layer(x, w):  # 'act' (tanh's output) and 'attn_in' (a matmul's)
     return x + checkpoint_name(jnp.tanh(h), "act") @ w.T
 
 
+@needs_cuda_plugin
 def test_tag_outside_remat_offload_says_nothing_is_offloadable_and_fix_lists_savers():
     program = _program(_two_savers_layer, "outside2", _outside)
     offload, save = doctor.check_policies(
@@ -285,6 +291,7 @@ def _kept_but_recomputed_layer(x, w):  # gelu's derivative needs its input: 'act
     return x + checkpoint_name(jax.nn.gelu(h), "act") @ w.T
 
 
+@needs_cuda_plugin
 def test_a_tag_kept_but_still_recomputed_is_not_offered_as_a_saver():
     """Saving a name applied after an activation whose derivative needs the activation's input
     keeps it, yet the matmul under it is recomputed all the same: the doctor's fix does not

@@ -15,6 +15,7 @@ from remat_kit.memory.api import analyze_policies
 from remat_kit.program import Program
 from remat_kit.recommend import recommend
 from remat_kit.sweep.run import run_program_sweep
+from tests.conftest import needs_cuda_plugin
 
 CPU_CAUSE = "XLA:CPU honours remat only inside lax.scan"
 L, D = 4, 16
@@ -85,6 +86,7 @@ def _always_remat(policy):
     return _scanned(body)
 
 
+@needs_cuda_plugin
 def test_a_rematerialised_baseline_is_said_and_no_ratio_is_reported_against_it(tmp_path):
     program = Program.from_loss(_always_remat, *_args(), optimizer="sgd", name="always")
     reports = analyze_policies(program, ["no-remat", "save-nothing"], "cpu", top_k=0)
@@ -102,6 +104,7 @@ def test_a_rematerialised_baseline_is_said_and_no_ratio_is_reported_against_it(t
     assert run.rows[0]["recompute_ratio"] is None
 
 
+@needs_cuda_plugin
 def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     """``save-qkv-proj`` on a program that emits none of its names: analyze's default set
     leaves it out with a note, the doctor (asked for it) says unknown-tag, recommend leaves it
@@ -123,6 +126,7 @@ def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     assert "save-qkv-proj" not in {r["policy"] for r in run.rows}
 
 
+@needs_cuda_plugin
 def test_recommend_compiles_the_set_analyze_compiles_on_a_program(tmp_path):
     """By default recommend considers what analyze compiles on a user's program, specs in its
     own tag names included (it compared the registered policies only: at a budget only

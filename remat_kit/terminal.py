@@ -178,12 +178,16 @@ def group_notes(
     ``everyone`` when every label has it, of two or more; None: the labels always), in the
     order first seen; a cause
     several notes end with (``... Cause: X``) is said once, after them (``[cause 1]``, then
-    ``cause 1: X``). ``lead`` starts every line (which table the notes are of)."""
+    ``cause 1: X``); notes of one kind with each label's own figures (the same words up to
+    ``": "``, :data:`SHARED_HEAD` characters or more, then figures that differ) are one line,
+    the words once and each label's figures after them (``head: a 1 ms; b 2 ms``). ``lead``
+    starts every line (which table the notes are of)."""
     items = [(label, list(dict.fromkeys(notes))) for label, notes in items]
     by_note: dict[str, list[str]] = {}
     for label, notes in items:
         for note in notes:
             by_note.setdefault(note, []).append(label)
+    by_note = _merge_heads(by_note)
     ends = [n.split(CAUSE, 1)[1] for n in by_note if CAUSE in n]
     shared = [c for c in dict.fromkeys(ends) if ends.count(c) > 1]
     causes: dict[str, int] = {}
@@ -194,8 +198,34 @@ def group_notes(
         head, _, cause = note.partition(CAUSE)
         if cause in shared:
             note = f"{head} [cause {causes.setdefault(cause, len(causes) + 1)}]"
-        out.append(f"{lead}{who}: {note}")
+        out.append(f"{lead}{who}: {note}" if labels else f"{lead}{note}")
     return out + [f"{lead}cause {n}: {cause}" for cause, n in causes.items()]
+
+
+#: The least length of the words notes share before ``": "`` for :func:`group_notes` to say
+#: them once with each label's own figures after them.
+SHARED_HEAD = 24
+
+
+def _merge_heads(by_note: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Notes (each with its labels) of one head (the text before the first ``": "``, at least
+    :data:`SHARED_HEAD` long) and different tails: one note, ``head: label tail; label tail``
+    (the labels then in the note; the returned note has no labels of its own: ``[]``)."""
+    heads: dict[str, list[str]] = {}
+    for note in by_note:
+        head, sep, tail = note.partition(": ")
+        if sep and len(head) >= SHARED_HEAD and tail:
+            heads.setdefault(head, []).append(note)
+    out: dict[str, list[str]] = {}
+    for note, labels in by_note.items():
+        head = note.partition(": ")[0]
+        group = heads.get(head, [])
+        if len(group) < 2:
+            out[note] = labels
+        elif note == group[0]:
+            parts = [f"{', '.join(by_note[n])} {n.partition(': ')[2]}" for n in group]
+            out[f"{head}: {'; '.join(parts)}"] = []
+    return out
 
 
 _REMAT_WARNING = re.compile(

@@ -81,6 +81,23 @@ def test_notes_are_said_once_with_the_policies_they_concern():
     )
 
 
+def test_notes_of_one_kind_with_each_policys_figures_are_one_line():
+    """Four policies' "time model and XLA's own cost model disagree: X against Y" took four
+    lines on a TPU target: the words once, each policy's figures after them."""
+    head = "time model and XLA's own cost model disagree"
+    items = [
+        ("no-remat", [f"{head}: 234 µs against 83.8 µs (2.79x)", "short: a"]),
+        ("save-nothing", [f"{head}: 197 µs against 83.2 µs (2.36x)", "short: b"]),
+        ("minimal", [f"{head}: 197 µs against 83.2 µs (2.36x)"]),
+    ]
+    assert group_notes(items) == [
+        f"{head}: no-remat 234 µs against 83.8 µs (2.79x); save-nothing, minimal 197 µs "
+        "against 83.2 µs (2.36x)",
+        "no-remat: short: a",  # heads under SHARED_HEAD characters stay apart
+        "save-nothing: short: b",
+    ]
+
+
 def test_xlas_long_messages_shortened_to_one_line():
     text = (
         "hlo_rematerialization.cc: Can't reduce memory use below 60.47GiB (64927346170 bytes) "

@@ -795,9 +795,9 @@ def xla_disagreement(step: StepTime | None) -> str | None:
     if 1 / XLA_DISAGREEMENT <= ratio <= XLA_DISAGREEMENT:
         return None
     return (
-        f"time model and XLA's own cost model disagree: {format_seconds(step.loop_once_s, 3)} "
-        f"against XLA's {format_seconds(step.xla_optimal_s, 3)} (cost_analysis "
-        f"optimal_seconds), each loop body counted once ({ratio:.2f}x)"
+        "time model and XLA's own cost model (cost_analysis optimal_seconds) disagree, each "
+        f"loop body counted once: {format_seconds(step.loop_once_s, 3)} against XLA's "
+        f"{format_seconds(step.xla_optimal_s, 3)} ({ratio:.2f}x)"
     )
 
 

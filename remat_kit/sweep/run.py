@@ -111,7 +111,8 @@ def analyse_and_run(
         """A line per compile finished (or answered by the cache): never minutes of silence."""
         if stage in ("done", "cached", "same program"):
             finished[0] += 1
-            advance(None, f"{what}: {finished[0]} of {total} compiles done ({stage})")
+            how = "" if stage == "done" else f" ({stage})"
+            advance(None, f"{what}: {finished[0]} of {total} compiles done{how}")
 
     # one engine per group: its executables go with it
     with CompileEngine(progress=compiled) as engine:

@@ -886,9 +886,10 @@ def get_target(name: str | Target) -> Target:
         key, names, n=1
     )
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    slices = ", ".join(f"{g}-N" for g in CHIPS)
     raise ValueError(
-        f"unknown target {name!r}: valid names are {', '.join(names)}, and TPU slices "
-        f"{families()}{hint}"
+        f"unknown target {name!r}; valid: {', '.join(names)}, TPU slices {slices} (e.g. "
+        f"v5p-8, v6e-256; sizes in `remat-kit targets`){hint}"
     )
 
 

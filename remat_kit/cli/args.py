@@ -9,7 +9,6 @@ becomes ``argparse.ArgumentTypeError`` with the library's one-line message.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -84,25 +83,11 @@ policy_arg = arg_type(parse_policy_arg, "policy")
 
 
 def _target(text: str) -> str:
-    """``text`` if it names a compile target (:func:`remat_kit.targets.get_target`). An unknown
-    name is refused in one short line: the GPU and CPU targets by name, the TPU generations
-    with example slices (their every size is in ``remat-kit targets``), and the closest name
-    as the library finds it; a TPU generation's unknown size keeps the library's message (the
-    sizes of that generation)."""
+    """``text`` if it names a compile target (:func:`remat_kit.targets.get_target`, whose
+    one-line error for an unknown name or a TPU generation's unknown size the CLI prints)."""
     from remat_kit import targets
 
-    try:
-        targets.get_target(text)
-    except ValueError as err:
-        if not str(err).startswith("unknown target "):
-            raise
-        hint = re.search(r"; (did you mean .*\?)$", str(err))
-        slices = ", ".join(f"{g}-N" for g in targets.CHIPS)
-        raise ValueError(
-            f"unknown target {text!r}; valid: {', '.join([targets.LOCAL, *targets.TARGETS])}, "
-            f"TPU slices {slices} (e.g. v5p-8, v6e-256; sizes in `remat-kit targets`)"
-            + (f"; {hint.group(1)}" if hint else "")
-        ) from None
+    targets.get_target(text)
     return text
 
 

@@ -444,8 +444,9 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
-def get_config(name: str, **overrides) -> ModelConfig:
-    """The preset ``name`` with ``overrides`` applied (e.g. ``remat_policy="save-dots"``).
+def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
+    """The preset ``name`` with ``overrides`` applied (e.g. ``remat_policy="save-dots"``); a
+    :class:`ModelConfig` given for ``name`` gets the overrides itself.
 
     Presets at published shapes compute in bfloat16 and store parameters in bfloat16, as the
     memory figures in the design notes assume; override ``param_dtype`` for fp32 master weights.
@@ -464,6 +465,8 @@ def get_config(name: str, **overrides) -> ModelConfig:
         ...
         ValueError: ...
     """
+    if isinstance(name, ModelConfig):
+        return name.replace(**overrides)
     if name not in PRESETS:
         raise N.unknown_value_error("preset", name, preset_names())
     return PRESETS[name].replace(**overrides)

@@ -195,3 +195,16 @@ def test_abstractify_puts_the_sharding_on_every_array():
     out = targets.abstractify(tree, sharding)
     assert out["w"] == jax.ShapeDtypeStruct((2, 3), jnp.bfloat16, sharding=sharding)
     assert out["w"].sharding == sharding and out["step"] == 3
+
+
+def test_get_config_takes_a_config_and_names_a_bad_field_in_one_line():
+    """A ModelConfig given for the preset name gets the overrides (it printed the whole config
+    as an "unknown preset")."""
+    from remat_kit.models import get_config
+
+    config = get_config("tiny-gpt")
+    assert get_config(config, d_model=32) == config.replace(d_model=32)
+    with pytest.raises(ValueError, match=r"^unknown ModelConfig field 'bogus'; valid: name,"):
+        get_config(config, bogus=1)
+    with pytest.raises(ValueError, match=r"^unknown preset 'tiny-gtp'.*tiny-gpt"):
+        get_config("tiny-gtp")

@@ -338,11 +338,17 @@ def test_memory_not_freed_says_how_far_the_temp_memory_dropped():
     same_flops = NS(**{**vars(rose), "flops": 139.0, "recompute_ratio": 1.0})
     assert "XLA undid the remat" in memory_not_freed(gpu, same_flops, flops)
     # On the CPU a step that recomputes (1.31x) without freeing memory did not undo the remat:
-    # it pays both (the outside Gemma trial, s18: 99 -> 131 matmuls, temp unchanged)
+    # it pays both (the outside Gemma trial, s18: 99 -> 131 matmuls, temp unchanged); where
+    # XLA:CPU keeps remat outside a scan (jax 0.12's) it is said as on a GPU
     line = memory_not_freed(job, NS(**{**vars(rose), "flops": 182.0, "recompute_ratio": 1.31}),
                             flops)  # fmt: skip
-    assert "though it recomputes (1.31x the matmul FLOPs), XLA keeps the forward values" in line
-    assert "undid" not in line and "Cause: " in line
+    assert "undid" not in line and "though it recomputes (1.31x the matmul FLOPs)" in line
+    if cpu_undoes_remat_outside_scan("cpu"):
+        assert "XLA keeps the forward values" in line and "Cause: " in line
+    else:
+        assert line == memory_not_freed(
+            gpu, NS(**{**vars(rose), "flops": 182.0, "recompute_ratio": 1.31}), flops
+        )
     # On a TPU the memory beside the arguments is the peak less them (XLA:TPU's temp figure
     # is not: 17.23 MiB of temp was quoted beside a 6.59 MiB peak on v5e-8).
     tpu = NS(**{**vars(job), "target": NS(platform="tpu")})

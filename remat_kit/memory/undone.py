@@ -265,7 +265,8 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     flops, base_flops = getattr(report, "flops", None), getattr(base, "flops", None)
     if ratio is None and flops and base_flops:  # no ratio reported: the compiled FLOPs tell
         ratio = flops / base_flops
-    on_cpu = platform == "cpu"  # XLA:CPU drops remat's barriers outside a scan
+    # XLA:CPU drops remat's barriers outside a scan (jax 0.10.2's; jax 0.12's keeps them)
+    on_cpu = cpu_undoes_remat_outside_scan(platform)
     compiled = (
         f"drops by {format_bytes(dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"
         if dropped > 0

@@ -273,10 +273,11 @@ def test_a_program_file_imports_its_sibling_modules(tmp_path, monkeypatch):
     assert remat_kit.load_program("sibling_model:program").name
 
 
-def _unrolled(policy):
-    """_layer four times in a Python loop, each a jax.checkpoint (prevent_cse=True, the default)
-    when given a policy."""
-    layer = _layer if policy is None else jax.checkpoint(_layer, policy=policy)
+def _unrolled(policy, prevent_cse=True):
+    """_layer four times in a Python loop, each a jax.checkpoint (with ``prevent_cse``) when
+    given a policy."""
+    layer = _layer if policy is None else jax.checkpoint(_layer, policy=policy,
+                                                         prevent_cse=prevent_cse)  # fmt: skip
 
     def loss(ws, x):
         h = x
@@ -288,11 +289,26 @@ def _unrolled(policy):
 
 
 def test_the_cpu_cse_fix_never_asks_for_the_prevent_cse_the_program_has():
-    """On XLA:CPU remat outside a scan is undone whatever prevent_cse is: the doctor's fix says
-    to scan (it said 'keep prevent_cse=True' to a model that had it, as an outside trial's
-    ViT did)."""
-    program = Program.from_loss(_unrolled, *_args(), optimizer="sgd", name="unrolled")
-    (check,) = doctor.check_policies(program, ["save-nothing"], "cpu").checks
-    (finding,) = [f for f in check.findings if f.code == "cse-undid-remat"]
-    assert "prevent_cse=True" not in finding.fix.replace("whatever prevent_cse is", "")
+    """On jax 0.10.2's XLA:CPU remat outside a scan is undone whatever prevent_cse is: the
+    doctor's fix says to scan (it said 'keep prevent_cse=True' to a model that had it, as an
+    outside trial's ViT did). jax 0.12's XLA:CPU keeps it with prevent_cse=True (no finding
+    asks for it) and undoes it with prevent_cse=False (the fix asks for prevent_cse=True)."""
+    from remat_kit.memory.undone import cpu_undoes_remat_outside_scan
+
+    def cse_findings(prevent_cse):
+        program = Program.from_loss(lambda p: _unrolled(p, prevent_cse), *_args(),
+                                    optimizer="sgd", name="unrolled")  # fmt: skip
+        (check,) = doctor.check_policies(program, ["save-nothing"], "cpu").checks
+        return check.findings, [f for f in check.findings if f.code == "cse-undid-remat"]
+
+    kept, undone = cse_findings(prevent_cse=True)
+    if cpu_undoes_remat_outside_scan("cpu"):
+        (finding,) = undone
+        assert "prevent_cse=True" not in finding.fix.replace("whatever prevent_cse is", "")
+        assert "lax.scan" in finding.fix
+    else:
+        assert not undone and not any("prevent_cse=True" in f.fix for f in kept), kept
+    _, (finding,) = cse_findings(prevent_cse=False)  # undone on either XLA:CPU
     assert "lax.scan" in finding.fix
+    if not cpu_undoes_remat_outside_scan("cpu"):
+        assert "keep prevent_cse=True" in finding.fix

@@ -53,6 +53,14 @@ def test_a_preset_gets_the_cse_undone_warning_a_program_gets():
     assert not any(CPU_CAUSE in w for w in none.warnings)
 
 
+def _tanh_residuals() -> set[str]:
+    """The residual tags of tanh's gradient in the installed jax, as ``<primitive>``:
+    ``{"<tanh>", "<sub>"}`` under jax 0.10.2, ``{"<one_minus_square>"}`` under jax 0.12."""
+    jaxpr = jax.make_jaxpr(lambda x: jax.vjp(jnp.tanh, x))(jnp.ones(3)).jaxpr
+    made = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
+    return {f"<{made[v]}>" for v in jaxpr.outvars[1:]}  # [0] is tanh's output
+
+
 def test_walk_and_compile_one_trace_of_a_factory_that_changes_state():
     """A factory that swaps the layer in at module level (how remat is added to a model with
     no hook for it) and reads it when traced: each policy's compiled step, FLOPs and residual
@@ -73,8 +81,9 @@ def test_walk_and_compile_one_trace_of_a_factory_that_changes_state():
     assert none.recompute_ratio == pytest.approx(1.0)
     assert nothing.recompute_ratio > 1.0
     assert none.activation_bytes > nothing.activation_bytes
-    assert "<tanh>" in {r.tag for r in none.residuals if r.nbytes}  # kept without remat
-    assert "<tanh>" not in {r.tag for r in nothing.residuals if r.nbytes}
+    tanh_kept = _tanh_residuals()  # kept without remat, recomputed under save-nothing
+    assert tanh_kept <= {r.tag for r in none.residuals if r.nbytes}
+    assert not tanh_kept & {r.tag for r in nothing.residuals if r.nbytes}
     traced = len(calls)
     doctor.check_policies(program, ["save-nothing"], "cpu")
     assert all(c is None or c.__name__ == "probe" for c in calls[traced:]), calls[traced:]
@@ -201,11 +210,18 @@ def test_a_raw_jax_policy_is_read_the_same_way_by_every_tool():
         "save_and_offload_only_these_names(save: a, b; offload: c)"
     )
     assert remat_kit.get_policy_spec(jax.checkpoint_policies.dots_saveable).base == "dots"
-    saved, custom = analyze_policies(program, [names, {"hidden": "save"}], "cpu", top_k=0)
+    none, saved, custom = analyze_policies(
+        program, ["no-remat", names, {"hidden": "save"}], "cpu", top_k=0
+    )
     assert saved.program_sha256 == custom.program_sha256
     assert saved.activation_bytes == custom.activation_bytes
-    (findings,) = doctor.check_policies(program, [names], "cpu")
-    assert not [f for f in findings if f.severity == "error"], [f.line() for f in findings]
+    findings, as_mapping = doctor.check_policies(program, [names, {"hidden": "save"}], "cpu")
+    assert [(f.code, f.severity) for f in findings] == [(f.code, f.severity) for f in as_mapping]
+    # saving hidden frees tanh's residuals: two arrays under jax 0.10.2 (tanh and 1 - tanh),
+    # one under jax 0.12 (one_minus_square), as many bytes as hidden: then it is a no-op
+    errors = [f.code for f in findings if f.severity == "error"]
+    frees = saved.activation_bytes < none.activation_bytes
+    assert errors == ([] if frees else ["no-op-policy"]), [f.line() for f in findings]
     composed = jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_saveable, names
     )

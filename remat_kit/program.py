@@ -846,8 +846,9 @@ class PolicyReach:
       without_policy: remat segments in the trace for ``no-remat`` (a factory building without
         remat has none).
       part: which of the program's factories this judges (``make_step``, ``make_loss``).
-      linearized: None where the segments were counted; under ``jax_remat3``, which
-        differentiates a remat segment as it traces it (a step's trace holds none), whether
+      linearized: None where the segments were counted; under a ``jax_remat3`` that
+        differentiates a remat segment as it traces it (jax 0.10.2's: a step's trace holds
+        none; jax 0.12's leaves the segments in the step's trace, counted), whether
         the trace changes with the policy (save-everything against save-nothing): True, the
         policy reaches segments the trace no longer shows (``segments`` and ``reached`` are
         then 0, not counted).
@@ -965,7 +966,8 @@ def factory_reach(
     reached = len(taking)
     after = sum(bool(eqn.params.get("differentiated", False)) for eqn in taking)
     if not probed and remat_implementation() == "remat3":
-        # a differentiated trace (a step) under jax_remat3 holds no segment: judged by whether
+        # a differentiated trace (a step) under jax 0.10.2's jax_remat3 holds no segment
+        # (0.12's keeps them, counted above): judged by whether
         # two policies that keep different values trace to different steps
         cp = jax.checkpoint_policies
         every, none = (

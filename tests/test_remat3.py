@@ -232,16 +232,24 @@ def test_a_users_step_is_judged_to_pass_the_policy_under_remat3():
     args = plain_jax.abstract_args()
     loss_args = (args[0], args[2])
     with RP.using("remat3"):
-        from_loss = policy_reach(plain_jax.program())
-        assert from_loss.passes and from_loss.part == "make_loss" and from_loss.segments
         step = policy_reach(Program.from_step(plain_jax.make_step, *args, name="step"))
-        assert step.passes and step.linearized and step.part == "make_step"
+        assert step.passes and step.part == "make_step"
+        # jax 0.10.2's remat3 differentiates a segment as it traces it (the step's trace holds
+        # none: judged by two traces, the loss's segments counted); jax 0.12's leaves the
+        # segments in the step's trace, counted there as under classic remat
+        linearized = bool(step.linearized)
+        assert linearized == (not step.segments)
+        from_loss = policy_reach(plain_jax.program())
+        assert from_loss.passes and from_loss.segments
+        assert from_loss.part == ("make_loss" if linearized else "make_step")
         both = Program.from_step(
             fixed_step, *args, name="fixed", make_loss=plain_jax.make_loss, loss_args=loss_args
         )
         refused = policy_reach(both)
         assert not refused.passes and refused.part == "make_step"
-        assert "traces to the same step under every policy" in refused.error()
+        assert (
+            "traces to the same step under every policy" if linearized else "none of its"
+        ) in refused.error()
     with RP.using("classic"):  # the same judgement, from counted segments
         assert policy_reach(Program.from_step(plain_jax.make_step, *args, name="s")).reached
         assert not policy_reach(both).passes

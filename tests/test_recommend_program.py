@@ -86,7 +86,17 @@ def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free):
     rec = recommend(program, target=TARGET, budget=budget, solve=True, policies=POLICIES)
     pick = rec.pick
     assert pick is not None and pick.fits and pick.peak_bytes <= budget
-    assert pick.step_time_s == min(c.step_time_s for c in rec.candidates if c.fits)
+    # the least recomputing of the fitting candidates within the time model's error of the
+    # fastest fitting one (fastest_fitting), as at the free budget
+    from remat_kit.memory.roofline import estimate_error
+    from remat_kit.recommend.session import recompute_key
+    from remat_kit.targets import get_target
+
+    fits = [c for c in rec.candidates if c.fits]
+    quickest = min(c.step_time_s for c in fits)
+    margin = estimate_error(get_target(rec.target))
+    near = [c for c in fits if c.step_time_s <= quickest * (1 + margin)]
+    assert pick in near and recompute_key(pick) == min(recompute_key(c) for c in near)
     slower = [c for c in rec.candidates if c.policy == fastest.policy and not c.fits]
     assert slower and slower[0].step_time_s < pick.step_time_s  # the budget excluded the fastest
     assert _needs_only_emitted(pick, rec.tags)

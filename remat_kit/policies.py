@@ -9,8 +9,8 @@ Every named policy is a :class:`PolicySpec` (what is saved, what is offloaded, t
 recomputed) and :func:`policy` turns it into the callable ``jax.checkpoint``, ``flax.linen.remat``
 and ``flax.nnx.remat`` take. Tag-based specs are built from name sets
 (``save_only_these_names``, ``save_and_offload_only_these_names``) rather than composed callables:
-JAX's newer remat implementation (``jax_remat3``) reads policies as data and turns a composed
-callable into full remat without a word.
+jax 0.10.2's newer remat implementation (``jax_remat3``) reads policies as data and turns a
+composed callable into full remat without a word (jax 0.12.0.1's asks any callable).
 
 Example (a scalar function here; a block's input is [batch, seq, d_model]):
 
@@ -39,7 +39,9 @@ only at ``checkpoint_name`` values and at matmuls, and only for policies it can 
 ``CheckpointName.remat``). On jax 0.10.2 that leaves out ``save_and_offload_only_these_names``
 (a closure there): under ``jax_remat3`` every offloading policy runs as full remat. JAX added
 ``SaveAndOffloadOnlyTheseNames`` and offload under ``jax_remat3`` in jax 0.11.0 (commit
-b69022a, "[remat3] support offloading via save_and_offload_only_these_names").
+b69022a, "[remat3] support offloading via save_and_offload_only_these_names"); jax 0.12.0.1's
+``jax_remat3`` asks any policy callable at those places and honours its ``Saveable`` /
+``Offloadable`` answers (:func:`remat3_asks_any_policy`).
 
 Rather than a list of what works where, :func:`policy_effect` asks the JAX in use: it traces a
 tiny checkpointed function that emits the policy's checkpoint names (or a weight matmul and a
@@ -54,8 +56,12 @@ Example::
     >>> P.policy_effect("save-qkv-proj", "classic").as_named
     True
     >>> effect = P.policy_effect("offload-qkv-proj", "remat3")
-    >>> effect.runs_as if effect.jax_version == "0.10.2" else "save-nothing"
+    >>> effect.runs_as  # doctest: +SKIP
     'save-nothing'
+    >>> effect.runs_as == ("as named" if P.remat3_asks_any_policy() else "save-nothing")
+    True
+
+The first line is jax 0.10.2's answer; jax 0.12.0.1's ``jax_remat3`` offloads, ``'as named'``.
 """
 
 from __future__ import annotations

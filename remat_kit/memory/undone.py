@@ -232,7 +232,7 @@ def recompute_undone(job: Any, reading: Any) -> str | None:
     )
 
 
-def _working_bytes(report: Any, platform: str) -> int | None:
+def working_bytes(report: Any, platform: str) -> int | None:
     """The compiled step's memory beside its arguments: XLA's temp bytes, or on a TPU its peak
     less the arguments (XLA:TPU's ``temp_size_in_bytes`` leaves out most temporaries, or counts
     what is never live at once: 17.23 MiB of temp beside a 6.59 MiB peak measured on v5e-8;
@@ -247,11 +247,11 @@ def _working_bytes(report: Any, platform: str) -> int | None:
 def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     """The warning when ``job``'s policy keeps fewer residual bytes than the no-remat step
     (``base``, a report of the same run) in the jaxpr but its compiled memory beside the
-    arguments (:func:`_working_bytes`) drops by less than a tenth of the difference (the line
+    arguments (:func:`working_bytes`) drops by less than a tenth of the difference (the line
     says by how much it dropped, if at all); None otherwise or when a figure is unknown."""
     act, base_act = report.activation_bytes, base.activation_bytes
     platform = job.target.platform
-    mine, theirs = _working_bytes(report, platform), _working_bytes(base, platform)
+    mine, theirs = working_bytes(report, platform), working_bytes(base, platform)
     if act is None or base_act is None or report.host_bytes or mine is None or theirs is None:
         return None
     what = "peak less its arguments" if platform == "tpu" else "temp memory"

@@ -841,7 +841,10 @@ def tpu_target(name: str | TpuSlice) -> Target:
     return Target(
         name=tpu.name,
         platform="tpu",
-        description=f"{many}{tpu.chips} chips ({tpu.topology}) of {chip.description}",
+        description=(
+            f"{many}{tpu.chips} chip{'' if tpu.chips == 1 else 's'} ({tpu.topology}) of "
+            f"{chip.description}"
+        ),
         memory_bytes=chip.memory_bytes,
         peak_flops_bf16=chip.peak_flops_bf16,
         hbm_bytes_per_s=chip.hbm_bytes_per_s,

@@ -372,7 +372,10 @@ def test_a_pinned_calibration_prices_a_whole_run_with_one_set_of_figures(tmp_pat
     assert roofline.CALIBRATION_ENV not in os.environ
     assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1  # re-timed outside
     with roofline.pinned_calibration(pin):  # resumed: the figures the run started with
-        assert roofline.calibrate().peak_flops["f32"] == 1e11
+        kept = roofline.calibrate()
+        assert kept.peak_flops["f32"] == 1e11
+        # said as the run's own copy, not as a file the user named
+        assert f"kept for this run in {pin}" in kept.source and "$REMAT" not in kept.source
     other = tmp_path / "other.calibration.json"
     with roofline.pinned_calibration(other):  # a new run: the cached calibration of now
         assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1

@@ -1360,7 +1360,7 @@ def pinned_calibration(path: str | Path) -> Iterator[None]:
     if not kept:
         with _CALIBRATING:
             data = _calibration_data(key, False, 5)
-        files.write_text(path, json.dumps(data, indent=1))
+        files.write_text(path, json.dumps({**data, "pinned": True}, indent=1))
     os.environ[CALIBRATION_ENV] = str(path)
     try:
         yield
@@ -1378,7 +1378,12 @@ def _calibration_data(key: dict[str, str], refresh: bool, runs: int) -> dict[str
     if given:  # figures fixed by the user (or the tests): used as they are, never re-timed
         data = json.loads(Path(given).read_text())
         data["key"] = key
-        data["when"] = f"{data.get('when', 'unknown date')}, read from ${CALIBRATION_ENV}={given}"
+        where = (  # a run's own copy (pinned_calibration), or a file the user named
+            f"kept for this run in {given}"
+            if data.get("pinned")
+            else f"read from ${CALIBRATION_ENV}={given}"
+        )
+        data["when"] = f"{data.get('when', 'unknown date')}, {where}"
     elif path.exists() and not refresh:
         try:
             data = json.loads(path.read_text())

@@ -91,6 +91,14 @@ def _versus(report: Any, no_remat: Any, platform: str) -> str:
     return f"{what} {nbytes(mine or 0)} vs {nbytes(theirs or 0)} without remat"
 
 
+def _achieved(report: Any, no_remat: Any, platform: str) -> int | None:
+    """Bytes the policy's step frees against no-remat's beside the arguments (XLA's temp
+    bytes; on a TPU, whose temp figure leaves out most temporaries, the peak less the
+    arguments: :func:`~remat_kit.memory.undone.working_bytes`); None where either is unknown."""
+    mine, theirs = working_bytes(report, platform), working_bytes(no_remat, platform)
+    return theirs - mine if mine is not None and theirs is not None else None
+
+
 def _freed(achieved: int, promised: int) -> str:
     """The doctor's words for ``achieved`` bytes of temp memory freed of ``promised``: "frees
     only A of the P its residuals promise", or, where the compiled step's temp memory went up
@@ -210,11 +218,7 @@ def compare(
     if not promise.wrap:  # no-remat: nothing promised
         return out
     promised = kept_no_remat.device_bytes - kept.device_bytes  # device bytes the policy frees
-    # what the step needs beside its arguments: XLA's temp bytes (on a TPU, which leaves out
-    # most temporaries there, the peak less the arguments)
-    mine = working_bytes(report, target.platform)
-    theirs = working_bytes(no_remat, target.platform)
-    achieved = theirs - mine if mine is not None and theirs is not None else None
+    achieved = _achieved(report, no_remat, target.platform)
     offload_real = promise.offloads and target.supports_host_offload
     if promised <= 0 and not (offload_real and report.host_bytes > 0):
         out.append(_no_op(promise, kept))

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib
 import importlib.util
@@ -90,7 +89,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from remat_kit.validation import MissingExtraError, check_batch_split, unknown_value_error
+from remat_kit.validation import (
+    MissingExtraError,
+    check_batch_split,
+    closest,
+    unknown_value_error,
+)
 
 TPU_INSTALL_HINT = "pip install 'remat-kit[tpu]'"
 
@@ -884,11 +888,8 @@ def get_target(name: str | Target) -> Target:
     if parse_slice(key) is not None:  # raises on a TPU generation's unknown size
         return tpu_target(key)
     names = [LOCAL, *TARGETS]
-    # A prefix ("h100", "a100") beats difflib, which would pick "h200" for "h100".
-    close = [n for n in names if key and n.startswith(key)] or difflib.get_close_matches(
-        key, names, n=1
-    )
-    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    close = closest(key, names)  # a prefix ("h100") beats a near spelling ("h200")
+    hint = f"; did you mean {close!r}?" if close else ""
     slices = ", ".join(f"{g}-N" for g in CHIPS)
     raise ValueError(
         f"unknown target {name!r}; valid: {', '.join(names)}, TPU slices {slices} (e.g. "

@@ -20,9 +20,10 @@ from remat_kit import Program, targets
 from remat_kit.cli import analyze as cli_analyze
 from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
-from remat_kit.memory.api import analyze_policies, program_policies, remat_placement
+from remat_kit.memory.api import analyze_policies, remat_placement
 from remat_kit.memory.hlo import DumpFiles
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
+from remat_kit.memory.policy_set import policy_set
 from remat_kit.memory.reading import XLA_REMAT_LIMIT_NOTE
 from remat_kit.memory.report import same_program_as
 from remat_kit.memory.undone import RematPlacement, cpu_undoes_remat_outside_scan, undone_cause
@@ -54,7 +55,7 @@ def counting_compiles():
 
 def test_default_set_acts_on_the_programs_own_tags():
     program = plain_jax.program()
-    chosen = program_policies(program, "h100-sxm")
+    chosen = policy_set(program, "h100-sxm")
     assert chosen.tags == frozenset(plain_jax.TAGS)
     assert [policy_label(s) for s in chosen.specs] == [
         "no-remat", "save-nothing", "save-dots", "save-dots-no-batch",
@@ -67,7 +68,7 @@ def test_default_set_acts_on_the_programs_own_tags():
     # No host offload on the CPU: no offloading spec; two single-tag specs at most, for the
     # largest residuals (mlp_hidden [b, s, F] and attn_in [b, s, 3D], not attn_out [b, s, D]):
     # said.
-    cpu = program_policies(program, "cpu", max_single=2)
+    cpu = policy_set(program, "cpu", max_single=2)
     assert not any(s.offloads for s in cpu.specs)
     assert any("does not offload" in n for n in cpu.notes)
     assert [policy_label(s) for s in cpu.specs[4:6]] == ["custom: attn_in=save",
@@ -75,7 +76,7 @@ def test_default_set_acts_on_the_programs_own_tags():
     assert any("2 with the largest residuals only" in n and "for attn_out" in n
                for n in cpu.notes)  # fmt: skip
     # Asked policies are kept as asked.
-    assert program_policies(program, "cpu", ["minimal"]).specs == (get_policy_spec("minimal"),)
+    assert policy_set(program, "cpu", ["minimal"]).specs == (get_policy_spec("minimal"),)
 
 
 def test_a_program_without_tags_gets_the_kind_based_policies_and_a_note():
@@ -85,7 +86,7 @@ def test_a_program_without_tags_gets_the_kind_based_policies_and_a_note():
         return lambda w, x: body(w, x).sum()
 
     program = Program.from_loss(make_loss, jnp.ones((4, 4)), jnp.ones((2, 4)), name="untagged")
-    chosen = program_policies(program, "h100-sxm")
+    chosen = policy_set(program, "h100-sxm")
     assert [s.name for s in chosen.specs] == [
         "no-remat",
         "save-nothing",
@@ -109,7 +110,7 @@ def test_specs_equal_on_the_emitted_tags_lower_to_one_program(fresh_compile_cach
 @pytest.fixture(scope="module")
 def default_run():
     program = plain_jax.program()
-    chosen = program_policies(program, "h100-sxm")
+    chosen = policy_set(program, "h100-sxm")
     with counting_compiles() as compiled:
         results = remat_kit.analyze_policies(program, target="h100-sxm", top_k=0)
     return program, chosen, results, compiled
@@ -578,7 +579,7 @@ def test_capped_save_alone_specs_keep_the_tags_with_the_largest_residuals():
     w = {"w1": jax.ShapeDtypeStruct((2, 16, 64), jnp.float32),
          "w2": jax.ShapeDtypeStruct((2, 64, 16), jnp.float32)}  # fmt: skip
     program = Program.from_loss(make_loss, w, jax.ShapeDtypeStruct((2, 8, 16), jnp.float32))
-    chosen = program_policies(program, "cpu", max_single=1)
+    chosen = policy_set(program, "cpu", max_single=1)
     labels = [policy_label(s) for s in chosen.specs]
     assert "custom: z_wide=save" in labels and "custom: a_narrow=save" not in labels
     (note,) = [n for n in chosen.notes if "save-alone" in n]

@@ -126,7 +126,7 @@ def test_a_policy_naming_absent_tags_is_judged_the_same_by_every_tool(tmp_path):
     program = Program.from_loss(lambda p: _scanned(
         _layer if p is None else jax.checkpoint(_layer, policy=p)), *_args(), optimizer="sgd",
         name="own-names")  # fmt: skip
-    chosen = remat_kit.memory.api.program_policies(program, "cpu")
+    chosen = remat_kit.memory.policy_set(program, "cpu")
     assert "save-qkv-proj" not in {s.name for s in chosen.specs}
     note = next(n for n in chosen.notes if "save-qkv-proj" in n)
     (findings,) = doctor.check_policies(program, ["save-qkv-proj"], "cpu")
@@ -149,7 +149,7 @@ def test_recommend_compiles_the_set_analyze_compiles_on_a_program(tmp_path):
     program = Program.from_loss(lambda p: _scanned(
         _half_maxtext if p is None else jax.checkpoint(_half_maxtext, policy=p)), *_args(),
         optimizer="sgd", name="half-maxtext")  # fmt: skip
-    chosen = remat_kit.memory.api.program_policies(program, "h100-sxm")
+    chosen = remat_kit.memory.policy_set(program, "h100-sxm")
     own = [label for label in chosen.labels() if label.startswith("custom: ")]
     assert "custom: mlpwi=save" in own, own  # query_proj is not kept: tanh' reads tanh's output
     rec = recommend(program, target="h100-sxm", structure=False)
@@ -157,7 +157,7 @@ def test_recommend_compiles_the_set_analyze_compiles_on_a_program(tmp_path):
     assert sorted(named) == sorted(chosen.labels())
     given = recommend(program, target="h100-sxm", policies=[{"query_proj": "offload"}])
     assert [c.label for c in given.candidates] == ["custom: query_proj=offload"]
-    local = remat_kit.memory.api.program_policies(program, "local")
+    local = remat_kit.memory.policy_set(program, "local")
     run = run_program_sweep(
         program, tmp_path / "rows.jsonl", warmup_steps=0, timed_steps=1, progress=False
     )
@@ -177,7 +177,7 @@ def test_a_cut_down_policy_has_one_label_in_every_tool(tmp_path):
     program = Program.from_loss(lambda p: _scanned(
         _half_maxtext if p is None else jax.checkpoint(_half_maxtext, policy=p)), *_args(),
         optimizer="sgd", name="half-maxtext")  # fmt: skip
-    analyzed = remat_kit.memory.api.program_policies(program, "cpu").labels()
+    analyzed = remat_kit.memory.policy_set(program, "cpu").labels()
     checked = [c.label for c in doctor.check_policies(program, target="cpu").checks]
     rec = recommend(program, target="cpu", budget="1GiB")
     recommended = [c.label for c in rec.candidates]

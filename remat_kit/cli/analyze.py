@@ -15,8 +15,8 @@ from remat_kit.cli import args as A
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
-from remat_kit.memory.api import ProgramPolicies, program_policies
 from remat_kit.memory.diff import peak_inversions
+from remat_kit.memory.policy_set import PolicySet, policy_set
 from remat_kit.memory.report import SAME_PROGRAM, MemoryReport, same_program_as
 from remat_kit.memory.roofline import StepTime, no_remat_slower_note, small_step_note
 from remat_kit.memory.runner import CompileEngine
@@ -89,7 +89,7 @@ def add(subparsers) -> None:
 
 def _resolve(args: argparse.Namespace) -> tuple:
     """Validate names before compiling anything (ValueError -> exit 2): the program, the
-    target, and the policies (a list, or :class:`ProgramPolicies` where the default set was
+    target, and the policies (a list, or :class:`PolicySet` where the default set was
     chosen from the program's own checkpoint names)."""
     if args.all_policies and args.policy:
         raise A.UsageError("give --policy or --all-policies, not both")
@@ -118,7 +118,7 @@ def _resolve(args: argparse.Namespace) -> tuple:
         )
     if program.model_config is None:  # a user's program: its own names, what acts on them
         asked = args.policy or (policy_names() if args.all_policies else None)
-        return program, target, program_policies(program, target, asked)
+        return program, target, policy_set(program, target, asked)
     if args.policy:
         return program, target, args.policy
     if args.all_policies:
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     over the device's memory (XLA:TPU) is an answer, not a failure: a row that does not fit,
     as a GPU target's peak over memory is."""
     program, target, specs = _resolve(args)
-    chosen = specs if isinstance(specs, ProgramPolicies) else None
+    chosen = specs if isinstance(specs, PolicySet) else None
     if chosen is not None:
         specs = list(chosen.specs)
     try:
@@ -428,7 +428,7 @@ def _residuals_over_peak(results, labels: Sequence[str]) -> str | None:
     )
 
 
-def _labels(specs: Sequence[PolicySpec], chosen: ProgramPolicies | None) -> list[str]:
+def _labels(specs: Sequence[PolicySpec], chosen: PolicySet | None) -> list[str]:
     return chosen.labels() if chosen else [policy_label(s) for s in specs]
 
 
@@ -534,7 +534,7 @@ def print_reports(
 ) -> None:
     """The reports as tables: one row per policy, the shared figures, XLA's warnings, the
     largest buffers at the peak (one policy) and the per-layer comparison (``--per-layer``);
-    for a program (``chosen``: its :class:`ProgramPolicies`), the notes on which policies were
+    for a program (``chosen``: its :class:`PolicySet`), the notes on which policies were
     compiled and the residuals by its own checkpoint names."""
     out = console()
     labels = _labels(specs, chosen)

@@ -5,7 +5,7 @@ allowed).
 
 :func:`check_policies` compares what each policy promises against what the program's traced
 loss and compiled step do. Without a policy list it checks the default set ``analyze`` compiles
-on the program (:func:`remat_kit.memory.api.program_policies`): the kind-based policies
+on the program (:func:`remat_kit.memory.policy_set.policy_set`): the kind-based policies
 (``save-nothing``, ``save-dots``...), the name-based ones whose names it emits, those naming
 some of them cut down to those (labelled ``name (cut)``), and specs in its own names (each
 saved alone, all saved, all offloaded where the target offloads); the rest, and offload
@@ -52,7 +52,8 @@ from remat_kit.doctor.tags import (
     unknown_tags,
 )
 from remat_kit.memory import analyze, hlo
-from remat_kit.memory.api import analyze_policies, program_policies, program_tags
+from remat_kit.memory.api import analyze_policies
+from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
@@ -190,7 +191,7 @@ def check_policies(
             program.name, tags, (PolicyCheck("every policy", first, (finding,)),), tuple(notes)
         )
     if policies is None:
-        chosen = program_policies(program, tgt, tags=tags)
+        chosen = policy_set(program, tgt, tags=tags)
         specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
         if not specs:
             notes.append(f"no policy acts on program {program.name!r}: nothing to check")

@@ -1,6 +1,7 @@
 """Compile a step for a target and report its memory: ``analyze`` -> ``MemoryReport``.
 
-Modules: :mod:`~remat_kit.memory.api` (the entry points), :mod:`~remat_kit.memory.report` (the
+Modules: :mod:`~remat_kit.memory.api` (the entry points), :mod:`~remat_kit.memory.policy_set` (the
+policies each tool compiles), :mod:`~remat_kit.memory.report` (the
 report), :mod:`~remat_kit.memory.runner` (lowering and compiling many steps, concurrently, GPU
 kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps and log captured),
 :mod:`~remat_kit.memory.reading` (turning them into report pieces), :mod:`~remat_kit.memory.hlo`
@@ -15,9 +16,11 @@ kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps 
 from remat_kit.memory.api import analyze as analyze
 from remat_kit.memory.api import analyze_model as analyze_model
 from remat_kit.memory.api import analyze_policies as analyze_policies
-from remat_kit.memory.api import program_tags as program_tags
 from remat_kit.memory.diff import PolicyDiff as PolicyDiff
 from remat_kit.memory.diff import diff_reports as diff_reports
+from remat_kit.memory.policy_set import PolicySet as PolicySet
+from remat_kit.memory.policy_set import policy_set as policy_set
+from remat_kit.memory.policy_set import program_tags as program_tags
 from remat_kit.memory.report import LogitsLine as LogitsLine
 from remat_kit.memory.report import MemoryReport as MemoryReport
 from remat_kit.memory.report import PeakBuffer as PeakBuffer

@@ -11,10 +11,10 @@ programs once, GPU kernels shared (:mod:`remat_kit.memory.runner`); a preset's r
 from the report cache (:mod:`remat_kit.memory.compile_cache`) without tracing anything.
 
 Without policies, the default set is about the program's own ``checkpoint_name`` tags
-(:func:`program_policies`): the registered policies that act on them, and specs in its own tag
-names. Policies that act the same on the program (equal once cut down to the tags it emits) are
-one program: traced and compiled once, each reported under its own name with the same
-``MemoryReport.program_sha256``.
+(:func:`~remat_kit.memory.policy_set.policy_set`): the registered policies that act on them,
+and specs in its own tag names. Policies that act the same on the program (equal once cut down
+to the tags it emits) are one program: traced and compiled once, each reported under its own
+name with the same ``MemoryReport.program_sha256``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ import optax
 
 from remat_kit import targets as T
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
+from remat_kit.memory.policy_set import (
+    given_specs,
+    policy_set,
+    program_tags,
+)
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport, same_program_lines
 from remat_kit.memory.runner import (
@@ -43,15 +48,10 @@ from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
-    can_offload,
     check_tags,
-    custom_spec,
-    cut_label,
     get_policy_spec,
-    is_by_exclusion,
     policies_for_tags,
     policy_label,
-    policy_names,
     policy_specs,
     remat_implementation,
 )
@@ -69,23 +69,15 @@ from remat_kit.program import (
 from remat_kit.walker import (
     LOOP_PRIMITIVES,
     TagResiduals,
-    bytes_by_tag,
-    emitted_tags,
-    group_by_tag,
     held_on_device,
     is_remat,
     jaxpr_flops,
-    saved_residuals,
     sub_jaxprs,
-    tags_in,
-    tags_in_remat,
     traced_flops,
     wraps_whole_loop,
 )
 
 DEFAULT_TOP_K = 10
-#: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
-MAX_TAG_SPECS = 8
 
 
 def analyze(
@@ -223,161 +215,6 @@ class _ProgramSetup:
     flops_no_remat: float | None = None
 
 
-def program_tags(program: Program) -> frozenset[str]:
-    """The ``checkpoint_name`` tags the program's step emits (under no remat; the tags do not
-    depend on the policy), found by walking its jaxpr and every sub-jaxpr (and its loss's,
-    where it gives one: a name applied only in a ``custom_vjp`` forward rule shows up there).
-    What :func:`remat_kit.get_policy_spec` reads ``save_any_names_but_these`` against.
-
-    Traces the step (and the loss) once each; compiles nothing. Raises what the program's
-    factory raises while tracing."""
-    pure = program.step(get_policy_spec("no-remat"))
-    tags = tags_in(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
-    loss = program.loss(get_policy_spec("no-remat"))
-    if loss is not None:  # names applied only in a custom_vjp forward rule show up here
-        tags |= emitted_tags(loss.fn, *loss.args)
-    return frozenset(tags)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramPolicies:
-    """The policies to compile on a program (:func:`program_policies`).
-
-    Attributes:
-      specs: the specs, in order.
-      tags: the ``checkpoint_name`` tags the program emits.
-      notes: one line each on what the default set left out, cut down or added.
-      restricted: ``(registered spec, the spec it was cut down to)`` for the registered
-        policies in ``specs`` cut down to the emitted tags (default set only).
-      saveable: the emitted tags the loss keeps when saved (the own-name specs' tags; default
-        set only).
-    """
-
-    specs: tuple[PolicySpec, ...]
-    tags: frozenset[str]
-    notes: tuple[str, ...] = ()
-    restricted: tuple[tuple[PolicySpec, PolicySpec], ...] = ()
-    saveable: frozenset[str] = frozenset()
-
-    def labels(self) -> list[str]:
-        """Row names, one per spec: a registered policy cut down to the program's tags is
-        ``minimal (cut)`` (several cut to one spec: ``a, b (cut)``; a note says to what); a
-        spec doing one thing with every emitted tag (3 or more) is ``custom: every name=save``
-        (``every saveable name`` when some emitted tags cannot be kept); others as
-        :func:`~remat_kit.policies.policy_label`."""
-        cut: dict[PolicySpec, list[str]] = {}
-        for named, c in self.restricted:
-            cut.setdefault(c, []).append(named.name)
-        labels = []
-        for spec in self.specs:
-            actions = {spec.action(t) for t in spec.tags}
-            if spec in cut:
-                labels.append(cut_label(cut[spec]))
-            elif (spec.name == "custom" and len(spec.tags) > 2 and len(actions) == 1
-                  and spec.tags in (self.tags, self.saveable)):  # fmt: skip
-                which = "name" if spec.tags == self.tags else "saveable name"
-                labels.append(f"custom: every {which}={actions.pop()}")
-            else:
-                labels.append(policy_label(spec))
-        return labels
-
-
-def own_tag_specs(
-    tags: frozenset[str],
-    offload: bool,
-    max_single: int = MAX_TAG_SPECS,
-    kept_bytes: Mapping[str, int] | None = None,
-) -> tuple[list[PolicySpec], list[str]]:
-    """Specs in a program's own tag names: each tag saved alone (the first ``max_single``: by
-    the bytes the loss keeps for each when every tag is saved, ``kept_bytes``, largest first,
-    as the choice that trades most memory; by name without them), every tag saved, and, where
-    the target offloads, every tag offloaded; with a note when the single-tag specs were
-    capped."""
-    weight = kept_bytes or {}
-    ranked = sorted(tags, key=lambda t: (-weight.get(t, 0), t))
-    specs = [custom_spec({t: "save"}) for t in sorted(ranked[:max_single])]  # listed by name
-    notes = []
-    if len(ranked) > max_single:
-        which = "with the largest residuals" if kept_bytes else "first by name"
-        notes.append(
-            f"{len(ranked)} checkpoint names emitted: one save-alone policy each for the "
-            f"{max_single} {which} only (ask for NAME=save for "
-            f"{', '.join(sorted(ranked[max_single:]))})"
-        )
-    names = sorted(tags)
-    if len(names) > 1:
-        specs.append(custom_spec(dict.fromkeys(names, "save")))
-    if offload and names:
-        specs.append(custom_spec(dict.fromkeys(names, "offload")))
-    elif names:
-        notes.append("no offloading policy: the target does not offload to host memory")
-    return specs, notes
-
-
-def given_specs(
-    program: Program, policies: Sequence[str | PolicySpec | Mapping[str, str] | Callable]
-) -> list[PolicySpec]:
-    """The specs of ``policies`` as given for ``program``
-    (:func:`remat_kit.policies.get_policy_spec`); ``save_any_names_but_these`` reads the
-    program's ``checkpoint_name`` values (traced here only for it).
-
-    Raises:
-      ValueError: an unknown policy or one that cannot be read as data.
-    """
-    tags = program_tags(program) if any(is_by_exclusion(p) for p in policies) else None
-    return [get_policy_spec(p, tags) for p in policies]
-
-
-def program_policies(
-    program: Program,
-    target: str | T.Target,
-    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
-    max_single: int = MAX_TAG_SPECS,
-    tags: frozenset[str] | None = None,
-) -> ProgramPolicies:
-    """The policies :func:`analyze_policies` compiles on ``program`` for ``target``.
-
-    ``policies`` given: those, as given. None: the default set, which acts on the program's
-    own tags: the registered policies that can act on them
-    (:func:`remat_kit.policies.policies_for_tags`: kind-based ones kept, name-based ones cut
-    down to the emitted tags or, naming none of them, skipped), less the offloading ones where
-    the target does not offload, plus specs in the program's own tag names
-    (:func:`own_tag_specs`; where the program gives its loss, only the tags its loss keeps when
-    every tag is saved: saving another changes nothing).
-
-    ``tags``: the program's :func:`program_tags` where the caller has them (else traced here).
-
-    Raises:
-      ValueError: unknown policy or target.
-    """
-    tags = program_tags(program) if tags is None else tags
-    if policies is not None:
-        return ProgramPolicies(tuple(get_policy_spec(p, tags) for p in policies), tags)
-    tgt = T.get_target(target)
-    fit = policies_for_tags(policy_names(), tags)
-    notes = fit.notes(f"program {program.name!r}")
-    kept = _residual_bytes(program, tags)
-    own_tags = tags if kept is None else tags & frozenset(kept)
-    # per-tag offload specs only where they can offload (target and remat implementation)
-    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single, kept)
-    own_notes += _unsaveable_notes(program, tags - own_tags)
-    specs = [
-        s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
-    ]
-    cut = {c: cut_label([named.name]) for named, c in fit.restricted}
-    no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
-    if no_host:
-        notes.append(f"not compiled: {'; '.join(no_host)} (offload; {tgt.name} does not offload)")
-    if not tags:
-        notes.append(
-            f"{program.name!r} emits no checkpoint_name tags: only the policies selecting by "
-            "kind act on it; tag tensors with jax.ad_checkpoint.checkpoint_name for per-tag ones"
-        )
-    return ProgramPolicies(
-        tuple(specs), tags, tuple(notes + own_notes), fit.restricted, frozenset(own_tags)
-    )
-
-
 def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
     """``spec`` as it acts on a program emitting ``tags``: a name-based spec's saved and
     offloaded names cut down to the emitted ones (the others select nothing, so the step is the
@@ -390,48 +227,6 @@ def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
 def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
     eff = effective_spec(spec, tags)
     return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
-
-
-def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
-    """Why no own-name policy saves ``tags`` (tags the loss does not keep when saved): applied
-    outside every remat segment, or not used by the backward pass."""
-    if not tags:
-        return []
-    loss = program.loss(get_policy_spec("save-nothing"))
-    inside = tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
-    out = []
-    if tags - inside:
-        out.append(
-            f"no own-name policy for {', '.join(sorted(tags - inside))}: applied outside every "
-            "remat segment (jax.checkpoint / nn.remat / nnx.remat), so it is stored or not "
-            "regardless of the policy"
-        )
-    if tags & inside:
-        out.append(
-            f"no own-name policy for {', '.join(sorted(tags & inside))}: saving it keeps "
-            "nothing more (its remat segment's backward pass does not use the value: e.g. a "
-            "sum, or the segment's output, which the next segment keeps as its input whatever "
-            "the policy)"
-        )
-    return out
-
-
-def _residual_bytes(program: Program, tags: frozenset[str]) -> dict[str, int] | None:
-    """``{tag: bytes}`` the loss keeps when a policy saves every tag, for the tags it keeps
-    (those the backward pass can use); None without a loss."""
-    rows = _program_residuals(program, custom_spec(dict.fromkeys(tags, "save")))
-    if rows is None:
-        return None
-    return {t: n for t, n in bytes_by_tag(rows, memory=None).items() if n and t in tags}
-
-
-def _program_residuals(program: Program, spec: PolicySpec) -> tuple[TagResiduals, ...] | None:
-    """Residuals the whole loss keeps under ``spec`` by tag (parameters excluded); None without
-    a loss."""
-    loss = program.loss(spec)
-    if loss is None:
-        return None
-    return tuple(group_by_tag(saved_residuals(loss.fn, *loss.args)))
 
 
 def remat_placement(jaxpr: Any) -> RematPlacement:
@@ -597,8 +392,9 @@ def analyze_policies(
       program: a :class:`~remat_kit.program.Program`: a user's (``Program.from_loss`` /
         ``from_step``) or a bundled model's (``remat_kit.preset("llama3-8b", 1, 8192)``).
       policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names;
-        None: the default set of :func:`program_policies` (the policies that act on the tags it
-        emits and specs in its own tag names; what it leaves out is in that function's notes).
+        None: the default set of :func:`~remat_kit.memory.policy_set.policy_set` (the policies
+        that act on the tags it emits and specs in its own tag names; what it leaves out is in
+        that function's notes).
       target: the compile target (as :func:`remat_kit.analyze`).
       budget_bytes: the budget ``fits`` is judged against (as :func:`remat_kit.analyze`).
       top_k: the largest buffers at the peak to keep (as :func:`remat_kit.analyze`).
@@ -663,7 +459,7 @@ def analyze_policies(
     if policies is None and not reach.passes:
         raise ValueError(reach.error())
     if specs is None:
-        specs = list(program_policies(program, tgt).specs)
+        specs = list(policy_set(program, tgt).specs)
     if any(spec.wrap for spec in specs) and not reach.passes:
         raise ValueError(reach.error())
     setup = _setup(program, tgt, reach)

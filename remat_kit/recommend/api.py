@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from remat_kit import targets as T
-from remat_kit.memory.api import program_policies, program_tags
+from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.memory.roofline import (
     estimate_error,
     figures_for,
@@ -39,9 +39,7 @@ from remat_kit.memory.xla_compile import jax_backend_description
 from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
-    cut_label,
     honoured,
-    policies_for_tags,
     policy_label,
     policy_names,
 )
@@ -343,48 +341,25 @@ def _resolve_specs(
 ) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str], frozenset[PolicySpec]]:
     """The policies worth compiling on ``program`` (emitting ``tags``), notes, the labels of
     the custom specs among them as every tool gives them (``minimal (cut)``:
-    :meth:`remat_kit.memory.api.ProgramPolicies.labels`), and the specs registered policies
+    :meth:`remat_kit.memory.policy_set.PolicySet.labels`), and the specs registered policies
     were cut down to (found as the named policy they come from).
 
-    Default on a user's program: the set ``analyze`` compiles on it
-    (:func:`remat_kit.memory.api.program_policies`: the registered policies that act on its
-    tags, cut down to them, and specs in its own tag names), so the two tools judge one set.
-    Default on a preset: every registered policy (``analyze --all-policies``). Given policies:
-    the policies selecting by kind (``save-dots``, ``save-nothing``, ``no-remat``...) and the
-    name-based ones whose tags the program emits; one naming none of them is skipped (it would
-    run as ``save-nothing``), one naming some it does not emit is compiled cut down to those
-    (:func:`remat_kit.policies.policies_for_tags`); a user's own spec as given (the analyzer
-    checks its tags). Dropped with a note: offloading policies where offload is not real, and
-    those the remat implementation in use does not apply as named (never picked for what they
-    would do under the other one: :func:`remat_kit.policies.honoured`).
+    Default on a user's program: the set ``analyze`` compiles on it; on a preset: every
+    registered policy (``analyze --all-policies``); given policies fitted to the program's tags
+    (:func:`remat_kit.memory.policy_set.policy_set` with ``fit``: name-based ones cut down or
+    skipped, a user's own spec checked, offloading ones dropped where offload is not real).
+    Dropped with a note as well: those the remat implementation in use does not apply as named
+    (never picked for what they would do under the other one:
+    :func:`remat_kit.policies.honoured`).
 
     Raises:
       ValueError: empty ``policies``; unknown policy; nothing left to compile.
     """
-    if policies is None and program.model_config is None:
-        chosen = program_policies(program, tgt, tags=tags)
-        if not chosen.specs:
-            raise ValueError(f"no policy acts on program {program.name!r}")
-        specs, notes, restricted = list(chosen.specs), list(chosen.notes), chosen.restricted
-        labels = {s: label for s, label in zip(specs, chosen.labels(), strict=True)}
-    else:
-        given = list(policies) if policies is not None else policy_names()
-        if not given:
-            raise ValueError("policies is empty: give at least one policy name")
-        fit = policies_for_tags(given, tags)  # raises on an unknown name
-        specs = list(
-            dict.fromkeys(s for s in fit.specs if tgt.supports_host_offload or not s.offloads)
-        )
-        notes, restricted = fit.notes(f"program {program.name!r}"), fit.restricted
-        cuts: dict[PolicySpec, list[str]] = {}
-        for named, cut in restricted:
-            cuts.setdefault(cut, []).append(named.name)
-        labels = {cut: cut_label(names) for cut, names in cuts.items()}
-        dropped = [s.name for s in fit.specs if s not in specs]
-        if dropped:
-            notes.append(f"offloading policies skipped on {tgt.name}: {', '.join(dropped)}")
-        if not specs:
-            raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
+    if policies is None and program.model_config is not None:
+        policies = policy_names()  # a bundled model: every registered policy
+    chosen = policy_set(program, tgt, policies, fit=True, tags=tags)
+    specs, notes, restricted = list(chosen.specs), list(chosen.notes), chosen.restricted
+    labels = dict(zip(specs, chosen.labels(), strict=True))
     specs, wrong = honoured(specs)
     if not specs:
         raise ValueError(f"no policy given runs as named here: {'; '.join(wrong)}")

@@ -103,7 +103,7 @@ class Candidate:
     nested_groups: int | None = None
     #: The label every tool gives this custom spec where it is one of the policies compiled by
     #: default (a registered policy cut down to a program's tags: ``minimal (cut)``; every tag
-    #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.api.ProgramPolicies.labels`),
+    #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.policy_set.PolicySet.labels`),
     #: else None.
     named_label: str | None = None
     #: The compiled program's key (:attr:`remat_kit.memory.report.MemoryReport.program_sha256`):

@@ -33,18 +33,13 @@ import jax
 from remat_kit import targets as T
 from remat_kit import validation as V
 from remat_kit.memory import analyze_policies, roofline
-from remat_kit.memory.api import program_policies, program_tags
+from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import (
     PolicySpec,
-    check_tags,
-    cut_label,
     get_policy_spec,
     parse_policy_arg,
-    policies_for_tags,
     policy_arg,
-    policy_label,
-    policy_specs,
 )
 from remat_kit.program import Program, preset, require_program
 from remat_kit.sweep import results as R
@@ -413,49 +408,20 @@ def _num_params(program: Program) -> int | None:
 def select_policies(
     program: Program, policies: Sequence[str | PolicySpec] | None, tags: frozenset[str]
 ) -> tuple[list[PolicySpec], list[str], dict[str, list[str]], dict[str, str]]:
-    """The specs to sweep, the notes on the policies cut down to the program's tags or skipped
-    (:meth:`remat_kit.policies.TagFit.notes`), each cut-down spec's note by its row key
+    """The specs to sweep (:func:`remat_kit.memory.policy_set.policy_set` fitted to the
+    program, on this machine), its notes, each cut-down spec's note by its row key
     (:func:`~remat_kit.policies.policy_arg`), and labels by row key as analyze, the doctor and
-    recommend give them (:meth:`remat_kit.memory.api.ProgramPolicies.labels`: ``minimal
-    (cut)``, ``custom: attn_in=save``; given policies: the cut-down ones').
+    recommend give them (:meth:`remat_kit.memory.policy_set.PolicySet.labels`: ``minimal
+    (cut)``, ``custom: attn_in=save``).
 
     Raises:
       ValueError: an unknown policy; a per-tag spec naming a tag the program does not emit;
         no policy left.
     """
-    if policies is None:  # the default set, as analyze and the doctor have it
-        chosen = program_policies(program, "local", tags=tags)
-        if not chosen.specs:
-            raise ValueError(f"no policy acts on program {program.name!r}")
-        per_label: dict[str, list[str]] = {}
-        for (_, cut), note in zip(chosen.restricted, chosen.notes, strict=False):
-            per_label.setdefault(policy_arg(cut), []).append(note)
-        named = zip(chosen.specs, chosen.labels(), strict=True)
-        labels = {policy_arg(s): label for s, label in named}
-        return list(chosen.specs), list(chosen.notes), per_label, labels
-    given = list(policies)
-    fit = policies_for_tags([parse_policy_arg(p) if isinstance(p, str) else p for p in given], tags)
-    registered = policy_specs()
-    cuts = [cut for _, cut in fit.restricted]
-    for spec in fit.specs:
-        if registered.get(spec.name) != spec and spec not in cuts:
-            check_tags(spec, tags, f"program {program.name!r}")
-    if not fit.specs:
-        emits = ", ".join(sorted(tags)) or "no checkpoint_name tags"
-        raise ValueError(f"no policy given acts on program {program.name!r} (emits: {emits})")
-    notes = fit.notes(f"program {program.name!r}")
-    per_label: dict[str, list[str]] = {}
-    for cut, note in zip(cuts, notes, strict=False):  # one note per restricted spec, in order
-        per_label.setdefault(policy_arg(cut), []).append(note)
-    return list(fit.specs), notes, per_label, _cut_labels(fit.restricted)
-
-
-def _cut_labels(restricted: Sequence[tuple[PolicySpec, PolicySpec]]) -> dict[str, str]:
-    """{row key of a cut-down spec: its label}, from (registered policy, cut spec) pairs."""
-    names: dict[str, list[str]] = {}
-    for named, cut in restricted:
-        names.setdefault(policy_arg(cut), []).append(named.name)
-    return {key: cut_label(n) for key, n in names.items()}
+    chosen = policy_set(program, "local", policies, fit=True, tags=tags)
+    per_label = {policy_arg(cut): notes for cut, notes in chosen.cut_notes().items()}
+    labels = {policy_arg(s): label for s, label in zip(chosen.specs, chosen.labels(), strict=True)}
+    return list(chosen.specs), list(chosen.notes), per_label, labels
 
 
 def _check(program: Program, warmup_steps: int, timed_steps: int) -> None:
@@ -488,7 +454,7 @@ def run_program_sweep(
       out: the JSONL results file (created with its folders).
       policies: names, per-tag text or specs, narrowed to those acting on the program's tags
         (:func:`remat_kit.policies.policies_for_tags`); default: the set ``analyze`` compiles on
-        the program (:func:`remat_kit.memory.api.program_policies`).
+        the program (:func:`remat_kit.memory.policy_set.policy_set`).
       warmup_steps: untimed steps per policy (>= 0); timed_steps: timed steps (>= 1).
       resume: skip policies whose row is in ``out`` (rows of other policies are kept: a resumed
         run may add policies); overwrite: empty ``out`` first.
@@ -512,7 +478,7 @@ def run_program_sweep(
     start = time.perf_counter()
     _check(program, warmup_steps, timed_steps)
     tags = program_tags(program)
-    specs, notes, per_label, cut_labels = select_policies(program, policies, tags)
+    specs, notes, per_label, labels = select_policies(program, policies, tags)
     reach = program.reach()  # as analyze: a step ignoring the policy is refused, once
     if any(s.wrap for s in specs) and not reach.passes:
         raise ValueError(reach.error())
@@ -547,7 +513,7 @@ def run_program_sweep(
             row = make_row(
                 R.point_key(points[label]),
                 {**common, **points[label], **fields, "policy_spec": spec.description,
-                 "policy_label": cut_labels.get(label) or policy_label(spec),
+                 "policy_label": labels[label],
                  "policy_notes": per_label.get(label, [])},
                 reports[label], executables.get(label), measurements.get(label),
             )  # fmt: skip

@@ -41,7 +41,6 @@ from remat_kit.policies import policy_specs as policy_specs
 from remat_kit.policies import remat_implementation as remat_implementation
 from remat_kit.program import Program as Program
 from remat_kit.program import load_program as load_program
-from remat_kit.program import preset as preset
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.tagging import tag_eqx as tag_eqx
@@ -55,6 +54,7 @@ from remat_kit.training import abstract_train_state as abstract_train_state
 from remat_kit.training import init_train_state as init_train_state
 from remat_kit.training import make_optimizer as make_optimizer
 from remat_kit.training import make_train_step as make_train_step
+from remat_kit.zoo import preset as preset
 
 __version__ = "0.1.0"
 

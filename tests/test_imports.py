@@ -108,6 +108,33 @@ def test_leaf_modules_import_nothing_from_remat_kit(leaf):
     assert _graph()[leaf] == set()
 
 
+#: The core every tool stands on, and what it must not stand on: the bundled models, their
+#: trainer and the zoo that makes them Programs (issue 52).
+CORE = ("remat_kit.program", "remat_kit.policies", "remat_kit.walker", "remat_kit.targets")
+ZOO = ("remat_kit.zoo", "remat_kit.models", "remat_kit.training")
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_the_core_imports_nothing_from_the_zoo(core):
+    graph = _graph()
+    below = {d for d in _reach(graph, core) if d.startswith(ZOO)}
+    assert not below, f"{core} reaches {sorted(below)}"
+
+
+def test_reach_follows_imports_through_other_modules():
+    assert _reach({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None

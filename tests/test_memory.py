@@ -32,8 +32,8 @@ from remat_kit.memory import (
 )
 from remat_kit.memory import xla_compile as mc
 from remat_kit.policies import policy_specs
-from remat_kit.program import model_residuals
 from remat_kit.walker import traced_flops
+from remat_kit.zoo import model_residuals
 
 needs_cuda_plugin = pytest.mark.skipif(
     targets.cuda_plugin_module() is None,

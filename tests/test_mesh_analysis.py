@@ -15,9 +15,9 @@ from remat_kit import targets
 from remat_kit.memory import analyze_policies, api, hlo
 from remat_kit.memory.xla_compile import capture_compiler_log, compile_with_dump
 from remat_kit.models import get_config
-from remat_kit.program import model_residuals, preset, split_over_tp, tag_axes
 from remat_kit.targets import get_target
 from remat_kit.walker import Residual
+from remat_kit.zoo import model_residuals, preset, split_over_tp, tag_axes
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config(

@@ -22,9 +22,9 @@ from remat_kit.policies import (
     policies_for_tags,
     policy_names,
 )
-from remat_kit.program import block_residuals
 from remat_kit.training.step import abstract_batch, loss_fn, make_optimizer, make_train_step
 from remat_kit.walker import group_by_tag
+from remat_kit.zoo import block_residuals
 
 POLICIES = remat_kit.policy_names()
 MODELS = ["tiny-gpt", "tiny-llama"]

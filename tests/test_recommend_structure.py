@@ -15,12 +15,12 @@ import pytest
 from remat_kit import targets as T
 from remat_kit.cli.recommend import print_recommendation
 from remat_kit.models import get_config
-from remat_kit.program import model_residuals, preset
 from remat_kit.recommend import CompileCache, Recommendation, partial_probes, recommend
 from remat_kit.recommend.search import loss_chunk, structural_options, structure_of
 from remat_kit.recommend.session import Candidate, CompileCounter, Session
 from remat_kit.units import format_bytes
 from remat_kit.walker import traced_flops
+from remat_kit.zoo import model_residuals, preset
 from tests.conftest import needs_cuda_plugin
 
 CONFIG = get_config("tiny-llama", dtype="bfloat16", param_dtype="bfloat16")

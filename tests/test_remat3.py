@@ -25,12 +25,12 @@ from remat_kit import doctor, plots
 from remat_kit import names as N
 from remat_kit import policies as RP
 from remat_kit.policies import custom_spec, get_policy_spec, policy_names
-from remat_kit.program import block_residuals
 from remat_kit.recommend.api import _resolve_specs
 from remat_kit.sweep.output import warning_lines
 from remat_kit.sweep.rows import analysis_fields
 from remat_kit.training.step import loss_fn
 from remat_kit.walker import group_by_tag
+from remat_kit.zoo import block_residuals
 
 IMPLS = list(RP.IMPLEMENTATIONS)
 POLICIES = policy_names()

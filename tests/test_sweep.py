@@ -27,8 +27,8 @@ from remat_kit import plots, sweep
 from remat_kit.memory import analyze_policies
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import get_policy_spec
-from remat_kit.program import preset
 from remat_kit.sweep import Grid, SweepConfig, measure, results
+from remat_kit.zoo import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "sweep.py"

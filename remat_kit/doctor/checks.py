@@ -63,8 +63,9 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program, as_program, factory_reach, filtered_factory, step_flops
+from remat_kit.program import Program, factory_reach, filtered_factory, step_flops
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
+from remat_kit.zoo import as_program
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:

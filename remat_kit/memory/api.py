@@ -62,7 +62,6 @@ from remat_kit.program import (
     Pure,
     argument_parts,
     param_names,
-    preset,
     purify,
     require_program,
 )
@@ -76,6 +75,7 @@ from remat_kit.walker import (
     traced_flops,
     wraps_whole_loop,
 )
+from remat_kit.zoo import preset
 
 DEFAULT_TOP_K = 10
 

@@ -26,7 +26,7 @@ allocation, which grows by uneven steps with the layer count (fragmentation): 8,
 8 MiB per layer. It is reported alongside (``compiled_temp_bytes``).
 
 The jaxpr figure is what JAX saves for the backward pass per layer
-(:func:`remat_kit.program.block_residuals`, plus the layer input), before XLA fuses,
+(:func:`remat_kit.zoo.block_residuals`, plus the layer input), before XLA fuses,
 copies or upcasts anything.
 """
 
@@ -44,7 +44,7 @@ from remat_kit import targets as T
 from remat_kit.memory.api import analyze_policies
 from remat_kit.models import ModelConfig, get_config
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label
-from remat_kit.program import model_residuals, preset
+from remat_kit.zoo import model_residuals, preset
 
 #: Vocabulary of the probe compiles (see the module docstring).
 PROBE_VOCAB = 256

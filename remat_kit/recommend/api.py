@@ -43,7 +43,7 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program, argument_parts, as_program
+from remat_kit.program import Program, argument_parts
 from remat_kit.recommend.search import (
     BudgetTooSmall,
     Named,
@@ -75,6 +75,7 @@ from remat_kit.recommend.session import (
     pointless_offloads,
 )
 from remat_kit.units import format_bytes, parse_bytes
+from remat_kit.zoo import as_program
 
 #: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
 #: cuBLAS/cuDNN workspaces and allocator fragmentation (about 1-3 GiB on an 80 GB GPU). It

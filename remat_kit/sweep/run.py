@@ -41,7 +41,7 @@ from remat_kit.policies import (
     parse_policy_arg,
     policy_arg,
 )
-from remat_kit.program import Program, preset, require_program
+from remat_kit.program import Program, require_program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.engine import SerialEngine
@@ -69,6 +69,7 @@ from remat_kit.sweep.shard import Shard, shard_points
 from remat_kit.sweep.tasks import Tally, Task, TaskSetup, error_rows, make_tasks
 from remat_kit.training.data import Corpus, load_corpus
 from remat_kit.training.step import make_optimizer
+from remat_kit.zoo import preset
 
 
 def analyse_and_run(

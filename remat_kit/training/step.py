@@ -14,9 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from remat_kit import targets as T
 from remat_kit.models import ModelConfig, chunked_model_loss, make_model
-from remat_kit.validation import positive_int, unknown_value_error
-
-OPTIMIZERS = ("adamw", "sgd", "adafactor")
+from remat_kit.optimizers import OPTIMIZERS as OPTIMIZERS
+from remat_kit.optimizers import make_optimizer as make_optimizer
+from remat_kit.validation import positive_int
 
 Batch = dict[str, jax.Array]  # {"inputs": [b, s] int32, "targets": [b, s] int32}
 
@@ -28,32 +28,6 @@ class TrainState:
     step: jax.Array  # int32 scalar
     params: Any
     opt_state: Any
-
-
-def make_optimizer(
-    name: str = "adamw",
-    learning_rate: float | optax.Schedule = 3e-4,
-    weight_decay: float = 0.1,
-    grad_clip: float | None = 1.0,
-) -> optax.GradientTransformation:
-    """An optax optimizer by name: ``adamw`` (Loshchilov & Hutter 2019, arXiv:1711.05101; two
-    moment buffers in the parameter dtype), ``sgd`` (no state), ``adafactor`` (factored second
-    moments, Shazeer & Stern 2018, arXiv:1804.04235), with global-norm gradient clipping.
-
-    Raises:
-      ValueError: unknown optimizer name.
-    """
-    if name == "adamw":
-        opt = optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay)
-    elif name == "sgd":
-        opt = optax.sgd(learning_rate)
-    elif name == "adafactor":
-        opt = optax.adafactor(learning_rate)
-    else:
-        raise unknown_value_error("optimizer", name, OPTIMIZERS)
-    if grad_clip is None:
-        return opt
-    return optax.chain(optax.clip_by_global_norm(grad_clip), opt)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -1,0 +1,427 @@
+"""The bundled models as a zoo of :class:`~remat_kit.program.Program` values.
+
+:func:`preset` turns a preset name or :class:`~remat_kit.models.ModelConfig`, a batch and a
+sequence length into a program whose step is :func:`remat_kit.make_train_step` (forward,
+backward under the policy, optax update, the train state donated) on abstract arguments
+(``jax.eval_shape``: a 70B model is never allocated). The tools then ask it what they ask a
+user's program; it answers some questions from what it knows of its model:
+
+- its factories receive the :class:`~remat_kit.policies.PolicySpec` itself (the model applies
+  it per layer group, offload and nested remat included), not a ``jax.checkpoint`` callable;
+- its residual table comes from one traced remat segment times the segments
+  (:func:`model_residuals`), split per device on a mesh;
+- it is laid out on a (dp, fsdp, tp) mesh of the target's devices (``mesh="fsdp=8"``);
+- it varies (:meth:`PresetProgram.variant`): batch, sequence, group size, structure options,
+  which recommend's searches use;
+- its reports are cached by its config (:meth:`PresetProgram.request_key`): a repeat traces
+  nothing.
+
+The residual rules of the bundled blocks (:func:`model_residuals`, :func:`block_residuals`,
+split per device over tp) live here too. The core (:mod:`remat_kit.program`) imports nothing
+from this module.
+
+Example::
+
+    >>> prog = preset("tiny-gpt", batch_size=2, seq_len=32)
+    >>> prog.title, prog.argument_names
+    ('tiny-gpt b=2 s=32', ('state', 'batch'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import targets as T
+from remat_kit.models import BlockGroup, ModelConfig, get_config
+from remat_kit.names import CHECKPOINT_SHAPES
+from remat_kit.optimizers import make_optimizer
+from remat_kit.policies import PolicySpec
+from remat_kit.program import BufferNames, Placement, PolicyReach, Program, Pure
+from remat_kit.training.step import (
+    abstract_batch,
+    abstract_train_state,
+    loss_fn,
+    make_train_step,
+    sharded_train_state,
+)
+from remat_kit.validation import check_batch_split, check_seq_len, positive_int
+from remat_kit.walker import Residual, TagResiduals, group_by_tag, saved_residuals
+
+#: Fields of :meth:`PresetProgram.variant` that are not model fields.
+_SHAPE_FIELDS = ("batch_size", "seq_len")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PresetProgram(Program):
+    """A bundled model's training step as a :class:`Program` (see the module
+    docstring; made by :func:`preset`).
+
+    Attributes:
+      config: the model; its ``remat_policy`` is replaced by each policy analysed.
+      batch_size: sequences per step (global; split over dp*fsdp on a mesh).
+      seq_len: tokens per sequence.
+      optimizer: the name given (or the optax transformation).
+      mesh: the (dp, fsdp, tp) mesh the step is compiled on (None: one device).
+    """
+
+    config: ModelConfig | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    optimizer: str | optax.GradientTransformation = "adamw"
+    mesh: T.MeshSpec | None = None
+    tx: optax.GradientTransformation | None = None
+
+    def __repr__(self) -> str:
+        mesh = f", mesh={self.mesh}" if self.mesh is not None else ""
+        opt = self.optimizer if isinstance(self.optimizer, str) else "custom"
+        return f"preset({self.config.name!r}, b={self.batch_size}, s={self.seq_len}, {opt}{mesh})"
+
+    @property
+    def title(self) -> str:
+        return f"{self.config.name} b={self.batch_size} s={self.seq_len}"
+
+    @property
+    def logits(self) -> tuple[tuple[int, int, int], str]:
+        """``((batch, seq, vocab), compute dtype)`` of the model's logits."""
+        return (self.batch_size, self.seq_len, self.config.vocab_size), self.config.dtype
+
+    def factory_input(self, spec: PolicySpec) -> PolicySpec:
+        """The spec itself: the model applies it per layer group (offload, nesting)."""
+        return spec
+
+    def baseline_step(self) -> Pure:
+        """The plain step: no remat on any layer, no nested scan, whole logits; the config's
+        ``attention`` kept (so the recompute ratio is against the same attention)."""
+        plain = self.config.replace(
+            remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
+            loss_chunk_size=None,
+        )  # fmt: skip
+        # A layer structure stacks its parameters differently: the plain step's own state.
+        state = self.args[0]
+        if self.config.layer_structure:
+            state = abstract_train_state(plain, self.tx)
+        step = make_train_step(plain, self.tx, jit=False)
+        return Pure(step, (state, self.args[1]), self.argument_names, None)
+
+    def place(self, target: T.Target) -> Placement:
+        """One device, or the train state sharded over the mesh of ``target``'s devices
+        (:func:`remat_kit.training.sharded_train_state`) and the batch split over dp*fsdp."""
+        if self.mesh is None:
+            return super().place(target)
+        mesh = T.make_mesh(self.mesh, T.compile_devices(target, self.mesh.num_devices))
+        state, _ = sharded_train_state(self.config, self.tx, mesh)
+        batch = T.abstractify(self.args[1], T.batch_sharding(mesh))
+        return Placement(lambda args: (state, batch), mesh)
+
+    def residuals(self, spec: PolicySpec, placement: Placement) -> tuple[TagResiduals, ...]:
+        """:func:`model_residuals` per device: the batch split over dp*fsdp, tagged heads /
+        kv_heads / d_ff dimensions over tp."""
+        shape = dict(placement.mesh.shape) if placement.mesh is not None else {}
+        split = shape.get("dp", 1) * shape.get("fsdp", 1)
+        config = self.config.replace(remat_policy=spec)
+        return model_residuals(config, self.batch_size // split, self.seq_len, shape.get("tp", 1))
+
+    def buffer_names(self, rows, placement: Placement) -> BufferNames:
+        """Residual rows stacked over the remat segments ([segments, *row shape]), the
+        parameters' shapes, and the logits."""
+        segments = self.config.num_layers // self.config.remat_group_size
+        stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        for row in rows:
+            key = (row.dtype, (segments, *row.shape))
+            stacked[key] = (*stacked.get(key, ()), row.tag)
+        params = frozenset(
+            (jax.numpy.dtype(x.dtype).name, tuple(x.shape))
+            for x in jax.tree.leaves(self.args[0].params)
+        )
+        b, s = self.batch_size, self.seq_len
+        return BufferNames(stacked, params, logits_elems=b * s * self.config.vocab_size)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config
+
+    @property
+    def scan_layers(self) -> bool:
+        return self.config.scan_layers
+
+    @property
+    def default_policy(self) -> PolicySpec | str:
+        return self.config.remat_policy
+
+    def saved(self, spec: PolicySpec) -> list[Residual]:
+        """One remat segment's kept values (:func:`block_residuals`): the
+        bundled models repeat one segment, so a policy's effect is read on one."""
+        config = self.config.replace(remat_policy=spec)
+        return list(block_residuals(config, self.batch_size, self.seq_len))
+
+    def reach(self) -> PolicyReach:
+        """By construction: every remat segment (one per group of ``remat_group_size`` layers)
+        takes the policy, and ``no-remat`` builds none."""
+        segments = self.config.num_layers // self.config.remat_group_size
+        return PolicyReach(self.name, segments, segments, 0)
+
+    def request_key(self) -> tuple[Any, ...] | None:
+        """``("preset", config, batch, seq, optimizer, mesh)``; None for an optax
+        transformation given as an object (not describable)."""
+        if not isinstance(self.optimizer, str):
+            return None
+        mesh = str(self.mesh) if self.mesh is not None else None
+        return ("preset", self.config, self.batch_size, self.seq_len, self.optimizer, mesh)
+
+    def variant(self, **changes: Any) -> PresetProgram:
+        """The same preset with ``batch_size`` / ``seq_len`` and any
+        :class:`~remat_kit.models.ModelConfig` fields changed (``remat_group_size``,
+        ``attention``, ``loss_chunk_size``, ``remat_layers``, ``nested_groups``...).
+
+        Raises:
+          ValueError: as :func:`preset` for the new shapes; an unknown config field.
+        """
+        shape = {k: changes.pop(k) for k in _SHAPE_FIELDS if k in changes}
+        config = self.config.replace(**changes) if changes else self.config
+        return preset(
+            config,
+            shape.get("batch_size", self.batch_size),
+            shape.get("seq_len", self.seq_len),
+            self.optimizer,
+            self.mesh,
+        )
+
+
+def preset(
+    model: str | ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    mesh: str | T.MeshSpec | None = None,
+) -> PresetProgram:
+    """A bundled model's training step as a program every tool takes.
+
+    Args:
+      model: a preset name (``"llama3-8b"``, see :func:`remat_kit.preset_names`) or a
+        :class:`~remat_kit.models.ModelConfig`.
+      batch_size: sequences per step (global; on a mesh split over dp*fsdp).
+      seq_len: tokens per sequence.
+      optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` (:func:`remat_kit.make_optimizer`) or
+        an optax transformation.
+      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4"`` or a :class:`~remat_kit.targets.MeshSpec`: compile
+        on that many devices of the target, figures per device.
+
+    Raises:
+      ValueError: unknown preset or optimizer; ``batch_size`` / ``seq_len`` not positive
+        integers; ``seq_len`` above the model's ``max_seq_len``; a batch that dp*fsdp does not
+        divide; a bad mesh.
+    """
+    config = get_config(model) if isinstance(model, str) else model
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"model must be a preset name or a ModelConfig, got {model!r}")
+    positive_int("batch_size", batch_size)
+    check_seq_len(seq_len, config.max_seq_len, config.name)
+    spec = T.parse_mesh(mesh) if mesh is not None else None
+    if spec is not None:
+        check_batch_split(batch_size, spec.dp * spec.fsdp, mesh=str(spec))
+    tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    state = abstract_train_state(config, tx)
+    batch = abstract_batch(batch_size, seq_len)
+
+    def make_step(spec: PolicySpec):
+        return make_train_step(config.replace(remat_policy=spec), tx, jit=False)
+
+    def make_loss(spec: PolicySpec):
+        remat = config.replace(remat_policy=spec)
+
+        def loss(params, batch):
+            return loss_fn(params, remat, batch)
+
+        return loss
+
+    return PresetProgram(
+        name=config.name,
+        make_step=make_step,
+        args=(state, batch),
+        donate_argnums=(0,),
+        make_loss=make_loss,
+        loss_args=(state.params, batch),
+        argnums=(0,),
+        argument_names=("state", "batch"),
+        config=config,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        mesh=spec,
+        tx=tx,
+    )
+
+
+def model_residuals(
+    config: ModelConfig, batch_size: int, seq_len: int, tp: int = 1
+) -> tuple[TagResiduals, ...]:
+    """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
+    tag, from the jaxpr of one remat segment (:func:`block_residuals`) times
+    the number of segments (``num_layers // remat_group_size``).
+
+    A structured config (``remat_layers``, ``nested_remat`` or ``loss_chunk_size`` set) is not a
+    uniform stack of segments: its rows are the saved values of the whole loss's VJP
+    (:func:`remat_kit.walker.saved_residuals`, parameters and the batch left out), each row's
+    shape the stacked one (e.g. [layers, batch, seq, d_model]).
+
+    Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
+    for every segment. Parameters and the positions are not residuals here (they are arguments
+    of the step). Untagged residuals are grouped as ``"<primitive>"``.
+
+    Args:
+      config: the model and its policy.
+      batch_size: sequences (per device under data parallelism: the caller divides).
+      seq_len: tokens per sequence.
+      tp: tensor-parallel degree: tagged residuals with a heads, kv_heads or d_ff dimension
+        keep ``1/tp`` of it per device (:func:`split_over_tp`); shapes and
+        bytes in the rows are then per device.
+
+    Raises:
+      ValueError: ``tp`` is not a positive integer.
+    """
+    if config.layer_structure or config.loss_chunk_size is not None:
+        # Not a uniform stack of segments: the forward's saved values of the whole loss.
+        state = abstract_train_state(config, make_optimizer("sgd"))
+        whole = saved_residuals(
+            lambda p, b: loss_fn(p, config, b), state.params, abstract_batch(batch_size, seq_len)
+        )
+        kept = [r for r in whole if not r.is_argument]
+        return tuple(group_by_tag(split_over_tp(kept, tp)))
+    segments = config.num_layers // config.remat_group_size
+    rows = []
+    kept = [
+        r
+        for r in block_residuals(config, batch_size, seq_len)
+        if not r.is_argument or r.source == "argument [1]"
+    ]
+    for row in group_by_tag(split_over_tp(kept, tp), include_arguments=True):
+        rows.append(
+            dataclasses.replace(row, count=row.count * segments, nbytes=row.nbytes * segments)
+        )
+    return tuple(rows)
+
+
+def as_program(
+    model: Program | str | ModelConfig,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    optimizer: str | optax.GradientTransformation | None = None,
+    mesh: str | T.MeshSpec | None = None,
+    *,
+    default_shape: tuple[int, int] | None = None,
+) -> Program:
+    """The program a tool's ``model`` argument names: a :class:`Program` as
+    it is, a preset name or :class:`~remat_kit.models.ModelConfig` through :func:`preset`.
+    Where the Python entry points read their input; the tools below take a Program only.
+    ``default_shape``: (batch, seq) for a preset given without them.
+
+    Raises:
+      ValueError: shapes, optimizer or mesh given with a Program (it carries its own; the
+        message names them); for a preset, a missing ``batch_size`` / ``seq_len`` and what
+        :func:`preset` raises.
+    """
+    given = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "mesh": mesh}
+    if isinstance(model, Program):
+        extra = [k for k, v in given.items() if v is not None]
+        if extra:
+            raise ValueError(
+                f"{', '.join(extra)} apply to presets; program {model.name!r} carries its own "
+                "arguments (set their shapes and its optimizer in its factory)"
+            )
+        return model
+    if default_shape is not None:
+        given["batch_size"] = batch_size or default_shape[0]
+        given["seq_len"] = seq_len or default_shape[1]
+    for name in ("batch_size", "seq_len"):
+        if given[name] is None:
+            raise ValueError(f"{name} is required for preset {model!r}")
+    return preset(model, given["batch_size"], given["seq_len"], optimizer or "adamw", mesh)
+
+
+#: The dimension names of :mod:`remat_kit.names` -> the models' logical axis names.
+_DIM_AXES = {
+    "batch": "batch", "seq": "seq", "d_model": "embed", "heads": "heads", "kv_heads": "kv_heads",
+    "head_dim": "head_dim", "d_ff": "mlp", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora",
+}  # fmt: skip
+
+
+def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[Residual]:
+    """Residuals of one remat segment (``remat_group_size`` blocks) under the config's policy.
+
+    The segment is traced on abstract shapes (nothing allocated): input x [batch, seq, d_model]
+    in the compute dtype, parameters from ``jax.eval_shape`` of the block's init. Parameters and
+    the segment input appear as ``argument`` residuals; the input of each later block in the
+    segment is tagged ``decoder_layer_input``. Multiply by ``num_layers // remat_group_size`` for
+    the whole model.
+    """
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, config.d_model), config.compute_dtype)
+    positions = jnp.arange(seq_len, dtype=jnp.int32)
+    group = BlockGroup(config)
+    params = jax.eval_shape(lambda: group.init(jax.random.key(0), x, positions)["params"])
+
+    def segment(p, h, pos):
+        return group.apply({"params": p}, h, pos)[0]
+
+    spec = config.policy_spec
+    if spec.wrap:
+        segment = jax.checkpoint(segment, policy=spec.to_jax())
+    pos_spec = jax.ShapeDtypeStruct((seq_len,), jnp.int32)
+    return saved_residuals(segment, params, x, pos_spec)
+
+
+def tag_axes(tag: str) -> tuple[str, ...] | None:
+    """Logical axes of a tagged tensor, from its shape in
+    :data:`remat_kit.names.CHECKPOINT_SHAPES`: ``tag_axes("query_proj") == ("batch", "seq",
+    "heads", "head_dim")``; None for an unknown tag."""
+    dims = CHECKPOINT_SHAPES.get(tag)
+    return None if dims is None else tuple(_DIM_AXES[d] for d in dims)
+
+
+def tp_split_axes() -> frozenset[str]:
+    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.targets.LOGICAL_RULES`:
+    ``heads``, ``kv_heads``, ``mlp``, ``vocab``)."""
+    return frozenset(axis for axis, mesh in T.LOGICAL_RULES if mesh == "tp")
+
+
+def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
+    """Per-device residuals under ``tp``-way tensor parallelism.
+
+    A tagged residual whose documented shape (:func:`tag_axes`) has an axis that
+    :data:`remat_kit.targets.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
+    ``1/tp`` of that dimension on each device: the projection's weight is split that way and
+    XLA's sharding propagation splits its output (and the saved residual) likewise (Megatron-LM,
+    Shoeybi et al. 2019, arXiv:1909.08053). The ``embed`` rule (fsdp) is a parameter rule only:
+    FSDP all-gathers a layer's weights, and [batch, seq, d_model] activations stay whole on every
+    device. Untagged residuals and those whose rank differs from the documented shape are kept
+    as they are (their axes are not known).
+
+    Args:
+      residuals: from :func:`saved_residuals` (shapes as traced).
+      tp: size of the ``tp`` mesh axis (>= 1).
+
+    Returns:
+      The residuals with per-device shapes and ``nbytes``, in the same order.
+
+    Raises:
+      ValueError: ``tp`` is not a positive integer.
+    """
+    positive_int("tp", tp)
+    if tp == 1:
+        return list(residuals)
+    split = tp_split_axes()
+    out = []
+    for r in residuals:
+        axes = tag_axes(r.tag) if r.tag is not None else None
+        if axes is None or len(axes) != len(r.shape) or not split.intersection(axes):
+            out.append(r)
+            continue
+        shape = tuple(-(-d // tp) if a in split else d for d, a in zip(r.shape, axes, strict=True))
+        nbytes = math.prod(shape) * jnp.dtype(r.dtype).itemsize
+        out.append(dataclasses.replace(r, shape=shape, nbytes=nbytes))
+    return out

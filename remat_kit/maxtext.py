@@ -47,7 +47,6 @@ from remat_kit.inject import inject_policy
 from remat_kit.policies import (
     MAXTEXT_POLICY_NAMES,
     PolicySpec,
-    get_policy_spec,
     maxtext_spec,
 )
 from remat_kit.program import Placement, Program

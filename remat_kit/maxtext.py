@@ -32,10 +32,12 @@ Example (with maxtext installed)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import shlex
+import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,13 +69,19 @@ def _modules() -> types.SimpleNamespace:
     Raises:
       MissingExtraError: MaxText is not installed (one line: what to install).
     """
-    try:
-        from flax.core.spmd import logical_axis_rules
-        from maxtext.configs import pyconfig
-        from maxtext.trainers.pre_train import train, train_compile
-        from maxtext.utils import maxtext_utils, sharding
+    try:  # MaxText prints its import notes on stdout: kept off it (``--json`` reads stdout)
+        with contextlib.redirect_stdout(sys.stderr):
+            return _import()
     except ImportError as err:
         raise MissingExtraError(f"{INSTALL} ({err})") from None
+
+
+def _import() -> types.SimpleNamespace:
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.pre_train import train, train_compile
+    from maxtext.utils import maxtext_utils, sharding
+
     return types.SimpleNamespace(
         pyconfig=pyconfig, train=train, train_compile=train_compile, utils=maxtext_utils,
         sharding=sharding, axis_rules=logical_axis_rules,

@@ -294,15 +294,139 @@ MAXTEXT_POLICIES = types.MappingProxyType(
 )
 #: MaxText's ``custom`` policy actions (``device`` / ``offload`` / ``remat``) -> remat-kit's.
 _MAXTEXT_ACTIONS = types.MappingProxyType({"device": "save", "remat": "recompute"})
+#: remat-kit's tag actions -> MaxText's ``custom`` settings.
+_TO_MAXTEXT_ACTIONS = types.MappingProxyType(
+    {"save": "device", "offload": "offload", "recompute": "remat"}
+)
+#: The tensors MaxText's ``custom`` policy takes a setting for (``remat`` / ``device`` /
+#: ``offload`` each; its ``configs/types.py``, MaxText 0.2.5). ``decoder_layer_input`` is
+#: ``device`` unless set; every other one ``remat``.
+MAXTEXT_TENSORS: tuple[str, ...] = (
+    N.DECODER_LAYER_INPUT, N.INDEXER_CUTOFF_THRESHOLD, N.CONTEXT, N.MLPWI, N.MOE_MLPWI_0,
+    N.MOE_MLPWI_1, N.MOE_MLPWO, "moe_x_sorted", "moe_routing_maps", N.MLPWI_0, N.MLPWI_1,
+    N.MLPWO, N.QUERY_PROJ, N.KEY_PROJ, N.VALUE_PROJ, N.KV_PROJ, N.QUERY_WA_PROJ, N.KV_WA_PROJ,
+    N.MLA_KV, N.MLA_Q, N.QKV_PROJ, N.ATTENTION_OUT, N.OUT_PROJ,
+)  # fmt: skip
+#: MaxText's ``remat_policy`` names remat-kit takes (:func:`maxtext_spec`): those of
+#: :data:`MAXTEXT_POLICIES`, ``minimal`` and ``custom``.
+MAXTEXT_POLICY_NAMES: tuple[str, ...] = ("minimal", *MAXTEXT_POLICIES, "custom")
+
+
+def maxtext_spec(name: str, tensors: Mapping[str, str] | None = None) -> PolicySpec:
+    """The :class:`PolicySpec` of MaxText's ``remat_policy=name``, named ``name``: the same
+    checkpoint names saved and offloaded as MaxText's ``get_remat_policy`` (``full``: save
+    nothing). For ``custom``, ``tensors`` gives MaxText's per-tensor settings
+    (``{"query_proj": "device", "mlpwo": "offload"}``; ``remat`` / ``device`` / ``offload``,
+    remat-kit's ``recompute`` / ``save`` too): MaxText's defaults apply to the rest
+    (``decoder_layer_input`` on device, every other tensor rematerialised).
+
+    Raises:
+      ValueError: an unknown MaxText policy name (the valid ones and the closest named);
+        ``tensors`` with another policy than ``custom``; a tensor MaxText has no setting for,
+        or an unknown setting.
+    """
+    if name != "custom" and tensors:
+        raise ValueError(
+            f"per-tensor settings ({', '.join(sorted(tensors))}) apply to MaxText's "
+            f"remat_policy=custom, not {name!r}"
+        )
+    if name == "custom":
+        given = dict(tensors or {})
+        for tensor in given:
+            if tensor not in MAXTEXT_TENSORS:
+                raise N.unknown_value_error("MaxText custom-policy tensor", tensor, MAXTEXT_TENSORS)
+        actions = {N.DECODER_LAYER_INPUT: "device", **given}
+        actions = {t: _MAXTEXT_ACTIONS.get(a, a) for t, a in actions.items()}
+        return custom_spec(actions)
+    if name == "minimal":
+        return _REGISTRY["minimal"]
+    meant = MAXTEXT_POLICIES.get(name)
+    if meant is None:
+        raise N.unknown_value_error("MaxText remat_policy", name, MAXTEXT_POLICY_NAMES)
+    source = f"MaxText remat_policy={name} (remat-kit: {meant})"
+    if meant in _REGISTRY:
+        return dataclasses.replace(_REGISTRY[meant], name=name, source=source)
+    spec = custom_spec(_parse_tag_list(meant), name=name)
+    return dataclasses.replace(spec, source=source)
+
+
+def maxtext_config_lines(policy: str | PolicySpec | Mapping[str, str]) -> list[str]:
+    """The MaxText config lines that set ``policy`` (as its command line or a YAML file takes
+    them, ``key=value``): ``["remat_policy=minimal"]`` where MaxText has a name for it, else
+    ``["remat_policy=custom", "NAME=device|offload|remat", ...]``, one line for each tensor the
+    policy saves (``device``) or offloads, and ``decoder_layer_input=remat`` where it keeps no
+    layer input (MaxText's default there is ``device``). :func:`parse_maxtext_lines` reads them
+    back to the same policy.
+
+    Example::
+
+        >>> maxtext_config_lines("save-nothing")
+        ['remat_policy=full']
+        >>> maxtext_config_lines({"query_proj": "offload", "out_proj": "save"})[1:]
+        ['decoder_layer_input=remat', 'out_proj=device', 'query_proj=offload']
+
+    Raises:
+      ValueError: a policy MaxText cannot express: one selecting by kind (``save-dots``,
+        ``save-dots-no-batch``, ``no-remat``: MaxText wraps its scanned layers in remat under
+        every ``remat_policy``), or one naming a tensor MaxText's ``custom`` has no setting for.
+    """
+    spec = get_policy_spec(policy)
+    if spec.name in MAXTEXT_POLICY_NAMES and spec.name != "custom":
+        if maxtext_spec(spec.name) == spec:
+            return [f"remat_policy={spec.name}"]
+    for name, meant in MAXTEXT_POLICIES.items():
+        if _REGISTRY.get(meant) == spec:
+            return [f"remat_policy={name}"]
+    if spec.base != "names":
+        raise ValueError(
+            f"policy {policy_label(spec)!r} selects by kind ({spec.base}); MaxText's "
+            f"remat_policy has no such setting (its names: {', '.join(MAXTEXT_POLICY_NAMES)})"
+        )
+    unknown = sorted(spec.tags - set(MAXTEXT_TENSORS))
+    if unknown:
+        raise ValueError(
+            f"policy {policy_label(spec)!r} names {', '.join(unknown)}, which MaxText's "
+            f"remat_policy=custom has no setting for (its tensors: {', '.join(MAXTEXT_TENSORS)})"
+        )
+    lines = [f"{t}={_TO_MAXTEXT_ACTIONS[spec.action(t)]}" for t in sorted(spec.tags)]
+    if N.DECODER_LAYER_INPUT not in spec.tags:
+        lines.insert(0, f"{N.DECODER_LAYER_INPUT}=remat")
+    return ["remat_policy=custom", *lines]
+
+
+def parse_maxtext_lines(lines: str | Sequence[str]) -> PolicySpec:
+    """The policy MaxText config lines set: ``remat_policy=NAME`` and, for ``custom``, one
+    ``TENSOR=device|offload|remat`` each (a list, or one string of them separated by spaces,
+    commas or newlines, as MaxText's command line takes them); other keys are refused.
+    :func:`maxtext_spec` gives the spec.
+
+    Raises:
+      ValueError: no ``remat_policy`` line; a line that is not ``key=value``; an unknown key,
+        policy name, tensor or setting (see :func:`maxtext_spec`).
+    """
+    items = lines.replace(",", " ").split() if isinstance(lines, str) else list(lines)
+    settings: dict[str, str] = {}
+    for item in items:
+        key, sep, value = (part.strip() for part in str(item).partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"cannot read MaxText line {item!r}: write key=value")
+        settings[key] = value
+    name = settings.pop("remat_policy", None)
+    if name is None:
+        raise ValueError(
+            f"MaxText lines {' '.join(map(str, items))!r} set no remat_policy (e.g. "
+            "remat_policy=minimal, or remat_policy=custom query_proj=device)"
+        )
+    return maxtext_spec(name, settings or None)
 
 
 def _maxtext_meaning(policy: object) -> str | None:
     """What a MaxText ``remat_policy`` name is in remat-kit (for the unknown-name error)."""
     if policy == "custom":
         return (
-            "MaxText's 'custom' is a per-tag spec here: TAG=ACTION,... with save (MaxText's "
-            "device), offload or recompute (remat), e.g. 'decoder_layer_input=offload,"
-            "query_proj=save'."
+            "MaxText's 'custom' takes its per-tensor settings: 'remat_policy=custom "
+            "query_proj=device mlpwo=offload' (MaxText's config lines), or the per-tag spec "
+            "'query_proj=save,mlpwo=offload' (device or save, offload, remat or recompute)."
         )
     meant = MAXTEXT_POLICIES.get(policy) if isinstance(policy, str) else None
     if meant is None:
@@ -477,6 +601,8 @@ def get_policy_spec(
             "nothing (full remat): that is 'save-nothing'; 'no-remat' is the opposite (no "
             "checkpoint, every residual kept)"
         )
+    if isinstance(policy, str) and policy in MAXTEXT_POLICIES:
+        return maxtext_spec(policy)  # MaxText's name for the same names saved
     if not isinstance(policy, str) or policy not in _REGISTRY:
         raise N.unknown_value_error("policy", policy, policy_names(), _maxtext_meaning(policy))
     return _REGISTRY[policy]
@@ -484,7 +610,8 @@ def get_policy_spec(
 
 def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
     """A :class:`PolicySpec` from a per-tag mapping ``{checkpoint_name: "save" | "offload" |
-    "recompute"}``; every tag not listed is recomputed.
+    "recompute"}`` (MaxText's ``custom`` settings ``device`` and ``remat`` read as ``save`` and
+    ``recompute``); every tag not listed is recomputed.
 
     Any ``checkpoint_name`` is accepted (the bundled models' MaxText tags or a user model's own);
     :func:`check_tags` checks a spec against the names a program emits.
@@ -494,12 +621,12 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
         the valid ones and the closest match).
     """
     save, offload = set(), set()
+    # MaxText's custom-policy settings read as remat-kit's: device -> save, remat -> recompute
+    spec = {t: _MAXTEXT_ACTIONS.get(a, a) if isinstance(a, str) else a for t, a in spec.items()}
     for tag, act in spec.items():
         N.validate_name(tag)
         if act not in TAG_ACTIONS:
-            maxtext = _MAXTEXT_ACTIONS.get(act) if isinstance(act, str) else None
-            meant = f"MaxText's {act!r} is {maxtext!r} here." if maxtext else None
-            error = N.unknown_value_error("action", act, TAG_ACTIONS, meant)
+            error = N.unknown_value_error("action", act, (*TAG_ACTIONS, *_MAXTEXT_ACTIONS))
             raise ValueError(f"tag {tag!r}: {error}")
         if act == "save":
             save.add(tag)
@@ -670,6 +797,8 @@ def parse_policy_arg(text: str) -> PolicySpec:
         neither form, JSON that is not an object of strings, or a checkpoint name given twice.
     """
     text = str(text).strip()
+    if "remat_policy=" in text:  # MaxText's config lines
+        return parse_maxtext_lines(text)
     if text.startswith("{"):
         try:
             mapping = json.loads(text, object_pairs_hook=_no_duplicates(text))

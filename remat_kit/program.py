@@ -777,10 +777,12 @@ class Program:
 class Placement:
     """The step's arguments laid out on a target: ``place(pure.args)`` -> the abstract arguments
     to lower with; ``mesh`` the ``jax.sharding.Mesh`` (axes dp, fsdp, tp) they are sharded over
-    (None: one device), under which the step is traced."""
+    (None: one device), under which the step is traced; ``out_shardings`` the step's output
+    shardings where the program fixes them (``jax.jit``'s; None: XLA's propagation chooses)."""
 
     place: Callable[[Sequence[Any]], tuple[Any, ...]]
     mesh: Any = None
+    out_shardings: Any = None
 
     @property
     def devices(self) -> int:

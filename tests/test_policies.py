@@ -16,6 +16,7 @@ import remat_kit
 import remat_kit.training
 from remat_kit import names as N
 from remat_kit.policies import (
+    MAXTEXT_POLICIES,
     check_tags,
     custom_spec,
     get_policy_spec,
@@ -155,15 +156,14 @@ def test_compiled_temp_bytes_ordered_under_scan():
     assert temps["save-nothing"] < temps["no-remat"], temps
 
 
-def test_maxtext_policy_names_are_answered_with_the_policy_saving_the_same_names():
-    """A MaxText user's remat_policy name (s19 MaxText-style trial): 'save_dot_except_mlp' got
-    "Did you mean 'save-dots-except-mlp'?", which saves context too (the MaxText set is
-    save-qkv-out-proj's); 'full', 'minimal_offloaded', 'custom' got no pointer at all. Each
-    now names remat-kit's policy saving MaxText's names (MaxText's decoders.py), or the per-tag
-    spec to write, and that spec is valid; MaxText's custom actions are told too."""
-    from remat_kit.policies import MAXTEXT_POLICIES, get_policy_spec
+def test_maxtext_policy_names_mean_the_policy_saving_the_same_names():
+    """A MaxText user's remat_policy name (issue 53): accepted, as the spec saving MaxText's
+    names (its get_remat_policy; the fused qkv_proj aside), named as MaxText names it; MaxText's
+    custom settings (device, remat) are read as save and recompute."""
 
     maxtext = {  # MaxText's name sets (its fused qkv_proj aside)
+        "save_qkv_proj": {"query_proj", "key_proj", "value_proj"},
+        "save_out_proj": {"out_proj"},
         "save_dot_except_mlp": {"query_proj", "key_proj", "value_proj", "out_proj"},
         "save_dot_with_context_except_mlp": {
             "query_proj", "key_proj", "value_proj", "out_proj", "context",
@@ -176,17 +176,18 @@ def test_maxtext_policy_names_are_answered_with_the_policy_saving_the_same_names
         "full": set(),
     }  # fmt: skip
     for name, names in maxtext.items():
-        meant = MAXTEXT_POLICIES[name]
-        with pytest.raises(ValueError, match=f"unknown policy '{name}'.*'{re.escape(meant)}'"):
-            remat_kit.policy(name)
-        spec = get_policy_spec(meant)  # a registered name or valid per-tag text
-        assert spec.save == names and not spec.offload, name
-    offloaded = get_policy_spec(MAXTEXT_POLICIES["qkv_proj_offloaded"])
+        spec = get_policy_spec(name)
+        assert spec.name == name and spec.save == names and not spec.offload, name
+        assert remat_kit.policy(name) is not None
+        assert get_policy_spec(MAXTEXT_POLICIES[name]).save == names  # remat-kit's own name
+    assert get_policy_spec("full").to_jax() is jax.checkpoint_policies.nothing_saveable
+    offloaded = get_policy_spec("qkv_proj_offloaded")
     assert offloaded.offload == {"query_proj", "key_proj", "value_proj"}
-    with pytest.raises(ValueError, match="MaxText's 'custom' is a per-tag spec here"):
+    with pytest.raises(ValueError, match=re.escape("'remat_policy=custom query_proj=device")):
         remat_kit.policy("custom")
-    with pytest.raises(ValueError, match="unknown action 'device'.*MaxText's 'device' is 'save'"):
-        remat_kit.policy("query_proj=device")
+    assert get_policy_spec("query_proj=device,mlpwo=offload,out_proj=remat") == get_policy_spec(
+        "query_proj=save,mlpwo=offload"
+    )
     with pytest.raises(ValueError, match="Did you mean 'save-dots'"):  # not a MaxText name
         remat_kit.policy("save-dot")
 

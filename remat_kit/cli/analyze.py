@@ -41,6 +41,7 @@ def add(subparsers) -> None:
         "report peak, host and activation memory, recompute ratio and whether it fits.",
     )
     A.add_model(p)
+    A.add_maxtext(p)
     A.add_batch(p)
     A.add_seq(p)
     A.add_policy(

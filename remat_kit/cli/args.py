@@ -112,9 +112,48 @@ def add_model(p: argparse.ArgumentParser, example: str = "llama3-8b") -> None:
     )  # fmt: skip
 
 
-def is_program_ref(model: str) -> bool:
-    """True when ``--model`` names a user's program (``MODULE:FACTORY``), not a preset."""
-    return ":" in model
+def add_maxtext(p: argparse.ArgumentParser) -> None:
+    """``--maxtext "KEY=VALUE ..."``: MaxText's own training step for its config with these
+    overrides (:func:`remat_kit.maxtext.maxtext_program`), in place of ``--model``."""
+    for action in p._actions:  # --model is then one of the two ways to name the program
+        if action.dest == "model":
+            action.required = False
+    p.add_argument(
+        "--maxtext", default=None, metavar="OVERRIDES",
+        help="instead of --model: MaxText's training step for its base.yml plus these "
+        "overrides, one string as its command line takes them (e.g. \"model_name=llama2-7b "
+        "per_device_batch_size=1 max_target_length=8192\"), on MaxText's mesh of the target's "
+        "chips; needs pip install 'remat-kit[maxtext]' (Python >= 3.12)",
+    )  # fmt: skip
+
+
+def read_maxtext(args: argparse.Namespace, preset_only: Mapping[str, Any] | None = None):
+    """The program ``--maxtext`` names, for ``args.target``.
+
+    Raises:
+      UsageError: ``--model`` given too; a preset's flag given (one line saying which).
+      ValueError: MaxText refusing the overrides. MissingExtraError: MaxText not installed.
+    """
+    if args.model is not None:
+        raise UsageError("give --model or --maxtext, not both")
+    given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
+    given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
+    if getattr(args, "overrides", None):
+        given.append("--set")
+    if given:
+        raise UsageError(
+            f"{' and '.join(given)} apply to presets; with --maxtext set shapes as MaxText "
+            "overrides (per_device_batch_size=..., max_target_length=...)"
+        )
+    from remat_kit.maxtext import maxtext_program
+
+    return maxtext_program(args.maxtext, getattr(args, "target", "local"))
+
+
+def is_program_ref(model: str | None) -> bool:
+    """True when ``--model`` names a user's program (``MODULE:FACTORY``), not a preset, or is
+    not given (``--maxtext`` names the program)."""
+    return model is None or ":" in model
 
 
 def read_config(args: argparse.Namespace, **fixed: Any) -> ModelConfig:
@@ -158,6 +197,10 @@ def read_program(
       ValueError: an unknown preset, a program reference that cannot be loaded, shapes the
         preset refuses (:func:`remat_kit.preset`).
     """
+    if getattr(args, "maxtext", None) is not None:
+        return read_maxtext(args, preset_only)
+    if args.model is None:
+        raise UsageError("one of --model or --maxtext is required")
     if is_program_ref(args.model):
         given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
         given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]

@@ -28,6 +28,7 @@ def add(subparsers) -> None:
         "code 1 when a finding is an error.",
     )
     A.add_model(p, "tiny-gpt or llama3-8b")
+    A.add_maxtext(p)
     A.add_policy(
         p,
         "policy to check (default: every registered policy; for a MODULE:FACTORY program, "

@@ -33,6 +33,7 @@ def add(subparsers) -> argparse.ArgumentParser:
         "launches, host transfers that cannot hide) whose compiled peak fits the budget.",
     )
     A.add_model(p)
+    A.add_maxtext(p)
     A.add_seq(p)
     A.add_target(p, "h100-sxm")
     A.add_budget(p, "target memory less --margin")
@@ -102,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
         print(rec.to_json(indent=1))
     else:
         print_recommendation(rec)
+        if args.maxtext is not None and rec.pick is not None:
+            print_maxtext_lines(rec.pick)
     if args.html:
         from remat_kit import report_html
 
@@ -109,6 +112,20 @@ def _run(args: argparse.Namespace) -> int:
         size = report_html.write_report(args.html, [group], command=A.command_line(args))
         print(f"{A.PROG}: wrote {args.html} ({size / 2**20:.1f} MiB)", file=sys.stderr)
     return 0 if rec.pick is not None else 1
+
+
+def print_maxtext_lines(pick: Candidate) -> None:
+    """The pick as the MaxText config lines to set (:func:`remat_kit.policies.
+    maxtext_config_lines`), or why MaxText's config cannot say it."""
+    from remat_kit.policies import maxtext_config_lines
+
+    try:
+        lines = maxtext_config_lines(pick.actions if pick.policy == "custom" else pick.policy)
+    except ValueError as err:
+        print(f"# not a MaxText setting: {err}")
+        return
+    print("# MaxText config lines for the pick (command line or YAML):")
+    print(" ".join(lines))
 
 
 def _units(candidates: Sequence[Candidate]) -> tuple[tuple[str, int], tuple[str, float, int]]:

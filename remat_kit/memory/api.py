@@ -310,7 +310,8 @@ def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tup
         arguments).
     """
     pure = program.step(spec)
-    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure))
+    fixed = {} if placement.out_shardings is None else {"out_shardings": placement.out_shardings}
+    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure), **fixed)
     with T.activation_sharding(placement.mesh):  # the model traced under the mesh
         return pure, jitted.trace(*placement.place(pure.args))
 

@@ -1,0 +1,323 @@
+"""A MaxText config as a remat-kit :class:`~remat_kit.program.Program`: :func:`maxtext_program`.
+
+MaxText (AI-Hypercomputer/maxtext, the ``maxtext`` package; Python >= 3.12) reads its
+``configs/base.yml`` plus ``key=value`` overrides from its command line. :func:`maxtext_program`
+takes the same overrides and builds what MaxText's ahead-of-time compile
+(``maxtext/trainers/pre_train/train_compile.py``) compiles: MaxText's own model, train state and
+``train_step`` (its loss, its optimizer, its sharding rules), abstract (``jax.ShapeDtypeStruct``
+with shardings: nothing allocated), on MaxText's mesh (``create_device_mesh`` over the config's
+``ici_*`` / ``dcn_*`` parallelism, default FSDP over every chip) of the target's devices
+(:func:`remat_kit.targets.compile_devices`: a TPU slice's chips, a GPU model, or the local
+devices), jitted with MaxText's input and output shardings and its state donated. Every tool
+takes the result (``remat-kit analyze --maxtext "..."``); its figures are per chip.
+
+The policy each compile asks for reaches MaxText's layers in one of two ways:
+
+- a MaxText ``remat_policy`` name (``full``, ``minimal``, ``save_dot_except_mlp``, ...:
+  :data:`remat_kit.policies.MAXTEXT_POLICY_NAMES`) is set as MaxText's own ``remat_policy``
+  override, so the step is the one MaxText runs;
+- any other policy (remat-kit's names, per-tag specs, ``no-remat``) is injected into MaxText's
+  ``loss_fn`` (:func:`remat_kit.inject_policy` over the layers MaxText wraps in remat with
+  ``remat_policy=full``).
+
+MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it is unset; :func:`maxtext_program`
+puts the variable back as it was.
+
+Example (with maxtext installed)::
+
+    >>> prog = maxtext_program(  # doctest: +SKIP
+    ...     "model_name=llama2-7b per_device_batch_size=1 max_target_length=8192", "v5p-8")
+    >>> remat_kit.analyze_policies(prog, ["minimal", "full"], target="v5p-8")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import shlex
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from remat_kit import targets as T
+from remat_kit.inject import inject_policy
+from remat_kit.policies import (
+    MAXTEXT_POLICY_NAMES,
+    PolicySpec,
+    maxtext_spec,
+)
+from remat_kit.program import Placement, Program
+from remat_kit.validation import MissingExtraError
+
+#: The PRNG MaxText trains and compiles with (its ``train.py`` and ``train_compile.py`` set
+#: ``jax_default_prng_impl`` to it): the train state's keys have its shape. Scoped here to the
+#: program's build and trace, never set for the process.
+PRNG_IMPL = "unsafe_rbg"
+
+#: What to install where MaxText is missing.
+INSTALL = 'MaxText is not installed: pip install "remat-kit[maxtext]" (needs Python >= 3.12)'
+
+
+def _modules() -> types.SimpleNamespace:
+    """MaxText's modules this one uses, imported on first use.
+
+    Raises:
+      MissingExtraError: MaxText is not installed (one line: what to install).
+    """
+    try:  # MaxText prints its import notes on stdout: kept off it (``--json`` reads stdout)
+        with contextlib.redirect_stdout(sys.stderr):
+            return _import()
+    except ImportError as err:
+        raise MissingExtraError(f"{INSTALL} ({err})") from None
+
+
+def _import() -> types.SimpleNamespace:
+    from flax.core.spmd import logical_axis_rules
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.pre_train import train, train_compile
+    from maxtext.utils import maxtext_utils, sharding
+
+    return types.SimpleNamespace(
+        pyconfig=pyconfig, train=train, train_compile=train_compile, utils=maxtext_utils,
+        sharding=sharding, axis_rules=logical_axis_rules,
+    )  # fmt: skip
+
+
+def split_overrides(overrides: str | Sequence[str]) -> list[str]:
+    """MaxText's ``key=value`` overrides as a list (one string split as a shell splits it).
+
+    Raises:
+      ValueError: an item that is not ``key=value``.
+    """
+    items = shlex.split(overrides) if isinstance(overrides, str) else [str(o) for o in overrides]
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ValueError(
+                f"MaxText override {item!r} is not key=value (e.g. model_name=llama2-7b "
+                "per_device_batch_size=1)"
+            )
+    return items
+
+
+def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
+    """MaxText's config (``pyconfig.initialize``) for ``overrides``, ``XLA_FLAGS`` as it was.
+
+    Raises:
+      ValueError: MaxText refused the overrides (its message).
+    """
+    before = os.environ.get("XLA_FLAGS")
+    try:
+        return mt.pyconfig.initialize(["train.py", *overrides])
+    except SystemExit:  # MaxText exits with code 2 on a bad config, its message logged
+        raise ValueError(
+            f"MaxText refused the config {' '.join(overrides)!r} (its message is above)"
+        ) from None
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
+
+
+def maxtext_name(spec: PolicySpec) -> str | None:
+    """The MaxText ``remat_policy`` name ``spec`` is (:func:`remat_kit.policies.maxtext_spec`
+    of its own name), or None: a policy MaxText's config does not name (injected)."""
+    if spec.name == "custom" or spec.name not in MAXTEXT_POLICY_NAMES:
+        return None
+    return spec.name if maxtext_spec(spec.name) == spec else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """One MaxText config's step on the mesh: its graphdef and shardings, and its loss."""
+
+    config: Any
+    graphdef: Any
+    state_shardings: Any
+    params_shardings: Any
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class MaxTextProgram(Program):
+    """A :class:`~remat_kit.program.Program` of MaxText's own train step (see the module
+    docstring); its factories receive the :class:`~remat_kit.policies.PolicySpec`."""
+
+    overrides: tuple[str, ...] = ()
+    target_name: str = "local"
+    maxtext_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
+    out_shardings: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def title(self) -> str:
+        return f"maxtext {' '.join(self.overrides)}"
+
+    def factory_input(self, spec: PolicySpec) -> Any:
+        return spec
+
+    def place(self, target: T.Target) -> Placement:
+        """MaxText's mesh and shardings, built for the target given to :func:`maxtext_program`.
+
+        Raises:
+          ValueError: another target (the mesh is made of that target's devices).
+        """
+        if T.get_target(target).name != self.target_name:
+            raise ValueError(
+                f"MaxText program {self.name!r} was built for target {self.target_name!r}, "
+                f"not {T.get_target(target).name!r}: build it for that target "
+                "(maxtext_program(overrides, target=...))"
+            )
+        return Placement(tuple, self.maxtext_mesh, self.out_shardings)
+
+    def request_key(self) -> tuple[Any, ...] | None:
+        return ("maxtext", self.overrides, self.target_name)
+
+
+def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "local") -> Program:
+    """MaxText's training step for its config ``base.yml`` plus ``overrides``, as every tool
+    takes it, on MaxText's mesh of ``target``'s devices (see the module docstring).
+
+    Args:
+      overrides: MaxText's ``key=value`` overrides as its command line takes them, one string
+        (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
+        ``remat_policy`` here is the program's default only: each tool sets the policy it asks
+        for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
+        (MaxText then sizes its batch for the slice's chips, as its AOT compile does).
+      target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
+        model (one GPU, deviceless) or ``local`` (the local devices).
+
+    Returns:
+      A :class:`MaxTextProgram`: arguments MaxText's abstract train state and batch (shapes
+      global, shardings over the mesh; figures per device), the state donated.
+
+    Raises:
+      MissingExtraError: MaxText not installed (``pip install "remat-kit[maxtext]"``, Python
+        >= 3.12); libtpu / the CUDA plugin missing for the target.
+      ValueError: an override that is not ``key=value``; MaxText refusing the config; an
+        unknown target.
+    """
+    mt = _modules()
+    tgt = T.get_target(target)
+    items = split_overrides(overrides)
+    topology = []
+    if tgt.tpu is not None:
+        topology = [f"compile_topology={tgt.name}", "compile_topology_num_slices=1"]
+    base = [*items, *topology]
+    n = tgt.tpu.num_devices if tgt.tpu is not None else 1 if tgt.gpu is not None else None
+    devices = T.compile_devices(tgt, n or len(jax.devices()))
+    config = _config(mt, base)
+    mesh = _mesh(mt, config, devices)
+
+    @functools.cache
+    def built(lines: tuple[str, ...]) -> _Built:
+        with jax.default_prng_impl(PRNG_IMPL):
+            return _build(mt, _config(mt, [*base, *lines]), mesh)
+
+    with jax.default_prng_impl(PRNG_IMPL):
+        first = _build(mt, config, mesh, shaped=True)
+    (built_base, (state, batch)) = first
+
+    def step_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
+        # a spec from the tools; a raw jax policy (or None) from the reach probe: injected
+        return _step(mt, _choose(spec, built), mesh, spec)
+
+    return MaxTextProgram(
+        name=f"maxtext {config.model_name}",
+        make_step=step_for,
+        args=(state, batch),
+        donate_argnums=(0,),
+        argument_names=("state", "batch"),
+        overrides=tuple(items),
+        target_name=tgt.name,
+        maxtext_mesh=mesh,
+        out_shardings=(built_base.state_shardings, None),
+    )
+
+
+def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any:
+    """MaxText's mesh (``train_compile.get_topology_mesh``) over ``devices``."""
+    from jax.sharding import AxisType, Mesh
+
+    jax.config.update(
+        "jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type
+    )
+    explicit = str(getattr(config.shard_mode, "value", config.shard_mode)) == "explicit"
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    grid = mt.utils.create_device_mesh(config, list(devices))
+    return Mesh(grid, config.mesh_axes, axis_types=(kind,) * len(config.mesh_axes))
+
+
+def _build(mt: types.SimpleNamespace, config: Any, mesh: Any, shaped: bool = False) -> Any:
+    """MaxText's train-state graphdef and shardings for ``config`` on ``mesh`` (as its AOT
+    compile makes them); with ``shaped``, ``(built, (abstract state, abstract batch))``."""
+    args, _, state_sh, _, graphdef = mt.train_compile.get_shaped_inputs(mesh, config)
+    params_sh, state_sh = mt.sharding.maybe_update_params_sharding_with_opt(config, state_sh)
+    input_sh = mt.sharding.build_zero1_input_state_mesh_shardings(config, state_sh, params_sh)
+    built = _Built(config, graphdef, input_sh, params_sh)
+    return (built, tuple(args)) if shaped else built
+
+
+def _choose(spec: Any, built: Callable[[tuple[str, ...]], _Built]) -> _Built:
+    """The config a policy runs under: MaxText's own ``remat_policy`` for a MaxText name, else
+    ``remat_policy=full`` (every layer in remat, the policy then injected)."""
+    name = maxtext_name(spec) if isinstance(spec, PolicySpec) else None
+    if name is not None:
+        return built((f"remat_policy={name}",))
+    return built(("remat_policy=full",))
+
+
+def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
+    """MaxText's ``train_step`` for ``built``'s config, traced under its mesh and logical axis
+    rules; for a policy MaxText does not name, its ``loss_fn`` with the policy injected."""
+    train_step = mt.train.train_step
+    if not isinstance(spec, PolicySpec) or maxtext_name(spec) is None:
+        policy = spec if not isinstance(spec, PolicySpec) else spec.to_jax() if spec.wrap else None
+        scope = {**train_step.__globals__, "loss_fn": _injected(mt.train.loss_fn, policy)}
+        train_step = types.FunctionType(
+            train_step.__code__, scope, train_step.__name__, train_step.__defaults__,
+            train_step.__closure__,
+        )  # fmt: skip
+    config = built.config
+    rules = config.logical_axis_rules
+
+    def step(state: Any, batch: Any) -> Any:
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            mt.axis_rules(rules),
+            jax.default_prng_impl(PRNG_IMPL),
+        ):
+            return train_step(
+                built.graphdef, config, built.state_shardings, built.params_shardings, state, batch
+            )
+
+    step.__name__ = "train_step"
+    return step
+
+
+def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
+    """MaxText's ``loss_fn(model, config, data, ...)`` with ``policy`` in each remat segment
+    (:func:`remat_kit.inject_policy` over the model's state and the batch; None: no remat);
+    what the loss changes in the model is written back to it, as MaxText's own does."""
+    from flax import nnx
+
+    def injected(model: Any, config: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
+        graphdef, state = nnx.split(model)
+
+        def pure(state: Any, data: Any) -> Any:
+            inner = nnx.merge(graphdef, state)
+            out = loss_fn(inner, config, data, *args, **kwargs)
+            return out, nnx.state(inner)
+
+        out, new_state = inject_policy(pure)(policy)(state, data)
+        nnx.update(model, new_state)
+        return out
+
+    return injected
+
+
+__all__ = ["INSTALL", "MaxTextProgram", "maxtext_name", "maxtext_program", "split_overrides"]

@@ -265,7 +265,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             f"{run.skipped} kept from earlier runs",
             f"- Machine: {_machine(r, run.rows)}",
             *([f"- Estimates on 'local' from {source}"] if source else []),
-            *([f"- Note: {note}"] if (note := results.load_note(run.rows, source)) else []),
+            *([f"- Note: {note}"] if (note := results.load_note(run.rows)) else []),
             *([f"- Note: {fast}"] if (fast := results.cpu_faster_note(run.rows)) else []),
             *([f"- Note: {small}"] if (small := results.small_step_note(run.rows)) else []),
             *([f"- Note: {peak}"] if (peak := results.measured_peak_note(run.rows)) else []),
@@ -328,7 +328,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
             highlight=False, markup=False,
         )  # fmt: skip
     for note in (
-        results.load_note(run.rows, source),  # the machine's load while the steps were timed
+        results.load_note(run.rows),  # the machine's load while the steps were timed
         results.cpu_faster_note(run.rows),  # why remat can time faster than no-remat on a CPU
         results.small_step_note(run.rows),  # the small-step caveat as analyze and recommend say it
         results.measured_peak_note(run.rows),  # a null measured peak

@@ -334,12 +334,14 @@ def test_a_calibration_timed_beside_other_work_is_timed_again_and_the_quieter_ke
     age(roofline.RETIME_AFTER_S)
     quiet = roofline.calibrate()  # 5%: the quieter figures replace them
     assert quiet.peak_flops["f32"] == 3e11 and "contended" not in quiet.source and not shares
-    # a file written before the share was recorded: its load average against the cores
+    assert quiet.calibration == roofline.Calibration(0.05, quiet.calibration.load_average, False)
+    assert first.calibration.contended and first.calibration.others_share == 0.6
+    # a file whose share could not be read: its load average against the cores
     data = json.loads(path.read_text())
     cores = int(data["key"]["cpu_count"])
     old = {k: v for k, v in data.items() if k not in ("others_share", "timed_at")}
     for load, contended in ((cores + 2.5, True), (cores * 0.5, False)):
-        path.write_text(json.dumps({**old, "when": f"2026-12-04 04:33 UTC, load average {load}"}))
+        path.write_text(json.dumps({**old, "load_average": load}))
         shares[:], rates[:] = [0.0], [4e11]
         got = roofline.calibrate()
         assert (got.peak_flops["f32"] == 4e11) is contended and bool(shares) is not contended

@@ -637,37 +637,52 @@ def test_local_estimates_say_which_calibration_they_came_from():
     assert results.local_estimate_source([]) is None
 
 
+def _calibrated(load: float, share: float | None = None, contended: bool = False) -> dict:
+    """A local row whose estimate's calibration was timed at ``load`` (and ``share``)."""
+    calibration = {"others_share": share, "load_average": load, "contended": contended}
+    step_time = {"figures": "local cpu: calibrated on this machine", "calibration": calibration}
+    return {"target": "local", "report": {"step_time": step_time}}
+
+
 def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so(monkeypatch, tmp_path):
     """A newcomer's sweep timed at load average 5 against a calibration taken at 1.2 read every
-    estimate 68-76% low with nothing said (session 16): the summary now says why."""
+    estimate 68-76% low with nothing said (session 16): the summary now says why. The
+    calibration's state is read from the rows' fields, never parsed back from prose."""
     from remat_kit.sweep.results import load_note
 
-    source = "local cpu (Xeon): calibrated on this machine 2026-12-02 20:29 UTC, load average 1.22"
     busy = [{"load_average": [5.07, 4.0, 3.0]}, {"load_average": [5.62, 4.0, 3.0]}]
-    note = load_note(busy, source)
+    note = load_note([_calibrated(1.22), *busy])
     assert note.startswith("the steps were timed at load average 5.07-5.62") and "1.22" in note
     # a load the sweep's own steps make is not a busier machine (an idle AMD EPYC VM: load
     # average 1.50 while the sweep's 2 threads kept 1.8 cores busy; calibrated at 0.22)
     own = [{"load_average": [1.5, 2.3, 2.5], "step_cpu_s": 0.405, "step_time_s": 0.223}]
-    assert load_note(own, source.replace("1.22", "0.22")) is None
+    assert load_note([_calibrated(0.22), *own]) is None
     others = [{"load_average": [4.5, 2.3, 2.5], "step_cpu_s": 0.405, "step_time_s": 0.223}]
     # one timed row, or equal loads: one figure, not a range of one value ("3.61-3.61")
-    assert "other work about 2.68 of it" in load_note(others, source.replace("1.22", "0.22"))
-    assert "at load average 4.50 (" in load_note(others, source.replace("1.22", "0.22"))
-    assert load_note([{"load_average": [1.5, 1.0, 1.0]}], source) is None  # close: no note
-    assert load_note(busy, None) is None and load_note([{}], source) is None  # not known
+    assert "other work about 2.68 of it" in load_note([_calibrated(0.22), *others])
+    assert "at load average 4.50 (" in load_note([_calibrated(0.22), *others])
+    assert load_note([_calibrated(1.22), {"load_average": [1.5, 1.0, 1.0]}]) is None  # close
+    assert load_note(busy) is None and load_note([_calibrated(1.22), {}]) is None  # not known
     # the other way round: a calibration timed beside other work (its rates low: estimates high)
-    contended = ("local cpu (EPYC): calibrated on this machine 2026-12-04 04:33 UTC, other "
-                 "processes 62% of the cores, load average 4.54 (jax 0.10.2, 2 cores; contended")  # fmt: skip
     quiet = [{"load_average": [2.8, 2.0, 2.0]}]
-    note = load_note(quiet, contended)
+    note = load_note([_calibrated(4.54, 0.62, True), *quiet])
     assert note.startswith("the local device was calibrated while other processes used 62%")
     assert "load average" not in note  # the steps were not timed on a busier machine
     # the folder to delete is this machine's cache (a newcomer's $REMAT_KIT_CACHE_DIR was
     # named as ~/.cache/remat-kit in the summary while the console named the right one)
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path / "cache"))
-    assert f"delete {tmp_path / 'cache' / 'calibration'} and run" in load_note(quiet, contended)
-    assert load_note(quiet, contended.replace("62%", "3%").replace("; contended", "")) is None
+    got = load_note([_calibrated(4.54, 0.62, True), *quiet])
+    assert f"delete {tmp_path / 'cache' / 'calibration'} and run" in got
+    assert load_note([_calibrated(4.54, 0.03, False), *quiet]) is None
+
+
+def test_rows_from_before_the_calibration_fields_are_read_from_their_source_line():
+    """The committed CPU sweep's rows carry the calibration in their figures' text only."""
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    got = results.local_calibration(rows)
+    source = results.local_estimate_source(rows)
+    assert got is not None and f"load average {got['load_average']:.2f}" in source
+    assert got["contended"] is ("; contended" in source)
 
 
 def test_progress_in_a_log_or_pipe_is_one_plain_line_per_step():
@@ -781,7 +796,7 @@ def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_pa
     for r in rows:
         if r.get("load_average"):
             r["load_average"] = [9.0, 9.0, 9.0]
-    load = results.load_note(rows, results.local_estimate_source(rows))
+    load = results.load_note(rows)
     fast = results.cpu_faster_note(rows)
     assert load and "timed at load average 9.00" in load
     assert fast == (

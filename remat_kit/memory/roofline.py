@@ -128,6 +128,23 @@ FRESH_RUNS = 9
 
 
 @dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The state of the machine while the local device's figures were timed (:func:`calibrate`).
+
+    Attributes:
+      others_share: the share of the machine's cores (0 to 1) other processes kept busy
+        meanwhile (:func:`others_share`); None where it could not be read.
+      load_average: the 1-minute load average when the timing ended; None where unknown.
+      contended: ``others_share`` above :data:`CONTENDED_SHARE` (or, unknown, the load average
+        above the core count): the figures are below an idle machine's.
+    """
+
+    others_share: float | None
+    load_average: float | None
+    contended: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceFigures:
     """What the roofline needs to know about one device. Rates per second, sizes in bytes.
 
@@ -170,6 +187,8 @@ class DeviceFigures:
     #: matmuls are taken at :attr:`peak_flops` (a datasheet gives no other figure). On a CPU
     #: they run at a fraction of a large GEMM's rate (measured by the calibration).
     batched_flops: dict[str, float] | None = None
+    #: The machine's state while calibrated figures were timed; None for datasheet figures.
+    calibration: Calibration | None = None
     #: Streaming multiprocessors a GPU spreads a matmul's output tiles over (wave and tile
     #: quantization, :func:`gemm_efficiency`); 0 where matmuls are not costed by tiles.
     sm_count: int = 0
@@ -286,6 +305,7 @@ class StepTime:
     measured_figures: bool
     xla_optimal_s: float | None = None
     loop_once_s: float | None = None
+    calibration: Calibration | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -294,6 +314,8 @@ class StepTime:
     def from_dict(cls, data: dict) -> StepTime:
         data = dict(data)
         data["top"] = tuple(KernelTime(**k) for k in data["top"])
+        if data.get("calibration") is not None:
+            data["calibration"] = Calibration(**data["calibration"])
         return cls(**data)
 
     def summary(self) -> str:
@@ -887,6 +909,7 @@ def time_kernels(
         top=tuple(per_kernel[:top_k]),
         figures=f"{figures.name}: {figures.source}",
         measured_figures=figures.measured,
+        calibration=figures.calibration,
     )
 
 
@@ -1303,15 +1326,15 @@ def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
 
 
 def _others_share_of(data: dict[str, Any]) -> float | None:
-    """The share of the cores other processes used while ``data``'s figures were timed; for a
-    file written before it was recorded, 1.0 when its load average exceeded the core count
-    (other work certain: the calibration's own kernels hold at most every core), else None."""
+    """The share of the cores other processes used while ``data``'s figures were timed; where
+    it was not read, 1.0 when the load average exceeded the core count (other work certain:
+    the calibration's own kernels hold at most every core), else None."""
     share = data.get("others_share")
     if share is not None:
         return float(share)
-    found = re.search(r"load average ([0-9.]+)", str(data.get("when", "")))
+    load = data.get("load_average")
     cores = int((data.get("key") or {}).get("cpu_count") or os.cpu_count() or 1)
-    return 1.0 if found and float(found.group(1)) > cores else None
+    return 1.0 if load is not None and float(load) > cores else None
 
 
 def _contended(data: dict[str, Any]) -> bool:
@@ -1321,15 +1344,16 @@ def _contended(data: dict[str, Any]) -> bool:
 
 def _timed_now(key: dict[str, str], runs: int) -> dict[str, Any]:
     figures, share = others_share(lambda: measure(runs))
-    now = time.time()
+    now, load = time.time(), os.getloadavg()[0]
     where = "" if share is None else f", other processes {share:.0%} of the cores"
     return {
         "key": key,
         "figures": figures,
         "others_share": share,
+        "load_average": round(load, 2),
         "timed_at": now,
         "when": f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(now))}{where}, load "
-        f"average {os.getloadavg()[0]:.2f}",
+        f"average {load:.2f}",
     }
 
 
@@ -1424,6 +1448,9 @@ def _figures_of(data: dict[str, Any], key: dict[str, str]) -> DeviceFigures:
         host_link_bytes_per_s=None,
         interconnect_bytes_per_s=None,
         fresh_bytes_per_s=f["fresh_bytes_per_s"] if key["platform"] == "cpu" else None,
+        calibration=Calibration(
+            data.get("others_share"), data.get("load_average"), _contended(data)
+        ),
         source=(
             f"calibrated on this machine {data['when']} (jax {key['jax']}, {key['cpu_count']} "
             f"cores{'; contended: its rates are low' if _contended(data) else ''}): "

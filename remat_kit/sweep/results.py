@@ -758,18 +758,51 @@ def _own_cores(row: Mapping[str, Any]) -> float:
     return cpu / wall if cpu and wall else 0.0
 
 
-def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> str | None:
-    """A note when the measured rows and the local device's calibration (``source``:
-    :func:`local_estimate_source`, which says the share of the cores other processes used while
-    it was timed and the load average) saw the machine in different states: a calibration timed
-    beside other work prices the machine too slow (estimates above the measured steps); steps
-    timed on a busier machine than the calibration run slower than estimated. None when neither
+def local_calibration(rows: Iterable[Mapping[str, Any]] | Any) -> dict[str, Any] | None:
+    """The machine's state while the local device was calibrated, as the first local row with
+    an estimate records it (:class:`remat_kit.memory.roofline.Calibration`: ``others_share``,
+    ``load_average``, ``contended``); None without one. Rows written before the estimate
+    carried it are read from its figures' source line."""
+    for r in as_records(rows):
+        step = (r.get("report") or {}).get("step_time") or {}
+        if r.get("target") != "local" or not step.get("figures"):
+            continue
+        if step.get("calibration") is not None:
+            return dict(step["calibration"])
+        return _calibration_of_source(str(step["figures"]))
+    return None
+
+
+def _calibration_of_source(source: str) -> dict[str, Any] | None:
+    """:func:`local_calibration` of a row written before the estimate carried the fields."""
+    share = re.search(r"other processes (\d+)% of the cores", source)
+    load = re.search(r"load average ([0-9.]+)", source)
+    if not (share or load):
+        return None
+    return {
+        "others_share": int(share.group(1)) / 100 if share else None,
+        "load_average": float(load.group(1)) if load else None,
+        "contended": "; contended" in source,
+    }
+
+
+def load_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """A note when the measured rows and the local device's calibration
+    (:func:`local_calibration`: the share of the cores other processes used while it was timed
+    and the load average) saw the machine in different states: a calibration timed beside
+    other work prices the machine too slow (estimates above the measured steps); steps timed
+    on a busier machine than the calibration run slower than estimated. None when neither
     holds or nothing is known."""
+    rows = as_records(rows)
+    calibration = local_calibration(rows) or {}
     notes = []
-    share = re.search(r"other processes (\d+)% of the cores", source or "")
-    if "; contended" in (source or ""):  # the calibration's own judgement (roofline._contended)
-        used = f"while other processes used {share.group(1)}% of the cores" if share else (
-            "beside other work")  # fmt: skip
+    share = calibration.get("others_share")
+    if calibration.get("contended"):
+        used = (
+            f"while other processes used {share:.0%} of the cores"
+            if share is not None
+            else "beside other work"
+        )
         notes.append(
             f"the local device was calibrated {used}: its rates are below an idle machine's, "
             f"so the estimates run higher than idle cores would give them (est. err reads "
@@ -778,17 +811,17 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any, source: str | None) -> st
             f"{RETIME_AFTER_S / 60:.0f} min after, the quieter kept (or delete "
             f"{cache_dir() / 'calibration'} and run again on idle cores)"
         )
-    found = re.search(r"load average ([0-9.]+)", source or "")
-    timed = [r for r in as_records(rows) if r.get("load_average")]
+    calibrated = calibration.get("load_average")
+    timed = [r for r in rows if r.get("load_average")]
     loads = [r["load_average"][0] for r in timed]
     # the sweep's own threads load the machine too: their cores (process CPU time over wall
     # time of its steps) are not other work
     others = [max(0.0, r["load_average"][0] - _own_cores(r)) for r in timed]
-    if found and others and max(others) - float(found.group(1)) >= _LOAD_GAP:
+    if calibrated is not None and others and max(others) - float(calibrated) >= _LOAD_GAP:
         notes.append(
             f"the steps were timed at load average {units.format_span(loads)} (other work "
             f"about {units.format_span(others)} of it beside the sweep's own steps), the "
-            f"local device calibrated at {float(found.group(1)):.2f}: the estimates price the "
+            f"local device calibrated at {float(calibrated):.2f}: the estimates price the "
             "machine as calibrated, so on the busier machine measured steps run slower than "
             "estimated (est. err) and their spread widens; time on idle cores to compare the two"
         )

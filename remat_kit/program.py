@@ -50,6 +50,7 @@ import inspect
 import math
 import os
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -418,6 +419,23 @@ class LossTrace:
         return out
 
 
+#: What a program computes once and every tool reads (its loss traces, its policy reach): kept
+#: beside the program, which stays a plain value, keyed by its identity and dropped with it.
+_MEMO: dict[int, dict[Any, Any]] = {}
+
+
+def memo(program: Any, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` once per ``program`` (by identity) and ``key``; later calls read it. The memo
+    is dropped when the program is (a :func:`dataclasses.replace` copy starts a new one)."""
+    held = _MEMO.get(id(program))
+    if held is None:
+        held = _MEMO[id(program)] = {}
+        weakref.finalize(program, _MEMO.pop, id(program), None)
+    if key not in held:
+        held[key] = make()
+    return held[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A training program: what remat-kit compiles and walks for each policy.
@@ -446,10 +464,6 @@ class Program:
     #: None for a user's own step.
     step_of_loss: Callable[[Callable[..., Any]], Callable[..., Any]] | None = dataclasses.field(
         default=None, repr=False, compare=False
-    )
-    #: The loss's one trace per policy (:meth:`loss_trace`), filled on first use.
-    _traces: dict[PolicySpec, LossTrace] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
     )
 
     def __repr__(self) -> str:
@@ -663,11 +677,13 @@ class Program:
         """
         if self.make_loss is None:
             raise ValueError(f"program {self.name!r} has no loss (make_loss)")
-        if spec not in self._traces:
+
+        def trace() -> LossTrace:
             loss = self.make_loss(self.factory_input(spec))
             names = param_names(loss, len(self.loss_args))
-            self._traces[spec] = LossTrace.of(purify(loss, self.loss_args, names))
-        return self._traces[spec]
+            return LossTrace.of(purify(loss, self.loss_args, names))
+
+        return memo(self, ("loss_trace", spec), trace)
 
     def baseline_step(self) -> Pure:
         """The step without remat: the denominator of the recompute ratio."""
@@ -748,10 +764,7 @@ class Program:
         """Whether the factories pass the policy on (:func:`policy_reach`: two to four traces),
         judged once per program and remat implementation: every tool, and each compile a
         search makes (recommend's candidates, the sweep's points), reads the same judgement."""
-        key = f"_reach_{remat_implementation()}"
-        if key not in self.__dict__:  # frozen: kept beside the fields, not among them
-            object.__setattr__(self, key, policy_reach(self))
-        return self.__dict__[key]
+        return memo(self, ("reach", remat_implementation()), lambda: policy_reach(self))
 
     def request_key(self) -> tuple[Any, ...] | None:
         """What decides this program's reports, for the report cache, where it can be said

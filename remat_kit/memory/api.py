@@ -438,24 +438,13 @@ def analyze_policies(
     """
     require_program(program)
     tgt = T.get_target(target)
-    key, cache = None, CompileCache.from_env()
     # unknown names fail before any work; save_any_names_but_these traces the tags once, here
     specs = given_specs(program, policies) if policies is not None else None
-    if cache is not None and program.request_key() is not None and specs is not None:
-        # what decides the trace beside the request: the remat implementation (jax_remat3 runs
-        # some policies as others) and the JAX flags that change dtypes or matmul precision
-        tracing = (
-            remat_implementation(), jax.config.jax_enable_x64,
-            jax.config.jax_default_matmul_precision,
-        )  # fmt: skip
-        key = CompileCache.request_key(
-            "analyze_policies", program.request_key(), specs, target_fingerprint(tgt),
-            budget_bytes, top_k, fast_compile, compare_offload, policy_alone_peak, strict_tags,
-            no_remat_baseline, tracing,
-        )  # fmt: skip
-        cached = _cached_reports(cache, key, len(specs))
-        if cached is not None:  # the same request made before: its reports, nothing compiled
-            return cached
+    options = (budget_bytes, top_k, fast_compile, compare_offload, policy_alone_peak,
+               strict_tags, no_remat_baseline)  # fmt: skip
+    cache, key = _request_cache(program, specs, tgt, options)
+    if key is not None and (cached := _cached_reports(cache, key, len(specs))) is not None:
+        return cached  # the same request made before: its reports, nothing compiled
     reach = program.reach()  # first: the default set is read from the program's remat
     if policies is None and not reach.passes:
         raise ValueError(reach.error())
@@ -468,23 +457,66 @@ def analyze_policies(
     for spec in specs:
         if strict_tags and registered.get(spec.name) != spec:  # the user's own spec
             check_tags(spec, setup.tags, f"program {program.name!r}")
+    # the first of each set of policies that act the same: compiled once for them all
     first: dict[tuple, int] = {}
     for i, spec in enumerate(specs):
         first.setdefault(_effective_key(spec, setup.tags), i)
     distinct = list(dict.fromkeys(first.values()))
-    own_specs = [specs[i] for i in distinct]
+    jobs, total = _jobs(
+        setup, [specs[i] for i in distinct], compare_offload, policy_alone_peak, no_remat_baseline
+    )
+    with T.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
+        results = run_jobs(
+            jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total
+        )
+    out = _every_policy(setup, specs, first, dict(zip(distinct, results, strict=False)))
+    if key is not None and all(isinstance(r, MemoryReport) for r in out):
+        cache.store_json(key, {"reports": [r.to_dict() for r in out]})
+    return out
 
-    # Whether a policy's fewer residuals lower the compiled memory is judged against the
-    # no-remat step of the same run (:func:`~remat_kit.memory.runner.run_jobs`), as the doctor
-    # judges it: compiled unseen when not asked for (not when no-remat itself remats).
+
+def _request_cache(
+    program: Program, specs: list[PolicySpec] | None, tgt: T.Target, options: tuple
+) -> tuple[CompileCache | None, str | None]:
+    """The report cache and this request's key in it (None: the cache is off, or the program
+    cannot say what decides its trace without tracing: a user's program, or no specs yet)."""
+    cache = CompileCache.from_env()
+    if cache is None or program.request_key() is None or specs is None:
+        return cache, None
+    # what decides the trace beside the request: the remat implementation (jax_remat3 runs
+    # some policies as others) and the JAX flags that change dtypes or matmul precision
+    tracing = (
+        remat_implementation(), jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+    )  # fmt: skip
+    key = CompileCache.request_key(
+        "analyze_policies", program.request_key(), specs, target_fingerprint(tgt), *options,
+        tracing,
+    )  # fmt: skip
+    return cache, key
+
+
+def _jobs(
+    setup: _ProgramSetup,
+    own_specs: list[PolicySpec],
+    compare_offload: bool,
+    policy_alone_peak: bool,
+    no_remat_baseline: bool,
+) -> tuple[Iterator[Job], int]:
+    """The compile jobs of ``own_specs`` (each traced when due, while the ones before it
+    compile), their offload twins and, where asked, the unseen no-remat baseline; and how many.
+
+    Whether a policy's fewer residuals lower the compiled memory is judged against the
+    no-remat step of the same run (:func:`~remat_kit.memory.runner.run_jobs`), as the doctor
+    judges it: compiled unseen when not asked for (not when no-remat itself remats)."""
     baseline = (
         no_remat_baseline
         and bool(own_specs)
         and all(spec.wrap for spec in own_specs)
-        and not reach.without_policy
+        and not setup.reach.without_policy
     )
 
-    def jobs() -> Iterator[Job]:  # each traced when due, while the ones before it compile
+    def jobs() -> Iterator[Job]:
         made = []
         for spec in own_specs:
             job = note_policy_effect(_program_job(setup, spec), spec, setup.target)
@@ -499,25 +531,25 @@ def analyze_policies(
             yield _program_job(setup, get_policy_spec("no-remat"), visible=False)
 
     total = len(own_specs) + sum(has_twin(s, setup.target, compare_offload) for s in own_specs)
-    total += baseline
-    with T.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
-        results = run_jobs(
-            jobs(), top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total
-        )
-    own = dict(zip(distinct, results, strict=False))
+    return jobs(), total + baseline
+
+
+def _every_policy(
+    setup: _ProgramSetup, specs: list[PolicySpec], first: dict[tuple, int], own: dict[int, Any]
+) -> list[MemoryReport | CompileError]:
+    """One result per spec from the compiled ones (``own``, by index): a spec acting as an
+    earlier one gets that one's result under its own name; policies that compiled to one
+    program without acting the same by construction say so in their warnings."""
     out = []
     for i, spec in enumerate(specs):
         j = first[_effective_key(spec, setup.tags)]
         out.append(own[i] if i == j else _same_program(setup, spec, specs[j], own[j]))
-    # policies that compiled to one program without acting the same by construction
     expected = [first[_effective_key(spec, setup.tags)] for spec in specs]
     labels = [policy_label(spec) for spec in specs]
-    cause = reach.after_gradient_cause()
+    cause = setup.reach.after_gradient_cause()
     for i, lines in enumerate(same_program_lines(labels, out, expected, cause)):
         if lines:
             out[i] = dataclasses.replace(out[i], warnings=(*out[i].warnings, *lines))
-    if key is not None and all(isinstance(r, MemoryReport) for r in out):
-        cache.store_json(key, {"reports": [r.to_dict() for r in out]})
     return out
 
 

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             engine = fan.make_engine()
             shard = f", part {args.shard}" if args.shard else ""
             where = f" into {path}" if args.out else ""
-            err.print(f"{A.PROG} analyze: {len(points)} points{shard}{where}", highlight=False)
+            err.print(f"{A.PROG} analyze: {len(points)} point(s){shard}{where}", highlight=False)
             try:
                 result = run_sweep(config, path, resume=args.resume, overwrite=args.overwrite,
                                    console=err, engine=engine, shard=args.shard)  # fmt: skip
@@ -248,7 +248,8 @@ def grid_table(rows: Sequence[Mapping[str, Any]], target: str):
     mesh = any(r.get("mesh") for r in rows)
     cols = ("model", "b", "s", *(["mesh"] if mesh else []), "policy", "peak", "residuals",
             "recompute", "fits", "est. step")  # fmt: skip
-    title = (f"{NAME} grid on {t_.name} ({t_.description}): {len(rows)} points, bytes in "
+    n = f"{len(rows)} point{'' if len(rows) == 1 else 's'}"
+    title = (f"{NAME} grid on {t_.name} ({t_.description}): {n}, bytes in "
              f"{name}{' per device' if mesh else ''}")  # fmt: skip
     t = table(title, cols, right=("b", "s", *cols[-5:]), optional=("est. step", "recompute"),
               why="--out's rows have them")  # fmt: skip

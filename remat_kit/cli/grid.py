@@ -129,6 +129,7 @@ def build_config(args: argparse.Namespace):
     from remat_kit.policies import policy_arg
     from remat_kit.sweep import ALL_POLICIES, Grid, SweepConfig, validate
     from remat_kit.training.step import make_optimizer
+    from remat_kit.validation import check_seq_len
 
     _check(args)
     if args.all_policies and args.policy:
@@ -140,12 +141,15 @@ def build_config(args: argparse.Namespace):
     given = tuple(dict.fromkeys(policy_arg(s) for s in args.policy or ()))
     grids = []
     for model in dict.fromkeys(args.model):
+        # the preset as one point's analysis reads it: its errors in the command line's terms
+        own = A.read_config(argparse.Namespace(model=model, overrides=args.overrides))
+        for seq in args.seq:
+            check_seq_len(seq, own.max_seq_len, model, how=f"--set max_seq_len={seq}")
         if args.all_policies:
             policies = ALL_POLICIES
         elif given:
             policies = given
         else:  # the preset's own policy, as one point's analysis compiles it
-            own = A.read_config(argparse.Namespace(model=model, overrides=args.overrides))
             policy = own.remat_policy
             policies = (policy if isinstance(policy, str) else policy_arg(policy),)
         for mesh in _meshes(args, target):

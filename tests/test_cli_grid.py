@@ -5,6 +5,7 @@ line, exit 2, with nothing written lost."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
@@ -137,3 +138,23 @@ def test_one_point_with_out_writes_its_rows(capsys, tmp_path):
     rows = read_rows(path)
     assert len(rows) == 1 and rows[0]["policy"] == json.loads(json.dumps(rows[0]["policy"]))
     assert "1 point," in out
+
+
+def test_the_table_shows_meshes_short_and_a_failed_point_by_its_status():
+    from rich.console import Console
+
+    from remat_kit.cli.grid import grid_table
+
+    base = {"model": "tiny-gpt", "batch_size": 2, "seq_len": 32, "policy": "no-remat",
+            "status": "ok", "peak_bytes": 3 * 2**20, "activation_bytes": 2**20,
+            "recompute_ratio": 1.0, "fits": True, "predicted_step_time_s": 1e-3}  # fmt: skip
+    rows = [
+        {**base, "mesh": "dp=1,fsdp=2,tp=1"},
+        {**base, "mesh": "dp=2,fsdp=1,tp=2", "status": "oom", "peak_bytes": None},
+    ]
+    out = Console(width=80, record=True, file=io.StringIO())
+    out.print(grid_table(rows, "h100-sxm"))
+    text = out.export_text()
+    assert "fsdp=2" in text and "dp=2,tp=2" in text and "tp=1" not in text
+    assert "oom" in text and "3.00" in text and "yes" in text
+    assert max(len(line) for line in text.splitlines()) <= 80

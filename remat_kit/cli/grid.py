@@ -240,6 +240,14 @@ def _policy(row: Mapping[str, Any]) -> str:
     return row_label(row)
 
 
+def _mesh(text: str | None) -> str:
+    """A mesh's axes over more than one device (``dp=1,fsdp=2,tp=1`` -> ``fsdp=2``), "-" for
+    none."""
+    if not text:
+        return "-"
+    return ",".join(a for a in text.split(",") if not a.endswith("=1")) or text
+
+
 def grid_table(rows: Sequence[Mapping[str, Any]], target: str):
     """One table of the grid's rows, in point order, fitted to the terminal: model, batch,
     sequence length, mesh (where some point has one), policy, then the figures ``analyze``
@@ -258,7 +266,7 @@ def grid_table(rows: Sequence[Mapping[str, Any]], target: str):
     t = table(title, cols, right=("b", "s", *cols[-5:]), optional=("est. step", "recompute"),
               why="--out's rows have them")  # fmt: skip
     for r in rows:
-        head = [r["model"], r["batch_size"], r["seq_len"], *([r.get("mesh") or "-"] if mesh
+        head = [r["model"], r["batch_size"], r["seq_len"], *([_mesh(r.get("mesh"))] if mesh
                 else []), _policy(r)]  # fmt: skip
         if r.get("status") != "ok":
             add_row(t, *head, Text(str(r.get("status")), style="red"), "", "", "", "")

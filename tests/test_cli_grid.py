@@ -66,7 +66,7 @@ def test_without_out_a_grid_prints_one_table_fitted_to_the_terminal(capsys, monk
     out, err = capsys.readouterr()
     assert code == 0, err
     words = " ".join(out.split())
-    assert words.count("analyze grid on local") == 1 and "2 points," in words
+    assert words.count("analyze grid on local") == 1 and "2 points, 2 rows," in words
     assert "[0:00:0" in err and "2/2] done" in err  # the driver's progress, cut to 60
     assert max(len(line) for line in out.splitlines()) <= 60
 
@@ -137,7 +137,7 @@ def test_one_point_with_out_writes_its_rows(capsys, tmp_path):
     assert code == 0, err
     rows = read_rows(path)
     assert len(rows) == 1 and rows[0]["policy"] == json.loads(json.dumps(rows[0]["policy"]))
-    assert "1 point," in out
+    assert "1 point, 1 row," in out
 
 
 def test_the_table_shows_meshes_short_and_a_failed_point_by_its_status():

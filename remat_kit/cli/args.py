@@ -366,8 +366,9 @@ def add_grid(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true", help="empty --out first")
     g.add_argument(
         "--grid-workers", type=positive_int, default=1, metavar="N",
-        help="worker processes analysing the grid's points side by side (each JAX on the CPU; "
-        "default 1: this process). Unlike --workers (concurrent compiles within a point)",
+        help="worker processes analysing the grid's points side by side (JAX_PLATFORMS=cpu: "
+        "deviceless targets and the local CPU; default 1: this process). Unlike --workers "
+        "(concurrent compiles within one point)",
     )  # fmt: skip
     g.add_argument(
         "--engine", choices=ENGINES, default="local",

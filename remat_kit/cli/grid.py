@@ -139,8 +139,10 @@ def build_config(args: argparse.Namespace):
     make_optimizer(optimizer)
     overrides = parse_overrides(args.overrides)
     given = tuple(dict.fromkeys(policy_arg(s) for s in args.policy or ()))
+    if len(set(args.model)) != len(args.model):
+        raise ValueError(f"--model lists a value twice: {args.model}")
     grids = []
-    for model in dict.fromkeys(args.model):
+    for model in args.model:
         # the preset as one point's analysis reads it: its errors in the command line's terms
         own = A.read_config(argparse.Namespace(model=model, overrides=args.overrides))
         for seq in args.seq:
@@ -159,8 +161,6 @@ def build_config(args: argparse.Namespace):
                 targets=(args.target,), overrides=overrides, measure=False,
                 optimizer=optimizer, mesh=mesh,
             ))  # fmt: skip
-    if len(set(args.model)) != len(args.model):
-        raise ValueError(f"--model lists a value twice: {args.model}")
     config = SweepConfig(NAME, tuple(grids), f"remat-kit analyze on {target.name}")
     validate(config)
     return config
@@ -197,16 +197,18 @@ def run(args: argparse.Namespace) -> int:
             engine = fan.make_engine()
             shard = f", part {args.shard}" if args.shard else ""
             where = f" into {path}" if args.out else ""
-            err.print(f"{A.PROG} analyze: {len(points)} point(s){shard}{where}", highlight=False)
+            groups = len({p.group for p in points})
+            err.print(f"{A.PROG} analyze: {groups} point(s), {len(points)} rows with their "
+                      f"policies{shard}{where}", highlight=False)  # fmt: skip
             try:
                 result = run_sweep(config, path, resume=args.resume, overwrite=args.overwrite,
                                    console=err, engine=engine, shard=args.shard)  # fmt: skip
             except KeyboardInterrupt:
                 from remat_kit.sweep.results import read_rows
 
-                kept = len(read_rows(path)) if path.is_file() else 0
-                resume = "; --resume continues" if args.out else ""
-                print(f"interrupted: {kept} rows kept in {path}{resume}", file=sys.stderr)
+                kept = len(read_rows(path)) if args.out and path.is_file() else 0
+                where = f": {kept} rows kept in {path}; --resume continues" if args.out else ""
+                print(f"interrupted{where}", file=sys.stderr)
                 return EXIT_INTERRUPTED
     out_console = console()
     out_console.print(grid_table(result.rows, args.target))
@@ -240,6 +242,10 @@ def _policy(row: Mapping[str, Any]) -> str:
     return row_label(row)
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _mesh(text: str | None) -> str:
     """A mesh's axes over more than one device (``dp=1,fsdp=2,tp=1`` -> ``fsdp=2``), "-" for
     none."""
@@ -260,7 +266,8 @@ def grid_table(rows: Sequence[Mapping[str, Any]], target: str):
     mesh = any(r.get("mesh") for r in rows)
     cols = ("model", "b", "s", *(["mesh"] if mesh else []), "policy", "peak", "residuals",
             "recompute", "fits", "est. step")  # fmt: skip
-    n = f"{len(rows)} point{'' if len(rows) == 1 else 's'}"
+    points = len({(r["model"], r["batch_size"], r["seq_len"], r.get("mesh")) for r in rows})
+    n = f"{_count(points, 'point')}, {_count(len(rows), 'row')}"
     title = (f"{NAME} grid on {t_.name} ({t_.description}): {n}, bytes in "
              f"{name}{' per device' if mesh else ''}")  # fmt: skip
     t = table(title, cols, right=("b", "s", *cols[-5:]), optional=("est. step", "recompute"),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import time
@@ -55,10 +56,15 @@ def grid(policies=None):
 
 
 def _figures(row: dict) -> dict:
-    """A row without its timings (when it was made, compile seconds)."""
+    """A row without its timings (when it was made, compile seconds) and without the name of
+    the file its run kept the calibration in (the estimate's source says it)."""
     out = {k: v for k, v in row.items() if k not in ("time", "point_s", "analysis_compile_s")}
     report = row.get("report") or {}
     out["report"] = {k: v for k, v in report.items() if k not in ("compile_s", "compile_cached")}
+    step = out["report"].get("step_time")
+    if step and step.get("figures"):
+        figures = re.sub(r"kept for this run in \S+", "kept for this run", step["figures"])
+        out["report"]["step_time"] = {**step, "figures": figures}
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -26,14 +27,16 @@ def _main(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _figures(row: dict) -> dict:
-    """A row without what differs from run to run: when it was made, seconds spent, the
-    calibration file named in the step-time estimate's source."""
+    """A row without what differs from run to run: when it was made, seconds spent, the name
+    of the file the run kept its calibration in (the step-time estimate's source says it)."""
     out = {k: v for k, v in row.items() if k not in ("time", "point_s", "analysis_compile_s")}
     report = dict(row.get("report") or {})
     for k in ("compile_s", "compile_cached"):
         report.pop(k, None)
-    if report.get("step_time"):
-        report["step_time"] = {k: v for k, v in report["step_time"].items() if k != "figures"}
+    step = report.get("step_time")
+    if step and step.get("figures"):
+        figures = re.sub(r"kept for this run in \S+", "kept for this run", step["figures"])
+        report["step_time"] = {**step, "figures": figures}
     out["report"] = report
     return out
 

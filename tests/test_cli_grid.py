@@ -121,6 +121,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written_is_lost(serial, capsys
         (["--resume"], "--out"),
         (["--shard", "0/2", "--merge", "--out", str(path)], "one or the other"),
         (["--engine", "local", "--address", "x:1", "--out", str(path)], "--address"),
+        (["--engine", "rayy", "--out", str(path), "--resume"], "local, ray, got 'rayy'"),
     ]
     for argv, named in cases:
         code, out, err = _main(capsys, *argv)

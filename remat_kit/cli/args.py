@@ -344,13 +344,18 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path!r}: cannot write in {folder!r}")
 
 
+def _shard(text: str) -> Any:
+    """``I/N`` as a :class:`~remat_kit.sweep.shard.Shard` (imported when a shard is given: the
+    sweep's modules are not loaded to build the parser)."""
+    from remat_kit.sweep.shard import parse_shard
+
+    return parse_shard(text)
+
+
 def add_grid(p: argparse.ArgumentParser) -> None:
     """The flags that run a grid of points as tasks (:mod:`remat_kit.sweep`): ``--out`` (the
     JSONL of rows), ``--resume`` / ``--overwrite``, ``--grid-workers`` (CPU worker
     processes), ``--engine`` / ``--address``, ``--shard I/N`` and ``--merge``."""
-    from remat_kit.sweep.fanout import ENGINES
-    from remat_kit.sweep.shard import parse_shard
-
     g = p.add_argument_group(
         "grids",
         "several --model / --batch / --seq / --mesh values make a grid: each point (model x "
@@ -371,7 +376,7 @@ def add_grid(p: argparse.ArgumentParser) -> None:
         "(concurrent compiles within one point)",
     )  # fmt: skip
     g.add_argument(
-        "--engine", choices=ENGINES, default="local",
+        "--engine", default="local", metavar="{local,ray}",
         help="what runs the points: local (this machine, --grid-workers processes) or ray "
         "(Ray tasks of one CPU each; pip install 'remat-kit[ray]')",
     )  # fmt: skip
@@ -380,7 +385,7 @@ def add_grid(p: argparse.ArgumentParser) -> None:
         help="--engine ray: the Ray cluster (default: $RAY_ADDRESS, else a local Ray instance)",
     )  # fmt: skip
     g.add_argument(
-        "--shard", type=arg_type(parse_shard, "shard"), metavar="I/N",
+        "--shard", type=arg_type(_shard, "shard"), metavar="I/N",
         help="run part I of N of the points into its own part file beside --out "
         "(NAME.part-I-of-N.jsonl; a SLURM array: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)",
     )  # fmt: skip

@@ -11,11 +11,15 @@ engine's scheduling overhead per point, measured with points that do nothing.
    fsync-ed row per point, the progress tally), ``N`` and ``N + 200`` of them on 2 worker
    processes; overhead per point = the difference in wall time over 200 (the workers' start,
    paid once, cancels out), and the start itself.
+3. ``--cli``: the same grid as ``remat-kit analyze --model tiny-gpt --set scan_layers=true
+   --batch 2 --seq 32 --seq 64 --all-policies --no-cache --out ... --grid-workers 1`` (and
+   ``2``), each a fresh process as a user runs it.
 
 Command (about 6 minutes on 2 cores; the figures of a run are in docs/results/fanout.md)::
 
     python experiments/bench_fanout.py
     python experiments/bench_fanout.py --skip-grid   # the overhead alone (~30 s)
+    python experiments/bench_fanout.py --cli         # the grid through remat-kit analyze
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import time
@@ -51,10 +56,15 @@ def grid(policies=None):
 
 
 def _figures(row: dict) -> dict:
-    """A row without its timings (when it was made, compile seconds)."""
+    """A row without its timings (when it was made, compile seconds) and without the name of
+    the file its run kept the calibration in (the estimate's source says it)."""
     out = {k: v for k, v in row.items() if k not in ("time", "point_s", "analysis_compile_s")}
     report = row.get("report") or {}
     out["report"] = {k: v for k, v in report.items() if k not in ("compile_s", "compile_cached")}
+    step = out["report"].get("step_time")
+    if step and step.get("figures"):
+        figures = re.sub(r"kept for this run in \S+", "kept for this run", step["figures"])
+        out["report"]["step_time"] = {**step, "figures": figures}
     return out
 
 
@@ -78,6 +88,39 @@ def run_grid(folder: Path) -> dict:
         bad = [r["error"] for r in run.rows if r["status"] != "ok"]
         print(f"{workers} worker(s): {len(run.rows)} points in {walls[workers]:.1f} s"
               + (f"; {len(bad)} failed: {bad[0]}" if bad else ""), flush=True)  # fmt: skip
+    same = rows[1] == rows[2]
+    return {"points": len(rows[1]), "wall_1": walls[1], "wall_2": walls[2], "same_rows": same}
+
+
+#: The grid of :func:`grid` as ``remat-kit analyze`` takes it (every policy, s in {32, 64}).
+CLI_GRID = ["analyze", "--model", "tiny-gpt", "--set", "scan_layers=true", "--batch", "2",
+            "--seq", "32", "--seq", "64", "--all-policies", "--target", "local",
+            "--no-cache"]  # fmt: skip
+
+
+def run_cli_grid(folder: Path) -> dict:
+    """The grid through the command line (``remat-kit analyze``, a fresh process each, as a
+    user runs it) with ``--grid-workers 1`` and ``2``: wall seconds each (the process's start
+    and JAX's import included), and whether the rows agree (timings aside)."""
+    import subprocess
+
+    from remat_kit.sweep import results
+
+    walls, rows = {}, {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [
+        os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    for workers in (1, 2):
+        out = folder / f"cli-w{workers}" / "grid.jsonl"
+        argv = [*CLI_GRID, "--out", str(out), "--grid-workers", str(workers)]
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "remat_kit.cli", *argv], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        walls[workers] = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"remat-kit {' '.join(argv)}: exit {done.returncode}: {done.stderr}")
+        rows[workers] = {r["key"]: _figures(r) for r in results.read_rows(out, timelines=False)}
+        print(f"remat-kit {' '.join(argv[:-4])} --grid-workers {workers}: {len(rows[workers])} "
+              f"rows in {walls[workers]:.1f} s", flush=True)  # fmt: skip
     same = rows[1] == rows[2]
     return {"points": len(rows[1]), "wall_1": walls[1], "wall_2": walls[2], "same_rows": same}
 
@@ -108,6 +151,8 @@ def run_overhead(folder: Path, base: int = 24, more: int = 200) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-grid", action="store_true", help="only the no-op overhead")
+    p.add_argument("--cli", action="store_true",
+                   help="only the grid through remat-kit analyze --grid-workers 1, 2")  # fmt: skip
     args = p.parse_args(argv)
     os.environ["REMAT_KIT_NO_CACHE"] = "1"  # every run compiles
     import jax
@@ -118,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
           f"jax {jax.__version__}, load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        if args.cli:
+            g = run_cli_grid(folder)
+            print(f"CLI grid: {g['points']} rows, 1 worker {g['wall_1']:.1f} s, 2 workers "
+                  f"{g['wall_2']:.1f} s: ratio {g['wall_1'] / g['wall_2']:.2f}x; same rows "
+                  f"(timings aside): {g['same_rows']}", flush=True)  # fmt: skip
+            print(f"load average at the end {os.getloadavg()[0]:.2f}")
+            return 0
         over = run_overhead(folder)
         print(f"overhead: {1e3 * over['per_point_s']:.1f} ms per point on the local engine "
               f"(2 workers); workers' start {over['start_s']:.1f} s", flush=True)  # fmt: skip

@@ -90,7 +90,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from remat_kit import files
 from remat_kit.cli.args import arg_type, nonnegative_int, positive_int
 from remat_kit.policies import parse_policy_arg
-from remat_kit.sweep.engine import local_engine
+from remat_kit.sweep.fanout import FanOut
 from remat_kit.sweep.shard import merge_parts, parse_shard, part_path
 from remat_kit.training import distributed
 from remat_kit.units import format_span
@@ -431,7 +431,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
             return EXIT_BAD_INPUT
         return _write_outputs(run, out, args, argv, console)
     try:
-        _check_parts(args)
+        _fan_out(args).check()
         steps = [o for o in ("warmup_steps", "timed_steps") if getattr(args, o) is not None]
         if steps:
             names = ", ".join(f"--{o.replace('_', '-')}" for o in steps)
@@ -479,7 +479,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
                 progress=not args.no_progress,
                 console=make_console(stderr=True, quiet=not primary),
                 shard=args.shard,
-                engine=_engine(args, worker_env),
+                engine=_fan_out(args).make_engine(worker_env),
             )
     except ValueError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
@@ -508,42 +508,14 @@ def _leave_gpu_memory() -> dict[str, str | None]:
     return {PREALLOCATE: None}
 
 
-def _engine(args: argparse.Namespace, worker_env: dict[str, str | None]):
-    """The engine ``--engine`` names: this machine's (:func:`remat_kit.sweep.engine.local_engine`)
-    or Ray's (:class:`remat_kit.sweep.ray_engine.RayEngine`: its GPU tasks get JAX's own
-    memory setting back, as local workers do).
-
-    Raises:
-      ValueError: Ray not installed (one line naming the install command).
-    """
-    if args.engine == "ray":
-        from remat_kit.sweep.ray_engine import RayEngine
-
-        env = {k: "true" if v is None else v for k, v in worker_env.items()}  # JAX's default
-        return RayEngine(args.address, runtime_env={"env_vars": env} if env else None)
-    return local_engine(args.workers, env=worker_env)
-
-
-def _check_parts(args: argparse.Namespace) -> None:
-    """``--shard`` / ``--merge`` / ``--engine`` with what they cannot go with (ValueError: one
-    line)."""
-    if args.address is not None and args.engine != "ray":
-        raise ValueError("--address: only with --engine ray (the Ray cluster to run on)")
-    if args.engine == "ray" and args.workers != 1:
-        raise ValueError(
-            "--workers: not with --engine ray (Ray runs as many points as the cluster has CPUs "
-            "and GPUs for)"
-        )
-    if args.shard is not None and args.merge is not None:
-        raise ValueError("--shard and --merge: one or the other (run the parts, then merge)")
-    given = [f"--{o}" for o in ("resume", "overwrite") if getattr(args, o)]
-    given += ["--workers"] if args.workers != 1 else []
-    given += ["--engine"] if args.engine != "local" else []
-    if args.merge is not None and given:
-        raise ValueError(
-            f"--merge: not with {' / '.join(given)} (it joins finished parts, running no "
-            "point; a part resumes with --shard I/N --resume)"
-        )
+def _fan_out(args: argparse.Namespace) -> FanOut:
+    """The run's fan-out as the flags ask for it (:class:`remat_kit.sweep.fanout.FanOut`:
+    its ``check`` refuses a combination that cannot go together, its ``make_engine`` makes
+    the engine)."""
+    return FanOut(
+        args.engine, args.address, args.workers, args.shard, args.merge, args.resume,
+        args.overwrite,
+    )  # fmt: skip
 
 
 def _part_done(run, shard, merged: Path, console) -> int:

@@ -108,3 +108,18 @@ def test_a_killed_ray_driver_resumes_to_the_same_rows(engine, tmp_path, capsys):
     assert out.read_bytes().startswith(first)
     keys = [r["key"] for r in results.read_rows(out)]
     assert sorted(keys) == sorted(p.key for p in analysis_grid().points()) and len(keys) == 2
+
+
+def test_the_analyze_grid_on_ray_gives_the_serial_rows(engine, tmp_path, capsys):
+    """``remat-kit analyze`` over a grid (tests/test_cli_grid.py's) with ``--engine ray`` on
+    the module's Ray instance: the rows of the serial run, by key, timings aside."""
+    from test_cli_grid import GRID, _by_key
+
+    from remat_kit import cli
+
+    address = ray.get_runtime_context().gcs_address
+    serial, on_ray = tmp_path / "serial.jsonl", tmp_path / "ray.jsonl"
+    assert cli.main([*GRID, "--out", str(serial)]) == 0, capsys.readouterr().err
+    argv = [*GRID, "--out", str(on_ray), "--engine", "ray", "--address", address]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert _by_key(on_ray) == _by_key(serial)

@@ -7,6 +7,8 @@ Examples::
         --policy save-dots-no-batch --target a100-40gb --budget 40GB --json
     remat-kit analyze --model tiny-gpt --batch 1 --seq 32 --target h100-sxm \\
         --policy 'query_proj=offload,out_proj=save'
+    remat-kit analyze --model tiny-gpt --model gpt2-small --batch 2 --seq 128 --seq 256 \
+        --target h100-sxm --all-policies --out grid.jsonl --grid-workers 2   # a grid
     remat-kit policies
     remat-kit targets
     remat-kit doctor --model tiny-gpt --policy '{"query_proj": "offload"}'

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from remat_kit import targets
 from remat_kit.cli import args as A
+from remat_kit.cli import grid
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.cli.progress import CompileProgress
 from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
@@ -40,10 +41,10 @@ def add(subparsers) -> None:
         "of a model preset for a target, from abstract shapes, once per remat policy, and "
         "report peak, host and activation memory, recompute ratio and whether it fits.",
     )
-    A.add_model(p)
+    A.add_model(p, several=True)
     A.add_maxtext(p)
-    A.add_batch(p)
-    A.add_seq(p)
+    A.add_batch(p, several=True)
+    A.add_seq(p, several=True)
     A.add_policy(
         p,
         "remat policy (default: the preset's own; for a program, the named policies that act "
@@ -81,10 +82,12 @@ def add(subparsers) -> None:
                    help="devices of the target (default: --mesh's product, else a TPU slice's "
                    "chips, else 1); presets only")  # fmt: skip
     p.add_argument(
-        "--mesh", default=None,
+        "--mesh", default=None, action="append",
         help="mesh over --devices: 'fsdp=8' or 'dp=2,fsdp=4,tp=1' (default: dp=DEVICES); "
-        "figures are per device; presets only (a program shards inside its own step)",
+        "figures are per device; presets only (a program shards inside its own step)"
+        + A.SEVERAL,
     )  # fmt: skip
+    A.add_grid(p)
     p.set_defaults(func=run)
 
 
@@ -130,7 +133,11 @@ def _resolve(args: argparse.Namespace) -> tuple:
 def run(args: argparse.Namespace) -> int:
     """Handle ``remat-kit analyze``: 0 ok, 1 a compile failed. A step the compiler refused as
     over the device's memory (XLA:TPU) is an answer, not a failure: a row that does not fit,
-    as a GPU target's peak over memory is."""
+    as a GPU target's peak over memory is. Several points (or ``--out``): a grid
+    (:mod:`remat_kit.cli.grid`)."""
+    if grid.is_grid(args):
+        return grid.run(args)
+    grid.one_point(args)
     program, target, specs = _resolve(args)
     chosen = specs if isinstance(specs, PolicySet) else None
     if chosen is not None:

@@ -96,15 +96,19 @@ def _target(text: str) -> str:
 target_name = arg_type(_target, "target")
 
 
-def add_model(p: argparse.ArgumentParser, example: str = "llama3-8b") -> None:
+def add_model(
+    p: argparse.ArgumentParser, example: str = "llama3-8b", *, several: bool = False
+) -> None:
     """``--model`` (a preset name, or the user's program as ``MODULE:FACTORY`` /
-    ``FILE.py:FACTORY``) and ``--set FIELD=VALUE`` (preset overrides)."""
+    ``FILE.py:FACTORY``) and ``--set FIELD=VALUE`` (preset overrides); ``several``: repeatable
+    (a list, one value per grid point: :data:`SEVERAL`)."""
     p.add_argument(
         "--model",
         required=True,
         help=f"a model preset (e.g. {example}; see remat_kit.preset_names()) or your own "
         "program: MODULE:FACTORY or FILE.py:FACTORY, a function of no arguments returning a "
-        "remat_kit.Program",
+        "remat_kit.Program" + (SEVERAL if several else ""),
+        **({"action": "append"} if several else {}),
     )
     p.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
@@ -226,18 +230,29 @@ def _for_presets(preset_default: int | None) -> str:
     return "required for them" if preset_default is None else f"default {preset_default}"
 
 
-def add_batch(p: argparse.ArgumentParser, preset_default: int | None = None) -> None:
+#: Help text of a repeatable grid axis (``several=True``).
+SEVERAL = "; repeat for a grid of points (see --out)"
+
+
+def add_batch(
+    p: argparse.ArgumentParser, preset_default: int | None = None, *, several: bool = False
+) -> None:
     """``--batch``: sequences per step (for a preset; a program carries its own arguments);
-    ``preset_default``: what the command uses when it is not given (None: required)."""
+    ``preset_default``: what the command uses when it is not given (None: required);
+    ``several``: repeatable (a list)."""
     what = f"sequences per step (presets; {_for_presets(preset_default)})"
-    p.add_argument("--batch", type=positive_int, default=None, help=what)
+    p.add_argument("--batch", type=positive_int, default=None, help=what + (SEVERAL if several
+                   else ""), **({"action": "append"} if several else {}))  # fmt: skip
 
 
-def add_seq(p: argparse.ArgumentParser, preset_default: int | None = None) -> None:
-    """``--seq``: tokens per sequence (for a preset); ``preset_default`` as for
+def add_seq(
+    p: argparse.ArgumentParser, preset_default: int | None = None, *, several: bool = False
+) -> None:
+    """``--seq``: tokens per sequence (for a preset); ``preset_default`` and ``several`` as for
     :func:`add_batch`."""
     what = f"tokens per sequence (presets; {_for_presets(preset_default)})"
-    p.add_argument("--seq", type=positive_int, default=None, help=what)
+    p.add_argument("--seq", type=positive_int, default=None, help=what + (SEVERAL if several
+                   else ""), **({"action": "append"} if several else {}))  # fmt: skip
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:
@@ -371,3 +386,55 @@ def check_output_path(path: str | None, flag: str) -> None:
         folder = os.path.dirname(folder)
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{flag} {path!r}: cannot write in {folder!r}")
+
+
+def _shard(text: str) -> Any:
+    """``I/N`` as a :class:`~remat_kit.sweep.shard.Shard` (imported when a shard is given: the
+    sweep's modules are not loaded to build the parser)."""
+    from remat_kit.sweep.shard import parse_shard
+
+    return parse_shard(text)
+
+
+def add_grid(p: argparse.ArgumentParser) -> None:
+    """The flags that run a grid of points as tasks (:mod:`remat_kit.sweep`): ``--out`` (the
+    JSONL of rows), ``--resume`` / ``--overwrite``, ``--grid-workers`` (CPU worker
+    processes), ``--engine`` / ``--address``, ``--shard I/N`` and ``--merge``."""
+    g = p.add_argument_group(
+        "grids",
+        "several --model / --batch / --seq / --mesh values make a grid: each point (model x "
+        "batch x seq x mesh, all its policies) one task, its rows appended to --out as it "
+        "finishes, one table at the end",
+    )
+    g.add_argument(
+        "--out", metavar="PATH.jsonl", default=None,
+        help="write the grid's rows (one JSON line per point and policy) here, even for one "
+        "point; needed by --resume, --shard and --merge (default: kept only for the table)",
+    )  # fmt: skip
+    g.add_argument("--resume", action="store_true", help="keep the rows --out has, run the rest")
+    g.add_argument("--overwrite", action="store_true", help="empty --out first")
+    g.add_argument(
+        "--grid-workers", type=positive_int, default=1, metavar="N",
+        help="worker processes analysing the grid's points side by side (JAX_PLATFORMS=cpu: "
+        "deviceless targets and the local CPU; default 1: this process). Unlike --workers "
+        "(concurrent compiles within one point)",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine", default="local", metavar="{local,ray}",
+        help="what runs the points: local (this machine, --grid-workers processes) or ray "
+        "(Ray tasks of one CPU each; pip install 'remat-kit[ray]')",
+    )  # fmt: skip
+    g.add_argument(
+        "--address", default=None,
+        help="--engine ray: the Ray cluster (default: $RAY_ADDRESS, else a local Ray instance)",
+    )  # fmt: skip
+    g.add_argument(
+        "--shard", type=arg_type(_shard, "shard"), metavar="I/N",
+        help="run part I of N of the points into its own part file beside --out "
+        "(NAME.part-I-of-N.jsonl; a SLURM array: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)",
+    )  # fmt: skip
+    g.add_argument(
+        "--merge", nargs="*", metavar="PART", default=None,
+        help="join the part files (default: every NAME.part-I-of-N.jsonl beside --out) into "
+        "--out and print the grid's table",
+    )  # fmt: skip

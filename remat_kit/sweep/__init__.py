@@ -28,7 +28,9 @@ keys; progress over tasks), ``engine`` (what runs the tasks: this process, one a
 or side by side, analysis-only tasks on CPU worker processes and each measured point on its own
 GPU(s): :func:`~remat_kit.sweep.engine.local_engine`), ``worker`` (a worker process's loop),
 ``ray_engine`` (tasks as Ray tasks, ``pip install 'remat-kit[ray]'``), ``shard`` (the i-th of N
-parts of the points, each in its own part file, and their merge: SLURM job arrays), ``run``
+parts of the points, each in its own part file, and their merge: SLURM job arrays), ``fanout``
+(the engine, shard and merge flags a command line takes, checked together: ``experiments/
+sweep.py`` and ``remat-kit analyze``'s grid), ``run``
 (the one loop, for a grid of presets and for a user's own
 :class:`~remat_kit.program.Program`: :func:`run_program_sweep`). Steps compile through
 :class:`remat_kit.memory.runner.CompileEngine`: a measured point's step is the program the

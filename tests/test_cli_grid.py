@@ -78,7 +78,8 @@ def test_two_workers_and_two_shards_merged_give_the_serial_rows(serial, capsys, 
     workers = tmp_path / "workers.jsonl"
     code, _, err = _main(capsys, "--out", str(workers), "--grid-workers", "2")
     assert code == 0, err
-    assert "running" in err and "4 done, 0 running, 0 left" in err  # the driver's progress
+    # the driver's progress, its counts kept where a line is cut to the width
+    assert "running" in err and "[4 done, 0 running, 0 left]" in err, err
     assert _by_key(workers) == _by_key(serial)
     merged = tmp_path / "merged.jsonl"
     for i in (0, 1):

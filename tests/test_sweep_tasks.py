@@ -112,10 +112,14 @@ def test_tally_counts_points_and_says_what_runs_when_nothing_is_said():
             tally.finish(a, [{"key": p.key, "status": "ok"} for p in a.points])
     lines = buf.getvalue().splitlines()
     beat = next(line for line in lines if " running " in line)
-    assert re.search(r"running tiny-gpt b=2 s=32 @local, 2 policies; tiny-gpt b=2 s=64 @local, "
-                     r"2 policies \[0 done, 4 running, 0 left\]", beat), beat  # fmt: skip
-    assert lines[-1].endswith("done: tiny-gpt b=2 s=32 save-nothing @local [2 done, 2 running, "
-                              "0 left]"), lines  # fmt: skip
+    assert re.search(r"\[0 done, 4 running, 0 left\] running tiny-gpt b=2 s=32 @local, 2 "
+                     r"policies; tiny-gpt b=2 s=64 @local, 2 policies", beat), beat  # fmt: skip
+    # the counts come first (a line cut to the width keeps them), and the finished task's
+    # point not yet said counts as running, not as left
+    said = [line for line in lines if "done:" in line]
+    assert said[0].endswith("done: [1 done, 3 running, 0 left] tiny-gpt b=2 s=32 no-remat @local")
+    assert said[1].endswith("done: [2 done, 2 running, 0 left] tiny-gpt b=2 s=32 save-nothing "
+                            "@local"), lines  # fmt: skip
 
 
 def test_tasks_in_any_order_give_the_same_rows_summary_and_resume(tmp_path, serial):

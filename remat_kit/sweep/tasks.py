@@ -154,6 +154,7 @@ class Tally:
         self.total, self.heartbeat_s = total, heartbeat_s
         self.done = 0
         self.running: dict[str, Task] = {}
+        self._said: dict[str, int] = {}  # rows said so far of each running task
         self._advance = advance
         self._lock = threading.Lock()
         self._last = time.monotonic()
@@ -162,7 +163,7 @@ class Tally:
 
     def counts(self) -> str:
         """``"3 done, 2 running, 19 left"`` (points)."""
-        running = sum(len(t.points) for t in self.running.values())
+        running = sum(len(t.points) - self._said.get(k, 0) for k, t in self.running.items())
         left = self.total - self.done - running
         return f"{self.done} done, {running} running, {left} left"
 
@@ -177,17 +178,21 @@ class Tally:
             self.running[task.key] = task
 
     def finish(self, task: Task, rows: Sequence[Mapping[str, Any]]) -> None:
-        """``task``'s rows are written: one progress call per row, with the counts."""
+        """``task``'s rows are written: one progress call per row, the counts first (a line cut
+        to the terminal's width loses the end of the label, not the counts); the task's points
+        not yet said count as running until they are."""
         labels = {p.key: p.label for p in task.points}
-        with self._lock:
-            self.running.pop(task.key, None)
         for row in rows:
             with self._lock:
                 self.done += 1
+                self._said[task.key] = self._said.get(task.key, 0) + 1
                 self._last = time.monotonic()
                 status = "" if row.get("status") == "ok" else f" ({row.get('status')})"
                 label = labels.get(row.get("key"), str(row.get("key")))
-                self._advance(1, f"{label}{status} [{self.counts()}]")
+                self._advance(1, f"[{self.counts()}] {label}{status}")
+        with self._lock:
+            self.running.pop(task.key, None)
+            self._said.pop(task.key, None)
 
     def _beat(self) -> None:
         while not self._stop.wait(min(1.0, self.heartbeat_s)):
@@ -197,7 +202,7 @@ class Tally:
                 self._last = time.monotonic()
                 names = [t.label for t in self.running.values()]
                 more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-                self._advance(None, f"running {'; '.join(names[:3])}{more} [{self.counts()}]")
+                self._advance(None, f"[{self.counts()}] running {'; '.join(names[:3])}{more}")
 
     def __enter__(self) -> Tally:
         self._thread = threading.Thread(target=self._beat, name="sweep-heartbeat", daemon=True)

@@ -1561,8 +1561,8 @@ def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) 
         f"no-remat is estimated {mine / best - 1:.0%} slower than {label}: the estimate charges "
         "a scanned step that keeps its residuals the copies that stack them per layer "
         "(dynamic-update-slice), read them back (dynamic-slice), transpose and zero-fill the "
-        "stacks; recomputation avoids them. No GPU measurement of remat-kit's confirms this "
-        "yet (docs/time-model.md): time both before trusting the order"
+        "stacks; recomputation avoids them. No measurement of remat-kit's on a GPU or TPU "
+        "confirms this yet (docs/time-model.md): time both before trusting the order"
     )
 
 

@@ -206,57 +206,13 @@ def pareto(
         raise ValueError(f"no ok rows with both {x!r} and {y!r} to plot")
     panels = _panels(usable)
     fig, axes = _grid(len(panels), size=(5.2, 3.8))
-    xscale, xlabel = (1e3, "median step time (ms)") if x == "step_time_s" else (1.0, x)
-    if x == "predicted_step_time_s":
-        xscale, xlabel = 1e3, "estimated step time (ms, roofline)"
-    if x == "recompute_ratio":
-        xlabel = "compiled matmul FLOPs / no-remat FLOPs"
-    measured = x == "step_time_s"
+    xscale, xlabel = _pareto_x_axis(x)
     styles = _policy_styles([r["policy"] for r in usable])
     extra: dict[str, Any] = {}  # legend entries beyond the policies, by label
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
         unit, unit_name = units.table_unit([r[y] for r in members])
-        xs = [r[x] * xscale for r in members]
-        ys = [r[y] / unit for r in members]
-        noisy = {i for i, r in enumerate(members) if measured and R.is_noisy(r)}
-        front = R.pareto_frontier(xs, ys, left_out=noisy)
-        if front:
-            extra.setdefault("Pareto frontier", ax.step(
-                [xs[i] for i in front], [ys[i] for i in front], where="post", color="tab:red",
-                lw=1.2, alpha=0.6, zorder=1, label="Pareto frontier")[0])  # fmt: skip
-        for i, (xi, yi, r) in enumerate(zip(xs, ys, members, strict=True)):
-            color, marker = styles[r["policy"]]
-            steps = r.get("step_times_s") if measured else None
-            if steps:
-                lo, hi = 1e3 * min(steps), 1e3 * max(steps)
-                bars = ax.errorbar([xi], [yi], xerr=[[max(0.0, xi - lo)], [max(0.0, hi - xi)]],
-                                   fmt="none", ecolor=color, elinewidth=1, capsize=2.5,
-                                   alpha=0.8, zorder=2, label=STEP_RANGE)  # fmt: skip
-                extra.setdefault(bars.get_label(), bars)
-            ax.scatter(
-                [xi],
-                [yi],
-                color="none" if i in noisy else color,
-                marker=marker,
-                s=60 if i in front else 30,
-                edgecolors="tab:red" if i in front else (color if i in noisy else "none"),
-                linewidths=1.5,
-                zorder=3,
-            )
-        if noisy:
-            text = (f"noisy timing (steps spread beyond ±{50 * R.NOISY_SPREAD:.0f}%): "
-                    "not on the frontier")  # fmt: skip
-            extra.setdefault(text, Line2D([], [], color="gray", marker="o", ls="",
-                                          markerfacecolor="none", label=text))  # fmt: skip
-        off = ""
-        memory = _device_memory(members)
-        if memory is not None and memory[1] <= BUDGET_LINE_WITHIN * max(r[y] for r in members):
-            name, nbytes = memory
-            text = f"{name} device memory ({units.format_bytes(nbytes)})"
-            line = ax.axhline(nbytes / unit, ls="--", color="black", lw=1, zorder=1, label=text)
-            extra.setdefault(text, line)
-        elif memory is not None:
-            off = f"\n{memory[0]} memory {units.format_bytes(memory[1])}: all fit (off scale)"
+        _pareto_points(ax, members, (x, xscale), (y, unit), styles, extra)
+        off = _budget_line(ax, members, y, unit, extra)
         ax.set_title(_title(key) + off, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{'predicted' if y == 'peak_bytes' else 'measured'} peak ({unit_name})")
@@ -268,6 +224,82 @@ def pareto(
         title = f"Predicted peak memory vs {xlabel.split(' (')[0]}"
     _finish(fig, title, handles + list(extra.values()), note)
     return _save(fig, path, layout=False)
+
+
+def _pareto_x_axis(x: str) -> tuple[float, str]:
+    """``(scale, label)`` of :func:`pareto`'s x axis: seconds drawn in ms (scale 1e3), a
+    FLOPs ratio as is (scale 1)."""
+    xscale, xlabel = (1e3, "median step time (ms)") if x == "step_time_s" else (1.0, x)
+    if x == "predicted_step_time_s":
+        xscale, xlabel = 1e3, "estimated step time (ms, roofline)"
+    if x == "recompute_ratio":
+        xlabel = "compiled matmul FLOPs / no-remat FLOPs"
+    return xscale, xlabel
+
+
+def _pareto_points(
+    ax,
+    members: Sequence[Mapping[str, Any]],
+    x: tuple[str, float],
+    y: tuple[str, int],
+    styles: Mapping[str, tuple[Any, str]],
+    extra: dict[str, Any],
+) -> None:
+    """Draw one panel's points and its Pareto frontier: ``x`` and ``y`` are ``(field, scale)``
+    (x drawn as ``row[field] * scale``, ms or a ratio; y as ``row[field] / scale``, MiB or
+    GiB); measured points get their steps' range (ms) and noisy ones are hollow. Legend
+    entries beyond the policies are added to ``extra``, by label."""
+    (xfield, xscale), (yfield, unit) = x, y
+    measured = xfield == "step_time_s"
+    xs = [r[xfield] * xscale for r in members]
+    ys = [r[yfield] / unit for r in members]
+    noisy = {i for i, r in enumerate(members) if measured and R.is_noisy(r)}
+    front = R.pareto_frontier(xs, ys, left_out=noisy)
+    if front:
+        extra.setdefault("Pareto frontier", ax.step(
+            [xs[i] for i in front], [ys[i] for i in front], where="post", color="tab:red",
+            lw=1.2, alpha=0.6, zorder=1, label="Pareto frontier")[0])  # fmt: skip
+    for i, (xi, yi, r) in enumerate(zip(xs, ys, members, strict=True)):
+        color, marker = styles[r["policy"]]
+        steps = r.get("step_times_s") if measured else None
+        if steps:
+            lo, hi = 1e3 * min(steps), 1e3 * max(steps)
+            bars = ax.errorbar([xi], [yi], xerr=[[max(0.0, xi - lo)], [max(0.0, hi - xi)]],
+                               fmt="none", ecolor=color, elinewidth=1, capsize=2.5,
+                               alpha=0.8, zorder=2, label=STEP_RANGE)  # fmt: skip
+            extra.setdefault(bars.get_label(), bars)
+        ax.scatter(
+            [xi],
+            [yi],
+            color="none" if i in noisy else color,
+            marker=marker,
+            s=60 if i in front else 30,
+            edgecolors="tab:red" if i in front else (color if i in noisy else "none"),
+            linewidths=1.5,
+            zorder=3,
+        )
+    if noisy:
+        text = (f"noisy timing (steps spread beyond ±{50 * R.NOISY_SPREAD:.0f}%): "
+                "not on the frontier")  # fmt: skip
+        extra.setdefault(text, Line2D([], [], color="gray", marker="o", ls="",
+                                      markerfacecolor="none", label=text))  # fmt: skip
+
+
+def _budget_line(
+    ax, members: Sequence[Mapping[str, Any]], y: str, unit: int, extra: dict[str, Any]
+) -> str:
+    """Draw the panel target's device memory (bytes, drawn in ``unit``s) as a dashed line when
+    within :data:`BUDGET_LINE_WITHIN` of the highest point (its legend entry added to
+    ``extra``); return the title's extra line saying it is off scale otherwise, else ``""``."""
+    memory = _device_memory(members)
+    if memory is not None and memory[1] <= BUDGET_LINE_WITHIN * max(r[y] for r in members):
+        name, nbytes = memory
+        text = f"{name} device memory ({units.format_bytes(nbytes)})"
+        line = ax.axhline(nbytes / unit, ls="--", color="black", lw=1, zorder=1, label=text)
+        extra.setdefault(text, line)
+    elif memory is not None:
+        return f"\n{memory[0]} memory {units.format_bytes(memory[1])}: all fit (off scale)"
+    return ""
 
 
 def _device_memory(members: Sequence[Mapping[str, Any]]) -> tuple[str, int] | None:
@@ -353,61 +385,97 @@ def memory_breakdown(
         raise ValueError("no ok rows with a memory report to plot")
     panels = _panels(usable)
     fig, axes = _grid(len(panels), size=(5.4, 3.6))
-    tags = sorted({t for r in usable for t in _residual_parts(r)} - {"untagged"})
-    tags.append("untagged")
-    cmap = matplotlib.colormaps["tab20"]
-    colors = {t: cmap((i + 4) % 20) for i, t in enumerate(tags)}  # 0-3: params, opt_state
-    colors["untagged"] = "dimgray"
-    names = {t: f"residual {t}" for t in tags} | {"untagged": UNTAGGED}
+    tags, colors, names = _residual_styles(usable)
     seen: dict[str, Any] = {}
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
-        unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
-        policies = [r["policy"] for r in members]
-        bottoms = [0.0] * len(members)
-
-        def layer(values, label, color, bottom, _ax=ax, _unit=unit):
-            bars = _ax.bar(
-                range(len(values)),
-                [v / _unit for v in values],
-                bottom=bottom,
-                label=label,
-                color=color,
-                edgecolor="white",
-                width=0.7,
-            )
-            seen.setdefault(label, bars)
-
-        for field, color in (("params_bytes", "tab:blue"), ("opt_state_bytes", "tab:orange")):
-            vals = [r.get(field) or 0 for r in members]
-            layer(vals, field.removesuffix("_bytes"), color, [b / unit for b in bottoms])
-            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-        for tag in tags:
-            vals = [_residual_parts(r).get(tag, 0) for r in members]
-            if any(vals):
-                layer(vals, names[tag], colors[tag], [b / unit for b in bottoms])
-                bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-        rest = [max(0, r["peak_bytes"] - b) for r, b in zip(members, bottoms, strict=True)]
-        layer(rest, "gradients / other", "lightgray", [b / unit for b in bottoms])
-        host = [r.get("host_bytes") or 0 for r in members]  # compiled, not the jaxpr's marks
-        if any(host):
-            bars = ax.bar(
-                [i + 0.38 for i in range(len(members))],
-                [h / unit for h in host],
-                width=0.2,
-                color="none",
-                edgecolor="tab:purple",
-                hatch="///",
-                label="host (compiled)",
-            )
-            seen.setdefault("host (compiled)", bars)
-        ax.set_xticks(range(len(members)), policies, rotation=40, ha="right", fontsize=8)
-        ax.set_ylabel(f"predicted peak ({unit_name})")
+        _breakdown_panel(ax, members, tags, (colors, names), seen)
         ax.set_title(_title(key), fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     order = ["params", "opt_state", *(names[t] for t in tags), "gradients / other",
              "host (compiled)"]  # fmt: skip
     _finish(fig, title, [seen[k] for k in order if k in seen], note, max_cols=4)
     return _save(fig, path, layout=False)
+
+
+def _residual_styles(
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """``(tags, colors, legend names)`` of the residual layers of :func:`memory_breakdown`:
+    the rows' checkpoint names sorted, ``"untagged"`` last."""
+    tags = sorted({t for r in rows for t in _residual_parts(r)} - {"untagged"})
+    tags.append("untagged")
+    cmap = matplotlib.colormaps["tab20"]
+    colors = {t: cmap((i + 4) % 20) for i, t in enumerate(tags)}  # 0-3: params, opt_state
+    colors["untagged"] = "dimgray"
+    names = {t: f"residual {t}" for t in tags} | {"untagged": UNTAGGED}
+    return tags, colors, names
+
+
+def _breakdown_panel(
+    ax,
+    members: Sequence[Mapping[str, Any]],
+    tags: Sequence[str],
+    styles: tuple[Mapping[str, Any], Mapping[str, str]],
+    seen: dict[str, Any],
+) -> None:
+    """Draw one panel's stacked bars (bytes, drawn in the panel's MiB or GiB), one per row,
+    and its hatched host bars; ``styles`` is ``(colors, legend names)`` by residual tag, and
+    each layer's bars are added to ``seen`` by label."""
+    colors, names = styles
+    unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
+    policies = [r["policy"] for r in members]
+    bottoms = [0.0] * len(members)
+    layers = [
+        (field.removesuffix("_bytes"), color, [r.get(field) or 0 for r in members])
+        for field, color in (("params_bytes", "tab:blue"), ("opt_state_bytes", "tab:orange"))
+    ]
+    for tag in tags:
+        vals = [_residual_parts(r).get(tag, 0) for r in members]
+        if any(vals):
+            layers.append((names[tag], colors[tag], vals))
+    for label, color, vals in layers:
+        _stack_layer(ax, vals, (label, color), [b / unit for b in bottoms], unit, seen)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    rest = [max(0, r["peak_bytes"] - b) for r, b in zip(members, bottoms, strict=True)]
+    _stack_layer(ax, rest, ("gradients / other", "lightgray"), [b / unit for b in bottoms],
+                 unit, seen)  # fmt: skip
+    host = [r.get("host_bytes") or 0 for r in members]  # compiled, not the jaxpr's marks
+    if any(host):
+        bars = ax.bar(
+            [i + 0.38 for i in range(len(members))],
+            [h / unit for h in host],
+            width=0.2,
+            color="none",
+            edgecolor="tab:purple",
+            hatch="///",
+            label="host (compiled)",
+        )
+        seen.setdefault("host (compiled)", bars)
+    ax.set_xticks(range(len(members)), policies, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel(f"predicted peak ({unit_name})")
+
+
+def _stack_layer(
+    ax,
+    values: Sequence[float],
+    style: tuple[str, Any],
+    bottom: Sequence[float],
+    unit: int,
+    seen: dict[str, Any],
+) -> None:
+    """Draw one layer of stacked bars: ``values`` in bytes drawn in ``unit``s on ``bottom``
+    (already in ``unit``s); ``style`` is ``(label, color)``; the bars added to ``seen``."""
+    label, color = style
+    bars = ax.bar(
+        range(len(values)),
+        [v / unit for v in values],
+        bottom=bottom,
+        label=label,
+        color=color,
+        edgecolor="white",
+        width=0.7,
+    )
+    seen.setdefault(label, bars)
 
 
 def label_points(

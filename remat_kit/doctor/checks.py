@@ -51,7 +51,7 @@ from remat_kit.doctor.tags import (
     tag_facts,
     unknown_tags,
 )
-from remat_kit.memory import analyze, hlo
+from remat_kit.memory import MemoryReport, analyze, hlo
 from remat_kit.memory.api import analyze_policies
 from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.models import ModelConfig
@@ -63,7 +63,13 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program, factory_reach, filtered_factory, step_flops
+from remat_kit.program import (
+    PolicyReach,
+    Program,
+    factory_reach,
+    filtered_factory,
+    step_flops,
+)
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 from remat_kit.zoo import as_program
 
@@ -180,17 +186,55 @@ def check_policies(
     reach = program.reach()  # the judgement analyze and recommend make too
     wraps = policies is None or any(resolve_policy(p, tags).wrap for p in policies)
     if not reach.passes and wraps:  # every policy compiles to one program: one error says it
-        factory = f"the {reach.part} of {program.name!r}"
-        finding = (
-            policy_not_passed(None, factory, reach.segments)
-            if reach.segments
-            else no_remat_segment(None, factory)
-        )
-        first = resolve_policy(policies[0], tags) if policies else get_policy_spec("save-nothing")
-        notes = [f"no-remat: {reach.no_remat_note()}"] if reach.no_remat_note() else []
-        return ProgramCheck(
-            program.name, tags, (PolicyCheck("every policy", first, (finding,)),), tuple(notes)
-        )
+        return _policy_never_passed(program, policies, tags, reach)
+    specs, labels, notes = _policies_to_check(program, policies, tgt, tags)
+    if not specs:
+        return ProgramCheck(program.name, tags, (), tuple(notes))
+    facts = _facts(program, tags)
+    baseline, note = _baseline(reach)
+    if note:
+        notes.append(note)
+    reports = analyze_policies(program, [*specs, baseline], tgt, strict_tags=False)
+    judging = _Judging(
+        program, tgt, tags, reach, facts, reports[-1], _kept(program, baseline),
+        _kept(program, get_policy_spec("save-nothing")), frozenset(policy_names()),
+    )  # fmt: skip
+    checks, each = [], iter(reports)
+    given = list(policies) if policies is not None else [None] * len(specs)
+    for spec, label, raw in zip(specs, labels, given, strict=True):
+        checks.append(_policy_check(judging, spec, label, raw, next(each)))
+    return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
+
+
+def _policy_never_passed(
+    program: Program,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    tags: frozenset[str],
+    reach: PolicyReach,
+) -> ProgramCheck:
+    """The one error of a program whose factory passes no policy to its remat segments (or has
+    none): every policy compiles to the same program."""
+    factory = f"the {reach.part} of {program.name!r}"
+    finding = (
+        policy_not_passed(None, factory, reach.segments)
+        if reach.segments
+        else no_remat_segment(None, factory)
+    )
+    first = resolve_policy(policies[0], tags) if policies else get_policy_spec("save-nothing")
+    notes = [f"no-remat: {reach.no_remat_note()}"] if reach.no_remat_note() else []
+    return ProgramCheck(
+        program.name, tags, (PolicyCheck("every policy", first, (finding,)),), tuple(notes)
+    )
+
+
+def _policies_to_check(
+    program: Program,
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
+    tgt: T.Target,
+    tags: frozenset[str],
+) -> tuple[list[PolicySpec], list[str], list[str]]:
+    """``(specs, labels, notes)``: the policies given, resolved on the program's names, or
+    (None given) the default set that acts on them (:func:`policy_set`) and its notes."""
     if policies is None:
         chosen = policy_set(program, tgt, tags=tags)
         specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
@@ -199,49 +243,72 @@ def check_policies(
     else:
         specs = [resolve_policy(p, tags) for p in policies]
         labels, notes = [policy_label(s) for s in specs], []
-    if not specs:
-        return ProgramCheck(program.name, tags, (), tuple(notes))
-    facts = _facts(program, tags)
-    baseline = get_policy_spec("no-remat")
-    if reach.no_remat_note():
-        # the factory remats for None: what saving everything keeps (jax.checkpoint_policies.
-        # everything_saveable: every residual of the remat segments, none recomputed) is what
-        # a step without remat keeps, and the baseline every policy is judged against
-        baseline = PolicySpec(
-            "save-everything",
-            "Every residual of the remat segments kept on device, none recomputed; the model "
-            "is wrapped in remat.",
-            base="everything",
-            source="jax.checkpoint_policies.everything_saveable",
-        )
-        notes.append(
-            f"no-remat: {reach.no_remat_note()}; each policy is judged against save-everything "
-            "(jax.checkpoint_policies.everything_saveable), which keeps what no remat keeps"
-        )
-    jobs = [*specs, baseline]
-    reports = analyze_policies(program, jobs, tgt, strict_tags=False)
-    base = _kept(program, baseline)
-    nothing = _kept(program, get_policy_spec("save-nothing"))
-    registered = set(policy_names())
-    checks, each = [], iter(reports)
-    given = list(policies) if policies is not None else [None] * len(specs)
-    for spec, label, raw in zip(specs, labels, given, strict=True):
-        promise = Promise.of(spec, registered=spec.name in registered)
-        # save_any_names_but_these: judged as the name set it amounts to, as check_function does
-        promise = dataclasses.replace(promise, name=label, by_exclusion=is_by_exclusion(raw))
-        findings = unknown_tags(promise, facts) + excluded_unknown(raw, tags)
-        findings += effect_findings(label, spec, promise)
-        if not spec.wrap and reach.without_policy:  # analyze's "not a no-remat baseline"
-            # a from_loss step is remat-kit's around the user's make_loss: name theirs
-            factory = "make_loss" if program.step_of_loss is not None else reach.part
-            findings.append(no_remat_remats(label, factory, reach.without_policy))
-        findings += compare(
-            promise, next(each), reports[-1], _kept(program, spec), base, tgt,
-            program.scan_layers, facts=facts, kept_nothing=nothing,
-            around_loop=reach.around_loop, lone=reach.lone,
-        )  # fmt: skip
-        checks.append(PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings)))))
-    return ProgramCheck(program.name, tags, tuple(checks), tuple(notes))
+    return specs, labels, notes
+
+
+def _baseline(reach: PolicyReach) -> tuple[PolicySpec, str | None]:
+    """``(spec, note)`` of what every policy is judged against: ``no-remat``, or
+    ``save-everything`` with a note where the factory remats even without a policy."""
+    if not reach.no_remat_note():
+        return get_policy_spec("no-remat"), None
+    # the factory remats for None: what saving everything keeps (jax.checkpoint_policies.
+    # everything_saveable: every residual of the remat segments, none recomputed) is what
+    # a step without remat keeps, and the baseline every policy is judged against
+    baseline = PolicySpec(
+        "save-everything",
+        "Every residual of the remat segments kept on device, none recomputed; the model "
+        "is wrapped in remat.",
+        base="everything",
+        source="jax.checkpoint_policies.everything_saveable",
+    )
+    return baseline, (
+        f"no-remat: {reach.no_remat_note()}; each policy is judged against save-everything "
+        "(jax.checkpoint_policies.everything_saveable), which keeps what no remat keeps"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judging:
+    """What :func:`check_policies` judges every policy of a program against: its target, names,
+    reach and facts, the baseline's compiled report and kept residuals, what ``save-nothing``
+    keeps, and the registered policy names."""
+
+    program: Program
+    target: T.Target
+    tags: frozenset[str]
+    reach: PolicyReach
+    facts: TagFacts
+    baseline: MemoryReport
+    kept_baseline: Residuals
+    kept_nothing: Residuals
+    registered: frozenset[str]
+
+
+def _policy_check(
+    judging: _Judging,
+    spec: PolicySpec,
+    label: str,
+    raw: str | PolicySpec | Mapping[str, str] | None,
+    report: MemoryReport,
+) -> PolicyCheck:
+    """One policy's check: its promise (``raw``: the policy as the user gave it, None for the
+    default set) against its compiled ``report`` and what its loss keeps."""
+    j, program, reach = judging, judging.program, judging.reach
+    promise = Promise.of(spec, registered=spec.name in j.registered)
+    # save_any_names_but_these: judged as the name set it amounts to, as check_function does
+    promise = dataclasses.replace(promise, name=label, by_exclusion=is_by_exclusion(raw))
+    findings = unknown_tags(promise, j.facts) + excluded_unknown(raw, j.tags)
+    findings += effect_findings(label, spec, promise)
+    if not spec.wrap and reach.without_policy:  # analyze's "not a no-remat baseline"
+        # a from_loss step is remat-kit's around the user's make_loss: name theirs
+        factory = "make_loss" if program.step_of_loss is not None else reach.part
+        findings.append(no_remat_remats(label, factory, reach.without_policy))
+    findings += compare(
+        promise, report, j.baseline, _kept(program, spec), j.kept_baseline, j.target,
+        program.scan_layers, facts=j.facts, kept_nothing=j.kept_nothing,
+        around_loop=reach.around_loop, lone=reach.lone,
+    )  # fmt: skip
+    return PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings))))
 
 
 #: (batch, seq) a preset is checked at when not given: the doctor's findings do not depend on
@@ -345,14 +412,44 @@ def check_function(
             raise
         failed = f" Tracing the loss fails with it ({type(exc).__name__})."
         return findings + [dataclasses.replace(f, what=f.what + failed) for f in static]
+    label = f"policy {promise.name if promise else 'custom-callable'!r}"
     if not has_remat(jaxpr):  # the policy is never applied: nothing else to say about it
-        label = f"policy {promise.name if promise else 'custom-callable'!r}"
         return [no_remat_segment(label, "make_loss")]
     reach = factory_reach(make_loss, args, "make_loss")  # the judgement analyze makes
     if not reach.passes:  # remat segments of the model's own, none taking the policy
-        label = f"policy {promise.name if promise else 'custom-callable'!r}"
         return [policy_not_passed(label, "make_loss", reach.segments)]
     findings += static
+    run = _analysed(make_loss, args, loss, jaxpr, tgt, argnums)
+    promise, opaque, judged = _judged_promise(policy, promise, run.facts, jax_policy)
+    findings += judged
+    findings += _compared(promise, run, make_loss, args, reach, tgt)
+    if opaque:
+        findings = _opaque_findings(findings, make_loss, jax_policy, args)
+    return sort_findings(dedupe(findings))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analysed:
+    """A user's loss as :func:`check_function` analyses it, each by ``"policy"`` and
+    ``"no-remat"`` (``everything_saveable``): the losses, their ``value_and_grad`` and its
+    compiled reports; and the loss's :class:`TagFacts`."""
+
+    losses: dict[str, Callable[..., Any]]
+    grads: dict[str, Callable[..., Any]]
+    reports: dict[str, MemoryReport]
+    facts: TagFacts
+
+
+def _analysed(
+    make_loss: Callable[[Callable[..., Any] | None], Callable[..., Any]],
+    args: Sequence[Any],
+    loss: Callable[..., Any],
+    jaxpr: Any,
+    tgt: T.Target,
+    argnums: int | Sequence[int] | None,
+) -> _Analysed:
+    """Trace and compile ``loss`` (``make_loss`` under the policy, ``jaxpr`` its trace) and the
+    loss without remat for ``tgt``: their facts, gradients and compiled reports."""
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
@@ -365,6 +462,19 @@ def check_function(
     nums = _float_argnums(args) if argnums is None else argnums
     grads = {k: jax.value_and_grad(f, argnums=nums) for k, f in losses.items()}
     reports = {k: analyze(g, *args, target=tgt, name=k, policy=k) for k, g in grads.items()}
+    return _Analysed(losses, grads, reports, facts)
+
+
+def _judged_promise(
+    policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any] | None,
+    promise: Promise | None,
+    facts: TagFacts,
+    jax_policy: Callable[..., Any],
+) -> tuple[Promise, bool, list[Finding]]:
+    """``(promise, opaque, findings)``: the promise judged (an exclusion policy's name set on
+    the emitted names; an opaque callable's ``custom-callable``), whether the callable is
+    opaque, and the findings on the names it speaks of and what the remat in use makes of it."""
+    findings: list[Finding] = []
     if promise is None:  # save_any_names_but_these: the name set it amounts to here
         promise = promise_of_exclusions(policy, facts.emitted)
         findings += excluded_unknown(policy, facts.emitted)
@@ -377,27 +487,48 @@ def check_function(
         findings += remat3_findings(promise.name, jax_policy, promise)  # a raw JAX policy
     else:  # a remat-kit policy: what the implementation in use makes of it, from a probe
         findings += effect_findings(promise.name, resolve_policy(policy), promise)
+    return promise, opaque, findings
+
+
+def _compared(
+    promise: Promise,
+    run: _Analysed,
+    make_loss: Callable[[Callable[..., Any] | None], Callable[..., Any]],
+    args: Sequence[Any],
+    reach: PolicyReach,
+    tgt: T.Target,
+) -> list[Finding]:
+    """:func:`compare`'s findings on a user's function: the policy's compiled step against
+    no remat's, with what each loss keeps and what ``nothing_saveable`` keeps."""
     ops = None
-    if not reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
-        ops = recomputed_ops(grads["policy"], args, tgt)
-    findings += compare(
-        promise, reports["policy"], reports["no-remat"],
-        Residuals.of(saved_residuals(losses["policy"], *args)),
-        Residuals.of(saved_residuals(loss_all, *args)), tgt, recomputed_ops=ops, facts=facts,
-        kept_nothing=Residuals.of(
+    if not run.reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
+        ops = recomputed_ops(run.grads["policy"], args, tgt)
+    return compare(
+        promise, run.reports["policy"], run.reports["no-remat"],
+        Residuals.of(saved_residuals(run.losses["policy"], *args)),
+        Residuals.of(saved_residuals(run.losses["no-remat"], *args)), tgt, recomputed_ops=ops,
+        facts=run.facts, kept_nothing=Residuals.of(
             saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
         ),
         around_loop=reach.around_loop, lone=reach.lone,
     )  # fmt: skip
-    if opaque:
-        findings = [f for f in findings if f.code != "acts-as-full-remat"]
-        findings += _opaque_full_remat(make_loss, jax_policy, args)
-        # compare read the opaque callable as a name policy naming nothing: its no-op cause
-        # (layers outside every remat) is that reading's; the callable saves what it is asked
-        if any(f.code == "saves-everything" for f in findings):  # the same fact, its cause
-            findings = [f for f in findings if f.code != "no-op-policy"]
-        findings = [_callable_no_op(f) if f.code == "no-op-policy" else f for f in findings]
-    return sort_findings(dedupe(findings))
+
+
+def _opaque_findings(
+    findings: list[Finding],
+    make_loss: Callable[[Callable[..., Any] | None], Callable[..., Any]],
+    jax_policy: Callable[..., Any],
+    args: Sequence[Any],
+) -> list[Finding]:
+    """``findings`` of an opaque callable restated: full remat judged from what classic remat
+    keeps (:func:`_opaque_full_remat`), its no-op cause its own (:func:`_callable_no_op`)."""
+    findings = [f for f in findings if f.code != "acts-as-full-remat"]
+    findings += _opaque_full_remat(make_loss, jax_policy, args)
+    # compare read the opaque callable as a name policy naming nothing: its no-op cause
+    # (layers outside every remat) is that reading's; the callable saves what it is asked
+    if any(f.code == "saves-everything" for f in findings):  # the same fact, its cause
+        findings = [f for f in findings if f.code != "no-op-policy"]
+    return [_callable_no_op(f) if f.code == "no-op-policy" else f for f in findings]
 
 
 def _callable_no_op(finding: Finding) -> Finding:

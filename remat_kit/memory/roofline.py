@@ -676,6 +676,24 @@ def _marker(instr: hlo.Instruction, count: int, rec: bool) -> Kernel:
     return Kernel(instr.name, "done", count, 0.0, "", 0.0, 0.0, 0, 0, instr.op_name, rec, (), start)
 
 
+@dataclasses.dataclass
+class _Cost:
+    """One instruction's cost per execution as :func:`_kernel` works it out (bytes, FLOPs,
+    operations); its fields become the :class:`Kernel`'s."""
+
+    kind: str
+    operand_bytes: list[int]  # bytes read per operand
+    bytes_read: int
+    bytes_written: int
+    flops: float
+    batched_flops: float
+    dtype: str
+    gemm: tuple[int, int, int] | tuple[()]
+    elementwise: float = 0.0
+    transcendental: float = 0.0
+    group: tuple[int, ...] = ()
+
+
 def _kernel(
     instr: hlo.Instruction,
     comps: dict[str, hlo.Computation],
@@ -684,85 +702,110 @@ def _kernel(
     rec: bool,
     memo: dict,
 ) -> Kernel:
-    op = instr.opcode
-    base = op.removesuffix("-start")
+    """One executed instruction as the roofline costs it: ``count`` executions per step,
+    ``rec`` whether it recomputes; ``memo`` caches what fused computations hold."""
+    cost = _direct_cost(instr, shapes)
+    if instr.opcode == "fusion":
+        _fusion_cost(instr, comps, shapes, memo, cost)
+    else:
+        _opcode_cost(instr, shapes, cost)
+    if instr.opcode == "custom-call" and _HOST.search(instr.shape):
+        cost.kind = "host_transfer"
+    reads = cost.operand_bytes
+    if cost.bytes_read != sum(reads):  # a whole-kernel rule changed the bytes: spread them
+        total = sum(reads) or 1
+        reads = [int(cost.bytes_read * r / total) for r in reads]
+    return Kernel(
+        name=instr.name,
+        kind=cost.kind,
+        count=count,
+        flops=cost.flops,
+        dtype=cost.dtype,
+        elementwise=cost.elementwise,
+        transcendental=cost.transcendental,
+        bytes_read=cost.bytes_read,
+        bytes_written=cost.bytes_written,
+        op_name=instr.op_name,
+        recompute=rec,
+        reads=tuple(zip(instr.operands, reads, strict=True)),
+        async_start=instr.name if instr.opcode.endswith("-start") else "",
+        batched_flops=cost.batched_flops,
+        gemm=cost.gemm,
+        group=cost.group,
+    )
+
+
+def _direct_cost(instr: hlo.Instruction, shapes: dict[str, str]) -> _Cost:
+    """An instruction's cost read off its own shapes, before its opcode's rule: its operands'
+    and output's bytes, its matmul FLOPs (dtype, ``gemm`` dims); kind ``other``."""
     reads = [_nbytes(shapes.get(o, "")) for o in instr.operands]
-    read = sum(reads)
     written = _nbytes(instr.shape)
     flops = hlo.instruction_flops(instr, shapes)
     batched = flops if flops and hlo.is_batched_matmul(instr) else 0.0
     dtype = _dtype_of(shapes.get(instr.operands[0], "")) if flops and instr.operands else ""
-    elementwise = transcendental = 0.0
-    kind = "other"
     gemm = (hlo.gemm_dims(instr) or ()) if flops else ()
-    group: tuple[int, ...] = ()
-    if op == "fusion":
-        reads, written = _fusion_bytes(instr, comps, shapes)
-        read = sum(reads)
-        inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
-        flops, batched, dtype = inner.flops, inner.batched_flops, inner.dtype
-        gemm = inner.gemm
-        elementwise, transcendental = inner.elementwise, inner.transcendental
-        kind = "matmul" if flops else "fusion"
-    elif flops:
+    return _Cost("other", reads, sum(reads), written, flops, batched, dtype, gemm)
+
+
+def _fusion_cost(
+    instr: hlo.Instruction,
+    comps: dict[str, hlo.Computation],
+    shapes: dict[str, str],
+    memo: dict,
+    cost: _Cost,
+) -> None:
+    """Set a fusion's ``cost``: bytes at its boundary (:func:`_fusion_bytes`), FLOPs and
+    operations of the computation it calls (:func:`_inside`); kind ``matmul`` or ``fusion``."""
+    cost.operand_bytes, cost.bytes_written = _fusion_bytes(instr, comps, shapes)
+    cost.bytes_read = sum(cost.operand_bytes)
+    inner = _inside(comps, _callees(instr)[0], memo) if _callees(instr) else _Inside()
+    cost.flops, cost.batched_flops, cost.dtype = inner.flops, inner.batched_flops, inner.dtype
+    cost.gemm = inner.gemm
+    cost.elementwise, cost.transcendental = inner.elementwise, inner.transcendental
+    cost.kind = "matmul" if cost.flops else "fusion"
+
+
+def _touches_host(instr: hlo.Instruction, shapes: dict[str, str]) -> bool:
+    """Whether the instruction's output or an operand lives in host memory (``S(5)``)."""
+    return bool(
+        _HOST.search(instr.shape) or any(_HOST.search(shapes.get(o, "")) for o in instr.operands)
+    )
+
+
+def _opcode_cost(instr: hlo.Instruction, shapes: dict[str, str], cost: _Cost) -> None:
+    """Apply the rule of an unfused instruction's opcode to ``cost``: its kind, the bytes it
+    moves (a ``copy-start`` its array once, a collective its wire bytes, a slice or in-place
+    update its slice) and its elementwise or transcendental operations."""
+    op = instr.opcode
+    base = op.removesuffix("-start")
+    if cost.flops:
         target = hlo._call_target(instr)
-        kind = "attention" if target.startswith("__cudnn$fmha") else "matmul"
-    elif op in ("copy-start",) or (op == "copy" and (_HOST.search(instr.shape) or any(
-        _HOST.search(shapes.get(o, "")) for o in instr.operands
-    ))):  # fmt: skip
-        kind = (
-            "host_transfer"
-            if (
-                _HOST.search(instr.shape)
-                or any(_HOST.search(shapes.get(o, "")) for o in instr.operands)
-            )
-            else "copy"
-        )
+        cost.kind = "attention" if target.startswith("__cudnn$fmha") else "matmul"
+    elif op in ("copy-start",) or (op == "copy" and _touches_host(instr, shapes)):
+        cost.kind = "host_transfer" if _touches_host(instr, shapes) else "copy"
         if op == "copy-start":  # (dest, src, context) tuple: the array moved once
             arrays = hlo.array_shapes(instr.shape)
             moved = hlo.shape_bytes(*arrays[0]) if arrays else 0
-            read, written = moved, moved
+            cost.bytes_read, cost.bytes_written = moved, moved
     elif base in _COLLECTIVES:
-        kind = "collective"
-        group = replica_group(instr)
-        side = max(read, written)
-        read, written = int(side * _collective_factor(base, len(group))), 0
+        cost.kind = "collective"
+        cost.group = replica_group(instr)
+        side = max(cost.bytes_read, cost.bytes_written)
+        cost.bytes_read = int(side * _collective_factor(base, len(cost.group)))
+        cost.bytes_written = 0
     elif op in ("copy", "transpose"):
-        kind = "copy"
+        cost.kind = "copy"
     elif op in ("dynamic-update-slice",) and len(instr.operands) > 1:
         update = _nbytes(shapes.get(instr.operands[1], ""))
-        read, written = update, update
+        cost.bytes_read, cost.bytes_written = update, update
     elif op in ("dynamic-slice", "slice"):
-        read = written
+        cost.bytes_read = cost.bytes_written
     elif op in _TRANSCENDENTAL:
-        transcendental = _elements(instr.shape)
+        cost.transcendental = _elements(instr.shape)
     elif op in _ELEMENTWISE:
-        elementwise = _elements(instr.shape)
+        cost.elementwise = _elements(instr.shape)
     elif op in ("reduce", "reduce-window") and instr.operands:
-        elementwise = _elements(shapes.get(instr.operands[0], ""))
-    if op == "custom-call" and _HOST.search(instr.shape):
-        kind = "host_transfer"
-    if read != sum(reads):  # a whole-kernel rule changed the bytes: spread over the operands
-        total = sum(reads) or 1
-        reads = [int(read * r / total) for r in reads]
-    return Kernel(
-        name=instr.name,
-        kind=kind,
-        count=count,
-        flops=flops,
-        dtype=dtype,
-        elementwise=elementwise,
-        transcendental=transcendental,
-        bytes_read=read,
-        bytes_written=written,
-        op_name=instr.op_name,
-        recompute=rec,
-        reads=tuple(zip(instr.operands, reads, strict=True)),
-        async_start=instr.name if op.endswith("-start") else "",
-        batched_flops=batched,
-        gemm=gemm,
-        group=group,
-    )
+        cost.elementwise = _elements(shapes.get(instr.operands[0], ""))
 
 
 # -- Timing the schedule ---------------------------------------------------------------------
@@ -828,70 +871,7 @@ def time_kernels(
 ) -> StepTime:
     """Sum the roofline over ``kernels`` in schedule order (see the module docstring), plus
     ``fresh_bytes / figures.fresh_bytes_per_s`` where the backend allocates per step."""
-    terms = dict.fromkeys(
-        ("compute", "memory", "cache", "elementwise", "launch", "host_link", "interconnect"), 0.0
-    )
-    recompute = 0.0
-    per_kernel: list[KernelTime] = []
-    n_kernels = 0
-    # Asynchronous work in flight: start name -> [seconds left per execution, term, count].
-    in_flight: dict[str, list] = {}
-    reuse = _ReuseModel(figures.cache_bytes)
-    for k in kernels:
-        if k.kind == "done":
-            left = in_flight.pop(k.async_start, None)
-            if left:
-                terms[left[1]] += left[0] * left[2]
-            continue
-        n_kernels += k.count
-        if k.kind in ("host_transfer", "collective"):
-            term = "host_link" if k.kind == "host_transfer" else "interconnect"
-            bw = (
-                figures.host_link_bytes_per_s
-                if term == "host_link"
-                else collective_bandwidth(k.group, figures)
-            )
-            # a transfer's bytes cross once (read on one side, written on the other); a
-            # collective's wire bytes are its bytes_read (see _collective_factor)
-            nbytes = k.bytes_read if k.kind == "collective" else max(k.bytes_read, k.bytes_written)
-            seconds = nbytes / bw if bw else 0.0
-            if k.async_start:
-                in_flight[k.async_start] = [seconds, term, k.count]
-            else:
-                terms[term] += seconds * k.count
-                _hide(in_flight, seconds, k.count)
-            per_kernel.append(
-                KernelTime(k.name, k.kind, k.count, seconds * k.count, term, k.op_name)
-            )
-            continue
-        compute = _matmul_seconds(k, figures)
-        cached, uncached = reuse.split(k)
-        memory = cached / figures.cache_bytes_per_s + uncached / figures.memory_bytes_per_s
-        vector = (
-            k.elementwise / figures.elementwise_per_s
-            + k.transcendental / figures.transcendental_per_s
-        )
-        body = max(compute, memory, vector)
-        if body == compute and compute:
-            bound = "compute"
-        elif body == memory:
-            bound = "cache" if cached > uncached else "memory"
-        else:
-            bound = "elementwise"
-        per_exec = body + figures.launch_s
-        terms[bound] += body * k.count
-        terms["launch"] += figures.launch_s * k.count
-        if k.recompute:
-            recompute += per_exec * k.count
-        if k.async_start:  # work wrapped in an async-start (not a transfer): runs alongside
-            in_flight[k.async_start] = [per_exec, bound, k.count]
-            terms[bound] -= body * k.count
-            terms["launch"] -= figures.launch_s * k.count
-            continue
-        _hide(in_flight, per_exec, k.count)
-        per_kernel.append(KernelTime(k.name, k.kind, k.count, per_exec * k.count, bound, k.op_name))
-    for seconds, term, count in in_flight.values():  # never closed: exposed
-        terms[term] += seconds * count
+    terms, recompute, n_kernels, per_kernel = _tally(kernels, figures)
     per_kernel.sort(key=lambda t: -t.time_s)
     allocation = fresh_bytes / figures.fresh_bytes_per_s if figures.fresh_bytes_per_s else 0.0
     total = sum(terms.values()) + allocation
@@ -911,6 +891,90 @@ def time_kernels(
         measured_figures=figures.measured,
         calibration=figures.calibration,
     )
+
+
+def _tally(
+    kernels: Iterable[Kernel], figures: DeviceFigures
+) -> tuple[dict[str, float], float, int, list[KernelTime]]:
+    """Walk ``kernels`` in schedule order: ``(seconds per term, recompute seconds, kernel
+    executions, each kernel's time)``, asynchronous work hidden behind what runs meanwhile."""
+    terms = dict.fromkeys(
+        ("compute", "memory", "cache", "elementwise", "launch", "host_link", "interconnect"), 0.0
+    )
+    recompute = 0.0
+    per_kernel: list[KernelTime] = []
+    n_kernels = 0
+    # Asynchronous work in flight: start name -> [seconds left per execution, term, count].
+    in_flight: dict[str, list] = {}
+    reuse = _ReuseModel(figures.cache_bytes)
+    for k in kernels:
+        if k.kind == "done":
+            left = in_flight.pop(k.async_start, None)
+            if left:
+                terms[left[1]] += left[0] * left[2]
+            continue
+        n_kernels += k.count
+        if k.kind in ("host_transfer", "collective"):
+            seconds, term = _transfer_seconds(k, figures)
+            if k.async_start:
+                in_flight[k.async_start] = [seconds, term, k.count]
+            else:
+                terms[term] += seconds * k.count
+                _hide(in_flight, seconds, k.count)
+            per_kernel.append(
+                KernelTime(k.name, k.kind, k.count, seconds * k.count, term, k.op_name)
+            )
+            continue
+        body, bound = _roofline_body(k, figures, reuse)
+        per_exec = body + figures.launch_s
+        terms[bound] += body * k.count
+        terms["launch"] += figures.launch_s * k.count
+        if k.recompute:
+            recompute += per_exec * k.count
+        if k.async_start:  # work wrapped in an async-start (not a transfer): runs alongside
+            in_flight[k.async_start] = [per_exec, bound, k.count]
+            terms[bound] -= body * k.count
+            terms["launch"] -= figures.launch_s * k.count
+            continue
+        _hide(in_flight, per_exec, k.count)
+        per_kernel.append(KernelTime(k.name, k.kind, k.count, per_exec * k.count, bound, k.op_name))
+    for seconds, term, count in in_flight.values():  # never closed: exposed
+        terms[term] += seconds * count
+    return terms, recompute, n_kernels, per_kernel
+
+
+def _transfer_seconds(k: Kernel, figures: DeviceFigures) -> tuple[float, str]:
+    """``(seconds per execution, term)`` of a host transfer (``host_link``) or a collective
+    (``interconnect``): its bytes over the link's bandwidth; 0 where the bandwidth is unknown."""
+    term = "host_link" if k.kind == "host_transfer" else "interconnect"
+    bw = (
+        figures.host_link_bytes_per_s
+        if term == "host_link"
+        else collective_bandwidth(k.group, figures)
+    )
+    # a transfer's bytes cross once (read on one side, written on the other); a
+    # collective's wire bytes are its bytes_read (see _collective_factor)
+    nbytes = k.bytes_read if k.kind == "collective" else max(k.bytes_read, k.bytes_written)
+    return (nbytes / bw if bw else 0.0), term
+
+
+def _roofline_body(k: Kernel, figures: DeviceFigures, reuse: _ReuseModel) -> tuple[float, str]:
+    """``(seconds per execution, bound)`` of a kernel's work, launch left out: the longest of
+    its matmul, memory (cache or DRAM, per ``reuse``) and vector times, and which bound it."""
+    compute = _matmul_seconds(k, figures)
+    cached, uncached = reuse.split(k)
+    memory = cached / figures.cache_bytes_per_s + uncached / figures.memory_bytes_per_s
+    vector = (
+        k.elementwise / figures.elementwise_per_s + k.transcendental / figures.transcendental_per_s
+    )
+    body = max(compute, memory, vector)
+    if body == compute and compute:
+        bound = "compute"
+    elif body == memory:
+        bound = "cache" if cached > uncached else "memory"
+    else:
+        bound = "elementwise"
+    return body, bound
 
 
 def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
@@ -1165,6 +1229,18 @@ def measure(runs: int = 5) -> dict[str, float]:
 
     Returns rates per second, ``cache_bytes`` and ``launch_s``.
     """
+    out = _measure_matmuls(runs)
+    out.update(_measure_memory(runs))
+    out["launch_s"] = _measure_launch(runs)
+    out["cache_bytes_per_s"] = _measure_cache(runs, out["launch_s"])
+    out.update(_measure_vector(runs, out["cache_bytes_per_s"]))
+    out["cache_bytes"] = float(_last_level_cache_bytes() or 0)
+    return out
+
+
+def _measure_matmuls(runs: int) -> dict[str, float]:
+    """Matmul rates, FLOP/s per dtype: ``peak_flops_*`` from a [1024, 1024] square matmul,
+    ``batched_flops_*`` from attention's two batched matmuls (32 heads, 256 tokens, dim 64)."""
     import jax
     import jax.numpy as jnp
 
@@ -1184,6 +1260,14 @@ def measure(runs: int = 5) -> dict[str, float]:
         t_scores = _best_of(lambda bmm=bmm, q=q, kt=kt: bmm(q, kt), runs)
         t_context = _best_of(lambda bmm=bmm, p=p, q=q: bmm(p, q), runs)
         out[f"batched_flops_{name}"] = 2 * 2 * heads * seq * seq * dim / (t_scores + t_context)
+    return out
+
+
+def _measure_memory(runs: int) -> dict[str, float]:
+    """``memory_bytes_per_s`` (DRAM bytes/s, a 256 MiB update in place) and
+    ``fresh_bytes_per_s`` (bytes/s of a fresh output's pages faulted in, beyond that)."""
+    import jax
+    import jax.numpy as jnp
 
     nbytes = 256 * 2**20
     state = {"x": jnp.ones((nbytes // 4,), jnp.float32)}
@@ -1201,12 +1285,18 @@ def measure(runs: int = 5) -> dict[str, float]:
 
     t_inplace = _best_of(step, max(2, runs // 2))
     state.clear()
-    out["memory_bytes_per_s"] = 2 * nbytes / t_inplace
-    # What a fresh 256 MiB output costs beyond the same work in place: faulting its pages in.
-    out["fresh_bytes_per_s"] = nbytes / max(t_fresh - t_inplace, 1e-9)
+    return {
+        "memory_bytes_per_s": 2 * nbytes / t_inplace,
+        # What a fresh 256 MiB output costs beyond the same work in place: faulting its pages in.
+        "fresh_bytes_per_s": nbytes / max(t_fresh - t_inplace, 1e-9),
+    }
 
-    def loop(k):
-        return jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda i, v: v * 1.0001 + 0.5, x))
+
+def _measure_launch(runs: int) -> float:
+    """Seconds to launch one kernel: a loop of 2,000 iterations of two tiny kernels against
+    one iteration."""
+    import jax
+    import jax.numpy as jnp
 
     # Launch: a loop whose body is two tiny kernels (an [8, 8] matmul and an add), so each
     # iteration dispatches real kernels (XLA compiles a purely elementwise loop into one).
@@ -1221,17 +1311,30 @@ def measure(runs: int = 5) -> dict[str, float]:
     long_loop, one = tiny_loop(iters), tiny_loop(1)
     t_loop = _best_of(lambda: long_loop(tiny), runs)
     t_one = _best_of(lambda: one(tiny), runs)
-    out["launch_s"] = max((t_loop - t_one) / (iters - 1) / 2, 1e-9)
+    return max((t_loop - t_one) / (iters - 1) / 2, 1e-9)
 
-    # Cache: 1 MiB re-read 200 times (fits any L2/LLC); the loop's launch cost taken out.
+
+def _measure_cache(runs: int, launch_s: float) -> float:
+    """Cache bandwidth, bytes/s: 1 MiB re-read 200 times (fits any L2/LLC), the loop's
+    ``launch_s`` (seconds per kernel) taken out."""
+    import jax
+    import jax.numpy as jnp
+
     small = jnp.ones((2**18,), jnp.float32)
     reps = 200
-    cached = loop(reps)
+    cached = jax.jit(lambda x: jax.lax.fori_loop(0, reps, lambda i, v: v * 1.0001 + 0.5, x))
     t_small = _best_of(lambda: cached(small), runs)
-    per = max(t_small / reps - out["launch_s"], 1e-9)
-    out["cache_bytes_per_s"] = 2 * small.nbytes / per
+    per = max(t_small / reps - launch_s, 1e-9)
+    return 2 * small.nbytes / per
 
-    # Elementwise: 32 dependent multiply-adds per element of a cache-resident array.
+
+def _measure_vector(runs: int, cache_bytes_per_s: float) -> dict[str, float]:
+    """``elementwise_per_s`` (operations/s: 32 dependent multiply-adds per element of a 4 MiB
+    array) and ``transcendental_per_s`` (tanh/s, its bytes' time at ``cache_bytes_per_s``
+    taken out)."""
+    import jax
+    import jax.numpy as jnp
+
     mid = jnp.ones((2**20,), jnp.float32)  # 4 MiB
 
     def chain(x):
@@ -1241,13 +1344,11 @@ def measure(runs: int = 5) -> dict[str, float]:
 
     chained, tanh = jax.jit(chain), jax.jit(jnp.tanh)
     t_chain = _best_of(lambda: chained(mid), runs)
-    out["elementwise_per_s"] = 64 * mid.size / t_chain  # mul and add each one operation
+    elementwise = 64 * mid.size / t_chain  # mul and add each one operation
     t_tanh = _best_of(lambda: tanh(mid), runs)
     # tanh's own bytes are small beside its arithmetic on a CPU; take the bytes' time out.
-    t_tanh_ops = max(t_tanh - 2 * mid.nbytes / out["cache_bytes_per_s"], t_tanh / 4)
-    out["transcendental_per_s"] = mid.size / t_tanh_ops
-    out["cache_bytes"] = float(_last_level_cache_bytes() or 0)
-    return out
+    t_tanh_ops = max(t_tanh - 2 * mid.nbytes / cache_bytes_per_s, t_tanh / 4)
+    return {"elementwise_per_s": elementwise, "transcendental_per_s": mid.size / t_tanh_ops}
 
 
 def _last_level_cache_bytes() -> int | None:

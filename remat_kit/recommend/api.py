@@ -214,9 +214,8 @@ def recommend(
         ``remat_group_size`` is the base group size), made a program by :func:`remat_kit.preset`;
         or any :class:`~remat_kit.Program` (a user's: by default the policies ``analyze``
         compiles on it, those that act on the tags it emits and specs in its own tag names, and
-        with ``solve`` per-tag choices over them; ``seq_len``,
-        ``batch_size``, ``group_sizes``, ``optimizer`` and ``mesh`` do not apply, the program
-        carries its own arguments).
+        with ``solve`` per-tag choices over them; ``seq_len``, ``batch_size``, ``group_sizes``,
+        ``optimizer`` and ``mesh`` do not apply, the program carries its own arguments).
       seq_len: tokens per sequence (required for a preset).
       target: a GPU target name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"a100-40gb"``,
         ``"l4"``) or a :class:`~remat_kit.targets.Target` with known peak FLOP/s.
@@ -264,6 +263,25 @@ def recommend(
         state (the message gives the compiled peak of the usual least-memory policy: a
         budget that fits).
     """
+    program = _program_of(model, seq_len, batch_size, optimizer, mesh, solve)
+    return recommend_program(
+        program, target, auto=batch_size == "auto", budget=budget, solve=solve, policies=policies,
+        group_sizes=group_sizes, margin=margin, max_compiles=max_compiles, workers=workers,
+        cache=cache, structure=structure,
+    )  # fmt: skip
+
+
+def _program_of(
+    model: str | ModelConfig | Program,
+    seq_len: int | None,
+    batch_size: int | Literal["auto"] | None,
+    optimizer: str | None,
+    mesh: str | T.MeshSpec | None,
+    solve: bool,
+) -> Program:
+    """The program :func:`recommend` searches: ``model`` itself, or a preset's at ``seq_len``
+    tokens per sequence and ``batch_size`` sequences (default one per dp*fsdp device of
+    ``mesh``; 1 to start from with ``"auto"``), its arguments checked."""
     auto = batch_size == "auto"
     spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
@@ -276,12 +294,7 @@ def recommend(
         split = spec.dp * spec.fsdp if spec is not None else 1
         batch_size = 1 if auto else (split if batch_size is None else batch_size)
         _check_batch(batch_size, solve and auto)
-    program = as_program(model, batch_size, seq_len, optimizer, spec)
-    return recommend_program(
-        program, target, auto=auto, budget=budget, solve=solve, policies=policies,
-        group_sizes=group_sizes, margin=margin, max_compiles=max_compiles, workers=workers,
-        cache=cache, structure=structure,
-    )  # fmt: skip
+    return as_program(model, batch_size, seq_len, optimizer, spec)
 
 
 def recommend_program(

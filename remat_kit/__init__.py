@@ -41,6 +41,7 @@ from remat_kit.policies import policy_specs as policy_specs
 from remat_kit.policies import remat_implementation as remat_implementation
 from remat_kit.program import Program as Program
 from remat_kit.program import load_program as load_program
+from remat_kit.program import sharded as sharded
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.tagging import tag_eqx as tag_eqx
@@ -106,6 +107,7 @@ __all__ = [
     "program_tags",
     "recommend",
     "remat_implementation",
+    "sharded",
     "tag_eqx",
     "tag_linen",
     "tag_nnx",

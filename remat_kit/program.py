@@ -66,7 +66,7 @@ from remat_kit import targets as T
 from remat_kit.optimizers import make_optimizer
 from remat_kit.policies import PolicySpec, get_policy_spec, remat_implementation
 from remat_kit.units import format_bytes
-from remat_kit.validation import unknown_value_error
+from remat_kit.validation import positive_int, unknown_value_error
 from remat_kit.walker import (
     Residual,
     TagResiduals,
@@ -82,6 +82,8 @@ from remat_kit.walker import (
 
 #: ``make_step`` / ``make_loss``: a jax.checkpoint policy (None: no remat) -> function.
 Factory = Callable[[Callable[..., Any] | None], Callable[..., Any]]
+#: ``(target, the step's argument names) -> Placement``: a program's layout (:func:`sharded`).
+Layout = Callable[[T.Target, Sequence[str]], "Placement"]
 
 
 def jax_policy(spec: PolicySpec) -> Callable[..., Any] | None:
@@ -460,6 +462,9 @@ class Program:
     loss_args: tuple[Any, ...] = ()
     argnums: tuple[int, ...] = (0,)
     argument_names: tuple[str, ...] = ()
+    #: How the step's arguments are laid out over a target's devices (:func:`sharded`); None:
+    #: one device, unsharded. Set it with ``dataclasses.replace(program, layout=...)``.
+    layout: Layout | None = dataclasses.field(default=None, repr=False, compare=False)
     #: ``loss -> step`` of a :meth:`from_loss` program (the step built around a given loss);
     #: None for a user's own step.
     step_of_loss: Callable[[Callable[..., Any]], Callable[..., Any]] | None = dataclasses.field(
@@ -700,8 +705,11 @@ class Program:
         return (pure.nnx_index, *(1 + rest.index(i) for i in self.donate_argnums if i in rest))
 
     def place(self, target: T.Target) -> Placement:
-        """Where the step's arguments live on ``target``: one device, each array leaf a
-        ``ShapeDtypeStruct`` with the target's single-device sharding."""
+        """Where the step's arguments live on ``target``: laid out by :attr:`layout` where the
+        program has one, else on one device, each array leaf a ``ShapeDtypeStruct`` with the
+        target's single-device sharding."""
+        if self.layout is not None:
+            return self.layout(T.get_target(target), self.baseline_step().names)
         sharding = T.abstract_sharding(target)
         return Placement(lambda args: tuple(T.abstractify(a, sharding) for a in args))
 
@@ -801,6 +809,56 @@ class Placement:
     def devices(self) -> int:
         """Devices the step is compiled for."""
         return 1 if self.mesh is None else self.mesh.size
+
+
+def sharded(axes: Mapping[str, int], specs: Mapping[str, Any] | None = None) -> Layout:
+    """A program's layout over a mesh of a target's devices, for ``Program.layout``.
+
+    ``dataclasses.replace(program, layout=sharded({"fsdp": 4}, {"x": P("fsdp")}))`` compiles
+    the step on 4 of the target's devices (chips), the argument ``x`` split over them on its
+    first dimension and every other argument replicated; the figures are then per device.
+
+    Args:
+      axes: the mesh's axes and sizes, in order (``{"dp": 2, "tp": 4}``); their product is the
+        number of devices used (at most the target's).
+      specs: a ``jax.sharding.PartitionSpec`` per step argument, by the name the step's
+        arguments are traced under (``Program.step(spec).names``: a :meth:`Program.from_loss`
+        step's ``opt_state`` and the loss's arguments; NNX objects as one state, their names
+        joined by ``+``): one spec for every array leaf of the argument, or a pytree of specs
+        matching it (a prefix of it). Arguments not named are replicated (``P()``).
+
+    Raises:
+      ValueError: no axes or a size below 1; later, when a tool places the program, a spec
+        for an argument the step does not take (the message lists its arguments) or more
+        devices than the target has.
+    """
+    sizes = {str(k): positive_int(f"mesh axis {k!r} size", v) for k, v in axes.items()}
+    if not sizes:
+        raise ValueError("axes is empty: give the mesh's axes and sizes, e.g. {'fsdp': 4}")
+    given = dict(specs or {})
+
+    def layout(target: T.Target, names: Sequence[str]) -> Placement:
+        for name in given:
+            if name not in names:
+                raise unknown_value_error("argument of the step", name, names)
+        devices = T.compile_devices(target, math.prod(sizes.values()))
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(tuple(sizes.values())), tuple(sizes))
+
+        def lay(spec: Any, arg: Any) -> Any:
+            return T.abstractify(arg, jax.sharding.NamedSharding(mesh, spec))
+
+        def place(args: Sequence[Any]) -> tuple[Any, ...]:
+            is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+            return tuple(
+                jax.tree.map(
+                    lay, given.get(name, jax.sharding.PartitionSpec()), arg, is_leaf=is_spec
+                )  # fmt: skip
+                for name, arg in zip(names, args, strict=True)
+            )
+
+        return Placement(place, mesh)
+
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)

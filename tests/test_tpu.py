@@ -320,3 +320,54 @@ def test_the_doctor_judges_freed_memory_on_a_tpu_by_the_peak_not_xlas_temp():
     (findings,) = doctor.check_policies(program, ["save-nothing"], "v5e-1")
     codes = {f.code for f in findings}
     assert not codes & {"remat-not-lowering-peak", "no-op-policy"}, [f.line() for f in findings]
+
+
+def _toy_program():
+    """Four tanh layers of one [256, 256] f32 weight over x [1024, 256], tagged 'hidden'."""
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    def make_loss(policy):
+        def layer(x, w):
+            return jnp.tanh(checkpoint_name(x @ w, "hidden"))
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+        def loss(w, x):
+            for _ in range(4):
+                x = body(x, w)
+            return x.sum()
+
+        return loss
+
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+    return remat_kit.Program.from_loss(make_loss, w, x, name="toy")
+
+
+@needs_libtpu
+def test_a_users_program_laid_out_over_the_chips_gives_per_chip_figures():
+    """A user's program on a multi-chip slice was compiled on one chip, unsharded, with no way
+    to say otherwise (issue 53): a layout puts it on a mesh of the slice's chips, its batch
+    split over them, and every figure is per chip."""
+    import dataclasses
+
+    from jax.sharding import PartitionSpec as P
+
+    prog = _toy_program()
+    policies = ["no-remat", "save-nothing"]
+    one = analyze_policies(prog, policies, "v5e-4")
+    laid = dataclasses.replace(prog, layout=remat_kit.sharded({"dp": 4}, {"x": P("dp")}))
+    four = analyze_policies(laid, policies, "v5e-4")
+    assert all("compiled on 1 of v5e-4's 4 devices" in " ".join(r.warnings) for r in one)
+    for a, b in zip(one, four, strict=True):
+        assert not any("compiled on 1 of" in w for w in b.warnings), b.warnings
+        # the activations ([1024, 256] per layer) split 4 ways; the weight replicated
+        assert b.peak_bytes < a.peak_bytes / 2, (a.peak_bytes, b.peak_bytes)
+    # x's arguments bytes per chip: a quarter of its 1 MiB
+    assert four[0].argument_bytes < one[0].argument_bytes - 700 * 1024
+    bad = dataclasses.replace(prog, layout=remat_kit.sharded({"dp": 4}, {"y": P("dp")}))
+    with pytest.raises(ValueError, match=r"unknown argument of the step 'y'; valid: opt_state"):
+        analyze_policies(bad, ["no-remat"], "v5e-4")
+    with pytest.raises(ValueError, match="axes is empty"):
+        remat_kit.sharded({})

@@ -265,12 +265,19 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
         fix = (
             "--mesh / mesh= shards a preset over them (docs/tpu.md)"
             if setup.program.model_config is not None
+            else "its layout's mesh is that size (remat_kit.sharded)"
+            if setup.program.layout is not None
             else "a Program's arguments are placed on one device: its figures are one chip "
-            "running the whole step, unsharded"
+            "running the whole step, unsharded (lay it out over the chips with "
+            "dataclasses.replace(program, layout=remat_kit.sharded(...)))"
         )
         notes.append(
             f"compiled on {setup.placement.devices} of {setup.target.name}'s {whole} devices "
             f"(chips): {fix}"
+        )
+    if setup.program.layout is not None and setup.placement.devices > 1 and setup.program.make_loss:
+        notes.append(
+            "residuals are the whole step's (the traced, global shapes), the peak per device"
         )
     if not spec.wrap and setup.reach.no_remat_note():
         notes.append(setup.reach.no_remat_note())

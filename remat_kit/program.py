@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -522,55 +523,8 @@ class Program:
         _check_params(args, nums, names[1:])
         check_loss(make_loss, args, names[1:])
         tx = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
-        # the differentiated arrays: each parameter's array leaves (filter semantics)
-        params = tuple(partition(_diff_part(args[i])[0], is_float_array)[0] for i in nums)
-        concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
-        # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
-        opt_state = tx.init(params) if concrete else jax.eval_shape(tx.init, params)
-
-        def step_of_loss(loss):
-            def step(opt_state, *loss_args):
-                parts = [_diff_part(loss_args[i]) for i in nums]
-                # floats differentiated; integer and boolean arrays carried (filter semantics)
-                floats = [partition(arrays, is_float_array) for arrays, _ in parts]
-
-                def of_arrays(*diff):
-                    full = list(loss_args)
-                    for n, (i, arrays) in enumerate(zip(nums, diff, strict=True)):
-                        full[i] = _whole(combine(arrays, floats[n][1]), parts[n][1])
-                    # what the loss changed in an NNX parameter's other variables (RNG
-                    # counters, batch statistics), carried out of the differentiated function
-                    changed = tuple(
-                        nnx.split(full[i], nnx.Param, ...)[2] if _is_nnx(full[i]) else None
-                        for i in nums
-                    )
-                    return loss(*full), changed
-
-                params = tuple(f for f, _ in floats)
-                (value, changed), grads = jax.value_and_grad(
-                    of_arrays, argnums=tuple(range(len(nums))), has_aux=True
-                )(*params)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                new, kept = optax.apply_updates(params, updates), []
-                for n, (i, arrays, rest) in enumerate(zip(nums, new, changed, strict=True)):
-                    arrays = combine(arrays, floats[n][1])
-                    if _is_nnx(loss_args[i]):  # updated in place: the step's NNX state out
-                        nnx.update(loss_args[i], arrays, rest)
-                    else:
-                        kept.append(arrays)
-                # outputs in the order of the donated inputs (optimizer state, parameters), as
-                # a user's step returns them: out of order, JAX pairs each donated input with
-                # the first output of its shape (Adam's moments have the parameters' shapes),
-                # XLA:CPU then copies to update in place, and the peak was 1-6% above the
-                # user's own step (s19 trials; the h100 target's agreed either way)
-                return opt_state, tuple(kept), value
-
-            # the loss's own argument names in JAX's debug info, so buffers read "params..."
-            # (the loss's name for them), not "loss_args[0]..."
-            if all(n.isidentifier() for n in names) and len(set(names)) == len(names):
-                only = inspect.Parameter.POSITIONAL_ONLY
-                step.__signature__ = inspect.Signature([inspect.Parameter(n, only) for n in names])
-            return step
+        opt_state = _initial_opt_state(tx, args, nums)
+        step_of_loss = functools.partial(_loss_step, tx=tx, nums=nums, names=names)
 
         def make_step(policy):
             return step_of_loss(make_loss(policy))
@@ -1086,6 +1040,69 @@ def _whole(arrays: Any, static: _Static | _NnxRest | None) -> Any:
     return combine(arrays, static)
 
 
+def _initial_opt_state(
+    tx: optax.GradientTransformation, args: Sequence[Any], nums: Sequence[int]
+) -> Any:
+    """The optimizer's initial state for the array leaves of the parameters ``args[nums]``."""
+    # the differentiated arrays: each parameter's array leaves (filter semantics)
+    params = tuple(partition(_diff_part(args[i])[0], is_float_array)[0] for i in nums)
+    concrete = all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+    # the optimizer's own initial state on concrete parameters (abstract ones: its shapes)
+    return tx.init(params) if concrete else jax.eval_shape(tx.init, params)
+
+
+def _loss_step(
+    loss: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    nums: tuple[int, ...],
+    names: tuple[str, ...],
+) -> Callable[..., Any]:
+    """The step of :meth:`Program.from_loss` around ``loss``: gradients of the arguments
+    ``nums``, then ``tx``'s update; ``names``: the step's argument names."""
+
+    def step(opt_state, *loss_args):
+        parts = [_diff_part(loss_args[i]) for i in nums]
+        # floats differentiated; integer and boolean arrays carried (filter semantics)
+        floats = [partition(arrays, is_float_array) for arrays, _ in parts]
+
+        def of_arrays(*diff):
+            full = list(loss_args)
+            for n, (i, arrays) in enumerate(zip(nums, diff, strict=True)):
+                full[i] = _whole(combine(arrays, floats[n][1]), parts[n][1])
+            # what the loss changed in an NNX parameter's other variables (RNG
+            # counters, batch statistics), carried out of the differentiated function
+            changed = tuple(
+                nnx.split(full[i], nnx.Param, ...)[2] if _is_nnx(full[i]) else None for i in nums
+            )
+            return loss(*full), changed
+
+        params = tuple(f for f, _ in floats)
+        (value, changed), grads = jax.value_and_grad(
+            of_arrays, argnums=tuple(range(len(nums))), has_aux=True
+        )(*params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new, kept = optax.apply_updates(params, updates), []
+        for n, (i, arrays, rest) in enumerate(zip(nums, new, changed, strict=True)):
+            arrays = combine(arrays, floats[n][1])
+            if _is_nnx(loss_args[i]):  # updated in place: the step's NNX state out
+                nnx.update(loss_args[i], arrays, rest)
+            else:
+                kept.append(arrays)
+        # outputs in the order of the donated inputs (optimizer state, parameters), as
+        # a user's step returns them: out of order, JAX pairs each donated input with
+        # the first output of its shape (Adam's moments have the parameters' shapes),
+        # XLA:CPU then copies to update in place, and the peak was 1-6% above the
+        # user's own step (s19 trials; the h100 target's agreed either way)
+        return opt_state, tuple(kept), value
+
+    # the loss's own argument names in JAX's debug info, so buffers read "params..."
+    # (the loss's name for them), not "loss_args[0]..."
+    if all(n.isidentifier() for n in names) and len(set(names)) == len(names):
+        only = inspect.Parameter.POSITIONAL_ONLY
+        step.__signature__ = inspect.Signature([inspect.Parameter(n, only) for n in names])
+    return step
+
+
 def _check_params(args: Sequence[Any], nums: Sequence[int], names: Sequence[str]) -> None:
     """Each differentiated argument holds arrays (one line naming what to pass otherwise)."""
     for i in nums:
@@ -1219,6 +1236,24 @@ def load_program(ref: str) -> Program:
             f"cannot read {ref!r} as a program: write MODULE:FACTORY (my_pkg.models:program) or "
             "FILE.py:FACTORY (models/gpt.py:program), or give a preset name"
         )
+    module = _import_module(ref, module_ref)
+    program = _from_factory(ref, module_ref, attr, module)
+    if not isinstance(program, Program):
+        raise ValueError(
+            f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
+            "Program.from_loss(...) or Program.from_step(...)"
+        )
+    defaulted = {getattr(f, "__name__", None) for f in (program.make_loss, program.make_step)}
+    if program.name in defaulted | {"program"}:  # named after a function (from_loss's default,
+        # often ``make_loss``): the reports name it as the user named it instead
+        stem = os.path.splitext(os.path.basename(module_ref))[0]
+        program = dataclasses.replace(program, name=f"{stem}:{attr}")
+    return program
+
+
+def _import_module(ref: str, module_ref: str) -> Any:
+    """The module ``module_ref`` of program reference ``ref`` (a ``.py`` file or a module
+    name), imported with its folder on ``sys.path``."""
     if module_ref.endswith(".py"):
         path = os.path.abspath(module_ref)
         if not os.path.isfile(path):
@@ -1232,19 +1267,25 @@ def load_program(ref: str) -> Program:
             spec.loader.exec_module(module)
         except SyntaxError as err:  # the file cannot run at all: where, in one line
             raise ValueError(_syntax_error(err, ref)) from None
-    else:
-        _on_path(os.getcwd())  # as `python -m` has it: modules of the folder it runs from
-        try:
-            module = importlib.import_module(module_ref)
-        except SyntaxError as err:
-            raise ValueError(_syntax_error(err, ref)) from None
-        except ModuleNotFoundError as err:
-            if err.name and module_ref.startswith(err.name):
-                raise ValueError(
-                    f"cannot import module {module_ref!r} (from {ref!r}): not on the Python path; "
-                    "run from its folder, set PYTHONPATH, or give a FILE.py:FACTORY path"
-                ) from None
-            raise
+        return module
+    _on_path(os.getcwd())  # as `python -m` has it: modules of the folder it runs from
+    try:
+        module = importlib.import_module(module_ref)
+    except SyntaxError as err:
+        raise ValueError(_syntax_error(err, ref)) from None
+    except ModuleNotFoundError as err:
+        if err.name and module_ref.startswith(err.name):
+            raise ValueError(
+                f"cannot import module {module_ref!r} (from {ref!r}): not on the Python path; "
+                "run from its folder, set PYTHONPATH, or give a FILE.py:FACTORY path"
+            ) from None
+        raise
+    return module
+
+
+def _from_factory(ref: str, module_ref: str, attr: str, module: Any) -> Any:
+    """What the factory ``attr`` of ``module`` returns (called with no arguments), or the
+    Program the name holds."""
     factory = getattr(module, attr, None)
     if factory is None:
         found = _factories(module)
@@ -1261,31 +1302,19 @@ def load_program(ref: str) -> Program:
         except ValueError:  # no signature (a builtin): just call it
             pass
         try:
-            program = factory()
+            return factory()
         except Exception as err:  # the user's code: one line naming it (the cause chained)
             first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
             raise ValueError(
                 f"{ref}: the factory raised {type(err).__name__}" + (f": {first}" if first else "")
             ) from err
-    elif not isinstance(factory, Program):  # a module, a constant: nothing to call
+    if not isinstance(factory, Program):  # a module, a constant: nothing to call
         valid = ", ".join(_factories(module)) or "(none)"
         raise ValueError(
             f"{module_ref}: {attr!r} is a {type(factory).__name__}, not a factory (a function "
             f"returning a remat_kit.Program) or a Program; valid: {valid}."
         )
-    else:
-        program = factory
-    if not isinstance(program, Program):
-        raise ValueError(
-            f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
-            "Program.from_loss(...) or Program.from_step(...)"
-        )
-    defaulted = {getattr(f, "__name__", None) for f in (program.make_loss, program.make_step)}
-    if program.name in defaulted | {"program"}:  # named after a function (from_loss's default,
-        # often ``make_loss``): the reports name it as the user named it instead
-        stem = os.path.splitext(os.path.basename(module_ref))[0]
-        program = dataclasses.replace(program, name=f"{stem}:{attr}")
-    return program
+    return factory
 
 
 def step_flops(program: Program, spec: PolicySpec) -> float:

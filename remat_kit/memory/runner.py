@@ -48,7 +48,7 @@ from remat_kit.memory.reading import (
     read_dump,
     unknown_memory_fields,
 )
-from remat_kit.memory.report import LogitsLine, MemoryReport
+from remat_kit.memory.report import LogitsLine, MemoryReport, PolicyOnly
 from remat_kit.memory.timeline import Timeline, build_timeline
 from remat_kit.memory.undone import (  # noqa: F401 (cse_undone: the doctor reads it here)
     CSE_UNDID_ALL,
@@ -285,55 +285,13 @@ def _report(
     parts, reading = read.parts, read.reading
     # None when the backend left a field unknown (never 0); XLA's own peak on TPU
     peak = compiled_peak_bytes(result.compiled, job.target.platform, parts)
-    arguments = dict(job.arguments)
-    unknown = unknown_memory_fields(result.compiled)
-    unknown_line = ()
-    if unknown:
-        unknown_line = (
-            f"the backend reports {', '.join(unknown)} as unknown (memory_analysis() gave None "
-            "or -1): the peak and whether it fits are unknown, not 0",
-        )
-    if parts["argument_bytes"] is not None:
-        unaccounted = parts["argument_bytes"] - sum(arguments.values())
-        if unaccounted:
-            arguments["other"] = unaccounted
-    logits = None
-    if job.logits:
-        (b, s, v), dtype = job.logits
-        item = jnp.dtype(dtype).itemsize
-        logits = LogitsLine(
-            shape=(b, s, v),
-            dtype=dtype,
-            logits_bytes=b * s * v * item,
-            f32_bytes=b * s * v * 4,
-            grad_bytes=b * s * v * item,
-            live_at_peak_bytes=reading.logits_live_bytes,
-        )
     budget = budget_bytes if budget_bytes is not None else job.target.memory_bytes
     baseline, baseline_warnings = _per_device_baseline(job, reading.flops, reading.recomputed_flops)
-    ratio = None
-    if reading.flops and baseline:
-        ratio = reading.flops / baseline
+    ratio = reading.flops / baseline if reading.flops and baseline else None
     # XLA's own remat told apart
     policy_only = policy_only_figures(result, reading, baseline, job.target.platform)
-    xla_line = ()
-    if policy_only and peak is not None:
-        xla_line = (xla_remat_line(peak, ratio, policy_only),)
-    # With the pass-off compile, its line says what XLA's pass did (and more): not twice.
-    dump_warnings = reading.warnings if not xla_line else tuple(
-        w for w in reading.warnings if not w.startswith("XLA's rematerialisation pass recomputed")
-    )  # fmt: skip
-    undone = recompute_undone(job, reading)
-    if undone:
-        xla_line += (undone,)
+    dump_warnings, xla_line = _xla_lines(job, result, read, peak, ratio, policy_only)
     step_time = read.step_time
-    disagree = roofline.xla_disagreement(step_time)
-    if disagree:
-        xla_line += (disagree,)
-    host = host_line(parts["host_bytes"] or 0, job.offloaded_bytes, None)
-    if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
-        xla_line += (host_line(parts["host_bytes"], job.offloaded_bytes,
-                               host_buffers(result.dump)),)  # fmt: skip
     return MemoryReport(
         name=job.name,
         target=job.target.name,
@@ -342,7 +300,7 @@ def _report(
         policy=job.policy,
         peak_bytes=peak,
         **parts,
-        arguments=arguments,
+        arguments=_arguments(job, parts),
         flops=reading.flops,
         flops_no_remat=baseline,
         recompute_ratio=policy_only.recompute_ratio if policy_only else ratio,
@@ -352,7 +310,7 @@ def _report(
         residuals=job.residuals,
         activation_bytes=job.activation_bytes,
         offloaded_bytes=job.offloaded_bytes,
-        logits=logits,
+        logits=_logits_line(job, reading),
         peak_buffers=reading.peak_buffers,
         live_peak_bytes=reading.live_peak_bytes,
         memory_bytes=job.target.memory_bytes,
@@ -361,7 +319,7 @@ def _report(
         compile_s=round(result.compile_s, 3),
         compile_cached=result.cached,
         warnings=job.notes
-        + unknown_line
+        + _unknown_line(result)
         + tuple(log_warnings(result))
         + dump_warnings
         + tuple(baseline_warnings)
@@ -375,6 +333,74 @@ def _report(
         jax_version=jax.__version__,
         runs_as=job.runs_as,
     )
+
+
+def _unknown_line(result: CompileResult) -> tuple[str, ...]:
+    """The warning (none or one) naming the memory fields the backend left unknown."""
+    unknown = unknown_memory_fields(result.compiled)
+    if not unknown:
+        return ()
+    return (
+        f"the backend reports {', '.join(unknown)} as unknown (memory_analysis() gave None "
+        "or -1): the peak and whether it fits are unknown, not 0",
+    )
+
+
+def _arguments(job: Job, parts: dict[str, int | None]) -> dict[str, int]:
+    """The step's argument bytes by name, with ``other`` for compiled bytes no name holds."""
+    arguments = dict(job.arguments)
+    if parts["argument_bytes"] is not None:
+        unaccounted = parts["argument_bytes"] - sum(arguments.values())
+        if unaccounted:
+            arguments["other"] = unaccounted
+    return arguments
+
+
+def _logits_line(job: Job, reading: DumpReading) -> LogitsLine | None:
+    """The logits' shape, dtype and bytes (None when the job names no logits)."""
+    if not job.logits:
+        return None
+    (b, s, v), dtype = job.logits
+    item = jnp.dtype(dtype).itemsize
+    return LogitsLine(
+        shape=(b, s, v),
+        dtype=dtype,
+        logits_bytes=b * s * v * item,
+        f32_bytes=b * s * v * 4,
+        grad_bytes=b * s * v * item,
+        live_at_peak_bytes=reading.logits_live_bytes,
+    )
+
+
+def _xla_lines(
+    job: Job,
+    result: CompileResult,
+    read: _Read,
+    peak: int | None,
+    ratio: float | None,
+    policy_only: PolicyOnly | None,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(dump warnings, lines on what XLA did)``: its own remat, recomputation it undid, its
+    cost analysis disagreeing with the estimate, and the host bytes it compiled."""
+    reading = read.reading
+    xla_line: tuple[str, ...] = ()
+    if policy_only and peak is not None:
+        xla_line = (xla_remat_line(peak, ratio, policy_only),)
+    # With the pass-off compile, its line says what XLA's pass did (and more): not twice.
+    dump_warnings = reading.warnings if not xla_line else tuple(
+        w for w in reading.warnings if not w.startswith("XLA's rematerialisation pass recomputed")
+    )  # fmt: skip
+    undone = recompute_undone(job, reading)
+    if undone:
+        xla_line += (undone,)
+    disagree = roofline.xla_disagreement(read.step_time)
+    if disagree:
+        xla_line += (disagree,)
+    host = host_line(read.parts["host_bytes"] or 0, job.offloaded_bytes, None)
+    if host:  # the compiled host figure is not the jaxpr's: the buffer assignment says why
+        xla_line += (host_line(read.parts["host_bytes"], job.offloaded_bytes,
+                               host_buffers(result.dump)),)  # fmt: skip
+    return dump_warnings, xla_line
 
 
 def note_policy_effect(job: Job, spec: Any, target: T.Target) -> Job:
@@ -448,6 +474,28 @@ Progress = Callable[[int, int, str, str], None]
 
 #: ``CompileEngine(cache=FROM_ENV)``: the compile cache the environment asks for.
 FROM_ENV = "env"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One :meth:`CompileEngine.compile_all` call's state: its options, each item's program key
+    in order, the compiles submitted and held back, and what the compile cache said."""
+
+    pool: ThreadPoolExecutor
+    fast: bool
+    executable: bool
+    then: Callable[[Any, CompileResult], None] | None
+    keys: list[str] = dataclasses.field(default_factory=list)
+    futures: dict[str, Future] = dataclasses.field(default_factory=dict)
+    by_item_key: dict[str, str] = dataclasses.field(default_factory=dict)
+    pending: list[tuple[str, Any, Any, Callable, CompileResult | None]] = dataclasses.field(
+        default_factory=list
+    )
+    #: Per program: (cache key, pass-off cache key).
+    cache_keys: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Over futures and pending: the seed's callback submits too.
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
 
 class CompileEngine:
@@ -577,14 +625,15 @@ class CompileEngine:
             hit.policy_only = self.cache.load(off_key)
         return hit, (key, off_key)
 
-    def _submit(self, pool: ThreadPoolExecutor, futures: dict[str, Future],
-                pending: list, fast: bool, then: Callable | None) -> None:  # fmt: skip
+    def _submit(self, batch: _Batch) -> None:
         """Submit the compiles held back while the first compile filled the kernel cache (it
-        is done: called by its future's callback, or after it); empties ``pending``."""
-        self._seeded = self._seeded or bool(futures)
-        for key, item, lowered, tell, base in pending:
-            futures[key] = pool.submit(self._compile, item, lowered, fast, False, tell, base, then)
-        pending.clear()
+        is done: called by its future's callback, or after it); empties ``batch.pending``."""
+        self._seeded = self._seeded or bool(batch.futures)
+        for key, item, lowered, tell, base in batch.pending:
+            batch.futures[key] = batch.pool.submit(
+                self._compile, item, lowered, batch.fast, False, tell, base, batch.then
+            )
+        batch.pending.clear()
 
     def compile_all(
         self,
@@ -618,90 +667,114 @@ class CompileEngine:
           could not lower for its target gets its :class:`CompileError` (``stage="lower"``,
           :func:`~remat_kit.memory.xla_compile.lower_for`) and the items after it go on.
         """
-        keys: list[str] = []
-        futures: dict[str, Future] = {}
-        by_item_key: dict[str, str] = {}
-        pending: list[tuple[str, Any, Any, Callable, CompileResult | None]] = []
-        cache_keys: dict[str, tuple[str, str]] = {}
-        names: dict[str, str] = {}
         total = len(items) if total is None else total  # type: ignore[arg-type]
-        lock = threading.RLock()  # over futures and pending: the seed's callback submits too
-
-        def release(_: Future) -> None:  # the first compile filled the kernel cache
-            with lock:
-                self._submit(pool, futures, pending, fast, then)
-
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:
+            batch = _Batch(pool, fast, executable, then)
             for index, item in enumerate(items):
-                tell = functools.partial(self._tell, index, total, item)
-                if item.program_key is not None and item.program_key in by_item_key:
-                    keys.append(by_item_key[item.program_key])
-                    tell("same program")
-                    continue
-                tell("tracing")
-                try:
-                    lowered = lower_for(item)
-                except CompileError as err:  # reported as this item's result, as XLA's are
-                    key = hashlib.sha256(f"lower\n{index}\n{err}".encode()).hexdigest()
-                    keys.append(key)
-                    self._done[key] = err
-                    if item.program_key is not None:
-                        by_item_key[item.program_key] = key
-                    tell("done")
-                    continue
-                text = f"{T.compile_identity(item.target)}\n{fast}\n{lowered.as_text()}"
-                key = hashlib.sha256(text.encode()).hexdigest()
-                keys.append(key)
-                names.setdefault(key, item.what)
-                if item.program_key is not None:
-                    by_item_key[item.program_key] = key
-                held = self._done.get(key)
-                if executable and isinstance(held, CompileResult) and held.cached:
-                    held = None  # read from the cache: no executable to run
-                with lock:
-                    seen = key in futures or any(key == k for k, *_ in pending)
-                if held is not None or seen:
-                    tell("same program")
-                    continue
-                base = None
-                if self.cache is not None:
-                    base, cache_keys[key] = self._from_cache(item, lowered, fast, not executable)
-                    wants_off = getattr(item, "policy_only", False)
-                    if base is not None and (
-                        not wants_off or not base.xla_remat_instructions or base.policy_only
-                    ):
-                        self._done[key] = base
-                        tell("cached")
-                        continue
-                with lock:
-                    if self._seeded or item.target.platform != "cuda":  # no kernel cache to fill
-                        futures[key] = pool.submit(
-                            self._compile, item, lowered, fast, False, tell, base, then
-                        )
-                    elif not futures:  # seeds the kernel cache; the others compile after it
-                        futures[key] = pool.submit(
-                            self._compile, item, lowered, fast, True, tell, base, then
-                        )
-                        futures[key].add_done_callback(release)
-                    else:
-                        pending.append((key, item, lowered, tell, base))
-            with lock:
-                first = next(iter(futures.values()), None)
-            if first is not None:  # the held-back compiles wait for it
-                first.result()
-            with lock:
-                self._submit(pool, futures, pending, fast, then)
-                running = dict(futures)
-            self._done.update({key: future.result() for key, future in running.items()})
-        if self.cache is not None:  # the log lines are known now that the capture ended
-            for key in futures:
-                result = self._done[key]
-                if isinstance(result, CompileResult) and key in cache_keys:
-                    main, off = cache_keys[key]
-                    self.cache.store(main, result, names[key])
-                    if result.policy_only is not None:
-                        self.cache.store(off, result.policy_only, names[key] + ", pass off")
-        return [(key, self._done[key]) for key in keys]
+                self._take(batch, index, item, functools.partial(self._tell, index, total, item))
+            self._finish(batch)
+        self._store(batch)  # the log lines are known now that the capture ended
+        return [(key, self._done[key]) for key in batch.keys]
+
+    def _take(self, batch: _Batch, index: int, item: Any, tell: Callable[[str], None]) -> None:
+        """Lower item ``index`` and schedule its compile, unless its program is known (compiled,
+        cached, under way) or it failed to lower (its :class:`CompileError` is its result)."""
+        if item.program_key is not None and item.program_key in batch.by_item_key:
+            batch.keys.append(batch.by_item_key[item.program_key])
+            tell("same program")
+            return
+        tell("tracing")
+        try:
+            lowered = lower_for(item)
+        except CompileError as err:  # reported as this item's result, as XLA's are
+            key = hashlib.sha256(f"lower\n{index}\n{err}".encode()).hexdigest()
+            self._done[key] = err
+            lowered = None
+        else:
+            text = f"{T.compile_identity(item.target)}\n{batch.fast}\n{lowered.as_text()}"
+            key = hashlib.sha256(text.encode()).hexdigest()
+            batch.names.setdefault(key, item.what)
+        batch.keys.append(key)
+        if item.program_key is not None:
+            batch.by_item_key[item.program_key] = key
+        if lowered is None:
+            tell("done")
+            return
+        if self._known(batch, key):
+            tell("same program")
+            return
+        base = self._cached(batch, key, item, lowered)
+        wants_off = getattr(item, "policy_only", False)
+        if base is not None and (
+            not wants_off or not base.xla_remat_instructions or base.policy_only
+        ):
+            self._done[key] = base
+            tell("cached")
+            return
+        self._schedule(batch, key, item, lowered, tell, base)
+
+    def _known(self, batch: _Batch, key: str) -> bool:
+        """Whether program ``key`` is compiled (with an executable, where one is asked for) or
+        its compile is under way or held back."""
+        held = self._done.get(key)
+        if batch.executable and isinstance(held, CompileResult) and held.cached:
+            held = None  # read from the cache: no executable to run
+        with batch.lock:
+            seen = key in batch.futures or any(key == k for k, *_ in batch.pending)
+        return held is not None or seen
+
+    def _cached(self, batch: _Batch, key: str, item: Any, lowered: Any) -> CompileResult | None:
+        """The compile cache's result for program ``key`` (None: no cache, or not in it; may
+        lack its pass-off compile), noting its cache keys for :meth:`_store`."""
+        if self.cache is None:
+            return None
+        base, batch.cache_keys[key] = self._from_cache(
+            item, lowered, batch.fast, not batch.executable
+        )
+        return base
+
+    def _schedule(self, batch: _Batch, key: str, item: Any, lowered: Any,
+                  tell: Callable[[str], None], base: CompileResult | None) -> None:  # fmt: skip
+        """Submit program ``key``'s compile; on a GPU before the kernel cache is filled, the
+        first compile fills it and the others are held back until it is done."""
+        with batch.lock:
+            seeding = not self._seeded and item.target.platform == "cuda"  # a cache to fill
+            if seeding and batch.futures:  # the seed is under way: compile after it
+                batch.pending.append((key, item, lowered, tell, base))
+                return
+            batch.futures[key] = batch.pool.submit(
+                self._compile, item, lowered, batch.fast, seeding, tell, base, batch.then
+            )
+            if seeding:
+                batch.futures[key].add_done_callback(functools.partial(self._release, batch))
+
+    def _release(self, batch: _Batch, _: Future) -> None:
+        """Submit the held-back compiles: the first compile filled the kernel cache."""
+        with batch.lock:
+            self._submit(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        """Wait for the first compile, submit the ones held back, and keep every result."""
+        with batch.lock:
+            first = next(iter(batch.futures.values()), None)
+        if first is not None:  # the held-back compiles wait for it
+            first.result()
+        with batch.lock:
+            self._submit(batch)
+            running = dict(batch.futures)
+        self._done.update({key: future.result() for key, future in running.items()})
+
+    def _store(self, batch: _Batch) -> None:
+        """Write this batch's compiles (and pass-off compiles) to the compile cache."""
+        if self.cache is None:
+            return
+        for key in batch.futures:
+            result = self._done[key]
+            if isinstance(result, CompileResult) and key in batch.cache_keys:
+                main, off = batch.cache_keys[key]
+                self.cache.store(main, result, batch.names[key])
+                if result.policy_only is not None:
+                    self.cache.store(off, result.policy_only, batch.names[key] + ", pass off")
 
 
 def run_jobs(

@@ -276,18 +276,11 @@ def run_sweep(
     points = every if shard is None else shard_points(every, shard)
     path = Path(out)
     identity = config.identity(data)
-    corpus = None
-    if any(p.measure for p in every):  # a bad data path fails before the output is touched
-        corpus = load_corpus(data, max_bytes=max_data_bytes)
+    # a bad data path fails before the output is touched
+    corpus = load_corpus(data, max_bytes=max_data_bytes) if any(p.measure for p in every) else None
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
-    pinned = contextlib.nullcontext()
-    if engine.calibrate_here and any(not T.get_target(p.target).deviceless for p in todo):
-        # Time the local device for the step-time model before anything else runs (cached
-        # per machine): a calibration beside compiles in flight would time them too. Every row
-        # of the sweep (a resumed one too) is priced with that one calibration, kept beside the
-        # results. (GPUs handed to worker processes are timed there, each by its first point.)
-        pinned = roofline.pinned_calibration(calibration_path(path))
+    pinned = _calibration(engine, todo, path)
     setup = TaskSetup(
         _common_fields(config, identity, corpus), None if data is None else str(data),
         max_data_bytes, before_point,
@@ -301,6 +294,19 @@ def run_sweep(
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)
+
+
+def _calibration(
+    engine: Any, todo: Sequence[Point], path: Path
+) -> contextlib.AbstractContextManager:
+    """The local device's calibration pinned for the sweep when a point runs on it here."""
+    if engine.calibrate_here and any(not T.get_target(p.target).deviceless for p in todo):
+        # Time the local device for the step-time model before anything else runs (cached
+        # per machine): a calibration beside compiles in flight would time them too. Every row
+        # of the sweep (a resumed one too) is priced with that one calibration, kept beside the
+        # results. (GPUs handed to worker processes are timed there, each by its first point.)
+        return roofline.pinned_calibration(calibration_path(path))
+    return contextlib.nullcontext()
 
 
 def run_tasks(
@@ -492,24 +498,12 @@ def run_program_sweep(
         by_label.setdefault(policy_arg(s), s)
     points = {label: _point(program, label, warmup_steps, timed_steps) for label in by_label}
     todo = {label: s for label, s in by_label.items() if R.point_key(points[label]) not in done}
-    common = {"sweep": program.name, "config_fingerprint": R.fingerprint(identity),
-              "sweep_config": identity, **R.environment(),
-              "program": ref or program.name, "program_tags": sorted(tags)}  # fmt: skip
-    fields = {
-        "num_params": _num_params(program), "arguments": host.source,
-        "arguments_note": host.note, "fed_back": None, "recopied": None,
-    }  # fmt: skip
-
-    def make_run(label: str, program: Program, compiled: Any) -> StepRun:
-        pure = program.step(todo[label])
-        return ProgramRun(program, pure, compiled, host, warmup_steps, timed_steps)
-
+    common, fields = _program_fields(program, ref, tags, identity, host)
     written: list[dict[str, Any]] = []
     with _progress_bar(progress, console, len(todo)) as advance:
-        reports, executables, measurements = analyse_and_run(
-            lambda: program, todo, T.LOCAL, make_run, advance, program.name, measure=todo,
-            failed=_before(list(todo), before_policy),
-        ) if todo else ({}, {}, {})  # fmt: skip
+        reports, executables, measurements = _run_policies(
+            program, todo, host, (warmup_steps, timed_steps), advance, before_policy
+        )
         for label, spec in todo.items():
             row = make_row(
                 R.point_key(points[label]),
@@ -524,3 +518,40 @@ def run_program_sweep(
     rows = [*done.values(), *written]
     wall = time.perf_counter() - start
     return SweepRun(path, rows, written, len(by_label) - len(todo), wall, notes)
+
+
+def _program_fields(
+    program: Program, ref: str | None, tags: frozenset[str], identity: dict, host: HostArguments
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields every row of a program sweep shares: those before a point's, those after."""
+    common = {"sweep": program.name, "config_fingerprint": R.fingerprint(identity),
+              "sweep_config": identity, **R.environment(),
+              "program": ref or program.name, "program_tags": sorted(tags)}  # fmt: skip
+    fields = {
+        "num_params": _num_params(program), "arguments": host.source,
+        "arguments_note": host.note, "fed_back": None, "recopied": None,
+    }  # fmt: skip
+    return common, fields
+
+
+def _run_policies(
+    program: Program,
+    todo: dict[str, PolicySpec],
+    host: HostArguments,
+    steps: tuple[int, int],
+    advance: Callable,
+    before_policy: Callable[[str], None] | None,
+) -> tuple[dict, dict, dict]:
+    """Analyse ``program`` under each policy of ``todo`` and time its step (``steps``: warmup,
+    timed): ``(reports, executables, measurements)`` by label (:func:`analyse_and_run`)."""
+    if not todo:
+        return {}, {}, {}
+
+    def make_run(label: str, program: Program, compiled: Any) -> StepRun:
+        pure = program.step(todo[label])
+        return ProgramRun(program, pure, compiled, host, *steps)
+
+    return analyse_and_run(
+        lambda: program, todo, T.LOCAL, make_run, advance, program.name, measure=todo,
+        failed=_before(list(todo), before_policy),
+    )  # fmt: skip

@@ -389,59 +389,41 @@ def analyze_policies(
     policy_alone_peak: bool = False,
     no_remat_baseline: bool = True,
 ) -> list[MemoryReport | CompileError]:
-    """Compile a program under each policy for ``target`` and report its memory.
-
-    Policies that act the same on the program (equal once cut down to the tags it emits:
-    :func:`effective_spec`) are one program: it is traced and compiled once and each of them
-    gets its report, the later ones a copy with their own name, notes and the same
-    ``program_sha256``.
+    """Compile a program under each policy for ``target`` and report its memory. Policies
+    that act the same on the program (:func:`effective_spec`) are compiled once, each reported
+    under its own name with the same ``program_sha256``.
 
     Args:
-      program: a :class:`~remat_kit.program.Program`: a user's (``Program.from_loss`` /
-        ``from_step``) or a bundled model's (``remat_kit.preset("llama3-8b", 1, 8192)``).
-      policies: names, :class:`PolicySpec` or per-tag mappings in the program's own tag names;
-        None: the default set of :func:`~remat_kit.memory.policy_set.policy_set` (the policies
-        that act on the tags it emits and specs in its own tag names; what it leaves out is in
-        that function's notes).
-      target: the compile target (as :func:`remat_kit.analyze`).
-      budget_bytes: the budget ``fits`` is judged against (as :func:`remat_kit.analyze`).
-      top_k: the largest buffers at the peak to keep (as :func:`remat_kit.analyze`).
-      fast_compile: code-generation-only compiler options (as :func:`remat_kit.analyze`).
+      program: a :class:`~remat_kit.program.Program` (``Program.from_loss`` / ``from_step``,
+        or ``remat_kit.preset("llama3-8b", 1, 8192)``).
+      policies: names, :class:`PolicySpec` or per-tag mappings; None: the default set of
+        :func:`~remat_kit.memory.policy_set.policy_set` (its notes say what it leaves out).
+      target: the compile target, as :func:`remat_kit.analyze`.
+      budget_bytes: the budget ``fits`` is judged against, as :func:`remat_kit.analyze`.
+      top_k: the largest buffers at the peak to keep, as :func:`remat_kit.analyze`.
+      fast_compile: code-generation-only compiler options, as :func:`remat_kit.analyze`.
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
-      raise_errors: False: a policy that fails to lower or compile gives its :class:`CompileError`.
-      compare_offload: also compile each policy that offloads a tag the program emits with
-        those tags kept on device, where the target offloads, and report that peak
-        (``peak_bytes_without_offload``).
-      strict_tags: raise on a user spec naming a tag the program never emits (False: compile
-        it anyway; the doctor reports it as a finding).
-      engine: compile through this :class:`~remat_kit.memory.runner.CompileEngine` (e.g. one
-        reporting progress); None: a private one (``workers`` at a time).
-      policy_alone_peak: where XLA's own rematerialisation pass changed a policy's program,
-        compile it a second time with the pass off for the peak of the policy alone
-        (``policy_only.peak_bytes``). The policy's own FLOPs (``recompute_ratio``) are read
-        from the one compile either way (:class:`~remat_kit.memory.report.PolicyOnly`).
-      no_remat_baseline: when no policy given is ``no-remat``, compile the no-remat step too
-        (one more compile, not reported) so that a policy whose fewer residuals do not lower
-        the compiled memory is warned of (:func:`remat_kit.memory.undone.memory_not_freed`),
-        as the doctor, which compiles no-remat always, judges it; False: only the policies
-        given (recommend's probes, which compile no-remat once on their own).
+      raise_errors: False: a policy that fails to lower or compile gives its CompileError.
+      compare_offload: also compile each offloading policy with its tags kept on device, where
+        the target offloads (``peak_bytes_without_offload``).
+      strict_tags: raise on a user spec naming a tag the program never emits (False: compile).
+      engine: the :class:`~remat_kit.memory.runner.CompileEngine` to use (None: a new one).
+      policy_alone_peak: where XLA's own remat pass changed a policy's program, compile it
+        again with the pass off (``policy_only.peak_bytes``).
+      no_remat_baseline: without ``no-remat`` among the policies, compile it unseen too, so a
+        policy whose fewer residuals free no memory is warned of
+        (:func:`remat_kit.memory.undone.memory_not_freed`); False: only those given.
 
     Returns:
-      One :class:`MemoryReport` per policy: peak, host bytes, residuals by tag (with a loss),
-      recompute ratio (compiled matmul FLOPs over the traced no-remat step's), buffers at peak.
-      A policy that compiled to the same program as an earlier one for no reason known before
-      compiling (equal ``program_sha256``) says so in its warnings, and when every policy did,
-      each report says the policy changes nothing, and why where the trace shows it (it reaches
-      remat segments only after the step's gradient is taken:
-      :func:`~remat_kit.memory.report.same_program_lines`).
+      One :class:`MemoryReport` per policy (peak, host bytes, residuals by tag with a loss,
+      recompute ratio, buffers at peak); policies that compiled to one program for no reason
+      known before compiling say so (:func:`~remat_kit.memory.report.same_program_lines`).
 
     Raises:
-      ValueError: unknown policy or target; a policy naming a tag the program never emits
-        (the message lists the emitted tags and the closest); a factory that does not pass the
-        policy to any remat segment (:class:`~remat_kit.program.PolicyReach`: every policy
-        would compile to one program).
-      CompileError: with ``raise_errors``, the first policy that failed to lower or compile
-        (a mesh built on other devices than the target's: the message says how to fix it).
+      ValueError: unknown policy or target; a user spec naming a tag the program never emits;
+        a factory that passes the policy to no remat segment
+        (:class:`~remat_kit.program.PolicyReach`).
+      CompileError: with ``raise_errors``, the first policy that failed to lower or compile.
     """
     require_program(program)
     tgt = T.get_target(target)
@@ -460,15 +442,7 @@ def analyze_policies(
     if any(spec.wrap for spec in specs) and not reach.passes:
         raise ValueError(reach.error())
     setup = _setup(program, tgt, reach)
-    registered = policy_specs()
-    for spec in specs:
-        if strict_tags and registered.get(spec.name) != spec:  # the user's own spec
-            check_tags(spec, setup.tags, f"program {program.name!r}")
-    # the first of each set of policies that act the same: compiled once for them all
-    first: dict[tuple, int] = {}
-    for i, spec in enumerate(specs):
-        first.setdefault(_effective_key(spec, setup.tags), i)
-    distinct = list(dict.fromkeys(first.values()))
+    first, distinct = _distinct(setup, specs, strict_tags)
     jobs, total = _jobs(
         setup, [specs[i] for i in distinct], compare_offload, policy_alone_peak, no_remat_baseline
     )
@@ -480,6 +454,26 @@ def analyze_policies(
     if key is not None and all(isinstance(r, MemoryReport) for r in out):
         cache.store_json(key, {"reports": [r.to_dict() for r in out]})
     return out
+
+
+def _distinct(
+    setup: _ProgramSetup, specs: list[PolicySpec], strict_tags: bool
+) -> tuple[dict[tuple, int], list[int]]:
+    """The index of the first of each set of ``specs`` that act the same on the program (by
+    :func:`effective_spec`: compiled once for them all) and those indices in order; with
+    ``strict_tags``, a user's own spec is first checked against the emitted tags.
+
+    Raises:
+      ValueError: a user's spec naming a tag the program does not emit (``strict_tags``).
+    """
+    registered = policy_specs()
+    for spec in specs:
+        if strict_tags and registered.get(spec.name) != spec:  # the user's own spec
+            check_tags(spec, setup.tags, f"program {setup.program.name!r}")
+    first: dict[tuple, int] = {}
+    for i, spec in enumerate(specs):
+        first.setdefault(_effective_key(spec, setup.tags), i)
+    return first, list(dict.fromkeys(first.values()))
 
 
 def _request_cache(

@@ -141,6 +141,7 @@ class _Built:
     graphdef: Any
     state_shardings: Any
     params_shardings: Any
+    model_graphdef: Any  # the model's, split as the train step splits it (params first)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -226,11 +227,17 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         # a spec from the tools; a raw jax policy (or None) from the reach probe: injected
         return _step(mt, _choose(spec, built), mesh, spec)
 
+    def loss_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
+        return _loss(mt, _choose(spec, built), mesh, spec)
+
     return MaxTextProgram(
         name=f"maxtext {config.model_name}",
         make_step=step_for,
         args=(state, batch),
         donate_argnums=(0,),
+        make_loss=loss_for,
+        loss_args=loss_arguments(state, batch, config),
+        argnums=(0, 1),
         argument_names=("state", "batch"),
         overrides=tuple(items),
         target_name=tgt.name,
@@ -255,10 +262,14 @@ def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any
 def _build(mt: types.SimpleNamespace, config: Any, mesh: Any, shaped: bool = False) -> Any:
     """MaxText's train-state graphdef and shardings for ``config`` on ``mesh`` (as its AOT
     compile makes them); with ``shaped``, ``(built, (abstract state, abstract batch))``."""
+    from flax import nnx
+
     args, _, state_sh, _, graphdef = mt.train_compile.get_shaped_inputs(mesh, config)
     params_sh, state_sh = mt.sharding.maybe_update_params_sharding_with_opt(config, state_sh)
     input_sh = mt.sharding.build_zero1_input_state_mesh_shardings(config, state_sh, params_sh)
-    built = _Built(config, graphdef, input_sh, params_sh)
+    model = nnx.merge(graphdef, args[0]).model  # abstract: its variables hold ShapeDtypeStructs
+    model_graphdef = nnx.split(model, *_param_filters(config))[0]
+    built = _Built(config, graphdef, input_sh, params_sh, model_graphdef)
     return (built, tuple(args)) if shaped else built
 
 
@@ -297,6 +308,55 @@ def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
 
     step.__name__ = "train_step"
     return step
+
+
+def _param_filters(config: Any) -> tuple[Any, Any, Any]:
+    """The filters MaxText's ``train_step`` splits its model by: the trained parameters
+    (``nnx.Param``, ``nnx.LoRAParam`` under LoRA), the variables differentiated beside them
+    (``_overwrite_with_gradient``), the rest."""
+    from flax import nnx
+    from flax.nnx import variablelib
+
+    owg = variablelib.variable_type_from_name("_overwrite_with_gradient", allow_register=True)
+    lora = getattr(getattr(config, "lora", None), "enable_lora", False)
+    trained = getattr(nnx, "LoRAParam", nnx.Param) if lora else nnx.Param
+    return trained, nnx.Any(owg), ...
+
+
+def loss_arguments(state: Any, batch: Any, config: Any) -> tuple[Any, Any, Any, Any]:
+    """``(params, custom_params, rest, batch)``: MaxText's abstract train state's model split
+    as its ``train_step`` splits it before differentiating (:func:`_param_filters`), and the
+    batch; the arguments of :func:`_loss`'s loss."""
+    from flax import nnx
+
+    params, custom, rest = nnx.split_state(state["model"], *_param_filters(config))
+    return params, custom, rest, batch
+
+
+def _loss(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
+    """The function MaxText's ``train_step`` differentiates (its ``diff_wrapper``): the model
+    merged from its parameters and other variables, MaxText's ``loss_fn`` on the batch, the
+    loss returned (its aux dropped); traced under the step's mesh and axis rules; for a policy
+    MaxText does not name, ``loss_fn`` with the policy injected (as :func:`_step`)."""
+    from flax import nnx
+
+    loss_fn = mt.train.loss_fn
+    if not isinstance(spec, PolicySpec) or maxtext_name(spec) is None:
+        policy = spec if not isinstance(spec, PolicySpec) else spec.to_jax() if spec.wrap else None
+        loss_fn = _injected(loss_fn, policy)
+    config = built.config
+
+    def loss(params: Any, custom_params: Any, rest: Any, batch: Any) -> Any:
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            mt.axis_rules(config.logical_axis_rules),
+            jax.default_prng_impl(PRNG_IMPL),
+        ):
+            model = nnx.merge(built.model_graphdef, params, custom_params, rest, copy=True)
+            value, _ = loss_fn(model, config, dict(batch), None, None, is_train=True)
+            return value
+
+    return loss
 
 
 def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import shlex
 import sys
@@ -53,6 +54,7 @@ from remat_kit.policies import (
 )
 from remat_kit.program import Placement, Program
 from remat_kit.validation import MissingExtraError
+from remat_kit.walker import Residual
 
 #: The PRNG MaxText trains and compiles with (its ``train.py`` and ``train_compile.py`` set
 #: ``jax_default_prng_impl`` to it): the train state's keys have its shape. Scoped here to the
@@ -153,6 +155,8 @@ class MaxTextProgram(Program):
     target_name: str = "local"
     maxtext_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
     out_shardings: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``(global batch, sequence length, chips the batch is split over)`` of MaxText's loss.
+    batch_split: tuple[int, int, int] = (0, 0, 1)
 
     @property
     def title(self) -> str:
@@ -177,6 +181,18 @@ class MaxTextProgram(Program):
 
     def request_key(self) -> tuple[Any, ...] | None:
         return ("maxtext", self.overrides, self.target_name)
+
+    def saved(self, spec: PolicySpec) -> list[Residual] | None:
+        """What MaxText's loss keeps under ``spec`` (:meth:`Program.saved`), per chip: a value
+        holding the batch's ``[batch, sequence]`` dimensions has its batch divided over the
+        chips MaxText shards the activation batch over (``activation_batch`` in its logical
+        axis rules: data, fsdp, ... ); other values (those made from the parameters, such as
+        a weight transposed for the backward pass) are counted whole, an upper bound per chip
+        where their parameter is sharded. One chip: as JAX keeps them."""
+        saved = super().saved(spec)
+        if saved is None or self.batch_split[2] == 1:
+            return saved
+        return [_per_chip(r, *self.batch_split) for r in saved]
 
 
 def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "local") -> Program:
@@ -243,7 +259,34 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         target_name=tgt.name,
         maxtext_mesh=mesh,
         out_shardings=(built_base.state_shardings, None),
+        batch_split=_batch_split(config, mesh),
     )
+
+
+def _batch_split(config: Any, mesh: Any) -> tuple[int, int, int]:
+    """``(global batch, sequence length, chips)``: MaxText's micro batch, its
+    ``max_target_length``, and the product of the mesh axes its first ``activation_batch``
+    logical axis rule names (the chips the batch of an activation is split over)."""
+    axes: Any = ()
+    for name, mapped in config.logical_axis_rules:
+        if name == "activation_batch":
+            axes = mapped
+            break
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    shape = dict(mesh.shape)
+    chips = math.prod(shape.get(a, 1) for a in axes)
+    return int(config.micro_batch_size_to_train_on), int(config.max_target_length), chips
+
+
+def _per_chip(res: Residual, batch: int, seq: int, chips: int) -> Residual:
+    """``res`` on one chip: its first ``[batch, seq]`` dimension pair with the batch divided by
+    ``chips``; unchanged where it holds no such pair (or the batch does not divide)."""
+    shape = tuple(res.shape)
+    for i in range(len(shape) - 1):
+        if shape[i : i + 2] == (batch, seq) and batch % chips == 0:
+            part = (*shape[:i], batch // chips, *shape[i + 1 :])
+            return dataclasses.replace(res, shape=part, nbytes=res.nbytes // chips)
+    return res
 
 
 def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any:

@@ -40,7 +40,7 @@ import os
 import shlex
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -224,6 +224,9 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     topology = []
     if tgt.tpu is not None:
         topology = [f"compile_topology={tgt.name}", "compile_topology_num_slices=1"]
+    given = {item.partition("=")[0] for item in items}
+    if tgt.gpu is not None and "hardware" not in given:
+        topology.append("hardware=gpu")  # MaxText's GPU paths (its default is tpu)
     base = [*items, *topology]
     n = tgt.tpu.num_devices if tgt.tpu is not None else 1 if tgt.gpu is not None else None
     devices = T.compile_devices(tgt, n or len(jax.devices()))
@@ -325,6 +328,30 @@ def _choose(spec: Any, built: Callable[[tuple[str, ...]], _Built]) -> _Built:
     return built(("remat_policy=full",))
 
 
+@contextlib.contextmanager
+def _tracing(mt: types.SimpleNamespace, config: Any, mesh: Any) -> Iterator[None]:
+    """What MaxText's step and loss are traced under: the mesh (abstract), MaxText's logical
+    axis rules, its PRNG; on a GPU mesh also tokamax's ``cross_compile`` (MaxText's GPU flash
+    attention is a tokamax kernel, which otherwise refuses to trace where the local device is
+    not a GPU: a deviceless compile)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        stack.enter_context(mt.axis_rules(config.logical_axis_rules))
+        stack.enter_context(jax.default_prng_impl(PRNG_IMPL))
+        if _platform(mesh) == "gpu":
+            from tokamax import config as tokamax_config
+
+            stack.enter_context(tokamax_config.cross_compile(True))
+        yield
+
+
+def _platform(mesh: Any) -> str:
+    """``tpu``, ``gpu`` or ``cpu``: the platform of the mesh's devices (a CUDA device is
+    ``gpu``, as MaxText's ``hardware`` names it)."""
+    platform = str(mesh.devices.flat[0].platform).lower()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
     """MaxText's ``train_step`` for ``built``'s config, traced under its mesh and logical axis
     rules; for a policy MaxText does not name, its ``loss_fn`` with the policy injected."""
@@ -337,14 +364,9 @@ def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
             train_step.__closure__,
         )  # fmt: skip
     config = built.config
-    rules = config.logical_axis_rules
 
     def step(state: Any, batch: Any) -> Any:
-        with (
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-            mt.axis_rules(rules),
-            jax.default_prng_impl(PRNG_IMPL),
-        ):
+        with _tracing(mt, config, mesh):
             return train_step(
                 built.graphdef, config, built.state_shardings, built.params_shardings, state, batch
             )
@@ -390,11 +412,7 @@ def _loss(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
     config = built.config
 
     def loss(params: Any, custom_params: Any, rest: Any, batch: Any) -> Any:
-        with (
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-            mt.axis_rules(config.logical_axis_rules),
-            jax.default_prng_impl(PRNG_IMPL),
-        ):
+        with _tracing(mt, config, mesh):
             model = nnx.merge(built.model_graphdef, params, custom_params, rest, copy=True)
             value, _ = loss_fn(model, config, dict(batch), None, None, is_train=True)
             return value

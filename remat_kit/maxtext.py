@@ -49,6 +49,7 @@ from remat_kit import targets as T
 from remat_kit.inject import inject_policy
 from remat_kit.policies import (
     MAXTEXT_POLICY_NAMES,
+    MAXTEXT_TENSORS,
     PolicySpec,
     maxtext_spec,
 )
@@ -125,6 +126,32 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
             os.environ.pop("XLA_FLAGS", None)
         else:
             os.environ["XLA_FLAGS"] = before
+
+
+def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
+    """The policies a MaxText user can set, for a model emitting ``tags``: MaxText's own
+    ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
+    names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom`` with MaxText's defaults and with
+    each emitted tensor it has a setting for kept on device (one each). What ``recommend
+    --maxtext`` searches by default, so that its pick is a MaxText config line.
+
+    Raises:
+      ValueError: ``tags`` holds none of MaxText's tensors (not a MaxText model).
+    """
+    emitted = [t for t in MAXTEXT_TENSORS if t in tags]
+    if not emitted:
+        raise ValueError(
+            f"the program emits none of MaxText's checkpoint names ({', '.join(sorted(tags))})"
+        )
+    named = [maxtext_spec(n) for n in MAXTEXT_POLICY_NAMES if n != "custom"]
+    # ``minimal`` is remat-kit's registered one too: the tools cut it to the names emitted
+    out = [s for s in named if s.tags <= tags or (s.name == "minimal" and s.tags & tags)]
+    customs = [maxtext_spec("custom")]
+    customs += [maxtext_spec("custom", {t: "device"}) for t in emitted]
+    for spec in customs:
+        if spec not in out:
+            out.append(spec)
+    return out
 
 
 def maxtext_name(spec: PolicySpec) -> str | None:
@@ -441,4 +468,4 @@ def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
     return injected
 
 
-__all__ = ["INSTALL", "MaxTextProgram", "maxtext_name", "maxtext_program", "split_overrides"]
+__all__ = ["INSTALL", "MaxTextProgram", "maxtext_candidates", "maxtext_name", "maxtext_program", "split_overrides"]

@@ -131,8 +131,9 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
 def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
     """The policies a MaxText user can set, for a model emitting ``tags``: MaxText's own
     ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
-    names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom`` with MaxText's defaults and with
-    each emitted tensor it has a setting for kept on device (one each). What ``recommend
+    names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom``
+    with MaxText's defaults and with each emitted tensor it has a setting for kept on device
+    (one each). What ``recommend
     --maxtext`` searches by default, so that its pick is a MaxText config line.
 
     Raises:
@@ -468,4 +469,11 @@ def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
     return injected
 
 
-__all__ = ["INSTALL", "MaxTextProgram", "maxtext_candidates", "maxtext_name", "maxtext_program", "split_overrides"]
+__all__ = [
+    "INSTALL",
+    "MaxTextProgram",
+    "maxtext_candidates",
+    "maxtext_name",
+    "maxtext_program",
+    "split_overrides",
+]

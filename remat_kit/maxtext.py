@@ -20,8 +20,17 @@ The policy each compile asks for reaches MaxText's layers in one of two ways:
   ``loss_fn`` (:func:`remat_kit.inject_policy` over the layers MaxText wraps in remat with
   ``remat_policy=full``).
 
-MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it is unset; :func:`maxtext_program`
-puts the variable back as it was.
+The program's loss (for the residual table by checkpoint name, the doctor and recommend's
+per-tag search) is the function MaxText's ``train_step`` differentiates: its model merged from
+the parameters and other variables, its ``loss_fn`` on the batch (:func:`loss_arguments`: the
+train state's model split as the step splits it). Its residuals are given per chip: the batch
+dimension of each activation divided over the chips MaxText shards the batch over
+(:meth:`MaxTextProgram.saved`).
+
+On a GPU target the config gets ``hardware=gpu`` (unless the overrides set ``hardware``) and
+MaxText's GPU flash attention, a tokamax kernel, is traced with tokamax's ``cross_compile``
+(a deviceless compile: no GPU here). MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it
+is unset; :func:`maxtext_program` puts the variable back as it was.
 
 Example (with maxtext installed)::
 
@@ -232,13 +241,16 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
         ``remat_policy`` here is the program's default only: each tool sets the policy it asks
         for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
-        (MaxText then sizes its batch for the slice's chips, as its AOT compile does).
+        (MaxText then sizes its batch for the slice's chips, as its AOT compile does); a GPU
+        target adds ``hardware=gpu`` where ``hardware`` is not given.
       target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
         model (one GPU, deviceless) or ``local`` (the local devices).
 
     Returns:
       A :class:`MaxTextProgram`: arguments MaxText's abstract train state and batch (shapes
-      global, shardings over the mesh; figures per device), the state donated.
+      global, shardings over the mesh; figures per device), the state donated; its loss
+      MaxText's, of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`), the
+      first two differentiated.
 
     Raises:
       MissingExtraError: MaxText not installed (``pip install "remat-kit[maxtext]"``, Python

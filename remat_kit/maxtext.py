@@ -130,11 +130,27 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
         raise ValueError(
             f"MaxText refused the config {' '.join(overrides)!r} (its message is above)"
         ) from None
+    except ValueError as err:  # its pydantic validation: one line per field, made one line
+        raise ValueError(f"MaxText refused the config: {_one_line(err)}") from None
     finally:
         if before is None:
             os.environ.pop("XLA_FLAGS", None)
         else:
             os.environ["XLA_FLAGS"] = before
+
+
+def _one_line(err: ValueError) -> str:
+    """A config error on one line: each field pydantic refused, its message and the value given
+    (``model_name: Input should be 'default', 'llama2-7b', ... (got 'llama9-7b')``)."""
+    errors = getattr(err, "errors", None)
+    if not callable(errors):
+        return " ".join(str(err).split())
+    parts = []
+    for e in errors():
+        where = ".".join(str(p) for p in e.get("loc", ())) or "config"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        parts.append(f"{where}: {e.get('msg', '')}{got}")
+    return "; ".join(parts)
 
 
 def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
@@ -242,7 +258,8 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         ``remat_policy`` here is the program's default only: each tool sets the policy it asks
         for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
         (MaxText then sizes its batch for the slice's chips, as its AOT compile does); a GPU
-        target adds ``hardware=gpu`` where ``hardware`` is not given.
+        target adds ``hardware=gpu`` where ``hardware`` is not given; every target adds
+        ``skip_jax_distributed_system=true`` where not given (one process compiles).
       target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
         model (one GPU, deviceless) or ``local`` (the local devices).
 
@@ -267,6 +284,10 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     given = {item.partition("=")[0] for item in items}
     if tgt.gpu is not None and "hardware" not in given:
         topology.append("hardware=gpu")  # MaxText's GPU paths (its default is tpu)
+    if "skip_jax_distributed_system" not in given:
+        # one process compiles: MaxText's config would start JAX's distributed system (with
+        # checkpointing on and no compile_topology), which fails once JAX has a backend
+        topology.append("skip_jax_distributed_system=true")
     base = [*items, *topology]
     n = tgt.tpu.num_devices if tgt.tpu is not None else 1 if tgt.gpu is not None else None
     devices = T.compile_devices(tgt, n or len(jax.devices()))

@@ -243,3 +243,29 @@ def test_recommend_maxtext_prints_the_config_line(capsys):
     assert _maxtext_lines(kind) is None  # MaxText cannot say it
     print_maxtext_lines(SimpleNamespace(pick=kind, target="local", budget_bytes=1))
     assert capsys.readouterr().out.startswith("# not a MaxText setting: ")
+
+
+def test_a_config_maxtext_refuses_is_one_line_naming_the_value():
+    pytest.importorskip("maxtext")
+    from remat_kit.maxtext import maxtext_program
+
+    with pytest.raises(
+        ValueError, match=r"^MaxText refused the config: model_name: .*llama9-7b"
+    ) as e:
+        maxtext_program("model_name=llama9-7b", "local")
+    assert "\n" not in str(e.value)
+
+
+def test_maxtext_with_its_checkpointing_on_builds_outside_pytest_too():
+    # MaxText's config starts JAX's distributed system unless run under pytest, with
+    # checkpointing on and no compile_topology: the program must skip it (one process)
+    pytest.importorskip("maxtext")
+    tiny = TINY.replace(" enable_checkpointing=false", "")
+    code = (
+        "import jax; jax.devices()\n"
+        "from remat_kit.maxtext import maxtext_program\n"
+        f"print(maxtext_program({tiny!r}, 'local').name)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("maxtext llama2-7b")

@@ -62,7 +62,7 @@ from remat_kit.policies import (
     PolicySpec,
     maxtext_spec,
 )
-from remat_kit.program import Placement, Program
+from remat_kit.program import BufferNames, Placement, Program
 from remat_kit.validation import MissingExtraError
 from remat_kit.walker import Residual
 
@@ -235,6 +235,13 @@ class MaxTextProgram(Program):
     def request_key(self) -> tuple[Any, ...] | None:
         return ("maxtext", self.overrides, self.target_name)
 
+    def buffer_names(self, rows: Sequence[Any], placement: Placement) -> BufferNames:
+        """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
+        MaxText shards it), as the compiled step's buffers hold them."""
+        names = super().buffer_names(rows, placement)
+        params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in self.param_leaves())
+        return dataclasses.replace(names, params=params)
+
     def saved(self, spec: PolicySpec) -> list[Residual] | None:
         """What MaxText's loss keeps under ``spec`` (:meth:`Program.saved`), per chip: a value
         holding the batch's ``[batch, sequence]`` dimensions has its batch divided over the
@@ -340,6 +347,14 @@ def _batch_split(config: Any, mesh: Any) -> tuple[int, int, int]:
     shape = dict(mesh.shape)
     chips = math.prod(shape.get(a, 1) for a in axes)
     return int(config.micro_batch_size_to_train_on), int(config.max_target_length), chips
+
+
+def _shard_shape(x: Any) -> tuple[int, ...]:
+    """One chip's shape of an abstract array carrying its sharding (its shape without one)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "shard_shape"):
+        return tuple(x.shape)
+    return tuple(sharding.shard_shape(x.shape))
 
 
 def _per_chip(res: Residual, batch: int, seq: int, chips: int) -> Residual:

@@ -269,3 +269,15 @@ def test_maxtext_with_its_checkpointing_on_builds_outside_pytest_too():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("maxtext llama2-7b")
+
+
+def test_maxtext_parameters_are_named_by_their_shape_per_chip():
+    pytest.importorskip("maxtext")
+    pytest.importorskip("libtpu")
+    from remat_kit.maxtext import maxtext_program
+
+    prog = maxtext_program(TINY, "v5p-8")
+    params = prog.buffer_names((), None).params
+    # wi_0 / wi_1 [emb, layers, mlp]: emb split over the 4 chips (fsdp), as the HLO holds them
+    assert ("float32", (64, 2, 512)) in params
+    assert ("float32", (256, 2, 512)) not in params

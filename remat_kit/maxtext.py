@@ -20,8 +20,17 @@ The policy each compile asks for reaches MaxText's layers in one of two ways:
   ``loss_fn`` (:func:`remat_kit.inject_policy` over the layers MaxText wraps in remat with
   ``remat_policy=full``).
 
-MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it is unset; :func:`maxtext_program`
-puts the variable back as it was.
+The program's loss (for the residual table by checkpoint name, the doctor and recommend's
+per-tag search) is the function MaxText's ``train_step`` differentiates: its model merged from
+the parameters and other variables, its ``loss_fn`` on the batch (:func:`loss_arguments`: the
+train state's model split as the step splits it). Its residuals are given per chip: the batch
+dimension of each activation divided over the chips MaxText shards the batch over
+(:meth:`MaxTextProgram.saved`).
+
+On a GPU target the config gets ``hardware=gpu`` (unless the overrides set ``hardware``) and
+MaxText's GPU flash attention, a tokamax kernel, is traced with tokamax's ``cross_compile``
+(a deviceless compile: no GPU here). MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it
+is unset; :func:`maxtext_program` puts the variable back as it was.
 
 Example (with maxtext installed)::
 
@@ -35,11 +44,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import shlex
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -48,11 +58,13 @@ from remat_kit import targets as T
 from remat_kit.inject import inject_policy
 from remat_kit.policies import (
     MAXTEXT_POLICY_NAMES,
+    MAXTEXT_TENSORS,
     PolicySpec,
     maxtext_spec,
 )
-from remat_kit.program import Placement, Program
+from remat_kit.program import BufferNames, Placement, Program
 from remat_kit.validation import MissingExtraError
+from remat_kit.walker import Residual
 
 #: The PRNG MaxText trains and compiles with (its ``train.py`` and ``train_compile.py`` set
 #: ``jax_default_prng_impl`` to it): the train state's keys have its shape. Scoped here to the
@@ -118,11 +130,54 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
         raise ValueError(
             f"MaxText refused the config {' '.join(overrides)!r} (its message is above)"
         ) from None
+    except ValueError as err:  # its pydantic validation: one line per field, made one line
+        raise ValueError(f"MaxText refused the config: {_one_line(err)}") from None
     finally:
         if before is None:
             os.environ.pop("XLA_FLAGS", None)
         else:
             os.environ["XLA_FLAGS"] = before
+
+
+def _one_line(err: ValueError) -> str:
+    """A config error on one line: each field pydantic refused, its message and the value given
+    (``model_name: Input should be 'default', 'llama2-7b', ... (got 'llama9-7b')``)."""
+    errors = getattr(err, "errors", None)
+    if not callable(errors):
+        return " ".join(str(err).split())
+    parts = []
+    for e in errors():
+        where = ".".join(str(p) for p in e.get("loc", ())) or "config"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        parts.append(f"{where}: {e.get('msg', '')}{got}")
+    return "; ".join(parts)
+
+
+def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
+    """The policies a MaxText user can set, for a model emitting ``tags``: MaxText's own
+    ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
+    names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom``
+    with MaxText's defaults and with each emitted tensor it has a setting for kept on device
+    (one each). What ``recommend
+    --maxtext`` searches by default, so that its pick is a MaxText config line.
+
+    Raises:
+      ValueError: ``tags`` holds none of MaxText's tensors (not a MaxText model).
+    """
+    emitted = [t for t in MAXTEXT_TENSORS if t in tags]
+    if not emitted:
+        raise ValueError(
+            f"the program emits none of MaxText's checkpoint names ({', '.join(sorted(tags))})"
+        )
+    named = [maxtext_spec(n) for n in MAXTEXT_POLICY_NAMES if n != "custom"]
+    # ``minimal`` is remat-kit's registered one too: the tools cut it to the names emitted
+    out = [s for s in named if s.tags <= tags or (s.name == "minimal" and s.tags & tags)]
+    customs = [maxtext_spec("custom")]
+    customs += [maxtext_spec("custom", {t: "device"}) for t in emitted]
+    for spec in customs:
+        if spec not in out:
+            out.append(spec)
+    return out
 
 
 def maxtext_name(spec: PolicySpec) -> str | None:
@@ -141,6 +196,7 @@ class _Built:
     graphdef: Any
     state_shardings: Any
     params_shardings: Any
+    model_graphdef: Any  # the model's, split as the train step splits it (params first)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -152,6 +208,8 @@ class MaxTextProgram(Program):
     target_name: str = "local"
     maxtext_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
     out_shardings: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``(global batch, sequence length, chips the batch is split over)`` of MaxText's loss.
+    batch_split: tuple[int, int, int] = (0, 0, 1)
 
     @property
     def title(self) -> str:
@@ -177,6 +235,25 @@ class MaxTextProgram(Program):
     def request_key(self) -> tuple[Any, ...] | None:
         return ("maxtext", self.overrides, self.target_name)
 
+    def buffer_names(self, rows: Sequence[Any], placement: Placement) -> BufferNames:
+        """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
+        MaxText shards it), as the compiled step's buffers hold them."""
+        names = super().buffer_names(rows, placement)
+        params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in self.param_leaves())
+        return dataclasses.replace(names, params=params)
+
+    def saved(self, spec: PolicySpec) -> list[Residual] | None:
+        """What MaxText's loss keeps under ``spec`` (:meth:`Program.saved`), per chip: a value
+        holding the batch's ``[batch, sequence]`` dimensions has its batch divided over the
+        chips MaxText shards the activation batch over (``activation_batch`` in its logical
+        axis rules: data, fsdp, ... ); other values (those made from the parameters, such as
+        a weight transposed for the backward pass) are counted whole, an upper bound per chip
+        where their parameter is sharded. One chip: as JAX keeps them."""
+        saved = super().saved(spec)
+        if saved is None or self.batch_split[2] == 1:
+            return saved
+        return [_per_chip(r, *self.batch_split) for r in saved]
+
 
 def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "local") -> Program:
     """MaxText's training step for its config ``base.yml`` plus ``overrides``, as every tool
@@ -187,13 +264,17 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
         ``remat_policy`` here is the program's default only: each tool sets the policy it asks
         for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
-        (MaxText then sizes its batch for the slice's chips, as its AOT compile does).
+        (MaxText then sizes its batch for the slice's chips, as its AOT compile does); a GPU
+        target adds ``hardware=gpu`` where ``hardware`` is not given; every target adds
+        ``skip_jax_distributed_system=true`` where not given (one process compiles).
       target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
         model (one GPU, deviceless) or ``local`` (the local devices).
 
     Returns:
       A :class:`MaxTextProgram`: arguments MaxText's abstract train state and batch (shapes
-      global, shardings over the mesh; figures per device), the state donated.
+      global, shardings over the mesh; figures per device), the state donated; its loss
+      MaxText's, of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`), the
+      first two differentiated.
 
     Raises:
       MissingExtraError: MaxText not installed (``pip install "remat-kit[maxtext]"``, Python
@@ -207,6 +288,13 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     topology = []
     if tgt.tpu is not None:
         topology = [f"compile_topology={tgt.name}", "compile_topology_num_slices=1"]
+    given = {item.partition("=")[0] for item in items}
+    if tgt.gpu is not None and "hardware" not in given:
+        topology.append("hardware=gpu")  # MaxText's GPU paths (its default is tpu)
+    if "skip_jax_distributed_system" not in given:
+        # one process compiles: MaxText's config would start JAX's distributed system (with
+        # checkpointing on and no compile_topology), which fails once JAX has a backend
+        topology.append("skip_jax_distributed_system=true")
     base = [*items, *topology]
     n = tgt.tpu.num_devices if tgt.tpu is not None else 1 if tgt.gpu is not None else None
     devices = T.compile_devices(tgt, n or len(jax.devices()))
@@ -226,17 +314,58 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         # a spec from the tools; a raw jax policy (or None) from the reach probe: injected
         return _step(mt, _choose(spec, built), mesh, spec)
 
+    def loss_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
+        return _loss(mt, _choose(spec, built), mesh, spec)
+
     return MaxTextProgram(
         name=f"maxtext {config.model_name}",
         make_step=step_for,
         args=(state, batch),
         donate_argnums=(0,),
+        make_loss=loss_for,
+        loss_args=loss_arguments(state, batch, config),
+        argnums=(0, 1),
         argument_names=("state", "batch"),
         overrides=tuple(items),
         target_name=tgt.name,
         maxtext_mesh=mesh,
         out_shardings=(built_base.state_shardings, None),
+        batch_split=_batch_split(config, mesh),
     )
+
+
+def _batch_split(config: Any, mesh: Any) -> tuple[int, int, int]:
+    """``(global batch, sequence length, chips)``: MaxText's micro batch, its
+    ``max_target_length``, and the product of the mesh axes its first ``activation_batch``
+    logical axis rule names (the chips the batch of an activation is split over)."""
+    axes: Any = ()
+    for name, mapped in config.logical_axis_rules:
+        if name == "activation_batch":
+            axes = mapped
+            break
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    shape = dict(mesh.shape)
+    chips = math.prod(shape.get(a, 1) for a in axes)
+    return int(config.micro_batch_size_to_train_on), int(config.max_target_length), chips
+
+
+def _shard_shape(x: Any) -> tuple[int, ...]:
+    """One chip's shape of an abstract array carrying its sharding (its shape without one)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "shard_shape"):
+        return tuple(x.shape)
+    return tuple(sharding.shard_shape(x.shape))
+
+
+def _per_chip(res: Residual, batch: int, seq: int, chips: int) -> Residual:
+    """``res`` on one chip: its first ``[batch, seq]`` dimension pair with the batch divided by
+    ``chips``; unchanged where it holds no such pair (or the batch does not divide)."""
+    shape = tuple(res.shape)
+    for i in range(len(shape) - 1):
+        if shape[i : i + 2] == (batch, seq) and batch % chips == 0:
+            part = (*shape[:i], batch // chips, *shape[i + 1 :])
+            return dataclasses.replace(res, shape=part, nbytes=res.nbytes // chips)
+    return res
 
 
 def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any:
@@ -255,10 +384,14 @@ def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any
 def _build(mt: types.SimpleNamespace, config: Any, mesh: Any, shaped: bool = False) -> Any:
     """MaxText's train-state graphdef and shardings for ``config`` on ``mesh`` (as its AOT
     compile makes them); with ``shaped``, ``(built, (abstract state, abstract batch))``."""
+    from flax import nnx
+
     args, _, state_sh, _, graphdef = mt.train_compile.get_shaped_inputs(mesh, config)
     params_sh, state_sh = mt.sharding.maybe_update_params_sharding_with_opt(config, state_sh)
     input_sh = mt.sharding.build_zero1_input_state_mesh_shardings(config, state_sh, params_sh)
-    built = _Built(config, graphdef, input_sh, params_sh)
+    model = nnx.merge(graphdef, args[0]).model  # abstract: its variables hold ShapeDtypeStructs
+    model_graphdef = nnx.split(model, *_param_filters(config))[0]
+    built = _Built(config, graphdef, input_sh, params_sh, model_graphdef)
     return (built, tuple(args)) if shaped else built
 
 
@@ -269,6 +402,30 @@ def _choose(spec: Any, built: Callable[[tuple[str, ...]], _Built]) -> _Built:
     if name is not None:
         return built((f"remat_policy={name}",))
     return built(("remat_policy=full",))
+
+
+@contextlib.contextmanager
+def _tracing(mt: types.SimpleNamespace, config: Any, mesh: Any) -> Iterator[None]:
+    """What MaxText's step and loss are traced under: the mesh (abstract), MaxText's logical
+    axis rules, its PRNG; on a GPU mesh also tokamax's ``cross_compile`` (MaxText's GPU flash
+    attention is a tokamax kernel, which otherwise refuses to trace where the local device is
+    not a GPU: a deviceless compile)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        stack.enter_context(mt.axis_rules(config.logical_axis_rules))
+        stack.enter_context(jax.default_prng_impl(PRNG_IMPL))
+        if _platform(mesh) == "gpu":
+            from tokamax import config as tokamax_config
+
+            stack.enter_context(tokamax_config.cross_compile(True))
+        yield
+
+
+def _platform(mesh: Any) -> str:
+    """``tpu``, ``gpu`` or ``cpu``: the platform of the mesh's devices (a CUDA device is
+    ``gpu``, as MaxText's ``hardware`` names it)."""
+    platform = str(mesh.devices.flat[0].platform).lower()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
@@ -283,20 +440,60 @@ def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
             train_step.__closure__,
         )  # fmt: skip
     config = built.config
-    rules = config.logical_axis_rules
 
     def step(state: Any, batch: Any) -> Any:
-        with (
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-            mt.axis_rules(rules),
-            jax.default_prng_impl(PRNG_IMPL),
-        ):
+        with _tracing(mt, config, mesh):
             return train_step(
                 built.graphdef, config, built.state_shardings, built.params_shardings, state, batch
             )
 
     step.__name__ = "train_step"
     return step
+
+
+def _param_filters(config: Any) -> tuple[Any, Any, Any]:
+    """The filters MaxText's ``train_step`` splits its model by: the trained parameters
+    (``nnx.Param``, ``nnx.LoRAParam`` under LoRA), the variables differentiated beside them
+    (``_overwrite_with_gradient``), the rest."""
+    from flax import nnx
+    from flax.nnx import variablelib
+
+    owg = variablelib.variable_type_from_name("_overwrite_with_gradient", allow_register=True)
+    lora = getattr(getattr(config, "lora", None), "enable_lora", False)
+    trained = getattr(nnx, "LoRAParam", nnx.Param) if lora else nnx.Param
+    return trained, nnx.Any(owg), ...
+
+
+def loss_arguments(state: Any, batch: Any, config: Any) -> tuple[Any, Any, Any, Any]:
+    """``(params, custom_params, rest, batch)``: MaxText's abstract train state's model split
+    as its ``train_step`` splits it before differentiating (:func:`_param_filters`), and the
+    batch; the arguments of :func:`_loss`'s loss."""
+    from flax import nnx
+
+    params, custom, rest = nnx.split_state(state["model"], *_param_filters(config))
+    return params, custom, rest, batch
+
+
+def _loss(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
+    """The function MaxText's ``train_step`` differentiates (its ``diff_wrapper``): the model
+    merged from its parameters and other variables, MaxText's ``loss_fn`` on the batch, the
+    loss returned (its aux dropped); traced under the step's mesh and axis rules; for a policy
+    MaxText does not name, ``loss_fn`` with the policy injected (as :func:`_step`)."""
+    from flax import nnx
+
+    loss_fn = mt.train.loss_fn
+    if not isinstance(spec, PolicySpec) or maxtext_name(spec) is None:
+        policy = spec if not isinstance(spec, PolicySpec) else spec.to_jax() if spec.wrap else None
+        loss_fn = _injected(loss_fn, policy)
+    config = built.config
+
+    def loss(params: Any, custom_params: Any, rest: Any, batch: Any) -> Any:
+        with _tracing(mt, config, mesh):
+            model = nnx.merge(built.model_graphdef, params, custom_params, rest, copy=True)
+            value, _ = loss_fn(model, config, dict(batch), None, None, is_train=True)
+            return value
+
+    return loss
 
 
 def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
@@ -320,4 +517,11 @@ def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
     return injected
 
 
-__all__ = ["INSTALL", "MaxTextProgram", "maxtext_name", "maxtext_program", "split_overrides"]
+__all__ = [
+    "INSTALL",
+    "MaxTextProgram",
+    "maxtext_candidates",
+    "maxtext_name",
+    "maxtext_program",
+    "split_overrides",
+]

@@ -154,6 +154,15 @@ def read_maxtext(args: argparse.Namespace, preset_only: Mapping[str, Any] | None
     return maxtext_program(args.maxtext, getattr(args, "target", "local"))
 
 
+def maxtext_policies(program: Any) -> list[Any]:
+    """The policies ``recommend --maxtext`` searches by default: those MaxText's config can set
+    (:func:`remat_kit.maxtext.maxtext_candidates` of the checkpoint names the program emits)."""
+    from remat_kit.maxtext import maxtext_candidates
+    from remat_kit.memory.policy_set import program_tags
+
+    return maxtext_candidates(program_tags(program))
+
+
 def is_program_ref(model: str | None) -> bool:
     """True when ``--model`` names a user's program (``MODULE:FACTORY``), not a preset, or is
     not given (``--maxtext`` names the program)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import textwrap
@@ -94,17 +95,21 @@ def _run(args: argparse.Namespace) -> int:
     flags = {"--group-size": args.group_sizes, "--optimizer": args.optimizer,
              "--mesh": args.mesh, "--structure": args.structure}  # fmt: skip
     program = A.read_program(args, needed=("seq",), mesh=mesh, preset_only=flags)
+    if args.maxtext is not None and args.policy is None:
+        args.policy = A.maxtext_policies(program)  # the pick is then a MaxText config line
     rec = recommend_program(
         program, args.target, auto=auto, budget=args.budget, solve=args.solve,
         policies=args.policy, group_sizes=args.group_sizes, margin=args.margin,
         max_compiles=args.max_compiles, workers=args.workers, structure=args.structure,
     )  # fmt: skip
-    if args.json:
+    if args.json and args.maxtext is not None:
+        print(json.dumps({**rec.to_dict(), "maxtext_lines": _maxtext_lines(rec.pick)}, indent=1))
+    elif args.json:
         print(rec.to_json(indent=1))
     else:
-        print_recommendation(rec)
+        print_recommendation(rec, code=args.maxtext is None)
         if args.maxtext is not None and rec.pick is not None:
-            print_maxtext_lines(rec.pick)
+            print_maxtext_lines(rec)
     if args.html:
         from remat_kit import report_html
 
@@ -114,17 +119,35 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if rec.pick is not None else 1
 
 
-def print_maxtext_lines(pick: Candidate) -> None:
-    """The pick as the MaxText config lines to set (:func:`remat_kit.policies.
-    maxtext_config_lines`), or why MaxText's config cannot say it."""
+def _maxtext_lines(pick: Candidate | None) -> list[str] | None:
+    """The pick's MaxText config lines (:func:`remat_kit.policies.maxtext_config_lines`); None
+    without a pick or where MaxText's config cannot say it."""
     from remat_kit.policies import maxtext_config_lines
 
+    if pick is None:
+        return None
+    try:
+        return maxtext_config_lines(pick.actions if pick.policy == "custom" else pick.policy)
+    except ValueError:
+        return None
+
+
+def print_maxtext_lines(rec: Recommendation) -> None:
+    """The pick as the MaxText config lines to set (:func:`remat_kit.policies.
+    maxtext_config_lines`), with the peak and budget it was picked for, or why MaxText's
+    config cannot say it."""
+    from remat_kit.policies import maxtext_config_lines
+
+    pick = rec.pick
     try:
         lines = maxtext_config_lines(pick.actions if pick.policy == "custom" else pick.policy)
     except ValueError as err:
         print(f"# not a MaxText setting: {err}")
         return
-    print("# MaxText config lines for the pick (command line or YAML):")
+    print(
+        f"# MaxText config lines for the pick (command line or YAML); {rec.target}: peak "
+        f"{format_bytes(pick.peak_bytes)} of a {format_bytes(rec.budget_bytes)} budget"
+    )
     print(" ".join(lines))
 
 
@@ -234,10 +257,10 @@ def _lines(rec: Recommendation) -> list[str]:
     return lines
 
 
-def print_recommendation(rec: Recommendation) -> None:
+def print_recommendation(rec: Recommendation, code: bool = True) -> None:
     """Print the candidates (fits first, then by estimated step time; ``*`` marks the pick),
-    the budget and its source, the compiles spent, and the pick as one line of code, or what
-    would fit."""
+    the budget and its source, the compiles spent, and the pick as one line of code (not with
+    ``code=False``: a MaxText program's pick is its config lines), or what would fit."""
     out = console()
     if rec.seq_len is None:  # a user's program: its own arguments and optimizer
         title = f"{rec.model} (your program) on {rec.target}"
@@ -252,7 +275,7 @@ def print_recommendation(rec: Recommendation) -> None:
         out.print(_table(rec, name, cands))
     for line in _lines(rec):
         out.print(line, highlight=False, markup=False)
-    if rec.pick is not None:  # its comment above it: the code stays one line to paste
+    if rec.pick is not None and code:  # its comment above it: the code stays one line
         code, _, comment = rec.line().partition("  # ")
         for part in textwrap.wrap(comment, max(40, out.width - 2)):  # comments within the width
             print(f"# {part}")

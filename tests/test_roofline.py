@@ -648,3 +648,32 @@ def test_no_remat_slower_is_explained_on_datasheet_targets_only():
     assert roofline.no_remat_slower_note({"no-remat": 0.03, "save-nothing": 0.04}, False) is None
     assert roofline.no_remat_slower_note({"no-remat": 0.05, "save-nothing": 0.04}, True) is None
     assert roofline.no_remat_slower_note({"save-nothing": 0.04}, False) is None
+
+
+#: A Pallas kernel whose ``kernel_metadata`` frontend attribute is JSON over three lines (as
+#: XLA's TPU compiler dumps MaxText's splash attention), then more work in the same computation.
+SPLIT_MODULE = """HloModule split
+
+ENTRY %main (p: f32[1024,1024], w: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %w = f32[1024,1024]{1,0} parameter(1)
+  %kernel.1 = f32[1024,1024]{1,0} custom-call(%p), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128, \\"note\\": \\"a } in a string\\"}"
+}}, metadata={op_name="jit(step)/pallas_call"}
+  %dot.1 = f32[1024,1024]{1,0} dot(%kernel.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %dot.2 = f32[1024,1024]{1,0} dot(%dot.1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_an_instruction_over_several_lines_does_not_end_its_computation():
+    """MaxText's splash attention on a TPU target: a kernel's metadata over three lines ended
+    the entry computation at its ``}}`` line, so the step's remaining kernels (after its first
+    attention call) were never costed: an offloading policy was estimated 5x faster."""
+    comps = hlo.parse_hlo_module(SPLIT_MODULE)
+    (entry,) = comps.values()
+    assert [i.name for i in entry.instructions] == ["p", "w", "kernel.1", "dot.1", "dot.2"]
+    assert "pallas_call" in entry.instructions[2].op_name
+    kernels = _kernels(SPLIT_MODULE)
+    assert {"dot.1", "dot.2"} <= set(kernels)
+    assert hlo.count_flops(comps).flops == 2 * 2 * 1024**3

@@ -22,7 +22,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -193,11 +193,50 @@ def _parse_instruction(line: str) -> Instruction | None:
     )
 
 
+def _open_braces(line: str) -> int:
+    """``{`` less ``}`` in ``line`` outside double-quoted strings (a Pallas kernel's
+    ``kernel_metadata`` frontend attribute holds JSON over several lines)."""
+    if line.count("{") == line.count("}"):
+        return 0
+    depth, quoted, escaped = 0, False, False
+    for ch in line:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif not quoted:
+            depth += (ch == "{") - (ch == "}")
+    return depth
+
+
+def _logical_lines(text: str) -> Iterator[str]:
+    """The lines of an HLO text module, an instruction whose attributes span several lines
+    (unbalanced braces outside strings) joined into one."""
+    pending, depth = [], 0
+    for line in text.splitlines():
+        if pending:
+            pending.append(line)
+            depth += _open_braces(line)
+            if depth <= 0:
+                yield " ".join(pending)
+                pending, depth = [], 0
+            continue
+        opened = _open_braces(line)
+        if opened > 0 and not _HEADER.match(line):  # a header's brace opens its computation
+            pending, depth = [line], opened
+            continue
+        yield line
+    if pending:
+        yield " ".join(pending)
+
+
 def parse_hlo_module(text: str) -> dict[str, Computation]:
     """The computations of an HLO text module (as XLA dumps it), by name."""
     comps: dict[str, Computation] = {}
     current = None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         if current is None:
             m = _HEADER.match(line)
             if m:

@@ -601,8 +601,10 @@ def get_policy_spec(
             "nothing (full remat): that is 'save-nothing'; 'no-remat' is the opposite (no "
             "checkpoint, every residual kept)"
         )
-    if isinstance(policy, str) and policy in MAXTEXT_POLICIES:
-        return maxtext_spec(policy)  # MaxText's name for the same names saved
+    if isinstance(policy, str) and policy not in _REGISTRY:
+        snake = policy.replace("-", "_")  # MaxText's names, written with hyphens as ours are
+        if snake in MAXTEXT_POLICIES:
+            return maxtext_spec(snake)  # MaxText's name for the same names saved
     if not isinstance(policy, str) or policy not in _REGISTRY:
         raise N.unknown_value_error("policy", policy, policy_names(), _maxtext_meaning(policy))
     return _REGISTRY[policy]

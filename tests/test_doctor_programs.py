@@ -697,3 +697,40 @@ def test_a_registered_policy_naming_a_tag_the_model_fuses_away_is_a_note(capsys)
     for promise in (own, registered):
         (err,) = unknown_tags(promise, facts)
         assert (err.code, err.severity) == ("unknown-tag", "error")
+
+
+def test_a_default_set_policy_that_keeps_everything_warns_and_never_fails_the_check():
+    """A user's correct scanned MLP failed the doctor (exit 1): the default set's own spec
+    saving every name it emits keeps everything no-remat keeps, a no-op-policy *error* on a
+    policy the user never asked for. In the default set it warns; asked for, it is an error."""
+    import jax.numpy as jnp
+    import optax
+    from jax.ad_checkpoint import checkpoint_name
+
+    from remat_kit.doctor import check_policies
+
+    def make_loss(policy):
+        def layer(x, w):
+            h = checkpoint_name(jax.nn.relu(checkpoint_name(x @ w[0], "hidden")), "act")
+            return x + h @ w[1], None
+
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+        def loss(params, x):
+            return jax.lax.scan(layer, x, (params["w1"], params["w2"]))[0].sum()
+
+        return loss
+
+    params = {"w1": jnp.ones((3, 16, 32)) * 0.1, "w2": jnp.ones((3, 32, 16)) * 0.1}
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    program = remat_kit.Program.from_loss(make_loss, params, x, optimizer=optax.sgd(0.1))
+    every = "act=save,hidden=save"
+    default = check_policies(program)
+    noop = [f for c in default.checks for f in c.findings if f.code == "no-op-policy"]
+    assert noop and all(f.severity == "warning" for f in noop), noop
+    assert "not one you asked for" in noop[0].fix and not default.has_errors
+    asked = check_policies(program, [every])
+    assert [f.severity for c in asked.checks for f in c.findings if f.code == "no-op-policy"] == [
+        "error"
+    ]

@@ -183,6 +183,9 @@ def test_maxtext_policy_names_mean_the_policy_saving_the_same_names():
     assert get_policy_spec("full").to_jax() is jax.checkpoint_policies.nothing_saveable
     offloaded = get_policy_spec("qkv_proj_offloaded")
     assert offloaded.offload == {"query_proj", "key_proj", "value_proj"}
+    # written with hyphens as remat-kit's names are: the same MaxText policy
+    assert get_policy_spec("qkv-proj-offloaded") == offloaded
+    assert get_policy_spec("save-dot-except-mlp") == get_policy_spec("save_dot_except_mlp")
     with pytest.raises(ValueError, match=re.escape("'remat_policy=custom query_proj=device")):
         remat_kit.policy("custom")
     assert get_policy_spec("query_proj=device,mlpwo=offload,out_proj=remat") == get_policy_spec(

@@ -31,8 +31,9 @@ Finding codes (severity):
   remat segments when given None (``jax.checkpoint(layer, policy=None)`` saves nothing, as
   MaxText's scanned ``remat_policy='none'`` builds it), so the row is no step without remat
   (``analyze`` warns under the same row).
-- ``no-op-policy`` (error): the compiled step needs as much memory as without remat (its fix
-  never names the policy being checked).
+- ``no-op-policy`` (error; a warning for a policy of the default set, which the user did not
+  ask for): the compiled step needs as much memory as without remat (its fix never names the
+  policy being checked).
 - ``remat-around-loop`` (error): the policy frees little or adds memory because a remat segment
   wraps a whole ``lax.scan`` / ``while`` loop rather than its body: the backward pass re-runs the
   loop and stacks every iteration's residuals again (jax#27748, jax#3186); the fix checkpoints

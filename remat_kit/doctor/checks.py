@@ -308,7 +308,21 @@ def _policy_check(
         program.scan_layers, facts=j.facts, kept_nothing=j.kept_nothing,
         around_loop=reach.around_loop, lone=reach.lone,
     )  # fmt: skip
+    if raw is None:  # the default set: a policy the user did not ask for is no defect of theirs
+        findings = [_of_the_default_set(f) for f in findings]
     return PolicyCheck(label, spec, tuple(sort_findings(dedupe(findings))))
+
+
+def _of_the_default_set(finding: Finding) -> Finding:
+    """A ``no-op-policy`` error on a policy of the default set, as a warning: the policy keeps
+    everything no-remat keeps on this program (saving every name the program emits, or every
+    matmul, can), which is worth knowing before picking it, not an error in the user's setup."""
+    if finding.code != "no-op-policy" or finding.severity != "error":
+        return finding
+    return dataclasses.replace(
+        finding, severity="warning", fix=f"{finding.fix} (a policy of the doctor's default set, "
+        "not one you asked for: pick another, nothing in your code to fix)",
+    )  # fmt: skip
 
 
 #: (batch, seq) a preset is checked at when not given: the doctor's findings do not depend on

@@ -429,6 +429,13 @@ def _maxtext_meaning(policy: object) -> str | None:
             "'query_proj=save,mlpwo=offload' (device or save, offload, remat or recompute)."
         )
     meant = MAXTEXT_POLICIES.get(policy) if isinstance(policy, str) else None
+    if meant is None and isinstance(policy, str):  # a misspelt name: MaxText's may be closest
+        near = N.closest(policy, [*_REGISTRY, *MAXTEXT_POLICY_NAMES])
+        if near is not None and near not in _REGISTRY:
+            return (
+                f"Did you mean MaxText's {near!r}? (MaxText's remat_policy names are taken "
+                f"too: {', '.join(MAXTEXT_POLICY_NAMES)})"
+            )
     if meant is None:
         return None
     if meant in _REGISTRY:

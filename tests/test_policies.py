@@ -193,6 +193,9 @@ def test_maxtext_policy_names_mean_the_policy_saving_the_same_names():
     )
     with pytest.raises(ValueError, match="Did you mean 'save-dots'"):  # not a MaxText name
         remat_kit.policy("save-dot")
+    # a misspelt MaxText name is pointed at MaxText's, not at remat-kit's other policy
+    with pytest.raises(ValueError, match="Did you mean MaxText's 'save_dot_except_mlp'"):
+        remat_kit.policy("save_dot_except_mpl")
 
 
 @pytest.mark.parametrize(

@@ -221,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         out_console.print(f"{_label(r)}: {r['status']}: {r.get('error')}", highlight=False,
                           markup=False)  # fmt: skip
     kept = f", {result.skipped} kept from {path.name}" if result.skipped else ""
-    lines = [f"{len(result.new_rows)} point(s) analysed{kept}, {len(bad)} failed; "
-             f"{result.wall_s:.0f} s"]  # fmt: skip
+    lines = [f"{len(result.new_rows)} row(s) analysed (a point's policies, a row each){kept}, "
+             f"{len(bad)} failed; {result.wall_s:.0f} s"]  # fmt: skip
     if args.merge is not None:
         lines = [f"merged {len(result.new_rows)} rows into {out}", *result.notes]
     elif args.shard is not None:

@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from remat_kit.units import format_bytes
+
 # -- Tables ------------------------------------------------------------------------------------
 
 
@@ -228,6 +230,11 @@ def _merge_heads(by_note: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
+#: XLA's GPU scheduler (gpu_hlo_schedule.cc) on a step whose arguments and outputs alone
+#: exceed the device memory it schedules for.
+_SCHEDULER_LIMIT = re.compile(
+    r"byte size of input/output arguments \((\d+)\) exceeds the base limit \((\d+)\)"
+)
 _REMAT_WARNING = re.compile(
     r"Can't reduce memory use below ([\d.]+\w+) .*only reduced to ([\d.]+\w+).*down from "
     r"([\d.]+\w+)"
@@ -238,13 +245,22 @@ def short_xla(text: str) -> str:
     """XLA's long messages in one line for a terminal (the JSON, rows and reports keep them
     whole): its rematerialisation pass giving up ("Can't reduce memory use below 60.47GiB
     (64927346170 bytes) by rematerialization; only reduced to ...") and remat-kit's note on
-    what it recomputed; any other text as it is."""
+    what it recomputed; its GPU scheduler calling a step whose arguments and outputs exceed the
+    device "an error in the calculation"; any other text as it is."""
     m = _REMAT_WARNING.search(text)
     if m:
         limit, reached, before = m.groups()
         return (
             f"XLA's remat pass missed its own {limit} target, not the device's memory "
             f"({before} -> {reached})"
+        )
+    m = _SCHEDULER_LIMIT.search(text)
+    if m:
+        given, limit = (format_bytes(int(x)) for x in m.groups())
+        return (
+            f"XLA's GPU scheduler: the step's arguments and outputs ({given}) exceed its memory "
+            f"limit ({limit}), which it calls 'an error in the calculation': the step does not "
+            "fit the device"
         )
     m = re.search(r"recomputed (\d+) instruction", text)
     if m and "rematerialisation pass" in text:

@@ -109,3 +109,12 @@ def test_xlas_long_messages_shortened_to_one_line():
         "(109.21GiB -> 109.21GiB)"
     )
     assert short_xla("something else") == "something else"
+    scheduler = (
+        "gpu_hlo_schedule.cc: The byte size of input/output arguments (137438953472) exceeds the "
+        "base limit (67954383257). This indicates an error in the calculation!"
+    )
+    assert short_xla(scheduler) == (
+        "XLA's GPU scheduler: the step's arguments and outputs (128.00 GiB) exceed its memory "
+        "limit (63.29 GiB), which it calls 'an error in the calculation': the step does not fit "
+        "the device"
+    )

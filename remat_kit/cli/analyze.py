@@ -120,7 +120,7 @@ def _resolve(args: argparse.Namespace) -> tuple:
             f"--doctor needs program {program.name!r}'s loss (Program.from_loss, or make_loss= "
             "in Program.from_step)"
         )
-    if program.model_config is None:  # a user's program: its own names, what acts on them
+    if program.default_policy is None:  # no policy of its own: its names, what acts on them
         asked = args.policy or (policy_names() if args.all_policies else None)
         return program, target, policy_set(program, target, asked)
     if args.policy:

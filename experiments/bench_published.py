@@ -695,7 +695,7 @@ def compile_reports(entry: Entry, num_layers: int | None) -> list[dict]:
         out.append(
             {
                 "setting": setting.name,
-                "num_layers": program.config.num_layers,
+                "num_layers": program.family.structure.num_layers,
                 "step_time_s": r.step_time_s,
                 "breakdown": None
                 if st is None
@@ -712,7 +712,7 @@ def compile_reports(entry: Entry, num_layers: int | None) -> list[dict]:
                 "warnings": list(r.warnings),
             }
         )
-    layers = program.config.num_layers
+    layers = program.family.structure.num_layers
     print(
         f"  {entry.id}: {len(policies)} policies at {layers} layers in {wall:.1f} s",
         file=sys.stderr,

@@ -109,7 +109,7 @@ def instrument(timers: Timers) -> None:
     jstages.Traced.lower = timers.wrap("lower", traced_lower)
     jstages.Lowered.as_text = timers.wrap("lower", jstages.Lowered.as_text)
 
-    from remat_kit import program as P
+    from remat_kit import zoo as P
 
     api._setup = timers.wrap("setup", api._setup)  # tags, reach and the baseline's trace
     P.model_residuals = timers.wrap(

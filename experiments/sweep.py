@@ -199,7 +199,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     """
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
-    from remat_kit.program import load_program
+    from remat_kit.loading import load_program
     from remat_kit.sweep.output import check_output_flags
 
     given = [f"--{o.replace('_', '-')}" for o in _PRESET_ONLY if getattr(args, o, None)]

@@ -8,6 +8,7 @@ from remat_kit.doctor import Finding as Finding
 from remat_kit.doctor import check as check
 from remat_kit.doctor import check_function as check_function
 from remat_kit.inject import inject_policy as inject_policy
+from remat_kit.loading import load_program as load_program
 from remat_kit.memory import CompileError as CompileError
 from remat_kit.memory import MemoryReport as MemoryReport
 from remat_kit.memory import analyze as analyze
@@ -28,6 +29,7 @@ from remat_kit.models import get_config as get_config
 from remat_kit.models import make_model as make_model
 from remat_kit.models import preset_names as preset_names
 from remat_kit.names import CHECKPOINT_NAMES as CHECKPOINT_NAMES
+from remat_kit.placement import sharded as sharded
 from remat_kit.policies import PolicyEffect as PolicyEffect
 from remat_kit.policies import PolicySpec as PolicySpec
 from remat_kit.policies import custom_policy as custom_policy
@@ -40,8 +42,6 @@ from remat_kit.policies import policy_names as policy_names
 from remat_kit.policies import policy_specs as policy_specs
 from remat_kit.policies import remat_implementation as remat_implementation
 from remat_kit.program import Program as Program
-from remat_kit.program import load_program as load_program
-from remat_kit.program import sharded as sharded
 from remat_kit.recommend import Recommendation as Recommendation
 from remat_kit.recommend import recommend as recommend
 from remat_kit.tagging import tag_eqx as tag_eqx

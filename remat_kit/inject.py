@@ -4,7 +4,7 @@ Some models call ``jax.checkpoint`` / ``flax.linen.remat`` / ``nn.checkpoint`` /
 ``eqx.filter_checkpoint`` themselves, with no ``policy``: Hugging Face's Flax models built with
 ``gradient_checkpointing=True`` wrap each layer in ``nn.remat(Layer, static_argnums=...)``. A
 factory ``make_loss(policy)`` around such a model has nowhere to put the policy, so every policy
-compiles to the same program (the tools refuse it: :class:`remat_kit.program.PolicyReach`).
+compiles to the same program (the tools refuse it: :class:`remat_kit.reach.PolicyReach`).
 ``inject_policy(loss)`` is the factory for it::
 
     program = Program.from_loss(remat_kit.inject_policy(loss), params, batch)
@@ -42,7 +42,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun, new_jaxpr_eqn
 from jax.extend.core.primitives import closed_call_p, remat_p
 
-from remat_kit.program import Factory, combine, partition
+from remat_kit.pure import Factory, combine, partition
 from remat_kit.walker import HI_CALL, is_remat
 
 __all__ = ["inject_policy"]

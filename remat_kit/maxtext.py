@@ -25,7 +25,7 @@ per-tag search) is the function MaxText's ``train_step`` differentiates: its mod
 the parameters and other variables, its ``loss_fn`` on the batch (:func:`loss_arguments`: the
 train state's model split as the step splits it). Its residuals are given per chip: the batch
 dimension of each activation divided over the chips MaxText shards the batch over
-(:meth:`MaxTextProgram.saved`).
+(``Known.saved`` of the program).
 
 On a GPU target the config gets ``hardware=gpu`` (unless the overrides set ``hardware``) and
 MaxText's GPU flash attention, a tokamax kernel, is traced with tokamax's ``cross_compile``
@@ -55,16 +55,18 @@ from typing import Any
 import jax
 
 from remat_kit import targets as T
+from remat_kit.family import Known
 from remat_kit.inject import inject_policy
+from remat_kit.placement import BufferNames, Placement
 from remat_kit.policies import (
     MAXTEXT_POLICY_NAMES,
     MAXTEXT_TENSORS,
     PolicySpec,
     maxtext_spec,
 )
-from remat_kit.program import BufferNames, Placement, Program
+from remat_kit.program import Program
 from remat_kit.validation import MissingExtraError
-from remat_kit.walker import Residual
+from remat_kit.walker import Residual, saved_residuals
 
 #: The PRNG MaxText trains and compiles with (its ``train.py`` and ``train_compile.py`` set
 #: ``jax_default_prng_impl`` to it): the train state's keys have its shape. Scoped here to the
@@ -199,60 +201,46 @@ class _Built:
     model_graphdef: Any  # the model's, split as the train step splits it (params first)
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class MaxTextProgram(Program):
-    """A :class:`~remat_kit.program.Program` of MaxText's own train step (see the module
-    docstring); its factories receive the :class:`~remat_kit.policies.PolicySpec`."""
+def _layout(target_name: str, mesh: Any, out_shardings: Any) -> Any:
+    """MaxText's mesh and shardings, built for the target given to :func:`maxtext_program`;
+    the layout raises ``ValueError`` for another target (the mesh is made of that target's
+    devices)."""
 
-    overrides: tuple[str, ...] = ()
-    target_name: str = "local"
-    maxtext_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
-    out_shardings: Any = dataclasses.field(default=None, repr=False, compare=False)
-    #: ``(global batch, sequence length, chips the batch is split over)`` of MaxText's loss.
-    batch_split: tuple[int, int, int] = (0, 0, 1)
-
-    @property
-    def title(self) -> str:
-        return f"maxtext {' '.join(self.overrides)}"
-
-    def factory_input(self, spec: PolicySpec) -> Any:
-        return spec
-
-    def place(self, target: T.Target) -> Placement:
-        """MaxText's mesh and shardings, built for the target given to :func:`maxtext_program`.
-
-        Raises:
-          ValueError: another target (the mesh is made of that target's devices).
-        """
-        if T.get_target(target).name != self.target_name:
+    def layout(target: T.Target, names: Any) -> Placement:
+        if target.name != target_name:
             raise ValueError(
-                f"MaxText program {self.name!r} was built for target {self.target_name!r}, "
-                f"not {T.get_target(target).name!r}: build it for that target "
-                "(maxtext_program(overrides, target=...))"
+                f"MaxText program was built for target {target_name!r}, not {target.name!r}: "
+                "build it for that target (maxtext_program(overrides, target=...))"
             )
-        return Placement(tuple, self.maxtext_mesh, self.out_shardings)
+        return Placement(tuple, mesh, out_shardings)
 
-    def request_key(self) -> tuple[Any, ...] | None:
-        return ("maxtext", self.overrides, self.target_name)
+    return layout
 
-    def buffer_names(self, rows: Sequence[Any], placement: Placement) -> BufferNames:
-        """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
-        MaxText shards it), as the compiled step's buffers hold them."""
-        names = super().buffer_names(rows, placement)
-        params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in self.param_leaves())
-        return dataclasses.replace(names, params=params)
 
-    def saved(self, spec: PolicySpec) -> list[Residual] | None:
-        """What MaxText's loss keeps under ``spec`` (:meth:`Program.saved`), per chip: a value
-        holding the batch's ``[batch, sequence]`` dimensions has its batch divided over the
-        chips MaxText shards the activation batch over (``activation_batch`` in its logical
-        axis rules: data, fsdp, ... ); other values (those made from the parameters, such as
-        a weight transposed for the backward pass) are counted whole, an upper bound per chip
-        where their parameter is sharded. One chip: as JAX keeps them."""
-        saved = super().saved(spec)
-        if saved is None or self.batch_split[2] == 1:
-            return saved
-        return [_per_chip(r, *self.batch_split) for r in saved]
+def _buffer_names(program: Program, rows: Sequence[Any], placement: Placement) -> BufferNames:
+    """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
+    MaxText shards it), as the compiled step's buffers hold them."""
+    names = program.traced_buffer_names(rows)
+    params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in program.param_leaves())
+    return dataclasses.replace(names, params=params)
+
+
+def _saved(
+    program: Program, spec: PolicySpec, *, batch_split: tuple[int, int, int]
+) -> list[Residual] | None:
+    """What MaxText's loss keeps under ``spec`` (as JAX keeps it), per chip: a value holding
+    the batch's ``[batch, sequence]`` dimensions has its batch divided over the chips MaxText
+    shards the activation batch over (``activation_batch`` in its logical axis rules: data,
+    fsdp, ... ); other values (those made from the parameters, such as a weight transposed for
+    the backward pass) are counted whole, an upper bound per chip where their parameter is
+    sharded. One chip: as JAX keeps them."""
+    loss = program.loss(spec)
+    if loss is None:
+        return None
+    saved = list(saved_residuals(loss.fn, *loss.args))
+    if batch_split[2] == 1:
+        return saved
+    return [_per_chip(r, *batch_split) for r in saved]
 
 
 def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "local") -> Program:
@@ -271,9 +259,9 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         model (one GPU, deviceless) or ``local`` (the local devices).
 
     Returns:
-      A :class:`MaxTextProgram`: arguments MaxText's abstract train state and batch (shapes
-      global, shardings over the mesh; figures per device), the state donated; its loss
-      MaxText's, of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`), the
+      A :class:`~remat_kit.program.Program`: arguments MaxText's abstract train state and
+      batch (shapes global, shardings over the mesh; figures per device), the state donated;
+      its loss MaxText's, of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`), the
       first two differentiated.
 
     Raises:
@@ -317,7 +305,15 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     def loss_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
         return _loss(mt, _choose(spec, built), mesh, spec)
 
-    return MaxTextProgram(
+    overrides_ = tuple(items)
+    known = Known(
+        title=f"maxtext {' '.join(overrides_)}",
+        cache_key=("maxtext", overrides_, tgt.name),
+        takes_spec=True,
+        saved=functools.partial(_saved, batch_split=_batch_split(config, mesh)),
+        buffer_names=_buffer_names,
+    )
+    return Program(
         name=f"maxtext {config.model_name}",
         make_step=step_for,
         args=(state, batch),
@@ -326,11 +322,8 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         loss_args=loss_arguments(state, batch, config),
         argnums=(0, 1),
         argument_names=("state", "batch"),
-        overrides=tuple(items),
-        target_name=tgt.name,
-        maxtext_mesh=mesh,
-        out_shardings=(built_base.state_shardings, None),
-        batch_split=_batch_split(config, mesh),
+        layout=_layout(tgt.name, mesh, (built_base.state_shardings, None)),
+        known=known,
     )
 
 
@@ -519,7 +512,6 @@ def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
 
 __all__ = [
     "INSTALL",
-    "MaxTextProgram",
     "maxtext_candidates",
     "maxtext_name",
     "maxtext_program",

@@ -1,24 +1,20 @@
-"""The bundled models as a zoo of :class:`~remat_kit.program.Program` values.
+"""The bundled models as a zoo that builds ordinary :class:`~remat_kit.program.Program` values.
 
 :func:`preset` turns a preset name or :class:`~remat_kit.models.ModelConfig`, a batch and a
 sequence length into a program whose step is :func:`remat_kit.make_train_step` (forward,
 backward under the policy, optax update, the train state donated) on abstract arguments
-(``jax.eval_shape``: a 70B model is never allocated). The tools then ask it what they ask a
-user's program; it answers some questions from what it knows of its model:
+(``jax.eval_shape``: a 70B model is never allocated). What the zoo knows of its model rides
+beside the factories (:mod:`remat_kit.family`):
 
-- its factories receive the :class:`~remat_kit.policies.PolicySpec` itself (the model applies
-  it per layer group, offload and nested remat included), not a ``jax.checkpoint`` callable;
-- its residual table comes from one traced remat segment times the segments
-  (:func:`model_residuals`), split per device on a mesh;
-- it is laid out on a (dp, fsdp, tp) mesh of the target's devices (``mesh="fsdp=8"``);
-- it varies (:meth:`PresetProgram.variant`): batch, sequence, group size, structure options,
-  which recommend's searches use;
-- its reports are cached by its config (:meth:`PresetProgram.request_key`): a repeat traces
-  nothing.
+- ``known``: the factories take the :class:`~remat_kit.policies.PolicySpec` itself (the model
+  applies it per layer group); the residual table from one traced remat segment times the
+  segments (:func:`model_residuals`), per device on a mesh; a cache key (a repeat traces
+  nothing);
+- ``layout``: a (dp, fsdp, tp) mesh of the target's devices (``mesh="fsdp=8"``);
+- ``family``: the same model at another batch, sequence, group size or structure, which
+  recommend's searches build.
 
-The residual rules of the bundled blocks (:func:`model_residuals`, :func:`block_residuals`,
-split per device over tp) live here too. The core (:mod:`remat_kit.program`) imports nothing
-from this module.
+The core (:mod:`remat_kit.program`) imports nothing from this module.
 
 Example::
 
@@ -30,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -38,11 +35,22 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import targets as T
-from remat_kit.models import BlockGroup, ModelConfig, get_config
+from remat_kit.family import Family, Known, Structure
+from remat_kit.models import (
+    PRESETS,
+    BlockGroup,
+    ModelConfig,
+    attention_choices,
+    get_config,
+    sqrt_groups,
+)
 from remat_kit.names import CHECKPOINT_SHAPES
 from remat_kit.optimizers import make_optimizer
+from remat_kit.placement import BufferNames, Placement
 from remat_kit.policies import PolicySpec
-from remat_kit.program import BufferNames, Placement, PolicyReach, Program, Pure
+from remat_kit.program import Program
+from remat_kit.pure import Pure
+from remat_kit.reach import PolicyReach
 from remat_kit.training.step import (
     abstract_batch,
     abstract_train_state,
@@ -53,144 +61,136 @@ from remat_kit.training.step import (
 from remat_kit.validation import check_batch_split, check_seq_len, positive_int
 from remat_kit.walker import Residual, TagResiduals, group_by_tag, saved_residuals
 
-#: Fields of :meth:`PresetProgram.variant` that are not model fields.
+#: Changes of :attr:`Program.family` that are shapes, not model fields.
 _SHAPE_FIELDS = ("batch_size", "seq_len")
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class PresetProgram(Program):
-    """A bundled model's training step as a :class:`Program` (see the module
-    docstring; made by :func:`preset`).
+def _title(config: ModelConfig, batch_size: int, seq_len: int) -> str:
+    return f"{config.name} b={batch_size} s={seq_len}"
 
-    Attributes:
-      config: the model; its ``remat_policy`` is replaced by each policy analysed.
-      batch_size: sequences per step (global; split over dp*fsdp on a mesh).
-      seq_len: tokens per sequence.
-      optimizer: the name given (or the optax transformation).
-      mesh: the (dp, fsdp, tp) mesh the step is compiled on (None: one device).
-    """
 
-    config: ModelConfig | None = None
-    batch_size: int | None = None
-    seq_len: int | None = None
-    optimizer: str | optax.GradientTransformation = "adamw"
-    mesh: T.MeshSpec | None = None
-    tx: optax.GradientTransformation | None = None
+def _baseline(program: Program, config: ModelConfig, tx: optax.GradientTransformation) -> Pure:
+    """The plain step: no remat on any layer, no nested scan, whole logits; the config's
+    ``attention`` kept (so the recompute ratio is against the same attention)."""
+    plain = config.replace(
+        remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
+        loss_chunk_size=None,
+    )  # fmt: skip
+    # A layer structure stacks its parameters differently: the plain step's own state.
+    state = program.args[0]
+    if config.layer_structure:
+        state = abstract_train_state(plain, tx)
+    step = make_train_step(plain, tx, jit=False)
+    return Pure(step, (state, program.args[1]), program.argument_names, None)
 
-    def __repr__(self) -> str:
-        mesh = f", mesh={self.mesh}" if self.mesh is not None else ""
-        opt = self.optimizer if isinstance(self.optimizer, str) else "custom"
-        return f"preset({self.config.name!r}, b={self.batch_size}, s={self.seq_len}, {opt}{mesh})"
 
-    @property
-    def title(self) -> str:
-        return f"{self.config.name} b={self.batch_size} s={self.seq_len}"
+def _mesh_layout(
+    config: ModelConfig, tx: optax.GradientTransformation, batch: Any, mesh: T.MeshSpec
+) -> Any:
+    """The train state sharded over the mesh of the target's devices
+    (:func:`remat_kit.training.sharded_train_state`) and the batch split over dp*fsdp."""
 
-    @property
-    def logits(self) -> tuple[tuple[int, int, int], str]:
-        """``((batch, seq, vocab), compute dtype)`` of the model's logits."""
-        return (self.batch_size, self.seq_len, self.config.vocab_size), self.config.dtype
+    def layout(target: T.Target, names: Any) -> Placement:
+        devices = T.make_mesh(mesh, T.compile_devices(target, mesh.num_devices))
+        state, _ = sharded_train_state(config, tx, devices)
+        placed = T.abstractify(batch, T.batch_sharding(devices))
+        return Placement(lambda args: (state, placed), devices)
 
-    def factory_input(self, spec: PolicySpec) -> PolicySpec:
-        """The spec itself: the model applies it per layer group (offload, nesting)."""
-        return spec
+    return layout
 
-    def baseline_step(self) -> Pure:
-        """The plain step: no remat on any layer, no nested scan, whole logits; the config's
-        ``attention`` kept (so the recompute ratio is against the same attention)."""
-        plain = self.config.replace(
-            remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
-            loss_chunk_size=None,
-        )  # fmt: skip
-        # A layer structure stacks its parameters differently: the plain step's own state.
-        state = self.args[0]
-        if self.config.layer_structure:
-            state = abstract_train_state(plain, self.tx)
-        step = make_train_step(plain, self.tx, jit=False)
-        return Pure(step, (state, self.args[1]), self.argument_names, None)
 
-    def place(self, target: T.Target) -> Placement:
-        """One device, or the train state sharded over the mesh of ``target``'s devices
-        (:func:`remat_kit.training.sharded_train_state`) and the batch split over dp*fsdp."""
-        if self.mesh is None:
-            return super().place(target)
-        mesh = T.make_mesh(self.mesh, T.compile_devices(target, self.mesh.num_devices))
-        state, _ = sharded_train_state(self.config, self.tx, mesh)
-        batch = T.abstractify(self.args[1], T.batch_sharding(mesh))
-        return Placement(lambda args: (state, batch), mesh)
+def _residuals(
+    program: Program, spec: PolicySpec, placement: Placement, *, config: ModelConfig,
+    batch_size: int, seq_len: int,
+) -> tuple[TagResiduals, ...]:  # fmt: skip
+    """:func:`model_residuals` per device: the batch split over dp*fsdp, tagged heads /
+    kv_heads / d_ff dimensions over tp."""
+    shape = dict(placement.mesh.shape) if placement.mesh is not None else {}
+    split = shape.get("dp", 1) * shape.get("fsdp", 1)
+    remat = config.replace(remat_policy=spec)
+    return model_residuals(remat, batch_size // split, seq_len, shape.get("tp", 1))
 
-    def residuals(self, spec: PolicySpec, placement: Placement) -> tuple[TagResiduals, ...]:
-        """:func:`model_residuals` per device: the batch split over dp*fsdp, tagged heads /
-        kv_heads / d_ff dimensions over tp."""
-        shape = dict(placement.mesh.shape) if placement.mesh is not None else {}
-        split = shape.get("dp", 1) * shape.get("fsdp", 1)
-        config = self.config.replace(remat_policy=spec)
-        return model_residuals(config, self.batch_size // split, self.seq_len, shape.get("tp", 1))
 
-    def buffer_names(self, rows, placement: Placement) -> BufferNames:
-        """Residual rows stacked over the remat segments ([segments, *row shape]), the
-        parameters' shapes, and the logits."""
-        segments = self.config.num_layers // self.config.remat_group_size
-        stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
-        for row in rows:
-            key = (row.dtype, (segments, *row.shape))
-            stacked[key] = (*stacked.get(key, ()), row.tag)
-        params = frozenset(
-            (jax.numpy.dtype(x.dtype).name, tuple(x.shape))
-            for x in jax.tree.leaves(self.args[0].params)
-        )
-        b, s = self.batch_size, self.seq_len
-        return BufferNames(stacked, params, logits_elems=b * s * self.config.vocab_size)
+def _buffer_names(
+    program: Program, rows: Any, placement: Placement, *, config: ModelConfig,
+    batch_size: int, seq_len: int,
+) -> BufferNames:  # fmt: skip
+    """Residual rows stacked over the remat segments ([segments, *row shape]), the
+    parameters' shapes, and the logits."""
+    segments = config.num_layers // config.remat_group_size
+    stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+    for row in rows:
+        key = (row.dtype, (segments, *row.shape))
+        stacked[key] = (*stacked.get(key, ()), row.tag)
+    params = frozenset(
+        (jax.numpy.dtype(x.dtype).name, tuple(x.shape))
+        for x in jax.tree.leaves(program.args[0].params)
+    )
+    return BufferNames(stacked, params, logits_elems=batch_size * seq_len * config.vocab_size)
 
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config
 
-    @property
-    def scan_layers(self) -> bool:
-        return self.config.scan_layers
+def _saved(
+    program: Program, spec: PolicySpec, *, config: ModelConfig, batch_size: int, seq_len: int
+) -> list[Residual]:
+    """One remat segment's kept values (:func:`block_residuals`): the bundled models repeat
+    one segment, so a policy's effect is read on one."""
+    return list(block_residuals(config.replace(remat_policy=spec), batch_size, seq_len))
 
-    @property
-    def default_policy(self) -> PolicySpec | str:
-        return self.config.remat_policy
 
-    def saved(self, spec: PolicySpec) -> list[Residual]:
-        """One remat segment's kept values (:func:`block_residuals`): the
-        bundled models repeat one segment, so a policy's effect is read on one."""
-        config = self.config.replace(remat_policy=spec)
-        return list(block_residuals(config, self.batch_size, self.seq_len))
+def preset_name(config: ModelConfig) -> str | None:
+    """``config.name`` where ``config`` is that preset up to its remat fields (so
+    ``get_config(name, ...)`` rebuilds it); None for a config of the user's own."""
+    known = PRESETS.get(config.name)
+    if known is None:
+        return None
+    remat = ("remat_policy", "remat_group_size", "scan_layers", "attention", "loss_chunk_size")
+    same = config.replace(**{f: getattr(known, f) for f in remat})
+    return config.name if same == known else None
 
-    def reach(self) -> PolicyReach:
-        """By construction: every remat segment (one per group of ``remat_group_size`` layers)
-        takes the policy, and ``no-remat`` builds none."""
-        segments = self.config.num_layers // self.config.remat_group_size
-        return PolicyReach(self.name, segments, segments, 0)
 
-    def request_key(self) -> tuple[Any, ...] | None:
-        """``("preset", config, batch, seq, optimizer, mesh)``; None for an optax
-        transformation given as an object (not describable)."""
-        if not isinstance(self.optimizer, str):
-            return None
-        mesh = str(self.mesh) if self.mesh is not None else None
-        return ("preset", self.config, self.batch_size, self.seq_len, self.optimizer, mesh)
+def nested_groups(config: ModelConfig) -> int | None:
+    """Nested remat's outer group count a search would try (:func:`sqrt_groups`), or None
+    where it does not apply: the config is nested already, not a per-layer scan at group size
+    1, has partial-layer remat, or has no divisor of ``num_layers`` strictly between 1 and L."""
+    ok = config.scan_layers and config.remat_group_size == 1 and not config.layer_structure
+    groups = sqrt_groups(config.num_layers)
+    return groups if ok and 1 < groups < config.num_layers else None
 
-    def variant(self, **changes: Any) -> PresetProgram:
-        """The same preset with ``batch_size`` / ``seq_len`` and any
-        :class:`~remat_kit.models.ModelConfig` fields changed (``remat_group_size``,
-        ``attention``, ``loss_chunk_size``, ``remat_layers``, ``nested_groups``...).
 
-        Raises:
-          ValueError: as :func:`preset` for the new shapes; an unknown config field.
-        """
+def structure(config: ModelConfig) -> Structure:
+    """The config's layer structure as recommend's searches read it."""
+    return Structure(
+        num_layers=config.num_layers, remat_group_size=config.remat_group_size,
+        scan_layers=config.scan_layers, attention=config.attention,
+        loss_chunk_size=config.loss_chunk_size, remat_layers=config.remat_layers,
+        nested_groups=config.outer_groups, name=preset_name(config),
+    )  # fmt: skip
+
+
+def family(
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str | optax.GradientTransformation,
+    mesh: T.MeshSpec | None,
+) -> Family:
+    """The preset's family: ``build(batch_size=, seq_len=, **ModelConfig fields)`` makes the
+    same preset with those changed (``remat_group_size``, ``attention``, ``loss_chunk_size``,
+    ``remat_layers``, ``nested_remat``, ``nested_groups``...; ``ValueError`` as
+    :func:`preset` for the new shapes or an unknown field)."""
+
+    def build(**changes: Any) -> Program:
         shape = {k: changes.pop(k) for k in _SHAPE_FIELDS if k in changes}
-        config = self.config.replace(**changes) if changes else self.config
-        return preset(
-            config,
-            shape.get("batch_size", self.batch_size),
-            shape.get("seq_len", self.seq_len),
-            self.optimizer,
-            self.mesh,
-        )
+        changed = config.replace(**changes) if changes else config
+        b, s = shape.get("batch_size", batch_size), shape.get("seq_len", seq_len)
+        return preset(changed, b, s, optimizer, mesh)
+
+    return Family(
+        build=build,
+        structure=structure(config),
+        attention_options=lambda target: attention_choices(target, config),
+        nested_groups=nested_groups(config),
+    )
 
 
 def preset(
@@ -199,7 +199,7 @@ def preset(
     seq_len: int,
     optimizer: str | optax.GradientTransformation = "adamw",
     mesh: str | T.MeshSpec | None = None,
-) -> PresetProgram:
+) -> Program:
     """A bundled model's training step as a program every tool takes.
 
     Args:
@@ -240,7 +240,31 @@ def preset(
 
         return loss
 
-    return PresetProgram(
+    rules = dict(config=config, batch_size=batch_size, seq_len=seq_len)
+    segments = config.num_layers // config.remat_group_size
+    known = Known(
+        title=_title(config, batch_size, seq_len),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer if isinstance(optimizer, str) else None,
+        mesh=spec,
+        logits=((batch_size, seq_len, config.vocab_size), config.dtype),
+        scan_layers=config.scan_layers,
+        default_policy=config.remat_policy,
+        # an optax transformation given as an object is not describable: no cache key
+        cache_key=(
+            ("preset", config, batch_size, seq_len, optimizer, str(spec) if spec else None)
+            if isinstance(optimizer, str)
+            else None
+        ),
+        takes_spec=True,
+        reach=PolicyReach(config.name, segments, segments, 0),
+        baseline=functools.partial(_baseline, config=config, tx=tx),
+        saved=functools.partial(_saved, **rules),
+        residuals=functools.partial(_residuals, **rules),
+        buffer_names=functools.partial(_buffer_names, **rules),
+    )
+    return Program(
         name=config.name,
         make_step=make_step,
         args=(state, batch),
@@ -249,12 +273,9 @@ def preset(
         loss_args=(state.params, batch),
         argnums=(0,),
         argument_names=("state", "batch"),
-        config=config,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        optimizer=optimizer,
-        mesh=spec,
-        tx=tx,
+        layout=_mesh_layout(config, tx, batch, spec) if spec is not None else None,
+        known=known,
+        family=family(config, batch_size, seq_len, optimizer, spec),
     )
 
 

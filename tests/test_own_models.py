@@ -94,10 +94,8 @@ def test_tag_eqx_keeps_the_model_and_names_unknown_paths(eqx_args):
     assert type(tagged.layers.ff_block.mlp) is not eqx.nn.Linear
     assert jax.tree.leaves(tagged) == jax.tree.leaves(model)
     loss = eqx_lm.make_loss(jax.checkpoint_policies.nothing_saveable)
-    arrays, static = remat_kit.program.partition(tagged)  # eqx.partition, ShapeDtypeStructs too
-    traced = jax.make_jaxpr(lambda a, t: loss(remat_kit.program.combine(a, static), t))(
-        arrays, tokens
-    )
+    arrays, static = remat_kit.pure.partition(tagged)  # eqx.partition, ShapeDtypeStructs too
+    traced = jax.make_jaxpr(lambda a, t: loss(remat_kit.pure.combine(a, static), t))(arrays, tokens)
     tags = remat_kit.walker.tags_in(traced.jaxpr)
     assert tags == {"mlp_hidden", "attn"}
     with pytest.raises(ValueError, match="'layers/ff_block/mlpx' matches no module; closest: "
@@ -211,7 +209,7 @@ def test_a_factory_that_does_not_pass_the_policy_is_said_once_everywhere(hf, cap
     model, params, tokens = hf
     loss = hf_style.loss_fn(model)
     ignoring = Program.from_loss(lambda policy: loss, params, tokens, name="hf-as-is")
-    reach = remat_kit.program.policy_reach(ignoring)
+    reach = remat_kit.reach.policy_reach(ignoring)
     assert (reach.segments, reach.reached) == (hf_style.Config.n_layer, 0)
     for run in (
         lambda: analyze_policies(ignoring, ["save-nothing", "save-dots"], "local"),
@@ -238,7 +236,7 @@ def test_a_factory_that_does_not_pass_the_policy_is_said_once_everywhere(hf, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "remat_kit.inject_policy(loss)" in err, err
     # the same model through inject_policy passes it on, and builds no remat for None
-    fixed = remat_kit.program.policy_reach(Program.from_loss(inject_policy(loss), params, tokens))
+    fixed = remat_kit.reach.policy_reach(Program.from_loss(inject_policy(loss), params, tokens))
     assert (fixed.segments, fixed.reached, fixed.without_policy) == (2, 2, 0)
 
 
@@ -334,7 +332,7 @@ def _step_with_its_own_policy():
 
 def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
     program = _step_with_its_own_policy()
-    reach = remat_kit.program.policy_reach(program)
+    reach = remat_kit.reach.policy_reach(program)
     assert not reach.passes and reach.part == "make_step" and reach.segments == 1  # in a scan
     for run in (
         lambda: analyze_policies(program, ["save-nothing", "save-dots"], "local"),
@@ -354,7 +352,7 @@ def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
         plain_jax.make_step, *plain_jax.abstract_args(), make_loss=plain_jax.make_loss,
         loss_args=(plain_jax.abstract_args()[0], plain_jax.abstract_args()[2]),
     )  # fmt: skip
-    assert remat_kit.program.policy_reach(fine).passes
+    assert remat_kit.reach.policy_reach(fine).passes
 
 
 class _DropLayer(eqx.Module):

@@ -224,7 +224,8 @@ def test_a_users_step_is_judged_to_pass_the_policy_under_remat3():
     no remat' (outside trial, session 16). The step is judged by whether save-everything and
     save-nothing trace to different steps; one that ignores the policy still is refused."""
     from remat_kit.examples import plain_jax
-    from remat_kit.program import Program, policy_reach
+    from remat_kit.program import Program
+    from remat_kit.reach import policy_reach
 
     def fixed_step(policy):  # a remat of its own: the policy given is dropped
         return plain_jax.make_step(jax.checkpoint_policies.nothing_saveable)

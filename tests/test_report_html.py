@@ -21,9 +21,9 @@ from remat_kit import doctor
 from remat_kit import report_html as H
 from remat_kit.cli import main as cli_main
 from remat_kit.doctor import Finding
+from remat_kit.loading import load_program
 from remat_kit.memory import analyze_policies
 from remat_kit.policies import parse_policy_arg, policy_label
-from remat_kit.program import load_program
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

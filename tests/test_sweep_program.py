@@ -202,7 +202,7 @@ def test_nnx_program_with_concrete_arguments(tmp_path):
 
 
 def test_arguments_materialised_by_kind_and_copied_per_policy():
-    from remat_kit.program import Pure
+    from remat_kit.pure import Pure
 
     f32, keys = jax.ShapeDtypeStruct((64,), "float32"), jax.random.key(0, impl="rbg").dtype
     args = (f32, jax.ShapeDtypeStruct((2,), "int32"), jax.ShapeDtypeStruct((3,), keys),

@@ -24,7 +24,7 @@ from remat_kit.memory import timeline as T
 from remat_kit.memory import xla_compile as X
 from remat_kit.memory.diff import diff_reports
 from remat_kit.policies import get_policy_spec, parse_policy_arg
-from remat_kit.program import argument_parts
+from remat_kit.pure import argument_parts
 from tests.conftest import needs_cuda_plugin
 
 

@@ -16,7 +16,7 @@ import remat_kit
 from remat_kit import cli, targets
 from remat_kit.memory import analyze_policies, hlo
 from remat_kit.memory.reading import compiled_peak_bytes
-from remat_kit.program import leaf_bytes
+from remat_kit.pure import leaf_bytes
 
 needs_libtpu = pytest.mark.skipif(
     not targets.libtpu_installed(),

@@ -120,14 +120,14 @@ def _resolve(args: argparse.Namespace) -> tuple:
             f"--doctor needs program {program.name!r}'s loss (Program.from_loss, or make_loss= "
             "in Program.from_step)"
         )
-    if program.default_policy is None:  # no policy of its own: its names, what acts on them
+    if program.known.default_policy is None:  # no policy of its own: its names, what acts on them
         asked = args.policy or (policy_names() if args.all_policies else None)
         return program, target, policy_set(program, target, asked)
     if args.policy:
         return program, target, args.policy
     if args.all_policies:
         return program, target, [get_policy_spec(n) for n in policy_names()]
-    return program, target, [get_policy_spec(program.default_policy)]
+    return program, target, [get_policy_spec(program.known.default_policy)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if args.per_layer and reports:
         try:
             layers = per_layer_activations(
-                program.model_config, args.batch, args.seq,
+                A.read_config(args), args.batch, args.seq,
                 [s for s, r in zip(specs, results, strict=True) if not isinstance(r, CompileError)],
                 target=target, optimizer=args.optimizer, workers=args.workers,
             )  # fmt: skip

@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from remat_kit import units, validation
+from remat_kit.loading import load_program
 from remat_kit.models import ModelConfig, get_config, parse_overrides
 from remat_kit.policies import POLICY_ARG_HELP as POLICY_ARG_HELP
 from remat_kit.policies import parse_policy_arg
-from remat_kit.program import Program, load_program
+from remat_kit.program import Program
 from remat_kit.targets import MeshSpec
 from remat_kit.zoo import preset
 

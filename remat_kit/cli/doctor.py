@@ -70,12 +70,12 @@ def _run(args: argparse.Namespace) -> int:
     flags = {"--no-scan": args.no_scan, "--group-size": args.group_size}
     program = A.read_program(args, preset_only=flags, **fixed)
     specs = args.policy
-    if specs is None and program.default_policy is not None:  # a bundled model: every one
+    if specs is None and program.known.default_policy is not None:  # a bundled model: every one
         specs = [get_policy_spec(n) for n in policy_names()]
     result = check_policies(program, specs, args.target)
     labels = [c.label for c in result.checks]
     notes = list(result.notes)
-    if program.default_policy is None:
+    if program.known.default_policy is None:
         emitted = ", ".join(sorted(result.tags)) or "no tags"
         notes.insert(0, f"program {program.name!r} emits: {emitted}")
     _print(args, labels, [list(c.findings) for c in result.checks], notes)

@@ -26,7 +26,7 @@ Finding codes (severity):
   factory receives (a model calling ``nn.remat`` / ``jax.checkpoint`` itself without
   ``policy=``, as Hugging Face's Flax models do): every policy is the same program. The fix
   names :func:`remat_kit.inject_policy`. Judged once per program
-  (:func:`remat_kit.program.policy_reach`), as ``analyze`` and ``recommend`` judge it.
+  (:func:`remat_kit.reach.policy_reach`), as ``analyze`` and ``recommend`` judge it.
 - ``no-remat-remats`` (error): the ``no-remat`` row still rematerializes: the factory builds
   remat segments when given None (``jax.checkpoint(layer, policy=None)`` saves nothing, as
   MaxText's scanned ``remat_policy='none'`` builds it), so the row is no step without remat

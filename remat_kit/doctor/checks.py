@@ -63,13 +63,9 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import (
-    PolicyReach,
-    Program,
-    factory_reach,
-    filtered_factory,
-    step_flops,
-)
+from remat_kit.program import Program, step_flops
+from remat_kit.pure import filtered_factory
+from remat_kit.reach import PolicyReach, factory_reach
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 from remat_kit.zoo import as_program
 
@@ -143,7 +139,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
         return keeping(frozenset([tag] if tag else []))
 
     savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
-    user = program.scan_layers is None
+    user = program.known.scan_layers is None
     return TagFacts(
         tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping,
         remat_dots=dots_in_remat(jaxpr),
@@ -305,7 +301,7 @@ def _policy_check(
         findings.append(no_remat_remats(label, factory, reach.without_policy))
     findings += compare(
         promise, report, j.baseline, _kept(program, spec), j.kept_baseline, j.target,
-        program.scan_layers, facts=j.facts, kept_nothing=j.kept_nothing,
+        program.known.scan_layers, facts=j.facts, kept_nothing=j.kept_nothing,
         around_loop=reach.around_loop, lone=reach.lone,
     )  # fmt: skip
     if raw is None:  # the default set: a policy the user did not ask for is no defect of theirs
@@ -361,7 +357,7 @@ def check(
         ``save-nothing``).
     """
     program = as_program(model, batch_size, seq_len, optimizer, default_shape=DEFAULT_SHAPE)
-    chosen = policy if policy is not None else program.default_policy
+    chosen = policy if policy is not None else program.known.default_policy
     if chosen is None:
         raise ValueError(
             f"check(program): give policy= to check on {program.name!r}, or use "

@@ -207,10 +207,10 @@ def compare(
       kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs): a name kept no
         more than that is kept by every policy (``saved-anyway``). None: not known.
       around_loop: the program's remat segments that wrap a whole loop
-        (:attr:`remat_kit.program.PolicyReach.around_loop`): a policy freeing too little is then
+        (:attr:`remat_kit.reach.PolicyReach.around_loop`): a policy freeing too little is then
         said to be that (``remat-around-loop``).
       lone: the program's one remat segment sits outside every loop
-        (:attr:`remat_kit.program.PolicyReach.lone`): the cause of a policy freeing too little
+        (:attr:`remat_kit.reach.PolicyReach.lone`): the cause of a policy freeing too little
         on a real target (the CPU's is its own).
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)

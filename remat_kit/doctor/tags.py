@@ -277,7 +277,7 @@ def policy_not_passed(label: str | None, factory: str, segments: int) -> Finding
 
 def no_remat_remats(label: str, factory: str, segments: int) -> Finding:
     """The error for the ``no-remat`` row (``label``) of a program whose ``factory`` builds
-    ``segments`` remat segments when given None (:meth:`~remat_kit.program.PolicyReach.
+    ``segments`` remat segments when given None (:meth:`~remat_kit.reach.PolicyReach.
     no_remat_note`, which analyze writes under the same row): it is no step without remat."""
     return Finding(
         "no-remat-remats", "error",

@@ -27,6 +27,7 @@ import jax
 import optax
 
 from remat_kit import targets as T
+from remat_kit.loading import require_program
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.policy_set import (
     given_specs,
@@ -46,6 +47,7 @@ from remat_kit.memory.runner import (
 )
 from remat_kit.memory.xla_compile import CompileError
 from remat_kit.models import ModelConfig
+from remat_kit.placement import Placement
 from remat_kit.policies import (
     PolicySpec,
     check_tags,
@@ -55,16 +57,9 @@ from remat_kit.policies import (
     policy_specs,
     remat_implementation,
 )
-from remat_kit.program import (
-    Placement,
-    PolicyReach,
-    Program,
-    Pure,
-    argument_parts,
-    param_names,
-    purify,
-    require_program,
-)
+from remat_kit.program import Program
+from remat_kit.pure import Pure, argument_parts, param_names, purify
+from remat_kit.reach import PolicyReach
 from remat_kit.walker import (
     LOOP_PRIMITIVES,
     TagResiduals,
@@ -195,7 +190,7 @@ def analyze_model(
       CompileError: XLA could not compile the step (message names the policy).
     """
     program = preset(config, batch_size, seq_len, optimizer, mesh)
-    chosen = policy if policy is not None else program.config.remat_policy
+    chosen = policy if policy is not None else program.known.default_policy
     (report,) = analyze_policies(
         program, [chosen], target, budget_bytes, top_k, fast_compile, workers=1,
         compare_offload=compare_offload, no_remat_baseline=False,
@@ -264,7 +259,7 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
     if setup.placement.devices < whole:
         fix = (
             "--mesh / mesh= shards a preset over them (docs/tpu.md)"
-            if setup.program.model_config is not None
+            if setup.program.family is not None
             else "its layout's mesh is that size (remat_kit.sharded)"
             if setup.program.layout is not None
             else "a Program's arguments are placed on one device: its figures are one chip "
@@ -348,10 +343,10 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
         offloaded_bytes=None
         if residuals is None
         else sum(r.nbytes for r in residuals if r.memory == "host"),
-        logits=program.logits,
+        logits=program.known.logits,
         model=program.name,
-        batch_size=program.batch_size,
-        seq_len=program.seq_len,
+        batch_size=program.known.batch_size,
+        seq_len=program.known.seq_len,
         hints=_hints(program, residuals or (), setup.placement),
         visible=visible,
         notes=_spec_notes(setup, spec),
@@ -422,7 +417,7 @@ def analyze_policies(
     Raises:
       ValueError: unknown policy or target; a user spec naming a tag the program never emits;
         a factory that passes the policy to no remat segment
-        (:class:`~remat_kit.program.PolicyReach`).
+        (:class:`~remat_kit.reach.PolicyReach`).
       CompileError: with ``raise_errors``, the first policy that failed to lower or compile.
     """
     require_program(program)
@@ -482,7 +477,7 @@ def _request_cache(
     """The report cache and this request's key in it (None: the cache is off, or the program
     cannot say what decides its trace without tracing: a user's program, or no specs yet)."""
     cache = CompileCache.from_env()
-    if cache is None or program.request_key() is None or specs is None:
+    if cache is None or program.known.cache_key is None or specs is None:
         return cache, None
     # what decides the trace beside the request: the remat implementation (jax_remat3 runs
     # some policies as others) and the JAX flags that change dtypes or matmul precision
@@ -491,7 +486,7 @@ def _request_cache(
         jax.config.jax_default_matmul_precision,
     )  # fmt: skip
     key = CompileCache.request_key(
-        "analyze_policies", program.request_key(), specs, target_fingerprint(tgt), *options,
+        "analyze_policies", program.known.cache_key, specs, target_fingerprint(tgt), *options,
         tracing,
     )  # fmt: skip
     return cache, key

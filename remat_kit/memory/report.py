@@ -297,7 +297,7 @@ def same_program_lines(
         (never matched), in the order compiled.
       expected: per report, what makes two reports one program by construction.
       cause: why every policy would compile to one program, with the fix (e.g.
-        :meth:`remat_kit.program.PolicyReach.after_gradient_cause`), or None.
+        :meth:`remat_kit.reach.PolicyReach.after_gradient_cause`), or None.
     """
     same = same_program_as(reports)
     out: list[tuple[str, ...]] = [() for _ in reports]

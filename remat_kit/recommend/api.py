@@ -2,9 +2,9 @@
 
 One path for every :class:`~remat_kit.program.Program`: a bundled model (a preset name or
 config is made one by :func:`remat_kit.preset` where the arguments are read) or a user's own. The
-searches that vary the model (batch, group size, structure) run where the program varies (a
-preset's :meth:`~remat_kit.program.Program.variant`); on a user's program, which carries its own
-shapes, the named policies that act on its checkpoint tags and the per-tag solver.
+searches that vary the model (batch, group size, structure) run where the program has a family
+(:attr:`~remat_kit.program.Program.family`: a preset's); on a user's program, which carries its
+own shapes, the named policies that act on its checkpoint tags and the per-tag solver.
 
 1. :func:`resolve_request`: every input checked and resolved (nothing compiled).
 2. :func:`open_session`: the compile session, and the budget checked against the state.
@@ -43,7 +43,8 @@ from remat_kit.policies import (
     policy_label,
     policy_names,
 )
-from remat_kit.program import Program, argument_parts
+from remat_kit.program import Program
+from remat_kit.pure import argument_parts
 from remat_kit.recommend.search import (
     BudgetTooSmall,
     Named,
@@ -168,12 +169,12 @@ class Request:
     structure: bool = False
     margin: float = DEFAULT_MARGIN
     #: Remat segments a user's factory builds when given None (``no-remat``): 0 for a step
-    #: without remat (``without_policy`` of :class:`remat_kit.program.PolicyReach`).
+    #: without remat (``without_policy`` of :class:`remat_kit.reach.PolicyReach`).
     remats_for_none: int = 0
 
     @property
     def batch(self) -> int | None:
-        return self.program.batch_size
+        return self.program.known.batch_size
 
 
 @dataclasses.dataclass
@@ -369,8 +370,8 @@ def _resolve_specs(
     Raises:
       ValueError: empty ``policies``; unknown policy; nothing left to compile.
     """
-    if policies is None and program.model_config is not None:
-        policies = policy_names()  # a bundled model: every registered policy
+    if policies is None and program.known.default_policy is not None:
+        policies = policy_names()  # a model configured with a policy: every registered one
     chosen = policy_set(program, tgt, policies, fit=True, tags=tags)
     specs, notes, restricted = list(chosen.specs), list(chosen.notes), chosen.restricted
     labels = dict(zip(specs, chosen.labels(), strict=True))
@@ -381,26 +382,34 @@ def _resolve_specs(
     return specs, notes + wrong, custom, frozenset(cut for _, cut in restricted)
 
 
+def _cannot_vary(program: Program, *changes: str) -> ValueError:
+    """The error for a search asked of a program without a family (a user's)."""
+    return ValueError(
+        f"program {program.name!r} cannot be varied ({', '.join(sorted(changes))}): it carries "
+        "its own arguments; change the shapes in its factory and run again"
+    )
+
+
 def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:
     """The group sizes to consider (default every divisor of ``num_layers``; none for a
-    program without a config).
+    program without a family).
 
     Raises:
-      ValueError: a group size that does not divide ``num_layers``; group sizes for a user's
-        program.
+      ValueError: a group size that does not divide ``num_layers``; group sizes for a
+        program that cannot vary (a user's).
     """
-    config = program.model_config
-    if config is None:
+    if program.family is None:
         if group_sizes is not None:
-            program.variant(remat_group_size=group_sizes)  # raises: it cannot vary
+            raise _cannot_vary(program, "remat_group_size")
         return []
-    valid = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
+    layers = program.family.structure.num_layers
+    valid = [d for d in range(1, layers + 1) if layers % d == 0]
     groups = list(group_sizes) if group_sizes is not None else valid
     for g in groups:
         if g not in valid:
             raise ValueError(
-                f"group size {g!r} does not divide num_layers={config.num_layers} of "
-                f"{config.name!r}; valid: {valid}"
+                f"group size {g!r} does not divide num_layers={layers} of "
+                f"{program.name!r}; valid: {valid}"
             )
     return groups
 
@@ -428,22 +437,22 @@ def resolve_request(
     figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-    if auto and program.model_config is None:
-        program.variant(batch_size="auto")  # raises: a user's program carries its batch
+    if auto and program.family is None:
+        raise _cannot_vary(program, "batch_size")
     groups = _resolve_groups(program, group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
     specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
     # a user's factory that remats even when given None: its "no-remat" is not a step without
     # remat (the judgement analyze and the doctor make: PolicyReach.no_remat_note)
-    reach = program.reach() if program.model_config is None else None
-    remats_for_none = reach.without_policy if reach is not None else 0
+    reach = program.reach()
+    remats_for_none = reach.without_policy
     if remats_for_none:
         notes.append(f"no-remat: {reach.no_remat_note()}")
     on = policies is None if structure is None else bool(structure)
-    if structure and program.model_config is None:
-        program.variant(structure=True)  # raises: a user's program sets its own structure
-    on = on and program.model_config is not None
+    if structure and program.family is None:
+        raise _cannot_vary(program, "structure")
+    on = on and program.family is not None
     if on and auto:
         notes.append("structure search (attention, loss chunks, remat_layers) needs a fixed batch")
     pure = program.step(specs[0])
@@ -475,8 +484,8 @@ def open_session(
     params = request.arguments.get("params", 0)
     opt_state = request.arguments.get("opt_state", 0)
     n = len(request.specs)
-    config = request.program.model_config
-    extra = structure_compiles(config.num_layers) if request.structure else 0
+    layers = request.program.family.structure.num_layers if request.structure else 0
+    extra = structure_compiles(layers) if request.structure else 0
     cap = max_compiles if max_compiles is not None else (6 if request.auto else 2) * n + extra
     session = Session(
         program=request.program, target=request.target, budget=request.budget_bytes,
@@ -544,13 +553,13 @@ def search_structure_options(
     partial = search_partial_layers(session, pool, found.pick, request.batch)
     found.candidates += [c for _, c, _ in partial]
     found.pick = fastest_fitting(found.candidates, estimate_error(session.target))
-    found.made_fit = made_fit(found.pick, found.candidates, session.config.num_layers)
+    found.made_fit = made_fit(found.pick, found.candidates, session.structure.num_layers)
 
 
 def advise(session: Session, request: Request, named: Sequence[Named], found: Found) -> None:
     """Stage 5, when nothing fits: what would, and the candidates compiled to find out (a
     program that cannot vary: what can be done to it, from its least-memory candidate)."""
-    if session.config is None:
+    if session.structure is None:
         found.advice = fixed_program_advice(session, found.candidates)
         return
     lines, extra = advice(session, named, request.batch)
@@ -575,7 +584,7 @@ def assemble(
     return Recommendation(
         model=program.name,
         target=tgt.name,
-        seq_len=program.seq_len,
+        seq_len=program.known.seq_len,
         batch_size=None if request.auto else request.batch,
         optimizer=session.optimizer,
         budget_bytes=request.budget_bytes,

@@ -3,19 +3,19 @@
 * Group sizes and the largest batch (``batch_size="auto"``): :func:`group_search`,
   :func:`largest_batch` (a :class:`BatchBracket` per policy).
 * Structure: cuDNN attention, chunked cross-entropy and nested remat when the plain step does not
-  fit, and partial-layer remat when a full-remat policy fits with room. Both stages change the
-  model's ``ModelConfig`` (``attention``, ``loss_chunk_size``, ``nested_remat`` /
-  ``nested_groups``, ``remat_layers``) rather than the policy, and compile every candidate they
-  return.
+  fit, and partial-layer remat when a full-remat policy fits with room. Both stages build
+  another member of the program's family (:class:`~remat_kit.family.Family`: ``attention``,
+  ``loss_chunk_size``, ``nested_remat`` / ``nested_groups``, ``remat_layers``) rather than
+  change the policy, and compile every candidate they return.
 
   - :func:`search_structure`: the options in order of cost (cuDNN flash attention where
-    :func:`~remat_kit.models.attention_choices` allows it: fewer FLOPs and no
+    the family's ``attention_options`` allow it: fewer FLOPs and no
     [batch, heads, seq, seq] scores; then chunked cross-entropy: the LM head runs once more; then
     both; then nested remat, alone and with the others: every block's forward runs once more),
     each on the candidates that do not fit and are faster than the best fit: the least-memory
     one first (its compiled saving is the estimate for the others), then the fastest ones whose
     peak less that saving would fit, at most :data:`STRUCTURE_PROBES` per option. Nested remat
-    (Chen et al. 2016, arXiv:1604.06174; :func:`remat_kit.models.sqrt_groups`) keeps one
+    (Chen et al. 2016, arXiv:1604.06174; the family's ``nested_groups``) keeps one
     outer segment's residuals at a time instead of every layer's, so its saving grows with the
     policy's residuals: the estimate for another policy adds ``(1 - 1/G)`` times the difference
     of their residual bytes (G outer groups). The first option that makes something fit ends
@@ -49,10 +49,10 @@ from typing import Any
 from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit.memory.roofline import DeviceFigures, figures_for
-from remat_kit.models import ModelConfig, attention_choices, sqrt_groups
+from remat_kit.placement import Placement
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
-from remat_kit.program import Placement, Program, step_flops
-from remat_kit.recommend.session import Candidate, Session, SolveSummary, Structure, TagCost
+from remat_kit.program import Program, step_flops
+from remat_kit.recommend.session import Candidate, Overrides, Session, SolveSummary, TagCost
 from remat_kit.units import format_bytes, format_seconds
 from remat_kit.walker import bytes_by_tag
 
@@ -71,7 +71,7 @@ def group_search(
     """Other ``remat_group_size`` values, compiled only where the bound says one could fit and
     be faster (see :mod:`remat_kit.recommend`). Group sizes in increasing order, one compile
     round each."""
-    g0 = session.config.remat_group_size
+    g0 = session.structure.remat_group_size
     best = min((c.step_time_s for _, c, _ in named if c.fits), default=math.inf)
     open_: dict[PolicySpec, tuple[PolicySpec, Candidate, int]] = {}
     for spec, c, report in named:
@@ -178,7 +178,7 @@ def largest_batch(
     Returns:
       (the largest fitting candidate of each policy that fits at batch 1, every probe).
     """
-    g0 = session.config.remat_group_size
+    g0 = session.structure.remat_group_size
     brackets = [
         BatchBracket(spec, c if c.fits else None, None if c.fits else 1, {1: c.peak_bytes})
         for spec, c in first
@@ -271,23 +271,14 @@ def loss_chunk(seq_len: int) -> int | None:
     return None
 
 
-def nested_groups(config: ModelConfig) -> int | None:
-    """Nested remat's outer group count for the search (:func:`sqrt_groups`), or None where it
-    does not apply: the config is nested already, not a per-layer scan at group size 1, has
-    partial-layer remat, or has no divisor of ``num_layers`` strictly between 1 and L."""
-    ok = config.scan_layers and config.remat_group_size == 1 and not config.layer_structure
-    groups = sqrt_groups(config.num_layers)
-    return groups if ok and 1 < groups < config.num_layers else None
-
-
-def structural_options(session: Session) -> list[tuple[str, Structure]]:
+def structural_options(session: Session) -> list[tuple[str, Overrides]]:
     """``(label, overrides)`` in order of cost: cuDNN attention, chunked loss, both, nested remat,
-    nested remat with the others (those the target, the config and the sequence allow, and the
-    config does not already have)."""
-    config = session.config
-    cudnn = config.attention == "xla" and "cudnn" in attention_choices(session.target, config)
-    chunk = loss_chunk(session.seq_len) if config.loss_chunk_size is None else None
-    cheap: list[tuple[str, Structure]] = []
+    nested remat with the others (those the target, the family and the sequence allow, and the
+    program does not already have)."""
+    layers, family = session.structure, session.program.family
+    cudnn = layers.attention == "xla" and "cudnn" in family.attention_options(session.target)
+    chunk = loss_chunk(session.seq_len) if layers.loss_chunk_size is None else None
+    cheap: list[tuple[str, Overrides]] = []
     if cudnn:
         cheap.append(("attention='cudnn'", (("attention", "cudnn"),)))
     if chunk:
@@ -299,7 +290,7 @@ def structural_options(session: Session) -> list[tuple[str, Structure]]:
                 (("attention", "cudnn"), ("loss_chunk_size", chunk)),
             )
         )
-    groups = nested_groups(config)
+    groups = family.nested_groups
     if groups is None:
         return cheap
     nested = (("nested_groups", groups), ("nested_remat", True))
@@ -316,7 +307,7 @@ def _residual_bytes(report: Any) -> int:
     return sum(r.nbytes for r in report.residuals if r.memory == "device")
 
 
-def _saving(structure: Structure, least: Named, compiled: Named, other: Named) -> float:
+def _saving(structure: Overrides, least: Named, compiled: Named, other: Named) -> float:
     """Estimated peak saving of ``structure`` for ``other``: the compiled saving of ``least``;
     nested remat adds ``(1 - 1/G)`` of the difference in residual bytes (one segment of L/G
     layers holds its residuals at a time instead of all L layers)."""
@@ -337,7 +328,7 @@ def search_structure(
     Returns:
       Every candidate compiled, as (spec, candidate, report).
     """
-    g0 = session.config.remat_group_size
+    g0 = session.structure.remat_group_size
     over = distinct([t for t in named if not t[1].fits and t[1].step_time_s < best_time])
     out: list[Named] = []
     for label, structure in structural_options(session) if over else []:
@@ -364,8 +355,8 @@ def search_structure(
     return out
 
 
-def structure_of(c: Candidate) -> Structure:
-    """The candidate's structural overrides (the ``Structure`` it was compiled with)."""
+def structure_of(c: Candidate) -> Overrides:
+    """The candidate's structural overrides (the ``Overrides`` it was compiled with)."""
     return tuple(sorted(c.options.items()))
 
 
@@ -383,10 +374,10 @@ def search_partial_layers(
     Returns:
       Every candidate compiled, as (spec, candidate, report).
     """
-    config = session.config
+    layers = session.structure
     if pick is None or pick.remat_layers is not None or pick.remat_group_size != 1:
         return []
-    if pick.policy == "no-remat" or not config.scan_layers or config.layer_structure:
+    if pick.policy == "no-remat" or not layers.scan_layers or layers.layer_structure:
         return []
     if pick.nested_groups is not None:
         return []  # remat_layers would count blocks per segment: not searched
@@ -415,13 +406,13 @@ def _bisect_layers(
     spec: PolicySpec,
     full: Candidate,
     none: Candidate | None,
-    base: Structure,
+    base: Overrides,
     batch: int,
 ) -> list[Named]:
     """The least ``remat_layers`` that fits for ``spec``: secant, then bisection, until the
     bracket closes (``k`` fits, ``k - 1`` compiled not to; ``k = 0`` is no-remat), within
     :func:`partial_probes` compiles and the session's cap (a note says when it did not close)."""
-    layers = session.config.num_layers
+    layers = session.structure.num_layers
     points = {layers: full.peak_bytes} | ({0: none.peak_bytes} if none is not None else {})
     fit, miss = layers, 0
     out: list[Named] = []
@@ -463,7 +454,7 @@ SWAPS = ("attention", "loss_chunk_size", "nested_remat", "nested_groups")
 NESTED = ("nested_remat", "nested_groups")
 
 
-def _without(c: Candidate, drop: Sequence[str]) -> Structure:
+def _without(c: Candidate, drop: Sequence[str]) -> Overrides:
     return tuple((k, v) for k, v in structure_of(c) if k not in drop)
 
 
@@ -943,7 +934,7 @@ def advice(
     if not named:
         return ["no candidate compiled (see the notes)"], []
     spec, least, _ = min(named, key=lambda x: (x[1].peak_bytes, x[1].step_time_s))
-    g0 = session.config.remat_group_size
+    g0 = session.structure.remat_group_size
     lines = [
         f"the least-memory configuration, {spec.name} at batch {batch}, peaks at "
         f"{format_bytes(least.peak_bytes)}: {format_bytes(least.peak_bytes - session.budget)} "
@@ -987,7 +978,7 @@ def shorter_sequence(
     meets the budget (rounded down to a multiple of 256). Peak grows at least linearly in the
     sequence (attention scores quadratically), so the chord crosses the budget at or before
     the true curve: the probe is conservative."""
-    g0 = session.config.remat_group_size
+    g0 = session.structure.remat_group_size
     seq, fit, tried = session.seq_len, None, None
     for _ in range(SEQ_HALVINGS):
         if seq // 2 < 1 or session.room() <= 0:
@@ -1034,14 +1025,14 @@ def too_small(session: Session, budget: int, batch: int, params: int, opt_state:
     compiled peak of the policies that usually need the least memory (a user's program:
     ``save-nothing`` at its own shapes): a budget known to fit, not the least (a selective
     policy can peak lower, e.g. where recomputing a large intermediate holds two at once)."""
-    config = session.config
-    if config is None:
+    layers = session.structure
+    if layers is None:
         low, group, at = ["save-nothing"], None, "at its own shapes"
     else:
         offload = ["offload-layer-inputs"] if can_offload(session.target) else []
-        low, group, at = ["save-nothing", *offload], config.remat_group_size, f"at batch {batch}"
+        low, group, at = ["save-nothing", *offload], layers.remat_group_size, f"at batch {batch}"
     found = session.candidates(
-        [get_policy_spec(n) for n in low], group, batch if config else None, "advice"
+        [get_policy_spec(n) for n in low], group, batch if layers else None, "advice"
     )
     least = min(((c.peak_bytes, s.name) for s, c, _ in found), default=None)
     fits = (

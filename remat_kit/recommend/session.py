@@ -19,10 +19,10 @@ from typing import Any, Literal
 import jax.monitoring
 
 from remat_kit import targets as T
+from remat_kit.family import Structure
 from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.roofline import StepTime
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.models import PRESETS, ModelConfig
 from remat_kit.policies import PolicySpec, custom_spec, get_policy_spec, policy_label, policy_names
 from remat_kit.program import Program
 from remat_kit.units import format_bytes, format_seconds
@@ -39,10 +39,10 @@ FoundBy = Literal[
     "structure",
     "partial-layers",
 ]
-#: Structural ``ModelConfig`` overrides of a candidate, as sorted ``(field, value)`` pairs
-#: (``attention``, ``loss_chunk_size``, ``nested_groups``, ``nested_remat``, ``remat_layers``);
-#: ``()`` is the config as given.
-Structure = tuple[tuple[str, Any], ...]
+#: Structural changes of a candidate (:class:`~remat_kit.family.Structure` fields), as sorted
+#: ``(field, value)`` pairs (``attention``, ``loss_chunk_size``, ``nested_groups``,
+#: ``nested_remat``, ``remat_layers``); ``()`` is the program as given.
+Overrides = tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +67,11 @@ class Candidate:
       predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
       warnings: compiler messages (XLA's own rematerialisation, ...).
       model: the preset or config name (None for a user's program).
-      attention: ``ModelConfig.attention`` compiled (``"xla"`` or ``"cudnn"``; None for a user's
+      attention: the attention kernel compiled (``"xla"`` or ``"cudnn"``; None for a user's
         program). loss_chunk_size: tokens per chunk of the chunked cross-entropy (None: whole
         logits). remat_layers: the first ``remat_layers`` of the layers under ``policy``, the
         rest not rematerialised (None: every layer under ``policy``). nested_groups: nested
-        remat's outer segment count (``ModelConfig.nested_remat`` with ``nested_groups``: only
+        remat's outer segment count (``nested_remat`` with ``nested_groups``: only
         the segments' inputs stored, each segment recomputed whole; None: not nested).
     """
 
@@ -115,7 +115,7 @@ class Candidate:
     def options(self) -> dict[str, Any]:
         """The structural options set away from the plain step (``attention`` other than xla,
         ``loss_chunk_size``, ``nested_remat`` with ``nested_groups``, ``remat_layers``), as
-        ``ModelConfig`` overrides."""
+        changes of the program's family (:class:`~remat_kit.family.Structure` fields)."""
         out: dict[str, Any] = {}
         if self.attention not in (None, "xla"):
             out["attention"] = self.attention
@@ -569,8 +569,8 @@ class Session:
     """What one :func:`recommend` call compiles against, and its compile accounting.
 
     ``program`` is the one compiled at the base configuration; the searches that vary it
-    (batch, sequence, group size, structure: a preset's) compile its
-    :meth:`~remat_kit.program.Program.variant`.
+    (batch, sequence, group size, structure) compile the members of its family
+    (:class:`~remat_kit.family.Family`).
     """
 
     program: Program
@@ -599,21 +599,22 @@ class Session:
     engine: CompileEngine | None = None
 
     @property
-    def config(self) -> ModelConfig | None:
-        """The model's config at the base group size (a preset's; None: a user's program)."""
-        return self.program.model_config
+    def structure(self) -> Structure | None:
+        """The program's layer structure where its family says (None: it cannot vary)."""
+        family = self.program.family
+        return family.structure if family is not None else None
 
     @property
     def seq_len(self) -> int | None:
-        return self.program.seq_len
+        return self.program.known.seq_len
 
     @property
     def optimizer(self) -> str | None:
-        return self.program.optimizer if isinstance(self.program.optimizer, str) else None
+        return self.program.known.optimizer
 
     @property
     def mesh(self) -> Any:
-        return self.program.mesh
+        return self.program.known.mesh
 
     @property
     def compiles(self) -> int:
@@ -629,16 +630,16 @@ class Session:
         return self.fixed_bytes + 2 * batch * (seq_len or self.seq_len) * 4 // split
 
     def _changes(
-        self, group: int | None, batch: int | None, seq_len: int | None, structure: Structure
+        self, group: int | None, batch: int | None, seq_len: int | None, structure: Overrides
     ) -> dict[str, Any]:
-        """The variant asked of the program: what differs from its own configuration."""
-        program, config = self.program, self.config
+        """The family member asked for: what differs from the program's own configuration."""
+        known, layers = self.program.known, self.structure
         changes: dict[str, Any] = dict(structure)
-        if group is not None and config is not None and group != config.remat_group_size:
+        if group is not None and layers is not None and group != layers.remat_group_size:
             changes["remat_group_size"] = group
-        if batch is not None and batch != program.batch_size:
+        if batch is not None and batch != known.batch_size:
             changes["batch_size"] = batch
-        if seq_len is not None and seq_len != program.seq_len:
+        if seq_len is not None and seq_len != known.seq_len:
             changes["seq_len"] = seq_len
         return changes
 
@@ -648,19 +649,19 @@ class Session:
         group: int | None = None,
         batch: int | None = None,
         seq_len: int | None = None,
-        structure: Structure = (),
+        structure: Overrides = (),
     ) -> list[Any]:
         """Reports (or ``CompileError``) of ``specs`` on the program's variant at (group, batch,
         seq) with the structural overrides ``structure`` (None: the program's own), cached; the
         uncached ones compiled together by :func:`remat_kit.memory.analyze_policies`."""
         changes = self._changes(group, batch, seq_len, structure)
-        base = self.program.request_key() or ("program", id(self.program))
+        base = self.program.known.cache_key or ("program", id(self.program))
         variant = tuple(sorted(changes.items()))
         keys = [(base, self.target, variant, spec_key(s)) for s in specs]
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
         self.reused += sum(1 for k in keys if k not in todo)
         if todo:
-            program = self.program.variant(**changes) if changes else self.program
+            program = self.program.family.build(**changes) if changes else self.program
             results = analyze_policies(
                 program, list(todo.values()), target=self.target, budget_bytes=self.budget,
                 top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
@@ -677,7 +678,7 @@ class Session:
         batch: int | None,
         found_by: FoundBy,
         seq_len: int | None = None,
-        structure: Structure = (),
+        structure: Overrides = (),
     ) -> list[tuple[PolicySpec, Candidate, Any]]:
         """Compile (or reuse) and turn into candidates; compile failures become notes."""
         out = []
@@ -696,14 +697,14 @@ class Session:
         batch: int | None,
         found_by: FoundBy,
         seq: int | None = None,
-        structure: Structure = (),
+        structure: Overrides = (),
     ) -> Candidate | None:
         """:func:`to_candidate` at this session's target and budget, carrying the config's
-        structural options (a preset's; a user's program has no group, batch or sequence)."""
-        config = self.config
-        if config is not None:
-            group = group or config.remat_group_size
-            batch, seq = batch or self.program.batch_size, seq or self.seq_len
+        structural options (a family's; a user's program has no group, batch or sequence)."""
+        layers = self.structure
+        if layers is not None:
+            group = group or layers.remat_group_size
+            batch, seq = batch or self.program.known.batch_size, seq or self.seq_len
         c = to_candidate(
             report,
             spec,
@@ -721,25 +722,13 @@ class Session:
         if found_by == "named" and spec in self.labels:  # labelled as every tool labels it
             by = "named" if spec in self.cut else c.found_by
             c = dataclasses.replace(c, found_by=by, named_label=self.labels[spec])
-        if config is None:
+        if layers is None:
             return c
-        config = config.replace(**dict(structure))
+        now = layers.changed(structure)
         return dataclasses.replace(
-            c, model=preset_name(self.config), attention=config.attention,
-            loss_chunk_size=config.loss_chunk_size, remat_layers=config.remat_layers,
-            nested_groups=config.outer_groups,
+            c, model=layers.name, attention=now.attention, loss_chunk_size=now.loss_chunk_size,
+            remat_layers=now.remat_layers, nested_groups=now.nested_groups,
         )  # fmt: skip
-
-
-def preset_name(config: ModelConfig) -> str | None:
-    """``config.name`` where ``config`` is that preset up to its remat fields (so
-    ``get_config(name, ...)`` rebuilds it); None for a config of the user's own."""
-    preset = PRESETS.get(config.name)
-    if preset is None:
-        return None
-    remat = ("remat_policy", "remat_group_size", "scan_layers", "attention", "loss_chunk_size")
-    same = config.replace(**{f: getattr(preset, f) for f in remat})
-    return config.name if same == preset else None
 
 
 def given_by(spec: PolicySpec) -> FoundBy:

@@ -23,7 +23,8 @@ from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.models import ModelConfig
 from remat_kit.policies import PolicySpec, policy_label
-from remat_kit.program import Program, Pure
+from remat_kit.program import Program
+from remat_kit.pure import Pure
 from remat_kit.sweep.config import Point
 from remat_kit.training.data import Corpus
 from remat_kit.training.step import (
@@ -446,7 +447,7 @@ class HostArguments:
     """The step's arguments as host (numpy) arrays, the same for every policy.
 
     Attributes:
-      values: the pure step's arguments (``args`` of :class:`remat_kit.program.Pure`): numpy leaves,
+      values: the pure step's arguments (``args`` of :class:`remat_kit.pure.Pure`): numpy leaves,
         :class:`HostKey` for typed PRNG keys (:func:`device_arguments` places them).
       source: ``"concrete"`` (the program's own arrays), ``"materialised"`` (every array leaf
         was a ``ShapeDtypeStruct``) or ``"partly materialised"``.

@@ -32,6 +32,7 @@ import jax
 
 from remat_kit import targets as T
 from remat_kit import validation as V
+from remat_kit.loading import require_program
 from remat_kit.memory import analyze_policies, roofline
 from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.memory.runner import CompileEngine
@@ -41,7 +42,7 @@ from remat_kit.policies import (
     parse_policy_arg,
     policy_arg,
 )
-from remat_kit.program import Program, require_program
+from remat_kit.program import Program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point, SweepConfig
 from remat_kit.sweep.engine import SerialEngine
@@ -456,7 +457,7 @@ def run_program_sweep(
     """Analyse and run ``program`` under each policy not yet in ``out``; one row per policy.
 
     Args:
-      program: a :class:`~remat_kit.program.Program` (:func:`remat_kit.program.load_program`
+      program: a :class:`~remat_kit.program.Program` (:func:`remat_kit.loading.load_program`
         reads one from ``MODULE:FACTORY`` / ``FILE.py:FACTORY``).
       out: the JSONL results file (created with its folders).
       policies: names, per-tag text or specs, narrowed to those acting on the program's tags
@@ -477,7 +478,7 @@ def run_program_sweep(
     Raises:
       ValueError: not a Program; bad step counts; an unknown policy, a per-tag spec naming a
         tag the program does not emit, or no policy acting on its tags; a program whose
-        factories do not pass the policy on (:func:`remat_kit.program.policy_reach`); ``out``
+        factories do not pass the policy on (:func:`remat_kit.reach.policy_reach`); ``out``
         not writable,
         holding rows without ``resume`` / ``overwrite``, or rows of another program or step
         counts. Nothing is written then.

@@ -61,6 +61,10 @@ from remat_kit.training.step import (
 from remat_kit.validation import check_batch_split, check_seq_len, positive_int
 from remat_kit.walker import Residual, TagResiduals, group_by_tag, saved_residuals
 
+#: What names a bundled model where a tool's input is read: a preset name (``"llama3-8b"``)
+#: or a :class:`~remat_kit.models.ModelConfig`; :func:`as_program` makes it a Program.
+PresetLike = str | ModelConfig
+
 #: Changes of :attr:`Program.family` that are shapes, not model fields.
 _SHAPE_FIELDS = ("batch_size", "seq_len")
 
@@ -329,7 +333,7 @@ def model_residuals(
 
 
 def as_program(
-    model: Program | str | ModelConfig,
+    model: Program | PresetLike,
     batch_size: int | None = None,
     seq_len: int | None = None,
     optimizer: str | optax.GradientTransformation | None = None,

@@ -23,9 +23,10 @@ from remat_kit.policies import custom_spec, parse_policy_arg
 from remat_kit.recommend import (
     BatchBracket,
     BudgetTooSmall,
+    Candidate,
     CompileCache,
     Recommendation,
-    flops_step_time,
+    choice_time,
     host_link_source,
     parse_budget,
     recommend,
@@ -66,19 +67,27 @@ def first(cache) -> Recommendation:
 # -- No compiles ----------------------------------------------------------------------------
 
 
-def test_solve_additive_time_model():
+def test_solver_times_choices_on_the_roofline_scale():
     h100 = targets.get_target("h100-sxm")
-    figures = figures_for(h100)
-    peak = figures.peak_flops["bf16"]  # the datasheet's 989.4 TFLOP/s at the measured share
-    assert peak == pytest.approx(989.4e12 * 794.5 / 989.0)
-    compute, transfer = flops_step_time(figures, peak, 3 * peak / 2, 0)
-    assert compute == pytest.approx(1.0) and transfer == 0.0
-    # 64 GB offloaded: 1 s each way at 64 GB/s; forward 0.5 s hides half of the device->host
-    # copy, the backward (0.5 s) half of the host->device copy.
-    compute, transfer = flops_step_time(figures, peak, 1.5 * peak, 64 * 10**9)
+    anchor = Candidate(
+        policy="save-nothing", actions=None, remat_group_size=1, batch_size=1, seq_len=8,
+        peak_bytes=1, host_bytes=0, flops=1.5e15, flops_no_remat=1.0e15, compute_s=1.5,
+        transfer_s=0.0, step_time_s=1.5, tokens_per_s=None, fits=True, found_by="named",
+        recompute_s=0.5,
+    )  # fmt: skip
+    # keeping every recomputed FLOP takes the roofline's recompute seconds off; half, half
+    assert choice_time(anchor, None, 1.0, 0) == pytest.approx((1.0, 0.0))
+    assert choice_time(anchor, None, 0.5, 0) == pytest.approx((1.25, 0.0))
+    assert choice_time(anchor, None, 0.0, 0) == pytest.approx((1.5, 0.0))
+    # without the roofline's recompute seconds: the anchor's share of recomputed FLOPs (1/3)
+    blind = dataclasses.replace(anchor, recompute_s=None)
+    assert choice_time(blind, None, 1.0, 0) == pytest.approx((1.0, 0.0))
+    # 64 GB offloaded: 1 s each way at 64 GB/s; the forward (a third of the 1 s step without
+    # recomputation) hides a third of the device->host copy, the backward the rest of the step
+    compute, transfer = choice_time(anchor, 64e9, 1.0, 64 * 10**9)
     assert compute == pytest.approx(1.0) and transfer == pytest.approx(1.0)
     # Small transfers hide completely.
-    assert flops_step_time(figures, peak, 1.5 * peak, 10**9)[1] == 0.0
+    assert choice_time(anchor, 64e9, 1.0, 10**9)[1] == 0.0
     assert "PCIe Gen5 x16" in host_link_source(h100)
     assert "PCIe Gen4 x16" in host_link_source(targets.get_target("a100-80gb"))
     unknown = dataclasses.replace(h100, name="mystery", peak_flops_bf16=None)

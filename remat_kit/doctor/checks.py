@@ -54,7 +54,6 @@ from remat_kit.doctor.tags import (
 from remat_kit.memory import MemoryReport, analyze, hlo
 from remat_kit.memory.api import analyze_policies
 from remat_kit.memory.policy_set import policy_set, program_tags
-from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
     custom_spec,
@@ -67,7 +66,7 @@ from remat_kit.program import Program, step_flops
 from remat_kit.pure import filtered_factory
 from remat_kit.reach import PolicyReach, factory_reach
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
-from remat_kit.zoo import as_program
+from remat_kit.zoo import PresetLike, as_program
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
@@ -327,7 +326,7 @@ DEFAULT_SHAPE = (2, 64)
 
 
 def check(
-    model: Program | ModelConfig | str,
+    model: Program | PresetLike,
     batch_size: int | None = None,
     seq_len: int | None = None,
     policy: str | PolicySpec | Mapping[str, str] | None = None,

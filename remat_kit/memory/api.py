@@ -46,7 +46,6 @@ from remat_kit.memory.runner import (
     run_jobs,
 )
 from remat_kit.memory.xla_compile import CompileError
-from remat_kit.models import ModelConfig
 from remat_kit.placement import Placement
 from remat_kit.policies import (
     PolicySpec,
@@ -70,7 +69,7 @@ from remat_kit.walker import (
     traced_flops,
     wraps_whole_loop,
 )
-from remat_kit.zoo import preset
+from remat_kit.zoo import PresetLike, preset
 
 DEFAULT_TOP_K = 10
 
@@ -140,7 +139,7 @@ def analyze(
 
 
 def analyze_model(
-    config: ModelConfig | str,
+    config: PresetLike,
     batch_size: int,
     seq_len: int,
     policy: str | PolicySpec | Mapping[str, str] | None = None,

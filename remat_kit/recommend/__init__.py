@@ -11,8 +11,9 @@ step runs (loop bodies times their trip counts), ``max(matmul FLOPs / peak for t
 bytes / memory bandwidth, elementwise work / vector rate) + launch``, plus host transfers and
 collectives the schedule cannot hide; device figures from the target's datasheet, or
 calibrated on the local device (:func:`remat_kit.memory.roofline.device_figures`). ``solve``
-predicts choices it has not compiled with an additive FLOPs model anchored at the compiled
-save-nothing (:func:`flops_step_time`). Host-link figures: :func:`host_link_source`.
+predicts choices it has not compiled on the same scale: the compiled save-nothing's estimate
+less the recomputation a choice keeps (:func:`choice_time`). Host-link figures:
+:func:`host_link_source`.
 
 FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
 the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]
@@ -59,7 +60,7 @@ Where each part lives:
 ``budget``             :func:`parse_budget`, the default budget and :data:`DEFAULT_MARGIN`
 ``session``            the compile session and :class:`CompileCache`
 ``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
-``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`, :func:`flops_step_time`)
+``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`, :func:`choice_time`)
 ``structure``          stage 5 (attention, chunked loss, nested and partial-layer remat)
 ``advice``             stage 6 (nothing fits)
 ``api``                :func:`recommend_program` on any :class:`~remat_kit.Program` (the
@@ -91,7 +92,7 @@ from remat_kit.recommend.search import SOLVE_VERIFY as SOLVE_VERIFY
 from remat_kit.recommend.search import STRUCTURE_PROBES as STRUCTURE_PROBES
 from remat_kit.recommend.search import BatchBracket as BatchBracket
 from remat_kit.recommend.search import BudgetTooSmall as BudgetTooSmall
-from remat_kit.recommend.search import flops_step_time as flops_step_time
+from remat_kit.recommend.search import choice_time as choice_time
 from remat_kit.recommend.search import partial_probes as partial_probes
 from remat_kit.recommend.search import solve_tags as solve_tags
 from remat_kit.recommend.search import structure_compiles as structure_compiles
@@ -121,7 +122,7 @@ __all__ = [
     "STRUCTURE_PROBES",
     "SolveSummary",
     "TagCost",
-    "flops_step_time",
+    "choice_time",
     "host_link_source",
     "parse_budget",
     "partial_probes",

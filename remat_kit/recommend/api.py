@@ -36,7 +36,6 @@ from remat_kit.memory.roofline import (
 )
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import jax_backend_description
-from remat_kit.models import ModelConfig
 from remat_kit.policies import (
     PolicySpec,
     honoured,
@@ -76,7 +75,7 @@ from remat_kit.recommend.session import (
     pointless_offloads,
 )
 from remat_kit.units import format_bytes, parse_bytes
-from remat_kit.zoo import as_program
+from remat_kit.zoo import PresetLike, as_program
 
 #: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
 #: cuBLAS/cuDNN workspaces and allocator fragmentation (about 1-3 GiB on an 80 GB GPU). It
@@ -191,7 +190,7 @@ class Found:
 
 
 def recommend(
-    model: str | ModelConfig | Program,
+    model: PresetLike | Program,
     seq_len: int | None = None,
     target: str | T.Target = "h100-sxm",
     *,
@@ -273,7 +272,7 @@ def recommend(
 
 
 def _program_of(
-    model: str | ModelConfig | Program,
+    model: PresetLike | Program,
     seq_len: int | None,
     batch_size: int | Literal["auto"] | None,
     optimizer: str | None,
@@ -287,7 +286,7 @@ def _program_of(
     spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
         raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
-    if isinstance(model, (str, ModelConfig)):  # a preset: its default batch and required seq
+    if not isinstance(model, Program):  # a preset: its default batch and required seq
         if seq_len is None:
             raise ValueError(
                 "seq_len is required for a preset or ModelConfig (tokens per sequence)"

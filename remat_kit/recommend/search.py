@@ -30,9 +30,10 @@
     ceil(log2 L)`` compiles per policy, or fewer where the session's compile cap stops it (said
     in the notes).
 
-* The per-tag solver (``solve=True``, :func:`solve`): an additive model of bytes and FLOPs per
-  checkpoint tag, every combination of actions enumerated, those that could beat the pick at the
-  model's observed error compiled (:func:`verify_choices`).
+* The per-tag solver (``solve=True``, :func:`solve`): bytes and recomputed FLOPs per checkpoint tag
+  around a compiled ``save-nothing``, time on the roofline's scale, every combination of actions
+  enumerated, those that could beat the pick at the model's observed error compiled
+  (:func:`verify_choices`).
 * When nothing fits (:func:`advice`): what would (a smaller batch and a shorter sequence,
   compiled; more devices, estimated), and the message for a budget below the parameters and
   optimizer state (:class:`BudgetTooSmall`).
@@ -48,7 +49,7 @@ from typing import Any
 
 from remat_kit import names as N
 from remat_kit import targets as T
-from remat_kit.memory.roofline import DeviceFigures, figures_for
+from remat_kit.memory.roofline import figures_for
 from remat_kit.placement import Placement
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
 from remat_kit.program import Program, step_flops
@@ -548,30 +549,36 @@ SOLVE_VERIFY = 3
 SOLVE_ROUNDS = 2
 
 
-def flops_step_time(
-    figures: DeviceFigures,
-    flops: float,
-    flops_no_remat: float,
-    host_bytes: int,
+def choice_time(
+    anchor: Candidate, host_link_bytes_per_s: float | None, recompute_kept: float, host_bytes: int
 ) -> tuple[float, float]:
-    """``(compute_s, transfer_s)`` of the additive model ``solve`` predicts choices with.
+    """``(compute_s, transfer_s)`` of a per-tag choice on the roofline's scale: the compiled
+    ``anchor`` (``save-nothing``) less the share of its recomputation the choice keeps, plus
+    what of its host transfers cannot hide.
 
-    ``compute_s = flops / peak`` (bf16 matmul peak); offloaded bytes cross the host link once
-    each way, device -> host during the forward pass (a third of the no-remat FLOPs) and back
-    during the backward pass; only what cannot hide behind that pass counts.
+    ``compute_s = t - r * recompute_kept`` with ``t`` the anchor's estimated step time and ``r``
+    its estimated recompute seconds (:attr:`~remat_kit.memory.roofline.StepTime.recompute_s`;
+    without it, ``t`` times the anchor's share of recomputed FLOPs). Offloaded bytes cross the
+    host link once each way, device -> host during the forward pass (a third of the step without
+    recomputation) and back during the backward pass; only what cannot hide behind that pass
+    counts.
 
     Args:
-      figures: the device's figures (:func:`figures_for`).
-      flops: matmul FLOPs of the choice; flops_no_remat: of the step without remat.
+      anchor: the compiled save-nothing candidate.
+      host_link_bytes_per_s: the target's host link (None: offload not timed).
+      recompute_kept: the fraction in [0, 1] of the anchor's recomputed FLOPs the choice keeps.
       host_bytes: bytes offloaded to host memory.
     """
-    peak = figures.matmul_peak("bf16")
-    compute = flops / peak
-    link_bw = figures.host_link_bytes_per_s
-    if host_bytes <= 0 or not link_bw:
+    total = anchor.step_time_s if anchor.step_time_s < math.inf else 0.0
+    recompute = anchor.recompute_s
+    if recompute is None:
+        extra = (anchor.flops or 0.0) - (anchor.flops_no_remat or 0.0)
+        recompute = total * extra / anchor.flops if anchor.flops else 0.0
+    compute = max(0.0, total - recompute * recompute_kept)
+    if host_bytes <= 0 or not host_link_bytes_per_s:
         return compute, 0.0
-    fwd = min(compute, flops_no_remat / 3 / peak)
-    link = host_bytes / link_bw
+    fwd = min(compute, (total - recompute) / 3)
+    link = host_bytes / host_link_bytes_per_s
     return compute, max(0.0, link - fwd) + max(0.0, link - (compute - fwd))
 
 
@@ -635,12 +642,14 @@ def solve_tags(
     """The per-tag choice (recompute, save, offload) with the least predicted step time that
     fits, verified by compiling it.
 
-    Model, additive over tags around the compiled ``save-nothing`` step of the same shape::
+    Model around the compiled ``save-nothing`` step of the same shape (the anchor)::
 
         peak(choice)  = peak(save-nothing) + sum over tags of the device bytes its action adds
                         (save: nbytes - base_bytes; offload: -base_bytes; recompute: 0)
         host(choice)  = sum of nbytes over offloaded tags
-        flops(choice) = (jaxpr FLOPs(save-nothing) - sum of flops_saved over kept tags) * scale
+        time(choice)  = roofline time(save-nothing) - its recompute seconds * the share of its
+                        recomputed FLOPs the kept tags save (sum of flops_saved * scale),
+                        plus the host transfers that cannot hide (:func:`choice_time`)
 
     ``scale`` = compiled / jaxpr FLOPs of ``save-nothing`` (what XLA adds on its own). Every
     choice is enumerated (the search is exact under the model; 3^9 = 19,683 for a SwiGLU block,
@@ -666,23 +675,26 @@ def solve_tags(
 
 @dataclasses.dataclass(frozen=True)
 class ChoiceModel:
-    """The additive model of :func:`solve_tags` around a compiled ``save-nothing``: per-tag
-    costs, the actions allowed, and every choice ranked (see :func:`_ranked_choices`).
-    ``peak0``: save-nothing's compiled peak (bytes); ``fj0``: its jaxpr FLOPs; ``scale``:
-    compiled / jaxpr FLOPs; ``combinations``: how many choices were enumerated."""
+    """The per-tag model of :func:`solve_tags` around a compiled ``save-nothing`` (``anchor``):
+    per-tag costs, the actions allowed, and every choice ranked (see :func:`_ranked_choices`).
+    Bytes are additive over tags; time is the anchor's roofline estimate less the recomputation
+    a choice keeps (:func:`choice_time`): one time model, the roofline's.
+    ``fj0``: save-nothing's jaxpr FLOPs; ``scale``: compiled / jaxpr FLOPs; ``combinations``:
+    how many choices were enumerated."""
 
     target: T.Target
     costs: tuple[TagCost, ...]
     actions: tuple[str, ...]
-    peak0: int
+    anchor: Candidate
     fj0: float
     scale: float
-    flops_no_remat: float
     ranked: tuple[tuple, ...]
     combinations: int
-    figures: DeviceFigures | None = None
-    #: Seconds added to the additive model to put it on the compiled roofline's scale.
-    offset_s: float = 0.0
+    host_link_bytes_per_s: float | None = None
+
+    @property
+    def peak0(self) -> int:
+        return self.anchor.peak_bytes
 
     @classmethod
     def around(
@@ -691,27 +703,23 @@ class ChoiceModel:
     ) -> ChoiceModel:  # fmt: skip
         """Enumerate and rank every choice around the compiled ``save_nothing``."""
         scale = (save_nothing.flops or fj0) / fj0 if fj0 else 1.0
-        peak0, fnr = save_nothing.peak_bytes, save_nothing.flops_no_remat or 0.0
-        figures = figures_for(target)
-        # Anchor: save-nothing's compiled roofline time less the additive model's own figure
-        # for it, so predictions and compiled times are on one scale.
-        base = sum(flops_step_time(figures, fj0 * scale, fnr, 0))
-        offset = save_nothing.step_time_s - base if save_nothing.step_time_s < math.inf else 0.0
-        ranked, combos = _ranked_choices(
-            figures, costs, _options(costs, actions), peak0, fj0, scale, fnr, math.inf, offset
-        )
-        return cls(
-            target, tuple(costs), tuple(actions), peak0, fj0, scale, fnr, tuple(ranked), combos,
-            figures, offset,
-        )  # fmt: skip
+        link = figures_for(target).host_link_bytes_per_s
+        model = cls(target, tuple(costs), tuple(actions), save_nothing, fj0, scale, (), 0, link)
+        ranked, combos = _ranked_choices(model, _options(costs, actions), math.inf)
+        return dataclasses.replace(model, ranked=tuple(ranked), combinations=combos)
+
+    def time_of(self, saved_jaxpr_flops: float, host_bytes: int) -> float:
+        """Predicted step seconds of a choice keeping ``saved_jaxpr_flops`` from recomputation
+        and offloading ``host_bytes``."""
+        sn = self.anchor
+        recomputed = (sn.flops or 0.0) - (sn.flops_no_remat or 0.0)
+        kept = min(1.0, saved_jaxpr_flops * self.scale / recomputed) if recomputed > 0 else 0.0
+        return sum(choice_time(sn, self.host_link_bytes_per_s, kept, host_bytes))
 
     def predict(self, choice: Sequence[str]) -> tuple[float, int]:
         """(predicted step seconds, predicted device peak bytes) of ``choice``."""
         peak, host, saved = _predict(self.costs, choice, self.peak0)
-        compute, transfer = flops_step_time(
-            self.figures, (self.fj0 - saved) * self.scale, self.flops_no_remat, host
-        )
-        return self.offset_s + compute + transfer, peak
+        return self.time_of(saved, host), peak
 
     def actions_of(self, choice: Sequence[str]) -> dict[str, str]:
         """The kept tags of ``choice`` and their actions (recomputed tags left out)."""
@@ -857,32 +865,21 @@ def _options(costs: Sequence[TagCost], actions: Sequence[str]) -> list[list[str]
 
 
 def _ranked_choices(
-    figures: DeviceFigures,
-    costs: Sequence[TagCost],
-    options: Sequence[Sequence[str]],
-    peak0: int,
-    jaxpr_flops0: float,
-    scale: float,
-    flops_no_remat: float,
-    limit: float,
-    offset_s: float = 0.0,
+    model: ChoiceModel, options: Sequence[Sequence[str]], limit: float
 ) -> tuple[list[tuple], int]:
     """Every per-tag choice enumerated; those predicted at or under ``limit`` bytes, as
-    ``(step s, host bytes, peak bytes, tags kept, choice)`` sorted: least time, on a tie (transfers
-    fully hidden) least host traffic, then least memory. Also returns how many were enumerated.
-    ``jaxpr_flops0``: jaxpr FLOPs of ``save-nothing``; ``scale``: compiled / jaxpr FLOPs."""
+    ``(step s, host bytes, peak bytes, tags kept, choice)`` sorted: least time, on a tie
+    (transfers fully hidden) least host traffic, then least memory. Also returns how many were
+    enumerated."""
     ranked = []
     combos = 0
     for choice in itertools.product(*options):
         combos += 1
-        peak, host, saved = _predict(costs, choice, peak0)
+        peak, host, saved = _predict(model.costs, choice, model.peak0)
         if peak > limit:
             continue
-        compute, transfer = flops_step_time(
-            figures, (jaxpr_flops0 - saved) * scale, flops_no_remat, host
-        )
         kept = sum(a != "recompute" for a in choice)
-        ranked.append((offset_s + compute + transfer, host, peak, kept, choice))
+        ranked.append((model.time_of(saved, host), host, peak, kept, choice))
     ranked.sort(key=lambda r: r[:4])
     return ranked, combos
 

@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 
 
 def _orbax() -> Any:
-    """``orbax.checkpoint``, imported where a checkpoint is read or written: ``import
-    remat_kit`` (every CLI call, every analysis) does not pay for it."""
+    """``orbax.checkpoint``, imported where a checkpoint is read or written: a script that
+    imports the trainer for less (``experiments/sweep.py``: its process helpers) does not pay
+    for it."""
     import orbax.checkpoint
 
     return orbax.checkpoint

@@ -13,7 +13,7 @@ Not part of the test suite. ``--kills N`` (default 20) times each:
   uninterrupted run: the resume exits 0; ``result.json`` has one loss per step (none lost or
   duplicated) and the same losses and validation losses, bit for bit; the final checkpoint's
   parameters and optimizer state (restored with orbax through
-  :func:`remat_kit.training.load_checkpoint`) are bitwise equal.
+  :func:`trainer.load_checkpoint`) are bitwise equal.
 * ``experiments/sweep.py --config quick`` likewise (the second draw counts rows written to the
   results file instead of step lines: a kill after the last row lands while the summary and
   figures are written), resumed with ``--resume``. Checked: the resume
@@ -51,12 +51,16 @@ try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# experiments/trainer, imported as `trainer`: this folder is sys.path[0] when run as a script, not
+# when loaded by path (tests: importlib, runpy)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import numpy as np
+from trainer import load_checkpoint
 
 from remat_kit.sweep import results
-from remat_kit.training import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["experiments/train.py", "--steps", "24", "--batch", "4", "--seq", "32", "--eval-every",

@@ -86,13 +86,18 @@ try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# experiments/trainer, imported as `trainer`: this folder is sys.path[0] when run as a script, not
+# when loaded by path (tests: importlib, runpy)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trainer import distributed
 
 from remat_kit import files
 from remat_kit.cli.args import arg_type, nonnegative_int, positive_int
 from remat_kit.policies import parse_policy_arg
 from remat_kit.sweep.fanout import FanOut
 from remat_kit.sweep.shard import merge_parts, parse_shard, part_path
-from remat_kit.training import distributed
 from remat_kit.units import format_span
 from remat_kit.validation import closest
 

@@ -1,7 +1,8 @@
 """Train a small language model on real text with a remat policy; orbax checkpoints, resume.
 
-A thin command line over :func:`remat_kit.training.train`. The corpus is the Python standard
-library's own source (byte-level tokens) unless ``--data PATH`` names a text file or folder.
+A thin command line over :func:`trainer.train` (``experiments/trainer/``). The corpus is the
+Python standard library's own source (byte-level tokens) unless ``--data PATH`` names a text file
+or folder.
 Checkpoints go to ``WORKDIR/checkpoints/<updates done>`` every ``--ckpt-every`` updates (the last
 ``--keep`` kept); ``--resume`` continues from the latest complete one. The run's losses are
 written to ``WORKDIR/result.json``.
@@ -24,7 +25,7 @@ process 0 prints and writes ``result.json``.
 
 Fault injection (tests, soak): ``REMAT_KIT_KILL_AT=POINT@STEP`` in the environment makes the run
 SIGKILL itself at ``compile``, ``micro-batch``, ``before-save``, ``mid-save`` or ``after-save``
-of that step (:mod:`remat_kit.training.faults`); ``--resume`` then continues bitwise.
+of that step (:mod:`trainer.faults`); ``--resume`` then continues bitwise.
 
 Exit codes: 0 done; 2 bad input (one line on stderr, e.g. an unknown policy or an incompatible
 checkpoint); 3 a non-finite loss (the step is named; the last good checkpoint is kept).
@@ -41,17 +42,21 @@ try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# experiments/trainer, imported as `trainer`: this folder is sys.path[0] when run as a script, not
+# when loaded by path (tests: importlib, runpy)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console
-
-from remat_kit.training import (
-    OPTIMIZERS,
+from trainer import (
     NonFiniteLossError,
     TrainConfig,
     distributed,
     environment_info,
     train,
 )
+
+from remat_kit.training import OPTIMIZERS
 from remat_kit.validation import SeqLenError
 
 EXIT_BAD_INPUT = 2

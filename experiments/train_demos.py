@@ -39,6 +39,10 @@ try:
     import remat_kit  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# experiments/trainer, imported as `trainer`: this folder is sys.path[0] when run as a script, not
+# when loaded by path (tests: importlib, runpy)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import matplotlib
@@ -46,8 +50,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-
-from remat_kit.training import (  # noqa: E402
+from trainer import (  # noqa: E402
     TrainConfig,
     compare_updates,
     environment_info,
@@ -55,6 +58,7 @@ from remat_kit.training import (  # noqa: E402
     train,
     train_step_memory,
 )
+
 from remat_kit.units import MIB, format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +82,7 @@ ACCUM_STEPS = 10  # demo 3: length of the two short trajectories
 
 _CHILD = r"""
 import json, os, signal, sys
-from remat_kit.training import TrainConfig, train
+from trainer import TrainConfig, train
 
 cfg = TrainConfig.from_dict(json.loads(sys.argv[1]))
 kill_after, workdir = int(sys.argv[2]), sys.argv[3]
@@ -160,7 +164,9 @@ def demo_policies(cfg: TrainConfig, work: Path, out: Path) -> dict:
 def demo_resume(cfg: TrainConfig, reference, ref_dir: Path, work: Path, out: Path) -> None:
     workdir = work / "killed"
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), str(ROOT / "experiments"), env.get("PYTHONPATH")])
+    )
     child = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(cfg.to_dict()), str(KILL_AFTER), str(workdir)],
         env=env, capture_output=True, text=True,

@@ -105,11 +105,9 @@ def test_a_sequence_over_max_seq_len_says_how_to_raise_it_where_it_was_set():
     terms (the command line's through SeqLenError.with_how, tested above)."""
     import remat_kit
     from remat_kit.sweep import Grid, SweepConfig, validate
-    from remat_kit.training import TrainConfig
 
     how = {
         'get_config("tiny-gpt", max_seq_len=4096)': lambda: remat_kit.preset("tiny-gpt", 1, 4096),
-        "overrides={'max_seq_len': 4096}": lambda: TrainConfig(preset="tiny-gpt", seq_len=4096),
         "overrides={'max_seq_len': 4096} in the grid": lambda: validate(SweepConfig(
             "s", (Grid("g", models=("tiny-gpt",), policies=("no-remat",),
                        batch_sizes=(1,), seq_lens=(4096,)),))),

@@ -21,9 +21,12 @@ import numpy as np
 import pytest
 
 from remat_kit.sweep import Grid, SweepConfig, run_sweep
-from remat_kit.training import RESUME_MAY_CHANGE, TrainConfig, distributed, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from trainer import RESUME_MAY_CHANGE, TrainConfig, distributed, load_checkpoint  # noqa: E402
+
 TRAIN = [sys.executable, str(ROOT / "experiments" / "train.py")]
 SWEEP = [sys.executable, str(ROOT / "experiments" / "sweep.py")]
 TINY_TRAIN = ["--batch", "4", "--seq", "32", "--eval-every", "2", "--eval-batches", "1",

@@ -103,6 +103,29 @@ def test_library_never_imports_the_cli():
     assert not {m: d for m, d in bad.items() if d}
 
 
+#: Top-level names of the experiments' code (experiments/ on sys.path): the scripts and the
+#: trainer build on the library, never the reverse (issue 52).
+EXPERIMENTS = {"experiments", "trainer"} | {
+    p.stem for p in (PKG.parent / "experiments").iterdir() if p.suffix == ".py" or p.is_dir()
+}
+
+
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.partition(".")[0])
+    return out
+
+
+def test_library_never_imports_the_experiments():
+    assert "trainer" in EXPERIMENTS and "gpu_check" in EXPERIMENTS
+    bad = {m: sorted(_top_level_imports(p) & EXPERIMENTS) for m, p in _modules().items()}
+    assert not {m: d for m, d in bad.items() if d}
+
+
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaf_modules_import_nothing_from_remat_kit(leaf):
     assert _graph()[leaf] == set()

@@ -1,4 +1,4 @@
-"""Tests for remat_kit.training and experiments/train.py: short versions of the three training
+"""Tests for the experiments' trainer (experiments/trainer/) and experiments/train.py: short versions of the three training
 demonstrations (policies give the same losses; a killed run resumes bitwise; accumulation equals
 one big batch at a fraction of the activation memory) and the faults (killed at a named moment:
 first compile, between micro-batches, before / inside / after an orbax save; incompatible
@@ -6,7 +6,7 @@ resume; non-finite loss; bad CLI input).
 
 Compiling a train step takes ~5 s on 2 CPU cores whatever the model size, so tests share one
 reference run and every test that can reuses its compiled step (same model, optimizer and shapes:
-``remat_kit.training`` caches compiled steps per process). The killed runs are
+the trainer caches compiled steps per process). The killed runs are
 ``experiments/train.py`` processes with ``REMAT_KIT_KILL_AT`` set, started before the reference
 run compiles, so they overlap with it.
 """
@@ -26,7 +26,10 @@ import jax
 import numpy as np
 import pytest
 
-from remat_kit.training import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from trainer import (  # noqa: E402
     CHECKPOINT_DIR,
     NonFiniteLossError,
     TrainConfig,
@@ -37,7 +40,6 @@ from remat_kit.training import (
     train,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=32)
 BASE = TrainConfig(
     preset="tiny-gpt",
@@ -55,7 +57,7 @@ BASE = TrainConfig(
 
 MICRO = BASE.replace(micro_batches=2)  # for the kill between micro-batches
 
-#: Kill points (remat_kit.training.faults) -> (config, checkpoints left on disk, resumed from).
+#: Kill points (experiments/trainer/faults.py) -> (config, checkpoints left on disk, resumed from).
 KILLS = {
     "compile@0": (BASE, [], None),  # a fresh run, killed as it starts compiling
     "micro-batch@3": (MICRO, ["2"], 2),  # inside update 3, between micro-batches 0 and 1
@@ -287,6 +289,30 @@ def test_bad_config_raises(changes, match):
 
 def test_config_round_trips_through_json():
     assert TrainConfig.from_dict(json.loads(json.dumps(BASE.to_dict()))) == BASE
+
+
+def test_a_sequence_over_max_seq_len_says_how_to_raise_it_in_the_config():
+    """In TrainConfig's own terms (its overrides), as the CLI and the sweep say it in theirs."""
+    with pytest.raises(ValueError) as err:
+        TrainConfig(preset="tiny-gpt", seq_len=4096)
+    fix = "use a shorter sequence or raise max_seq_len: overrides={'max_seq_len': 4096}"
+    assert str(err.value).endswith(fix)
+
+
+@pytest.mark.parametrize("name", ["train", "TrainConfig", "load_checkpoint", "distributed"])
+def test_the_library_says_where_the_trainer_went(name):
+    """remat_kit.training keeps the step; asking it for a trainer name is one line naming the new
+    home, not a bare "cannot import name"."""
+    import remat_kit.training
+
+    with pytest.raises(ImportError) as err:
+        exec(f"from remat_kit.training import {name}", {})
+    message = str(err.value)
+    assert "\n" not in message and "experiments/trainer" in message
+    assert f"from trainer import {name}" in message
+    assert name not in remat_kit.training.__all__
+    with pytest.raises(AttributeError):
+        remat_kit.training.no_such_name  # noqa: B018
 
 
 def _cli():

@@ -375,9 +375,9 @@ def sequential_batches(
         ``(inputs, targets)``, each int32 of shape [batch, seq], ``targets`` shifted by one.
 
     Raises:
-        ValueError (when called, not lazily): ``tokens`` is not 1-D or too short for even one
-        full batch (``batch_size * seq_len + 1`` tokens); ``batch_size`` or ``seq_len`` below 1;
-        ``max_batches`` negative.
+        ValueError: when called, not lazily: ``tokens`` is not 1-D or too short for even one
+            full batch (``batch_size * seq_len + 1`` tokens); ``batch_size`` or ``seq_len``
+            below 1; ``max_batches`` negative.
     """
     tokens = np.asarray(tokens)
     _check_sizes(tokens, batch_size, seq_len, "validation")

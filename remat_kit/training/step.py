@@ -191,7 +191,8 @@ def make_train_step(
 
     ``on_micro_batch(step, k)`` (host callback, two int32 scalars: the state's step counter and
     the micro-batch index) runs through ``jax.debug.callback`` as micro-batch ``k`` begins; it
-    changes the compiled program (fault injection, :mod:`remat_kit.training.faults`).
+    changes the compiled program (the experiments' trainer kills a run between micro-batches
+    with it: ``experiments/trainer/faults.py``).
 
     Raises:
       ValueError (with ``mesh``): a parameter dimension not divisible by its mesh axes.

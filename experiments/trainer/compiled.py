@@ -20,7 +20,6 @@ from jax.sharding import Mesh
 
 from remat_kit import targets as T
 from remat_kit.models import ModelConfig, make_model
-from remat_kit.training.config import TrainConfig
 from remat_kit.training.step import (
     TrainState,
     abstract_batch,
@@ -31,6 +30,8 @@ from remat_kit.training.step import (
     make_train_step,
     sharded_train_state,
 )
+
+from .config import TrainConfig
 
 
 def optimizer_for(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -1,7 +1,7 @@
 """Fault injection: make a training process SIGKILL itself at a named moment, to test resume.
 
 Set ``REMAT_KIT_KILL_AT=POINT@STEP`` in the environment of a process that runs
-:func:`remat_kit.training.train` (or ``experiments/train.py``); unset, nothing changes. Points:
+:func:`trainer.train` (or ``experiments/train.py``); unset, nothing changes. Points:
 
 =============== =================================================================================
 ``compile``     the call that starts at update ``STEP`` (0: a fresh run) has lowered its train

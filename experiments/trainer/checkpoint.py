@@ -1,4 +1,4 @@
-"""Checkpoint I/O for :func:`remat_kit.training.train` (orbax ``CheckpointManager``; *not*
+"""Checkpoint I/O for :func:`trainer.train` (orbax ``CheckpointManager``; *not*
 gradient checkpointing, which is remat).
 
 Checkpoint ``k`` (folder ``workdir/checkpoints/<k>``) holds the state after ``k`` updates: the
@@ -31,19 +31,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from remat_kit.training.compiled import optimizer_for
-from remat_kit.training.config import RESUME_MAY_CHANGE, TrainConfig
 from remat_kit.training.data import Corpus
-from remat_kit.training.faults import KillAt
 from remat_kit.training.step import TrainState, abstract_train_state, sharded_train_state
+
+from .compiled import optimizer_for
+from .config import RESUME_MAY_CHANGE, TrainConfig
+from .faults import KillAt
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
 
 
 def _orbax() -> Any:
-    """``orbax.checkpoint``, imported where a checkpoint is read or written: ``import
-    remat_kit`` (every CLI call, every analysis) does not pay for it."""
+    """``orbax.checkpoint``, imported where a checkpoint is read or written: a script that
+    imports the trainer for less (``experiments/sweep.py``: its process helpers) does not pay
+    for it."""
     import orbax.checkpoint
 
     return orbax.checkpoint
@@ -192,7 +194,7 @@ def latest_checkpoint_step(workdir: str | os.PathLike[str]) -> int | None:
 def load_checkpoint(
     workdir: str | os.PathLike[str], step: int | None = None, mesh: Mesh | None = None
 ) -> tuple[TrainState, dict[str, Any]]:
-    """Restore a checkpoint written by :func:`remat_kit.training.train`.
+    """Restore a checkpoint written by :func:`trainer.train`.
 
     Args:
       workdir: the run's workdir (checkpoints are in ``workdir/checkpoints``).

@@ -17,7 +17,10 @@ from jax.sharding import Mesh
 
 from remat_kit import targets as T
 from remat_kit.models import ModelConfig
-from remat_kit.training.checkpoint import (
+from remat_kit.training.data import Batcher, Corpus, load_corpus
+from remat_kit.training.step import TrainState
+
+from .checkpoint import (
     FORMAT,
     check_compatible,
     checkpoint_dir,
@@ -27,11 +30,9 @@ from remat_kit.training.checkpoint import (
     restore_meta,
     save,
 )
-from remat_kit.training.compiled import compiled_step, eval_fn, initial_state, opt_key
-from remat_kit.training.config import NonFiniteLossError, TrainConfig, TrainResult
-from remat_kit.training.data import Batcher, Corpus, load_corpus
-from remat_kit.training.faults import KillAt
-from remat_kit.training.step import TrainState
+from .compiled import compiled_step, eval_fn, initial_state, opt_key
+from .config import NonFiniteLossError, TrainConfig, TrainResult
+from .faults import KillAt
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -227,7 +228,7 @@ def train(
       ValueError: bad corpus or sizes (see :func:`remat_kit.training.data.load_corpus`); ``workdir``
         holds checkpoints and ``resume`` is False; the checkpoint's config is incompatible (the
         message names each mismatched field, checkpoint vs now); a bad ``REMAT_KIT_KILL_AT``
-        (:mod:`remat_kit.training.faults`).
+        (:mod:`trainer.faults`).
       NonFiniteLossError: a step's loss or gradient norm is not finite (nothing saved for it).
     """
     t_start = time.perf_counter()

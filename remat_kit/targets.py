@@ -6,67 +6,21 @@ compiled step against it: device memory (bytes), dense bf16 tensor-core peak (FL
 host-link bandwidth (bytes/s). GPU targets also carry a :class:`GpuSpec`, enough to write XLA's
 ``GpuTargetConfig`` text proto, so a step can be compiled *deviceless*, on a machine with no GPU:
 
-    import jax, jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-    from remat_kit import targets
-
     sharding = targets.abstract_sharding("h100-sxm", num_devices=8, spec=P("x"))
     x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16, sharding=sharding)
-    compiled = jax.jit(f).lower(x).compile()
-    compiled.memory_analysis()   # per-device bytes, as on a real H100
+    jax.jit(f).lower(x).compile().memory_analysis()   # per-device bytes, as on a real H100
 
-Deviceless compiles need the CUDA PJRT plugin (``pip install 'remat-kit[cuda12]'``) and, on a
-machine without a GPU, ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` before JAX discovers its plugins (its
-first backend use, not ``import jax``): importing this module sets it
-(:func:`ensure_deviceless_env`) and :func:`compile_devices` repairs the case where JAX got there
-first.
+TPU slices (:class:`TpuSlice`, :func:`tpu_target`) compile through ``libtpu`` on a CPU host.
+Meshes have three optional axes ``dp``, ``fsdp``, ``tp``; :data:`LOGICAL_RULES` and
+:data:`ACTIVATION_RULES` map the models' logical axes onto them. Setup (plugins,
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, which :func:`ensure_deviceless_env` sets on import):
+docs/targets.md; slice names: docs/tpu.md; mesh axes: docs/multi-device.md.
 
-``compiled.cost_analysis()`` is ``None`` for deviceless GPU executables (XLA: "GetCostAnalysis is
-not supported"), and counts a loop body once; :mod:`remat_kit.memory` counts matmul FLOPs on the
-optimized HLO instead, each loop body times its trip count.
-
-Sources: NVIDIA datasheets and architecture whitepapers (cited per target in ``Target.source``);
-the per-SM limits (shared memory, registers, threads) are those of the CUDA C++ Programming Guide
-table "Technical Specifications per Compute Capability" and of XLA's own GPU spec files
-(openxla/xla ``xla/backends/gpu/target_config/specs/*.txtpb``), which also give the
-device-memory sizes the CUDA driver reports.
-
-**TPU slices** (:class:`TpuSlice`, :func:`tpu_target`), compiled on a machine without a TPU.
-XLA's TPU compiler ships in ``libtpu`` (``pip install 'remat-kit[tpu]'``, which brings jax's
-``tpu`` extra). With it, ``jax.experimental.topologies.get_topology_desc(platform="tpu", ...)``
-describes a whole slice on a CPU host, and a step lowered on a mesh over its devices compiles
-with the slice's per-device memory, including real host offload (``pinned_host``). MaxText's
-``train_compile.py`` and axlearn's ``aot_compilation.py`` compile this way.
-
-Slices are named as Cloud TPU names them: ``v4-8``, ``v5p-128`` (the number counts TensorCores:
-two per v4 / v5p chip), ``v5e-16`` (also ``v5litepod-16``), ``v6e-256`` (the number counts chips:
-one TensorCore per chip). A name ``2xv5p-8`` is two v5p-8 slices joined over the data-center
-network (multi-slice; ``num_slices`` of ``get_topology_desc``).
-
-v4 and v5p chips have two TensorCores run as one JAX device ("megacore"): per-device figures
-are per-chip figures, and a v5p-8 is 4 JAX devices.
-
-Sources: the slice -> topology table is that of MaxText ``src/MaxText/accelerator_to_spec_map.py``
-(AI-Hypercomputer/maxtext: topology name, chip config, chips per host, wrap-around), which
-follows Cloud TPU's slice tables (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e). Chip figures in
-:data:`CHIPS`, each with its source.
-
-**Meshes and shardings** for the bundled models on JAX's own SPMD (``Mesh``, ``NamedSharding``).
-
-Three mesh axes, each optional (size 1 = unused):
-
-- ``dp``: data parallel. The batch is split; parameters and optimizer state are replicated.
-- ``fsdp``: fully sharded data parallel (ZeRO-3, Rajbhandari et al. 2020, arXiv:1910.02054).
-  The batch is split and every parameter and optimizer-state array is split along its ``embed``
-  dimension; XLA all-gathers a layer's weights when it runs.
-- ``tp``: tensor parallel over attention heads and the MLP hidden dimension (Megatron-LM,
-  Shoeybi et al. 2019, arXiv:1909.08053).
-
-The modules name the logical axes of every parameter (``embed``, ``heads``, ``kv_heads``, ``mlp``,
-``vocab``, ``layers`` ...); :data:`LOGICAL_RULES` maps them to mesh axes. Activations carry
-logical names too (``activation_batch`` ...), mapped by :data:`ACTIVATION_RULES` inside
-:func:`activation_sharding`. The sharded train state is
-:func:`remat_kit.training.sharded_train_state`.
+Sources: NVIDIA datasheets and whitepapers, Cloud TPU system architecture pages (cited per target
+in ``Target.source``); per-SM limits from the CUDA C++ Programming Guide ("Technical
+Specifications per Compute Capability") and XLA's GPU spec files
+(``xla/backends/gpu/target_config/specs/*.txtpb``); the slice -> topology table from MaxText
+``src/MaxText/accelerator_to_spec_map.py``.
 """
 
 from __future__ import annotations

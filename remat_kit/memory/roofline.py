@@ -1,72 +1,25 @@
 """The step-time model: a roofline over every kernel of the compiled program.
 
 The optimized HLO that XLA dumps for a compile (:mod:`remat_kit.memory.hlo`) lists, in schedule
-order, the kernels one step runs: fusions, matmuls (``dot``, cuBLAS / YNNPACK gemm calls),
-cuDNN attention calls, copies, collectives, host transfers, and ``while`` loops whose bodies run
-``known_trip_count`` times. For each executed kernel this module counts, from the HLO alone:
-
-- matmul FLOPs (``2 * prod(output) * prod(contracting)``, :func:`hlo.instruction_flops`) and
-  the dtype of the matmul's operands;
-- elementwise operations and transcendental operations (``exp``, ``tanh``, ``log``, ...), one
-  per output element of every arithmetic instruction inside the kernel;
-- bytes read and written at the kernel's boundary: its operands and its output, except that an
-  operand read only through ``dynamic-slice`` / ``slice`` counts the slice, and an in-place
-  ``dynamic-update-slice`` (a ``lax.scan`` stacking a residual per layer) counts the update it
-  writes, not the whole stacked buffer.
-
-A kernel's time is the roofline (Williams, Waterman, Patterson, "Roofline: an insightful visual
-performance model for multicore architectures", CACM 52(4), 2009) plus a fixed launch cost:
+order, the kernels one step runs (``while`` bodies ``known_trip_count`` times). Per kernel this
+module counts matmul FLOPs and their dtype, elementwise and transcendental operations, and the
+bytes read and written at the kernel's boundary, and times it as a roofline (Williams, Waterman,
+Patterson, CACM 52(4), 2009) plus a launch cost, in seconds:
 
     t = max((flops - batched) / peak_flops[dtype] + batched / batched_flops[dtype],
             bytes / bandwidth,
             elementwise / elementwise_rate + transcendental / transcendental_rate) + launch_s
 
-where ``batched`` is the part of ``flops`` in matmuls with batch dimensions (attention's
-per-head matmuls), timed at a rate of their own where the device figures have one
-(``batched_flops``: a CPU's calibration measures it; many small matmuls run well below one
-large GEMM's rate there), else at the peak;
-``bandwidth`` is the cache's when everything the kernel reads was written or read within
-the last ``cache_bytes`` bytes of traffic (a reuse-distance model over the schedule; the cache is
-the last-level cache of a CPU, the L2 of a GPU), else device memory's. Host transfers
-(``copy-start`` / ``copy-done`` to or from XLA's host memory space ``S(5)``) run at the host
-link, collectives at the interconnect (ring algorithm: an all-reduce moves ``2 (n-1)/n`` of its
-bytes, an all-gather or reduce-scatter ``(n-1)/n``); an asynchronous one (``*-start`` ...
-``*-done``) hides behind the kernels scheduled between its start and its done, and only what is
-left is added. The step time is the sum over the schedule.
+``bandwidth`` is the last-level cache's for bytes re-read within ``cache_bytes`` of traffic (a
+reuse-distance model), else device memory's. Host transfers run at the host link, collectives
+at the interconnect (ring: an all-reduce moves ``2 (n-1)/n`` of its bytes), an asynchronous one
+charged only beyond the kernels scheduled between its start and done. The step time is the sum.
 
-The device figures (:class:`DeviceFigures`) come from the target's datasheet or, for the local
-device, from a calibration that times a few micro-kernels
-(:func:`device_figures`). What the model leaves out: overlap of
-independent kernels (XLA:CPU runs some concurrently; GPU streams), caches other than the one
-level, the cost of a kernel that is neither compute- nor bandwidth-bound (latency-bound
-reductions, gathers with poor locality), and the framework's per-step dispatch.
-
-**Device figures** (:func:`device_figures`): from the datasheet, or timed on the local device.
-A GPU or TPU target's :class:`DeviceFigures` come from its
-:class:`~remat_kit.targets.Target` fields (vendor figures, cited there). The local device has no
-datasheet here (a CPU's peak depends on its cores, clock, vector width and the libraries XLA
-calls), so :func:`calibrate` times six micro-kernels through JAX itself, each compiled by the
-same XLA backend as the steps it will judge:
-
-- a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;
-- attention's two batched matmuls per dtype, ``[32, 256, 64] @ [32, 64, 256]`` (scores) and
-  ``[32, 256, 256] @ [32, 256, 64]`` (context), FLOP/s of both over their time: many small
-  matmuls in one kernel run at a quarter to a third of a large GEMM's rate on a CPU
-  (docs/time-model.md);
-- ``x * a + b`` over a 256 MiB float32 array (far past any cache), bytes read + written per s;
-- the same over a 1 MiB array repeated in a ``fori_loop`` (a cache-resident re-read);
-- a chain of 32 multiply-adds per element of a cache-resident array (elementwise op/s);
-- ``tanh`` over the same array (transcendental op/s);
-- a ``fori_loop`` of 2,000 iterations whose body is two tiny kernels (seconds per kernel);
-- the 256 MiB array's ``x * a + b`` into a fresh output against the same in place (donated):
-  the difference is the cost of faulting a fresh allocation's pages in, which XLA:CPU pays
-  for a step's temp and output buffers at every execution (bytes per second).
-
-Each figure is the best of a few runs (the least disturbed by other work on the machine); the
-fresh-output kernel, the most variable on a virtual machine, the best of :data:`FRESH_RUNS`. The
-figures are cached per machine (platform, device kind, CPU model, core count, jax and jaxlib
-versions) in ``calibration/`` of remat-kit's cache folder (:func:`cache_dir`); delete the
-file, or pass ``refresh=True``, to time again. A calibration takes a few seconds.
+:class:`DeviceFigures` (:func:`device_figures`) come from the target's datasheet
+(:class:`~remat_kit.targets.Target`, cited there) or, for the local device, from
+:func:`calibrate`, which times a few micro-kernels through JAX and caches the figures per machine
+under :func:`cache_dir` (``refresh=True`` times again). What each rule counts, the device
+figures and the model's error against measured steps: docs/time-model.md.
 """
 
 from __future__ import annotations

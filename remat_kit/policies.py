@@ -2,17 +2,12 @@
 
 A policy decides, for every intermediate value of a checkpointed function, whether the forward
 pass keeps it for the backward pass (a *residual*, on device), moves it to pinned host memory
-(*offload*), or drops it and recomputes it in the backward pass (*rematerialization*). See the JAX
-doc "Gradient checkpointing with jax.checkpoint" (docs/gradient-checkpointing.md).
-
-Every named policy is a :class:`PolicySpec` (what is saved, what is offloaded, the rest
-recomputed) and :func:`policy` turns it into the callable ``jax.checkpoint``, ``flax.linen.remat``
-and ``flax.nnx.remat`` take. Tag-based specs are built from name sets
-(``save_only_these_names``, ``save_and_offload_only_these_names``) rather than composed callables:
-jax 0.10.2's newer remat implementation (``jax_remat3``) reads policies as data and turns a
-composed callable into full remat without a word (jax 0.12.0.1's asks any callable).
-
-Example (a scalar function here; a block's input is [batch, seq, d_model]):
+(*offload*), or drops it and recomputes it (*rematerialization*); source: the JAX doc "Gradient
+checkpointing with jax.checkpoint". Every named policy is a :class:`PolicySpec` and :func:`policy`
+turns it into the callable ``jax.checkpoint``, ``flax.linen.remat`` and ``flax.nnx.remat`` take,
+built from name sets rather than composed callables, which ``jax_remat3`` may run as full remat.
+:func:`policy_effect` asks the JAX in use what a policy becomes under each remat implementation
+(docs/remat3.md).
 
     >>> import flax.linen as nn
     >>> import jax
@@ -23,45 +18,12 @@ Example (a scalar function here; a block's input is [batch, seq, d_model]):
     >>> f = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), policy=remat_kit.policy("save-nothing"))
     >>> float(jax.grad(f)(0.0))  # cos(sin 0) * cos 0: remat changes memory, not the maths
     1.0
+    >>> remat_kit.policies.policy_effect("save-qkv-proj", "classic").as_named
+    True
     >>> remat_kit.policy("save-dot")
     Traceback (most recent call last):
     ...
     ValueError: ...
-
-What a policy becomes under each remat implementation.
-
-JAX has two implementations of ``jax.checkpoint``: the classic one (``remat2`` in a jaxpr) and
-the newer one switched on by ``jax.config.update("jax_remat3", True)`` (a ``RematTraced``
-primitive), which JAX's changelog calls on its way to becoming the default. They read a
-policy differently. The classic one calls the policy on every primitive; ``jax_remat3`` asks it
-only at ``checkpoint_name`` values and at matmuls, and only for policies it can read as data
-(``jax/_src/interpreters/remat.py`` ``rules``; ``jax/_src/ad_checkpoint.py``
-``CheckpointName.remat``). On jax 0.10.2 that leaves out ``save_and_offload_only_these_names``
-(a closure there): under ``jax_remat3`` every offloading policy runs as full remat. JAX added
-``SaveAndOffloadOnlyTheseNames`` and offload under ``jax_remat3`` in jax 0.11.0 (commit
-b69022a, "[remat3] support offloading via save_and_offload_only_these_names"); jax 0.12.0.1's
-``jax_remat3`` asks any policy callable at those places and honours its ``Saveable`` /
-``Offloadable`` answers (:func:`remat3_asks_any_policy`).
-
-Rather than a list of what works where, :func:`policy_effect` asks the JAX in use: it traces a
-tiny checkpointed function that emits the policy's checkpoint names (or a weight matmul and a
-batched matmul, for the dots policies) under the implementation asked for, reads its saved
-residuals (:func:`remat_kit.walker.saved_residuals`: checkpoint name and memory kind of each)
-and compares them with what the policy promises. A trace takes a few milliseconds; results are
-cached per (policy, implementation, jax version).
-
-Example::
-
-    >>> import remat_kit.policies as P
-    >>> P.policy_effect("save-qkv-proj", "classic").as_named
-    True
-    >>> effect = P.policy_effect("offload-qkv-proj", "remat3")
-    >>> effect.runs_as  # doctest: +SKIP
-    'save-nothing'
-    >>> effect.runs_as == ("as named" if P.remat3_asks_any_policy() else "save-nothing")
-    True
-
-The first line is jax 0.10.2's answer; jax 0.12.0.1's ``jax_remat3`` offloads, ``'as named'``.
 """
 
 from __future__ import annotations

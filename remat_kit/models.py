@@ -1,54 +1,18 @@
 """The bundled model: ModelConfig and presets at the published shapes of real models, what a
 config decides before a module is built, and the decoder-only transformer built from it.
 
-**Layer plans.** Two ways to spend less recompute, or less memory, than one policy on every
-layer (the stack itself is :class:`remat_kit.models.RematLayerStack`):
-
-* **Partial-layer remat** (Megatron-LM's ``--recompute-method block --recompute-num-layers k``):
-  ``remat_layers`` of the ``num_layers`` blocks run under the policy, the others under a second
-  policy (default: not rematerialised). ``placement="first"`` puts them first (two layer scans);
-  ``"interleaved"`` spreads them evenly, every ``num_layers // remat_layers``-th block (one scan
-  over groups of that many blocks, each position with its static choice). See
-  :func:`layer_plan`.
-* **Nested remat** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
-  arXiv:1604.06174, section 4; Levanter's nested scan): an outer scan over ``groups`` segments,
-  each checkpointed whole (only its input is kept: the outer carry), an inner scan over the
-  segment's ``num_layers // groups`` blocks under the per-layer policy. The backward pass
-  recomputes one segment at a time, so stored layer inputs are ``groups + num_layers // groups``
-  instead of ``num_layers``: least at ``groups = sqrt(num_layers)`` (:func:`sqrt_groups`), for one
-  more forward pass of every block.
-
-**Attention implementations** (:func:`attention_choices`). cuDNN's fused flash attention
-(``jax.nn.dot_product_attention(implementation="cudnn")``) runs on NVIDIA GPUs of compute
-capability 8.0 or newer (Ampere, Ada, Hopper), in bfloat16 or float16, with a head dimension that
-is a multiple of 8 and at most 128 (256 from Hopper, sm_90): the checks of
-``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention`` (jax 0.10.2) and NVIDIA's
-cuDNN frontend documentation for the SDPA operation. Elsewhere only ``xla`` (and JAX's own
-choice, ``dot_product_attention``) compile.
-
-**The transformer.** A decoder-only transformer in flax.linen whose intermediate tensors carry
-checkpoint names, the layer stack it scans its blocks with, and its chunked cross-entropy.
+The transformer is flax.linen; its intermediate tensors carry checkpoint names (MaxText's). Beyond
+one policy per layer a config chooses a layer plan (:func:`layer_plan`): partial-layer remat
+(Megatron-LM's ``--recompute-num-layers``) or nested remat (Chen et al. 2016, arXiv:1604.06174,
+groups of layers checkpointed whole, :func:`sqrt_groups`), both run by :class:`RematLayerStack`,
+which any linen model can use; :func:`chunked_cross_entropy` computes the LM head and the loss
+over sequence chunks under remat; :func:`attention_choices` says where cuDNN's fused attention
+compiles (compute capability >= 8.0, bf16/f16, head dim a multiple of 8 up to 128, 256 from
+sm_90: ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``). How each works and
+what it costs: docs/structure.md.
 
 Shapes: ``b`` batch, ``s`` sequence, ``h`` d_model, ``a`` query heads, ``g`` key/value heads,
 ``r = a // g`` query heads per key/value head, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
-
-**The layer stack.** :class:`RematLayerStack` is a flax.linen module any linen model can use for
-its layer stack, with partial-layer or nested remat (the plans of
-:func:`remat_kit.models.layer_plan`): it takes a factory ``block(name) -> nn.Module`` whose
-module maps ``x [batch, seq, d_model]`` (plus broadcast arguments) to the same shape. Parameters
-are stacked along a leading axis named ``layers`` (``nn.with_logical_partitioning`` metadata), one
-stack per scan.
-
-**Chunked cross-entropy** (:func:`chunked_cross_entropy`): the LM head and the loss over sequence
-chunks, under remat. The whole-sequence loss materialises the logits [batch, seq, vocab] in the
-compute dtype, a float32 copy for the softmax, and the logits' gradient: remat policies inside the
-layer stack do not touch them (llama3-8b, b=1, s=8192: 2 GiB bf16 logits plus a 4 GiB float32
-copy). Here a ``lax.scan`` runs over ``seq // chunk_size`` chunks; each step computes one chunk's
-logits [batch, chunk, vocab] and the summed loss inside ``jax.checkpoint`` (nothing saved), so the
-forward keeps only the scan's inputs (the hidden states [batch, seq, d_model]) and the backward
-recomputes one chunk's logits at a time. Cost: the LM head's matmul runs once more (forward again
-in the backward pass). Same idea as Liger-Kernel's fused linear cross-entropy and MaxText's
-``num_vocab_tiling``.
 """
 
 from __future__ import annotations

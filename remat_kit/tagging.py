@@ -1,22 +1,14 @@
 """Tag a model that carries no ``checkpoint_name`` tags, without editing its source.
 
-A rematerialization policy that saves or offloads by name (``save_only_these_names``, every
-tag-based named policy) does nothing on a model whose tensors carry no names: it silently equals
-``save-nothing``. These helpers put names on the outputs of chosen submodules, by module path:
-
-- flax.linen: :func:`tag_linen` wraps ``model.apply`` so that, while it runs, a method
-  interceptor (``flax.linen.intercept_methods``) tags the output of every ``__call__`` of a
-  submodule whose path matches a pattern;
-- flax.nnx: :func:`tag_nnx` gives the matching submodules of a model a ``__call__`` that tags its
-  output (the module's class is swapped for a subclass; parameters and graph are unchanged);
-- equinox: :func:`tag_eqx` returns a copy of an ``eqx.Module`` whose matching submodules are
-  instances of such a subclass (equinox modules are immutable; the arrays are the same).
-
-Patterns are :mod:`fnmatch` globs on the module path written with ``/`` (linen:
+A policy that saves or offloads by name does nothing on a model whose tensors carry no names (it
+silently equals ``save-nothing``). These helpers name the outputs of chosen submodules:
+:func:`tag_linen` wraps ``model.apply`` with a method interceptor
+(``flax.linen.intercept_methods``); :func:`tag_nnx` swaps each matching submodule's class for a
+subclass whose ``__call__`` tags its output; :func:`tag_eqx` returns a copy of an
+``eqx.Module`` with such submodules (parameters and arrays unchanged). Patterns are
+:mod:`fnmatch` globs on the module path written with ``/`` (linen:
 ``"Decoder_0/layers_3/MlpBlock_0/Dense_0"``; nnx: ``"blocks/3/mlp/linear1"``; equinox:
-``"blocks/3/mlp"``, attribute names and list indices), so
-``"*/MlpBlock_0/Dense_0"`` names the MLP input projection of every layer. A pattern that matches
-no module is an error naming the model's module paths.
+``"blocks/3/mlp"``); a pattern that matches no module is an error naming the model's paths.
 
 Example::
 

@@ -18,8 +18,6 @@ built from name sets rather than composed callables, which ``jax_remat3`` may ru
     >>> f = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), policy=remat_kit.policy("save-nothing"))
     >>> float(jax.grad(f)(0.0))  # cos(sin 0) * cos 0: remat changes memory, not the maths
     1.0
-    >>> remat_kit.policies.policy_effect("save-qkv-proj", "classic").as_named
-    True
     >>> remat_kit.policy("save-dot")
     Traceback (most recent call last):
     ...

@@ -1,12 +1,10 @@
 """Tag a model that carries no ``checkpoint_name`` tags, without editing its source.
 
-A policy that saves or offloads by name does nothing on a model whose tensors carry no names (it
-silently equals ``save-nothing``). These helpers name the outputs of chosen submodules:
-:func:`tag_linen` wraps ``model.apply`` with a method interceptor
-(``flax.linen.intercept_methods``); :func:`tag_nnx` swaps each matching submodule's class for a
-subclass whose ``__call__`` tags its output; :func:`tag_eqx` returns a copy of an
-``eqx.Module`` with such submodules (parameters and arrays unchanged). Patterns are
-:mod:`fnmatch` globs on the module path written with ``/`` (linen:
+A name-based policy does nothing on a model whose tensors carry no names (it silently equals
+``save-nothing``). These helpers name the outputs of chosen submodules: :func:`tag_linen` (a
+``flax.linen.intercept_methods`` interceptor around ``model.apply``), :func:`tag_nnx` and
+:func:`tag_eqx` (matching submodules given a subclass whose ``__call__`` tags its output;
+parameters unchanged). Patterns are :mod:`fnmatch` globs on the ``/``-joined module path (linen:
 ``"Decoder_0/layers_3/MlpBlock_0/Dense_0"``; nnx: ``"blocks/3/mlp/linear1"``; equinox:
 ``"blocks/3/mlp"``); a pattern that matches no module is an error naming the model's paths.
 

@@ -136,7 +136,6 @@ def _not_effective(
             AROUND_LOOP_FIX + ".",
         )  # fmt: skip
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
-    # XLA:CPU undoing remat outside a scan (jax 0.10.2's; jax 0.12's keeps it as a GPU does)
     on_cpu = cpu_undoes_remat_outside_scan(target.platform)
     recomputes = _recomputes(report, no_remat, ops)
     keeps_dots = promise.base == "dots" and ops is None  # recomputes elementwise ops only:

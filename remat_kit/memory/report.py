@@ -72,12 +72,9 @@ class PolicyOnly:
     recomputation with XLA's. The pass clones what it recomputes (``fusion.3.remat``,
     ``.remat2``) and removes an original once a clone took all its uses, so the policy's own
     matmul FLOPs are the as-run ones less every clone but one per original
-    (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``; equal to the FLOPs of the
-    step compiled with the pass off for each of the 75 programs checked: llama3-8b b=1 s=8192
-    on h100-sxm, llama3.2-3b b=2 s=4096 on a100-40gb, llama3.2-1b b=4 s=4096 on l4, every
-    default policy and on-device twin, jax 0.10.2; ``tests/test_timeline.py`` checks one). The
-    peak of the policy alone needs that second compile
-    (``xla_disable_hlo_passes=rematerialization``), made only when asked
+    (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``; checked against the pass-off
+    compile: docs/analyze.md, ``tests/test_timeline.py``). The peak of the policy alone needs
+    that second compile (``xla_disable_hlo_passes=rematerialization``), made only when asked
     (``analyze_policies(..., policy_alone_peak=True)``, ``remat-kit analyze
     --policy-alone-peak``).
 

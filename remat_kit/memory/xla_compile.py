@@ -33,9 +33,7 @@ from remat_kit.memory import hlo
 #: identical with and without them (checked in tests/test_memory.py and the benchmark).
 FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
-    # LLVM's own optimisation off too: the dumps (optimized HLO, buffer assignment, live
-    # ranges) and memory_analysis() are identical with it (tiny-llama save-dots on h100-sxm,
-    # jax 0.10.2), and a compile takes ~20% less CPU time (6.0-6.6 -> 5.1 s there).
+    # LLVM's own optimisation off too (docs/results/compiler.md: same dumps, less CPU time).
     "cuda": {
         "xla_gpu_disable_gpuasm_optimizations": True,
         "xla_backend_optimization_level": 0,

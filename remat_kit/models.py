@@ -587,13 +587,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     g = k.shape[2]
     q = q.reshape(b, s, g, a // g, d)  # (b, s, g, r, d)
     scores = jnp.einsum("bqgrd,btgd->bgrqt", q, k) / jnp.sqrt(d).astype(q.dtype)
-    # Causal mask as an additive [s, s] bias (0 on and below the diagonal, float32 min above),
-    # added with implicit size-1 broadcasting. ``jnp.where(causal, scores, min)`` broadcast the
-    # mask and the fill value to the full [b, g, r, s, s] shape in the jaxpr; as neither depends
-    # on the layer's inputs, the layer scan's partial evaluation hoisted both out of the loop as
-    # constants of the forward scan (llama3-8b, s=8192: an 8 GiB f32 and a 2 GiB pred buffer live
-    # at the peak). Now only the [s, s] bias is hoisted. Same probabilities (exp underflows to 0 on
-    # masked entries either way) and gradients; bitwise equal op by op.
+    # Causal mask as an additive [s, s] bias, broadcast implicitly: a ``jnp.where`` over the full
+    # [b, g, r, s, s] scores would be hoisted out of the layer scan as a constant of that size.
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     bias = jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)  # (s, s)
     scores = scores.astype(jnp.float32) + bias
@@ -831,7 +826,7 @@ class _Segment(nn.Module):
 
 
 class RematLayerStack(nn.Module):
-    """``num_layers`` blocks in layer scans with partial-layer or nested remat.
+    """``num_layers`` blocks in layer scans with partial-layer or nested remat (docs/structure.md).
 
     ``block(name)`` must return a fresh linen module mapping ``x [batch, seq, d_model]`` and the
     broadcast ``*args`` (e.g. positions [seq]) to ``[batch, seq, d_model]``; for example
@@ -841,22 +836,18 @@ class RematLayerStack(nn.Module):
       block: the block factory.
       num_layers: blocks in the stack (L).
       policy: remat policy of the rematerialised blocks: a name, :class:`PolicySpec`, per-tag
-        mapping, or what a :class:`~remat_kit.program.Program` factory receives (a jax policy
-        callable, None for no remat); see :func:`resolve_block_policy`.
-      remat_layers: how many blocks use ``policy`` (None: all); the rest use ``rest_policy``.
+        mapping, a jax policy callable or None (:func:`resolve_block_policy`).
+      remat_layers: how many blocks use ``policy`` (None: all; nested: per segment, at most
+        ``L // nested_groups``); the rest use ``rest_policy`` (default ``"no-remat"``).
       placement: ``"first"`` or ``"interleaved"`` (see :func:`layer_plan`).
-      rest_policy: policy of the other blocks (default ``"no-remat"``).
-      nested_groups: if set, nested remat with this many outer segments (a divisor of L; see
-        :func:`~remat_kit.models.sqrt_groups`), each checkpointed whole (nothing saved
-        but its input), the blocks inside under ``policy`` / ``rest_policy`` as
-        ``remat_layers`` says (counted per segment:
-        ``remat_layers`` must then be given per segment, i.e. at most ``L // nested_groups``).
+      nested_groups: if set, nested remat with this many outer segments (a divisor of L), each
+        checkpointed whole (nothing saved but its input).
       axis_name: logical axis name of the stacked parameters' leading dimension (nested: the
         outer one is ``axis_name + "_outer"``).
 
-    Parameters: ``layers/block_0/...`` with leading dimension L for one run (the plain per-layer
-    scan); ``layers_0``, ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with
-    leading dimensions ``[groups, L // groups]``.
+    Parameters: ``layers/block_0/...`` with leading dimension L for one run; ``layers_0``,
+    ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with leading dimensions
+    ``[groups, L // groups]``.
 
     Raises (when called):
       ValueError: see :func:`layer_plan` and :func:`check_nested_groups`; unknown policy names.

@@ -301,29 +301,19 @@ def has_tpu_chips() -> bool:
 
 
 def ensure_tpu_env() -> None:
-    """Environment libtpu needs on a machine without TPU chips; set only where unset, before
-    libtpu loads (this module's import; remat_kit.targets imports it).
+    """Environment libtpu needs on a machine without TPU chips, set where unset before libtpu loads
+    (this module's import); nothing is set on a TPU machine.
 
-    - ``TPU_SKIP_MDS_QUERY=1``: do not ask the GCE metadata server for the TPU's configuration
-      (there is none; axlearn's ``aot_compilation.py`` sets it too; JAX sets it itself only when
-      it initialises the TPU backend).
-    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: libtpu takes ``/tmp/libtpu_lockfile`` for the process
-      that owns the TPU; with no TPU there is nothing to share, and without it a second process
-      (another compile, a pytest worker) fails with "Internal error when accessing libtpu
-      multi-process lockfile" (measured here).
-
-    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all
-      (no TPU chips, no ``/dev/nvidia*``, no ``/dev/kfd``): otherwise JAX's first backend use
-      loads libtpu to look for a TPU, which costs seconds and prints libtpu's start-up lines on
-      every run. The local backend is the CPU either way.
-
-    - ``TPU_LOG_DIR=disabled``: libtpu writes no log files (by default each process that
-      initialises it writes its own into ``/tmp/tpu_logs``, and a sweep or a test run starts
-      many); its lines on stderr stay, and remat-kit reads those (Marin sets the same for its
-      TPU workers, marin-community/marin#2078).
-
-    On a TPU machine nothing is set: the runtime there needs the real values.
-    """
+    - ``TPU_SKIP_MDS_QUERY=1``: no query to the GCE metadata server (axlearn's
+      ``aot_compilation.py`` sets it too).
+    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: without it a second process (another compile, a pytest
+      worker) fails on libtpu's ``/tmp/libtpu_lockfile`` ("Internal error when accessing libtpu
+      multi-process lockfile").
+    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all:
+      otherwise JAX's first backend use loads libtpu to look for a TPU (seconds, and its start-up
+      lines on every run).
+    - ``TPU_LOG_DIR=disabled``: no log files in ``/tmp/tpu_logs`` per process; stderr lines stay
+      (Marin does the same, marin-community/marin#2078)."""
     if has_tpu_chips():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -782,10 +772,8 @@ def tpu_target(name: str | TpuSlice) -> Target:
     """The :class:`Target` of a TPU slice (``"v5p-8"``, ``"v5litepod-16"``, ``"2xv6e-256"``),
     compiled deviceless through libtpu (:func:`topology`).
 
-    Figures are per JAX device = per chip (v4 / v5p chips run their two TensorCores as one
-    device). ``peak_flops_f32`` is the bf16 peak: XLA's TPU compiler runs an f32 dot at JAX's
-    default precision as one bf16 MXU pass (``jax.default_matmul_precision``: "bfloat16" is the
-    default on TPU). ``launch_s`` is None: no cited per-op overhead for TPUs.
+    Figures are per JAX device = per chip. ``peak_flops_f32`` is the bf16 peak (an f32 dot at
+    JAX's default TPU precision is one bf16 MXU pass); ``launch_s`` is None (no cited figure).
 
     Raises:
       ValueError: not a TPU slice name, or a size the generation does not come in (the
@@ -903,18 +891,12 @@ def has_visible_nvidia_gpu() -> bool:
 def ensure_deviceless_env() -> bool:
     """Let the CUDA plugin load on a machine without a GPU; returns whether the check is skipped.
 
-    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set.
-    Without it, the CUDA plugin's version check fails (``cuInit(0) failed``), JAX logs a
-    traceback at its first backend use and never registers the plugin, so no ``cuda`` topology
-    can be made. With it, JAX still keeps the CPU as the local backend (it skips the CUDA
-    backend when no ``/dev/nvidia*`` exists), silently. ``JAX_PLATFORMS`` is left alone: it is not
-    needed, and forcing ``cpu`` would hide a TPU or a GPU.
-
-    Effective until JAX first discovers its plugins (first backend use or topology, not
-    ``import jax``); this module calls it on import. Where that is too late,
-    :func:`compile_devices` re-runs the plugin's registration itself. On a GPU machine the check
-    stays on: it catches broken CUDA installs, and the plugin registers anyway.
-    """
+    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set:
+    without it the plugin's version check fails (``cuInit(0) failed``) and no ``cuda`` topology can
+    be made; with it JAX still keeps the CPU as the local backend. ``JAX_PLATFORMS`` is left alone.
+    Effective until JAX first discovers its plugins (first backend use, not ``import jax``); this
+    module calls it on import, and :func:`compile_devices` re-registers the plugin where that was
+    too late. On a GPU machine the check stays on (it catches broken CUDA installs)."""
     if not has_visible_nvidia_gpu():
         os.environ.setdefault(_SKIP_CHECK_VAR, "1")
     return bool(os.environ.get(_SKIP_CHECK_VAR))
@@ -983,21 +965,18 @@ def gpu_target_config(target: str | Target) -> str:
 def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Device]:
     """The ``num_devices`` devices to lower and compile for ``target`` on.
 
-    ``local`` and ``cpu``: the first ``num_devices`` devices of the run (``jax.devices()``: in a
-    ``jax.distributed`` run, every process's devices, as a global mesh needs). GPU models:
-    compile-only devices of a deviceless topology ``1x1x{num_devices}`` (one host,
-    ``num_devices`` GPUs), made once per (target, ``num_devices``) and cached. TPU slices: the
-    first ``num_devices`` devices (chips) of the slice's deviceless topology
-    (:func:`topology`, cached). Compile-only
-    devices cannot run anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding
-    on them (see :func:`abstract_sharding`) and call ``.lower(...).compile()``.
+    ``local`` and ``cpu``: the first ``num_devices`` of ``jax.devices()`` (every process's, in a
+    ``jax.distributed`` run). GPU models: compile-only devices of a deviceless topology
+    ``1x1x{num_devices}``. TPU slices: the first ``num_devices`` chips of the slice's topology
+    (:func:`topology`). Both cached. Compile-only devices cannot run anything: give every argument
+    a ``jax.ShapeDtypeStruct`` with a sharding on them (:func:`abstract_sharding`) and call
+    ``.lower(...).compile()``.
 
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
             message says how to get more CPU devices), or more than a TPU slice has.
         remat_kit.validation.MissingExtraError: a TPU slice without libtpu, or a GPU target
-            without JAX's CUDA plugin, installed (the fix: ``pip install 'remat-kit[tpu]'`` /
-            ``'remat-kit[cuda12]'``).
+            without JAX's CUDA plugin (the message names the extra to install).
         RuntimeError: the CUDA plugin would not register.
     """
     t = get_target(target)

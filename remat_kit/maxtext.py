@@ -138,8 +138,7 @@ def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
     ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
     names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom``
     with MaxText's defaults and with each emitted tensor it has a setting for kept on device
-    (one each). What ``recommend
-    --maxtext`` searches by default, so that its pick is a MaxText config line.
+    (one each): what ``recommend --maxtext`` searches by default.
 
     Raises:
       ValueError: ``tags`` holds none of MaxText's tensors (not a MaxText model).
@@ -240,13 +239,11 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     takes it, on MaxText's mesh of ``target``'s devices (see the module docstring).
 
     Args:
-      overrides: MaxText's ``key=value`` overrides as its command line takes them, one string
+      overrides: MaxText's ``key=value`` overrides, one string
         (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
         ``remat_policy`` here is the program's default only: each tool sets the policy it asks
-        for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
-        (MaxText then sizes its batch for the slice's chips, as its AOT compile does); a GPU
-        target adds ``hardware=gpu`` where ``hardware`` is not given; every target adds
-        ``skip_jax_distributed_system=true`` where not given (one process compiles).
+        for. What remat-kit adds per target (``compile_topology``, ``hardware=gpu``,
+        ``skip_jax_distributed_system=true``, each where not given): docs/maxtext.md.
       target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
         model (one GPU, deviceless) or ``local`` (the local devices).
 

@@ -101,9 +101,8 @@ def _achieved(report: Any, no_remat: Any, platform: str) -> int | None:
 
 def _freed(achieved: int, promised: int) -> str:
     """The doctor's words for ``achieved`` bytes of temp memory freed of ``promised``: "frees
-    only A of the P its residuals promise", or, where the compiled step's temp memory went up
-    instead (jax.checkpoint may raise it: its docstring), "adds A of temp memory where its
-    residuals promise to free P"."""
+    only A of the P its residuals promise", or, where temp memory went up, "adds A of temp memory
+    where its residuals promise to free P"."""
     if achieved >= 0:
         return f"frees only {nbytes(achieved)} of the {nbytes(promised)} its residuals promise"
     return (
@@ -326,13 +325,9 @@ def _saved_anyway(
 def _saved_without_saving(
     promise: Promise, kept: Residuals, facts: TagFacts | None, anyway: Mapping[str, int]
 ) -> list[Finding]:
-    """``save-removes-no-recompute``: tags the policy saves on device (new residual bytes; an
-    offload is judged by the device memory it frees, not here) that are not among the
-    program's :attr:`~remat_kit.doctor.tags.TagFacts.savers`: saved alone, they do not lower
-    the step's matmul FLOPs (a name applied after an activation: the backward pass recomputes
-    the matmul before it all the same, for the activation's derivative, unless that matmul's
-    output is kept too). The same judgement as the solver's per-tag FLOPs and the fixes the
-    doctor offers."""
+    """``save-removes-no-recompute``: tags the policy saves on device that are not among the
+    program's :attr:`~remat_kit.doctor.tags.TagFacts.savers` (docs/doctor.md), judged as the
+    solver's per-tag FLOPs and the doctor's fixes are."""
     if facts is None or facts.savers is None or promise.base != "names":
         return []
     if promise.registered and not facts.user:  # remat-kit's policies on its own models save
@@ -486,12 +481,9 @@ def _names_kept_nowhere(
     promise: Promise, kept: Residuals, kept_no_remat: Residuals, facts: TagFacts | None
 ) -> list[Finding]:
     """``name-kept-nowhere`` for the emitted names of a policy that keeps others but not these,
-    where the walk tells why (applied outside every remat segment, or not residuals even
-    without remat): that part of the policy does nothing (jax#23869: the scan carry offloaded
-    beside a real tag). A policy keeping none of its names is ``acts-as-full-remat``'s; a
-    registered policy's list is MaxText's, for every model (``minimal`` names ``mlpwo``, a
-    residual of no pre-norm block), and not judged name by name; nor is the rest of the
-    program's names that ``save_any_names_but_these`` saves."""
+    where the walk tells why (docs/doctor.md). Not for a policy keeping none of its names
+    (``acts-as-full-remat``), a registered policy's list (MaxText's, for every model), or the
+    names ``save_any_names_but_these`` saves."""
     if facts is None or promise.base != "names" or promise.registered or promise.by_exclusion:
         return []
     named = promise.tags & facts.emitted

@@ -65,18 +65,11 @@ class LogitsLine:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyOnly:
-    """The policy's own figures where XLA's own rematerialisation pass changed the program.
-
-    XLA's GPU compiler recomputes instructions on its own when a program exceeds the device's
-    memory ("Can't reduce memory use below ..."); the as-run figures then mix the policy's
-    recomputation with XLA's. The pass clones what it recomputes (``fusion.3.remat``,
-    ``.remat2``) and removes an original once a clone took all its uses, so the policy's own
-    matmul FLOPs are the as-run ones less every clone but one per original
-    (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``; checked against the pass-off
-    compile: docs/analyze.md, ``tests/test_timeline.py``). The peak of the policy alone needs
-    that second compile (``xla_disable_hlo_passes=rematerialization``), made only when asked
-    (``analyze_policies(..., policy_alone_peak=True)``, ``remat-kit analyze
-    --policy-alone-peak``).
+    """The policy's own figures where XLA's own rematerialisation pass changed the program
+    (:mod:`remat_kit.memory.policy_only`). The FLOPs come from the as-run compile, its clones told
+    apart (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``); the peak needs a second
+    compile with the pass off, made only when asked (``analyze_policies(...,
+    policy_alone_peak=True)``, ``remat-kit analyze --policy-alone-peak``).
 
     Attributes:
       xla_remat_instructions: instructions XLA's pass cloned to recompute (as run).

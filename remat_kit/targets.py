@@ -1370,8 +1370,7 @@ def activation_sharding(mesh: Mesh | None):
     Scoped flax context (``nn.logical_axis_rules``, :data:`ACTIVATION_RULES`) plus ``mesh``'s
     abstract mesh (``jax.sharding.use_abstract_mesh``, allowed inside ``jax.jit`` too): no
     module-level state. Without it XLA's sharding propagation may keep whole activations on
-    every device under fsdp (measured: llama3-8b fsdp=8 on h100-sxm, 185 GiB per device
-    instead of ~44)."""
+    every device under fsdp (docs/results/compiler.md)."""
     if mesh is None:
         with nn.logical_axis_rules(()):
             yield

@@ -67,16 +67,13 @@ _REPLICA_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _HOST = re.compile(r"S\(5\)")
 
 
-#: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc's malloc
-#: serves requests at or above its mmap threshold with a fresh mmap, and the threshold's
-#: dynamic ceiling is 32 MiB on 64-bit systems (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX = 4 *
-#: 1024 * 1024 * sizeof(long)); smaller buffers are reused from the heap (the measured
-#: threshold: docs/time-model.md, ``experiments/bench_page_faults.py``).
+#: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc serves
+#: requests at or above its mmap threshold, whose dynamic ceiling is 32 MiB on 64-bit systems,
+#: with a fresh mmap (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX); docs/time-model.md.
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
-#: Runs of the fresh-output kernel a calibration keeps the best of: the fault rate varies most
-#: from run to run of all the figures, and the best of a few runs is far below the rate a
-#: step pays (``experiments/bench_page_faults.py``, whose table is in experiments/results/cpu/).
+#: Runs of the fresh-output kernel a calibration keeps the best of (the most variable figure;
+#: ``experiments/bench_page_faults.py``).
 FRESH_RUNS = 9
 
 
@@ -130,15 +127,11 @@ class DeviceFigures:
     interconnect_bytes_per_s: float | None
     source: str
     measured: bool = False
-    #: Rate at which the pages of a step's freshly allocated buffers are faulted in, bytes/s;
-    #: None where buffers are reused from one step to the next (a GPU's or TPU's allocator).
-    #: XLA:CPU allocates a step's temp and output buffers at each execution, and the kernel
-    #: zeroes every fresh page of a large (mmap-backed) allocation on first touch.
+    #: Bytes/s at which a step's freshly allocated buffers are faulted in (XLA:CPU allocates
+    #: temp and outputs at each execution); None where buffers are reused (GPU, TPU).
     fresh_bytes_per_s: float | None = None
-    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T`` and
-    #: ``P @ V``: many small matmuls in one kernel) by operand dtype; None where batched
-    #: matmuls are taken at :attr:`peak_flops` (a datasheet gives no other figure). On a CPU
-    #: they run at a fraction of a large GEMM's rate (measured by the calibration).
+    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T``, ``P @ V``)
+    #: by operand dtype, from the calibration; None: at :attr:`peak_flops` (datasheets).
     batched_flops: dict[str, float] | None = None
     #: The machine's state while calibrated figures were timed; None for datasheet figures.
     calibration: Calibration | None = None
@@ -490,13 +483,11 @@ def _mesh_devices(text: str | None, n: int) -> list[int]:
 
 
 def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
-    """The device ids of a collective's first replica group, in the three ways XLA prints them:
-    a list (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``replica_groups=[2,4]<=[8]``,
-    ``[4,2]<=[2,4]T(1,0)``: ``iota(8).reshape(2, 4).transpose(1, 0).reshape(4, 2)``, one group a
-    row) and a mesh (``replica_groups=mesh['x'=2,'y'=4] {'y'}``: the devices of a row-major mesh
-    that differ along the named axes only, through the mesh's ``device_ids`` where it has
-    them). A ``collective-permute`` gives its first source and
-    target. () where none is written (every device: unknown here)."""
+    """The device ids of a collective's first replica group, as XLA prints it: a list
+    (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)``:
+    one group a row) or a mesh (``mesh['x'=2,'y'=4] {'y'}``: the devices differing along the named
+    axes only). A ``collective-permute`` gives its first source and target. () where none is
+    written."""
     text = instr.attributes
     m = _REPLICA_GROUPS.search(text)
     if m and m.group(1):
@@ -956,14 +947,11 @@ GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 
 def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> float:
     """The share of a GPU's matmul rate a ``(batch, m, n)`` output keeps after tile and wave
-    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): the output is cut
-    into tiles, one thread block each, run ``sm_count`` at a time; a partial tile costs a whole
-    one, and the last wave runs with idle SMs. For each tile in :data:`GEMM_TILES`,
-    ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch * ceil(m / tm) *
-    ceil(n / tn) / sm_count)``; the best tile is taken (cuBLAS's heuristics pick among them).
-    1.0 where ``sm_count`` is 0 or the shape unknown. The large-matmul rate it scales
-    (``DeviceFigures.peak_flops``) is itself measured at a best shape, so a large matmul
-    keeps about 1.0."""
+    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): for each tile in
+    :data:`GEMM_TILES`, ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch *
+    ceil(m / tm) * ceil(n / tn) / sm_count)``, the best tile taken. 1.0 where ``sm_count`` is 0 or
+    the shape unknown; a large matmul keeps about 1.0 (the peak it scales is measured at a best
+    shape)."""
     if not sm_count or not gemm:
         return 1.0
     batch, m, n = gemm
@@ -976,12 +964,10 @@ def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> fl
 
 
 def collective_bandwidth(group: tuple[int, ...], figures: DeviceFigures) -> float | None:
-    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``:
-    the interconnect's inside one node; over several nodes, a ring crosses each node's
-    boundary through the NICs of the group's devices in that node, so at most ``devices of
-    the group per node x figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book,
-    network/README.md, "Inter-node speed depends on intra-node speed": a flat-ring model
-    within 6% of a measured 4-node all-reduce). None where no figure is known."""
+    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``: the
+    interconnect's inside one node; across nodes at most ``devices of the group per node x
+    figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book, network/README.md,
+    "Inter-node speed depends on intra-node speed"). None where no figure is known."""
     bw = figures.interconnect_bytes_per_s
     size = figures.node_size
     if not group or not size or not figures.network_bytes_per_s:
@@ -1033,9 +1019,8 @@ class _ReuseModel:
         return cached, traffic - cached
 
 
-#: Environment variable naming a calibration file to use instead of timing this machine (the
-#: JSON :func:`calibrate` writes: ``{"figures": {...}, "when": ...}``): figures measured once
-#: on a quiet machine, or fixed ones for reproducible tests.
+#: Environment variable naming a calibration file (the JSON :func:`calibrate` writes) to use
+#: instead of timing this machine: figures timed on a quiet machine, or fixed ones for tests.
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
 #: Version of the calibration's file format and micro-kernels (a change re-times).
@@ -1419,13 +1404,10 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
 @contextlib.contextmanager
 def pinned_calibration(path: str | Path) -> Iterator[None]:
     """Within the ``with``, every calibration of this process and of the processes it starts is
-    the one in ``path``: a long run (a sweep) prices all its rows with one set of figures even
-    when the cached calibration would be timed again meanwhile (:data:`RETIME_AFTER_S`).
-
-    ``path`` is kept when it holds this machine's calibration (a resumed run keeps the figures
-    it started with); otherwise the cached calibration (timed now if there is none) is written
-    there. Nothing is pinned when :data:`CALIBRATION_ENV` already names a file.
-    """
+    the one in ``path``, so a long run (a sweep) prices all its rows with one set of figures.
+    ``path`` is kept when it holds this machine's calibration (a resumed run); otherwise the cached
+    calibration (timed now if there is none) is written there. Nothing is pinned when
+    :data:`CALIBRATION_ENV` already names a file."""
     if os.environ.get(CALIBRATION_ENV):
         yield
         return
@@ -1516,9 +1498,8 @@ def _figures_of(data: dict[str, Any], key: dict[str, str]) -> DeviceFigures:
 
 def device_figures(target: T.Target) -> DeviceFigures | None:
     """The figures the time model uses for ``target``: the datasheet's for a GPU or TPU model
-    compiled deviceless, the calibration's for the local device (a local GPU of a known model
-    is calibrated too: what this machine does beats what the datasheet says). None when
-    neither is available (a CPU target while JAX's default device is not a CPU)."""
+    compiled deviceless, the calibration's for the local device (a local GPU of a known model too).
+    None when neither is available (a CPU target while JAX's default device is not a CPU)."""
     import jax
 
     if not target.deviceless and target.platform == jax.devices()[0].platform:
@@ -1599,11 +1580,9 @@ def small_step_note(
 
 def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) -> str | None:
     """Why no-remat is estimated slower than a policy that recomputes, on a datasheet (GPU or
-    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them
-    back, copies recomputation avoids (docs/time-model.md, "On GPUs"); no GPU run confirms
-    it yet. ``step_times_s``: estimated seconds by policy label. None where no-remat is not
-    among them, is not slower, or the figures are calibrated on this machine (the CPU's own
-    reason is in the sweep's notes)."""
+    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them back
+    (docs/time-model.md, "On GPUs"). ``step_times_s``: estimated seconds by policy label. None where
+    no-remat is not among them, is not slower, or the figures are calibrated (``measured``)."""
     mine = step_times_s.get("no-remat")
     others = {k: v for k, v in step_times_s.items() if k != "no-remat" and v}
     if measured or not mine or not others:

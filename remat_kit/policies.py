@@ -938,7 +938,7 @@ def remat3_asks_any_policy() -> bool:
     """Whether this JAX's ``jax_remat3`` asks *any* policy callable at ``checkpoint_name``
     values and matmuls (and honours its ``Saveable`` / ``Offloadable`` answers), as jax 0.12's
     ``CheckpointName.remat`` and ``lax._dot_general_remat`` do; False where it reads only
-    policies it knows as data (jax 0.10.2: the ``SaveOnlyTheseNames``,
+    policies it knows as data (jax 0.10: the ``SaveOnlyTheseNames``,
     ``SaveAnyNamesButThese`` and ``DotsSaveable`` dataclasses and ``everything_saveable``),
     running every other callable as full remat, or where JAX has no ``jax_remat3``. Read from
     a traced probe (a plain function saving one name), once per JAX version."""
@@ -948,7 +948,7 @@ def remat3_asks_any_policy() -> bool:
 
 
 def describe_implementation(implementation: RematImplementation | None = None) -> str:
-    """``"jax_remat3 (jax 0.10.2)"`` or ``"classic remat (jax 0.10.2)"``."""
+    """``"jax_remat3 (jax X.Y.Z)"`` or ``"classic remat (jax X.Y.Z)"``, the JAX in use."""
     impl = implementation or remat_implementation()
     return f"{'jax_remat3' if impl == 'remat3' else 'classic remat'} (jax {jax.__version__})"
 

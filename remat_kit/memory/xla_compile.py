@@ -463,7 +463,7 @@ def add_policy_only(
 
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:
-    """E.g. ``"XLA GPU compiler (deviceless, jax 0.10.2)"``."""
+    """E.g. ``"XLA GPU compiler (deviceless, jax X.Y.Z)"``, the JAX in use."""
     kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler", "tpu": "XLA TPU compiler"}.get(
         platform, f"XLA {platform}"
     )

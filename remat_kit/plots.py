@@ -158,24 +158,21 @@ def pareto(
 ) -> Figure:
     """Peak memory against step time, one point per policy, the Pareto frontier drawn.
 
-    Drawn per panel: each policy's point (a color and marker per policy, one legend for all
-    panels); the frontier (:func:`remat_kit.sweep.results.pareto_frontier`) as a red step line,
-    its points ringed in red. For measured step times (``x="step_time_s"``), each point's range
-    of its own timed steps (``step_times_s``, min to max, ms) as a horizontal error bar, and
-    noisy points (:func:`remat_kit.sweep.results.is_noisy`) hollow and off the frontier. The
-    device memory of the panel's target (the row's ``memory_bytes``, else the target's) as a
-    dashed horizontal line when it is at most :data:`BUDGET_LINE_WITHIN` times the panel's
-    highest point (else stated in the panel's title): a point above it does not fit.
+    Per panel: a point per policy (one legend for all panels), the frontier
+    (:func:`remat_kit.sweep.results.pareto_frontier`) as a red step line; for measured times, each
+    point's own range of timed steps (ms) as an error bar and noisy points
+    (:func:`remat_kit.sweep.results.is_noisy`) hollow and off the frontier; the target's device
+    memory as a dashed line when within :data:`BUDGET_LINE_WITHIN` of the highest point (else in the
+    title).
 
     Args:
       rows: result rows (list of dicts or ``DataFrame``); rows without ``x`` are left out.
-      x: ``"step_time_s"`` (measured median, seconds; drawn in ms), ``"predicted_step_time_s"``
-        (the roofline's estimate, seconds, drawn in ms: :mod:`remat_kit.memory.roofline`) or
-        ``"recompute_ratio"`` (compiled matmul FLOPs over the no-remat step's).
+      x: ``"step_time_s"`` (measured median), ``"predicted_step_time_s"`` (the roofline's
+        estimate), both seconds drawn in ms, or ``"recompute_ratio"`` (compiled matmul FLOPs over
+        the no-remat step's).
       y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``; drawn in MiB or GiB per
-        panel, as the summary tables (:func:`remat_kit.units.table_unit`).
-      path: save the figure there (PNG).
-      title: figure title (default: what is drawn against what).
+        panel (:func:`remat_kit.units.table_unit`).
+      path: save the figure there (PNG). title: default, what is drawn against what.
       note: a line of small grey text at the bottom (e.g. :func:`provenance`).
 
     Returns:

@@ -1125,8 +1125,10 @@ def policy_effect(
     policy: str | PolicySpec | Mapping[str, str],
     implementation: RematImplementation | None = None,
 ) -> PolicyEffect:
-    """What ``policy`` does under ``implementation`` (default: the one in use now), from the
-    saved residuals of a tiny traced probe (see the module docstring).
+    """What ``policy`` does under ``implementation`` (default: the one in use now): a tiny
+    checkpointed function emitting the policy's names (a weight and a batched matmul for the dots
+    policies) is traced and its saved residuals (:func:`remat_kit.walker.saved_residuals`) set
+    against the promise; cached per (policy, implementation, jax version). docs/remat3.md.
 
     Raises:
       ValueError: an unknown policy name, or an implementation this JAX cannot trace with.

@@ -1163,7 +1163,7 @@ def _best_of(fn: Callable[[], object], runs: int) -> float:
 
 
 def measure(runs: int = 5) -> dict[str, float]:
-    """Time the micro-kernels on JAX's default device (see the module docstring).
+    """Time the micro-kernels on JAX's default device (docs/time-model.md, "Device figures").
 
     Returns rates per second, ``cache_bytes`` and ``launch_s``.
     """

@@ -628,29 +628,22 @@ class CompileEngine:
         total: int | None = None,
         then: Callable[[Any, CompileResult], None] | None = None,
     ) -> list[tuple[str, CompileResult | CompileError]]:
-        """Lower and compile every item, each distinct program once.
-
-        Items are taken from ``items`` one at a time: an item made lazily (a generator that
-        traces each policy's step) is traced and lowered while the ones before it compile.
+        """Lower and compile every item, each distinct program once. Items are taken one at a time,
+        so a generator that traces each policy's step is traced while the ones before it compile.
 
         Args:
           items: objects with ``what`` (names it in errors), ``target`` (a
-            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``)
-            and ``program_key`` (items with equal non-None keys are lowered once), e.g.
-            :class:`Job`.
-          fast: compile with the fast code-generation options (same memory figures, slower
-            machine code: for analysis only, not for a step that will be timed).
-          executable: the caller will run the executables: compile what the cache holds
-            (a cached result has none).
+            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``) and
+            ``program_key`` (equal non-None keys are lowered once), e.g. :class:`Job`.
+          fast: the fast code-generation options (same memory figures; not for a step to be timed).
+          executable: the caller will run the executables: compile what the cache holds.
           total: how many items there are, for progress (default ``len(items)``).
-          then: called as ``then(item, result)`` in the compile's worker after each item's
-            compile (not for a program the cache answers whole), e.g. to read its dumps
-            beside the compiles still running.
+          then: ``then(item, result)``, called in the compile's worker after each compile (not for a
+            program the cache answers whole), e.g. to read its dumps.
 
         Returns:
-          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX
-          could not lower for its target gets its :class:`CompileError` (``stage="lower"``,
-          :func:`~remat_kit.memory.xla_compile.lower_for`) and the items after it go on.
+          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX could not
+          lower gets its :class:`CompileError` (``stage="lower"``) and the items after it go on.
         """
         total = len(items) if total is None else total  # type: ignore[arg-type]
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:

@@ -464,16 +464,11 @@ def read_jax_policy(
 ) -> PolicySpec | None:
     """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
     JAX's constructors keep (``jax/_src/ad_checkpoint.py``): the four fixed policies,
-    ``save_only_these_names`` (a dataclass with ``saveable_names`` in jax 0.10, a closure over
-    ``names_which_can_be_saved`` in jax 0.12) and ``save_and_offload_only_these_names`` (a
-    closure over its name sets); named after the
-    constructor and its names (``save_only_these_names(attn_out, mlp_up)``).
-    ``save_any_names_but_these(*names)`` on a program emitting ``emitted`` (its
-    ``checkpoint_name`` values) is the name set it amounts to there: every emitted name but
-    ``names`` saved. None for a callable whose effect is not a name set or a base rule
-    (``save_any_names_but_these`` with no program to read names from;
-    ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
-    """
+    ``save_only_these_names`` and ``save_and_offload_only_these_names``, named after the
+    constructor and its names (``save_only_these_names(attn_out, mlp_up)``);
+    ``save_any_names_but_these(*names)`` as the name set it amounts to on a program emitting
+    ``emitted``. None for a callable whose effect is not a name set or a base rule (that one with
+    no ``emitted``; ``offload_dot_with_no_batch_dims``; composed callables and lambdas)."""
     if is_by_exclusion(policy) and emitted is not None:
         excluded = excluded_names(policy)
         save = frozenset(emitted) - excluded
@@ -681,12 +676,10 @@ def policies_for_tags(
     """The policies that can act on a program emitting ``tags``.
 
     Kept as given: the kind-based specs (``save-nothing``, ``save-dots``, ``no-remat``...), a
-    registered name-based spec whose tags the program all emits (a tag of the other MLP family,
-    ``mlpwi`` where the program emits ``mlpwi_0`` / ``mlpwi_1`` or the reverse, counts as
-    emitted: the registered policies name both families), and every spec that is not a
-    registered one (a user's own: check it with :func:`check_tags`). A registered name-based spec
-    naming some other tags the program does not emit is cut down to the emitted ones (a custom
-    spec); one naming none of them is skipped.
+    registered name-based spec whose tags the program all emits (the other MLP family's names,
+    ``mlpwi`` against ``mlpwi_0`` / ``mlpwi_1``, count as emitted), and every user's own spec
+    (check it with :func:`check_tags`). A registered spec naming some tags the program does not
+    emit is cut down to the emitted ones; one naming none of them is skipped.
 
     Raises:
       ValueError: an unknown policy name (see :func:`get_policy_spec`).
@@ -744,14 +737,9 @@ def _parse_tag_list(text: str) -> dict[str, str]:
 
 
 def parse_policy_arg(text: str) -> PolicySpec:
-    """A :class:`PolicySpec` from one command-line ``--policy`` value (the one syntax every
-    command takes).
-
-    Three forms: a registered name (``save-dots``); per-tag actions
-    ``query_proj=offload,out_proj=save``; or the same as a JSON object
-    ``{"query_proj": "offload", "out_proj": "save"}``. The per-tag forms go through
-    :func:`custom_spec` (checkpoint names not listed are recomputed), so they accept what it
-    accepts and fail as it fails.
+    """A :class:`PolicySpec` from one command-line ``--policy`` value: a registered name
+    (``save-dots``), per-tag actions ``query_proj=offload,out_proj=save``, or the same as a JSON
+    object. The per-tag forms go through :func:`custom_spec` (names not listed are recomputed).
 
     Example::
 

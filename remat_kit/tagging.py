@@ -194,17 +194,15 @@ def _iter_modules(model: nnx.Module):
 def tag_eqx(model: Any, tags: Mapping[str, str]) -> Any:
     """An equinox model whose matching submodules tag their outputs.
 
-    Equinox modules are immutable pytrees: the result is a new model (``model`` is unchanged)
-    with the same arrays, in which every matching submodule is an instance of a subclass of its
-    class whose ``__call__`` applies ``checkpoint_name`` to its output (attributes,
-    ``isinstance`` and the array leaves unchanged; the class is part of the static pytree
-    structure, so a layer stack rebuilt with ``eqx.combine`` inside ``lax.scan`` is tagged too).
+    The result is a new model with the same arrays (``model`` is unchanged): each matching
+    submodule is an instance of a subclass of its class whose ``__call__`` applies
+    ``checkpoint_name`` to its output. The class is part of the static pytree structure, so a layer
+    stack rebuilt with ``eqx.combine`` inside ``lax.scan`` is tagged too.
 
     Args:
       model: an ``equinox.Module``.
-      tags: ``{module path glob: checkpoint name}`` on ``/``-joined paths of attribute names
-        and list / tuple indices / dict keys (``"layers/ff_block/mlp"``,
-        ``"blocks/*/attention/query_proj"``); the first matching pattern wins.
+      tags: ``{module path glob: checkpoint name}`` on ``/``-joined attribute names and list /
+        tuple indices / dict keys (``"blocks/*/attention/query_proj"``); the first match wins.
 
     Returns:
       The tagged model.

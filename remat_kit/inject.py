@@ -1,35 +1,31 @@
 """Hand a policy to a model that rematerializes without one: :func:`inject_policy`.
 
+<<<<<<< HEAD
 Some models call ``jax.checkpoint`` / ``flax.linen.remat`` / ``nn.checkpoint`` /
 ``eqx.filter_checkpoint`` themselves, with no ``policy``: Hugging Face's Flax models built with
 ``gradient_checkpointing=True`` wrap each layer in ``nn.remat(Layer, static_argnums=...)``. A
 factory ``make_loss(policy)`` around such a model has nowhere to put the policy, so every policy
 compiles to the same program (the tools refuse it: :class:`remat_kit.reach.PolicyReach`).
 ``inject_policy(loss)`` is the factory for it::
+=======
+Some models call ``jax.checkpoint`` / ``flax.linen.remat`` / ``eqx.filter_checkpoint``
+themselves, with no ``policy`` (Hugging Face's Flax models with ``gradient_checkpointing=True``):
+a factory ``make_loss(policy)`` around one has nowhere to put the policy, so every policy
+compiles to the same program (:class:`remat_kit.program.PolicyReach`). ``inject_policy(loss)``
+is the factory for it::
+>>>>>>> docs
 
     program = Program.from_loss(remat_kit.inject_policy(loss), params, batch)
 
-How: ``loss`` is traced to a jaxpr (``jax.make_jaxpr``; nothing computed); every remat segment
-in it, i.e. every equation of JAX's ``remat`` primitive (``jax.extend.core.primitives.remat_p``,
-``jax/_src/ad_checkpoint.py``: parameters ``jaxpr``, ``prevent_cse``, ``differentiated``,
-``policy``), wherever it is nested (``scan`` / ``while`` / ``cond`` bodies, ``jit``,
-``shard_map``), gets the policy as its ``policy`` parameter; for ``None`` (``no-remat``) the
-segment becomes a plain call of its body (``closed_call``), as if the model did not remat. The
-rewritten jaxpr is evaluated in place of ``loss`` *before* anything differentiates it, so JAX's
-partial evaluation applies the policy exactly as if it had been passed to the remat call
-(``inject_policy(make_loss(p))(q)`` traces to the same program as ``make_loss(q)``: tested).
-
-Why rewrite the traced program rather than intercept the library's remat function while the
-factory traces: the ``remat`` primitive is the one thing every library's remat shares, so one
-rewrite serves linen, NNX, equinox, plain JAX and Hugging Face alike; an interception must know
-where each library bound its remat (Hugging Face binds flax's ``remat`` under its own module
-names at import time, so patching ``flax.linen.remat`` does not reach it) and changes global
-state while it runs.
-
-Limits: a remat segment inside a ``custom_vjp`` / ``custom_jvp`` rule is not reached (its rules
-are functions, not jaxprs); under ``jax_remat3`` (remat as a hi-level primitive) the rewrite is
-refused with an error. Arguments follow :class:`remat_kit.program.Program`'s filter semantics
-(array leaves traced, the rest static).
+``loss`` is traced to a jaxpr and every equation of JAX's ``remat`` primitive in it
+(``jax.extend.core.primitives.remat_p``), wherever nested, gets the policy as its ``policy``
+parameter; for ``None`` (``no-remat``) the segment becomes a plain call of its body. The
+rewritten jaxpr is evaluated before anything differentiates it, so
+``inject_policy(make_loss(p))(q)`` traces to the same program as ``make_loss(q)``. Limits: a
+segment inside a ``custom_vjp`` / ``custom_jvp`` rule is not reached; under ``jax_remat3`` the
+rewrite is refused with an error. Why a rewrite rather than an interception:
+docs/own-model-no-policy-hook.md. Arguments follow :class:`remat_kit.program.Program`'s filter
+semantics (array leaves traced, the rest static).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A MaxText config as a remat-kit :class:`~remat_kit.program.Program`: :func:`maxtext_program`.
 
-MaxText (AI-Hypercomputer/maxtext, the ``maxtext`` package; Python >= 3.12) reads its
-``configs/base.yml`` plus ``key=value`` overrides from its command line. :func:`maxtext_program`
-takes the same overrides and builds what MaxText's ahead-of-time compile
+:func:`maxtext_program` takes MaxText's ``key=value`` overrides (AI-Hypercomputer/maxtext,
+Python >= 3.12) and builds what MaxText's ahead-of-time compile
 (``maxtext/trainers/pre_train/train_compile.py``) compiles: MaxText's own model, train state and
+<<<<<<< HEAD
 ``train_step`` (its loss, its optimizer, its sharding rules), abstract (``jax.ShapeDtypeStruct``
 with shardings: nothing allocated), on MaxText's mesh (``create_device_mesh`` over the config's
 ``ici_*`` / ``dcn_*`` parallelism, default FSDP over every chip) of the target's devices
@@ -31,6 +31,16 @@ On a GPU target the config gets ``hardware=gpu`` (unless the overrides set ``har
 MaxText's GPU flash attention, a tokamax kernel, is traced with tokamax's ``cross_compile``
 (a deviceless compile: no GPU here). MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it
 is unset; :func:`maxtext_program` puts the variable back as it was.
+=======
+``train_step``, abstract (``jax.ShapeDtypeStruct`` with shardings: nothing allocated), on
+MaxText's mesh of the target's devices (:func:`remat_kit.targets.compile_devices`), jitted with
+MaxText's shardings and its state donated. Figures are per chip. A MaxText ``remat_policy`` name
+(:data:`remat_kit.policies.MAXTEXT_POLICY_NAMES`) is set as MaxText's own override; any other
+policy is injected into its ``loss_fn`` (:func:`remat_kit.inject_policy`). The program's loss is
+the function ``train_step`` differentiates (:func:`loss_arguments`); its residuals are per chip
+(:meth:`MaxTextProgram.saved`). The config, mesh, GPU targets and ``XLA_FLAGS`` handling:
+docs/maxtext.md.
+>>>>>>> docs
 
 Example (with maxtext installed)::
 
@@ -160,8 +170,7 @@ def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
     ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
     names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom``
     with MaxText's defaults and with each emitted tensor it has a setting for kept on device
-    (one each). What ``recommend
-    --maxtext`` searches by default, so that its pick is a MaxText config line.
+    (one each): what ``recommend --maxtext`` searches by default.
 
     Raises:
       ValueError: ``tags`` holds none of MaxText's tensors (not a MaxText model).
@@ -248,13 +257,11 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     takes it, on MaxText's mesh of ``target``'s devices (see the module docstring).
 
     Args:
-      overrides: MaxText's ``key=value`` overrides as its command line takes them, one string
+      overrides: MaxText's ``key=value`` overrides, one string
         (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
         ``remat_policy`` here is the program's default only: each tool sets the policy it asks
-        for. A TPU slice target adds ``compile_topology`` / ``compile_topology_num_slices``
-        (MaxText then sizes its batch for the slice's chips, as its AOT compile does); a GPU
-        target adds ``hardware=gpu`` where ``hardware`` is not given; every target adds
-        ``skip_jax_distributed_system=true`` where not given (one process compiles).
+        for. What remat-kit adds per target (``compile_topology``, ``hardware=gpu``,
+        ``skip_jax_distributed_system=true``, each where not given): docs/maxtext.md.
       target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
         model (one GPU, deviceless) or ``local`` (the local devices).
 

@@ -1,54 +1,18 @@
 """The bundled model: ModelConfig and presets at the published shapes of real models, what a
 config decides before a module is built, and the decoder-only transformer built from it.
 
-**Layer plans.** Two ways to spend less recompute, or less memory, than one policy on every
-layer (the stack itself is :class:`remat_kit.models.RematLayerStack`):
-
-* **Partial-layer remat** (Megatron-LM's ``--recompute-method block --recompute-num-layers k``):
-  ``remat_layers`` of the ``num_layers`` blocks run under the policy, the others under a second
-  policy (default: not rematerialised). ``placement="first"`` puts them first (two layer scans);
-  ``"interleaved"`` spreads them evenly, every ``num_layers // remat_layers``-th block (one scan
-  over groups of that many blocks, each position with its static choice). See
-  :func:`layer_plan`.
-* **Nested remat** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
-  arXiv:1604.06174, section 4; Levanter's nested scan): an outer scan over ``groups`` segments,
-  each checkpointed whole (only its input is kept: the outer carry), an inner scan over the
-  segment's ``num_layers // groups`` blocks under the per-layer policy. The backward pass
-  recomputes one segment at a time, so stored layer inputs are ``groups + num_layers // groups``
-  instead of ``num_layers``: least at ``groups = sqrt(num_layers)`` (:func:`sqrt_groups`), for one
-  more forward pass of every block.
-
-**Attention implementations** (:func:`attention_choices`). cuDNN's fused flash attention
-(``jax.nn.dot_product_attention(implementation="cudnn")``) runs on NVIDIA GPUs of compute
-capability 8.0 or newer (Ampere, Ada, Hopper), in bfloat16 or float16, with a head dimension that
-is a multiple of 8 and at most 128 (256 from Hopper, sm_90): the checks of
-``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention`` (jax 0.10.2) and NVIDIA's
-cuDNN frontend documentation for the SDPA operation. Elsewhere only ``xla`` (and JAX's own
-choice, ``dot_product_attention``) compile.
-
-**The transformer.** A decoder-only transformer in flax.linen whose intermediate tensors carry
-checkpoint names, the layer stack it scans its blocks with, and its chunked cross-entropy.
+The transformer is flax.linen; its intermediate tensors carry checkpoint names (MaxText's). Beyond
+one policy per layer a config chooses a layer plan (:func:`layer_plan`): partial-layer remat
+(Megatron-LM's ``--recompute-num-layers``) or nested remat (Chen et al. 2016, arXiv:1604.06174,
+groups of layers checkpointed whole, :func:`sqrt_groups`), both run by :class:`RematLayerStack`,
+which any linen model can use; :func:`chunked_cross_entropy` computes the LM head and the loss
+over sequence chunks under remat; :func:`attention_choices` says where cuDNN's fused attention
+compiles (compute capability >= 8.0, bf16/f16, head dim a multiple of 8 up to 128, 256 from
+sm_90: ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``). How each works and
+what it costs: docs/structure.md.
 
 Shapes: ``b`` batch, ``s`` sequence, ``h`` d_model, ``a`` query heads, ``g`` key/value heads,
 ``r = a // g`` query heads per key/value head, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
-
-**The layer stack.** :class:`RematLayerStack` is a flax.linen module any linen model can use for
-its layer stack, with partial-layer or nested remat (the plans of
-:func:`remat_kit.models.layer_plan`): it takes a factory ``block(name) -> nn.Module`` whose
-module maps ``x [batch, seq, d_model]`` (plus broadcast arguments) to the same shape. Parameters
-are stacked along a leading axis named ``layers`` (``nn.with_logical_partitioning`` metadata), one
-stack per scan.
-
-**Chunked cross-entropy** (:func:`chunked_cross_entropy`): the LM head and the loss over sequence
-chunks, under remat. The whole-sequence loss materialises the logits [batch, seq, vocab] in the
-compute dtype, a float32 copy for the softmax, and the logits' gradient: remat policies inside the
-layer stack do not touch them (llama3-8b, b=1, s=8192: 2 GiB bf16 logits plus a 4 GiB float32
-copy). Here a ``lax.scan`` runs over ``seq // chunk_size`` chunks; each step computes one chunk's
-logits [batch, chunk, vocab] and the summed loss inside ``jax.checkpoint`` (nothing saved), so the
-forward keeps only the scan's inputs (the hidden states [batch, seq, d_model]) and the backward
-recomputes one chunk's logits at a time. Cost: the LM head's matmul runs once more (forward again
-in the backward pass). Same idea as Liger-Kernel's fused linear cross-entropy and MaxText's
-``num_vocab_tiling``.
 """
 
 from __future__ import annotations
@@ -623,13 +587,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     g = k.shape[2]
     q = q.reshape(b, s, g, a // g, d)  # (b, s, g, r, d)
     scores = jnp.einsum("bqgrd,btgd->bgrqt", q, k) / jnp.sqrt(d).astype(q.dtype)
-    # Causal mask as an additive [s, s] bias (0 on and below the diagonal, float32 min above),
-    # added with implicit size-1 broadcasting. ``jnp.where(causal, scores, min)`` broadcast the
-    # mask and the fill value to the full [b, g, r, s, s] shape in the jaxpr; as neither depends
-    # on the layer's inputs, the layer scan's partial evaluation hoisted both out of the loop as
-    # constants of the forward scan (llama3-8b, s=8192: an 8 GiB f32 and a 2 GiB pred buffer live
-    # at the peak). Now only the [s, s] bias is hoisted. Same probabilities (exp underflows to 0 on
-    # masked entries either way) and gradients; bitwise equal op by op.
+    # Causal mask as an additive [s, s] bias, broadcast implicitly: a ``jnp.where`` over the full
+    # [b, g, r, s, s] scores would be hoisted out of the layer scan as a constant of that size.
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     bias = jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)  # (s, s)
     scores = scores.astype(jnp.float32) + bias
@@ -867,7 +826,7 @@ class _Segment(nn.Module):
 
 
 class RematLayerStack(nn.Module):
-    """``num_layers`` blocks in layer scans with partial-layer or nested remat.
+    """``num_layers`` blocks in layer scans with partial-layer or nested remat (docs/structure.md).
 
     ``block(name)`` must return a fresh linen module mapping ``x [batch, seq, d_model]`` and the
     broadcast ``*args`` (e.g. positions [seq]) to ``[batch, seq, d_model]``; for example
@@ -877,22 +836,18 @@ class RematLayerStack(nn.Module):
       block: the block factory.
       num_layers: blocks in the stack (L).
       policy: remat policy of the rematerialised blocks: a name, :class:`PolicySpec`, per-tag
-        mapping, or what a :class:`~remat_kit.program.Program` factory receives (a jax policy
-        callable, None for no remat); see :func:`resolve_block_policy`.
-      remat_layers: how many blocks use ``policy`` (None: all); the rest use ``rest_policy``.
+        mapping, a jax policy callable or None (:func:`resolve_block_policy`).
+      remat_layers: how many blocks use ``policy`` (None: all; nested: per segment, at most
+        ``L // nested_groups``); the rest use ``rest_policy`` (default ``"no-remat"``).
       placement: ``"first"`` or ``"interleaved"`` (see :func:`layer_plan`).
-      rest_policy: policy of the other blocks (default ``"no-remat"``).
-      nested_groups: if set, nested remat with this many outer segments (a divisor of L; see
-        :func:`~remat_kit.models.sqrt_groups`), each checkpointed whole (nothing saved
-        but its input), the blocks inside under ``policy`` / ``rest_policy`` as
-        ``remat_layers`` says (counted per segment:
-        ``remat_layers`` must then be given per segment, i.e. at most ``L // nested_groups``).
+      nested_groups: if set, nested remat with this many outer segments (a divisor of L), each
+        checkpointed whole (nothing saved but its input).
       axis_name: logical axis name of the stacked parameters' leading dimension (nested: the
         outer one is ``axis_name + "_outer"``).
 
-    Parameters: ``layers/block_0/...`` with leading dimension L for one run (the plain per-layer
-    scan); ``layers_0``, ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with
-    leading dimensions ``[groups, L // groups]``.
+    Parameters: ``layers/block_0/...`` with leading dimension L for one run; ``layers_0``,
+    ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with leading dimensions
+    ``[groups, L // groups]``.
 
     Raises (when called):
       ValueError: see :func:`layer_plan` and :func:`check_nested_groups`; unknown policy names.

@@ -2,13 +2,11 @@
 other names MaxText's layers emit.
 
 Each tag is applied with :func:`jax.ad_checkpoint.checkpoint_name` inside a transformer block, so
-a rematerialization policy can refer to a tensor by name (``save_only_these_names``,
-``save_and_offload_only_these_names``). The names are MaxText's (``maxtext/layers/*.py``), so a
-per-tensor configuration written for MaxText ports over unchanged. The table also holds the
-names MaxText emits that the bundled modules do not (``attention_out``, its fused and MLA
-projections, its MoE experts' projections, its pipeline's ``iteration_input``: every literal
-name of its ``checkpoint_name`` calls and of its ``custom`` policy's list), so a MaxText model's
-program is read in the same vocabulary (buffers named after them, the solver's order).
+a rematerialization policy can refer to a tensor by name. The names are MaxText's
+(``maxtext/layers/*.py``), so a per-tensor configuration written for MaxText ports over
+unchanged; the table also holds every name MaxText emits that the bundled modules do not
+(``attention_out``, fused, MLA and MoE projections, ``iteration_input``), so a MaxText
+model's program is read in the same vocabulary.
 
 Shapes use ``batch``, ``seq``, ``d_model``, ``heads`` (query heads), ``kv_heads`` (key/value
 heads, ``== heads`` without grouped-query attention), ``head_dim = d_model // heads``, ``d_ff``

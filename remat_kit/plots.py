@@ -1,25 +1,10 @@
 """Figures from sweep result rows, shared by ``experiments/sweep.py`` and the notebook.
 
 Every function takes rows as written by :func:`remat_kit.sweep.run_sweep` (a list of dicts, or a
-pandas ``DataFrame`` of them) and only reads them: nothing is compiled, run or re-analysed. Each
-returns a matplotlib ``Figure`` (a plain ``matplotlib.figure.Figure``: no pyplot state, no display
-needed, PNGs rendered by Agg; a notebook shows it as a cell's value) and, given
-``path``, saves it as a PNG.
-
-* :func:`pareto`: peak memory against step time (or compiled-FLOPs ratio), one point per policy,
-  the Pareto frontier drawn; one panel per model / target / batch / sequence length.
-* :func:`memory_breakdown`: stacked bars of the predicted peak per policy: parameters, optimizer
-  state, residuals by checkpoint name, gradients and other temporaries; host-offloaded bytes
-  beside.
-* :func:`predicted_vs_measured`: the analyzer's peak against the measured one.
-* :func:`slowdown_vs_flops`: measured slowdown against the compiled FLOPs ratio.
-* :func:`layer_activations`: per-layer activation bytes against Korthikanti et al. 2022, for
-  rows carrying ``textbook_bytes`` (e.g. ``LayerActivations`` records).
-* :func:`option_effects`: each option's effect (``remat_layers``, ``nested_remat``,
-  ``loss_chunk_size``, ``attention``) against the plain step (rows grouped by
-  :func:`remat_kit.sweep.results.option_sets`).
-* :func:`timeline`: live device bytes over XLA's schedule of one step, stacked by category,
-  one panel per report (``MemoryReport.timeline``; takes reports, not sweep rows).
+pandas ``DataFrame`` of them) and only reads them: nothing is compiled, run or re-analysed
+(:func:`timeline` takes ``MemoryReport`` objects). Each returns a plain matplotlib ``Figure``
+(no pyplot state, rendered by Agg) and, given ``path``, saves it as a PNG. :func:`save_figures`
+writes the sweep's set.
 """
 
 from __future__ import annotations
@@ -122,12 +107,10 @@ def _finish(
     note: str | None = None,
     max_cols: int = 5,
 ) -> None:
-    """Lay a figure out once, for good: ``title`` as its suptitle, one legend of ``handles``
-    (artists with labels) centred below the panels in as many columns as fit the width (at
-    most ``max_cols``), ``note`` in small grey type at the bottom left. The figure grows by the
-    height of the title, legend and note, so the panels keep the size they were given; they
-    fill the rest (``tight_layout``). Labels placed afterwards (:func:`label_points`) stay
-    where they are put."""
+    """Lay a figure out once: ``title`` as its suptitle, one legend of ``handles`` centred below the
+    panels (at most ``max_cols`` columns), ``note`` small and grey at the bottom left. The figure
+    grows by their height, so the panels keep their size; labels placed afterwards
+    (:func:`label_points`) stay where they are put."""
     renderer = _renderer(fig)
     width = fig.bbox.width
     heading = fig.suptitle(title, fontsize=13, va="top")
@@ -175,24 +158,21 @@ def pareto(
 ) -> Figure:
     """Peak memory against step time, one point per policy, the Pareto frontier drawn.
 
-    Drawn per panel: each policy's point (a color and marker per policy, one legend for all
-    panels); the frontier (:func:`remat_kit.sweep.results.pareto_frontier`) as a red step line,
-    its points ringed in red. For measured step times (``x="step_time_s"``), each point's range
-    of its own timed steps (``step_times_s``, min to max, ms) as a horizontal error bar, and
-    noisy points (:func:`remat_kit.sweep.results.is_noisy`) hollow and off the frontier. The
-    device memory of the panel's target (the row's ``memory_bytes``, else the target's) as a
-    dashed horizontal line when it is at most :data:`BUDGET_LINE_WITHIN` times the panel's
-    highest point (else stated in the panel's title): a point above it does not fit.
+    Per panel: a point per policy (one legend for all panels), the frontier
+    (:func:`remat_kit.sweep.results.pareto_frontier`) as a red step line; for measured times, each
+    point's own range of timed steps (ms) as an error bar and noisy points
+    (:func:`remat_kit.sweep.results.is_noisy`) hollow and off the frontier; the target's device
+    memory as a dashed line when within :data:`BUDGET_LINE_WITHIN` of the highest point (else in the
+    title).
 
     Args:
       rows: result rows (list of dicts or ``DataFrame``); rows without ``x`` are left out.
-      x: ``"step_time_s"`` (measured median, seconds; drawn in ms), ``"predicted_step_time_s"``
-        (the roofline's estimate, seconds, drawn in ms: :mod:`remat_kit.memory.roofline`) or
-        ``"recompute_ratio"`` (compiled matmul FLOPs over the no-remat step's).
+      x: ``"step_time_s"`` (measured median), ``"predicted_step_time_s"`` (the roofline's
+        estimate), both seconds drawn in ms, or ``"recompute_ratio"`` (compiled matmul FLOPs over
+        the no-remat step's).
       y: ``"peak_bytes"`` (predicted) or ``"measured_peak_bytes"``; drawn in MiB or GiB per
-        panel, as the summary tables (:func:`remat_kit.units.table_unit`).
-      path: save the figure there (PNG).
-      title: figure title (default: what is drawn against what).
+        panel (:func:`remat_kit.units.table_unit`).
+      path: save the figure there (PNG). title: default, what is drawn against what.
       note: a line of small grey text at the bottom (e.g. :func:`provenance`).
 
     Returns:
@@ -366,16 +346,11 @@ def memory_breakdown(
     MiB or GiB per panel (as the summary tables); one legend for all panels.
 
     Layers (bytes, from the row and its ``report``), bottom up: ``params``, ``opt_state``, the
-    residuals kept on device by checkpoint name (from the jaxpr, all layers); then the
-    residuals no ``checkpoint_name`` tags, together (:data:`UNTAGGED`: values the policy saves
-    without a name, e.g. attention scores, softmax and norm statistics: under ``no-remat``
-    most of the peak); then ``gradients / other``: the rest of the compiled peak (gradients,
-    logits, optimizer temporaries, XLA's own copies; shown as 0 where the jaxpr residuals
-    exceed it). The bytes the compiled program keeps in host memory (``host_bytes``) are a
-    hatched bar beside: they are not in the device peak. Where the compiled program put
-    nothing in host memory (the CPU backend ignores offload), the residuals the policy
-    offloads are drawn on the device, where they are, and no host bar is drawn. ``note`` is
-    written small at the bottom (e.g. :func:`provenance`).
+    residuals kept on device by checkpoint name (jaxpr, all layers), the untagged residuals
+    together (:data:`UNTAGGED`), then ``gradients / other``: the rest of the compiled peak (0 where
+    the jaxpr residuals exceed it). Host bytes (``host_bytes``) are a hatched bar beside, not in the
+    device peak; where the compiled program put nothing on host (XLA:CPU ignores offload) the
+    offloaded residuals are drawn on the device. ``note`` is written small at the bottom.
 
     Raises:
       ValueError: no ``ok`` row with a report.
@@ -481,12 +456,10 @@ def _stack_layer(
 def label_points(
     ax, points: Sequence[tuple[float, float, str]], fontsize: float = 7, **text
 ) -> None:
-    """Write each ``(x, y, label)`` (data coordinates) beside its point, inside the axes,
-    where its text (measured by the renderer) overlaps no label already written and no other
-    point, and no label's line crosses it: right of the point, else left, else moved up or
-    down by whole text lines, with a thin line back to its point when moved. The sweep's
-    policies often sit a few pixels apart. Call it once the figure is laid out (the axes' size
-    fixes where the labels fall); ``text`` goes to ``Axes.annotate``."""
+    """Write each ``(x, y, label)`` (data coordinates) beside its point, inside the axes, where its
+    text overlaps no label, point or label line already there: right of the point, else left, else
+    moved up or down by whole text lines with a thin line back to its point. Call it once the
+    figure is laid out; ``text`` goes to ``Axes.annotate``."""
     ax.autoscale_view()
     renderer = _renderer(ax.figure)
     px = ax.figure.dpi / 72  # pixels per point

@@ -2,17 +2,12 @@
 
 A policy decides, for every intermediate value of a checkpointed function, whether the forward
 pass keeps it for the backward pass (a *residual*, on device), moves it to pinned host memory
-(*offload*), or drops it and recomputes it in the backward pass (*rematerialization*). See the JAX
-doc "Gradient checkpointing with jax.checkpoint" (docs/gradient-checkpointing.md).
-
-Every named policy is a :class:`PolicySpec` (what is saved, what is offloaded, the rest
-recomputed) and :func:`policy` turns it into the callable ``jax.checkpoint``, ``flax.linen.remat``
-and ``flax.nnx.remat`` take. Tag-based specs are built from name sets
-(``save_only_these_names``, ``save_and_offload_only_these_names``) rather than composed callables:
-jax 0.10.2's newer remat implementation (``jax_remat3``) reads policies as data and turns a
-composed callable into full remat without a word (jax 0.12.0.1's asks any callable).
-
-Example (a scalar function here; a block's input is [batch, seq, d_model]):
+(*offload*), or drops it and recomputes it (*rematerialization*); source: the JAX doc "Gradient
+checkpointing with jax.checkpoint". Every named policy is a :class:`PolicySpec` and :func:`policy`
+turns it into the callable ``jax.checkpoint``, ``flax.linen.remat`` and ``flax.nnx.remat`` take,
+built from name sets rather than composed callables, which ``jax_remat3`` may run as full remat.
+:func:`policy_effect` asks the JAX in use what a policy becomes under each remat implementation
+(docs/remat3.md).
 
     >>> import flax.linen as nn
     >>> import jax
@@ -27,41 +22,6 @@ Example (a scalar function here; a block's input is [batch, seq, d_model]):
     Traceback (most recent call last):
     ...
     ValueError: ...
-
-What a policy becomes under each remat implementation.
-
-JAX has two implementations of ``jax.checkpoint``: the classic one (``remat2`` in a jaxpr) and
-the newer one switched on by ``jax.config.update("jax_remat3", True)`` (a ``RematTraced``
-primitive), which JAX's changelog calls on its way to becoming the default. They read a
-policy differently. The classic one calls the policy on every primitive; ``jax_remat3`` asks it
-only at ``checkpoint_name`` values and at matmuls, and only for policies it can read as data
-(``jax/_src/interpreters/remat.py`` ``rules``; ``jax/_src/ad_checkpoint.py``
-``CheckpointName.remat``). On jax 0.10.2 that leaves out ``save_and_offload_only_these_names``
-(a closure there): under ``jax_remat3`` every offloading policy runs as full remat. JAX added
-``SaveAndOffloadOnlyTheseNames`` and offload under ``jax_remat3`` in jax 0.11.0 (commit
-b69022a, "[remat3] support offloading via save_and_offload_only_these_names"); jax 0.12.0.1's
-``jax_remat3`` asks any policy callable at those places and honours its ``Saveable`` /
-``Offloadable`` answers (:func:`remat3_asks_any_policy`).
-
-Rather than a list of what works where, :func:`policy_effect` asks the JAX in use: it traces a
-tiny checkpointed function that emits the policy's checkpoint names (or a weight matmul and a
-batched matmul, for the dots policies) under the implementation asked for, reads its saved
-residuals (:func:`remat_kit.walker.saved_residuals`: checkpoint name and memory kind of each)
-and compares them with what the policy promises. A trace takes a few milliseconds; results are
-cached per (policy, implementation, jax version).
-
-Example::
-
-    >>> import remat_kit.policies as P
-    >>> P.policy_effect("save-qkv-proj", "classic").as_named
-    True
-    >>> effect = P.policy_effect("offload-qkv-proj", "remat3")
-    >>> effect.runs_as  # doctest: +SKIP
-    'save-nothing'
-    >>> effect.runs_as == ("as named" if P.remat3_asks_any_policy() else "save-nothing")
-    True
-
-The first line is jax 0.10.2's answer; jax 0.12.0.1's ``jax_remat3`` offloads, ``'as named'``.
 """
 
 from __future__ import annotations
@@ -504,16 +464,11 @@ def read_jax_policy(
 ) -> PolicySpec | None:
     """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
     JAX's constructors keep (``jax/_src/ad_checkpoint.py``): the four fixed policies,
-    ``save_only_these_names`` (a dataclass with ``saveable_names`` in jax 0.10, a closure over
-    ``names_which_can_be_saved`` in jax 0.12) and ``save_and_offload_only_these_names`` (a
-    closure over its name sets); named after the
-    constructor and its names (``save_only_these_names(attn_out, mlp_up)``).
-    ``save_any_names_but_these(*names)`` on a program emitting ``emitted`` (its
-    ``checkpoint_name`` values) is the name set it amounts to there: every emitted name but
-    ``names`` saved. None for a callable whose effect is not a name set or a base rule
-    (``save_any_names_but_these`` with no program to read names from;
-    ``offload_dot_with_no_batch_dims``; composed callables and lambdas).
-    """
+    ``save_only_these_names`` and ``save_and_offload_only_these_names``, named after the
+    constructor and its names (``save_only_these_names(attn_out, mlp_up)``);
+    ``save_any_names_but_these(*names)`` as the name set it amounts to on a program emitting
+    ``emitted``. None for a callable whose effect is not a name set or a base rule (that one with
+    no ``emitted``; ``offload_dot_with_no_batch_dims``; composed callables and lambdas)."""
     if is_by_exclusion(policy) and emitted is not None:
         excluded = excluded_names(policy)
         save = frozenset(emitted) - excluded
@@ -721,12 +676,10 @@ def policies_for_tags(
     """The policies that can act on a program emitting ``tags``.
 
     Kept as given: the kind-based specs (``save-nothing``, ``save-dots``, ``no-remat``...), a
-    registered name-based spec whose tags the program all emits (a tag of the other MLP family,
-    ``mlpwi`` where the program emits ``mlpwi_0`` / ``mlpwi_1`` or the reverse, counts as
-    emitted: the registered policies name both families), and every spec that is not a
-    registered one (a user's own: check it with :func:`check_tags`). A registered name-based spec
-    naming some other tags the program does not emit is cut down to the emitted ones (a custom
-    spec); one naming none of them is skipped.
+    registered name-based spec whose tags the program all emits (the other MLP family's names,
+    ``mlpwi`` against ``mlpwi_0`` / ``mlpwi_1``, count as emitted), and every user's own spec
+    (check it with :func:`check_tags`). A registered spec naming some tags the program does not
+    emit is cut down to the emitted ones; one naming none of them is skipped.
 
     Raises:
       ValueError: an unknown policy name (see :func:`get_policy_spec`).
@@ -784,14 +737,9 @@ def _parse_tag_list(text: str) -> dict[str, str]:
 
 
 def parse_policy_arg(text: str) -> PolicySpec:
-    """A :class:`PolicySpec` from one command-line ``--policy`` value (the one syntax every
-    command takes).
-
-    Three forms: a registered name (``save-dots``); per-tag actions
-    ``query_proj=offload,out_proj=save``; or the same as a JSON object
-    ``{"query_proj": "offload", "out_proj": "save"}``. The per-tag forms go through
-    :func:`custom_spec` (checkpoint names not listed are recomputed), so they accept what it
-    accepts and fail as it fails.
+    """A :class:`PolicySpec` from one command-line ``--policy`` value: a registered name
+    (``save-dots``), per-tag actions ``query_proj=offload,out_proj=save``, or the same as a JSON
+    object. The per-tag forms go through :func:`custom_spec` (names not listed are recomputed).
 
     Example::
 
@@ -978,7 +926,7 @@ def remat3_asks_any_policy() -> bool:
     """Whether this JAX's ``jax_remat3`` asks *any* policy callable at ``checkpoint_name``
     values and matmuls (and honours its ``Saveable`` / ``Offloadable`` answers), as jax 0.12's
     ``CheckpointName.remat`` and ``lax._dot_general_remat`` do; False where it reads only
-    policies it knows as data (jax 0.10.2: the ``SaveOnlyTheseNames``,
+    policies it knows as data (jax 0.10: the ``SaveOnlyTheseNames``,
     ``SaveAnyNamesButThese`` and ``DotsSaveable`` dataclasses and ``everything_saveable``),
     running every other callable as full remat, or where JAX has no ``jax_remat3``. Read from
     a traced probe (a plain function saving one name), once per JAX version."""
@@ -988,7 +936,7 @@ def remat3_asks_any_policy() -> bool:
 
 
 def describe_implementation(implementation: RematImplementation | None = None) -> str:
-    """``"jax_remat3 (jax 0.10.2)"`` or ``"classic remat (jax 0.10.2)"``."""
+    """``"jax_remat3 (jax X.Y.Z)"`` or ``"classic remat (jax X.Y.Z)"``, the JAX in use."""
     impl = implementation or remat_implementation()
     return f"{'jax_remat3' if impl == 'remat3' else 'classic remat'} (jax {jax.__version__})"
 
@@ -1165,8 +1113,10 @@ def policy_effect(
     policy: str | PolicySpec | Mapping[str, str],
     implementation: RematImplementation | None = None,
 ) -> PolicyEffect:
-    """What ``policy`` does under ``implementation`` (default: the one in use now), from the
-    saved residuals of a tiny traced probe (see the module docstring).
+    """What ``policy`` does under ``implementation`` (default: the one in use now): a tiny
+    checkpointed function emitting the policy's names (a weight and a batched matmul for the dots
+    policies) is traced and its saved residuals (:func:`remat_kit.walker.saved_residuals`) set
+    against the promise; cached per (policy, implementation, jax version). docs/remat3.md.
 
     Raises:
       ValueError: an unknown policy name, or an implementation this JAX cannot trace with.

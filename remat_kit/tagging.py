@@ -1,22 +1,12 @@
 """Tag a model that carries no ``checkpoint_name`` tags, without editing its source.
 
-A rematerialization policy that saves or offloads by name (``save_only_these_names``, every
-tag-based named policy) does nothing on a model whose tensors carry no names: it silently equals
-``save-nothing``. These helpers put names on the outputs of chosen submodules, by module path:
-
-- flax.linen: :func:`tag_linen` wraps ``model.apply`` so that, while it runs, a method
-  interceptor (``flax.linen.intercept_methods``) tags the output of every ``__call__`` of a
-  submodule whose path matches a pattern;
-- flax.nnx: :func:`tag_nnx` gives the matching submodules of a model a ``__call__`` that tags its
-  output (the module's class is swapped for a subclass; parameters and graph are unchanged);
-- equinox: :func:`tag_eqx` returns a copy of an ``eqx.Module`` whose matching submodules are
-  instances of such a subclass (equinox modules are immutable; the arrays are the same).
-
-Patterns are :mod:`fnmatch` globs on the module path written with ``/`` (linen:
+A name-based policy does nothing on a model whose tensors carry no names (it silently equals
+``save-nothing``). These helpers name the outputs of chosen submodules: :func:`tag_linen` (a
+``flax.linen.intercept_methods`` interceptor around ``model.apply``), :func:`tag_nnx` and
+:func:`tag_eqx` (matching submodules given a subclass whose ``__call__`` tags its output;
+parameters unchanged). Patterns are :mod:`fnmatch` globs on the ``/``-joined module path (linen:
 ``"Decoder_0/layers_3/MlpBlock_0/Dense_0"``; nnx: ``"blocks/3/mlp/linear1"``; equinox:
-``"blocks/3/mlp"``, attribute names and list indices), so
-``"*/MlpBlock_0/Dense_0"`` names the MLP input projection of every layer. A pattern that matches
-no module is an error naming the model's module paths.
+``"blocks/3/mlp"``); a pattern that matches no module is an error naming the model's paths.
 
 Example::
 
@@ -204,17 +194,15 @@ def _iter_modules(model: nnx.Module):
 def tag_eqx(model: Any, tags: Mapping[str, str]) -> Any:
     """An equinox model whose matching submodules tag their outputs.
 
-    Equinox modules are immutable pytrees: the result is a new model (``model`` is unchanged)
-    with the same arrays, in which every matching submodule is an instance of a subclass of its
-    class whose ``__call__`` applies ``checkpoint_name`` to its output (attributes,
-    ``isinstance`` and the array leaves unchanged; the class is part of the static pytree
-    structure, so a layer stack rebuilt with ``eqx.combine`` inside ``lax.scan`` is tagged too).
+    The result is a new model with the same arrays (``model`` is unchanged): each matching
+    submodule is an instance of a subclass of its class whose ``__call__`` applies
+    ``checkpoint_name`` to its output. The class is part of the static pytree structure, so a layer
+    stack rebuilt with ``eqx.combine`` inside ``lax.scan`` is tagged too.
 
     Args:
       model: an ``equinox.Module``.
-      tags: ``{module path glob: checkpoint name}`` on ``/``-joined paths of attribute names
-        and list / tuple indices / dict keys (``"layers/ff_block/mlp"``,
-        ``"blocks/*/attention/query_proj"``); the first matching pattern wins.
+      tags: ``{module path glob: checkpoint name}`` on ``/``-joined attribute names and list /
+        tuple indices / dict keys (``"blocks/*/attention/query_proj"``); the first match wins.
 
     Returns:
       The tagged model.

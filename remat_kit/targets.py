@@ -6,67 +6,21 @@ compiled step against it: device memory (bytes), dense bf16 tensor-core peak (FL
 host-link bandwidth (bytes/s). GPU targets also carry a :class:`GpuSpec`, enough to write XLA's
 ``GpuTargetConfig`` text proto, so a step can be compiled *deviceless*, on a machine with no GPU:
 
-    import jax, jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-    from remat_kit import targets
-
     sharding = targets.abstract_sharding("h100-sxm", num_devices=8, spec=P("x"))
     x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16, sharding=sharding)
-    compiled = jax.jit(f).lower(x).compile()
-    compiled.memory_analysis()   # per-device bytes, as on a real H100
+    jax.jit(f).lower(x).compile().memory_analysis()   # per-device bytes, as on a real H100
 
-Deviceless compiles need the CUDA PJRT plugin (``pip install 'remat-kit[cuda12]'``) and, on a
-machine without a GPU, ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` before JAX discovers its plugins (its
-first backend use, not ``import jax``): importing this module sets it
-(:func:`ensure_deviceless_env`) and :func:`compile_devices` repairs the case where JAX got there
-first.
+TPU slices (:class:`TpuSlice`, :func:`tpu_target`) compile through ``libtpu`` on a CPU host.
+Meshes have three optional axes ``dp``, ``fsdp``, ``tp``; :data:`LOGICAL_RULES` and
+:data:`ACTIVATION_RULES` map the models' logical axes onto them. Setup (plugins,
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, which :func:`ensure_deviceless_env` sets on import):
+docs/targets.md; slice names: docs/tpu.md; mesh axes: docs/multi-device.md.
 
-``compiled.cost_analysis()`` is ``None`` for deviceless GPU executables (XLA: "GetCostAnalysis is
-not supported"), and counts a loop body once; :mod:`remat_kit.memory` counts matmul FLOPs on the
-optimized HLO instead, each loop body times its trip count.
-
-Sources: NVIDIA datasheets and architecture whitepapers (cited per target in ``Target.source``);
-the per-SM limits (shared memory, registers, threads) are those of the CUDA C++ Programming Guide
-table "Technical Specifications per Compute Capability" and of XLA's own GPU spec files
-(openxla/xla ``xla/backends/gpu/target_config/specs/*.txtpb``), which also give the
-device-memory sizes the CUDA driver reports.
-
-**TPU slices** (:class:`TpuSlice`, :func:`tpu_target`), compiled on a machine without a TPU.
-XLA's TPU compiler ships in ``libtpu`` (``pip install 'remat-kit[tpu]'``, which brings jax's
-``tpu`` extra). With it, ``jax.experimental.topologies.get_topology_desc(platform="tpu", ...)``
-describes a whole slice on a CPU host, and a step lowered on a mesh over its devices compiles
-with the slice's per-device memory, including real host offload (``pinned_host``). MaxText's
-``train_compile.py`` and axlearn's ``aot_compilation.py`` compile this way.
-
-Slices are named as Cloud TPU names them: ``v4-8``, ``v5p-128`` (the number counts TensorCores:
-two per v4 / v5p chip), ``v5e-16`` (also ``v5litepod-16``), ``v6e-256`` (the number counts chips:
-one TensorCore per chip). A name ``2xv5p-8`` is two v5p-8 slices joined over the data-center
-network (multi-slice; ``num_slices`` of ``get_topology_desc``).
-
-v4 and v5p chips have two TensorCores run as one JAX device ("megacore"): per-device figures
-are per-chip figures, and a v5p-8 is 4 JAX devices.
-
-Sources: the slice -> topology table is that of MaxText ``src/MaxText/accelerator_to_spec_map.py``
-(AI-Hypercomputer/maxtext: topology name, chip config, chips per host, wrap-around), which
-follows Cloud TPU's slice tables (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e). Chip figures in
-:data:`CHIPS`, each with its source.
-
-**Meshes and shardings** for the bundled models on JAX's own SPMD (``Mesh``, ``NamedSharding``).
-
-Three mesh axes, each optional (size 1 = unused):
-
-- ``dp``: data parallel. The batch is split; parameters and optimizer state are replicated.
-- ``fsdp``: fully sharded data parallel (ZeRO-3, Rajbhandari et al. 2020, arXiv:1910.02054).
-  The batch is split and every parameter and optimizer-state array is split along its ``embed``
-  dimension; XLA all-gathers a layer's weights when it runs.
-- ``tp``: tensor parallel over attention heads and the MLP hidden dimension (Megatron-LM,
-  Shoeybi et al. 2019, arXiv:1909.08053).
-
-The modules name the logical axes of every parameter (``embed``, ``heads``, ``kv_heads``, ``mlp``,
-``vocab``, ``layers`` ...); :data:`LOGICAL_RULES` maps them to mesh axes. Activations carry
-logical names too (``activation_batch`` ...), mapped by :data:`ACTIVATION_RULES` inside
-:func:`activation_sharding`. The sharded train state is
-:func:`remat_kit.training.sharded_train_state`.
+Sources: NVIDIA datasheets and whitepapers, Cloud TPU system architecture pages (cited per target
+in ``Target.source``); per-SM limits from the CUDA C++ Programming Guide ("Technical
+Specifications per Compute Capability") and XLA's GPU spec files
+(``xla/backends/gpu/target_config/specs/*.txtpb``); the slice -> topology table from MaxText
+``src/MaxText/accelerator_to_spec_map.py``.
 """
 
 from __future__ import annotations
@@ -347,29 +301,19 @@ def has_tpu_chips() -> bool:
 
 
 def ensure_tpu_env() -> None:
-    """Environment libtpu needs on a machine without TPU chips; set only where unset, before
-    libtpu loads (this module's import; remat_kit.targets imports it).
+    """Environment libtpu needs on a machine without TPU chips, set where unset before libtpu loads
+    (this module's import); nothing is set on a TPU machine.
 
-    - ``TPU_SKIP_MDS_QUERY=1``: do not ask the GCE metadata server for the TPU's configuration
-      (there is none; axlearn's ``aot_compilation.py`` sets it too; JAX sets it itself only when
-      it initialises the TPU backend).
-    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: libtpu takes ``/tmp/libtpu_lockfile`` for the process
-      that owns the TPU; with no TPU there is nothing to share, and without it a second process
-      (another compile, a pytest worker) fails with "Internal error when accessing libtpu
-      multi-process lockfile" (measured here).
-
-    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all
-      (no TPU chips, no ``/dev/nvidia*``, no ``/dev/kfd``): otherwise JAX's first backend use
-      loads libtpu to look for a TPU, which costs seconds and prints libtpu's start-up lines on
-      every run. The local backend is the CPU either way.
-
-    - ``TPU_LOG_DIR=disabled``: libtpu writes no log files (by default each process that
-      initialises it writes its own into ``/tmp/tpu_logs``, and a sweep or a test run starts
-      many); its lines on stderr stay, and remat-kit reads those (Marin sets the same for its
-      TPU workers, marin-community/marin#2078).
-
-    On a TPU machine nothing is set: the runtime there needs the real values.
-    """
+    - ``TPU_SKIP_MDS_QUERY=1``: no query to the GCE metadata server (axlearn's
+      ``aot_compilation.py`` sets it too).
+    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: without it a second process (another compile, a pytest
+      worker) fails on libtpu's ``/tmp/libtpu_lockfile`` ("Internal error when accessing libtpu
+      multi-process lockfile").
+    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all:
+      otherwise JAX's first backend use loads libtpu to look for a TPU (seconds, and its start-up
+      lines on every run).
+    - ``TPU_LOG_DIR=disabled``: no log files in ``/tmp/tpu_logs`` per process; stderr lines stay
+      (Marin does the same, marin-community/marin#2078)."""
     if has_tpu_chips():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -828,10 +772,8 @@ def tpu_target(name: str | TpuSlice) -> Target:
     """The :class:`Target` of a TPU slice (``"v5p-8"``, ``"v5litepod-16"``, ``"2xv6e-256"``),
     compiled deviceless through libtpu (:func:`topology`).
 
-    Figures are per JAX device = per chip (v4 / v5p chips run their two TensorCores as one
-    device). ``peak_flops_f32`` is the bf16 peak: XLA's TPU compiler runs an f32 dot at JAX's
-    default precision as one bf16 MXU pass (``jax.default_matmul_precision``: "bfloat16" is the
-    default on TPU). ``launch_s`` is None: no cited per-op overhead for TPUs.
+    Figures are per JAX device = per chip. ``peak_flops_f32`` is the bf16 peak (an f32 dot at
+    JAX's default TPU precision is one bf16 MXU pass); ``launch_s`` is None (no cited figure).
 
     Raises:
       ValueError: not a TPU slice name, or a size the generation does not come in (the
@@ -949,18 +891,12 @@ def has_visible_nvidia_gpu() -> bool:
 def ensure_deviceless_env() -> bool:
     """Let the CUDA plugin load on a machine without a GPU; returns whether the check is skipped.
 
-    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set.
-    Without it, the CUDA plugin's version check fails (``cuInit(0) failed``), JAX logs a
-    traceback at its first backend use and never registers the plugin, so no ``cuda`` topology
-    can be made. With it, JAX still keeps the CPU as the local backend (it skips the CUDA
-    backend when no ``/dev/nvidia*`` exists), silently. ``JAX_PLATFORMS`` is left alone: it is not
-    needed, and forcing ``cpu`` would hide a TPU or a GPU.
-
-    Effective until JAX first discovers its plugins (first backend use or topology, not
-    ``import jax``); this module calls it on import. Where that is too late,
-    :func:`compile_devices` re-runs the plugin's registration itself. On a GPU machine the check
-    stays on: it catches broken CUDA installs, and the plugin registers anyway.
-    """
+    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set:
+    without it the plugin's version check fails (``cuInit(0) failed``) and no ``cuda`` topology can
+    be made; with it JAX still keeps the CPU as the local backend. ``JAX_PLATFORMS`` is left alone.
+    Effective until JAX first discovers its plugins (first backend use, not ``import jax``); this
+    module calls it on import, and :func:`compile_devices` re-registers the plugin where that was
+    too late. On a GPU machine the check stays on (it catches broken CUDA installs)."""
     if not has_visible_nvidia_gpu():
         os.environ.setdefault(_SKIP_CHECK_VAR, "1")
     return bool(os.environ.get(_SKIP_CHECK_VAR))
@@ -1029,21 +965,18 @@ def gpu_target_config(target: str | Target) -> str:
 def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Device]:
     """The ``num_devices`` devices to lower and compile for ``target`` on.
 
-    ``local`` and ``cpu``: the first ``num_devices`` devices of the run (``jax.devices()``: in a
-    ``jax.distributed`` run, every process's devices, as a global mesh needs). GPU models:
-    compile-only devices of a deviceless topology ``1x1x{num_devices}`` (one host,
-    ``num_devices`` GPUs), made once per (target, ``num_devices``) and cached. TPU slices: the
-    first ``num_devices`` devices (chips) of the slice's deviceless topology
-    (:func:`topology`, cached). Compile-only
-    devices cannot run anything: give every argument a ``jax.ShapeDtypeStruct`` with a sharding
-    on them (see :func:`abstract_sharding`) and call ``.lower(...).compile()``.
+    ``local`` and ``cpu``: the first ``num_devices`` of ``jax.devices()`` (every process's, in a
+    ``jax.distributed`` run). GPU models: compile-only devices of a deviceless topology
+    ``1x1x{num_devices}``. TPU slices: the first ``num_devices`` chips of the slice's topology
+    (:func:`topology`). Both cached. Compile-only devices cannot run anything: give every argument
+    a ``jax.ShapeDtypeStruct`` with a sharding on them (:func:`abstract_sharding`) and call
+    ``.lower(...).compile()``.
 
     Raises:
         ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
             message says how to get more CPU devices), or more than a TPU slice has.
         remat_kit.validation.MissingExtraError: a TPU slice without libtpu, or a GPU target
-            without JAX's CUDA plugin, installed (the fix: ``pip install 'remat-kit[tpu]'`` /
-            ``'remat-kit[cuda12]'``).
+            without JAX's CUDA plugin (the message names the extra to install).
         RuntimeError: the CUDA plugin would not register.
     """
     t = get_target(target)
@@ -1437,8 +1370,7 @@ def activation_sharding(mesh: Mesh | None):
     Scoped flax context (``nn.logical_axis_rules``, :data:`ACTIVATION_RULES`) plus ``mesh``'s
     abstract mesh (``jax.sharding.use_abstract_mesh``, allowed inside ``jax.jit`` too): no
     module-level state. Without it XLA's sharding propagation may keep whole activations on
-    every device under fsdp (measured: llama3-8b fsdp=8 on h100-sxm, 185 GiB per device
-    instead of ~44)."""
+    every device under fsdp (docs/results/compiler.md)."""
     if mesh is None:
         with nn.logical_axis_rules(()):
             yield

@@ -1,37 +1,20 @@
 """One walk of a program: a jaxpr and every jaxpr JAX nests inside it.
 
 Sub-jaxprs are found generically, not by primitive name: any equation parameter that is a
-``Jaxpr`` / ``ClosedJaxpr`` (or a tuple / list of them) is walked, which covers ``scan``,
-``while``, ``cond``, ``pjit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``,
-``remat2`` (``jax.checkpoint``), ``shard_map`` and whatever JAX nests next. Equations of JAX's
-"hi" primitives (``call_hi_primitive``, used by ``jax_remat3``) carry their sub-jaxprs and
-parameters on the ``_prim`` object; those are walked too.
+``Jaxpr`` / ``ClosedJaxpr`` (or a tuple / list of them) is walked (``scan``, ``while``, ``cond``,
+``pjit``, ``custom_vjp_call``, ``remat2``, ``shard_map``, ...), and so are the sub-jaxprs of
+JAX's "hi" primitives (``call_hi_primitive``, ``jax_remat3``) on their ``_prim`` object.
+:func:`eqn_tag` reads a checkpoint name in both forms, the ``name`` primitive and a
+``CheckpointName`` hi primitive (``jax/_src/ad_checkpoint.py``).
 
-Checkpoint names come in two forms: the ``name`` primitive (classic remat) and, under
-``jax_remat3``, a ``call_hi_primitive`` whose ``_prim`` is a ``CheckpointName``
-(``jax/_src/ad_checkpoint.py``). :func:`eqn_tag` reads both.
-
-Used by tag discovery and the doctor (:mod:`remat_kit.doctor`), and for the residuals and FLOPs
-counted here.
-
-**Saved residuals** (:func:`saved_residuals`): what the forward pass keeps for the backward
-pass, by checkpoint name. ``jax.ad_checkpoint.print_saved_residuals`` prints the residuals of a
-function but loses the tag of an offloaded residual (it shows "output of device_put") and of a
-saved matmul (it shows "output of dot_general"). Here every residual is followed back to the
-``checkpoint_name`` that produced it or that consumes it, so a policy's promise ("saves q, k, v;
-offloads out_proj") can be checked tag by tag, with the memory kind (device or pinned host) of
-each.
-
-**FLOPs of a function as JAX traces it** (before XLA), loops and recomputation included
-(:func:`traced_flops`; a program's step: :func:`remat_kit.program.step_flops`). The baseline of
-the recompute ratio: the FLOPs of the step without remat, counted on its jaxpr rather than
-compiled, so that (a) it costs a trace, not a compile, and (b) it is the step as written. XLA's
-own rematerialisation pass, which kicks in when a program does not fit the device, adds
-recomputation to the *compiled* no-remat step; a no-remat row whose compiled FLOPs exceed this
-count by more than a percent or two shows XLA recomputing on its own. Counted: matmuls
-(``dot_general``), convolutions (``conv_general_dilated``) and cuDNN fused attention
-(``jax.nn.dot_product_attention(implementation="cudnn")``); the program is walked with
-:func:`fold` (every nested jaxpr, scans times their length).
+:func:`saved_residuals` gives what the forward pass keeps for the backward pass by checkpoint
+name and memory kind (device or pinned host), each residual followed back to the
+``checkpoint_name`` producing or consuming it (``jax.ad_checkpoint.print_saved_residuals`` loses
+the tag of an offloaded or saved matmul output). :func:`traced_flops` counts the FLOPs of a
+function as JAX traces it, before XLA (``dot_general``, ``conv_general_dilated``, cuDNN fused
+attention; scans times their length, recomputation included): the recompute ratio's no-remat
+baseline. Why it is counted on the jaxpr, and what the walk covers: docs/architecture.md
+("The walker").
 """
 
 from __future__ import annotations

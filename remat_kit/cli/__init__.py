@@ -3,14 +3,8 @@
 Examples::
 
     remat-kit analyze --model llama3-8b --batch 1 --seq 8192 --target h100-sxm --all-policies
-    remat-kit analyze --model gpt2-medium --batch 8 --seq 1024 --policy save-nothing \\
-        --policy save-dots-no-batch --target a100-40gb --budget 40GB --json
     remat-kit analyze --model tiny-gpt --batch 1 --seq 32 --target h100-sxm \\
         --policy 'query_proj=offload,out_proj=save'
-    remat-kit analyze --model tiny-gpt --model gpt2-small --batch 2 --seq 128 --seq 256 \
-        --target h100-sxm --all-policies --out grid.jsonl --grid-workers 2   # a grid
-    remat-kit policies
-    remat-kit targets
     remat-kit doctor --model tiny-gpt --policy '{"query_proj": "offload"}'
     remat-kit recommend --model llama3-8b --seq 8192 --target h200 --solve
 
@@ -19,12 +13,11 @@ name, per-tag actions ``query_proj=offload,out_proj=save``, or the JSON form
 ``{"query_proj": "offload"}``.
 
 Layout: :mod:`remat_kit.cli.args` defines the shared arguments and the parser;
-:mod:`remat_kit.cli.console` the rendering helpers; one module per command
-(``analyze``, ``policies``, ``targets``, ``doctor``, ``recommend``), each with ``add(subparsers)``
-registering its parser with ``func`` set to its handler ``(args) -> exit code``, and its
-rendering beside it. Add a command by adding its module to :data:`COMMANDS`. Exit codes: 0
-success, 1 a compile failed (or, for ``doctor``, an error finding; for ``recommend``, nothing
-fits), 2 bad input (one line on stderr, no traceback).
+:mod:`remat_kit.cli.console` the rendering helpers; one module per command, each with
+``add(subparsers)`` registering its parser with ``func`` set to its handler ``(args) -> exit
+code``. Add a command by adding its module to :data:`COMMANDS`. Exit codes: 0 success, 1 a
+compile failed (``doctor``: an error finding; ``recommend``: nothing fits), 2 bad input (one
+line on stderr, no traceback).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ A remat policy that does not do what it promises fails silently: memory simply d
 :func:`check` compares the promise (tags to save, to offload, the rest recomputed) with what
 happens: the tags present in the traced program (every nested jaxpr walked by
 :mod:`remat_kit.walker`), the saved residuals by tag and memory kind (from the jaxpr), and the
+<<<<<<< HEAD
 compiled memory and FLOPs of the step against the same step compiled with ``no-remat``. Each
 :class:`Finding` is one line: what is wrong, the likely cause, the fix.
 
@@ -86,9 +87,15 @@ A factory that builds remat even when given None (``jax.checkpoint(layer, policy
 no ``if policy is None``) has no step without remat: each policy is then judged against
 ``save-everything`` (``everything_saveable``), which keeps what no remat keeps, and the notes
 say so; its ``no-remat`` row gets the ``no-remat-remats`` error.
+=======
+compiled memory and FLOPs of the step against the same step compiled with ``no-remat`` (or
+against ``save-everything`` when the factory builds remat even for None). Each :class:`Finding`
+is one line: what is wrong, the likely cause, the fix. The finding codes, their severities and
+causes are listed in docs/doctor.md ("Finding codes").
+>>>>>>> docs
 
 Sources: JAX doc "Gradient checkpointing with jax.checkpoint"; ``jax/_src/ad_checkpoint.py``
-(jax 0.10.2, remat3); flax.linen.remat docstring.
+(remat3); flax.linen.remat docstring.
 """
 
 from remat_kit.doctor.checks import PolicyCheck as PolicyCheck

@@ -101,9 +101,8 @@ def _achieved(report: Any, no_remat: Any, platform: str) -> int | None:
 
 def _freed(achieved: int, promised: int) -> str:
     """The doctor's words for ``achieved`` bytes of temp memory freed of ``promised``: "frees
-    only A of the P its residuals promise", or, where the compiled step's temp memory went up
-    instead (jax.checkpoint may raise it: its docstring), "adds A of temp memory where its
-    residuals promise to free P"."""
+    only A of the P its residuals promise", or, where temp memory went up, "adds A of temp memory
+    where its residuals promise to free P"."""
     if achieved >= 0:
         return f"frees only {nbytes(achieved)} of the {nbytes(promised)} its residuals promise"
     return (
@@ -136,7 +135,6 @@ def _not_effective(
             AROUND_LOOP_FIX + ".",
         )  # fmt: skip
     outside_scan = " outside lax.scan (scan_layers=False)" if scan_layers is False else ""
-    # XLA:CPU undoing remat outside a scan (jax 0.10.2's; jax 0.12's keeps it as a GPU does)
     on_cpu = cpu_undoes_remat_outside_scan(target.platform)
     recomputes = _recomputes(report, no_remat, ops)
     keeps_dots = promise.base == "dots" and ops is None  # recomputes elementwise ops only:
@@ -194,10 +192,11 @@ def compare(
     lone: bool = False,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
-    what each keeps in the jaxpr (:class:`Residuals`).
+    what each keeps in the jaxpr (:class:`Residuals`). None for an optional argument: not known.
 
     Args:
       spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
+<<<<<<< HEAD
       recomputed_ops: operations of the compiled policy step that recompute the forward pass
         (JAX's remat scope in their ``op_name``), where counted; else the FLOPs decide.
       facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`): a tag
@@ -212,6 +211,18 @@ def compare(
       lone: the program's one remat segment sits outside every loop
         (:attr:`remat_kit.reach.PolicyReach.lone`): the cause of a policy freeing too little
         on a real target (the CPU's is its own).
+=======
+      recomputed_ops: operations of the compiled policy step under JAX's remat scope, where
+        counted; else the FLOPs decide.
+      facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`), which
+        tell why a name is kept nowhere (tags never emitted are ``unknown-tag``'s, not here).
+      kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs), for ``saved-anyway``.
+      around_loop: the program's remat segments wrapping a whole loop
+        (:attr:`remat_kit.program.PolicyReach.around_loop`), for ``remat-around-loop``.
+      lone: the program's one remat segment sits outside every loop
+        (:attr:`remat_kit.program.PolicyReach.lone`): the cause of a policy freeing too little
+        on a real target.
+>>>>>>> docs
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
@@ -327,13 +338,9 @@ def _saved_anyway(
 def _saved_without_saving(
     promise: Promise, kept: Residuals, facts: TagFacts | None, anyway: Mapping[str, int]
 ) -> list[Finding]:
-    """``save-removes-no-recompute``: tags the policy saves on device (new residual bytes; an
-    offload is judged by the device memory it frees, not here) that are not among the
-    program's :attr:`~remat_kit.doctor.tags.TagFacts.savers`: saved alone, they do not lower
-    the step's matmul FLOPs (a name applied after an activation: the backward pass recomputes
-    the matmul before it all the same, for the activation's derivative, unless that matmul's
-    output is kept too). The same judgement as the solver's per-tag FLOPs and the fixes the
-    doctor offers."""
+    """``save-removes-no-recompute``: tags the policy saves on device that are not among the
+    program's :attr:`~remat_kit.doctor.tags.TagFacts.savers` (docs/doctor.md), judged as the
+    solver's per-tag FLOPs and the doctor's fixes are."""
     if facts is None or facts.savers is None or promise.base != "names":
         return []
     if promise.registered and not facts.user:  # remat-kit's policies on its own models save
@@ -487,12 +494,9 @@ def _names_kept_nowhere(
     promise: Promise, kept: Residuals, kept_no_remat: Residuals, facts: TagFacts | None
 ) -> list[Finding]:
     """``name-kept-nowhere`` for the emitted names of a policy that keeps others but not these,
-    where the walk tells why (applied outside every remat segment, or not residuals even
-    without remat): that part of the policy does nothing (jax#23869: the scan carry offloaded
-    beside a real tag). A policy keeping none of its names is ``acts-as-full-remat``'s; a
-    registered policy's list is MaxText's, for every model (``minimal`` names ``mlpwo``, a
-    residual of no pre-norm block), and not judged name by name; nor is the rest of the
-    program's names that ``save_any_names_but_these`` saves."""
+    where the walk tells why (docs/doctor.md). Not for a policy keeping none of its names
+    (``acts-as-full-remat``), a registered policy's list (MaxText's, for every model), or the
+    names ``save_any_names_but_these`` saves."""
     if facts is None or promise.base != "names" or promise.registered or promise.by_exclusion:
         return []
     named = promise.tags & facts.emitted

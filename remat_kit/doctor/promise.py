@@ -1,18 +1,11 @@
 """What a policy promises: read from a remat-kit policy or from a raw ``jax.checkpoint`` policy
 built with JAX's constructors, whatever its names, and what ``jax_remat3`` makes of it.
 
-JAX's constructors keep their data where it can be read back (``jax/_src/ad_checkpoint.py``):
-``save_only_these_names`` and ``save_any_names_but_these`` return frozen dataclasses
-(``saveable_names``, ``names``) in jax 0.10.2 and closures over ``names_which_can_be_saved`` /
-``names_not_to_save`` in jax 0.12; ``save_and_offload_only_these_names`` and
-``offload_dot_with_no_batch_dims`` return closures whose cells hold the name sets and the
-memory kinds (:mod:`remat_kit.policies` reads every layout). ``jax_remat3`` asks a policy only
-at ``checkpoint_name`` values and at matmuls (``dot_general``; convolutions too in jax 0.12).
-Which policies it asks there depends on the JAX (:func:`remat_kit.policies.
-remat3_asks_any_policy`, a traced probe): jax 0.10.2 honours only ``SaveOnlyTheseNames``,
-``SaveAnyNamesButThese``, ``everything_saveable`` and the ``DotsSaveable`` dots policies, and
-runs every other policy (offloading closures, composed callables) as full remat; jax 0.12 asks
-any callable and honours its ``Saveable`` and ``Offloadable`` answers.
+JAX's constructors keep their name sets and memory kinds where they can be read back, as
+dataclass fields or closure cells depending on the version (``jax/_src/ad_checkpoint.py``;
+:mod:`remat_kit.policies` reads every layout). Which policies ``jax_remat3`` honours depends on
+the JAX in use (:func:`remat_kit.policies.remat3_asks_any_policy`, a traced probe;
+docs/remat3.md).
 """
 
 from __future__ import annotations
@@ -200,14 +193,11 @@ def remat3_honours(policy: Callable[..., Any]) -> bool:
     """Whether ``jax_remat3`` applies ``policy`` as written, by the rule of the JAX installed.
     Its remat rules (``jax/_src/interpreters/remat.py`` ``rules``) consult a policy only at
     ``checkpoint_name`` values (``CheckpointName.remat``) and at ``dot_general``
-    (``lax._dot_general_remat``). jax 0.12 asks any policy there (convolutions too) and honours
-    ``Saveable`` and ``Offloadable`` answers: every policy of ``jax.checkpoint_policies`` is
-    applied, an offloading one where offload works under remat3 (:func:`remat_kit.policies.
-    offload_works`); an opaque callable is judged by what it does. jax 0.10.2 honours only
-    ``SaveOnlyTheseNames``, ``SaveAnyNamesButThese``, ``everything_saveable`` (names) and the
-    ``DotsSaveable`` dots policies (matmuls; convolutions are recomputed); every other policy
-    (offloading closures, composed callables) runs as full remat. ``nothing_saveable`` keeps
-    nothing either way."""
+    (``lax._dot_general_remat``). Where it asks any policy
+    (:func:`remat_kit.policies.remat3_asks_any_policy`) every policy of
+    ``jax.checkpoint_policies`` is applied, an offloading one where offload works under remat3
+    (:func:`remat_kit.policies.offload_works`), and an opaque callable is judged by what it does;
+    elsewhere only the policies it reads as data are, the rest running as full remat."""
     cp = jax.checkpoint_policies
     if policy is cp.everything_saveable or policy is cp.nothing_saveable:
         return True

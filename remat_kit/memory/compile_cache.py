@@ -2,35 +2,19 @@
 
 What is kept is the compile's *artifacts*, not a finished report: XLA's optimized HLO text, the
 live-range, buffer-assignment and memory-usage dumps, the ``memory_analysis()`` fields, the
-compiler's log lines for that compile and its wall seconds. Every reader of a compile
-(:mod:`~remat_kit.memory.reading`, :mod:`~remat_kit.memory.timeline`, the FLOP counter, a time
-model parsing the optimized HLO) then reads a cache hit exactly as it reads a fresh compile;
-only the executable is missing (:class:`CachedExecutable` answers ``memory_analysis()`` and
-``as_text()``, and refuses to run).
+compiler's log lines and its wall seconds, so every reader of a compile reads a hit as it reads
+a fresh compile; only the executable is missing (:class:`CachedExecutable` answers
+``memory_analysis()`` and ``as_text()``, and refuses to run).
 
-Key (sha256, :meth:`CompileCache.key`): everything that decides what XLA produces:
-
-- the lowered program (StableHLO text with each location reduced to its name,
-  :func:`canonical_locations`: the op names end up in the optimized HLO's metadata, which the
-  readers use to name buffers; file positions, call-site chains and alias numbering only reach
-  its ``source_file`` / ``source_line`` / stack-frame metadata, which no reader uses, and would
-  make every edit of a calling file, a call from another line, or the same program traced by
-  another tool (analyze, then recommend), a miss);
-- the target: its whole :class:`~remat_kit.targets.Target` (``repr``) and, for a GPU model
-  compiled deviceless, the ``GpuTargetConfig`` text XLA is given; for a local device, the
-  backend's platform version and device kinds;
-- the compiler options (less the paths of the dump folder and the GPU kernel cache, which do
-  not change the result), and the ``XLA_FLAGS`` / ``LIBTPU_INIT_ARGS`` environment variables;
-- the versions of jax, jaxlib and the installed PJRT plugins (CUDA, libtpu);
-- :data:`FORMAT_VERSION`, raised whenever what is stored or how it is read changes.
-
-Where: ``$REMAT_KIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat-kit``, else
-``~/.cache/remat-kit``; one gzip-compressed JSON file per compile under ``v{FORMAT_VERSION}/``.
-Off: ``REMAT_KIT_NO_CACHE=1`` (the CLI's ``--no-cache`` sets it). Bounded: at most
-``$REMAT_KIT_CACHE_MAX_BYTES`` (default :data:`DEFAULT_MAX_BYTES`; ``2GiB`` or ``2e9``), the
-least recently used entries evicted first (a hit refreshes an entry's modification time).
-Safe to delete at any time, the folder or any file in it: a missing or unreadable entry is a
-miss (an unreadable one is removed), writes go to a temporary file renamed into place.
+Key (sha256, :meth:`CompileCache.key`): the lowered StableHLO with each location reduced to its
+name (:func:`canonical_locations`), the whole target (and a GPU model's ``GpuTargetConfig``
+text), the compiler options less dump paths, ``XLA_FLAGS`` / ``LIBTPU_INIT_ARGS``, the jax,
+jaxlib and plugin versions, and :data:`FORMAT_VERSION`. Where: ``$REMAT_KIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/remat-kit``, else ``~/.cache/remat-kit``; one gzip JSON file per compile.
+Off: ``REMAT_KIT_NO_CACHE=1``. At most ``$REMAT_KIT_CACHE_MAX_BYTES`` (bytes, default
+:data:`DEFAULT_MAX_BYTES`), least recently used evicted first. Safe to delete at any time: a
+missing or unreadable entry is a miss. Why each key part, and the settings: docs/performance.md
+("The compile cache").
 """
 
 from __future__ import annotations

@@ -201,15 +201,12 @@ def diff_reports(a: MemoryReport, b: MemoryReport, top: int = 5) -> PolicyDiff:
 def peak_inversions(
     reports: Sequence[MemoryReport], labels: Sequence[str], most: int = 3
 ) -> list[str]:
-    """One line for each policy that keeps fewer residual bytes than another policy of the same
-    step yet peaks higher (against the one it peaks most above), at most ``most``, largest gap
-    first: a peak is everything live at one point of XLA's schedule (parameters, optimizer state,
-    gradients, logits, temporaries, residuals), so a policy that saves a tensor can move the
-    peak to a point where less is live. Each line says where each peak falls and how the bytes
-    live there differ by category (from the reports' timelines); policies whose lines would
-    read the same (one program under several names) share one, naming them all
-    (:func:`remat_kit.terminal.group_notes`). Reports without a timeline or residual figure are
-    passed over.
+    """One line for each policy that keeps fewer residual bytes than another of the same step yet
+    peaks higher (against the one it peaks most above), at most ``most``, largest gap first: a
+    saved tensor can move the peak to another point of XLA's schedule. Each line says where each
+    peak falls and how the bytes live there differ by category (from the timelines); policies of
+    one program share one line (:func:`remat_kit.terminal.group_notes`). Reports without a
+    timeline or residual figure are passed over.
 
     Raises:
       ValueError: ``reports`` and ``labels`` differ in length.

@@ -2,11 +2,9 @@
 compiled host bytes (a peak over the step) relate to the bytes the jaxpr offloads (a sum).
 
 XLA places offloaded tensors in memory space 5 (``S(5)`` in their layout; ``color 5`` in the
-buffer assignment). Measured (jax 0.10.2, H100 target compiled deviceless; an NNX GPT with
-``nnx.remat`` over 3 unrolled layers, ``attn_in`` and ``mlp_up`` offloaded): the jaxpr offloads
-3.75 MiB, the six host buffers (0.25 + 1 MiB per layer) share one 1.25 MiB host allocation at two
-offsets, because XLA copies each back to the device right after offloading it (so they are never
-live at once), and ``memory_analysis()`` reports that 1.25 MiB.
+buffer assignment). Offloaded buffers that are never live at once share one host allocation,
+so the compiled host bytes can be well below the jaxpr's sum (an example:
+docs/results/compiler.md).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 When a program exceeds the target's memory, XLA's GPU compiler recomputes instructions on its
 own (``hlo_rematerialization.cc``: "Can't reduce memory use below ..."), cloning them as
-``name.remat``: compiled FLOPs and peaks then mix what the policy asks for with what XLA added
-(llama3-8b b=1 s=8192 save-nothing on h100-sxm: x1.53 FLOPs compiled against x1.25 for the
-policy). The policy's own FLOPs are read from the as-run compile (its clones told apart:
-:class:`~remat_kit.memory.hlo.FlopCount`); its own peak needs the step compiled a second time
-with the pass off (:func:`~remat_kit.memory.xla_compile.add_policy_only`), made only when asked.
-This module turns them into :class:`~remat_kit.memory.report.PolicyOnly` and the one line that
-says what XLA did.
+``name.remat``, and removes an original once a clone took all its uses: compiled FLOPs and peaks
+then mix what the policy asks for with what XLA added (docs/analyze.md). The policy's own FLOPs
+are the as-run ones less every clone but one per original
+(:class:`~remat_kit.memory.hlo.FlopCount`); its own peak needs the step compiled again with the
+pass off (:func:`~remat_kit.memory.xla_compile.add_policy_only`). This module turns them into
+:class:`~remat_kit.memory.report.PolicyOnly` and the one line that says what XLA did.
 """
 
 from __future__ import annotations

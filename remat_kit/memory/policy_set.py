@@ -166,20 +166,13 @@ def policy_set(
 ) -> PolicySet:
     """The policies a tool compiles on ``program`` for ``target``, with their labels and notes.
 
-    ``policies`` None: the default set, which acts on the program's own tags: the registered
-    policies that can act on them (:func:`remat_kit.policies.policies_for_tags`: kind-based
-    ones kept, name-based ones cut down to the emitted tags or, naming none of them, skipped),
-    less the offloading ones where the target does not offload, plus specs in the program's
-    own tag names (:func:`own_tag_specs`, at most ``max_single`` single-tag ones; where the
-    program gives its loss, only the tags its loss keeps when every tag is saved: saving
-    another changes nothing).
-
-    ``policies`` given, ``fit=False``: those as given (analyze and the doctor judge a policy as
-    named). ``fit=True`` (recommend, the sweep): fitted to the program as the default set is:
-    registered name-based ones cut down to the emitted tags or skipped, a user's own spec
-    checked against them, offloading ones dropped where the target does not offload.
-
-    ``tags``: the program's :func:`program_tags` where the caller has them (else traced here).
+    ``policies`` None: the default set about the program's own tags: the registered policies that
+    can act on them (:func:`remat_kit.policies.policies_for_tags`), less the offloading ones where
+    the target does not offload, plus specs in the program's own tag names (:func:`own_tag_specs`,
+    at most ``max_single`` single-tag ones; with a loss, only tags it keeps when saved).
+    ``policies`` given: as named (``fit=False``: analyze, the doctor) or fitted to the program as
+    the default set is (``fit=True``: recommend, the sweep). ``tags``: the program's
+    :func:`program_tags` where the caller has them (else traced here).
 
     Raises:
       ValueError: an unknown policy or target; with ``fit``: an empty ``policies``, a user's

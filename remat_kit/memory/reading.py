@@ -320,10 +320,7 @@ def compiled_peak_bytes(
     CPU and GPU: ``argument + output + temp - alias`` (:func:`peak_bytes_of`; their
     ``peak_memory_in_bytes`` is not meaningful on CPU). TPU: XLA's own
     ``memory_analysis().peak_memory_in_bytes``, because there ``temp_size_in_bytes`` leaves
-    out most temporaries. Measured (libtpu 0.0.42.1, jax 0.10.2; tiny-llama b=4 s=64 on v5e-4,
-    fsdp=4): save-nothing gives temp 0 B while its buffer assignment holds 3.9 MiB of
-    temporaries, and peak_memory_in_bytes 5.91 MiB = arguments 1.80 MiB + those; no-remat
-    gives temp 3.08 MiB against a peak of 19.36 MiB. The sum would call both steps ~2-5 MiB.
+    out most temporaries (figures: docs/results/compiler.md).
 
     Args:
       compiled: a ``jax.stages.Compiled``.

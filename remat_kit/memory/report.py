@@ -65,21 +65,11 @@ class LogitsLine:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyOnly:
-    """The policy's own figures where XLA's own rematerialisation pass changed the program.
-
-    XLA's GPU compiler recomputes instructions on its own when a program exceeds the device's
-    memory ("Can't reduce memory use below ..."); the as-run figures then mix the policy's
-    recomputation with XLA's. The pass clones what it recomputes (``fusion.3.remat``,
-    ``.remat2``) and removes an original once a clone took all its uses, so the policy's own
-    matmul FLOPs are the as-run ones less every clone but one per original
-    (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``; equal to the FLOPs of the
-    step compiled with the pass off for each of the 75 programs checked: llama3-8b b=1 s=8192
-    on h100-sxm, llama3.2-3b b=2 s=4096 on a100-40gb, llama3.2-1b b=4 s=4096 on l4, every
-    default policy and on-device twin, jax 0.10.2; ``tests/test_timeline.py`` checks one). The
-    peak of the policy alone needs that second compile
-    (``xla_disable_hlo_passes=rematerialization``), made only when asked
-    (``analyze_policies(..., policy_alone_peak=True)``, ``remat-kit analyze
-    --policy-alone-peak``).
+    """The policy's own figures where XLA's own rematerialisation pass changed the program
+    (:mod:`remat_kit.memory.policy_only`). The FLOPs come from the as-run compile, its clones told
+    apart (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``); the peak needs a second
+    compile with the pass off, made only when asked (``analyze_policies(...,
+    policy_alone_peak=True)``, ``remat-kit analyze --policy-alone-peak``).
 
     Attributes:
       xla_remat_instructions: instructions XLA's pass cloned to recompute (as run).
@@ -103,74 +93,58 @@ class MemoryReport:
     """Memory (and FLOPs) of one compiled step on one target. Integers are bytes.
 
     ``peak_bytes = argument_bytes + output_bytes + temp_bytes - alias_bytes``: XLA's
-    ``compiled.memory_analysis()`` parts, per device. Donated arguments alias their outputs (the
-    new parameters and optimizer state are written in place), so ``alias_bytes`` is counted once,
-    not twice. This is what the program needs resident at once, excluding the framework's own
-    overhead (CUDA context, allocator fragmentation, a default JAX process's preallocation of
-    75% of the GPU: see ``Target.usable_bytes``).
-
-    On a TPU target ``peak_bytes`` is XLA's own ``peak_memory_in_bytes`` instead: the TPU
-    compiler's ``temp_bytes`` leaves out most temporaries (0 B for a step whose buffer
-    assignment holds MiBs of them), so the sum above undercounts there; the parts are kept as
-    XLA gives them (:func:`remat_kit.memory.reading.compiled_peak_bytes`).
+    ``compiled.memory_analysis()`` parts, per device (donated arguments alias their outputs, counted
+    once). The framework's own overhead (CUDA context, fragmentation, JAX's preallocation: see
+    ``Target.usable_bytes``) is not in it. On a TPU target ``peak_bytes`` is XLA's own
+    ``peak_memory_in_bytes`` instead, its ``temp_bytes`` leaving out most temporaries
+    (:func:`remat_kit.memory.reading.compiled_peak_bytes`).
 
     Attributes:
       name: what was analysed (function name, or ``"llama3-8b b=1 s=8192"``).
       target: the target name (``"h100-sxm"``, ``"cpu"``, ``"local"``): the numbers are this
         compiler's for this device, and the CPU backend's are not GPU numbers.
-      platform: ``"cpu"`` or ``"cuda"``; backend: compiler and jax version.
-      policy: the remat policy name, a per-tag spec's actions (``custom: out_proj=save,
-        query_proj=offload``: :func:`remat_kit.policies.policy_label`), or None for an
-        arbitrary function.
+      platform: ``"cpu"``, ``"cuda"`` or ``"tpu"``; backend: compiler and jax version.
+      policy: the remat policy name, a per-tag spec's label
+        (:func:`remat_kit.policies.policy_label`), or None for an arbitrary function.
       peak_bytes: see above. argument_bytes, output_bytes, temp_bytes, alias_bytes: its parts.
       host_bytes: bytes in host memory (offloaded residuals; XLA's ``host_*`` figures, same
-        formula). On the CPU backend offloading is not real and this is 0.
-      arguments: argument bytes by part (``params``, ``opt_state``, ``batch``, ...); sums to
-        ``argument_bytes``.
+        formula); 0 on the CPU backend, where offloading is not real.
+      arguments: argument bytes by part (``params``, ``opt_state``, ``batch``, ...).
       flops: matmul FLOPs of the compiled program (loops counted by trip count).
-      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr (on a mesh:
-        per device, the compiled step's matmuls less those recomputed); None for an arbitrary
-        function. recompute_ratio: the policy's own: ``flops / flops_no_remat``, or, when XLA's
-        own rematerialisation pass changed the program, ``policy_only.recompute_ratio``.
-        compiled_recompute_ratio: ``flops / flops_no_remat`` as compiled (XLA's pass included).
-      residuals: saved residuals (from the jaxpr) grouped by checkpoint tag, for all layers:
-        count, shape of one, dtype, total bytes, memory kind (``device`` or ``host``).
-      activation_bytes: device bytes of those residuals; offloaded_bytes: host bytes.
+      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr (on a mesh: per
+        device, the compiled step's matmuls less those recomputed); None for an arbitrary
+        function. recompute_ratio: the policy's own ``flops / flops_no_remat`` (XLA's own remat
+        told apart: ``policy_only``); compiled_recompute_ratio: the same as compiled.
+      residuals: saved residuals (from the jaxpr) by checkpoint tag, all layers: count, shape of
+        one, dtype, total bytes, memory kind. activation_bytes: their device bytes;
+        offloaded_bytes: their host bytes.
       logits: the logits line (models only).
       peak_buffers: the largest buffers live at XLA's peak, largest first.
-      live_peak_bytes: the device bytes of all buffers live at that point: the most live at any
-        point of XLA's schedule, aliased values counted once (below ``peak_bytes`` by what
-        buffer packing loses; see :mod:`remat_kit.memory.timeline`).
+      live_peak_bytes: device bytes of all buffers live at the busiest point of XLA's schedule,
+        aliased values once (below ``peak_bytes`` by what buffer packing loses).
       memory_bytes: the target's device memory; budget_bytes: the budget judged against
         (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
-      compile_s: wall seconds of XLA's compile (lowering excluded); for a compile read from
-        the compile cache (``compile_cached``), those of the compile that made the entry.
-      warnings: compiler messages worth reading (XLA's rematerialisation pass giving up, loops
-        of unknown trip count, dumps missing).
+      compile_s: wall seconds of XLA's compile (lowering excluded; for a cached compile, those
+        of the compile that made the entry).
+      warnings: compiler messages worth reading (XLA's remat pass giving up, unknown trip counts,
+        dumps missing).
       model, batch_size, seq_len: the model preset (or config name) and shape, when a model.
-      peak_bytes_without_offload: for an offloading policy on a target where offload is real,
-        the device peak of the same policy keeping its offloaded tensors on device instead:
-        offloading lowered the device peak only if ``peak_bytes`` is below it (reported, never
-        assumed; a warning says when it did not).
-      timeline: live device bytes at each point of XLA's schedule, by category, with phases
-        and the peak (:class:`~remat_kit.memory.timeline.Timeline`); its ``peak_bytes`` is
-        ``live_peak_bytes``.
-      policy_only: the step compiled without XLA's own rematerialisation pass, when that pass
-        changed the program (:class:`PolicyOnly`); None when it did not.
-      step_time_s: the estimated step time in seconds: the roofline over every kernel of the
-        compiled program (:mod:`remat_kit.memory.roofline`) with the target's device figures
-        (datasheet, or calibrated on the local device); None where the target has no figures.
-      step_time: its breakdown (compute-, memory-bound, launch, host transfers, collectives,
-        allocation) and the kernels that dominate (:class:`~remat_kit.memory.roofline.StepTime`).
-      program_sha256: the compile engine's key of the compiled program (sha256 of the target,
-        compile options and lowered StableHLO text): reports with the same key come from one
-        compile of one program (two policies that act the same); None when not known.
-      remat_impl: the remat implementation the step was traced under (``classic``, or
-        ``remat3`` with ``jax_remat3`` on; :mod:`remat_kit.policies`); jax_version: JAX's.
-      runs_as: what the policy ran as when that implementation does not apply it as named
-        (``save-nothing``: full remat); None when it runs as named (a warning says the rest).
-      compile_cached: the compile's artifacts were read from the persistent compile cache
-        (:mod:`remat_kit.memory.compile_cache`) instead of compiling.
+      peak_bytes_without_offload: for an offloading policy where offload is real, the device
+        peak of the same policy keeping those tensors on device (offloading helped only if
+        ``peak_bytes`` is below it).
+      timeline: live device bytes at each point of XLA's schedule, by category
+        (:class:`~remat_kit.memory.timeline.Timeline`).
+      policy_only: the step without XLA's own rematerialisation pass, when that pass changed the
+        program (:class:`PolicyOnly`); None when it did not.
+      step_time_s: the estimated step time in seconds (:mod:`remat_kit.memory.roofline`); None
+        where the target has no device figures. step_time: its breakdown
+        (:class:`~remat_kit.memory.roofline.StepTime`).
+      program_sha256: the compile engine's key of the compiled program: equal keys, one compile
+        (two policies that act the same); None when not known.
+      remat_impl: the remat implementation traced under (``classic`` / ``remat3``); jax_version.
+      runs_as: what the policy ran as where that implementation does not apply it as named
+        (``save-nothing``: full remat); None when as named.
+      compile_cached: the compile's artifacts were read from the persistent compile cache.
     """
 
     name: str
@@ -283,21 +257,17 @@ def same_program_lines(
 ) -> list[tuple[str, ...]]:
     """The warning lines to add to each report (one tuple per report) where a policy compiled to
     the same program (equal :attr:`MemoryReport.program_sha256`) as an earlier one for no reason
-    already given: ``expected[i] == expected[j]`` says reports ``i`` and ``j`` are one program by
-    construction (policies acting the same on the program's names, noted on their own).
-
-    A later report of another's program gets ``"the same program as policy 'X' ..."``
-    (:data:`SAME_PROGRAM`). When every one of two or more reports compiled to one program and
-    none was expected to, each gets one line instead saying the policy changes nothing here,
-    and ``cause`` where known.
+    already given (``expected[i] == expected[j]``: one program by construction, noted elsewhere).
+    A later report gets ``"the same program as policy 'X' ..."`` (:data:`SAME_PROGRAM`); when all of
+    two or more reports are one program, each gets one line saying the policy changes nothing
+    here, with ``cause`` (why, and the fix) where known.
 
     Args:
       labels: each report's policy as its row names it.
       reports: :class:`MemoryReport` or :class:`~remat_kit.memory.xla_compile.CompileError`
         (never matched), in the order compiled.
       expected: per report, what makes two reports one program by construction.
-      cause: why every policy would compile to one program, with the fix (e.g.
-        :meth:`remat_kit.reach.PolicyReach.after_gradient_cause`), or None.
+      cause: e.g. :meth:`remat_kit.reach.PolicyReach.after_gradient_cause`, or None.
     """
     same = same_program_as(reports)
     out: list[tuple[str, ...]] = [() for _ in reports]

@@ -1,72 +1,25 @@
 """The step-time model: a roofline over every kernel of the compiled program.
 
 The optimized HLO that XLA dumps for a compile (:mod:`remat_kit.memory.hlo`) lists, in schedule
-order, the kernels one step runs: fusions, matmuls (``dot``, cuBLAS / YNNPACK gemm calls),
-cuDNN attention calls, copies, collectives, host transfers, and ``while`` loops whose bodies run
-``known_trip_count`` times. For each executed kernel this module counts, from the HLO alone:
-
-- matmul FLOPs (``2 * prod(output) * prod(contracting)``, :func:`hlo.instruction_flops`) and
-  the dtype of the matmul's operands;
-- elementwise operations and transcendental operations (``exp``, ``tanh``, ``log``, ...), one
-  per output element of every arithmetic instruction inside the kernel;
-- bytes read and written at the kernel's boundary: its operands and its output, except that an
-  operand read only through ``dynamic-slice`` / ``slice`` counts the slice, and an in-place
-  ``dynamic-update-slice`` (a ``lax.scan`` stacking a residual per layer) counts the update it
-  writes, not the whole stacked buffer.
-
-A kernel's time is the roofline (Williams, Waterman, Patterson, "Roofline: an insightful visual
-performance model for multicore architectures", CACM 52(4), 2009) plus a fixed launch cost:
+order, the kernels one step runs (``while`` bodies ``known_trip_count`` times). Per kernel this
+module counts matmul FLOPs and their dtype, elementwise and transcendental operations, and the
+bytes read and written at the kernel's boundary, and times it as a roofline (Williams, Waterman,
+Patterson, CACM 52(4), 2009) plus a launch cost, in seconds:
 
     t = max((flops - batched) / peak_flops[dtype] + batched / batched_flops[dtype],
             bytes / bandwidth,
             elementwise / elementwise_rate + transcendental / transcendental_rate) + launch_s
 
-where ``batched`` is the part of ``flops`` in matmuls with batch dimensions (attention's
-per-head matmuls), timed at a rate of their own where the device figures have one
-(``batched_flops``: a CPU's calibration measures it; many small matmuls run well below one
-large GEMM's rate there), else at the peak;
-``bandwidth`` is the cache's when everything the kernel reads was written or read within
-the last ``cache_bytes`` bytes of traffic (a reuse-distance model over the schedule; the cache is
-the last-level cache of a CPU, the L2 of a GPU), else device memory's. Host transfers
-(``copy-start`` / ``copy-done`` to or from XLA's host memory space ``S(5)``) run at the host
-link, collectives at the interconnect (ring algorithm: an all-reduce moves ``2 (n-1)/n`` of its
-bytes, an all-gather or reduce-scatter ``(n-1)/n``); an asynchronous one (``*-start`` ...
-``*-done``) hides behind the kernels scheduled between its start and its done, and only what is
-left is added. The step time is the sum over the schedule.
+``bandwidth`` is the last-level cache's for bytes re-read within ``cache_bytes`` of traffic (a
+reuse-distance model), else device memory's. Host transfers run at the host link, collectives
+at the interconnect (ring: an all-reduce moves ``2 (n-1)/n`` of its bytes), an asynchronous one
+charged only beyond the kernels scheduled between its start and done. The step time is the sum.
 
-The device figures (:class:`DeviceFigures`) come from the target's datasheet or, for the local
-device, from a calibration that times a few micro-kernels
-(:func:`device_figures`). What the model leaves out: overlap of
-independent kernels (XLA:CPU runs some concurrently; GPU streams), caches other than the one
-level, the cost of a kernel that is neither compute- nor bandwidth-bound (latency-bound
-reductions, gathers with poor locality), and the framework's per-step dispatch.
-
-**Device figures** (:func:`device_figures`): from the datasheet, or timed on the local device.
-A GPU or TPU target's :class:`DeviceFigures` come from its
-:class:`~remat_kit.targets.Target` fields (vendor figures, cited there). The local device has no
-datasheet here (a CPU's peak depends on its cores, clock, vector width and the libraries XLA
-calls), so :func:`calibrate` times six micro-kernels through JAX itself, each compiled by the
-same XLA backend as the steps it will judge:
-
-- a ``[1024, 1024] @ [1024, 1024]`` matmul per dtype (f32; bf16 too), FLOP/s;
-- attention's two batched matmuls per dtype, ``[32, 256, 64] @ [32, 64, 256]`` (scores) and
-  ``[32, 256, 256] @ [32, 256, 64]`` (context), FLOP/s of both over their time: many small
-  matmuls in one kernel run at a quarter to a third of a large GEMM's rate on a CPU
-  (docs/time-model.md);
-- ``x * a + b`` over a 256 MiB float32 array (far past any cache), bytes read + written per s;
-- the same over a 1 MiB array repeated in a ``fori_loop`` (a cache-resident re-read);
-- a chain of 32 multiply-adds per element of a cache-resident array (elementwise op/s);
-- ``tanh`` over the same array (transcendental op/s);
-- a ``fori_loop`` of 2,000 iterations whose body is two tiny kernels (seconds per kernel);
-- the 256 MiB array's ``x * a + b`` into a fresh output against the same in place (donated):
-  the difference is the cost of faulting a fresh allocation's pages in, which XLA:CPU pays
-  for a step's temp and output buffers at every execution (bytes per second).
-
-Each figure is the best of a few runs (the least disturbed by other work on the machine); the
-fresh-output kernel, the most variable on a virtual machine, the best of :data:`FRESH_RUNS`. The
-figures are cached per machine (platform, device kind, CPU model, core count, jax and jaxlib
-versions) in ``calibration/`` of remat-kit's cache folder (:func:`cache_dir`); delete the
-file, or pass ``refresh=True``, to time again. A calibration takes a few seconds.
+:class:`DeviceFigures` (:func:`device_figures`) come from the target's datasheet
+(:class:`~remat_kit.targets.Target`, cited there) or, for the local device, from
+:func:`calibrate`, which times a few micro-kernels through JAX and caches the figures per machine
+under :func:`cache_dir` (``refresh=True`` times again). What each rule counts, the device
+figures and the model's error against measured steps: docs/time-model.md.
 """
 
 from __future__ import annotations
@@ -114,16 +67,13 @@ _REPLICA_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _HOST = re.compile(r"S\(5\)")
 
 
-#: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc's malloc
-#: serves requests at or above its mmap threshold with a fresh mmap, and the threshold's
-#: dynamic ceiling is 32 MiB on 64-bit systems (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX = 4 *
-#: 1024 * 1024 * sizeof(long)); smaller buffers are reused from the heap (the measured
-#: threshold: docs/time-model.md, ``experiments/bench_page_faults.py``).
+#: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc serves
+#: requests at or above its mmap threshold, whose dynamic ceiling is 32 MiB on 64-bit systems,
+#: with a fresh mmap (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX); docs/time-model.md.
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
-#: Runs of the fresh-output kernel a calibration keeps the best of: the fault rate varies most
-#: from run to run of all the figures, and the best of a few runs is far below the rate a
-#: step pays (``experiments/bench_page_faults.py``, whose table is in experiments/results/cpu/).
+#: Runs of the fresh-output kernel a calibration keeps the best of (the most variable figure;
+#: ``experiments/bench_page_faults.py``).
 FRESH_RUNS = 9
 
 
@@ -177,15 +127,11 @@ class DeviceFigures:
     interconnect_bytes_per_s: float | None
     source: str
     measured: bool = False
-    #: Rate at which the pages of a step's freshly allocated buffers are faulted in, bytes/s;
-    #: None where buffers are reused from one step to the next (a GPU's or TPU's allocator).
-    #: XLA:CPU allocates a step's temp and output buffers at each execution, and the kernel
-    #: zeroes every fresh page of a large (mmap-backed) allocation on first touch.
+    #: Bytes/s at which a step's freshly allocated buffers are faulted in (XLA:CPU allocates
+    #: temp and outputs at each execution); None where buffers are reused (GPU, TPU).
     fresh_bytes_per_s: float | None = None
-    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T`` and
-    #: ``P @ V``: many small matmuls in one kernel) by operand dtype; None where batched
-    #: matmuls are taken at :attr:`peak_flops` (a datasheet gives no other figure). On a CPU
-    #: they run at a fraction of a large GEMM's rate (measured by the calibration).
+    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T``, ``P @ V``)
+    #: by operand dtype, from the calibration; None: at :attr:`peak_flops` (datasheets).
     batched_flops: dict[str, float] | None = None
     #: The machine's state while calibrated figures were timed; None for datasheet figures.
     calibration: Calibration | None = None
@@ -537,13 +483,11 @@ def _mesh_devices(text: str | None, n: int) -> list[int]:
 
 
 def replica_group(instr: hlo.Instruction) -> tuple[int, ...]:
-    """The device ids of a collective's first replica group, in the three ways XLA prints them:
-    a list (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``replica_groups=[2,4]<=[8]``,
-    ``[4,2]<=[2,4]T(1,0)``: ``iota(8).reshape(2, 4).transpose(1, 0).reshape(4, 2)``, one group a
-    row) and a mesh (``replica_groups=mesh['x'=2,'y'=4] {'y'}``: the devices of a row-major mesh
-    that differ along the named axes only, through the mesh's ``device_ids`` where it has
-    them). A ``collective-permute`` gives its first source and
-    target. () where none is written (every device: unknown here)."""
+    """The device ids of a collective's first replica group, as XLA prints it: a list
+    (``replica_groups={{0,1,2,3},{4,5,6,7}}``), an iota (``[2,4]<=[8]``, ``[4,2]<=[2,4]T(1,0)``:
+    one group a row) or a mesh (``mesh['x'=2,'y'=4] {'y'}``: the devices differing along the named
+    axes only). A ``collective-permute`` gives its first source and target. () where none is
+    written."""
     text = instr.attributes
     m = _REPLICA_GROUPS.search(text)
     if m and m.group(1):
@@ -1003,14 +947,11 @@ GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 
 def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> float:
     """The share of a GPU's matmul rate a ``(batch, m, n)`` output keeps after tile and wave
-    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): the output is cut
-    into tiles, one thread block each, run ``sm_count`` at a time; a partial tile costs a whole
-    one, and the last wave runs with idle SMs. For each tile in :data:`GEMM_TILES`,
-    ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch * ceil(m / tm) *
-    ceil(n / tn) / sm_count)``; the best tile is taken (cuBLAS's heuristics pick among them).
-    1.0 where ``sm_count`` is 0 or the shape unknown. The large-matmul rate it scales
-    (``DeviceFigures.peak_flops``) is itself measured at a best shape, so a large matmul
-    keeps about 1.0."""
+    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): for each tile in
+    :data:`GEMM_TILES`, ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch *
+    ceil(m / tm) * ceil(n / tn) / sm_count)``, the best tile taken. 1.0 where ``sm_count`` is 0 or
+    the shape unknown; a large matmul keeps about 1.0 (the peak it scales is measured at a best
+    shape)."""
     if not sm_count or not gemm:
         return 1.0
     batch, m, n = gemm
@@ -1023,12 +964,10 @@ def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> fl
 
 
 def collective_bandwidth(group: tuple[int, ...], figures: DeviceFigures) -> float | None:
-    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``:
-    the interconnect's inside one node; over several nodes, a ring crosses each node's
-    boundary through the NICs of the group's devices in that node, so at most ``devices of
-    the group per node x figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book,
-    network/README.md, "Inter-node speed depends on intra-node speed": a flat-ring model
-    within 6% of a measured 4-node all-reduce). None where no figure is known."""
+    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``: the
+    interconnect's inside one node; across nodes at most ``devices of the group per node x
+    figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book, network/README.md,
+    "Inter-node speed depends on intra-node speed"). None where no figure is known."""
     bw = figures.interconnect_bytes_per_s
     size = figures.node_size
     if not group or not size or not figures.network_bytes_per_s:
@@ -1080,9 +1019,8 @@ class _ReuseModel:
         return cached, traffic - cached
 
 
-#: Environment variable naming a calibration file to use instead of timing this machine (the
-#: JSON :func:`calibrate` writes: ``{"figures": {...}, "when": ...}``): figures measured once
-#: on a quiet machine, or fixed ones for reproducible tests.
+#: Environment variable naming a calibration file (the JSON :func:`calibrate` writes) to use
+#: instead of timing this machine: figures timed on a quiet machine, or fixed ones for tests.
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
 #: Version of the calibration's file format and micro-kernels (a change re-times).
@@ -1225,7 +1163,7 @@ def _best_of(fn: Callable[[], object], runs: int) -> float:
 
 
 def measure(runs: int = 5) -> dict[str, float]:
-    """Time the micro-kernels on JAX's default device (see the module docstring).
+    """Time the micro-kernels on JAX's default device (docs/time-model.md, "Device figures").
 
     Returns rates per second, ``cache_bytes`` and ``launch_s``.
     """
@@ -1466,13 +1404,10 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
 @contextlib.contextmanager
 def pinned_calibration(path: str | Path) -> Iterator[None]:
     """Within the ``with``, every calibration of this process and of the processes it starts is
-    the one in ``path``: a long run (a sweep) prices all its rows with one set of figures even
-    when the cached calibration would be timed again meanwhile (:data:`RETIME_AFTER_S`).
-
-    ``path`` is kept when it holds this machine's calibration (a resumed run keeps the figures
-    it started with); otherwise the cached calibration (timed now if there is none) is written
-    there. Nothing is pinned when :data:`CALIBRATION_ENV` already names a file.
-    """
+    the one in ``path``, so a long run (a sweep) prices all its rows with one set of figures.
+    ``path`` is kept when it holds this machine's calibration (a resumed run); otherwise the cached
+    calibration (timed now if there is none) is written there. Nothing is pinned when
+    :data:`CALIBRATION_ENV` already names a file."""
     if os.environ.get(CALIBRATION_ENV):
         yield
         return
@@ -1563,9 +1498,8 @@ def _figures_of(data: dict[str, Any], key: dict[str, str]) -> DeviceFigures:
 
 def device_figures(target: T.Target) -> DeviceFigures | None:
     """The figures the time model uses for ``target``: the datasheet's for a GPU or TPU model
-    compiled deviceless, the calibration's for the local device (a local GPU of a known model
-    is calibrated too: what this machine does beats what the datasheet says). None when
-    neither is available (a CPU target while JAX's default device is not a CPU)."""
+    compiled deviceless, the calibration's for the local device (a local GPU of a known model too).
+    None when neither is available (a CPU target while JAX's default device is not a CPU)."""
     import jax
 
     if not target.deviceless and target.platform == jax.devices()[0].platform:
@@ -1646,11 +1580,9 @@ def small_step_note(
 
 def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) -> str | None:
     """Why no-remat is estimated slower than a policy that recomputes, on a datasheet (GPU or
-    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them
-    back, copies recomputation avoids (docs/time-model.md, "On GPUs"); no GPU run confirms
-    it yet. ``step_times_s``: estimated seconds by policy label. None where no-remat is not
-    among them, is not slower, or the figures are calibrated on this machine (the CPU's own
-    reason is in the sweep's notes)."""
+    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them back
+    (docs/time-model.md, "On GPUs"). ``step_times_s``: estimated seconds by policy label. None where
+    no-remat is not among them, is not slower, or the figures are calibrated (``measured``)."""
     mine = step_times_s.get("no-remat")
     others = {k: v for k, v in step_times_s.items() if k != "no-remat" and v}
     if measured or not mine or not others:

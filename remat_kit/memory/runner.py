@@ -132,16 +132,11 @@ _REPLICATION_WARN = 1.1
 def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):
     """``(flops_no_remat, warnings)`` for the recompute ratio of one compiled job.
 
-    On a mesh the compiled FLOPs are one device's, and its share of the step is not always
-    ``1/devices`` of the traced (global) FLOPs: what XLA's sharding propagation leaves
-    replicated (measured: activations kept whole across fsdp without the batch constraint of
-    ``remat_kit.targets.activation_sharding``: 2x the even share on tiny-llama fsdp=8) or
-    pads, every device computes, with or without remat. Dividing by the even split counted that
-    as recomputation (save-nothing read 2.57 there instead of 1.25).
-    The baseline per device is therefore the compiled step's own matmuls less those that
-    recompute (JAX's remat scope and XLA's remat clones): the same sharded step without
-    recomputation. The even split is kept to say when work is replicated.
-    """
+    On a mesh the compiled FLOPs are one device's, and its share is not always ``1/devices`` of
+    the traced FLOPs: what XLA's sharding propagation leaves replicated or pads, every device
+    computes, with or without remat. The baseline per device is therefore the compiled step's own
+    matmuls less those that recompute (JAX's remat scope and XLA's remat clones); the even split
+    only says when work is replicated."""
     if job.mesh_devices is None or not flops or recomputed is None:
         return job.flops_no_remat, []
     compiled = flops - recomputed
@@ -156,10 +151,8 @@ def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None
 
 
 def default_workers() -> int:
-    """Concurrent compiles by default: one per core, at most 4. The first compile runs alone
-    (it fills the GPU kernel cache the others read) while the next policies are lowered; the
-    rest run side by side (``remat-kit analyze ... --all-policies --workers N``; timings in
-    docs/performance.md)."""
+    """Concurrent compiles by default: one per core, at most 4; the first compile runs alone to fill
+    the GPU kernel cache the others read (timings: docs/performance.md)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 
@@ -504,24 +497,16 @@ class CompileEngine:
 
     A program is identified by its target, whether the fast code-generation options are on
     (:data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`) and the sha256 of its lowered
-    text (StableHLO, which carries argument shardings and donation): two requests with the same
-    key would compile the same executable, so the second gets the first's. The analyzer
-    (:func:`run_jobs`) and the sweep (its measured steps) compile through it; a sweep passes one
-    engine to the analyzer and then asks it for the step it will run, which costs no compile
-    when the analyzer compiled that very program.
-
-    Compiles are read from and written to the persistent compile cache
-    (:mod:`remat_kit.memory.compile_cache`) unless an executable is asked for: a hit gives the
-    compile's artifacts (dumps, ``memory_analysis()``, log lines) and no executable.
-
-    Results kept from an earlier :meth:`compile_all` call keep their executable, but their
-    compiler log lines belong to that call (read them before the next one).
+    StableHLO (argument shardings and donation included). The analyzer (:func:`run_jobs`) and the
+    sweep compile through it, so a step the sweep runs costs no compile when the analyzer compiled
+    that very program. Compiles go through the persistent compile cache
+    (:mod:`remat_kit.memory.compile_cache`) unless an executable is asked for; compiler log lines
+    belong to the :meth:`compile_all` call that made them.
 
     Args:
       workers: concurrent compiles (default :func:`default_workers`).
       cache: a :class:`~remat_kit.memory.compile_cache.CompileCache`, None for none, or
-        :data:`FROM_ENV` (default): the one the environment asks for
-        (:meth:`~remat_kit.memory.compile_cache.CompileCache.from_env`).
+        :data:`FROM_ENV` (default): the one the environment asks for.
       progress: called as each item advances (see :data:`Progress`).
 
     Use as a context manager (it owns a temporary folder of GPU kernel caches).
@@ -643,29 +628,22 @@ class CompileEngine:
         total: int | None = None,
         then: Callable[[Any, CompileResult], None] | None = None,
     ) -> list[tuple[str, CompileResult | CompileError]]:
-        """Lower and compile every item, each distinct program once.
-
-        Items are taken from ``items`` one at a time: an item made lazily (a generator that
-        traces each policy's step) is traced and lowered while the ones before it compile.
+        """Lower and compile every item, each distinct program once. Items are taken one at a time,
+        so a generator that traces each policy's step is traced while the ones before it compile.
 
         Args:
           items: objects with ``what`` (names it in errors), ``target`` (a
-            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``)
-            and ``program_key`` (items with equal non-None keys are lowered once), e.g.
-            :class:`Job`.
-          fast: compile with the fast code-generation options (same memory figures, slower
-            machine code: for analysis only, not for a step that will be timed).
-          executable: the caller will run the executables: compile what the cache holds
-            (a cached result has none).
+            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``) and
+            ``program_key`` (equal non-None keys are lowered once), e.g. :class:`Job`.
+          fast: the fast code-generation options (same memory figures; not for a step to be timed).
+          executable: the caller will run the executables: compile what the cache holds.
           total: how many items there are, for progress (default ``len(items)``).
-          then: called as ``then(item, result)`` in the compile's worker after each item's
-            compile (not for a program the cache answers whole), e.g. to read its dumps
-            beside the compiles still running.
+          then: ``then(item, result)``, called in the compile's worker after each compile (not for a
+            program the cache answers whole), e.g. to read its dumps.
 
         Returns:
-          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX
-          could not lower for its target gets its :class:`CompileError` (``stage="lower"``,
-          :func:`~remat_kit.memory.xla_compile.lower_for`) and the items after it go on.
+          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX could not
+          lower gets its :class:`CompileError` (``stage="lower"``) and the items after it go on.
         """
         total = len(items) if total is None else total  # type: ignore[arg-type]
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:

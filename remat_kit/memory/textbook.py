@@ -1,33 +1,23 @@
 """The textbook per-layer activation memory next to what the compiler keeps.
 
-Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-(arXiv:2205.05198), Sec. 4.1 and 5: a GPT layer with 16-bit activations, no tensor or sequence
-parallelism, keeps
+Korthikanti et al. 2022 (arXiv:2205.05198), Sec. 4.1 and 5: a GPT layer with 16-bit activations,
+no tensor or sequence parallelism, keeps
 
     s*b*h*(34 + 5*a*s/h)  bytes   without recomputation (eq. 1),
     s*b*h*34              bytes   with selective recomputation of the attention core,
     2*s*b*h               bytes   with full recomputation (only the layer input),
 
-(s sequence, b batch, h hidden size, a heads). The compiled figure comes from two layer counts:
-the step is compiled at ``L1`` and ``L2`` layers (scanned), and
+(s sequence, b batch, h hidden size, a heads). The compiled figure is the step compiled at ``L1``
+and ``L2`` scanned layers:
 
     per_layer = (live(L2) - live(L1)) / (L2 - L1) - one layer's parameters, optimizer state
                 and parameter gradients
 
-where ``live`` is the bytes of the physical buffers live at the peak of XLA's schedule (its
-live-range dump, aliased values counted once). Both compiles use a 256-token vocabulary
-(:data:`PROBE_VOCAB`): the per-layer figure does not depend on it, and with a large vocabulary
-the peak can sit at the loss, before any layer's gradient exists, where the difference of two
-peaks is not a per-layer figure (it came out negative for gpt2-medium at b=8, s=1024).
-
-``temp_size_in_bytes`` is not used for this: it is the size of XLA's packed temporary
-allocation, which grows by uneven steps with the layer count (fragmentation): 8, 28.5 and
-17.7 MiB per layer between 2/3, 3/4 and 4/6 layers of a block whose live bytes grow by exactly
-8 MiB per layer. It is reported alongside (``compiled_temp_bytes``).
-
-The jaxpr figure is what JAX saves for the backward pass per layer
-(:func:`remat_kit.zoo.block_residuals`, plus the layer input), before XLA fuses,
-copies or upcasts anything.
+where ``live`` is the bytes of the physical buffers live at the peak of XLA's schedule (aliased
+values once), both compiles at a 256-token vocabulary (:data:`PROBE_VOCAB`);
+``temp_size_in_bytes`` is reported beside it (``compiled_temp_bytes``). The jaxpr figure is
+what JAX saves per layer (:func:`remat_kit.zoo.block_residuals`, plus the layer input). Why
+live bytes and a small vocabulary: docs/analyze.md ("Per-layer bytes against the textbook").
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Live device bytes over one compiled step: XLA's schedule, its live ranges, buffer assignment.
 
-XLA writes, for a compiled module, ``*-live-range.txt`` (``HloLiveRange``: the flattened
-instruction sequence, loop bodies inlined once, and each HLO value's live range ``start-end`` in
-positions of that sequence) and ``*buffer-assignment.txt`` (the allocation, offset and size of
-each value). Values that alias one another (a loop's carry, the body's parameter, an in-place
-update, a donated argument and the output written over it) share one slot (allocation, offset):
-at each position a slot counts once, at the size of its largest live value. Summing the slots
-gives the live device bytes at every point of the schedule; the most of them is the step's
-live peak (XLA's own "Live ranges at N (peak)" moment sums values without merging aliases and
-can sit elsewhere: llama3-8b s=8192 save-nothing on h100-sxm, 73.31 GiB there against 81.17
-GiB at the true peak).
+XLA's ``*-live-range.txt`` gives each HLO value's live range in positions of the flattened
+schedule (loop bodies inlined once) and ``*buffer-assignment.txt`` its allocation, offset and
+size. Values that alias one another (a loop's carry, an in-place update, a donated argument and
+its output) share one slot, counted once at the size of its largest live value; the slots'
+sum is the live device bytes at every point, and its most the step's live peak (XLA's own
+"Live ranges at N (peak)" moment sums values without merging aliases and can sit elsewhere).
 
-Each slot's run of aliasing values is given one category: ``params``, ``opt_state``, ``batch``
-(or another argument name), ``gradients`` (parameter-shaped values made by the backward pass or
-the update), ``residual:<tag>`` (values made in the forward pass and still live when the
-backward pass starts: saved residuals, named by checkpoint tag where the jaxpr walker's residual
-rows of that shape or the instruction's ``op_name`` carry one, else ``residual:untagged``;
-small tags merged into ``residual:other``), ``logits`` (the logits, their float32 copies,
-softmax and gradient), and ``temporaries`` (everything else: XLA's scratch buffers). Phases
-(forward, backward, optimizer) are read from the JAX ``op_name`` of the instructions
+Each slot is given one category: ``params``, ``opt_state``, ``batch`` (or another argument
+name), ``gradients``, ``residual:<tag>`` (forward values still live when the backward pass
+starts, named by checkpoint tag where the jaxpr's residual rows or the ``op_name`` carry one,
+else ``residual:untagged``; small tags merged into ``residual:other``), ``logits`` and
+``temporaries``. Phases (forward, backward, optimizer) come from the instructions' ``op_name``
 (``transpose(...)`` marks the backward).
 """
 

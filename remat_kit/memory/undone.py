@@ -7,11 +7,9 @@ Two symptoms are checked: the compiled step recomputes fewer matmul FLOPs than t
 memory does not drop though the jaxpr keeps fewer residuals than without remat
 (:func:`memory_not_freed`, against the no-remat step of the same run).
 
-Measured here (jax 0.10.2, XLA:CPU): remat outside a ``lax.scan`` is undone on the CPU whatever
-``prevent_cse`` is (an NNX GPT with ``nnx.remat`` in an unrolled loop compiles every policy to
-the same peak); on GPU targets a remat outside a scan is kept unless ``prevent_cse=False``.
-jax 0.12's XLA:CPU keeps it as GPU targets do. Which of the two the XLA in use does is read
-from a probe compile (:func:`cpu_undoes_remat_outside_scan`), not assumed.
+Some XLA:CPU versions undo a remat outside a ``lax.scan`` whatever ``prevent_cse`` is; GPU
+targets keep it unless ``prevent_cse=False``. Which the XLA in use does is read from a probe
+compile (:func:`cpu_undoes_remat_outside_scan`), not assumed (docs/results/compiler.md).
 """
 
 from __future__ import annotations
@@ -159,9 +157,9 @@ def _cpu_undoes(version: str) -> bool:
 
 def cpu_undoes_remat_outside_scan(platform: str = "cpu") -> bool:
     """Whether ``platform`` is XLA:CPU and the XLA in use undoes a remat outside a scan whatever
-    ``prevent_cse`` is (jax 0.10.2's does; jax 0.12's keeps it unless ``prevent_cse=False``, as
-    GPU targets do). From a probe compile on the CPU, once per jax version: the gradient of two
-    unrolled ``jax.checkpoint`` layers recomputes no matmul FLOPs when it is undone."""
+    ``prevent_cse`` is (GPU targets keep it unless ``prevent_cse=False``). From a probe compile
+    on the CPU, once per jax version: the gradient of two unrolled ``jax.checkpoint`` layers
+    recomputes no matmul FLOPs when it is undone."""
     if platform != "cpu":
         return False
     import jax
@@ -235,8 +233,7 @@ def recompute_undone(job: Any, reading: Any) -> str | None:
 def working_bytes(report: Any, platform: str) -> int | None:
     """The compiled step's memory beside its arguments: XLA's temp bytes, or on a TPU its peak
     less the arguments (XLA:TPU's ``temp_size_in_bytes`` leaves out most temporaries, or counts
-    what is never live at once: 17.23 MiB of temp beside a 6.59 MiB peak measured on v5e-8;
-    :func:`remat_kit.memory.reading.compiled_peak_bytes`)."""
+    what is never live at once: :func:`remat_kit.memory.reading.compiled_peak_bytes`)."""
     if platform != "tpu":
         return report.temp_bytes
     if report.peak_bytes is None or report.argument_bytes is None:
@@ -265,7 +262,6 @@ def memory_not_freed(job: Any, report: Any, base: Any) -> str | None:
     flops, base_flops = getattr(report, "flops", None), getattr(base, "flops", None)
     if ratio is None and flops and base_flops:  # no ratio reported: the compiled FLOPs tell
         ratio = flops / base_flops
-    # XLA:CPU drops remat's barriers outside a scan (jax 0.10.2's; jax 0.12's keeps them)
     on_cpu = cpu_undoes_remat_outside_scan(platform)
     compiled = (
         f"drops by {format_bytes(dropped)} ({format_bytes(theirs)} -> {format_bytes(mine)})"

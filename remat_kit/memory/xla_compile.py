@@ -33,9 +33,7 @@ from remat_kit.memory import hlo
 #: identical with and without them (checked in tests/test_memory.py and the benchmark).
 FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
-    # LLVM's own optimisation off too: the dumps (optimized HLO, buffer assignment, live
-    # ranges) and memory_analysis() are identical with it (tiny-llama save-dots on h100-sxm,
-    # jax 0.10.2), and a compile takes ~20% less CPU time (6.0-6.6 -> 5.1 s there).
+    # LLVM's own optimisation off too (docs/results/compiler.md: same dumps, less CPU time).
     "cuda": {
         "xla_gpu_disable_gpuasm_optimizations": True,
         "xla_backend_optimization_level": 0,
@@ -43,13 +41,11 @@ FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     },
 }
 
-#: A compiler option in the key of JAX's persistent compilation cache
-#: (``jax_compilation_cache_dir``, which MaxText turns on by default) that changes nothing XLA
-#: compiles: it names a file for GPU autotuning results, which a deviceless or CPU compile never
-#: writes. :func:`compile_with_dump` sets it to a path inside the compile's own dump folder, so
-#: the key is new at every compile and JAX's cache never hands back an executable compiled
-#: earlier without its dumps and log lines (jax/_src/cache_key.py leaves ``xla_dump_to`` out of
-#: its key: a hit would write no dumps).
+#: A compiler option in the key of JAX's persistent compilation cache that changes nothing XLA
+#: compiles (a GPU autotuning results file, never written by a deviceless or CPU compile).
+#: :func:`compile_with_dump` points it into the compile's own dump folder, so JAX's cache never
+#: hands back an executable without its dumps and log lines (``jax/_src/cache_key.py`` leaves
+#: ``xla_dump_to`` out of its key).
 CACHE_BYPASS_OPTION = "xla_gpu_dump_autotune_results_to"
 
 # absl: "W1129 16:34:37.803546    5784 hlo_rematerialization.cc:3231] message"
@@ -374,11 +370,9 @@ def compile_options(platform: str, fast: bool = True, options: dict | None = Non
 
 
 #: XLA's GPU compiler without a GPU cannot always pick a Triton GEMM tiling (no autotuning):
-#: "INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot = f32[520,64] dot(...)"
-#: for an attention output over 65 tokens (a ViT's 64 patches and its class token), while a
-#: plain ``lower().compile()`` of the same step for the same deviceless H100 fails alike and
-#: the same shapes with 64 tokens compile. Such a compile is made again with the option below
-#: (every GEMM a cuBLAS call, as XLA also picks where Triton is slower), and the report says so.
+#: "INTERNAL: Couldn't find output tile sizes that satisfy hlo: ..." (e.g. attention over 65
+#: tokens). Such a compile is made again with the option below (every GEMM a cuBLAS call, as
+#: XLA also picks where Triton is slower), and the report says so.
 TILING_ERROR = "Couldn't find output tile sizes"
 TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
 
@@ -469,7 +463,7 @@ def add_policy_only(
 
 
 def jax_backend_description(platform: str, deviceless: bool) -> str:
-    """E.g. ``"XLA GPU compiler (deviceless, jax 0.10.2)"``."""
+    """E.g. ``"XLA GPU compiler (deviceless, jax X.Y.Z)"``, the JAX in use."""
     kind = {"cpu": "XLA CPU compiler", "cuda": "XLA GPU compiler", "tpu": "XLA TPU compiler"}.get(
         platform, f"XLA {platform}"
     )

@@ -3,73 +3,15 @@
 Every configuration considered is compiled for the target (deviceless for GPU models, see
 :mod:`remat_kit.targets`) by :func:`remat_kit.memory.analyze_policies`; its peak is XLA's own
 figure and its FLOPs the compiled program's. Nothing is recommended that was not compiled and
-found to fit.
+found to fit. The pick is the fitting candidate with the least estimated step time (seconds,
+``MemoryReport.step_time_s``: the roofline of :mod:`remat_kit.memory.roofline`, docs/time-model.md);
+ties go to no host traffic, then less device memory; with ``batch_size="auto"``, the most tokens
+per second. ``solve`` predicts choices it has not compiled on the same scale: the compiled
+save-nothing's estimate less the recomputation a choice keeps (:func:`choice_time`).
 
-**Estimated step time** (seconds), per candidate: the compiled report's roofline estimate
-(``MemoryReport.step_time_s``, :mod:`remat_kit.memory.roofline`): over every kernel the compiled
-step runs (loop bodies times their trip counts), ``max(matmul FLOPs / peak for their dtype,
-bytes / memory bandwidth, elementwise work / vector rate) + launch``, plus host transfers and
-collectives the schedule cannot hide; device figures from the target's datasheet, or
-calibrated on the local device (:func:`remat_kit.memory.roofline.device_figures`). ``solve``
-predicts choices it has not compiled on the same scale: the compiled save-nothing's estimate
-less the recomputation a choice keeps (:func:`choice_time`). Host-link figures:
-:func:`host_link_source`.
-
-FLOPs basis across ``attention`` choices: the compiled FLOPs (:mod:`remat_kit.memory.hlo`) count
-the matmul work each program executes. XLA attention (einsum) computes the full [seq, seq]
-scores, masked or not; cuDNN's fused attention call is counted by the same matmul formula,
-halved under a causal mask and times 2.5 backward (FlashAttention-2, arXiv:2307.08691). The
-roofline also prices the softmax and the HBM traffic of XLA's materialised scores, which the
-fused kernel avoids.
-
-**Search** (:func:`recommend`, stages in :mod:`remat_kit.recommend.api`):
-
-1. The named policies (:func:`remat_kit.policy_names`) at the config's ``remat_group_size``,
-   compiled together (programs the analyzer finds identical compile once).
-2. Other group sizes k, bounded: grouping k blocks into one remat segment drops the saved inputs of
-   the inner blocks and recomputes at least as much, so a policy is compiled at k only if it does
-   not fit at the base group size, is faster there than the best fit so far, and
-   ``peak - (1 - k0/k) * (segment-input bytes)`` would fit.
-3. ``batch_size="auto"``: the largest batch that fits, per policy (peak is close to affine in the
-   batch: extrapolate, compile, bracket, bisect), and the tokens per second each would give.
-4. ``solve=True``: a per-tag choice (recompute, save, offload), found by enumerating every
-   combination (3^9 = 19,683 for a SwiGLU block) under an additive model, then verified by
-   compiling, predicted-fastest first, those that could still beat the pick at the model's
-   error observed on the compiles so far (see :func:`solve_tags`).
-5. ``structure`` (fixed batch; on by default when ``policies`` is not given): when nothing fits,
-   cuDNN flash attention (where the target has it), then chunked cross-entropy, then both,
-   then nested remat (sqrt(L) checkpointed groups of layers), alone and with the others, on
-   the candidates closest to fitting; when a full-remat policy fits with room, the least number
-   of layers under it (the first k of L, the rest not rematerialised) that still fits, by
-   secant and bisection over k until k fits and k - 1 does not
-   (:mod:`remat_kit.recommend.search`). The pick's options are
-   in the line to paste (``get_config(..., attention="cudnn", remat_layers=24, ...)``) and
-   ``Recommendation.made_fit`` says what they did, against the same policy compiled without.
-6. Nothing fits: a shorter sequence (compiled), a smaller batch (compiled) and more devices
-   (estimated) that would.
-
-The pick is the fitting candidate with the least estimated step time (ties, as when offload
-transfers hide completely: no host traffic first, then less device memory); with ``"auto"``, the
-one with the most tokens per second.
-
-Where each part lives:
-
-=====================  ==========================================================================
-``types``              :class:`Candidate`, :class:`TagCost`, :class:`SolveSummary`,
-                       :class:`Recommendation`, the ranking (least estimated time)
-``budget``             :func:`parse_budget`, the default budget and :data:`DEFAULT_MARGIN`
-``session``            the compile session and :class:`CompileCache`
-``search``             stage 2 (group sizes) and stage 3 (:class:`BatchBracket`, largest batch)
-``solver``             stage 4 (:func:`tag_costs`, :func:`solve_tags`, :func:`choice_time`)
-``structure``          stage 5 (attention, chunked loss, nested and partial-layer remat)
-``advice``             stage 6 (nothing fits)
-``api``                :func:`recommend_program` on any :class:`~remat_kit.Program` (the
-                       searches that vary the model where it varies: a preset), a short
-                       sequence of named stages; :func:`recommend` reads a preset name into one
-=====================  ==========================================================================
-
-The command line (``remat-kit recommend``: arguments and rendering) is
-:mod:`remat_kit.cli.recommend`; this package never imports the CLI.
+The search's stages (named policies, group sizes, largest batch, per-tag solve, structure,
+advice when nothing fits) and which module holds each: docs/recommend.md ("How the search
+runs"). The command line is :mod:`remat_kit.cli.recommend`; this package never imports the CLI.
 
 Example::
 

@@ -1,19 +1,10 @@
 """Hand a policy to a model that rematerializes without one: :func:`inject_policy`.
 
-<<<<<<< HEAD
-Some models call ``jax.checkpoint`` / ``flax.linen.remat`` / ``nn.checkpoint`` /
-``eqx.filter_checkpoint`` themselves, with no ``policy``: Hugging Face's Flax models built with
-``gradient_checkpointing=True`` wrap each layer in ``nn.remat(Layer, static_argnums=...)``. A
-factory ``make_loss(policy)`` around such a model has nowhere to put the policy, so every policy
-compiles to the same program (the tools refuse it: :class:`remat_kit.reach.PolicyReach`).
-``inject_policy(loss)`` is the factory for it::
-=======
 Some models call ``jax.checkpoint`` / ``flax.linen.remat`` / ``eqx.filter_checkpoint``
 themselves, with no ``policy`` (Hugging Face's Flax models with ``gradient_checkpointing=True``):
 a factory ``make_loss(policy)`` around one has nowhere to put the policy, so every policy
-compiles to the same program (:class:`remat_kit.program.PolicyReach`). ``inject_policy(loss)``
+compiles to the same program (:class:`remat_kit.reach.PolicyReach`). ``inject_policy(loss)``
 is the factory for it::
->>>>>>> docs
 
     program = Program.from_loss(remat_kit.inject_policy(loss), params, batch)
 

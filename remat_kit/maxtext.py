@@ -3,44 +3,14 @@
 :func:`maxtext_program` takes MaxText's ``key=value`` overrides (AI-Hypercomputer/maxtext,
 Python >= 3.12) and builds what MaxText's ahead-of-time compile
 (``maxtext/trainers/pre_train/train_compile.py``) compiles: MaxText's own model, train state and
-<<<<<<< HEAD
-``train_step`` (its loss, its optimizer, its sharding rules), abstract (``jax.ShapeDtypeStruct``
-with shardings: nothing allocated), on MaxText's mesh (``create_device_mesh`` over the config's
-``ici_*`` / ``dcn_*`` parallelism, default FSDP over every chip) of the target's devices
-(:func:`remat_kit.targets.compile_devices`: a TPU slice's chips, a GPU model, or the local
-devices), jitted with MaxText's input and output shardings and its state donated. Every tool
-takes the result (``remat-kit analyze --maxtext "..."``); its figures are per chip.
-
-The policy each compile asks for reaches MaxText's layers in one of two ways:
-
-- a MaxText ``remat_policy`` name (``full``, ``minimal``, ``save_dot_except_mlp``, ...:
-  :data:`remat_kit.policies.MAXTEXT_POLICY_NAMES`) is set as MaxText's own ``remat_policy``
-  override, so the step is the one MaxText runs;
-- any other policy (remat-kit's names, per-tag specs, ``no-remat``) is injected into MaxText's
-  ``loss_fn`` (:func:`remat_kit.inject_policy` over the layers MaxText wraps in remat with
-  ``remat_policy=full``).
-
-The program's loss (for the residual table by checkpoint name, the doctor and recommend's
-per-tag search) is the function MaxText's ``train_step`` differentiates: its model merged from
-the parameters and other variables, its ``loss_fn`` on the batch (:func:`loss_arguments`: the
-train state's model split as the step splits it). Its residuals are given per chip: the batch
-dimension of each activation divided over the chips MaxText shards the batch over
-(``Known.saved`` of the program).
-
-On a GPU target the config gets ``hardware=gpu`` (unless the overrides set ``hardware``) and
-MaxText's GPU flash attention, a tokamax kernel, is traced with tokamax's ``cross_compile``
-(a deviceless compile: no GPU here). MaxText's config sets ``XLA_FLAGS`` (its HLO dump) when it
-is unset; :func:`maxtext_program` puts the variable back as it was.
-=======
 ``train_step``, abstract (``jax.ShapeDtypeStruct`` with shardings: nothing allocated), on
 MaxText's mesh of the target's devices (:func:`remat_kit.targets.compile_devices`), jitted with
 MaxText's shardings and its state donated. Figures are per chip. A MaxText ``remat_policy`` name
 (:data:`remat_kit.policies.MAXTEXT_POLICY_NAMES`) is set as MaxText's own override; any other
 policy is injected into its ``loss_fn`` (:func:`remat_kit.inject_policy`). The program's loss is
 the function ``train_step`` differentiates (:func:`loss_arguments`); its residuals are per chip
-(:meth:`MaxTextProgram.saved`). The config, mesh, GPU targets and ``XLA_FLAGS`` handling:
+(``Known.saved`` of the program). The config, mesh, GPU targets and ``XLA_FLAGS`` handling:
 docs/maxtext.md.
->>>>>>> docs
 
 Example (with maxtext installed)::
 

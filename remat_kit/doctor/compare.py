@@ -192,37 +192,21 @@ def compare(
     lone: bool = False,
 ) -> list[Finding]:
     """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
-        what each keeps in the jaxpr (:class:`Residuals`). None for an optional argument: not known.
+    what each keeps in the jaxpr (:class:`Residuals`). None for an optional argument: not known.
 
-        Args:
-          spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
-    <<<<<<< HEAD
-          recomputed_ops: operations of the compiled policy step that recompute the forward pass
-            (JAX's remat scope in their ``op_name``), where counted; else the FLOPs decide.
-          facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`): a tag
-            it never emits is the ``unknown-tag`` finding's, not repeated here; the cause of a tag
-            kept nowhere (outside the remat segment, or not needed by the backward pass) is told
-            from them. None: not known.
-          kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs): a name kept no
-            more than that is kept by every policy (``saved-anyway``). None: not known.
-          around_loop: the program's remat segments that wrap a whole loop
-            (:attr:`remat_kit.reach.PolicyReach.around_loop`): a policy freeing too little is then
-            said to be that (``remat-around-loop``).
-          lone: the program's one remat segment sits outside every loop
-            (:attr:`remat_kit.reach.PolicyReach.lone`): the cause of a policy freeing too little
-            on a real target (the CPU's is its own).
-    =======
-          recomputed_ops: operations of the compiled policy step under JAX's remat scope, where
-            counted; else the FLOPs decide.
-          facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`), which
-            tell why a name is kept nowhere (tags never emitted are ``unknown-tag``'s, not here).
-          kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs), for ``saved-anyway``.
-          around_loop: the program's remat segments wrapping a whole loop
-            (:attr:`remat_kit.program.PolicyReach.around_loop`), for ``remat-around-loop``.
-          lone: the program's one remat segment sits outside every loop
-            (:attr:`remat_kit.program.PolicyReach.lone`): the cause of a policy freeing too little
-            on a real target.
-    >>>>>>> docs
+    Args:
+      spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
+      recomputed_ops: operations of the compiled policy step under JAX's remat scope, where
+        counted; else the FLOPs decide.
+      facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`), which
+        tell why a name is kept nowhere (tags never emitted are ``unknown-tag``'s, not here).
+      kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs), for
+        ``saved-anyway``.
+      around_loop: the program's remat segments wrapping a whole loop
+        (:attr:`remat_kit.reach.PolicyReach.around_loop`), for ``remat-around-loop``.
+      lone: the program's one remat segment sits outside every loop
+        (:attr:`remat_kit.reach.PolicyReach.lone`): the cause of a policy freeing too little
+        on a real target.
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []

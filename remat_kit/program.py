@@ -3,30 +3,17 @@
 remat-kit's tools ask one question of a program: *what does this step cost under policy P?* A
 :class:`Program` answers it for any JAX/Flax code, written the way its author writes it:
 
-- :meth:`Program.from_loss`: a factory ``make_loss(policy) -> loss(*args)`` (the function the
-  user differentiates, with ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat`` inside taking
-  ``policy``); remat-kit builds the training step around it (``value_and_grad`` over
-  ``argnums`` plus an optax update, parameters and optimizer state donated).
-- :meth:`Program.from_step`: a factory ``make_step(policy) -> step(*args)`` for the user's own
-  step (an idiomatic NNX step that mutates its model and ``nnx.Optimizer`` included); give
-  ``make_loss`` too for the residual table and the doctor.
+- :meth:`Program.from_loss`: ``make_loss(policy) -> loss(*args)``, the function the user
+  differentiates; remat-kit builds the step around it (``value_and_grad`` plus optax).
+- :meth:`Program.from_step`: ``make_step(policy) -> step(*args)``, the user's own step (an NNX
+  step mutating its model included); ``make_loss`` too for the residual table and the doctor.
 
 The factory receives a ``jax.checkpoint`` policy callable, or ``None`` for ``no-remat``: build
 the step *without* remat then (``jax.checkpoint(f, policy=None)`` would save nothing).
-Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, or NNX objects (``nnx.Module``,
-``nnx.Optimizer``, real or from ``nnx.eval_shape``): NNX objects are split into their state and
-merged inside the traced function, and their updated state is returned, so a step that mutates
-them keeps its backward pass and update (a plain ``jax.jit`` of such a step drops both).
-Pytrees holding other leaves than arrays (an ``equinox.Module`` with its Python floats, bools and
-activation functions) are taken with equinox's filter semantics: the array leaves are the
-program's arguments, every other leaf is static (closed over, as ``eqx.partition`` /
-``eqx.filter_jit`` do), and only the array leaves of the step's outputs are kept; the
-parameters of :meth:`Program.from_loss` are differentiated in their array leaves only (as
-``eqx.filter_value_and_grad``), and the optimizer state is made for those.
-
-The bundled models are Programs too (:func:`remat_kit.zoo.preset`), their builder's knowledge
-in :attr:`Program.known` and :attr:`Program.family` (:mod:`remat_kit.family`); the tools never
-ask which kind they hold.
+Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, NNX objects or equinox modules
+(:mod:`remat_kit.pure`). The bundled models are Programs too (:func:`remat_kit.zoo.preset`),
+what their builder knows in :attr:`Program.known` and :attr:`Program.family`
+(:mod:`remat_kit.family`); the tools never ask which kind they hold.
 
 Example::
 

@@ -1,5 +1,13 @@
-"""A step as a function of arrays: NNX objects split, other leaves static (equinox's filter
-semantics), argument names and byte counts; the loss traced once."""
+"""A step as a function of arrays, and the loss traced once.
+
+Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, or NNX objects (``nnx.Module``,
+``nnx.Optimizer``, real or from ``nnx.eval_shape``): NNX objects are split into their state and
+merged inside the traced function, and their updated state is returned, so a step that mutates
+them keeps its backward pass and update (a plain ``jax.jit`` of such a step drops both). Pytrees
+with other leaves than arrays (an ``equinox.Module``) are taken with equinox's filter semantics:
+the array leaves are the arguments, every other leaf is static (as ``eqx.partition`` /
+``eqx.filter_jit``), and only the array leaves of the outputs are kept.
+"""
 
 from __future__ import annotations
 

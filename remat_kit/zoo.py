@@ -197,6 +197,38 @@ def family(
     )
 
 
+def _known(
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str | optax.GradientTransformation,
+    mesh: T.MeshSpec | None,
+    tx: optax.GradientTransformation,
+) -> Known:
+    """What the zoo knows of a preset's program (see the module docstring)."""
+    rules = dict(config=config, batch_size=batch_size, seq_len=seq_len)
+    segments = config.num_layers // config.remat_group_size
+    named = isinstance(optimizer, str)  # an optax transformation object is not describable
+    key = ("preset", config, batch_size, seq_len, optimizer, str(mesh) if mesh else None)
+    return Known(
+        title=_title(config, batch_size, seq_len),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer if named else None,
+        mesh=mesh,
+        logits=((batch_size, seq_len, config.vocab_size), config.dtype),
+        scan_layers=config.scan_layers,
+        default_policy=config.remat_policy,
+        cache_key=key if named else None,
+        takes_spec=True,
+        reach=PolicyReach(config.name, segments, segments, 0),
+        baseline=functools.partial(_baseline, config=config, tx=tx),
+        saved=functools.partial(_saved, **rules),
+        residuals=functools.partial(_residuals, **rules),
+        buffer_names=functools.partial(_buffer_names, **rules),
+    )
+
+
 def preset(
     model: str | ModelConfig,
     batch_size: int,
@@ -244,30 +276,7 @@ def preset(
 
         return loss
 
-    rules = dict(config=config, batch_size=batch_size, seq_len=seq_len)
-    segments = config.num_layers // config.remat_group_size
-    known = Known(
-        title=_title(config, batch_size, seq_len),
-        batch_size=batch_size,
-        seq_len=seq_len,
-        optimizer=optimizer if isinstance(optimizer, str) else None,
-        mesh=spec,
-        logits=((batch_size, seq_len, config.vocab_size), config.dtype),
-        scan_layers=config.scan_layers,
-        default_policy=config.remat_policy,
-        # an optax transformation given as an object is not describable: no cache key
-        cache_key=(
-            ("preset", config, batch_size, seq_len, optimizer, str(spec) if spec else None)
-            if isinstance(optimizer, str)
-            else None
-        ),
-        takes_spec=True,
-        reach=PolicyReach(config.name, segments, segments, 0),
-        baseline=functools.partial(_baseline, config=config, tx=tx),
-        saved=functools.partial(_saved, **rules),
-        residuals=functools.partial(_residuals, **rules),
-        buffer_names=functools.partial(_buffer_names, **rules),
-    )
+    known = _known(config, batch_size, seq_len, optimizer, spec, tx)
     return Program(
         name=config.name,
         make_step=make_step,

@@ -295,3 +295,59 @@ def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
     )
     assert passed_over_note(none, [dots, none], margin) is None  # the pick recomputes least
     assert passed_over_note(full, [full, dots, none], 0.0) is None  # calibrated: no rule
+
+
+def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1):
+    """A user's scanned MLP (4 layers, d=64) that offers its own family: the batch search and the
+    group sizes build it again at other shapes (the Family interface a user's model can give)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    from remat_kit import Program
+    from remat_kit.family import Family, Known, Structure
+
+    layers, d = 4, 64
+    w = jnp.ones((layers // remat_group_size, remat_group_size, d, d))
+    x = jnp.ones((batch_size, seq_len, d))
+
+    def make_loss(policy):
+        def group(h, ws):
+            for wi in ws:
+                h = jnp.tanh(checkpoint_name(h @ wi, "hidden"))
+            return h, None
+
+        body = group if policy is None else jax.checkpoint(group, policy=policy)
+        return lambda w, x: jax.lax.scan(body, x, w)[0].sum()
+
+    prog = Program.from_loss(make_loss, w, x, name="scan-mlp")
+    known = Known(batch_size=batch_size, seq_len=seq_len)
+    structure = Structure(num_layers=layers, remat_group_size=remat_group_size)
+    build = lambda **changes: _scan_mlp(  # noqa: E731
+        **{"batch_size": batch_size, "seq_len": seq_len, **changes}
+    )
+    return dataclasses.replace(prog, known=known, family=Family(build, structure))
+
+
+def test_a_users_program_with_a_family_gets_the_batch_search():
+    program = _scan_mlp()
+    base = recommend(program, target="local", policies=["save-nothing"], budget=2**40)
+    budget = 4 * base.pick.peak_bytes  # room for a larger batch than 4
+    rec = recommend(program, target="local", batch_size="auto", budget=budget,
+                    policies=["save-nothing", "no-remat"])  # fmt: skip
+    assert rec.largest_batch, rec.notes
+    for c in rec.largest_batch:  # each compiled at a batch the family built, and fits
+        assert c.fits and c.batch_size > 4 and c.peak_bytes <= budget
+        assert c.tokens_per_s == pytest.approx(c.batch_size * 16 / c.step_time_s)
+    # group sizes come from the family's structure
+    with pytest.raises(
+        ValueError, match=r"group size 3 does not divide num_layers=4 of 'scan-mlp'"
+    ):
+        recommend(program, target="local", policies=["save-nothing"], group_sizes=[3])
+    # without a family the same program cannot vary, said in one line
+    import dataclasses
+
+    bare = dataclasses.replace(program, family=None)
+    with pytest.raises(ValueError, match="cannot be varied .batch_size."):
+        recommend(bare, target="local", batch_size="auto")

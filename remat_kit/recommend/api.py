@@ -279,9 +279,10 @@ def _program_of(
     mesh: str | T.MeshSpec | None,
     solve: bool,
 ) -> Program:
-    """The program :func:`recommend` searches: ``model`` itself, or a preset's at ``seq_len``
-    tokens per sequence and ``batch_size`` sequences (default one per dp*fsdp device of
-    ``mesh``; 1 to start from with ``"auto"``), its arguments checked."""
+    """The program :func:`recommend` searches: ``model`` itself (``"auto"``: its family's
+    members, where it has one), or a preset's at ``seq_len`` tokens per sequence and
+    ``batch_size`` sequences (default one per dp*fsdp device of ``mesh``; 1 to start from with
+    ``"auto"``), its arguments checked."""
     auto = batch_size == "auto"
     spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
@@ -294,6 +295,8 @@ def _program_of(
         split = spec.dp * spec.fsdp if spec is not None else 1
         batch_size = 1 if auto else (split if batch_size is None else batch_size)
         _check_batch(batch_size, solve and auto)
+    if isinstance(model, Program) and auto:  # the batch search builds its family's members
+        batch_size = None
     return as_program(model, batch_size, seq_len, optimizer, spec)
 
 
@@ -438,6 +441,8 @@ def resolve_request(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     if auto and program.family is None:
         raise _cannot_vary(program, "batch_size")
+    if auto and program.known.batch_size != 1:  # the batch search starts from batch 1
+        program = program.family.build(batch_size=1)
     groups = _resolve_groups(program, group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)

@@ -1,19 +1,14 @@
 """A user's training program as remat-kit reads it: a step (or loss) factory and its arguments.
 
-remat-kit's tools ask one question of a program: *what does this step cost under policy P?* A
-:class:`Program` answers it for any JAX/Flax code, written the way its author writes it:
+A :class:`Program` answers *what does this step cost under policy P?* for JAX/Flax code as its
+author writes it: :meth:`Program.from_loss` takes ``make_loss(policy) -> loss(*args)`` and builds
+the step around it (``value_and_grad`` plus optax); :meth:`Program.from_step` takes the user's own
+``make_step(policy) -> step(*args)`` (NNX steps too), ``make_loss`` for residuals and the doctor.
 
-- :meth:`Program.from_loss`: ``make_loss(policy) -> loss(*args)``, the function the user
-  differentiates; remat-kit builds the step around it (``value_and_grad`` plus optax).
-- :meth:`Program.from_step`: ``make_step(policy) -> step(*args)``, the user's own step (an NNX
-  step mutating its model included); ``make_loss`` too for the residual table and the doctor.
-
-The factory receives a ``jax.checkpoint`` policy callable, or ``None`` for ``no-remat``: build
-the step *without* remat then (``jax.checkpoint(f, policy=None)`` would save nothing).
-Arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, NNX objects or equinox modules
-(:mod:`remat_kit.pure`). The bundled models are Programs too (:func:`remat_kit.zoo.preset`),
-what their builder knows in :attr:`Program.known` and :attr:`Program.family`
-(:mod:`remat_kit.family`); the tools never ask which kind they hold.
+The factory gets a ``jax.checkpoint`` policy, or ``None`` for ``no-remat`` (build the step
+without remat then); arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, NNX objects or
+equinox modules (:mod:`remat_kit.pure`). Presets are Programs too (:func:`remat_kit.zoo.preset`,
+:attr:`Program.known`, :attr:`Program.family`): docs/own-model.md, docs/architecture.md.
 
 Example::
 

@@ -2,33 +2,15 @@
 
 * Group sizes and the largest batch (``batch_size="auto"``): :func:`group_search`,
   :func:`largest_batch` (a :class:`BatchBracket` per policy).
-* Structure: cuDNN attention, chunked cross-entropy and nested remat when the plain step does not
-  fit, and partial-layer remat when a full-remat policy fits with room. Both stages build
-  another member of the program's family (:class:`~remat_kit.family.Family`: ``attention``,
-  ``loss_chunk_size``, ``nested_remat`` / ``nested_groups``, ``remat_layers``) rather than
-  change the policy, and compile every candidate they return.
+* Structure: another member of the program's family (:class:`~remat_kit.family.Family`:
+  ``attention``, ``loss_chunk_size``, ``nested_remat`` / ``nested_groups``, ``remat_layers``)
+  rather than another policy; every candidate returned is compiled.
 
-  - :func:`search_structure`: the options in order of cost (cuDNN flash attention where
-    the family's ``attention_options`` allow it: fewer FLOPs and no
-    [batch, heads, seq, seq] scores; then chunked cross-entropy: the LM head runs once more; then
-    both; then nested remat, alone and with the others: every block's forward runs once more),
-    each on the candidates that do not fit and are faster than the best fit: the least-memory
-    one first (its compiled saving is the estimate for the others), then the fastest ones whose
-    peak less that saving would fit, at most :data:`STRUCTURE_PROBES` per option. Nested remat
-    (Chen et al. 2016, arXiv:1604.06174; the family's ``nested_groups``) keeps one
-    outer segment's residuals at a time instead of every layer's, so its saving grows with the
-    policy's residuals: the estimate for another policy adds ``(1 - 1/G)`` times the difference
-    of their residual bytes (G outer groups). The first option that makes something fit ends
-    the stage.
-  - :func:`search_partial_layers`: the pick under a full-remat policy (every layer recomputed,
-    not nested); the first ``k`` of ``L`` layers under it, the rest not rematerialised, for the
-    least ``k`` that fits (Megatron-LM's ``--recompute-method block --recompute-num-layers k``).
-    Peak is close to affine in ``k`` (each layer taken out of remat keeps its activations): a
-    secant between the bracketing compiled points (``k = L`` fits; ``k = 0`` is no-remat,
-    compiled or unknown) for :data:`SECANT_PROBES` compiles, then bisection, until ``k`` fits and
-    ``k - 1`` was compiled not to: at most :func:`partial_probes` ``(L) = SECANT_PROBES +
-    ceil(log2 L)`` compiles per policy, or fewer where the session's compile cap stops it (said
-    in the notes).
+  - :func:`search_structure`: when nothing fits, cuDNN attention, chunked cross-entropy, both,
+    then nested remat (alone and with the others), each on at most :data:`STRUCTURE_PROBES`
+    candidates; the first option that makes something fit ends the stage.
+  - :func:`search_partial_layers`: when a full-remat policy fits with room, the least ``k`` of
+    ``L`` layers under it that fits, by secant then bisection (:func:`partial_probes` compiles).
 
 * The per-tag solver (``solve=True``, :func:`solve`): bytes and recomputed FLOPs per checkpoint tag
   around a compiled ``save-nothing``, time on the roofline's scale, every combination of actions
@@ -37,6 +19,8 @@
 * When nothing fits (:func:`advice`): what would (a smaller batch and a shorter sequence,
   compiled; more devices, estimated), and the message for a budget below the parameters and
   optimizer state (:class:`BudgetTooSmall`).
+
+Which candidates each option probes, and its estimates: docs/recommend.md ("How the search runs").
 """
 
 from __future__ import annotations

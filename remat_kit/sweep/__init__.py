@@ -6,18 +6,13 @@ point (:class:`Point`) :func:`run_sweep`
 
 1. analyses the step with :func:`remat_kit.memory.analyze_policies` (the compiled peak, residuals
    by checkpoint name, compiled FLOPs), all policies of one model/shape/target together;
-2. on the local device, where the grid asks, runs the real step on real text (``warmup_steps``
-   untimed, ``timed_steps`` timed) and records the median step time, tokens per second, MFU
-   where the peak FLOP/s is known, the measured peak (``peak_bytes_in_use``; None on the CPU
-   backend) and every loss;
-3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as its task finishes (one
-   write, flushed and fsync-ed; a resume drops a torn last line).
+2. on the local device, where the grid asks, times the real step on real text: median step time
+   (seconds), tokens per second, MFU (:func:`model_flops_per_token`), measured peak, every loss;
+3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as its task finishes.
 
-Where each part lives (config, checks, measure, rows, output, tasks, engines, shards, the one
-loop in ``run``): docs/sweep.md ("Where the code lives"). A failure at one point becomes a row
-with status ``oom`` or ``error``; ``resume=True`` skips points already in the file.
-
-Model FLOPs: PaLM's ``6 N + 12 L H Q T`` per token (arXiv:2204.02311, appendix B), no recompute.
+A failed point becomes an ``oom`` / ``error`` row; ``resume=True`` skips points already in the
+file. How a point is timed and where each part lives: docs/sweep.md ("Timing", "Where the
+code lives").
 
 Example::
 

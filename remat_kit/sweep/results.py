@@ -1,25 +1,18 @@
 """Sweep results as data: an append-only JSONL file, one JSON object (a *row*) per point.
 
-A row is written as one ``write()`` of a full line, then flushed and ``fsync``-ed, so a process
-killed at any moment leaves every finished row intact and at most one torn (partial, unterminated)
-last line. :func:`read_rows` ignores such a line; :func:`repair` truncates it away before more
-rows are appended. Each row carries:
+A row is one ``write()`` of a full line, flushed and ``fsync``-ed: a kill leaves every finished
+row and at most a torn last line, which :func:`read_rows` ignores and :func:`repair` cuts off.
+Each row carries:
 
 * ``key``: :func:`point_key` of the point's configuration (model, policy, shapes, target, steps,
   ...): what ``--resume`` matches on, so a point is never measured, or written, twice;
 * ``config_fingerprint``: :func:`fingerprint` of the whole sweep configuration: resuming onto a file
   written by a different configuration is refused (:func:`check_resumable`).
 
-A row's analysis report keeps its live-bytes timeline (per schedule position and the buffer
-spans the HTML report hovers, ~80 KB a row) out of the row: :func:`append_row` writes it to the
-*timelines file* beside the rows (:func:`timelines_path`: ``sweep.jsonl`` ->
-``sweep.timelines.jsonl``, one ``{"key", "timeline"}`` line per row, written first) and
-:func:`read_rows` puts it back, so the rows stay small to read, diff and commit, and a reader
-that only wants figures passes ``timelines=False``.
-
-Derived figures (slowdown and memory saved against ``no-remat``) are computed from rows by
-:func:`summarize`; plots (:mod:`remat_kit.plots`) and notebooks only read rows, never recompute
-them.
+A report's live-bytes timeline goes to the timelines file beside the rows
+(:func:`timelines_path`); :func:`read_rows` puts it back unless ``timelines=False``. Slowdown and
+memory saved against ``no-remat`` come from :func:`summarize`; plots (:mod:`remat_kit.plots`)
+and notebooks only read rows. The timelines file and why: docs/sweep.md ("Where the code lives").
 
 Example::
 

@@ -3,21 +3,13 @@ state, the train-step factory (real, abstract or sharded state), and a byte-leve
 
 :func:`make_train_step` returns the step the analyzer compiles (``remat-kit analyze``, the sweep)
 and that a training loop calls; :func:`abstract_train_state` and :func:`sharded_train_state` give
-its state as shapes or placed on a mesh without allocating it. Gradient accumulation is the
-``lax.scan`` over micro-batches of :func:`grad_fn`: the global batch ``[batch_size, seq_len]`` is
-viewed as ``[micro_batches, batch_size // micro_batches, seq_len]`` and scanned, so one
-micro-batch's activations are live at a time and the float32 gradient sum is the only extra
-buffer. :mod:`remat_kit.training.data` is the byte-level corpus (the Python standard library's
-source by default) whose batches are a pure function of ``(seed, step)``.
+its state as shapes or placed on a mesh without allocating it; :func:`grad_fn` accumulates
+gradients over micro-batches. Modules: ``step`` (loss, optimizer, train state, the step),
+``data`` (:mod:`remat_kit.training.data`: the byte-level corpus and its batches).
 
-Modules: ``step`` (loss, optimizer, train state, :func:`make_train_step`), ``data`` (the
-byte-level corpus and its batches).
-
-The trainer that runs these steps (``train``, ``TrainConfig``, orbax checkpoints and resume,
-fault injection, multi-process runs) is experiment machinery, not library: it lives in
-``experiments/trainer/`` of a clone of remat-kit, imported as ``trainer`` with ``experiments/`` on
-``sys.path`` (``python experiments/train.py`` does that). Asking this package for one of its
-names raises an ``ImportError`` that says so.
+The trainer (``train``, ``TrainConfig``, checkpoints and resume) is experiment machinery in
+``experiments/trainer/`` of a clone; asking this package for one of its names raises an
+``ImportError`` that says so. Accumulation and the trainer: docs/training.md.
 
 Example::
 

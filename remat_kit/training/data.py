@@ -1,22 +1,12 @@
 """Real-text input pipeline: byte-level tokens, a deterministic split and resumable batches.
 
-The default corpus is text that no one here wrote and that every machine with Python has: the
-standard library's own ``.py`` source files, found through ``sysconfig.get_paths()["stdlib"]``
-(``site-packages``, ``dist-packages``, test folders, ``__pycache__`` and hidden folders excluded).
-Any text file or folder can be used instead.
-
-Tokens are raw UTF-8 bytes, so the vocabulary is :data:`VOCAB_SIZE` = 256 and no tokenizer is
-needed. Files are read in sorted order of their path relative to the root and concatenated as they
-are (no separator), giving one token stream; the *last* ``val_fraction`` of that stream is the
-validation split and the rest is the training split (a contiguous tail split: no token is in both,
-and the split depends only on the bytes and ``val_fraction``). For the stdlib the tail is the
-alphabetically last modules (``xml``, ``zipfile``, ...), so validation is slightly out of
-distribution; that is deliberate, it keeps the split trivially disjoint.
-
-Training batches come from :class:`Batcher`, whose :meth:`Batcher.batch_at` is a pure function of
-``(seed, step)``: resuming a run killed at step ``k`` needs only ``k``, and gives bitwise the same
-batches as the uninterrupted run. Validation batches come from :meth:`Corpus.val_batches`, which
-walks the validation split sequentially.
+The default corpus is the Python standard library's own ``.py`` source; any text file or folder
+can be used instead. Tokens are raw UTF-8 bytes (:data:`VOCAB_SIZE` = 256, no tokenizer). The
+files, in sorted path order, form one token stream whose last ``val_fraction`` is the
+validation split (a contiguous tail: no token in both splits). :meth:`Batcher.batch_at` is a
+pure function of ``(seed, step)``, so a run resumed at step ``k`` gets bitwise the same batches;
+:meth:`Corpus.val_batches` walks the validation split in order. Which files, and why a tail
+split: docs/training.md ("The corpus").
 
 Example (``load_corpus()`` reads the stdlib, first 8 MiB; here its first 64 KiB)::
 

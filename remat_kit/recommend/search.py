@@ -541,7 +541,7 @@ def choice_time(
     what of its host transfers cannot hide.
 
     ``compute_s = t - r * recompute_kept`` with ``t`` the anchor's estimated step time and ``r``
-    its estimated recompute seconds (:attr:`~remat_kit.memory.roofline.StepTime.recompute_s`;
+    its estimated recompute seconds (``StepTime.recompute_s`` of :mod:`remat_kit.memory.roofline`;
     without it, ``t`` times the anchor's share of recomputed FLOPs). Offloaded bytes cross the
     host link once each way, device -> host during the forward pass (a third of the step without
     recomputation) and back during the backward pass; only what cannot hide behind that pass

@@ -261,11 +261,11 @@ def _report_dict(report, with_timeline: bool) -> dict:
     return d
 
 
-def _policy_table(config, target, args, results, labels: Sequence[str]):
+def _policy_table(program, target, args, results, labels: Sequence[str]):
     """One row per policy, fitted to the terminal: the host column only where some policy puts
     bytes on the host, and the compile seconds left out first when it does not fit."""
-    shape = "" if config.batch_size is None else f", batch={args.batch} seq={args.seq},"
-    title = f"{config.name}{shape} on {target.name} ({target.description})"
+    shape = "" if program.known.batch_size is None else f", batch={args.batch} seq={args.seq},"
+    title = f"{program.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])
     host = any(r.host_bytes for r in ok)
@@ -538,7 +538,7 @@ def _warning_lines(results, labels: Sequence[str]) -> list[str]:
 
 
 def print_reports(
-    config, target, args, results, layers, specs: Sequence[PolicySpec], chosen=None
+    program, target, args, results, layers, specs: Sequence[PolicySpec], chosen=None
 ) -> None:
     """The reports as tables: one row per policy, the shared figures, XLA's warnings, the
     largest buffers at the peak (one policy) and the per-layer comparison (``--per-layer``);
@@ -546,7 +546,7 @@ def print_reports(
     compiled and the residuals by its own checkpoint names."""
     out = console()
     labels = _labels(specs, chosen)
-    out.print(_policy_table(config, target, args, results, labels))
+    out.print(_policy_table(program, target, args, results, labels))
     for label, r in zip(labels, results, strict=True):
         if isinstance(r, CompileError) and r.out_of_memory:
             out.print(_refused_line(r, label, target), highlight=False, markup=False)
@@ -559,7 +559,7 @@ def print_reports(
     notes = []
     if chosen is not None:
         names = ", ".join(sorted(chosen.tags)) or "none"
-        notes = [f"checkpoint names {config.name!r} emits: {names}", *chosen.notes]
+        notes = [f"checkpoint names {program.name!r} emits: {names}", *chosen.notes]
     for line in _summary_lines(target, args, results, labels) + notes:
         out.print(line, highlight=False, markup=False)
     for line in _warning_lines(results, labels):

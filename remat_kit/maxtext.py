@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from remat_kit import targets as T
+from remat_kit import trace
 from remat_kit.family import Known
 from remat_kit.inject import inject_policy
 from remat_kit.placement import BufferNames, Placement
@@ -199,8 +200,8 @@ def _layout(target_name: str, mesh: Any, out_shardings: Any) -> Any:
 def _buffer_names(program: Program, rows: Sequence[Any], placement: Placement) -> BufferNames:
     """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
     MaxText shards it), as the compiled step's buffers hold them."""
-    names = program.traced_buffer_names(rows)
-    params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in program.param_leaves())
+    names = trace.traced_buffer_names(program, rows)
+    params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in trace.param_leaves(program))
     return dataclasses.replace(names, params=params)
 
 

@@ -32,7 +32,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import optax
 
 from remat_kit import targets as T
@@ -41,18 +40,16 @@ from remat_kit.loss_step import (
     argnums_of,
     check_loss,
     check_params,
-    diff_part,
     initial_opt_state,
     loss_step_of,
 )
 from remat_kit.optimizers import make_optimizer
-from remat_kit.placement import BufferNames, Layout, Placement
+from remat_kit.placement import Layout, Placement
 from remat_kit.policies import PolicySpec, get_policy_spec, remat_implementation
 from remat_kit.pure import (
     Factory,
     LossTrace,
     Pure,
-    is_float_array,
     is_nnx,
     jax_policy,
     param_names,
@@ -61,10 +58,6 @@ from remat_kit.pure import (
 )
 from remat_kit.reach import PolicyReach, policy_reach
 from remat_kit.walker import (
-    Residual,
-    TagResiduals,
-    group_by_tag,
-    saved_residuals,
     traced_flops,
 )
 
@@ -304,55 +297,6 @@ class Program:
             return self.layout(T.get_target(target), self.baseline_step().names)
         sharding = T.abstract_sharding(target)
         return Placement(lambda args: tuple(T.abstractify(a, sharding) for a in args))
-
-    def saved(self, spec: PolicySpec) -> list[Residual] | None:
-        """The values the loss keeps for its backward pass under ``spec``, one
-        :class:`~remat_kit.walker.Residual` each (arguments flagged); None without
-        ``make_loss``. Traces the loss, compiles nothing (the builder's :attr:`Known.saved`
-        where it has one)."""
-        if self.known.saved is not None:
-            return self.known.saved(self, spec)
-        loss = self.loss(spec)
-        if loss is None:
-            return None
-        return list(saved_residuals(loss.fn, *loss.args))
-
-    def residuals(self, spec: PolicySpec, placement: Placement) -> tuple[TagResiduals, ...] | None:
-        """:meth:`saved` by checkpoint tag (parameters excluded; shapes as the VJP keeps them,
-        e.g. [layers, batch, seq, d_model] under a layer scan); None without ``make_loss``.
-        The builder's :attr:`Known.residuals` where it has one."""
-        if self.known.residuals is not None:
-            return self.known.residuals(self, spec, placement)
-        saved = self.saved(spec)
-        return None if saved is None else tuple(group_by_tag(saved))
-
-    def buffer_names(self, rows: Sequence[TagResiduals], placement: Placement) -> BufferNames:
-        """What names the buffers live at the peak: each residual row's shape -> its tags, and
-        the differentiated arguments' shapes (parameters; their gradients share them); the
-        builder's :attr:`Known.buffer_names` where it has one."""
-        if self.known.buffer_names is not None:
-            return self.known.buffer_names(self, rows, placement)
-        return self.traced_buffer_names(rows)
-
-    def traced_buffer_names(self, rows: Sequence[TagResiduals]) -> BufferNames:
-        """:meth:`buffer_names` from the residual rows and the parameters as traced."""
-        params = [(x.dtype.name, tuple(x.shape)) for x in self.param_leaves()]
-        stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
-        for row in rows:
-            key = (row.dtype, tuple(row.shape))
-            if row.tag not in stacked.get(key, ()):
-                stacked[key] = (*stacked.get(key, ()), row.tag)
-        return BufferNames(stacked=stacked, params=frozenset(params))
-
-    def param_leaves(self) -> list[Any]:
-        """The arrays the loss differentiates: the float array leaves of its ``argnums``
-        arguments (not integer or boolean buffers), an NNX object's ``nnx.Param`` state only
-        (not its RNG keys, counters or batch statistics); empty without a loss."""
-        out = []
-        for i in self.argnums if self.make_loss is not None else ():
-            arg = self.loss_args[i]
-            out += [x for x in jax.tree.leaves(diff_part(arg)[0]) if is_float_array(x)]
-        return out
 
     def reach(self) -> PolicyReach:
         """Whether the factories pass the policy on (:func:`policy_reach`: two to four traces),

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from remat_kit import trace
 from remat_kit.policies import (
     MAXTEXT_POLICIES,
     custom_spec,
@@ -188,7 +189,7 @@ def test_maxtext_loss_residuals_equal_jax_by_checkpoint_name(unscanned, name):
     from remat_kit.cli.args import policy_arg
 
     spec = policy_arg(name)
-    rows = unscanned.residuals(spec, None)
+    rows = trace.residuals(unscanned, spec, None)
     ours = {}
     for row in rows:
         if not row.tag.startswith("<"):
@@ -208,10 +209,10 @@ def test_maxtext_residuals_are_per_chip_on_a_tpu_slice():
     from remat_kit.policies import get_policy_spec
 
     spec = get_policy_spec("minimal")
-    one = {r.tag: r.nbytes for r in maxtext_program(TINY, "local").residuals(spec, None)}
+    one = {r.tag: r.nbytes for r in trace.residuals(maxtext_program(TINY, "local"), spec, None)}
     slice_ = maxtext_program(TINY, "v5p-8")  # FSDP over 4 chips, global batch 4
     assert slice_.batch_split == (4, 128, 4)
-    four = {r.tag: r.nbytes for r in slice_.residuals(spec, None)}
+    four = {r.tag: r.nbytes for r in trace.residuals(slice_, spec, None)}
     for tag in ("query_proj", "mlpwi_0", "out_proj"):  # one sequence per chip, as on one
         assert four[tag] == one[tag]
 
@@ -277,7 +278,7 @@ def test_maxtext_parameters_are_named_by_their_shape_per_chip():
     from remat_kit.maxtext import maxtext_program
 
     prog = maxtext_program(TINY, "v5p-8")
-    params = prog.buffer_names((), None).params
+    params = trace.buffer_names(prog, (), None).params
     # wi_0 / wi_1 [emb, layers, mlp]: emb split over the 4 chips (fsdp), as the HLO holds them
     assert ("float32", (64, 2, 512)) in params
     assert ("float32", (256, 2, 512)) not in params

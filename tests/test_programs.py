@@ -10,7 +10,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
-from remat_kit import Program
+from remat_kit import Program, trace
 from remat_kit.memory.report import same_program_as
 from tests.conftest import needs_cuda_plugin
 from tests.test_analyze_programs import SKIPPED, counting_compiles
@@ -420,7 +420,7 @@ def test_integer_and_boolean_leaves_beside_the_floats_are_carried_not_differenti
         return jax.checkpoint(loss, policy=policy) if policy is not None else loss
 
     program = Program.from_loss(make_loss, params, x, optimizer=optax.sgd(0.5))
-    assert [int(a.size) for a in program.param_leaves()] == [16]
+    assert [int(a.size) for a in trace.param_leaves(program)] == [16]
     pure = program.step(remat_kit.policies.get_policy_spec("save-nothing"))
     _, (new,), value = jax.jit(pure.fn)(*pure.args)
     grads = jax.grad(lambda w: make_loss(None)({**params, "w": w}, x))(params["w"])
@@ -452,7 +452,7 @@ def test_param_leaves_are_an_nnx_models_params_only():
         return lambda m, x: jax.checkpoint(lambda m, x: (m(x) ** 2).mean(), policy=policy)(m, x)
 
     program = Program.from_loss(make_loss, net, jnp.ones((2, 4)), name="net")
-    n = sum(x.size for x in program.param_leaves())
+    n = sum(x.size for x in trace.param_leaves(program))
     assert n == 4 * 3 + 3 + 3 + 3  # linear kernel and bias, BatchNorm's scale and bias
     assert n < sum(x.size for x in jax.tree.leaves(nnx.state(net)))  # the rest: stats, RNGs
     from remat_kit.sweep.run import _num_params

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import targets as T
+from remat_kit import trace
 from remat_kit import walker as W
 from remat_kit.doctor.compare import Residuals, check_remat_static_argnums, compare
 from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
@@ -117,7 +118,7 @@ class ProgramCheck:
 
 
 def _kept(program: Program, spec: PolicySpec) -> Residuals:
-    return Residuals.of(program.saved(spec))
+    return Residuals.of(trace.saved(program, spec))
 
 
 def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
@@ -128,7 +129,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
 
     def saving(tag: str):
-        return program.saved(custom_spec({tag: "save"}))
+        return trace.saved(program, custom_spec({tag: "save"}))
 
     @functools.cache
     def keeping(names: frozenset[str]) -> float:

@@ -27,6 +27,7 @@ import jax
 import optax
 
 from remat_kit import targets as T
+from remat_kit import trace
 from remat_kit.loading import require_program
 from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.policy_set import (
@@ -292,7 +293,7 @@ def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
 
 
 def _hints(program: Program, rows: Sequence[TagResiduals], placement: Placement) -> Hints:
-    names = program.buffer_names(rows, placement)
+    names = trace.buffer_names(program, rows, placement)
     return Hints(
         logits_elems=names.logits_elems,
         stacked={xla_shape(d, s): tags for (d, s), tags in names.stacked.items()},
@@ -323,7 +324,7 @@ def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -
     pure, stage = traced_step(program, spec, setup.placement)
     abstract = setup.placement.place(pure.args)
     traced = stage.jaxpr.jaxpr if spec.wrap else None
-    residuals = program.residuals(spec, setup.placement)
+    residuals = trace.residuals(program, spec, setup.placement)
     if residuals is not None and not setup.target.supports_host_offload:
         residuals = held_on_device(residuals)  # what it offloads stays in device memory
     devices = setup.placement.devices

@@ -33,6 +33,7 @@ from typing import Any
 
 from remat_kit import names as N
 from remat_kit import targets as T
+from remat_kit import trace
 from remat_kit.memory.roofline import figures_for
 from remat_kit.placement import Placement
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
@@ -589,8 +590,8 @@ def tag_costs(
     sum of the four alone.
     """
     everything = custom_spec({t: "save" for t in tags})
-    kept = bytes_by_tag(program.residuals(everything, placement) or (), memory=None)
-    base = bytes_by_tag(program.residuals(get_policy_spec("save-nothing"), placement) or ())
+    kept = bytes_by_tag(trace.residuals(program, everything, placement) or (), memory=None)
+    base = bytes_by_tag(trace.residuals(program, get_policy_spec("save-nothing"), placement) or ())
 
     f0 = step_flops(program, custom_spec({}))
     costs = []

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from remat_kit import targets as T
+from remat_kit import trace
 from remat_kit import validation as V
 from remat_kit.loading import require_program
 from remat_kit.memory import analyze_policies, roofline
@@ -410,7 +411,7 @@ def _num_params(program: Program) -> int | None:
     :meth:`~remat_kit.program.Program.param_leaves`)."""
     if program.make_loss is None:
         return None
-    return sum(int(x.size) for x in program.param_leaves())
+    return sum(int(x.size) for x in trace.param_leaves(program))
 
 
 def select_policies(

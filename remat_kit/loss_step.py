@@ -27,6 +27,12 @@ from remat_kit.pure import (
 
 
 def argnums_of(argnums: int | Sequence[int], args: Sequence[Any]) -> tuple[int, ...]:
+    """``argnums`` as a tuple, each checked against ``args``.
+
+    Raises:
+      ValueError: an index out of range; an argument with no float arrays to differentiate (or
+        an NNX object with an integer ``nnx.Param``).
+    """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for i in nums:
         if not 0 <= i < len(args):

@@ -42,6 +42,7 @@ _NNX_OBJECT = getattr(nnx, "Pytree", None) or nnx.Object
 
 
 def is_nnx(x: Any) -> bool:
+    """Whether ``x`` is an NNX object with state (a module or an optimizer)."""
     return isinstance(x, _NNX_OBJECT)
 
 

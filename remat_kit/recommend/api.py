@@ -296,6 +296,7 @@ def _program_of(
         batch_size = 1 if auto else (split if batch_size is None else batch_size)
         _check_batch(batch_size, solve and auto)
     if isinstance(model, Program) and auto:  # the batch search builds its family's members
+        _check_batch(1, solve)
         batch_size = None
     return as_program(model, batch_size, seq_len, optimizer, spec)
 

@@ -238,10 +238,10 @@ def test_analyze_fits_100_columns_with_each_note_once(monkeypatch, capsys, swept
     monkeypatch.setenv("COLUMNS", str(_WIDTH))
     labels, reports = swept[key]
     model, target, seq = key
-    config = SimpleNamespace(name=model, batch_size=reports[0].batch_size)
+    program = remat_kit.preset(model, reports[0].batch_size, seq)
     args = SimpleNamespace(batch=reports[0].batch_size, seq=seq, budget=None, buffers=None)
     specs = [remat_kit.get_policy_spec(label) for label in labels]
-    print_reports(config, targets.get_target(target), args, reports, [], specs)
+    print_reports(program, targets.get_target(target), args, reports, [], specs)
     out = capsys.readouterr().out
     _fits(out)
     _whole_in_column(out, labels)

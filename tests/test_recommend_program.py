@@ -164,6 +164,9 @@ def test_cli_shape_flags(capsys):
         (["--model", "no_such_module:program", "--seq", "64"], "--seq applies to presets"),
         (["--model", REF, "--group-size", "1"], "--group-size applies to presets"),
         (["--model", "tiny-llama"], "required for a preset: --seq"),
+        (["--model", REF, "--batch", "2"], "--batch applies to presets"),
+        # --batch auto is the batch search: over a family, which this program does not offer
+        (["--model", REF, "--batch", "auto"], "program 'plain-jax' cannot be varied (batch_size)"),
     ]:
         assert cli.main(["recommend", *argv]) == 2
         err = capsys.readouterr().err.strip()

@@ -206,8 +206,8 @@ def read_program(
         args.per_layer}``); one given (not None or False) with a program is refused.
 
     Raises:
-      UsageError: ``--batch`` / ``--seq`` / ``--set`` or a ``preset_only`` flag given with a
-        program, or a preset missing one of ``needed`` (one line saying which).
+      UsageError: ``--batch`` (but ``auto``) / ``--seq`` / ``--set`` or a ``preset_only`` flag
+        given with a program, or a preset missing one of ``needed`` (one line saying which).
       ValueError: an unknown preset, a program reference that cannot be loaded, shapes the
         preset refuses (:func:`remat_kit.preset`).
     """
@@ -216,7 +216,8 @@ def read_program(
     if args.model is None:
         raise UsageError("one of --model or --maxtext is required")
     if is_program_ref(args.model):
-        given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) is not None]
+        # --batch auto: recommend's batch search, over the program's family where it has one
+        given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) not in (None, "auto")]
         given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
         if args.overrides:
             given.append("--set")

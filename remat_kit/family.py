@@ -125,16 +125,22 @@ class Family:
     structure searches).
 
     Attributes:
-      build: ``build(**changes) -> Program``: ``batch_size``, ``seq_len`` and
-        :class:`Structure` fields (``remat_group_size``, ``attention``, ``loss_chunk_size``,
-        ``remat_layers``, ``nested_remat`` / ``nested_groups``); raises ``ValueError`` for a
-        change the model refuses.
+      build: ``build(**changes) -> Program`` for changes among :attr:`accepts`; raises
+        ``ValueError`` for a value the model refuses (the search notes it and goes on).
       structure: the program's own structure.
+      accepts: the changes ``build`` takes: ``batch_size``, ``seq_len`` and :class:`Structure`
+        fields (``remat_group_size``, ``attention``, ``loss_chunk_size``, ``remat_layers``,
+        ``nested_remat`` / ``nested_groups``); a search that needs another is not run.
       attention_options: ``target -> attention kernels worth compiling there``.
       nested_groups: the outer segment count nested remat would use (None: not offered).
     """
 
     build: Callable[..., Any]
     structure: Structure
+    accepts: frozenset[str] = frozenset({"batch_size", "seq_len"})
     attention_options: Callable[[Target], tuple[str, ...]] = lambda target: ()
     nested_groups: int | None = None
+
+    def takes(self, *changes: str) -> bool:
+        """Whether :attr:`build` takes every one of ``changes``."""
+        return set(changes) <= self.accepts

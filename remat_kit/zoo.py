@@ -192,6 +192,7 @@ def family(
     return Family(
         build=build,
         structure=structure(config),
+        accepts=frozenset({*_SHAPE_FIELDS, *(f.name for f in dataclasses.fields(ModelConfig))}),
         attention_options=lambda target: attention_choices(target, config),
         nested_groups=nested_groups(config),
     )

@@ -166,7 +166,10 @@ def test_cli_shape_flags(capsys):
         (["--model", "tiny-llama"], "required for a preset: --seq"),
         (["--model", REF, "--batch", "2"], "--batch applies to presets"),
         # --batch auto is the batch search: over a family, which this program does not offer
-        (["--model", REF, "--batch", "auto"], "program 'plain-jax' cannot be varied (batch_size)"),
+        (
+            ["--model", REF, "--batch", "auto"],
+            "'plain-jax' cannot be varied (batch_size): it has no",
+        ),
     ]:
         assert cli.main(["recommend", *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -300,7 +303,7 @@ def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
     assert passed_over_note(full, [full, dots, none], 0.0) is None  # calibrated: no rule
 
 
-def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1):
+def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1, most: int = 0):
     """A user's scanned MLP (4 layers, d=64) that offers its own family: the batch search and the
     group sizes build it again at other shapes (the Family interface a user's model can give)."""
     import dataclasses
@@ -311,6 +314,8 @@ def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1)
     from remat_kit import Program
     from remat_kit.family import Family, Known, Structure
 
+    if most and batch_size > most:
+        raise ValueError(f"batch_size {batch_size} is over this model's {most}")
     layers, d = 4, 64
     w = jnp.ones((layers // remat_group_size, remat_group_size, d, d))
     x = jnp.ones((batch_size, seq_len, d))
@@ -328,7 +333,7 @@ def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1)
     known = Known(batch_size=batch_size, seq_len=seq_len)
     structure = Structure(num_layers=layers, remat_group_size=remat_group_size)
     build = lambda **changes: _scan_mlp(  # noqa: E731
-        **{"batch_size": batch_size, "seq_len": seq_len, **changes}
+        **{"batch_size": batch_size, "seq_len": seq_len, "most": most, **changes}
     )
     return dataclasses.replace(prog, known=known, family=Family(build, structure))
 
@@ -343,14 +348,24 @@ def test_a_users_program_with_a_family_gets_the_batch_search():
     for c in rec.largest_batch:  # each compiled at a batch the family built, and fits
         assert c.fits and c.batch_size > 4 and c.peak_bytes <= budget
         assert c.tokens_per_s == pytest.approx(c.batch_size * 16 / c.step_time_s)
-    # group sizes come from the family's structure
-    with pytest.raises(
-        ValueError, match=r"group size 3 does not divide num_layers=4 of 'scan-mlp'"
-    ):
-        recommend(program, target="local", policies=["save-nothing"], group_sizes=[3])
+    # group sizes come from the family's structure, and only where its build takes them
+    with pytest.raises(ValueError, match=r"cannot be varied .remat_group_size.: its family"):
+        recommend(program, target="local", policies=["save-nothing"], group_sizes=[2])
+    # the default search (structure on) asks the family nothing it does not take; the line to
+    # paste is the policy for the user's factory
+    full = recommend(program, target="local", budget=budget)
+    assert full.pick is not None and all(not c.options for c in full.candidates)
+    assert full.pick.code().startswith("policy = ") and "batch 4, seq 16" in full.pick.code()
+    # a member the family refuses to build is a note, and the search goes on below it
+    capped = recommend(_scan_mlp(most=8), target="local", batch_size="auto", budget=budget,
+                       policies=["save-nothing"])  # fmt: skip
+    assert capped.pick is not None and capped.pick.batch_size <= 8
+    assert any(
+        "failed to build: batch_size" in n and "over this model's 8" in n for n in capped.notes
+    )
     # without a family the same program cannot vary, said in one line
     import dataclasses
 
     bare = dataclasses.replace(program, family=None)
-    with pytest.raises(ValueError, match="cannot be varied .batch_size."):
+    with pytest.raises(ValueError, match="cannot be varied .batch_size.: it has no family"):
         recommend(bare, target="local", batch_size="auto")

@@ -244,7 +244,8 @@ class CompileError(RuntimeError):
       what: what was compiled (``"policy 'save-dots' on target 'h100-sxm'"``).
       xla_message: the first line of the error (and, for a known cause, how to fix it).
       policy: the policy name, when a model step.
-      stage: ``"compile"`` (XLA refused the program) or ``"lower"`` (JAX could not lower the
+      stage: ``"compile"`` (XLA refused the program), ``"build"`` (a program's family refused
+        the change a search asked of it) or ``"lower"`` (JAX could not lower the
         traced step for the target: :func:`lower_for`).
     """
 

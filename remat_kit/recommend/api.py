@@ -387,9 +387,11 @@ def _resolve_specs(
 
 def _cannot_vary(program: Program, *changes: str) -> ValueError:
     """The error for a search asked of a program without a family (a user's)."""
+    how = "its family does not take" if program.family is not None else "it has no family for"
     return ValueError(
-        f"program {program.name!r} cannot be varied ({', '.join(sorted(changes))}): it carries "
-        "its own arguments; change the shapes in its factory and run again"
+        f"program {program.name!r} cannot be varied ({', '.join(sorted(changes))}): {how} that; "
+        "change its factory and run again, or give it a remat_kit.family.Family that builds it "
+        "(docs/own-model.md)"
     )
 
 
@@ -401,7 +403,7 @@ def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list
       ValueError: a group size that does not divide ``num_layers``; group sizes for a
         program that cannot vary (a user's).
     """
-    if program.family is None:
+    if program.family is None or not program.family.takes("remat_group_size"):
         if group_sizes is not None:
             raise _cannot_vary(program, "remat_group_size")
         return []
@@ -440,7 +442,7 @@ def resolve_request(
     figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-    if auto and program.family is None:
+    if auto and (program.family is None or not program.family.takes("batch_size")):
         raise _cannot_vary(program, "batch_size")
     if auto and program.known.batch_size != 1:  # the batch search starts from batch 1
         program = program.family.build(batch_size=1)

@@ -262,8 +262,13 @@ def structural_options(session: Session) -> list[tuple[str, Overrides]]:
     nested remat with the others (those the target, the family and the sequence allow, and the
     program does not already have)."""
     layers, family = session.structure, session.program.family
-    cudnn = layers.attention == "xla" and "cudnn" in family.attention_options(session.target)
-    chunk = loss_chunk(session.seq_len) if layers.loss_chunk_size is None else None
+    cudnn = (
+        family.takes("attention") and layers.attention == "xla"
+        and "cudnn" in family.attention_options(session.target)
+    )  # fmt: skip
+    chunk = None
+    if family.takes("loss_chunk_size") and layers.loss_chunk_size is None:
+        chunk = loss_chunk(session.seq_len)
     cheap: list[tuple[str, Overrides]] = []
     if cudnn:
         cheap.append(("attention='cudnn'", (("attention", "cudnn"),)))
@@ -276,7 +281,7 @@ def structural_options(session: Session) -> list[tuple[str, Overrides]]:
                 (("attention", "cudnn"), ("loss_chunk_size", chunk)),
             )
         )
-    groups = family.nested_groups
+    groups = family.nested_groups if family.takes("nested_remat", "nested_groups") else None
     if groups is None:
         return cheap
     nested = (("nested_groups", groups), ("nested_remat", True))
@@ -361,6 +366,8 @@ def search_partial_layers(
       Every candidate compiled, as (spec, candidate, report).
     """
     layers = session.structure
+    if not session.program.family.takes("remat_layers"):
+        return []
     if pick is None or pick.remat_layers is not None or pick.remat_group_size != 1:
         return []
     if pick.policy == "no-remat" or not layers.scan_layers or layers.layer_structure:
@@ -923,7 +930,8 @@ def advice(
         "over the budget"
     ]
     extra: list[Candidate] = []
-    if batch > 1 and session.room() > 0:
+    family = session.program.family
+    if batch > 1 and session.room() > 0 and family.takes("batch_size"):
         first = session.candidates([spec], g0, 1, "advice")
         if first:
             best, probes = largest_batch(session, [(spec, first[0][1])])
@@ -935,7 +943,8 @@ def advice(
                 )
             else:
                 lines.append(f"smaller batch: even batch 1 does not fit with {spec.name}")
-    lines.append(shorter_sequence(session, spec, least, batch, extra))
+    if family.takes("seq_len"):
+        lines.append(shorter_sequence(session, spec, least, batch, extra))
     state = 2 * session.fixed_bytes - session.opt_state_bytes  # params, grads, opt state
     for n in DEVICE_COUNTS:
         estimate = least.peak_bytes - (1 - 1 / n) * state

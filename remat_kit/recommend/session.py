@@ -110,6 +110,9 @@ class Candidate:
     #: equal for two candidates that compiled to one program (``custom: out_proj=save`` and
     #: ``save-out-proj`` on a program tagging only ``out_proj`` of that policy's names).
     program_sha256: str | None = None
+    #: The program is built by the user's own factory (it takes a ``jax.checkpoint`` policy),
+    #: so the line to paste is the policy for it, whatever its family varied.
+    own_factory: bool = False
 
     @property
     def options(self) -> dict[str, Any]:
@@ -163,21 +166,8 @@ class Candidate:
         else:
             body = ", ".join(f'"{t}": "{a}"' for t, a in sorted(self.actions.items()))
             policy = f"remat_kit.custom_policy({{{body}}})"
-        if self.batch_size is None:
-            if self.policy == "no-remat" and remats_for_none:
-                return (
-                    f"policy = None  # your factory still builds {remats_for_none} remat "
-                    "segment(s) for None (jax.checkpoint's default policy: save nothing): this "
-                    "is not a step without remat"
-                )
-            if self.policy == "no-remat":
-                return (
-                    "policy = None  # no remat: your factory builds the step without jax.checkpoint"
-                )
-            return (
-                f"policy = {policy}  # give it to your factory (make_loss / make_step): "
-                "jax.checkpoint(..., policy=policy)"
-            )
+        if self.batch_size is None or self.own_factory:
+            return self._factory_code(policy, remats_for_none)
         shape = f"batch {self.batch_size}, seq {self.seq_len}"
         if self.options:
             return self._config_code(policy, shape)
@@ -185,6 +175,26 @@ class Candidate:
             return f"Block  # no remat: do not wrap the block in nn.remat; {shape}"
         return (
             f"nn.remat(Block, policy={policy})  # {shape}, remat_group_size={self.remat_group_size}"
+        )
+
+    def _factory_code(self, policy: str, remats_for_none: int) -> str:
+        """The policy a user's factory receives, and the shape its family built (if any)."""
+        shape = "" if self.batch_size is None else f"; batch {self.batch_size}"
+        shape += "" if self.seq_len is None else f", seq {self.seq_len}"
+        if self.policy == "no-remat" and remats_for_none:
+            return (
+                f"policy = None  # your factory still builds {remats_for_none} remat "
+                "segment(s) for None (jax.checkpoint's default policy: save nothing): this "
+                f"is not a step without remat{shape}"
+            )
+        if self.policy == "no-remat":
+            return (
+                "policy = None  # no remat: your factory builds the step without "
+                f"jax.checkpoint{shape}"
+            )
+        return (
+            f"policy = {policy}  # give it to your factory (make_loss / make_step): "
+            f"jax.checkpoint(..., policy=policy){shape}"
         )
 
     def _config_code(self, policy: str, shape: str) -> str:
@@ -661,7 +671,15 @@ class Session:
         todo = {k: s for k, s in zip(keys, specs, strict=True) if k not in self.cache.reports}
         self.reused += sum(1 for k in keys if k not in todo)
         if todo:
-            program = self.program.family.build(**changes) if changes else self.program
+            try:
+                program = self.program.family.build(**changes) if changes else self.program
+            except ValueError as err:  # a change the model refuses: a note, the search goes on
+                what = ", ".join(f"{k}={v!r}" for k, v in sorted(changes.items()))
+                refused = CompileError(
+                    f"{self.program.name!r} with {what}", str(err), None, "build"
+                )
+                self.cache.reports.update(dict.fromkeys(todo, refused))
+                return [self.cache.reports[k] for k in keys]
             results = analyze_policies(
                 program, list(todo.values()), target=self.target, budget_bytes=self.budget,
                 top_k=0, workers=self.workers, raise_errors=False, compare_offload=False,
@@ -724,6 +742,8 @@ class Session:
             c = dataclasses.replace(c, found_by=by, named_label=self.labels[spec])
         if layers is None:
             return c
+        if not self.program.known.takes_spec:
+            c = dataclasses.replace(c, own_factory=True)
         now = layers.changed(structure)
         return dataclasses.replace(
             c, model=layers.name, attention=now.attention, loss_chunk_size=now.loss_chunk_size,

@@ -369,3 +369,10 @@ def test_a_users_program_with_a_family_gets_the_batch_search():
     bare = dataclasses.replace(program, family=None)
     with pytest.raises(ValueError, match="cannot be varied .batch_size.: it has no family"):
         recommend(bare, target="local", batch_size="auto")
+
+
+def test_a_budget_below_parameters_named_otherwise_is_refused():
+    """from_loss parameters named ``w`` (an equinox ``model``, ...) count as parameters: a budget
+    below them and their optimizer state is BudgetTooSmall, one line, as for ``params``."""
+    with pytest.raises(BudgetTooSmall, match="smaller than the parameters and optimizer state"):
+        recommend(_scan_mlp(), target="local", budget="64KiB", policies=["save-nothing"])

@@ -473,6 +473,16 @@ def resolve_request(
     )  # fmt: skip
 
 
+def _parameter_bytes(program: Program, arguments: Mapping[str, int]) -> int:
+    """Bytes of the parameters among the step's ``arguments`` (per device): the ``params`` part,
+    and for a :meth:`~remat_kit.program.Program.from_loss` program its differentiated
+    arguments under their own names (an equinox ``model``, a ``weights`` dict)."""
+    names = {"params"}
+    if program.step_of_loss is not None:  # step(opt_state, *loss_args)
+        names |= {program.argument_names[1 + i] for i in program.argnums}
+    return sum(arguments.get(n, 0) for n in names)
+
+
 def open_session(
     request: Request,
     counter: CompileCounter,
@@ -488,7 +498,7 @@ def open_session(
       ValueError: the budget is below the parameters and optimizer state (the message gives the
         compiled peak of the usual least-memory policy: a budget that fits).
     """
-    params = request.arguments.get("params", 0)
+    params = _parameter_bytes(request.program, request.arguments)
     opt_state = request.arguments.get("opt_state", 0)
     n = len(request.specs)
     layers = request.program.family.structure.num_layers if request.structure else 0

@@ -71,11 +71,11 @@ def _figures(row: dict) -> dict:
 def run_grid(folder: Path) -> dict:
     """The grid serially and on 2 workers: wall seconds each, and whether the rows agree."""
     from remat_kit import targets as T
-    from remat_kit.memory import roofline
+    from remat_kit.memory import calibration
     from remat_kit.sweep import results, run_sweep
     from remat_kit.sweep.engine import LocalEngine
 
-    roofline.device_figures(T.get_target(T.LOCAL))  # calibrated (or read) before timing
+    calibration.device_figures(T.get_target(T.LOCAL))  # calibrated (or read) before timing
     config = grid()
     walls, rows = {}, {}
     for workers in (1, 2):
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["REMAT_KIT_NO_CACHE"] = "1"  # every run compiles
     import jax
 
-    from remat_kit.memory.roofline import cpu_model
+    from remat_kit.memory.calibration import cpu_model
 
     print(f"{os.cpu_count()} CPUs ({cpu_model()}), {jax.default_backend()} backend, "
           f"jax {jax.__version__}, load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip

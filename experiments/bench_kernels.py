@@ -133,7 +133,8 @@ def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dic
     import jax.numpy as jnp
 
     from remat_kit import targets as T
-    from remat_kit.memory import hlo, roofline
+    from remat_kit.memory import calibration, hlo, roofline
+    from remat_kit.memory import kernels as K
     from remat_kit.memory.reading import memory_parts
     from remat_kit.memory.runner import fresh_bytes
     from remat_kit.models import get_config
@@ -149,8 +150,8 @@ def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dic
     state = {"s": init_train_state(config, optimizer, jax.random.key(0))}
     data = {k: jnp.zeros(v.shape, v.dtype) for k, v in abstract_batch(batch, seq).items()}
     compiled = make_train_step(config, optimizer).lower(state["s"], data).compile()
-    kernels = roofline.executed_kernels(hlo.parse_hlo_module(compiled.as_text()))
-    figures = roofline.device_figures(T.get_target("local"))
+    kernels = K.executed_kernels(hlo.parse_hlo_module(compiled.as_text()))
+    figures = calibration.device_figures(T.get_target("local"))
     estimate = roofline.time_kernels(
         kernels, figures, fresh_bytes(memory_parts(compiled)), top_k=len(kernels)
     )

@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: needs Linux with glibc, got {sys.platform!r}", file=sys.stderr)
         return 2
 
-    from remat_kit.memory import roofline
+    from remat_kit.memory import calibration
     from remat_kit.memory.runner import fresh_bytes
     from remat_kit.sweep.results import environment
 
-    figures = roofline.calibrate()  # before the workers: a quiet machine
+    figures = calibration.calibrate()  # before the workers: a quiet machine
     runs: dict[bool, list[list[dict]]] = {False: [], True: []}
     for r in range(args.rounds):
         for keep in (False, True):

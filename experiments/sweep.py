@@ -323,7 +323,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
         )  # fmt: skip
     source = results.local_estimate_source(run.rows)
     if source:  # a calibration timed on a busy machine misprices memory traffic: say which
-        from remat_kit.memory.roofline import cache_dir
+        from remat_kit.memory.calibration import cache_dir
 
         # its figures (name=value, ...) are in summary.md: the terminal gets where and when
         brief = re.sub(r": \w+=[^,]+(, \w+=[^,]+)*$", "", source)

@@ -18,7 +18,7 @@ from remat_kit import targets
 from remat_kit.cli import recommend as cli_recommend
 from remat_kit.cli.recommend import add as add_parser
 from remat_kit.cli.recommend import run
-from remat_kit.memory.roofline import figures_for
+from remat_kit.memory.calibration import figures_for
 from remat_kit.policies import custom_spec, parse_policy_arg
 from remat_kit.recommend import (
     BatchBracket,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from remat_kit import targets as T
-from remat_kit.memory.roofline import figures_for
+from remat_kit.memory.calibration import figures_for
 from remat_kit.policies import custom_spec, get_policy_spec
 from remat_kit.recommend.api import DEFAULT_MARGIN
 from remat_kit.recommend.search import (

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from remat_kit import targets
-from remat_kit.memory import hlo, roofline, runner
+from remat_kit.memory import calibration, hlo, roofline, runner
+from remat_kit.memory import kernels as K
 
 MIB = 2**20
 
@@ -97,7 +98,7 @@ ENTRY %main (x: bf16[32,1024,1024], a: bf16[2048,2048], g: f32[8,1024,1024]) -> 
 }
 """
 
-FIGURES = roofline.DeviceFigures(
+FIGURES = calibration.DeviceFigures(
     name="test device",
     peak_flops={"f32": 1e12, "bf16": 4e12},
     memory_bytes_per_s=1e11,
@@ -112,8 +113,8 @@ FIGURES = roofline.DeviceFigures(
 )
 
 
-def _kernels(text: str) -> dict[str, roofline.Kernel]:
-    return {k.name: k for k in roofline.executed_kernels(hlo.parse_hlo_module(text))}
+def _kernels(text: str) -> dict[str, K.Kernel]:
+    return {k.name: k for k in K.executed_kernels(hlo.parse_hlo_module(text))}
 
 
 def test_fusion_bytes_flops_and_loop_trip_count():
@@ -183,7 +184,7 @@ def test_batched_matmuls_are_timed_at_the_batched_rate():
     comps = hlo.parse_hlo_module(BATCHED_MODULE)
     plain = roofline.estimate(comps, FIGURES)  # no batched figure: every matmul at the peak
     assert plain.compute_s == pytest.approx((scores_flops + out.flops) / 1e12 + gemm.flops / 4e12)
-    slow = roofline.DeviceFigures(
+    slow = calibration.DeviceFigures(
         **{**FIGURES.__dict__, "batched_flops": {"f32": 1e11, "bf16": 2e11}}
     )
     step = roofline.estimate(comps, slow)
@@ -224,7 +225,7 @@ def test_allocation_term_only_where_the_backend_allocates_per_step():
     comps = hlo.parse_hlo_module(LOOP_MODULE)
     plain = roofline.estimate(comps, FIGURES, fresh_bytes=10**9)
     assert plain.allocation_s == 0.0
-    cpu_like = roofline.DeviceFigures(**{**FIGURES.__dict__, "fresh_bytes_per_s": 1e9})
+    cpu_like = calibration.DeviceFigures(**{**FIGURES.__dict__, "fresh_bytes_per_s": 1e9})
     fresh = roofline.estimate(comps, cpu_like, fresh_bytes=10**9)
     assert fresh.allocation_s == pytest.approx(1.0)
     assert fresh.step_time_s == pytest.approx(plain.step_time_s + 1.0)
@@ -249,8 +250,8 @@ def test_reuse_model_serves_recent_values_from_the_cache():
     """The dot reads the fusion's output right after it is written: from the cache when the
     cache holds it, from memory when it is off."""
     comps = hlo.parse_hlo_module(LOOP_MODULE)
-    cached = roofline.DeviceFigures(**{**FIGURES.__dict__, "cache_bytes": 64 * MIB})
-    kernels = roofline.executed_kernels(comps)
+    cached = calibration.DeviceFigures(**{**FIGURES.__dict__, "cache_bytes": 64 * MIB})
+    kernels = K.executed_kernels(comps)
     model = roofline._ReuseModel(cached.cache_bytes)
     hits = [model.split(k) for k in kernels]
     assert hits[0] == (0, 12 * MIB)  # the loop's inputs: never seen before
@@ -271,11 +272,11 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
         "fresh_bytes_per_s": 1e9, "launch_s": 1e-6, "cache_bytes_per_s": 1e11,
         "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
     }  # fmt: skip
-    monkeypatch.setattr(roofline, "measure", lambda runs=5: calls.append(runs) or dict(fake))
+    monkeypatch.setattr(calibration, "measure", lambda runs=5: calls.append(runs) or dict(fake))
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
-    first = roofline.calibrate()
-    again = roofline.calibrate()
+    monkeypatch.delenv(calibration.CALIBRATION_ENV, raising=False)
+    first = calibration.calibrate()
+    again = calibration.calibrate()
     assert len(calls) == 1 and first == again and first.measured
     assert first.peak_flops == {"f32": 1e11, "bf16": 5e10} and first.fresh_bytes_per_s == 1e9
     assert first.batched_flops is None  # a figures file from before the batched micro-kernel
@@ -283,13 +284,13 @@ def test_calibration_is_cached_per_machine_and_can_be_given(tmp_path, monkeypatc
     assert re.search(r"calibrated on this machine \d{4}-\d\d-\d\d \d\d:\d\d UTC, other "
                      r"processes \d+% of the cores, load average \d+\.\d\d ",
                      first.source), first.source  # fmt: skip
-    roofline.calibrate(refresh=True)
+    calibration.calibrate(refresh=True)
     assert len(calls) == 2
     given = tmp_path / "fixed.json"
     batched = {"batched_flops_f32": 4e10, "batched_flops_bf16": 2e10}
     given.write_text(json.dumps({"figures": {**fake, **batched, "peak_flops_f32": 3e11}}))
-    monkeypatch.setenv(roofline.CALIBRATION_ENV, str(given))
-    read = roofline.calibrate()
+    monkeypatch.setenv(calibration.CALIBRATION_ENV, str(given))
+    read = calibration.calibrate()
     assert read.peak_flops["f32"] == 3e11 and len(calls) == 2
     assert read.batched_flops == {"f32": 4e10, "bf16": 2e10}
 
@@ -314,27 +315,27 @@ def test_a_calibration_timed_beside_other_work_is_timed_again_and_the_quieter_ke
         fn()
         return {**fake, "peak_flops_f32": rates.pop(0)}, shares.pop(0)
 
-    monkeypatch.setattr(roofline, "others_share", timed)
-    monkeypatch.setattr(roofline, "measure", lambda runs=5: None)
+    monkeypatch.setattr(calibration, "others_share", timed)
+    monkeypatch.setattr(calibration, "measure", lambda runs=5: None)
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
-    first = roofline.calibrate()
+    monkeypatch.delenv(calibration.CALIBRATION_ENV, raising=False)
+    first = calibration.calibrate()
     assert "other processes 60% of the cores" in first.source and "contended" in first.source
-    assert roofline.calibrate().peak_flops["f32"] == 1e11 and len(shares) == 2  # too soon
+    assert calibration.calibrate().peak_flops["f32"] == 1e11 and len(shares) == 2  # too soon
     (path,) = (tmp_path / "calibration").glob("*.json")
 
     def age(seconds):
         data = json.loads(path.read_text())
         path.write_text(json.dumps({**data, "timed_at": data["timed_at"] - seconds}))
 
-    age(roofline.RETIME_AFTER_S)
-    kept = roofline.calibrate()  # timed again at 70%: no quieter, the first figures stay
+    age(calibration.RETIME_AFTER_S)
+    kept = calibration.calibrate()  # timed again at 70%: no quieter, the first figures stay
     assert kept.peak_flops["f32"] == 1e11 and len(shares) == 1
-    assert roofline.calibrate().peak_flops["f32"] == 1e11 and len(shares) == 1  # waits again
-    age(roofline.RETIME_AFTER_S)
-    quiet = roofline.calibrate()  # 5%: the quieter figures replace them
+    assert calibration.calibrate().peak_flops["f32"] == 1e11 and len(shares) == 1  # waits again
+    age(calibration.RETIME_AFTER_S)
+    quiet = calibration.calibrate()  # 5%: the quieter figures replace them
     assert quiet.peak_flops["f32"] == 3e11 and "contended" not in quiet.source and not shares
-    assert quiet.calibration == roofline.Calibration(0.05, quiet.calibration.load_average, False)
+    assert quiet.calibration == calibration.Calibration(0.05, quiet.calibration.load_average, False)
     assert first.calibration.contended and first.calibration.others_share == 0.6
     # a file whose share could not be read: its load average against the cores
     data = json.loads(path.read_text())
@@ -343,7 +344,7 @@ def test_a_calibration_timed_beside_other_work_is_timed_again_and_the_quieter_ke
     for load, contended in ((cores + 2.5, True), (cores * 0.5, False)):
         path.write_text(json.dumps({**old, "load_average": load}))
         shares[:], rates[:] = [0.0], [4e11]
-        got = roofline.calibrate()
+        got = calibration.calibrate()
         assert (got.peak_flops["f32"] == 4e11) is contended and bool(shares) is not contended
 
 
@@ -357,30 +358,30 @@ def test_a_pinned_calibration_prices_a_whole_run_with_one_set_of_figures(tmp_pat
         "elementwise_per_s": 5e10, "transcendental_per_s": 5e9, "cache_bytes": 2**25,
     }  # fmt: skip
     rates, shares = [1e11, 2e11, 3e11], [0.9, 0.5, 0.4]  # each timing quieter than the last
-    monkeypatch.setattr(roofline, "others_share",
+    monkeypatch.setattr(calibration, "others_share",
                         lambda fn: ({**fake, "peak_flops_f32": rates.pop(0)}, shares.pop(0)))  # fmt: skip
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(calibration.CALIBRATION_ENV, raising=False)
     pin = tmp_path / "run.calibration.json"
-    with roofline.pinned_calibration(pin):
-        assert os.environ[roofline.CALIBRATION_ENV] == str(pin)
+    with calibration.pinned_calibration(pin):
+        assert os.environ[calibration.CALIBRATION_ENV] == str(pin)
         (cached,) = (tmp_path / "cache" / "calibration").glob("*.json")
         data = json.loads(cached.read_text())  # contended and old: outside a pin, timed again
         cached.write_text(
-            json.dumps({**data, "timed_at": data["timed_at"] - roofline.RETIME_AFTER_S})
+            json.dumps({**data, "timed_at": data["timed_at"] - calibration.RETIME_AFTER_S})
         )
-        seen = {roofline.calibrate().peak_flops["f32"] for _ in range(3)}
+        seen = {calibration.calibrate().peak_flops["f32"] for _ in range(3)}
         assert seen == {1e11} and len(rates) == 2
-    assert roofline.CALIBRATION_ENV not in os.environ
-    assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1  # re-timed outside
-    with roofline.pinned_calibration(pin):  # resumed: the figures the run started with
-        kept = roofline.calibrate()
+    assert calibration.CALIBRATION_ENV not in os.environ
+    assert calibration.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1  # re-timed outside
+    with calibration.pinned_calibration(pin):  # resumed: the figures the run started with
+        kept = calibration.calibrate()
         assert kept.peak_flops["f32"] == 1e11
         # said as the run's own copy, not as a file the user named
         assert f"kept for this run in {pin}" in kept.source and "$REMAT" not in kept.source
     other = tmp_path / "other.calibration.json"
-    with roofline.pinned_calibration(other):  # a new run: the cached calibration of now
-        assert roofline.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1
+    with calibration.pinned_calibration(other):  # a new run: the cached calibration of now
+        assert calibration.calibrate().peak_flops["f32"] == 2e11 and len(rates) == 1
 
 
 def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch):
@@ -403,14 +404,14 @@ def test_threads_calibrating_at_once_time_the_machine_once(tmp_path, monkeypatch
         time.sleep(0.2)  # the window in which the others asked
         return dict(fake)
 
-    monkeypatch.setattr(roofline, "measure", slow_measure)
+    monkeypatch.setattr(calibration, "measure", slow_measure)
     monkeypatch.setenv("REMAT_KIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(roofline.CALIBRATION_ENV, raising=False)
+    monkeypatch.delenv(calibration.CALIBRATION_ENV, raising=False)
     got, errors = [], []
 
     def ask():
         try:
-            got.append(roofline.calibrate())
+            got.append(calibration.calibrate())
         except Exception as err:  # noqa: BLE001 (collected for the assertion)
             errors.append(err)
 
@@ -444,7 +445,7 @@ def test_a_file_replaced_from_many_threads_is_whole(tmp_path):
 
 
 def test_datasheet_figures_cite_their_sources():
-    h100 = roofline.datasheet_figures(targets.get_target("h100-sxm"))
+    h100 = calibration.datasheet_figures(targets.get_target("h100-sxm"))
     assert h100 is not None and not h100.measured
     # the datasheet's peaks times the measured shares cited in the target's source
     assert h100.peak_flops["bf16"] == pytest.approx(989.4e12 * 794.5 / 989.0)
@@ -454,7 +455,7 @@ def test_datasheet_figures_cite_their_sources():
     assert h100.sm_count == 132 and h100.node_size == 8 and h100.network_bytes_per_s == 50e9
     # 132 SMs x 16 special-function results per clock x 1.98 GHz
     assert h100.transcendental_per_s == pytest.approx(132 * 16 * 1.98e9)
-    assert roofline.datasheet_figures(targets.get_target("cpu")) is None
+    assert calibration.datasheet_figures(targets.get_target("cpu")) is None
 
 
 def test_small_step_note_only_for_small_estimates_on_a_calibrated_device():
@@ -524,7 +525,7 @@ def test_gpu_rules_in_place_stack_and_collectives_on_the_critical_path():
     kernel waits for is charged in full; one the schedule overlaps with a matmul is charged
     only beyond the matmul's time."""
     comps = hlo.parse_hlo_module(GPU_MODULE)
-    kernels = {k.name: k for k in roofline.executed_kernels(comps)}
+    kernels = {k.name: k for k in K.executed_kernels(comps)}
     update = 4 * 2048 * 1024 * 2  # one [4, 2048, 1024] bf16 layer of the [8, ...] stack
     stack = kernels["fusion.stack"]
     assert stack.count == 8 and stack.bytes_written == update
@@ -534,7 +535,7 @@ def test_gpu_rules_in_place_stack_and_collectives_on_the_critical_path():
     wire = int(8192 * 1024 * 2 * 2 * 7 / 8)  # ring all-reduce over 8 devices
     assert first.bytes_read == second.bytes_read == wire
 
-    figures = roofline.DeviceFigures(**{**FIGURES.__dict__, "interconnect_bytes_per_s": 1e10})
+    figures = calibration.DeviceFigures(**{**FIGURES.__dict__, "interconnect_bytes_per_s": 1e10})
     step = roofline.estimate(comps, figures)
     link_s = wire / 1e10
     dot_s = 2 * 1024**3 / 4e12 + 1e-5  # bf16 peak, plus its launch
@@ -563,14 +564,14 @@ def test_gpu_rules_in_place_stack_and_collectives_on_the_critical_path():
 )
 def test_replica_group_in_each_form_xla_prints(attributes, group):
     instr = hlo.Instruction("all-reduce.1", "f32[8]{0}", "all-reduce", ("x",), attributes, "")
-    assert roofline.replica_group(instr) == group
+    assert K.replica_group(instr) == group
 
 
 def test_collective_over_nodes_runs_at_the_nics_of_its_devices():
     """Inside one node a ring runs at the interconnect's rate; across nodes at the NICs of the
     group's devices per node (a tensor-parallel group inside a node, a data-parallel group of
     one device per node, an FSDP group of whole nodes)."""
-    gpu = roofline.DeviceFigures(
+    gpu = calibration.DeviceFigures(
         **{
             **FIGURES.__dict__,
             "interconnect_bytes_per_s": 300e9,
@@ -582,7 +583,7 @@ def test_collective_over_nodes_runs_at_the_nics_of_its_devices():
     assert roofline.collective_bandwidth((0, 8, 16, 24), gpu) == 25e9
     assert roofline.collective_bandwidth(tuple(range(64)), gpu) == 8 * 25e9
     assert roofline.collective_bandwidth((), gpu) == 300e9  # unknown group: the interconnect
-    tpu = roofline.DeviceFigures(**{**FIGURES.__dict__, "interconnect_bytes_per_s": 300e9})
+    tpu = calibration.DeviceFigures(**{**FIGURES.__dict__, "interconnect_bytes_per_s": 300e9})
     assert roofline.collective_bandwidth(tuple(range(64)), tpu) == 300e9  # one ICI domain
 
 
@@ -627,16 +628,16 @@ def test_xla_cost_model_is_set_beside_the_estimate_loop_bodies_once():
 def test_fused_attention_runs_at_the_measured_attention_rate():
     """A cuDNN fused attention call runs at the device's measured attention rate where it has
     one (Hopper: FlashAttention-3's cuDNN figures), not at the matmul rate."""
-    kernel = roofline.Kernel(
+    kernel = K.Kernel(
         "fmha.1", "attention", 1, 1e12, "bf16", 0.0, 0.0, 0, 0, "", False, gemm=(32, 8192, 128)
     )
     assert roofline._matmul_seconds(kernel, FIGURES) == pytest.approx(1e12 / 4e12)
-    fast = roofline.DeviceFigures(**{**FIGURES.__dict__, "attention_flops": {"bf16": 2e12}})
+    fast = calibration.DeviceFigures(**{**FIGURES.__dict__, "attention_flops": {"bf16": 2e12}})
     assert roofline._matmul_seconds(kernel, fast) == pytest.approx(0.5)
-    h100 = roofline.datasheet_figures(targets.get_target("h100-sxm"))
+    h100 = calibration.datasheet_figures(targets.get_target("h100-sxm"))
     assert h100.attention_flops["bf16"] == pytest.approx(989.4e12 * 529 / 989)
     assert "FlashAttention-3" in h100.source
-    assert roofline.datasheet_figures(targets.get_target("a100-80gb")).attention_flops is None
+    assert calibration.datasheet_figures(targets.get_target("a100-80gb")).attention_flops is None
 
 
 def test_no_remat_slower_is_explained_on_datasheet_targets_only():

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import targets as T
-from remat_kit.memory import hlo, roofline
+from remat_kit.memory import calibration, hlo, roofline
 from remat_kit.memory.compile_cache import (
     CompileCache,
     cost_fields,
@@ -221,10 +221,10 @@ def step_time_of(
     """The roofline estimate of a compiled step on ``target`` (None without a dump or device
     figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
     aliased to inputs are allocated anew at each execution, and where the device figures say
-    that costs (XLA:CPU) those of at least :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` count.
+    that costs (XLA:CPU) those of at least :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` count.
     ``xla_cost``: XLA's own cost analysis of the compile, set beside the estimate
     (:func:`roofline.cross_checked`)."""
-    figures = roofline.device_figures(target)
+    figures = calibration.device_figures(target)
     if figures is None or not dump.hlo:
         return None
     step = roofline.estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
@@ -234,12 +234,14 @@ def step_time_of(
 def fresh_bytes(parts: dict[str, int | None]) -> int:
     """Bytes a compiled step's execution allocates anew and faults in on XLA:CPU: its temp
     buffer and its outputs not aliased to inputs, each counted where it reaches
-    :data:`roofline.FRESH_ALLOCATION_MIN_BYTES` (glibc serves smaller ones from its heap).
+    :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` (glibc serves smaller ones from its heap).
     ``parts``: :func:`memory_parts`. Checked against page-fault counts and timed steps by
     ``experiments/bench_page_faults.py``."""
     outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
     return sum(
-        n for n in (parts["temp_bytes"] or 0, outputs) if n >= roofline.FRESH_ALLOCATION_MIN_BYTES
+        n
+        for n in (parts["temp_bytes"] or 0, outputs)
+        if n >= calibration.FRESH_ALLOCATION_MIN_BYTES
     )
 
 
@@ -786,7 +788,7 @@ def run_jobs(
     queue = iter(jobs)
     first = next(queue, None)
     if first is not None:  # a local device is calibrated (once per machine) before any compile
-        roofline.device_figures(first.target)  # loads the cores: its figures are a quiet one's
+        calibration.device_figures(first.target)  # loads the cores: its figures are a quiet one's
 
     def taken() -> Iterator[Job]:
         for job in itertools.chain([first] if first is not None else [], queue):

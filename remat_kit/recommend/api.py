@@ -27,13 +27,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from remat_kit import targets as T
+from remat_kit.memory.calibration import figures_for
 from remat_kit.memory.policy_set import policy_set, program_tags
-from remat_kit.memory.roofline import (
-    estimate_error,
-    figures_for,
-    small_step_note,
-    time_model_note,
-)
+from remat_kit.memory.roofline import estimate_error, small_step_note, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import jax_backend_description
 from remat_kit.policies import (
@@ -636,7 +632,7 @@ def compiled_on(tgt: T.Target) -> str:
     """What the candidates were compiled on and by, e.g. ``"local (local cpu (CPU MODEL), N
     cores); XLA CPU compiler (local device, jax X.Y.Z)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
     HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``: the local CPU as
-    its calibration names it (:func:`~remat_kit.memory.roofline.figures_for`), any other target
+    its calibration names it (:func:`~remat_kit.memory.calibration.figures_for`), any other target
     by its description (:mod:`remat_kit.targets`), and the compiler
     (:func:`~remat_kit.memory.xla_compile.jax_backend_description`).
 

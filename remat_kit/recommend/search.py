@@ -34,7 +34,7 @@ from typing import Any
 from remat_kit import names as N
 from remat_kit import targets as T
 from remat_kit import trace
-from remat_kit.memory.roofline import figures_for
+from remat_kit.memory.calibration import figures_for
 from remat_kit.placement import Placement
 from remat_kit.policies import TAG_ACTIONS, PolicySpec, can_offload, custom_spec, get_policy_spec
 from remat_kit.program import Program, step_flops

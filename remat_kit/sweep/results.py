@@ -40,8 +40,8 @@ import jax
 
 from remat_kit import units
 from remat_kit.memory import roofline
+from remat_kit.memory.calibration import RETIME_AFTER_S, cache_dir, cpu_model
 from remat_kit.memory.report import same_program_as as report_same_program
-from remat_kit.memory.roofline import RETIME_AFTER_S, cache_dir, cpu_model
 from remat_kit.policies import policy_names, remat_implementation
 
 __all__ = [
@@ -753,7 +753,7 @@ def _own_cores(row: Mapping[str, Any]) -> float:
 
 def local_calibration(rows: Iterable[Mapping[str, Any]] | Any) -> dict[str, Any] | None:
     """The machine's state while the local device was calibrated, as the first local row with
-    an estimate records it (:class:`remat_kit.memory.roofline.Calibration`: ``others_share``,
+    an estimate records it (:class:`remat_kit.memory.calibration.Calibration`: ``others_share``,
     ``load_average``, ``contended``); None without one. Rows written before the estimate
     carried it are read from its figures' source line."""
     for r in as_records(rows):

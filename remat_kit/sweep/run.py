@@ -34,7 +34,7 @@ from remat_kit import targets as T
 from remat_kit import trace
 from remat_kit import validation as V
 from remat_kit.loading import require_program
-from remat_kit.memory import analyze_policies, roofline
+from remat_kit.memory import analyze_policies, calibration
 from remat_kit.memory.policy_set import policy_set, program_tags
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import (
@@ -307,7 +307,7 @@ def _calibration(
         # per machine): a calibration beside compiles in flight would time them too. Every row
         # of the sweep (a resumed one too) is priced with that one calibration, kept beside the
         # results. (GPUs handed to worker processes are timed there, each by its first point.)
-        return roofline.pinned_calibration(calibration_path(path))
+        return calibration.pinned_calibration(calibration_path(path))
     return contextlib.nullcontext()
 
 

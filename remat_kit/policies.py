@@ -647,14 +647,20 @@ class TagFit:
     restricted: tuple[tuple[PolicySpec, PolicySpec], ...]
     skipped: tuple[PolicySpec, ...]
 
-    def notes(self, program: str, named: bool = True) -> list[str]:
+    def notes(
+        self, program: str, named: bool = True, compiled: Iterable[PolicySpec] | None = None
+    ) -> list[str]:
         """One line per restricted policy and one for all the skipped ones; ``named=False``
-        leaves the policy's name out of the first kind (a note printed under that policy)."""
+        leaves the policy's name out of the first kind (a note printed under that policy);
+        ``compiled``: the specs compiled in the end (a cut-down spec dropped after, e.g. an
+        offload on a target without host memory, gets no "compiled as" line)."""
+        kept = None if compiled is None else set(compiled)
         out = [
             f"{spec.name + ' ' if named else ''}names {', '.join(_missing(spec, cut))}, which "
             f"{program} does not emit: compiled as "
             f"{cut.description[len('Custom: ') :].rstrip('.')}"
             for spec, cut in self.restricted
+            if kept is None or cut in kept
         ]
         if self.skipped:
             out.append(

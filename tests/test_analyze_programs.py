@@ -79,6 +79,26 @@ def test_default_set_acts_on_the_programs_own_tags():
     assert policy_set(program, "cpu", ["minimal"]).specs == (get_policy_spec("minimal"),)
 
 
+def test_a_cut_down_offload_dropped_on_the_cpu_is_not_said_compiled():
+    """Where the target does not offload, a registered offload policy cut down to the program's
+    tags is said not compiled, and never also "compiled as" (a user trial read both)."""
+
+    def make_loss(policy):
+        def layer(h, w):
+            k = checkpoint_name(h @ w, "key_proj")
+            return jnp.tanh(checkpoint_name(k @ w, "mlpwi")), None
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return lambda w, x: jax.lax.scan(body, x, w)[0].sum()
+
+    program = Program.from_loss(make_loss, jnp.ones((2, 16, 16)), jnp.ones((4, 16)), name="toy")
+    for policies in (None, ["offload-to-host", "save-nothing"]):
+        local = " ".join(policy_set(program, "local", policies, fit=True).notes)
+        assert "offload-to-host names" not in local and "offload" in local
+        gpu = " ".join(policy_set(program, "h100-sxm", policies, fit=True).notes)
+        assert "offload-to-host names mlpwo" in gpu and "compiled as key_proj=offload" in gpu
+
+
 def test_a_program_without_tags_gets_the_kind_based_policies_and_a_note():
     def make_loss(policy):
         body = (lambda w, x: jnp.tanh(x @ w)) if policy is None else jax.checkpoint(

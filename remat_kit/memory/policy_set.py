@@ -204,7 +204,7 @@ def _fitted(program: Program, tgt: T.Target, given: list, tags: frozenset[str]) 
         emits = ", ".join(sorted(tags)) or "no checkpoint_name tags"
         raise ValueError(f"no policy given acts on program {program.name!r} (emits: {emits})")
     specs = [s for s in fit.specs if tgt.supports_host_offload or not s.offloads]
-    notes = fit.notes(f"program {program.name!r}")
+    notes = fit.notes(f"program {program.name!r}", compiled=specs)
     if not specs:
         raise ValueError(f"every policy given offloads, and {tgt.name!r} does not offload")
     dropped = [s.name for s in fit.specs if s not in specs]
@@ -218,7 +218,6 @@ def _default_set(
 ) -> PolicySet:
     """The default set of :func:`policy_set`."""
     fit = policies_for_tags(policy_names(), tags)
-    notes = fit.notes(f"program {program.name!r}")
     kept = _residual_bytes(program, tags)
     own_tags = tags if kept is None else tags & frozenset(kept)
     # per-tag offload specs only where they can offload (target and remat implementation)
@@ -227,6 +226,7 @@ def _default_set(
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads
     ]
+    notes = fit.notes(f"program {program.name!r}", compiled=specs)
     cut = {c: cut_label([named.name]) for named, c in fit.restricted}
     no_host = [cut.get(s, policy_label(s)) for s in fit.specs if s.offloads and s not in specs]
     if no_host:

@@ -601,6 +601,24 @@ def _two_activations_layer(x, w):  # two names, each after its activation: neith
     return x + a * b
 
 
+@pytest.mark.parametrize(
+    ("policy", "flagged"),
+    [
+        ({"mlp_act": "offload"}, ["mlp_act"]),  # host traffic, and x @ w recomputed anyway
+        ({"mlp_pre": "offload"}, []),  # keeps x @ w (on host): its recompute is spared
+    ],
+)
+def test_an_offloaded_tag_that_removes_no_recompute_is_said(policy, flagged):
+    """A user trial: recommend picked ``offload-to-host (cut)``, which offloads a name whose
+    keeping spares no matmul, and the doctor said nothing of it (it judged saved names only)."""
+    program = _program(_after_activation_layer, "after-activation")
+    (check,) = doctor.check_policies(program, [policy], target="h100-sxm").checks
+    found = [f for f in check.findings if f.code == "offload-removes-no-recompute"]
+    assert [f.severity for f in found] == ["info"] * len(flagged), [f.line() for f in found]
+    for f in found:
+        assert "offloads mlp_act" in f.what and "to host memory" in f.what, f.line()
+
+
 def _pre_and_act_layer(x, w):  # a matmul's output and the activation after it
     h = checkpoint_name(x @ w, "pre")
     return x + checkpoint_name(jax.nn.gelu(h), "act") @ w.T

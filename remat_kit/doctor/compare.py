@@ -44,20 +44,25 @@ class Residuals:
     dots: bool
     #: New device bytes (arguments excluded) kept per tag.
     tag_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: New host bytes (offloaded) per tag.
+    host_tag_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, residuals: Sequence[W.Residual]) -> Residuals:
         new = [r for r in residuals if not r.is_argument]
         tag_bytes: dict[str, int] = {}
+        host_tag_bytes: dict[str, int] = {}
         for r in new:
-            if r.tag is not None and r.memory == "device":
-                tag_bytes[r.tag] = tag_bytes.get(r.tag, 0) + r.nbytes
+            if r.tag is not None:
+                by = tag_bytes if r.memory == "device" else host_tag_bytes
+                by[r.tag] = by.get(r.tag, 0) + r.nbytes
         return cls(
             device_bytes=sum(r.nbytes for r in new if r.memory == "device"),
             host_bytes=sum(r.nbytes for r in new if r.memory == "host"),
             tags=frozenset(r.tag for r in residuals if r.tag is not None),
             dots=any(r.source in _DOT_SOURCES for r in residuals),
             tag_bytes=tag_bytes,
+            host_tag_bytes=host_tag_bytes,
         )
 
 
@@ -248,6 +253,7 @@ def compare(
         out += _names_kept_nowhere(promise, kept, kept_no_remat, facts)
         out += _saved_anyway(promise, kept, anyway, facts)
         out += _saved_without_saving(promise, kept, facts, anyway)
+        out += _saved_without_saving(promise, kept, facts, anyway, offloaded=True)
     if promise.offloads and not (full and kept.host_bytes == 0):  # else: the same cause
         out.extend(_offload_findings(promise, report, target, kept, kept_no_remat, facts))
     return out
@@ -320,18 +326,30 @@ def _saved_anyway(
 
 
 def _saved_without_saving(
-    promise: Promise, kept: Residuals, facts: TagFacts | None, anyway: Mapping[str, int]
+    promise: Promise,
+    kept: Residuals,
+    facts: TagFacts | None,
+    anyway: Mapping[str, int],
+    offloaded: bool = False,
 ) -> list[Finding]:
     """``save-removes-no-recompute``: tags the policy saves on device that are not among the
     program's :attr:`~remat_kit.doctor.tags.TagFacts.savers` (docs/doctor.md), judged as the
-    solver's per-tag FLOPs and the doctor's fixes are."""
+    solver's per-tag FLOPs and the doctor's fixes are; ``offloaded``:
+    ``offload-removes-no-recompute``, tags it offloads to host so (host transfers for no matmul;
+    a tag save-nothing keeps on device, such as a segment input, is worth offloading anyway)."""
     if facts is None or facts.savers is None or promise.base != "names":
         return []
     if promise.registered and not facts.user:  # remat-kit's policies on its own models save
         return []  # matmul outputs (the solver's savers): not worth one trace per tag
-    costly = {  # beyond what save-nothing keeps of them (``saved-anyway`` says those)
-        t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > anyway.get(t, 0)
-    }
+    if offloaded:  # offloading what save-nothing keeps on device frees device memory
+        costly = {
+            t: n for t, n in kept.host_tag_bytes.items()
+            if t in promise.offload and not anyway.get(t, 0)
+        }  # fmt: skip
+    else:  # beyond what save-nothing keeps of them (``saved-anyway`` says those)
+        costly = {
+            t: n for t, n in kept.tag_bytes.items() if t in promise.save and n > anyway.get(t, 0)
+        }
     if not costly:
         return []
     savers = facts.savers()
@@ -382,17 +400,16 @@ def _saved_without_saving(
         fix += (
             f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
         )
-    return [
-        Finding(
-            "save-removes-no-recompute",
-            "info",
-            f"policy {promise.name!r} keeps {', '.join(idle)} "
-            f"({nbytes(sum(costly[t] for t in idle))} of residuals), but saving {it} removes "
-            "no matmul recompute.",
-            cause + ".",
-            fix + ".",
-        )  # fmt: skip
-    ]
+    size = nbytes(sum(costly[t] for t in idle))
+    what = (
+        f"policy {promise.name!r} offloads {', '.join(idle)} ({size} to host memory), but "
+        f"keeping {it} removes no matmul recompute: host transfers for elementwise work only."
+        if offloaded
+        else f"policy {promise.name!r} keeps {', '.join(idle)} ({size} of residuals), but "
+        f"saving {it} removes no matmul recompute."
+    )
+    code = "offload-removes-no-recompute" if offloaded else "save-removes-no-recompute"
+    return [Finding(code, "info", what, cause + ".", fix + ".")]
 
 
 def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) -> list[Finding]:

@@ -115,8 +115,9 @@ class DeviceFigures:
 #: instead of timing this machine: figures timed on a quiet machine, or fixed ones for tests.
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
-#: Version of the calibration's file format and micro-kernels (a change re-times).
-CALIBRATION_VERSION = 4
+#: Version of the calibration's file format and micro-kernels (a change re-times): 5 records
+#: the machine's load as fields (:class:`Calibration`).
+CALIBRATION_VERSION = 5
 
 #: Issue rate of the special-function units per SM per clock for 32-bit transcendental
 #: instructions on compute capability 8.x and 9.0 (CUDA C++ Programming Guide, "Arithmetic

@@ -810,6 +810,14 @@ def load_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
     # the sweep's own threads load the machine too: their cores (process CPU time over wall
     # time of its steps) are not other work
     others = [max(0.0, r["load_average"][0] - _own_cores(r)) for r in timed]
+    if calibration and calibrated is None and others and max(others) >= _LOAD_GAP:
+        notes.append(  # a calibration file from before its load was a field
+            f"the steps were timed at load average {units.format_span(loads)} (other work "
+            f"about {units.format_span(others)} of it beside the sweep's own steps) and the "
+            "local device's calibration does not record its load: if it was timed on a quieter "
+            "machine, measured steps run slower than estimated (est. err); delete "
+            f"{cache_dir() / 'calibration'} to time it again"
+        )
     if calibrated is not None and others and max(others) - float(calibrated) >= _LOAD_GAP:
         notes.append(
             f"the steps were timed at load average {units.format_span(loads)} (other work "

@@ -55,11 +55,13 @@ from remat_kit.training import abstract_train_state as abstract_train_state
 from remat_kit.training import init_train_state as init_train_state
 from remat_kit.training import make_optimizer as make_optimizer
 from remat_kit.training import make_train_step as make_train_step
+from remat_kit.validation import MissingExtraError as MissingExtraError
 from remat_kit.zoo import preset as preset
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MissingExtraError",
     "Block",
     "BlockGroup",
     "CHECKPOINT_NAMES",

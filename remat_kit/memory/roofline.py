@@ -457,7 +457,8 @@ def time_model_note(target: T.Target) -> str:
     where = (
         "device figures calibrated on this machine"
         if figures is not None and figures.measured
-        else "datasheet device figures"
+        else "device figures from the datasheet, at the share of peak measured in published "
+        "runs where known"
     )
     return (
         f"step time = roofline over the compiled kernels on {target.name} ({where}): each "

@@ -327,7 +327,10 @@ def add_budget(p: argparse.ArgumentParser, default: str) -> None:
 
 def add_workers(p: argparse.ArgumentParser) -> None:
     """``--workers``: concurrent compiles; ``--no-cache``: compile without the compile cache."""
-    p.add_argument("--workers", type=positive_int, default=None, help="concurrent compiles")
+    p.add_argument(
+        "--workers", type=positive_int, default=None,
+        help="concurrent compiles (default one per core, at most 4)",
+    )  # fmt: skip
     add_no_cache(p)
 
 

@@ -54,8 +54,15 @@ def add(subparsers) -> argparse.ArgumentParser:
         "unless --policy is given)",
     )  # fmt: skip
     A.add_optimizer(p, default=None)
-    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="memory fraction kept free")
-    p.add_argument("--max-compiles", type=A.positive_int, default=None, help="cap on compiles")
+    p.add_argument(
+        "--margin", type=float, default=DEFAULT_MARGIN,
+        help=f"fraction of device memory the default budget keeps free (default {DEFAULT_MARGIN})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-compiles", type=A.positive_int, default=None,
+        help="cap on compiles after the named policies (default 2x the named policies; 6x with "
+        "--batch auto)",
+    )  # fmt: skip
     A.add_workers(p)
     p.add_argument(
         "--mesh", default=None,

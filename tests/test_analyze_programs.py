@@ -188,13 +188,19 @@ def test_cli_program_with_asked_policies_json(capsys):
     assert minimal["policy"] == "minimal" and out["labels"] == ["save-nothing", "minimal"]
 
 
+def _small_h100(memory: int) -> targets.Target:
+    """The H100 model with ``memory`` bytes; one name for every size, so a size compiled by one
+    test is read from the run's compile cache by the next (the name is in the cache's key)."""
+    return dataclasses.replace(
+        targets.get_target("h100-sxm"), name="h100-small", memory_bytes=memory
+    )
+
+
 @needs_cuda_plugin
 def test_xla_remat_said_once():
     """A 3 MB H100: XLA's own remat pass fires; one sentence says what it recomputed (with the
     policy's own figures), not two."""
-    small = dataclasses.replace(
-        targets.get_target("h100-sxm"), name="h100-3mb", memory_bytes=3_000_000
-    )
+    small = _small_h100(3_000_000)
     r, again = (
         remat_kit.analyze_policies(plain_jax.program(), ["no-remat"], target=small, top_k=0)[0]
         for _ in range(2)
@@ -213,10 +219,8 @@ def test_xla_remat_limit_is_said_not_to_be_the_device_memory():
     about 76% of the device's memory (80% x the 95% slop factor), not the memory itself: one
     MB more device memory moves X by 760,000 bytes."""
     limits = []
-    for memory in (3_000_000, 4_000_000):
-        small = dataclasses.replace(
-            targets.get_target("h100-sxm"), name="h100-small", memory_bytes=memory
-        )
+    for memory in (3_000_000, 4_000_000):  # 3 MB: test_xla_remat_said_once's compile
+        small = _small_h100(memory)
         (r,) = remat_kit.analyze_policies(plain_jax.program(), ["no-remat"], target=small, top_k=0)
         (said,) = [w for w in r.warnings if "Can't reduce memory use below" in w]
         assert said.endswith(XLA_REMAT_LIMIT_NOTE)

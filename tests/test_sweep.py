@@ -477,10 +477,11 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(
     json.dumps(run.rows)
 
 
-def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child):
-    """The quick config end to end: killed mid-write of its second row, resumed (the torn line
-    dropped, every point once, the finished row kept byte for byte), resumed again (nothing
-    run, summary and figures rebuilt from the rows), and refused onto another config."""
+def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child, capsys, monkeypatch):
+    """The quick config end to end: killed mid-write of its second row, resumed by the command
+    line (the torn line dropped, every point once, the finished row kept byte for byte), then
+    in this process (the same main, without another interpreter importing JAX): resumed again
+    (nothing run, summary and figures rebuilt from the rows), and refused onto another config."""
     proc, out = killed_child
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
@@ -512,22 +513,23 @@ def test_killed_sweep_resumes_without_duplicates(tmp_path, killed_child):
     # As if killed after its last row, before the summary: a resume runs nothing, rebuilds both.
     summary.unlink()
     (out.parent / "pareto.png").unlink()
-    again = cli("--resume")
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "0 point(s) run, 3 skipped" in again.stdout
+    main = _cli().main
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # main would set it for good
+    capsys.readouterr()
+    assert main(_sweep_cmd(out, "--resume")[1:]) == 0
+    again = capsys.readouterr()
+    assert "0 point(s) run, 3 skipped" in again.out, again.out + again.err
     assert out.read_bytes() == data
     assert "| save-nothing |" in summary.read_text()
     assert (out.parent / "pareto.png").stat().st_size > 0
     # Another config onto these rows: one line naming the field, exit 2, nothing touched.
     other = tmp_path / "quick.py"
     other.write_text(QUICK.read_text().replace("timed_steps=1", "timed_steps=2"))
-    refused = subprocess.run(
-        [sys.executable, str(SCRIPT), "--config", str(other), "--out", str(out), "--resume"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert refused.returncode == 2
-    assert refused.stderr.count("\n") == 1, refused.stderr
-    assert "grids[0].timed_steps: 1 in the file, 2 now" in refused.stderr
+    assert main(["--config", str(other), "--out", str(out), "--resume"]) == 2
+    refused = capsys.readouterr().err
+    assert refused.count("\n") == 1, refused
+    assert "grids[0].timed_steps: 1 in the file, 2 now" in refused
+    assert out.read_bytes() == data
     assert out.read_bytes() == data
 
 

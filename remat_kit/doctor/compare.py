@@ -363,6 +363,35 @@ def _saved_without_saving(
     if not idle:
         return []
     it, they = ("it", "it") if len(idle) == 1 else ("them", "they")
+    cause = _idle_cause(promise, facts, idle, savers)
+    others = [t for t in savers if t not in promise.tags]
+    leave = (
+        "add {} to the names save_any_names_but_these leaves out"
+        if promise.by_exclusion
+        else "leave {} out of the policy"
+    ).format(it)
+    fix = f"recompute {it} ({leave})"
+    if others:
+        fix += (
+            f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
+        )
+    size = nbytes(sum(costly[t] for t in idle))
+    what = (
+        f"policy {promise.name!r} offloads {', '.join(idle)} ({size} to host memory), but "
+        f"keeping {it} removes no matmul recompute: host transfers for elementwise work only."
+        if offloaded
+        else f"policy {promise.name!r} keeps {', '.join(idle)} ({size} of residuals), but "
+        f"saving {it} removes no matmul recompute."
+    )
+    code = "offload-removes-no-recompute" if offloaded else "save-removes-no-recompute"
+    return [Finding(code, "info", what, cause + ".", fix + ".")]
+
+
+def _idle_cause(
+    promise: Promise, facts: TagFacts, idle: Sequence[str], savers: Sequence[str]
+) -> str:
+    """Why keeping the ``idle`` names spares no matmul (:func:`_saved_without_saving`)."""
+    it, they = ("it", "it") if len(idle) == 1 else ("them", "they")
     are = "is" if it == "it" else "are"
     # kept by this policy, saving FLOPs, and what an idle name is computed from (no matmul
     # between): then the idle name spares that elementwise work only
@@ -389,27 +418,7 @@ def _saved_without_saving(
             f"computed from: saving {it} spares only the elementwise work between (the "
             "activation)"
         )
-    others = [t for t in savers if t not in promise.tags]
-    leave = (
-        "add {} to the names save_any_names_but_these leaves out"
-        if promise.by_exclusion
-        else "leave {} out of the policy"
-    ).format(it)
-    fix = f"recompute {it} ({leave})"
-    if others:
-        fix += (
-            f"; to trade memory for speed, save a tag that removes recompute ({', '.join(others)})"
-        )
-    size = nbytes(sum(costly[t] for t in idle))
-    what = (
-        f"policy {promise.name!r} offloads {', '.join(idle)} ({size} to host memory), but "
-        f"keeping {it} removes no matmul recompute: host transfers for elementwise work only."
-        if offloaded
-        else f"policy {promise.name!r} keeps {', '.join(idle)} ({size} of residuals), but "
-        f"saving {it} removes no matmul recompute."
-    )
-    code = "offload-removes-no-recompute" if offloaded else "save-removes-no-recompute"
-    return [Finding(code, "info", what, cause + ".", fix + ".")]
+    return cause
 
 
 def _cse_findings(promise: Promise, report: MemoryReport, found: list[Finding]) -> list[Finding]:

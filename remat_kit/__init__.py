@@ -61,13 +61,13 @@ from remat_kit.zoo import preset as preset
 __version__ = "0.1.0"
 
 __all__ = [
-    "MissingExtraError",
     "Block",
     "BlockGroup",
     "CHECKPOINT_NAMES",
     "CompileError",
     "Finding",
     "MemoryReport",
+    "MissingExtraError",
     "ModelConfig",
     "PRESETS",
     "PolicyEffect",

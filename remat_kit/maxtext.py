@@ -198,7 +198,7 @@ def _layout(target_name: str, mesh: Any, out_shardings: Any) -> Any:
 
 
 def _buffer_names(program: Program, rows: Sequence[Any], placement: Placement) -> BufferNames:
-    """As :meth:`Program.buffer_names`, the parameters' shapes per chip (each sharded as
+    """As :func:`remat_kit.trace.buffer_names`, the parameters' shapes per chip (each sharded as
     MaxText shards it), as the compiled step's buffers hold them."""
     names = trace.traced_buffer_names(program, rows)
     params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in trace.param_leaves(program))

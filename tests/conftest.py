@@ -90,6 +90,7 @@ needs_cuda_plugin = pytest.mark.skipif(
 #: order alone, a long module of few tests (test_distributed, test_recommend_structure) starts
 #: last and keeps one worker busy minutes after the other has finished.
 LONGEST_FIRST = (
+    "test_fast_compile_flags",
     "test_training",
     "test_recommend_structure",
     "test_docs",

@@ -20,8 +20,9 @@ import remat_kit
 def figures():
     config = remat_kit.get_config("tiny-llama", dtype="bfloat16", param_dtype="bfloat16")
     program = remat_kit.preset(config, 2, 64)
-    reports = remat_kit.analyze_policies(
-        program, ["save-dots", "offload-layer-inputs"], target="h100-sxm", top_k=0
+    reports = remat_kit.analyze_policies(  # no no-remat compile: the two policies' own
+        program, ["save-dots", "offload-layer-inputs"], target="h100-sxm", top_k=0,
+        no_remat_baseline=False,
     )
     return [
         {

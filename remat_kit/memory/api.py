@@ -6,7 +6,7 @@ is traced once (the trace gives its matmul FLOPs and where its remat regions are
 lowered), compiled for the target with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`), and
 its ``memory_analysis()``, live-at-peak buffers, timeline and estimated step time read back
 (:mod:`remat_kit.memory.reading`); the residual table comes from the program
-(:meth:`~remat_kit.program.Program.residuals`). Several policies compile concurrently, identical
+(:func:`~remat_kit.trace.residuals`). Several policies compile concurrently, identical
 programs once, GPU kernels shared (:mod:`remat_kit.memory.runner`); a preset's repeat is read
 from the report cache (:mod:`remat_kit.memory.compile_cache`) without tracing anything.
 

@@ -93,7 +93,8 @@ class DeviceFigures:
     #: The machine's state while calibrated figures were timed; None for datasheet figures.
     calibration: Calibration | None = None
     #: Streaming multiprocessors a GPU spreads a matmul's output tiles over (wave and tile
-    #: quantization, :func:`gemm_efficiency`); 0 where matmuls are not costed by tiles.
+    #: quantization, :func:`~remat_kit.memory.roofline.gemm_efficiency`); 0 where matmuls are
+    #: not costed by tiles.
     sm_count: int = 0
     #: Devices joined by :attr:`interconnect_bytes_per_s` (a GPU node); None: any number.
     node_size: int | None = None

@@ -49,8 +49,8 @@ class Kernel:
       count: executions per step (the trip counts of the loops around it multiplied).
       flops: matmul FLOPs per execution; dtype: the matmul operands' dtype ("" if none).
       batched_flops: the part of ``flops`` in matmuls with batch dimensions
-        (:func:`hlo.is_batched_matmul`), timed at :meth:`DeviceFigures.matmul_peak`'s batched
-        rate.
+        (:func:`hlo.is_batched_matmul`), timed at the batched rate of
+        :meth:`~remat_kit.memory.calibration.DeviceFigures.matmul_peak`.
       elementwise, transcendental: operations per execution.
       bytes_read, bytes_written: bytes at the kernel's boundary per execution.
       op_name: JAX's ``op_name`` of the instruction (what the user's code called).

@@ -587,7 +587,7 @@ def tag_costs(
     """The solver's per-tag bytes and recompute FLOPs (see :class:`TagCost`), and the jaxpr
     matmul FLOPs of the step saving nothing. Traces only, nothing compiled.
 
-    Bytes: the program's residual table (:meth:`~remat_kit.program.Program.residuals`, per
+    Bytes: the program's residual table (:func:`~remat_kit.trace.residuals`, per
     device) under a policy that saves every tag, and under ``save-nothing`` for what is kept
     anyway. FLOPs: jaxpr matmul FLOPs of the whole train step saving nothing, minus those
     saving only the tag (one trace per tag, about 0.3 s each for llama3-8b). Additivity

@@ -408,7 +408,7 @@ def _identity(program: Program, host: HostArguments, warmup: int, timed: int) ->
 
 def _num_params(program: Program) -> int | None:
     """Elements of the differentiated loss arguments (None without a loss;
-    :meth:`~remat_kit.program.Program.param_leaves`)."""
+    :func:`~remat_kit.trace.param_leaves`)."""
     if program.make_loss is None:
         return None
     return sum(int(x.size) for x in trace.param_leaves(program))

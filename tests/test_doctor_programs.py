@@ -612,7 +612,8 @@ def test_an_offloaded_tag_that_removes_no_recompute_is_said(policy, flagged):
     """A user trial: recommend picked ``offload-to-host (cut)``, which offloads a name whose
     keeping spares no matmul, and the doctor said nothing of it (it judged saved names only)."""
     program = _program(_after_activation_layer, "after-activation")
-    (check,) = doctor.check_policies(program, [policy], target="h100-sxm").checks
+    # judged on the jaxpr: the same on a target that ignores offload (no CUDA plugin needed)
+    (check,) = doctor.check_policies(program, [policy], target="cpu").checks
     found = [f for f in check.findings if f.code == "offload-removes-no-recompute"]
     assert [f.severity for f in found] == ["info"] * len(flagged), [f.line() for f in found]
     for f in found:

@@ -362,7 +362,7 @@ def _saved_without_saving(
         idle = [t for t in idle if facts.flops_keeping(keeping - {t}) <= full]
     if not idle:
         return []
-    it, they = ("it", "it") if len(idle) == 1 else ("them", "they")
+    it = "it" if len(idle) == 1 else "them"
     cause = _idle_cause(promise, facts, idle, savers)
     others = [t for t in savers if t not in promise.tags]
     leave = (

@@ -283,17 +283,15 @@ def _program_of(
     spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
         raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
-    if not isinstance(model, Program):  # a preset: its default batch and required seq
-        if seq_len is None:
-            raise ValueError(
-                "seq_len is required for a preset or ModelConfig (tokens per sequence)"
-            )
-        split = spec.dp * spec.fsdp if spec is not None else 1
-        batch_size = 1 if auto else (split if batch_size is None else batch_size)
-        _check_batch(batch_size, solve and auto)
-    if isinstance(model, Program) and auto:  # the batch search builds its family's members
-        _check_batch(1, solve)
-        batch_size = None
+    if solve and auto:
+        raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
+    if isinstance(model, Program):  # its batch search builds its family's members
+        return as_program(model, None if auto else batch_size, seq_len, optimizer, spec)
+    if seq_len is None:  # a preset: its default batch and required seq
+        raise ValueError("seq_len is required for a preset or ModelConfig (tokens per sequence)")
+    split = spec.dp * spec.fsdp if spec is not None else 1
+    batch_size = 1 if auto else (split if batch_size is None else batch_size)
+    _check_batch(batch_size, False)
     return as_program(model, batch_size, seq_len, optimizer, spec)
 
 

@@ -104,7 +104,7 @@ def table(path: Path) -> str:
 def per_layer() -> list[dict]:
     """Textbook vs jaxpr vs compiled per-layer activation bytes."""
     import remat_kit
-    from remat_kit.memory import per_layer_activations
+    from remat_kit.zoo.textbook import per_layer_activations
 
     blocks = [
         # (label, config, batch, seq, targets)

@@ -14,8 +14,6 @@ from remat_kit.memory import MemoryReport as MemoryReport
 from remat_kit.memory import analyze as analyze
 from remat_kit.memory import analyze_model as analyze_model
 from remat_kit.memory import analyze_policies as analyze_policies
-from remat_kit.memory import korthikanti_bytes as korthikanti_bytes
-from remat_kit.memory import per_layer_activations as per_layer_activations
 from remat_kit.memory import program_tags as program_tags
 from remat_kit.models import PRESETS as PRESETS
 from remat_kit.models import Block as Block
@@ -57,6 +55,8 @@ from remat_kit.training import make_optimizer as make_optimizer
 from remat_kit.training import make_train_step as make_train_step
 from remat_kit.validation import MissingExtraError as MissingExtraError
 from remat_kit.zoo import preset as preset
+from remat_kit.zoo.textbook import korthikanti_bytes as korthikanti_bytes
+from remat_kit.zoo.textbook import per_layer_activations as per_layer_activations
 
 __version__ = "0.1.0"
 

@@ -54,6 +54,9 @@ class Known:
         per device on the placement's mesh.
       buffer_names: ``(program, rows, placement) -> BufferNames``: what names the buffers live
         at the peak, where the residual rows are stacked or the parameters sharded.
+      model: the builder's own description of its model (the zoo's config), read only by the
+        builder's own analyses (:mod:`remat_kit.zoo.textbook`, :mod:`remat_kit.zoo.facts`);
+        the tools never read it.
     """
 
     title: str | None = None
@@ -71,6 +74,7 @@ class Known:
     saved: Callable[[Any, PolicySpec], list[Residual]] | None = None
     residuals: Callable[[Any, PolicySpec, Placement], tuple[TagResiduals, ...]] | None = None
     buffer_names: Callable[[Any, Sequence[TagResiduals], Placement], BufferNames] | None = None
+    model: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

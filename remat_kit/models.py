@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable
 from typing import Any, Literal, get_args
@@ -434,26 +433,6 @@ def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise N.unknown_value_error("preset", name, preset_names())
     return PRESETS[name].replace(**overrides)
-
-
-def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``["d_model=128", "norm=rmsnorm"]`` -> ``{"d_model": 128, "norm": "rmsnorm"}``: command-line
-    ``--set FIELD=VALUE`` overrides of :class:`ModelConfig` fields (values read as JSON where they
-    parse, else as strings). Field names and values are checked by :func:`get_config`.
-
-    Raises:
-      ValueError: an item without ``=`` or without a field name.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set takes FIELD=VALUE (a ModelConfig field), got {item!r}")
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw
-    return out
 
 
 CUDNN_DTYPES = ("bfloat16", "float16")

@@ -397,9 +397,8 @@ _SGD = optax.sgd(1e-3)
 
 @needs_cuda_plugin
 def test_gpu_full_remat_keeps_2sbh_per_layer():
-    (x,) = per_layer_activations(
-        _gpu_config(), _B, _S, ["save-nothing"], target="h100-sxm", optimizer=_SGD
-    )
+    program = remat_kit.preset(_gpu_config(), _B, _S, _SGD)
+    (x,) = per_layer_activations(program, policies=["save-nothing"], target="h100-sxm")
     assert x.target == "h100-sxm"
     assert x.textbook_bytes == 2 * _S * _B * _H
     assert x.compiled_bytes == pytest.approx(2 * _S * _B * _H, rel=0.01)
@@ -413,7 +412,8 @@ def test_per_layer_takes_per_tag_specs_each_with_its_own_figures():
     own compiled bytes (keyed by name, the second's report stood for both; ``analyze
     --per-layer --policy query_proj=save`` failed: unknown policy 'custom')."""
     one, two = {"query_proj": "save"}, {"query_proj": "save", "out_proj": "save"}
-    rows = per_layer_activations(_gpu_config(), _B, _S, [one, two], "h100-sxm", optimizer=_SGD)
+    program = remat_kit.preset(_gpu_config(), _B, _S, _SGD)
+    rows = per_layer_activations(program, policies=[one, two], target="h100-sxm")
     assert [x.policy for x in rows] == ["custom: query_proj=save",
                                         "custom: out_proj=save, query_proj=save"]  # fmt: skip
     sbh = 2 * _S * _B * _H  # one [b, s, d_model] bf16 tensor

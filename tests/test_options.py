@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from remat_kit import plots, sweep
+from remat_kit.models import get_config
 from remat_kit.sweep import Grid, SweepConfig, results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def test_option_config_points_are_distinct_per_option_value():
     # Same model, shape and policy, only the overrides differ: distinct keys and groups.
     same = [p for p in points if p.grid.startswith("measured:") and p.policy == "save-nothing"]
     assert len({p.key for p in same}) == len({p.group for p in same}) == len(same) == 7
-    assert {p.model_config().remat_layers for p in same} == {None, 0, 2, 4, 6}
+    assert {get_config(p.model, **p.changes).remat_layers for p in same} == {None, 0, 2, 4, 6}
 
 
 def test_committed_option_rows_record_their_options():

@@ -559,7 +559,8 @@ def test_per_tag_policy_on_the_sweep_command_line(tmp_path, capsys, no_compile):
 
 def _executables(points, engine):
     """The analysed group's reports and the executables its measured steps run."""
-    program = preset(points[0].model_config(), points[0].batch_size, points[0].seq_len)
+    p0 = points[0]
+    program = preset(p0.model, p0.batch_size, p0.seq_len, **p0.changes)
     reports = dict(zip(
         (p.key for p in points),
         analyze_policies(program, [p.policy for p in points], "local", fast_compile=False,
@@ -586,7 +587,7 @@ def test_interleaved_steps_are_each_policys_own(tmp_path):
 
     def timed(executables, interleave):
         makers = [
-            functools.partial(measure.PresetRun, p, c, corpus, cache)
+            functools.partial(measure.PresetRun, p, c, corpus, measure.host_state(p, cache))
             for p, c in zip(points, executables, strict=True)
         ]
         return measure.time_runs(makers, interleave)

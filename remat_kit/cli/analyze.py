@@ -15,7 +15,7 @@ from remat_kit.cli import args as A
 from remat_kit.cli import grid
 from remat_kit.cli.console import add_row, console, table
 from remat_kit.cli.progress import CompileProgress
-from remat_kit.memory import CompileError, analyze_policies, per_layer_activations
+from remat_kit.memory import CompileError, analyze_policies
 from remat_kit.memory.diff import peak_inversions
 from remat_kit.memory.policy_set import PolicySet, policy_set
 from remat_kit.memory.report import SAME_PROGRAM, MemoryReport, same_program_as
@@ -27,6 +27,7 @@ from remat_kit.terminal import group_notes, short_xla
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
+from remat_kit.zoo.textbook import per_layer_activations
 
 #: Largest buffers at the peak shown for one policy when ``--buffers`` is not given.
 _BUFFERS = 5
@@ -159,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
     if args.per_layer and reports:
         try:
             layers = per_layer_activations(
-                A.read_config(args), args.batch, args.seq,
-                [s for s, r in zip(specs, results, strict=True) if not isinstance(r, CompileError)],
-                target=target, optimizer=args.optimizer, workers=args.workers,
+                program,
+                policies=[s for s, r in zip(specs, results, strict=True)
+                          if not isinstance(r, CompileError)],
+                target=target, workers=args.workers,
             )  # fmt: skip
         except CompileError as err:
             errors.append(err)

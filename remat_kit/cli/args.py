@@ -9,17 +9,17 @@ becomes ``argparse.ArgumentTypeError`` with the library's one-line message.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from remat_kit import units, validation
 from remat_kit.loading import load_program
-from remat_kit.models import ModelConfig, get_config, parse_overrides
 from remat_kit.policies import POLICY_ARG_HELP as POLICY_ARG_HELP
 from remat_kit.policies import parse_policy_arg
 from remat_kit.program import Program
 from remat_kit.targets import MeshSpec
-from remat_kit.zoo import preset
+from remat_kit.zoo import check_preset, preset
 
 PROG = "remat-kit"
 T = TypeVar("T")
@@ -113,7 +113,8 @@ def add_model(
     )
     p.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
-        help="override a preset's ModelConfig field (repeatable), e.g. --set num_layers=4",
+        help="change a field of the preset (repeatable; a wrong name lists them), "
+        "e.g. --set num_layers=4",
     )  # fmt: skip
 
 
@@ -170,20 +171,42 @@ def is_program_ref(model: str | None) -> bool:
     return model is None or ":" in model
 
 
-def read_config(args: argparse.Namespace, **fixed: Any) -> ModelConfig:
-    """The preset ``--model`` names, with ``--set`` overrides and ``fixed`` fields.
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["d_model=128", "norm=rmsnorm"]`` -> ``{"d_model": 128, "norm": "rmsnorm"}``: command-line
+    ``--set FIELD=VALUE`` overrides of a preset's fields (values read as JSON where they
+    parse, else as strings). Field names and values are checked by
+    :func:`remat_kit.preset`.
 
     Raises:
-      ValueError: an unknown preset (the message also says how to give a program), a bad
-        ``--set``.
+      ValueError: an item without ``=`` or without a field name.
     """
-    try:
-        return get_config(args.model, **{**parse_overrides(args.overrides), **fixed})
-    except ValueError as err:
-        if str(err).startswith("unknown preset"):
-            msg = f"{err} For your own model give MODULE:FACTORY or FILE.py:FACTORY."
-            raise ValueError(msg) from None
-        raise
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set takes FIELD=VALUE (a model field), got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def preset_changes(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
+    """The model fields ``--set`` changes, with ``fixed`` fields (as :func:`remat_kit.preset`
+    takes them).
+
+    Raises:
+      ValueError: a ``--set`` item without ``=`` or a field name.
+    """
+    return {**parse_overrides(args.overrides), **fixed}
+
+
+def unknown_preset(err: ValueError) -> ValueError:
+    """``err``, an unknown preset's, also saying how to give a program instead."""
+    if str(err).startswith("unknown preset"):
+        return ValueError(f"{err} For your own model give MODULE:FACTORY or FILE.py:FACTORY.")
+    return err
 
 
 def read_program(
@@ -229,12 +252,16 @@ def read_program(
                 "its step, e.g. jax.jit with in_shardings over a jax.sharding.Mesh)"
             )
         return load_program(args.model)
-    config = read_config(args, **fixed)
+    changes = preset_changes(args, **fixed)
+    try:
+        check_preset(args.model, **changes)  # the preset and its fields before the flags
+    except ValueError as err:
+        raise unknown_preset(err) from None
     missing = [f"--{f}" for f in needed if getattr(args, f, None) is None]
     if missing:
         raise UsageError(f"the following arguments are required for a preset: {', '.join(missing)}")
     optimizer = getattr(args, "optimizer", None) or "adamw"
-    return preset(config, args.batch, args.seq, optimizer, mesh)
+    return preset(args.model, args.batch, args.seq, optimizer, mesh, **changes)
 
 
 def _for_presets(preset_default: int | None) -> str:

@@ -129,11 +129,10 @@ def build_config(args: argparse.Namespace):
       ValueError: an unknown preset, policy, target, optimizer or field; a repeated value; a
         mesh the batch does not split over (the sweep's one-line messages).
     """
-    from remat_kit.models import parse_overrides
     from remat_kit.policies import policy_arg
     from remat_kit.sweep import ALL_POLICIES, Grid, SweepConfig, validate
     from remat_kit.training.step import make_optimizer
-    from remat_kit.validation import check_seq_len
+    from remat_kit.zoo import check_preset
 
     _check(args)
     if args.all_policies and args.policy:
@@ -141,23 +140,24 @@ def build_config(args: argparse.Namespace):
     target = targets.get_target(args.target)
     optimizer = args.optimizer or "adamw"
     make_optimizer(optimizer)
-    overrides = parse_overrides(args.overrides)
+    overrides = A.parse_overrides(args.overrides)
     given = tuple(dict.fromkeys(policy_arg(s) for s in args.policy or ()))
     if len(set(args.model)) != len(args.model):
         raise ValueError(f"--model lists a value twice: {args.model}")
     grids = []
     for model in args.model:
         # the preset as one point's analysis reads it: its errors in the command line's terms
-        own = A.read_config(argparse.Namespace(model=model, overrides=args.overrides))
         for seq in args.seq:
-            check_seq_len(seq, own.max_seq_len, model, how=f"--set max_seq_len={seq}")
+            try:
+                own = check_preset(model, seq, f"--set max_seq_len={seq}", **overrides)
+            except ValueError as err:
+                raise A.unknown_preset(err) from None
         if args.all_policies:
             policies = ALL_POLICIES
         elif given:
             policies = given
         else:  # the preset's own policy, as one point's analysis compiles it
-            policy = own.remat_policy
-            policies = (policy if isinstance(policy, str) else policy_arg(policy),)
+            policies = (own if isinstance(own, str) else policy_arg(own),)
         for mesh in _meshes(args, target):
             grids.append(Grid(
                 name=model + (f" mesh={mesh}" if mesh else ""), models=(model,),

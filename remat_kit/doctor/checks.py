@@ -337,8 +337,8 @@ def check(
     """Check one policy: :func:`check_policies` of one policy, its findings.
 
     Args:
-      model: a preset name or :class:`ModelConfig` (its ``scan_layers`` / ``remat_group_size``
-        are used), or a :class:`~remat_kit.program.Program`.
+      model: a preset name or config (:data:`remat_kit.zoo.PresetLike`: its ``scan_layers`` /
+        ``remat_group_size`` are used), or a :class:`~remat_kit.program.Program`.
       batch_size: a preset's sequences per step (default 2); not for a Program (it carries
         its own arguments).
       seq_len: a preset's tokens per sequence (default 64; the step's tokens are

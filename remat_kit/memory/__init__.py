@@ -6,7 +6,6 @@ report), :mod:`~remat_kit.memory.runner` (lowering and compiling many steps, con
 kernels shared), :mod:`~remat_kit.memory.xla_compile` (one compile, XLA's dumps and log captured),
 :mod:`~remat_kit.memory.reading` (turning them into report pieces), :mod:`~remat_kit.memory.hlo`
 (parsing XLA's text dumps) (the jaxpr FLOPs are :mod:`remat_kit.walker`'s),
-:mod:`~remat_kit.memory.textbook` (Korthikanti et al. 2022 next to the compiled per-layer bytes),
 :mod:`~remat_kit.memory.timeline` (live bytes over XLA's schedule, by category),
 :mod:`~remat_kit.memory.policy_only` (the policy's own figures, XLA's own remat told apart),
 :mod:`~remat_kit.memory.diff` (two policies side by side),
@@ -25,9 +24,19 @@ from remat_kit.memory.report import LogitsLine as LogitsLine
 from remat_kit.memory.report import MemoryReport as MemoryReport
 from remat_kit.memory.report import PeakBuffer as PeakBuffer
 from remat_kit.memory.report import PolicyOnly as PolicyOnly
-from remat_kit.memory.textbook import LayerActivations as LayerActivations
-from remat_kit.memory.textbook import korthikanti_bytes as korthikanti_bytes
-from remat_kit.memory.textbook import per_layer_activations as per_layer_activations
 from remat_kit.memory.timeline import Timeline as Timeline
 from remat_kit.memory.timeline import TimelineBuffer as TimelineBuffer
 from remat_kit.memory.xla_compile import CompileError as CompileError
+
+#: Names that moved to the zoo (:mod:`remat_kit.zoo.textbook`: the bundled models' formula),
+#: still read from here for one release.
+_MOVED = frozenset({"LayerActivations", "korthikanti_bytes", "per_layer_activations", "textbook"})
+
+
+def __getattr__(name: str):
+    """Moved names, from their new home (PEP 562)."""
+    if name in _MOVED:
+        from remat_kit.zoo import textbook
+
+        return textbook if name == "textbook" else getattr(textbook, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

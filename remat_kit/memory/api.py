@@ -161,7 +161,7 @@ def analyze_model(
     model is never allocated, and a 70B model can be analysed for an 8-GPU target on a laptop.
 
     Args:
-      config: a :class:`ModelConfig` or a preset name (``"llama3-8b"``).
+      config: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`).
       batch_size: sequences per step (b).
       seq_len: tokens per sequence (s).
       policy: a policy name, :class:`PolicySpec` or custom mapping; default the config's.

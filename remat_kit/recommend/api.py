@@ -206,7 +206,7 @@ def recommend(
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
     Args:
-      model: a preset name (``"llama3-8b"``) or a :class:`~remat_kit.ModelConfig` (its
+      model: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`: its
         ``remat_group_size`` is the base group size), made a program by :func:`remat_kit.preset`;
         or any :class:`~remat_kit.Program` (a user's: by default the policies ``analyze``
         compiles on it, those that act on the tags it emits and specs in its own tag names, and
@@ -288,7 +288,7 @@ def _program_of(
     if isinstance(model, Program):  # its batch search builds its family's members
         return as_program(model, None if auto else batch_size, seq_len, optimizer, spec)
     if seq_len is None:  # a preset: its default batch and required seq
-        raise ValueError("seq_len is required for a preset or ModelConfig (tokens per sequence)")
+        raise ValueError("seq_len is required for a preset (tokens per sequence)")
     split = spec.dp * spec.fsdp if spec is not None else 1
     batch_size = 1 if auto else (split if batch_size is None else batch_size)
     _check_batch(batch_size, False)

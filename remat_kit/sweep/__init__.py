@@ -7,7 +7,8 @@ point (:class:`Point`) :func:`run_sweep`
 1. analyses the step with :func:`remat_kit.memory.analyze_policies` (the compiled peak, residuals
    by checkpoint name, compiled FLOPs), all policies of one model/shape/target together;
 2. on the local device, where the grid asks, times the real step on real text: median step time
-   (seconds), tokens per second, MFU (:func:`model_flops_per_token`), measured peak, every loss;
+   (seconds), tokens per second, MFU (:func:`remat_kit.zoo.facts.model_flops_per_token`),
+   measured peak, every loss;
 3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as its task finishes.
 
 A failed point becomes an ``oom`` / ``error`` row; ``resume=True`` skips points already in the
@@ -30,7 +31,6 @@ from remat_kit.sweep.config import Point as Point
 from remat_kit.sweep.config import SweepConfig as SweepConfig
 from remat_kit.sweep.config import load_config as load_config
 from remat_kit.sweep.config import validate as validate
-from remat_kit.sweep.measure import model_flops_per_token as model_flops_per_token
 from remat_kit.sweep.output import SweepRun as SweepRun
 from remat_kit.sweep.run import run_program_sweep as run_program_sweep
 from remat_kit.sweep.run import run_sweep as run_sweep
@@ -42,7 +42,6 @@ __all__ = [
     "SweepConfig",
     "SweepRun",
     "load_config",
-    "model_flops_per_token",
     "run_program_sweep",
     "run_sweep",
     "validate",

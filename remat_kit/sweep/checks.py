@@ -7,9 +7,10 @@ from typing import Any
 
 from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.models import get_config, preset_names
+from remat_kit.models import preset_names
 from remat_kit.policies import parse_policy_arg
 from remat_kit.training.step import OPTIMIZERS
+from remat_kit.zoo import check_preset
 
 _OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "ran out of memory")
 
@@ -108,11 +109,10 @@ def _check_models(where: str, g: Any) -> None:
             raise ValueError(f"{where}: set {bad} through the grid, not overrides")
     for m in g.models:
         for k in g.remat_group_sizes:
+            seq = max(g.seq_lens)
+            how = f"overrides={{'max_seq_len': {seq}}} in the grid"
             try:
-                cfg = get_config(m, remat_group_size=k, **dict(g.overrides))
-                seq = max(g.seq_lens)
-                how = f"overrides={{'max_seq_len': {seq}}} in the grid"
-                V.check_seq_len(seq, cfg.max_seq_len, m, how=how)
+                check_preset(m, seq, how, remat_group_size=k, **dict(g.overrides))
             except ValueError as err:
                 raise within(f"{where}, model {m!r}", err) from None
 

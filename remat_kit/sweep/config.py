@@ -13,8 +13,7 @@ import jax
 
 from remat_kit import targets as T
 from remat_kit import validation as V
-from remat_kit.models import ModelConfig, get_config
-from remat_kit.policies import parse_policy_arg, policy_names
+from remat_kit.policies import PolicySpec, parse_policy_arg, policy_names
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import check_grid, error_message, within
 
@@ -35,7 +34,8 @@ class Grid:
       remat_group_sizes: blocks per remat segment (each must divide ``num_layers``).
       targets: target names (:func:`remat_kit.targets.target_names`): ``local`` is the machine's
         own device; GPU models (``h100-sxm``) are compiled deviceless, analysis only.
-      overrides: ModelConfig fields applied to every model (``{"scan_layers": True}``).
+      overrides: model fields changed in every model (``{"scan_layers": True}``; the fields
+        :func:`remat_kit.zoo.preset` takes).
       measure: run the real step at points whose target is the local device.
       warmup_steps: untimed steps before timing (compilation happens before them).
       timed_steps: steps timed, one ``block_until_ready`` each; the median is reported.
@@ -116,16 +116,16 @@ class Point:
             f"{self.model} b={self.batch_size} s={self.seq_len}{g}{m} {self.policy} @{self.target}"
         )
 
-    def model_config(self) -> ModelConfig:
-        """The preset with the policy, group size and overrides applied (validated)."""
-        return get_config(
-            self.model,
-            remat_policy=self.policy
-            if self.policy in ALL_POLICIES
-            else parse_policy_arg(self.policy),
-            remat_group_size=self.remat_group_size,
-            **dict(self.overrides),
-        )
+    @property
+    def changes(self) -> dict[str, Any]:
+        """The preset's fields this point changes (group size and overrides; the policy is the
+        analysis's), as :func:`remat_kit.zoo.preset` takes them."""
+        return {"remat_group_size": self.remat_group_size, **dict(self.overrides)}
+
+    @property
+    def remat_policy(self) -> str | PolicySpec:
+        """The policy as the model applies it: a registered name, or the per-tag spec."""
+        return self.policy if self.policy in ALL_POLICIES else parse_policy_arg(self.policy)
 
     @property
     def group(self) -> tuple:
@@ -263,7 +263,7 @@ def validate(config: SweepConfig) -> None:
 
     Raises:
       ValueError: no grids or an unnamed grid; an unknown preset, policy, target, optimizer or
-        ModelConfig field (message lists the valid names and the closest match); an empty tuple,
+        model field (message lists the valid names and the closest match); an empty tuple,
         a repeated value, a non-positive batch size, sequence length, group size or step count;
         a sequence longer than the model's ``max_seq_len``; a group size not dividing the
         layers; a GPU target without JAX's CUDA plugin installed.

@@ -1,7 +1,7 @@
 """Run a step on the local device: the executable (the analyzer's, or compiled through its
 engine), its arguments placed (a preset's initial state and text batches; a program's own
 arrays, abstract ones given values), its steps timed, interleaved across policies where the
-backend allows; and the model FLOPs of a preset point."""
+backend allows."""
 
 from __future__ import annotations
 
@@ -21,42 +21,13 @@ import numpy as np
 from remat_kit import targets as T
 from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
-from remat_kit.models import ModelConfig
 from remat_kit.policies import PolicySpec, policy_label
 from remat_kit.program import Program
 from remat_kit.pure import Pure
 from remat_kit.sweep.config import Point
 from remat_kit.training.data import Corpus
-from remat_kit.training.step import (
-    TrainState,
-    abstract_batch,
-    init_params,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-)
-
-
-def param_counts(config: ModelConfig) -> tuple[int, int]:
-    """(all parameters, parameters used in matmuls) of ``config``, from shapes only."""
-    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-    total = matmul = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        n = math.prod(leaf.shape)
-        total += n
-        top = getattr(path[0], "key", str(path[0]))
-        if top == "pos_embed" or (top == "embed" and not config.tied_embeddings):
-            continue  # lookup tables: no matmul (a tied embedding is also the output matmul)
-        matmul += n
-    return total, matmul
-
-
-def model_flops_per_token(config: ModelConfig, seq_len: int, matmul_params: int) -> float:
-    """Training FLOPs per token, PaLM appendix B (Chowdhery et al. 2022, arXiv:2204.02311):
-    ``6 N + 12 L H Q T`` with N the parameters used in matmuls, L layers, H query heads, Q head
-    dimension, T = ``seq_len``. Forward plus backward, no recomputation; the attention term
-    counts the full (unmasked) ``T x T`` scores, as the compiled attention computes them."""
-    return 6.0 * matmul_params + 12.0 * config.num_layers * config.d_model * seq_len
+from remat_kit.training.step import TrainState, abstract_batch, make_optimizer
+from remat_kit.zoo.facts import initial_state, mesh_train_step
 
 
 def peak_bytes_in_use() -> int | None:
@@ -81,24 +52,17 @@ def _device_batch(batcher: Any, step: int, sharding: Any) -> dict[str, jax.Array
     return jax.block_until_ready(batch)
 
 
-def host_state(point: Point, config: ModelConfig, cache: dict | None) -> TrainState:
-    """The initial train state as host (numpy) arrays: the same values for every policy.
-
-    Parameters do not depend on the remat policy, so the state is initialised once per model,
-    optimizer and seed (one jitted init: flax's eager init compiles op by op) and kept on the
-    host; each point copies it to the device (its step donates, i.e. consumes, the copy).
-    """
-    key = (
-        config.replace(remat_policy="no-remat"),
-        point.optimizer,
-        point.learning_rate,
-        point.seed,
-    )
+def host_state(point: Point, cache: dict | None) -> TrainState:
+    """The point's initial train state as host (numpy) arrays
+    (:func:`remat_kit.zoo.facts.initial_state`): the same values for every policy, so made
+    once per model, optimizer and seed (in ``cache``) and copied to the device by each point
+    (its step donates, i.e. consumes, the copy)."""
+    key = (point.model, point.overrides, point.remat_group_size, point.optimizer,
+           point.learning_rate, point.seed)  # fmt: skip
     host = None if cache is None else cache.get(key)
     if host is None:
         optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
-        init = jax.jit(lambda rng: init_train_state(key[0], optimizer, rng))
-        host = jax.device_get(init(jax.random.key(point.seed)))
+        host = initial_state(point.model, optimizer, point.seed, **point.changes)
         if cache is not None:
             cache[key] = host
     return host
@@ -124,11 +88,13 @@ def lower_mesh_step(point: Point, state_cache: dict | None) -> Any:
     Raises:
       ValueError: a mesh the local devices cannot form (:func:`remat_kit.targets.local_mesh`).
     """
-    config = point.model_config()
-    host = host_state(point, config, state_cache)
+    host = host_state(point, state_cache)
     optimizer = make_optimizer(point.optimizer, learning_rate=point.learning_rate)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
-    step = make_train_step(config, optimizer, donate=True, mesh=T.local_mesh(point.mesh))
+    mesh = T.local_mesh(point.mesh)
+    step = mesh_train_step(
+        point.model, optimizer, mesh, remat_policy=point.remat_policy, **point.changes
+    )
     return step.lower(state, abstract_batch(point.batch_size, point.seq_len))
 
 
@@ -280,10 +246,9 @@ class PresetRun(StepRun):
     its batches from the corpus (batch ``i``: ``corpus.batcher(b, s, seed).batch_at(i)``, placed
     before its timer starts), the state donated and fed back."""
 
-    def __init__(self, point: Point, compiled: Any, corpus: Corpus, state_cache: dict | None):
+    def __init__(self, point: Point, compiled: Any, corpus: Corpus, host: TrainState):
         super().__init__(point.warmup_steps, point.timed_steps)
         self.point, self.compiled = point, compiled
-        host = host_state(point, point.model_config(), state_cache)
         # Laid out as the compiled step takes them: one device, or sharded over the point's mesh.
         (state_sharding, self.batch_sharding), _ = compiled.input_shardings
         self.state = jax.block_until_ready(T.put_global(host, state_sharding))

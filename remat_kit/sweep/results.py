@@ -896,7 +896,7 @@ def summary_markdown(rows: Sequence[Mapping[str, Any]] | Any) -> str:
     return "\n".join(parts)
 
 
-# -- Option sets: rows of one shape that differ in ModelConfig overrides -------------------------
+# -- Option sets: rows of one shape that differ in model-field overrides -------------------------
 # (e.g. experiments/configs/options.py: remat_layers, nested_remat, loss_chunk_size, attention
 # varied one at a time). Each row is a *variant*, labelled by the overrides it does not share
 # with every row of its set ("plain" when it has none of its own) and its policy; figures in

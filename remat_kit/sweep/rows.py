@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,8 +10,8 @@ from remat_kit import targets as T
 from remat_kit.sweep import results as R
 from remat_kit.sweep.checks import classify, error_message
 from remat_kit.sweep.config import Point
-from remat_kit.sweep.measure import model_flops_per_token, param_counts
 from remat_kit.walker import bytes_by_tag
+from remat_kit.zoo.facts import model_facts
 
 #: Row fields from the point's model and analysis (None in a row whose analysis failed).
 ANALYSIS_KEYS = (
@@ -73,22 +72,22 @@ def _by_tag(report: Any) -> dict[str, dict[str, int]]:
     return {t: {m: n[t] for m, n in by.items() if t in n} for t in tags}
 
 
-def model_fields(point: Point, counts: dict[tuple, tuple[int, int]]) -> dict[str, Any]:
-    """A preset point's model fields (parameters counted once per model in ``counts``)."""
-    config = point.model_config()
-    count_key = (point.model, point.overrides)
-    if count_key not in counts:
-        counts[count_key] = param_counts(config)
-    total, matmul = counts[count_key]
+def model_fields(point: Point, facts: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    """A preset point's model fields (:func:`remat_kit.zoo.facts.model_facts`, once per model
+    and sequence length in ``facts``): parameters, tokens, model FLOPs, the model's fields."""
+    facts_key = (point.model, point.overrides, point.remat_group_size, point.seq_len)
+    if facts_key not in facts:
+        facts[facts_key] = model_facts(point.model, point.seq_len, **point.changes)
+    known = facts[facts_key]
     tokens = point.batch_size * point.seq_len
     return {
-        "num_params": total,
-        "matmul_params": matmul,
+        "num_params": known["num_params"],
+        "matmul_params": known["matmul_params"],
         "tokens_per_step": tokens,
-        "model_flops_per_step": model_flops_per_token(config, point.seq_len, matmul) * tokens,
-        "dtype": config.dtype,
+        "model_flops_per_step": known["model_flops_per_token"] * tokens,
+        "dtype": known["dtype"],
         # the policy as written (a name or a per-tag spec), not the spec's frozensets
-        "model_config": {**dataclasses.asdict(config), "remat_policy": point.policy},
+        "model_config": {**known["fields"], "remat_policy": point.policy},
     }
 
 

@@ -55,6 +55,7 @@ from remat_kit.sweep.measure import (
     argument_signature,
     can_interleave,
     host_arguments,
+    host_state,
     lower_mesh_step,
     run_executables,
     time_runs,
@@ -163,7 +164,7 @@ def _before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseExcepti
 
 def _preset_group(
     members: Sequence[Point], before_point: Callable | None, advance: Callable,
-    corpus: Corpus | None, state_cache: dict, counts: dict, common: Mapping[str, Any],
+    corpus: Corpus | None, state_cache: dict, facts: dict, common: Mapping[str, Any],
 ) -> list[dict[str, Any]]:  # fmt: skip
     """The rows of one task: points of one group (differing only in the policy)."""
     p0 = members[0]
@@ -171,10 +172,10 @@ def _preset_group(
 
     def make_program() -> Program:
         optimizer = make_optimizer(p0.optimizer, learning_rate=p0.learning_rate)
-        return preset(p0.model_config(), p0.batch_size, p0.seq_len, optimizer, p0.mesh)
+        return preset(p0.model, p0.batch_size, p0.seq_len, optimizer, p0.mesh, **p0.changes)
 
     def make_run(key: str, program: Program, compiled: Any) -> StepRun:
-        return PresetRun(by_key[key], compiled, corpus, state_cache)
+        return PresetRun(by_key[key], compiled, corpus, host_state(by_key[key], state_cache))
 
     lower = None
     if p0.mesh is not None:
@@ -189,7 +190,7 @@ def _preset_group(
         rows.append(make_row(
             p.key, {**common, **p.to_dict()}, reports[p.key], executables.get(p.key),
             measurements.get(p.key), measure=p.measure,
-            model=functools.partial(model_fields, p, counts),
+            model=functools.partial(model_fields, p, facts),
         ))  # fmt: skip
     return rows
 
@@ -197,14 +198,14 @@ def _preset_group(
 class TaskRunner:
     """Runs tasks (:class:`~remat_kit.sweep.tasks.Task`) in one process, wherever that is (the
     driver, a worker process, a Ray task), keeping what its tasks share: the corpus (loaded at
-    the first measured task), initial states on the host by model, parameter counts by model,
+    the first measured task), initial states on the host by model, model facts by model,
     and this process's :func:`~remat_kit.sweep.results.environment` (in every row)."""
 
     def __init__(self, setup: TaskSetup):
         self.setup = setup
         self.corpus: Corpus | None = None
         self.state_cache: dict = {}  # initial states on the host, by model, optimizer and seed
-        self.counts: dict = {}  # parameter counts by model
+        self.facts: dict = {}  # model facts (parameters, model FLOPs) by model and shape
         self.common = {**setup.common, **R.environment()}
 
     def __call__(self, task: Task, advance: Callable | None = None) -> list[dict[str, Any]]:
@@ -213,7 +214,7 @@ class TaskRunner:
             self.corpus = load_corpus(self.setup.data, max_bytes=self.setup.max_data_bytes)
         return _preset_group(
             task.points, self.setup.before_point, advance or (lambda n, description: None),
-            self.corpus, self.state_cache, self.counts, self.common,
+            self.corpus, self.state_cache, self.facts, self.common,
         )  # fmt: skip
 
 

@@ -28,13 +28,13 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from remat_kit import targets as T
 from remat_kit.memory.api import analyze_policies
-from remat_kit.models import ModelConfig, get_config
+from remat_kit.models import ModelConfig
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label
-from remat_kit.zoo import model_residuals, preset
+from remat_kit.program import Program
+from remat_kit.zoo import PresetLike, as_program, model_residuals
 
 #: Vocabulary of the probe compiles (see the module docstring).
 PROBE_VOCAB = 256
@@ -137,38 +137,49 @@ def _param_bytes(params) -> int:
 
 
 def per_layer_activations(
-    config: ModelConfig | str,
-    batch_size: int,
-    seq_len: int,
+    model: Program | PresetLike,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     policies: Sequence[str | PolicySpec | Mapping[str, str]] = (
         "no-remat",
         "save-dots-no-batch",
         "save-nothing",
     ),  # fmt: skip
     target: str | T.Target = "local",
+    *,
     layers: tuple[int, int] = (2, 4),
-    optimizer: str | optax.GradientTransformation = "adamw",
     workers: int | None = None,
 ) -> list[LayerActivations]:
-    """The per-layer activation bytes of ``config`` under each policy: Korthikanti's formula,
-    JAX's residuals and XLA's compiled figure (two compiles per policy, concurrently).
+    """The per-layer activation bytes of a bundled model under each policy: Korthikanti's
+    formula, JAX's residuals and XLA's compiled figure (two compiles per policy, concurrently).
 
-    The config is compiled with ``num_layers`` set to each of ``layers`` (scanned; its
-    ``remat_group_size`` must divide both); keep them small, the figure does not depend on them.
+    Args:
+      model: a program :func:`~remat_kit.zoo.preset` built (its batch, sequence, optimizer and
+        mesh), or a preset name or config with ``batch_size`` [sequences] and ``seq_len``
+        [tokens] (AdamW).
+      layers: the two layer counts compiled (scanned; the model's ``remat_group_size`` must
+        divide both); keep them small, the figure does not depend on them.
 
     Raises:
-      ValueError: unknown names, non-positive sizes, ``layers`` not two distinct counts.
+      ValueError: a program the zoo did not build (no textbook formula applies), unknown names,
+        non-positive sizes, ``layers`` not two distinct counts.
       CompileError: a compile failed (the message names the policy).
     """
-    config = get_config(config) if isinstance(config, str) else config
+    program = as_program(model, batch_size, seq_len)
+    config = program.known.model
+    if not isinstance(config, ModelConfig):
+        raise ValueError(
+            f"per-layer activations need a bundled model (remat_kit.preset); program "
+            f"{program.name!r} is not one"
+        )
+    batch_size, seq_len = program.known.batch_size, program.known.seq_len
     l1, l2 = layers
     if l1 == l2 or min(l1, l2) <= 0:
         raise ValueError(f"layers must be two distinct positive counts, got {layers}")
     specs = [get_policy_spec(p) for p in policies]
     programs, by_key = {}, {}
     for i, n in enumerate((l1, l2)):
-        cfg = config.replace(num_layers=n, scan_layers=True, vocab_size=PROBE_VOCAB)
-        programs[n] = preset(cfg, batch_size, seq_len, optimizer)
+        programs[n] = program.family.build(num_layers=n, scan_layers=True, vocab_size=PROBE_VOCAB)
         reports = analyze_policies(
             programs[n], specs, target, top_k=1, workers=workers,
             compare_offload=False, no_remat_baseline=False,

@@ -227,6 +227,7 @@ def _known(
         saved=functools.partial(_saved, **rules),
         residuals=functools.partial(_residuals, **rules),
         buffer_names=functools.partial(_buffer_names, **rules),
+        model=config,
     )
 
 
@@ -236,6 +237,7 @@ def preset(
     seq_len: int,
     optimizer: str | optax.GradientTransformation = "adamw",
     mesh: str | T.MeshSpec | None = None,
+    **changes: Any,
 ) -> Program:
     """A bundled model's training step as a program every tool takes.
 
@@ -248,15 +250,17 @@ def preset(
         an optax transformation.
       mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4"`` or a :class:`~remat_kit.targets.MeshSpec`: compile
         on that many devices of the target, figures per device.
+      changes: model fields changed (``remat_group_size=2``, ``scan_layers=True``: the fields
+        of :class:`~remat_kit.models.ModelConfig`).
 
     Raises:
-      ValueError: unknown preset or optimizer; ``batch_size`` / ``seq_len`` not positive
+      ValueError: unknown preset, field or optimizer; ``batch_size`` / ``seq_len`` not positive
         integers; ``seq_len`` above the model's ``max_seq_len``; a batch that dp*fsdp does not
         divide; a bad mesh.
     """
-    config = get_config(model) if isinstance(model, str) else model
-    if not isinstance(config, ModelConfig):
+    if not isinstance(model, (str, ModelConfig)):
         raise ValueError(f"model must be a preset name or a ModelConfig, got {model!r}")
+    config = get_config(model, **changes)
     positive_int("batch_size", batch_size)
     check_seq_len(seq_len, config.max_seq_len, config.name)
     spec = T.parse_mesh(mesh) if mesh is not None else None
@@ -291,6 +295,25 @@ def preset(
         known=known,
         family=family(config, batch_size, seq_len, optimizer, spec),
     )
+
+
+def check_preset(
+    model: PresetLike, seq_len: int | None = None, how: str | None = None, **changes: Any
+) -> PolicySpec | str:
+    """Check, building nothing, that the preset with ``changes`` (as :func:`preset` takes them)
+    exists and holds ``seq_len`` tokens where given (``how``: how the caller's user raises
+    ``max_seq_len``, said in the error).
+
+    Returns:
+      The remat policy the preset is configured with.
+
+    Raises:
+      ValueError: an unknown preset or field, a bad value, ``seq_len`` above ``max_seq_len``.
+    """
+    config = get_config(model, **changes)
+    if seq_len is not None:
+        check_seq_len(seq_len, config.max_seq_len, config.name, how=how)
+    return config.remat_policy
 
 
 def model_residuals(

@@ -148,9 +148,9 @@ def instrument(timers: Timers) -> None:
 
     report = runner._report
 
-    def timed_report(job, result, top_k, budget):
+    def timed_report(job, *rest):  # (job, result, options, read): runner._report's
         with timers.stage("read", job.policy):
-            return report(job, result, top_k, budget)
+            return report(job, *rest)
 
     runner._report = timed_report
     cache = sys.modules.get("remat_kit.memory.compile_cache")

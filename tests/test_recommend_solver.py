@@ -22,7 +22,7 @@ from remat_kit.recommend.search import (
     model_error,
     verify_choices,
 )
-from remat_kit.recommend.session import Candidate, TagCost, given_by, to_candidate
+from remat_kit.recommend.session import Candidate, TagCost, Variant, given_by, to_candidate
 
 MIB = 2**20
 TARGET = T.get_target("h100-sxm")
@@ -153,9 +153,9 @@ def test_found_by_on_a_compiled_report():
         (get_policy_spec("save-nothing"), "named"),
         (custom_spec({"mlp_up": "save"}), "per-tag"),
     ]:
-        c = to_candidate(report, spec, TARGET, 2 * MIB, [], "named")
+        c = to_candidate(report, spec, 2 * MIB, [], "named")
         assert c.found_by == label
-    solved = to_candidate(report, custom_spec({"mlp_up": "save"}), TARGET, 2 * MIB, [], "solve")
+    solved = to_candidate(report, custom_spec({"mlp_up": "save"}), 2 * MIB, [], "solve")
     assert solved.found_by == "solve"
 
 
@@ -191,10 +191,10 @@ def test_a_refused_compile_note_names_the_structure_probed():
     notes: list[str] = []
     refused = CompileError("step", "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
     spec = get_policy_spec("offload-layer-inputs")
-    assert to_candidate(refused, spec, TARGET, 1, notes, "structure", 1, 256, 8192,
-                        options="remat_layers=40") is None  # fmt: skip
+    probed = Variant(group=1, batch=256, seq_len=8192, structure=(("remat_layers", 40),))
+    assert to_candidate(refused, spec, 1, notes, "structure", probed) is None
     assert notes[0].startswith("offload-layer-inputs (group 1, batch 256, remat_layers=40): ")
-    to_candidate(refused, spec, TARGET, 1, notes, "named", 1, 256, 8192)
+    to_candidate(refused, spec, 1, notes, "named", Variant(1, 256, 8192))
     assert notes[1].startswith("offload-layer-inputs (group 1, batch 256): ")
 
 

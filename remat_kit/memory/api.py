@@ -38,9 +38,11 @@ from remat_kit.memory.policy_set import (
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport, same_program_lines
 from remat_kit.memory.runner import (
+    DEFAULT_TOP_K,
     CompileEngine,
     Job,
     RematPlacement,
+    ReportOptions,
     has_twin,
     note_policy_effect,
     offload_twin_jobs,
@@ -71,8 +73,6 @@ from remat_kit.walker import (
     wraps_whole_loop,
 )
 from remat_kit.zoo import PresetLike, preset
-
-DEFAULT_TOP_K = 10
 
 
 def analyze(
@@ -136,7 +136,8 @@ def analyze(
         arguments=argument_parts(dataclasses.replace(pure, args=tuple(abstract)), args),
         policy=policy,
     )
-    return run_jobs([job], top_k, budget_bytes, fast_compile, workers=1)[0]  # type: ignore[return-value]
+    options = ReportOptions(budget_bytes, top_k, fast_compile)
+    return run_jobs([job], options, workers=1)[0]  # type: ignore[return-value]
 
 
 def analyze_model(
@@ -443,8 +444,9 @@ def analyze_policies(
     )
     with T.activation_sharding(setup.placement.mesh):  # lowering under the mesh, as traced
         results = run_jobs(
-            jobs, top_k, budget_bytes, fast_compile, workers, raise_errors, engine, total
-        )
+            jobs, ReportOptions(budget_bytes, top_k, fast_compile), workers, raise_errors,
+            engine, total,
+        )  # fmt: skip
     out = _every_policy(setup, specs, first, dict(zip(distinct, results, strict=False)))
     if key is not None and all(isinstance(r, MemoryReport) for r in out):
         cache.store_json(key, {"reports": [r.to_dict() for r in out]})

@@ -73,6 +73,27 @@ from remat_kit.policies import on_device_twin, policy_effect, remat_implementati
 from remat_kit.units import format_bytes
 from remat_kit.walker import TagResiduals
 
+#: How many of the largest buffers live at the peak a report keeps by default.
+DEFAULT_TOP_K = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """What every report of one :func:`run_jobs` call shares: the options of
+    :func:`remat_kit.analyze` that are not the step's own.
+
+    Attributes:
+      budget_bytes: judge ``fits`` against this many bytes (per device) instead of the
+        target's memory (None: the target's; unknown memory gives ``fits`` None).
+      top_k: how many of the largest buffers live at the peak to keep.
+      fast_compile: skip LLVM/ptxas optimisation (the same memory figures, a faster compile;
+        :data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`).
+    """
+
+    budget_bytes: int | None = None
+    top_k: int = DEFAULT_TOP_K
+    fast_compile: bool = True
+
 
 @dataclasses.dataclass
 class Job:
@@ -273,14 +294,15 @@ def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
 
 
 def _report(
-    job: Job, result: CompileResult, top_k: int, budget_bytes: int | None, read: _Read | None
+    job: Job, result: CompileResult, options: ReportOptions, read: _Read | None
 ) -> MemoryReport:
     """``job``'s report from its compile and ``read`` (:func:`_read`, made here when None)."""
-    read = read or _read(job, result, top_k)
+    read = read or _read(job, result, options.top_k)
     parts, reading = read.parts, read.reading
     # None when the backend left a field unknown (never 0); XLA's own peak on TPU
     peak = compiled_peak_bytes(result.compiled, job.target.platform, parts)
-    budget = budget_bytes if budget_bytes is not None else job.target.memory_bytes
+    budget = options.budget_bytes
+    budget = budget if budget is not None else job.target.memory_bytes
     baseline, baseline_warnings = _per_device_baseline(job, reading.flops, reading.recomputed_flops)
     ratio = reading.flops / baseline if reading.flops and baseline else None
     # XLA's own remat told apart
@@ -759,9 +781,7 @@ class CompileEngine:
 
 def run_jobs(
     jobs: Iterable[Job],
-    top_k: int,
-    budget_bytes: int | None,
-    fast_compile: bool = True,
+    options: ReportOptions,
     workers: int | None = None,
     raise_errors: bool = True,
     engine: CompileEngine | None = None,
@@ -772,6 +792,9 @@ def run_jobs(
     Args:
       jobs: the jobs, or a generator that makes each (traces its step) when it is due: then
         each is traced while the ones before it compile (:meth:`CompileEngine.compile_all`).
+      options: the budget, buffers kept and compile options every report shares.
+      workers: concurrent compiles of a private engine (default :func:`default_workers`).
+      raise_errors: False: a job that fails to lower or compile gives its CompileError.
       engine: compile through this :class:`CompileEngine` (its executables stay available to
         the caller); None: a private one for this call (``workers`` at a time).
       total: how many jobs there are, for progress (default ``len(jobs)``).
@@ -798,14 +821,14 @@ def run_jobs(
     reads: dict[int, _Read] = {}
 
     def then(job: Job, result: CompileResult) -> None:  # in the worker, beside other compiles
-        reads[id(job)] = _read(job, result, top_k)
+        reads[id(job)] = _read(job, result, options.top_k)
 
     total = len(jobs) if total is None else total  # type: ignore[arg-type]
     if engine is None:
         with CompileEngine(workers) as own:
-            compiled = own.compile_all(taken(), fast_compile, total=total, then=then)
+            compiled = own.compile_all(taken(), options.fast_compile, total=total, then=then)
     else:
-        compiled = engine.compile_all(taken(), fast_compile, total=total, then=then)
+        compiled = engine.compile_all(taken(), options.fast_compile, total=total, then=then)
     jobs = made
     out: list[MemoryReport | CompileError] = []
     for job, (key, result) in zip(jobs, compiled, strict=True):
@@ -815,7 +838,7 @@ def run_jobs(
                 raise err from result
             out.append(err)
         else:
-            report = _report(job, result, top_k, budget_bytes, reads.get(id(job)))
+            report = _report(job, result, options, reads.get(id(job)))
             out.append(dataclasses.replace(report, program_sha256=key))
     for i, job in enumerate(jobs):
         if job.on_device_twin is not None and isinstance(out[i], MemoryReport):

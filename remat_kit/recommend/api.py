@@ -132,6 +132,27 @@ def resolve_budget(
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchScope:
+    """What :func:`recommend` is asked to search, before it is checked against the program
+    (:func:`resolve_request` resolves it; the arguments of :func:`recommend_program`).
+
+    Attributes:
+      policies: the policies to consider (names, :class:`~remat_kit.PolicySpec` objects or
+        per-tag mappings); None: the default set.
+      group_sizes: ``remat_group_size`` values to consider; None: every divisor of the layers.
+      auto: the largest batch per policy, from batch 1 (a program with a family only).
+      solve: also search per-tag choices.
+      structure: also search the model's structure; None: on when ``policies`` is None.
+    """
+
+    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None
+    group_sizes: Sequence[int] | None = None
+    auto: bool = False
+    solve: bool = False
+    structure: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     """What :func:`recommend` was asked, checked and resolved (see its arguments).
 
@@ -318,10 +339,10 @@ def recommend_program(
         that cannot vary (a user's: it carries its own shapes).
     """
     t_start = time.perf_counter()
-    request = resolve_request(
-        program, target, auto=auto, budget=budget, solve=solve, policies=policies,
-        group_sizes=group_sizes, margin=margin, structure=structure,
-    )  # fmt: skip
+    scope = SearchScope(
+        policies=policies, group_sizes=group_sizes, auto=auto, solve=solve, structure=structure
+    )
+    request = resolve_request(program, target, scope, budget, margin)
     name = getattr(program.step(request.specs[0]).fn, "__name__", "step")
     with counting((name, f"jit({name})")) as counter, CompileEngine(workers) as engine:
         session = open_session(request, counter, cache, workers, max_compiles, engine)
@@ -416,22 +437,19 @@ def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list
 def resolve_request(
     program: Program,
     target: str | T.Target,
-    *,
-    auto: bool,
+    scope: SearchScope,
     budget: int | float | str | None,
-    solve: bool,
-    policies: Sequence[str | PolicySpec | Mapping[str, str]] | None,
-    group_sizes: Sequence[int] | None,
     margin: float,
-    structure: bool | None = None,
 ) -> Request:
-    """Stage 1: check and resolve every input of :func:`recommend`; traces the program once
-    for the checkpoint names it emits, compiles nothing (on a mesh, the target's devices are
-    made to size the sharded arguments).
+    """Stage 1: check and resolve every input of :func:`recommend` (``scope``: what it
+    searches; ``budget`` and ``margin`` as there); traces the program once for the checkpoint
+    names it emits, compiles nothing (on a mesh, the target's devices are made to size the
+    sharded arguments).
 
     Raises:
       ValueError: see :func:`recommend`.
     """
+    auto, policies, structure = scope.auto, scope.policies, scope.structure
     tgt = T.get_target(target)
     figures_for(tgt)  # raises, naming the targets that have them, when steps cannot be timed
     if not 0.0 <= margin < 1.0:
@@ -440,7 +458,7 @@ def resolve_request(
         raise _cannot_vary(program, "batch_size")
     if auto and program.known.batch_size != 1:  # the batch search starts from batch 1
         program = program.family.build(batch_size=1)
-    groups = _resolve_groups(program, group_sizes)
+    groups = _resolve_groups(program, scope.group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
     specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
@@ -460,7 +478,7 @@ def resolve_request(
     placed = program.place(tgt).place(pure.args)  # per device on a mesh
     arguments = argument_parts(dataclasses.replace(pure, args=tuple(placed)), program.args)
     return Request(
-        program=program, target=tgt, auto=auto, solve=solve, budget_bytes=budget_bytes,
+        program=program, target=tgt, auto=auto, solve=scope.solve, budget_bytes=budget_bytes,
         budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
         notes=tuple(notes), tags=tags, labels=labels, cut=cut, structure=on and not auto,
         margin=margin, remats_for_none=remats_for_none,

@@ -46,6 +46,23 @@ Overrides = tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """Where in the program's family a configuration was compiled: ``group`` blocks per remat
+    segment, ``batch`` sequences of ``seq_len`` tokens, the structural ``overrides``. All None
+    and ``()`` for a user's program, which carries its own shapes (nothing to vary)."""
+
+    group: int | None = None
+    batch: int | None = None
+    seq_len: int | None = None
+    structure: Overrides = ()
+
+    @property
+    def options(self) -> str:
+        """The structural overrides as named in notes (``remat_layers=40``; empty: none)."""
+        return ", ".join(f"{k}={v}" for k, v in self.structure)
+
+
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     """One compiled configuration and its estimated step time.
 
@@ -701,40 +718,28 @@ class Session:
         """Compile (or reuse) and turn into candidates; compile failures become notes."""
         out = []
         reports = self.evaluate(specs, group, batch, seq_len, structure)
+        variant = Variant(group, batch, seq_len, structure)
         for spec, report in zip(specs, reports, strict=True):
-            c = self.candidate(report, spec, group, batch, found_by, seq_len, structure)
+            c = self.candidate(report, spec, found_by, variant)
             if c is not None:
                 out.append((spec, c, report))
         return out
 
     def candidate(
-        self,
-        report: Any,
-        spec: PolicySpec,
-        group: int | None,
-        batch: int | None,
-        found_by: FoundBy,
-        seq: int | None = None,
-        structure: Overrides = (),
+        self, report: Any, spec: PolicySpec, found_by: FoundBy, variant: Variant
     ) -> Candidate | None:
-        """:func:`to_candidate` at this session's target and budget, carrying the config's
-        structural options (a family's; a user's program has no group, batch or sequence)."""
-        layers = self.structure
+        """:func:`to_candidate` at this session's budget, carrying the config's structural
+        options (a family's: ``variant``'s None filled in from the program's own; a user's
+        program has no group, batch or sequence)."""
+        layers, structure = self.structure, variant.structure
         if layers is not None:
-            group = group or layers.remat_group_size
-            batch, seq = batch or self.program.known.batch_size, seq or self.seq_len
-        c = to_candidate(
-            report,
-            spec,
-            self.target,
-            self.budget,
-            self.notes,
-            found_by,
-            group,
-            batch,
-            seq,
-            options=", ".join(f"{k}={v}" for k, v in structure),
-        )
+            variant = Variant(
+                variant.group or layers.remat_group_size,
+                variant.batch or self.program.known.batch_size,
+                variant.seq_len or self.seq_len,
+                structure,
+            )
+        c = to_candidate(report, spec, self.budget, self.notes, found_by, variant)
         if c is None:
             return None
         if found_by == "named" and spec in self.labels:  # labelled as every tool labels it
@@ -763,21 +768,19 @@ def given_by(spec: PolicySpec) -> FoundBy:
 def to_candidate(
     report: Any,
     spec: PolicySpec,
-    target: T.Target,
     budget: int,
     notes: list[str],
     found_by: FoundBy,
-    group: int | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
-    options: str = "",
+    variant: Variant | None = None,
 ) -> Candidate | None:
     """A compiled report as a :class:`Candidate` timed by its roofline estimate
-    (:func:`candidate_times`); None, with
-    a note, for a :class:`CompileError`. ``group``, ``batch``, ``seq``: None for a user's
-    program (it carries its own shapes; ``tokens_per_s`` is then None). ``found_by="named"``
-    (the policies given) becomes :func:`given_by` of ``spec``. ``options``: the structural
-    options compiled (``remat_layers=40``), named in the note of a failed compile."""
+    (:func:`candidate_times`), ``fits`` when its peak is at most ``budget`` bytes; None, with
+    a note appended to ``notes``, for a :class:`CompileError`. ``variant``: where in the
+    family it was compiled (None: a user's program, which carries its own shapes;
+    ``tokens_per_s`` is then None); its structural options are named in the note of a failed
+    compile. ``found_by="named"`` (the policies given) becomes :func:`given_by` of ``spec``."""
+    variant = variant or Variant()
+    group, batch, seq, options = variant.group, variant.batch, variant.seq_len, variant.options
     actions = None
     if spec.name == "custom":
         actions = {t: "save" for t in spec.save} | {t: "offload" for t in spec.offload}

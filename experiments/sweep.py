@@ -195,14 +195,15 @@ _PRESET_ONLY = ("config", "data", "max_data_bytes", "mesh", "coordinator", "num_
 
 
 def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
-    """``--model``: load the program and sweep it (:func:`remat_kit.sweep.run_program_sweep`);
+    """``--model``: load the program and sweep it (:func:`measured.run_program_sweep`);
     the results file is appended to ``where`` before the sweep starts.
 
     Raises:
       ValueError: a preset-sweep option given with ``--model``; a program that cannot be
         loaded; what :func:`run_program_sweep` raises.
     """
-    from remat_kit import sweep
+    from measured import run_program_sweep
+
     from remat_kit.cli.console import console as make_console
     from remat_kit.loading import load_program
     from remat_kit.sweep.output import check_output_flags
@@ -225,7 +226,7 @@ def _program_sweep(args: argparse.Namespace, console, where: list[Path]):
     where.append(out)
     check_output_flags(out, args.resume, args.overwrite)  # before the banner
     console.print(f"sweep of program [bold]{program.name}[/] ({args.model})")
-    run = sweep.run_program_sweep(
+    run = run_program_sweep(
         program, out, policies=args.policy,
         warmup_steps=2 if args.warmup_steps is None else args.warmup_steps,
         timed_steps=5 if args.timed_steps is None else args.timed_steps,
@@ -422,6 +423,8 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
         return EXIT_BAD_INPUT
     worker_env = {} if several or args.model is not None or args.merge is not None else (
         _leave_gpu_memory())  # fmt: skip
+    from measured import TextMeasurer
+
     from remat_kit import sweep
     from remat_kit.cli.console import console as make_console
     from remat_kit.sweep.output import check_output_flags
@@ -479,8 +482,7 @@ def _main(argv: list[str] | None, where: list[Path]) -> int:
                 out,
                 resume=args.resume,
                 overwrite=args.overwrite,
-                data=args.data,
-                max_data_bytes=args.max_data_bytes,
+                measurer=TextMeasurer(args.data, args.max_data_bytes),
                 progress=not args.no_progress,
                 console=make_console(stderr=True, quiet=not primary),
                 shard=args.shard,

@@ -11,7 +11,15 @@ another point of the same path; pyproject's addopts leave them out (``-m 'not sl
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# The experiments' packages (``trainer``, ``measured``: experiment machinery, not the library)
+# are imported as scripts in experiments/ import them: with that folder on sys.path.
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+if str(EXPERIMENTS) not in sys.path:
+    sys.path.insert(0, str(EXPERIMENTS))
 
 # Tests run on the CPU even where a GPU is present; GPU targets are compiled deviceless.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

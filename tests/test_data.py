@@ -1,11 +1,11 @@
-"""Tests for remat_kit.training.data: corpus loading, the train/val split and the batchers."""
+"""Tests for the experiments' corpus (experiments/trainer/data.py): corpus loading, the train/val
+split and the batchers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from remat_kit.training.data import (
+from trainer.data import (
     DEFAULT_STDLIB_MAX_BYTES,
     VOCAB_SIZE,
     Batcher,

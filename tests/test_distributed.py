@@ -25,6 +25,7 @@ from remat_kit.sweep import Grid, SweepConfig, run_sweep
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
+from measured import TextMeasurer  # noqa: E402
 from trainer import RESUME_MAY_CHANGE, TrainConfig, distributed, load_checkpoint  # noqa: E402
 
 TRAIN = [sys.executable, str(ROOT / "experiments" / "train.py")]
@@ -248,6 +249,7 @@ def get_config():
 #: One point: the smallest grid that still runs the sweep's measured path over a mesh.
 GRID = dict(
     name="measured",
+    measure=True,
     models=("tiny-gpt",),
     policies=("save-nothing",),
     batch_sizes=(2,),
@@ -270,7 +272,8 @@ def test_sweep_script_over_two_processes_matches_one(tmp_path):
     assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows]
     assert {(r["mesh"], r["device_count"], r["process_count"]) for r in rows} == {
         ("dp=1,fsdp=2,tp=1", 2, 2)}  # fmt: skip
-    single = run_sweep(SweepConfig("one", (Grid(**GRID),)), tmp_path / "one.jsonl", progress=False)
+    single = run_sweep(SweepConfig("one", (Grid(**GRID),)), tmp_path / "one.jsonl", progress=False,
+                       measurer=TextMeasurer())  # fmt: skip
     for r, s in zip(rows, single.rows, strict=True):
         assert "mesh" not in s  # one device: no mesh, the point keys of earlier sweeps
         np.testing.assert_allclose(r["losses"], s["losses"], rtol=1e-5)

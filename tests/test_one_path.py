@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
+from measured import run_program_sweep  # experiments/ on sys.path: tests/conftest.py
 
 import remat_kit
 from remat_kit import doctor
 from remat_kit.memory.api import analyze_policies
 from remat_kit.program import Program
 from remat_kit.recommend import recommend
-from remat_kit.sweep.run import run_program_sweep
 from tests.conftest import needs_cuda_plugin
 
 CPU_CAUSE = "XLA:CPU honours remat only inside lax.scan"

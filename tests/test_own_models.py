@@ -18,12 +18,13 @@ import equinox as eqx  # the dev extra installs it (remat-kit[eqx])
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import measured  # experiments/ on sys.path: tests/conftest.py
 import optax
 import pytest
 from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import remat_kit
-from remat_kit import Program, doctor, inject_policy, sweep, tag_eqx, tag_linen
+from remat_kit import Program, doctor, inject_policy, tag_eqx, tag_linen
 from remat_kit.memory.api import analyze_policies
 from remat_kit.recommend import recommend
 from remat_kit.walker import saved_residuals, walk
@@ -338,7 +339,7 @@ def test_a_step_ignoring_the_policy_is_caught_when_its_loss_passes_it(tmp_path):
         lambda: analyze_policies(program, ["save-nothing", "save-dots"], "local"),
         lambda: analyze_policies(program, None, "local"),
         lambda: recommend(program, target="h100-sxm", policies=["save-nothing"]),
-        lambda: sweep.run_program_sweep(program, tmp_path / "s.jsonl", progress=False),
+        lambda: measured.run_program_sweep(program, tmp_path / "s.jsonl", progress=False),
     ):
         with pytest.raises(ValueError, match="make_step of program 'own-step' does not pass"):
             run()

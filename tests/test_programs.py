@@ -455,7 +455,7 @@ def test_param_leaves_are_an_nnx_models_params_only():
     n = sum(x.size for x in trace.param_leaves(program))
     assert n == 4 * 3 + 3 + 3 + 3  # linear kernel and bias, BatchNorm's scale and bias
     assert n < sum(x.size for x in jax.tree.leaves(nnx.state(net)))  # the rest: stats, RNGs
-    from remat_kit.sweep.run import _num_params
+    from measured.program import _num_params
 
     assert _num_params(program) == n
 

@@ -21,16 +21,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from measured import TextMeasurer
+from measured import steps as measure
 
 import remat_kit
 from remat_kit import plots, sweep
 from remat_kit.memory import analyze_policies
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import get_policy_spec
-from remat_kit.sweep import Grid, SweepConfig, measure, results
+from remat_kit.sweep import Grid, SweepConfig, results
 from remat_kit.zoo import preset
 
 ROOT = Path(__file__).resolve().parents[1]
+
 SCRIPT = ROOT / "experiments" / "sweep.py"
 POLICIES = ("no-remat", "save-nothing", "save-dots-no-batch")
 
@@ -45,6 +48,7 @@ def _cli():
 def _tiny(name="t", **grid):
     g = dict(
         name="measured",
+        measure=True,
         models=("tiny-gpt",),
         policies=POLICIES,
         batch_sizes=(2,),
@@ -245,6 +249,7 @@ def test_a_noisy_timing_is_marked_where_it_is_shown(times, noisy, cell):
 def _config_file(tmp_path, **grid):
     fields = {
         "name": "'measured'",
+        "measure": "True",
         "models": "('tiny-gpt',)",
         "policies": "('no-remat',)",
         "batch_sizes": "(2,)",
@@ -431,7 +436,8 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(
     from rich.console import Console
 
     out, log = tmp_path / "r.jsonl", io.StringIO()
-    run = sweep.run_sweep(_tiny(), out, before_point=fail, console=Console(file=log, width=200))
+    run = sweep.run_sweep(_tiny(), out, before_point=fail, console=Console(file=log, width=200),
+                          measurer=TextMeasurer())  # fmt: skip
     rows = {r["policy"]: r for r in results.read_rows(out)}
     # progress as it happens: a line per compile and per timed round, not one per stage
     lines = log.getvalue().splitlines()
@@ -461,7 +467,7 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(
     )
     assert rows["save-dots-no-batch"]["peak_bytes"] < rows["no-remat"]["peak_bytes"]
     # A resumed run with nothing left to do writes nothing.
-    again = sweep.run_sweep(_tiny(), out, resume=True, progress=False)
+    again = sweep.run_sweep(_tiny(), out, resume=True, progress=False, measurer=TextMeasurer())
     assert again.new_rows == [] and again.skipped == 3
     # Every figure draws from the rows alone.
     written = plots.save_figures(run.rows, tmp_path)
@@ -574,7 +580,7 @@ def _executables(points, engine):
 def test_interleaved_steps_are_each_policys_own(tmp_path):
     """Timing the policies' steps interleaved changes nothing they compute: each point's losses
     are bitwise those of its steps run alone, and a failing run fails alone."""
-    from remat_kit.training.data import load_corpus
+    from trainer.data import load_corpus
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     corpus = load_corpus(tmp_path / "text.txt")
@@ -755,7 +761,7 @@ def test_small_local_steps_carry_the_same_caveat_as_analyze_and_recommend():
 def test_interleaved_rounds_balance_position_and_predecessor(n):
     """Williams design: every run in every position equally often and after every other run
     equally often (a run that always followed the same executable measured 3-5% faster)."""
-    from remat_kit.sweep.measure import round_order
+    round_order = measure.round_order
 
     rows = [round_order(n, i) for i in range(n if n % 2 == 0 else 2 * n)]
     assert all(sorted(r) == list(range(n)) for r in rows)
@@ -769,7 +775,7 @@ def test_interleaved_rounds_balance_position_and_predecessor(n):
 def test_no_run_follows_the_same_run_in_every_round():
     """The sweep's default: 13 policies, 5 timed steps. Rotating the order kept each policy
     behind the same one in every round; the design's rounds give each a new predecessor."""
-    from remat_kit.sweep.measure import round_order
+    round_order = measure.round_order
 
     before = collections.defaultdict(set)
     for i in range(5):

@@ -16,20 +16,22 @@ import math
 from pathlib import Path
 
 import jax
+import measured
 import pytest
+from measured import steps as programs
+from measured.steps import time_runs
 from rich.console import Console
 
 import remat_kit
 from remat_kit import Program, load_program, sweep
 from remat_kit.memory.api import traced_step
 from remat_kit.policies import get_policy_spec
-from remat_kit.sweep import measure as programs
 from remat_kit.sweep import results
-from remat_kit.sweep.measure import time_runs
 from remat_kit.sweep.output import warning_lines
 from tests.user_models import plain_jax
 
 ROOT = Path(__file__).resolve().parents[1]
+
 SCRIPT = ROOT / "experiments" / "sweep.py"
 MODEL = "tests/user_models/plain_jax.py:program"
 POLICIES = ("no-remat", "save-nothing", "attn_in=save")
@@ -115,7 +117,7 @@ def test_resume_adds_nothing_then_one_failing_policy(swept):
         if label == "save-dots":
             raise RuntimeError("injected")
 
-    run = sweep.run_program_sweep(
+    run = measured.run_program_sweep(
         load_program(MODEL), out, policies=(*POLICIES, "save-dots"), warmup_steps=1,
         timed_steps=2, resume=True, progress=False, before_policy=fail,
     )  # fmt: skip
@@ -186,7 +188,7 @@ def test_nnx_program_with_concrete_arguments(tmp_path):
     tokens = jax.numpy.zeros((2, 17), "int32")
     program = Program.from_step(make_step, model, nnx_lm.make_optimizer(model), tokens)
     before = nnx.state(model, nnx.Param)
-    run = sweep.run_program_sweep(
+    run = measured.run_program_sweep(
         program, tmp_path / "s.jsonl", policies=["save-nothing"], warmup_steps=0, timed_steps=2,
         progress=False,
     )  # fmt: skip
@@ -303,7 +305,7 @@ def test_ctrl_c_prints_one_line_keeps_the_rows_and_exits_130(tmp_path, capsys, m
         results.append_row(path, {"key": "a", "policy": "no-remat"})  # one finished row
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sweep, "run_program_sweep", interrupted)
+    monkeypatch.setattr(measured, "run_program_sweep", interrupted)
     assert _cli().main(_argv(out)) == 130
     err = capsys.readouterr().err
     assert err == f"interrupted: 1 rows kept in {out}; --resume continues\n"
@@ -363,7 +365,7 @@ def test_from_loss_with_an_nnx_module_trains_and_donates_like_its_state(tmp_path
         Program.from_loss(make_loss, model, tokens, optimizer="adamw"),
         Program.from_loss(make_state_loss, state, tokens, optimizer="adamw"),
     ):
-        run = sweep.run_program_sweep(
+        run = measured.run_program_sweep(
             program, tmp_path / f"{len(rows)}.jsonl", policies=["save-nothing"], warmup_steps=1,
             timed_steps=2, progress=False,
         )  # fmt: skip
@@ -378,7 +380,7 @@ def test_from_loss_with_an_nnx_module_trains_and_donates_like_its_state(tmp_path
 
 def test_a_point_failing_with_an_error_exits_1_the_rows_kept(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep.jsonl"
-    real = sweep.run_program_sweep
+    real = measured.run_program_sweep
 
     def failing(*a, **kw):  # the injected failure of one point, the rest run as ever
         def fail(label):
@@ -387,7 +389,7 @@ def test_a_point_failing_with_an_error_exits_1_the_rows_kept(tmp_path, monkeypat
 
         return real(*a, **kw, before_policy=fail)
 
-    monkeypatch.setattr(sweep, "run_program_sweep", failing)
+    monkeypatch.setattr(measured, "run_program_sweep", failing)
     argv = ["--model", MODEL, "--out", str(out), "--policy", "no-remat", "--policy",
             "save-nothing", "--warmup-steps", "0", "--timed-steps", "1", "--no-progress",
             "--no-plot"]  # fmt: skip

@@ -86,7 +86,7 @@ def test_tasks_are_groups_or_shares_of_them_with_stable_keys():
     measured = analysis_grid().grids[0].__class__
     grid = SweepConfig("m", grids=(measured(
         name="m", models=("tiny-gpt",), policies=("no-remat", "save-nothing", "save-dots"),
-        seq_lens=(32,), overrides={"scan_layers": True},
+        seq_lens=(32,), overrides={"scan_layers": True}, measure=True,
     ),)).points()  # fmt: skip
     assert [len(t.points) for t in make_tasks(grid, analysis_slots=8)] == [3]
     assert [len(t.points) for t in make_tasks(grid, device_slots=2)] == [1, 2]

@@ -47,6 +47,7 @@ def get_config() -> SweepConfig:
     grids = [
         Grid(
             name="measured",
+            measure=True,
             models=("gpt-10m",),
             policies=ALL_POLICIES,
             batch_sizes=(4,),

@@ -48,6 +48,7 @@ def get_config() -> SweepConfig:
         grids=(
             Grid(
                 name="measured",
+                measure=True,
                 models=("llama3.2-1b", "gpt2-medium"),
                 policies=ALL_POLICIES,
                 batch_sizes=(1,),

@@ -59,7 +59,7 @@ from remat_kit.sweep import Grid, SweepConfig
 
 _MEASURED = dict(
     models=("gpt-10m",), batch_sizes=(4,), seq_lens=(256,), targets=("local",),
-    warmup_steps=1, timed_steps=3,
+    warmup_steps=1, timed_steps=3, measure=True,
 )  # fmt: skip
 _H100 = dict(
     models=("llama3.2-1b",), batch_sizes=(1,), seq_lens=(8192,), targets=("h100-sxm",),

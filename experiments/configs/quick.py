@@ -20,6 +20,7 @@ def get_config() -> SweepConfig:
         grids=(
             Grid(
                 name="measured",
+                measure=True,
                 models=("tiny-gpt",),
                 policies=("no-remat", "save-nothing", "save-dots-no-batch"),
                 batch_sizes=(2,),

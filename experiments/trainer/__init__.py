@@ -6,8 +6,7 @@ Not part of the ``remat_kit`` library: it is the machinery behind ``experiments/
 as ``trainer`` with ``experiments/`` on ``sys.path`` (a script in ``experiments/`` has its own
 folder there; tests insert it). It builds on what the library exports for a training step
 (:mod:`remat_kit.training`: :func:`~remat_kit.training.make_train_step`,
-:class:`~remat_kit.training.TrainState`, the byte-level corpus of
-:mod:`remat_kit.training.data`); the library never imports it.
+:class:`~remat_kit.training.TrainState`); the library never imports it.
 
 :func:`train` runs a language model (a preset, optionally scaled down) on a byte-level corpus
 (the Python standard library's source by default) with the remat policy and
@@ -41,7 +40,8 @@ processes.
 Modules: ``config`` (:class:`TrainConfig`, :class:`TrainResult`), ``compiled`` (the bounded
 caches of compiled steps; :func:`clear_caches`), ``checkpoint`` (orbax I/O), ``faults`` (kill
 points), ``loop`` (:func:`train`), ``diagnostics`` (environment, accumulation check, step
-memory), ``distributed`` (multi-process runs).
+memory), ``distributed`` (multi-process runs), ``data`` (the byte-level corpus and its
+batches).
 
 Faults:
 

@@ -31,11 +31,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from remat_kit.training.data import Corpus
 from remat_kit.training.step import TrainState, abstract_train_state, sharded_train_state
 
 from .compiled import optimizer_for
 from .config import RESUME_MAY_CHANGE, TrainConfig
+from .data import Corpus
 from .faults import KillAt
 
 if TYPE_CHECKING:

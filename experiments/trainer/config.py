@@ -168,7 +168,7 @@ class TrainResult:
       step_time_s: mean seconds per update in this call (batch fetch included), compile and the
         call's first step excluded (nan if no step ran).
       wall_time_s: seconds this call took, end to end.
-      data: corpus metadata (:meth:`remat_kit.training.data.Corpus.info`).
+      data: corpus metadata (:meth:`trainer.data.Corpus.info`).
       mesh: the mesh the run used, e.g. ``"dp=2,fsdp=1,tp=1"`` (its product: the devices).
       num_processes: JAX processes that ran it together (``jax.process_count()``).
     """

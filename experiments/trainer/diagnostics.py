@@ -13,11 +13,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit.training.data import load_corpus
 from remat_kit.training.step import check_micro_batches, grad_fn
 
 from .compiled import compiled_step, initial_state, opt_key
 from .config import TrainConfig
+from .data import load_corpus
 
 
 def environment_info() -> dict[str, Any]:

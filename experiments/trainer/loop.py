@@ -17,7 +17,6 @@ from jax.sharding import Mesh
 
 from remat_kit import targets as T
 from remat_kit.models import ModelConfig
-from remat_kit.training.data import Batcher, Corpus, load_corpus
 from remat_kit.training.step import TrainState
 
 from .checkpoint import (
@@ -32,6 +31,7 @@ from .checkpoint import (
 )
 from .compiled import compiled_step, eval_fn, initial_state, opt_key
 from .config import NonFiniteLossError, TrainConfig, TrainResult
+from .data import Batcher, Corpus, load_corpus
 from .faults import KillAt
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ def train(
       A :class:`TrainResult`.
 
     Raises:
-      ValueError: bad corpus or sizes (see :func:`remat_kit.training.data.load_corpus`); ``workdir``
+      ValueError: bad corpus or sizes (see :func:`trainer.data.load_corpus`); ``workdir``
         holds checkpoints and ``resume`` is False; the checkpoint's config is incompatible (the
         message names each mismatched field, checkpoint vs now); a bad ``REMAT_KIT_KILL_AT``
         (:mod:`trainer.faults`).

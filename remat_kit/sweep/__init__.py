@@ -1,4 +1,5 @@
-"""Sweep remat policies over a grid; analyse every point, measure the ones on the local device.
+"""Sweep remat policies over a grid of presets, analysing every point, fanned out over processes,
+GPUs, Ray or a SLURM array (``remat-kit analyze``'s grids run on it).
 
 A :class:`SweepConfig` is one or more :class:`Grid` s, each the product of presets (with
 ``overrides``), policies, batch sizes, sequence lengths, group sizes and targets. For every
@@ -6,7 +7,8 @@ point (:class:`Point`) :func:`run_sweep`
 
 1. analyses the step with :func:`remat_kit.memory.analyze_policies` (the compiled peak, residuals
    by checkpoint name, compiled FLOPs), all policies of one model/shape/target together;
-2. on the local device, where the grid asks, times the real step on real text: median step time
+2. on the local device, where the grid asks and a measurer is given (``experiments/measured``
+   of a clone: experiment machinery), times the real step on real text: median step time
    (seconds), tokens per second, MFU (:func:`remat_kit.zoo.facts.model_flops_per_token`),
    measured peak, every loss;
 3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as its task finishes.
@@ -19,10 +21,10 @@ Example::
 
     from remat_kit.sweep import Grid, SweepConfig, run_sweep
 
-    cfg = SweepConfig("mine", grids=(Grid("measured", models=("tiny-gpt",),
+    cfg = SweepConfig("mine", grids=(Grid("analysis", models=("tiny-gpt",),
                       policies=("no-remat", "save-nothing"), seq_lens=(64,)),))
     run = run_sweep(cfg, "out/sweep.jsonl")
-    print(run.rows[0]["peak_bytes"], run.rows[0]["step_time_s"])
+    print(run.rows[0]["peak_bytes"], run.rows[0]["predicted_step_time_s"])
 """
 
 from remat_kit.sweep.config import ALL_POLICIES as ALL_POLICIES
@@ -32,7 +34,6 @@ from remat_kit.sweep.config import SweepConfig as SweepConfig
 from remat_kit.sweep.config import load_config as load_config
 from remat_kit.sweep.config import validate as validate
 from remat_kit.sweep.output import SweepRun as SweepRun
-from remat_kit.sweep.run import run_program_sweep as run_program_sweep
 from remat_kit.sweep.run import run_sweep as run_sweep
 
 __all__ = [
@@ -42,7 +43,20 @@ __all__ = [
     "SweepConfig",
     "SweepRun",
     "load_config",
-    "run_program_sweep",
     "run_sweep",
     "validate",
 ]
+
+#: Names that moved to the measuring harness (``experiments/measured/`` of a clone).
+_MOVED = frozenset({"run_program_sweep", "measure"})
+
+
+def __getattr__(name: str):
+    """Say where a moved name went (PEP 562), instead of a bare "cannot import name"."""
+    if name in _MOVED:
+        raise ImportError(
+            f"remat_kit.sweep.{name} moved out of the library to the measuring harness: from a "
+            f"clone of remat-kit, with experiments/ on sys.path, `import measured` "
+            f"(experiments/measured/)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

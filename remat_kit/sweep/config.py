@@ -36,7 +36,8 @@ class Grid:
         own device; GPU models (``h100-sxm``) are compiled deviceless, analysis only.
       overrides: model fields changed in every model (``{"scan_layers": True}``; the fields
         :func:`remat_kit.zoo.preset` takes).
-      measure: run the real step at points whose target is the local device.
+      measure: run the real step at points whose target is the local device (a measurer
+        runs them: :func:`~remat_kit.sweep.run.run_sweep`).
       warmup_steps: untimed steps before timing (compilation happens before them).
       timed_steps: steps timed, one ``block_until_ready`` each; the median is reported.
       optimizer: ``adamw``, ``sgd`` or ``adafactor`` (:func:`remat_kit.make_optimizer`).
@@ -57,7 +58,7 @@ class Grid:
     remat_group_sizes: tuple[int, ...] = (1,)
     targets: tuple[str, ...] = ("local",)
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    measure: bool = True
+    measure: bool = False
     warmup_steps: int = 2
     timed_steps: int = 5
     optimizer: str = "adamw"

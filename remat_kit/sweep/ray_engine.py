@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,11 @@ class RayEngine:
         address = address or os.environ.get("RAY_ADDRESS") or None
         if not self.ray.is_initialized():
             env = {}
-            if address is None:  # a local instance: its workers import the driver's remat_kit
+            if address is None:  # a local instance: its workers import what the driver does
                 root = str(Path(__file__).resolve().parents[2])
                 path = os.environ.get("PYTHONPATH")
-                env["PYTHONPATH"] = os.pathsep.join([root, *([path] if path else [])])
+                paths = [root, *_own_paths(), *([path] if path else [])]
+                env["PYTHONPATH"] = os.pathsep.join(paths)
             self.ray.init(
                 address=address, runtime_env={"env_vars": env} if env else None,
                 log_to_driver=False, **init_kwargs,
@@ -159,3 +161,17 @@ def _cause(err: BaseException) -> BaseException:
     (a worker or node lost, out of memory) as it is."""
     cause = getattr(err, "cause", None)
     return cause if isinstance(cause, BaseException) else err
+
+
+def _own_paths() -> list[str]:
+    """The driver's ``sys.path`` folders outside the interpreter's installation (a script's
+    folder, e.g. ``experiments/`` whose measuring harness a task's runner comes from)."""
+    prefixes = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out = []
+    for entry in sys.path:
+        if not entry or not os.path.isdir(entry):
+            continue
+        resolved = str(Path(entry).resolve())
+        if not any(resolved.startswith(prefix) for prefix in prefixes):
+            out.append(resolved)
+    return out

@@ -137,9 +137,8 @@ def make_row(
     and the point are), the analysis ``report`` (or the exception analysing it raised), the
     model's fields (``model()``, a preset's :func:`model_fields`: parameters, tokens, model
     FLOPs), and with ``measure`` its compiled step (``executable``: ``(compiled, compile
-    seconds, reused)`` from :func:`~remat_kit.sweep.measure.run_executables`, or an exception)
-    and its run
-    (``measurement``: from :func:`~remat_kit.sweep.measure.time_runs`, or an exception).
+    seconds, reused)`` or an exception) and its run (``measurement``), both from the measurer
+    (:class:`~remat_kit.sweep.run.Measurer`).
     A failure anywhere gives status ``oom`` / ``error`` and its one-line message; every row has
     every field (None where not reached)."""
     t0 = time.perf_counter()

@@ -118,15 +118,14 @@ class TaskSetup:
       common: fields every row of the run has (the sweep's name, fingerprint and config, the
         corpus's description when the config measures); each process adds its own
         :func:`~remat_kit.sweep.results.environment`.
-      data: the text measured points train on (None: the Python standard library's source).
-      max_data_bytes: cap on the corpus size in bytes (None: the loader's default).
+      measurer: what runs and times the measured points
+        (:class:`~remat_kit.sweep.run.Measurer`; None when no point measures).
       before_point: called with each point before its task is analysed; an exception it raises
         becomes that point's ``error`` row (used to test fault handling).
     """
 
     common: Mapping[str, Any]
-    data: str | None = None
-    max_data_bytes: int | None = None
+    measurer: Any = None
     before_point: Callable[[Point], None] | None = None
 
 

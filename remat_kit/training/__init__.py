@@ -1,15 +1,14 @@
 """What a training step is, for the analyzer and for a user's own loop: loss, optimizer, train
-state, the train-step factory (real, abstract or sharded state), and a byte-level text corpus.
+state, the train-step factory (real, abstract or sharded state).
 
 :func:`make_train_step` returns the step the analyzer compiles (``remat-kit analyze``, the sweep)
 and that a training loop calls; :func:`abstract_train_state` and :func:`sharded_train_state` give
 its state as shapes or placed on a mesh without allocating it; :func:`grad_fn` accumulates
-gradients over micro-batches. Modules: ``step`` (loss, optimizer, train state, the step),
-``data`` (:mod:`remat_kit.training.data`: the byte-level corpus and its batches).
+gradients over micro-batches. Module ``step``: loss, optimizer, train state, the step.
 
-The trainer (``train``, ``TrainConfig``, checkpoints and resume) is experiment machinery in
-``experiments/trainer/`` of a clone; asking this package for one of its names raises an
-``ImportError`` that says so. Accumulation and the trainer: docs/training.md.
+The trainer (``train``, ``TrainConfig``, checkpoints and resume, the byte-level text corpus) is
+experiment machinery in ``experiments/trainer/`` of a clone; asking this package for one of its
+names raises an ``ImportError`` that says so. Accumulation and the trainer: docs/training.md.
 
 Example::
 
@@ -62,7 +61,7 @@ _MOVED = frozenset({
     "CHECKPOINT_DIR", "NonFiniteLossError", "RESUME_MAY_CHANGE", "TrainConfig", "TrainResult",
     "clear_caches", "compare_updates", "environment_info", "latest_checkpoint_step",
     "load_checkpoint", "train", "train_step_memory",
-    "checkpoint", "compiled", "config", "diagnostics", "distributed", "faults", "loop",
+    "checkpoint", "compiled", "config", "data", "diagnostics", "distributed", "faults", "loop",
 })  # fmt: skip
 
 

@@ -1,12 +1,13 @@
 """Run a step on the local device: the executable (the analyzer's, or compiled through its
 engine), its arguments placed (a preset's initial state and text batches; a program's own
 arrays, abstract ones given values), its steps timed, interleaved across policies where the
-backend allows."""
+backend allows (:func:`run_and_time`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from trainer.data import Corpus
 
 from remat_kit import targets as T
 from remat_kit.memory.api import traced_step
@@ -25,7 +27,6 @@ from remat_kit.policies import PolicySpec, policy_label
 from remat_kit.program import Program
 from remat_kit.pure import Pure
 from remat_kit.sweep.config import Point
-from remat_kit.training.data import Corpus
 from remat_kit.training.step import TrainState, abstract_batch, make_optimizer
 from remat_kit.zoo.facts import initial_state, mesh_train_step
 
@@ -169,6 +170,40 @@ def run_executables(
         steps[key] = RunStep(what, local, lambda low=low: low)
     out = {**held, **compile_run_steps(steps, engine, lower_s)}
     return {k: out[k] for k in specs}
+
+
+def run_and_time(
+    program: Program,
+    specs: Mapping[str, PolicySpec],
+    reports: Mapping[str, Any],
+    engine: CompileEngine,
+    make_run: Callable[[str, Program, Any], StepRun],
+    advance: Callable,
+    what: str,
+    lower: Callable[[str], Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Compile the steps of ``specs`` (by key; :func:`run_executables`, ``lower`` as there)
+    and time them (``make_run(key, program, executable)``, :func:`time_runs`, interleaved
+    where :func:`can_interleave` allows: the CPU); progress lines through ``advance``.
+
+    Returns:
+      ``(executables, measurements)`` by key, each the result or the exception.
+    """
+    advance(None, f"compiling {len(specs)} steps of {what}")
+    executables = run_executables(program, specs, reports, engine, lower)
+    ran = [k for k in specs if isinstance(executables[k], tuple)]
+    if not ran:
+        return executables, {}
+    interleave = can_interleave(ran, [reports[k].argument_bytes for k in ran])
+    how = " interleaved" if interleave else ""
+    advance(None, f"timing {len(ran)} steps of {what}{how}")
+    makers = [functools.partial(make_run, k, program, executables[k][0]) for k in ran]
+    rounds = functools.partial(_timed_round, advance, f"timing {what}{how}")
+    return executables, dict(zip(ran, time_runs(makers, interleave, rounds), strict=True))
+
+
+def _timed_round(advance: Callable, what: str, done: int, total: int) -> None:
+    advance(None, f"{what}: round {done} of {total} done")
 
 
 class StepRun:

@@ -430,13 +430,7 @@ def analyze_policies(
     cache, key = _request_cache(program, specs, tgt, options)
     if key is not None and (cached := _cached_reports(cache, key, len(specs))) is not None:
         return cached  # the same request made before: its reports, nothing compiled
-    reach = program.reach()  # first: the default set is read from the program's remat
-    if policies is None and not reach.passes:
-        raise ValueError(reach.error())
-    if specs is None:
-        specs = list(policy_set(program, tgt).specs)
-    if any(spec.wrap for spec in specs) and not reach.passes:
-        raise ValueError(reach.error())
+    reach, specs = _reached(program, tgt, specs)
     setup = _setup(program, tgt, reach)
     first, distinct = _distinct(setup, specs, strict_tags)
     jobs, total = _jobs(
@@ -451,6 +445,22 @@ def analyze_policies(
     if key is not None and all(isinstance(r, MemoryReport) for r in out):
         cache.store_json(key, {"reports": [r.to_dict() for r in out]})
     return out
+
+
+def _reached(
+    program: Program, target: T.Target, specs: list[PolicySpec] | None
+) -> tuple[PolicyReach, list[PolicySpec]]:
+    """The program's reach and the specs to compile (None: the default set, read from the
+    program's remat). Raises ValueError where a spec needs the policy passed on and the
+    factories do not."""
+    reach = program.reach()
+    if specs is None and not reach.passes:
+        raise ValueError(reach.error())
+    if specs is None:
+        specs = list(policy_set(program, target).specs)
+    if any(spec.wrap for spec in specs) and not reach.passes:
+        raise ValueError(reach.error())
+    return reach, specs
 
 
 def _distinct(

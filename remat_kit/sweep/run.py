@@ -258,13 +258,7 @@ def run_sweep(
     every = config.points(engine.local_devices)
     points = every if shard is None else shard_points(every, shard)
     path = Path(out)
-    measuring = any(p.measure for p in every)
-    if measuring and measurer is None:
-        grids = sorted({p.grid for p in every if p.measure})
-        raise ValueError(
-            f"grids {grids} measure steps on the local device: run them with experiments/"
-            "sweep.py (a measurer), or set measure=False to analyse only"
-        )
+    measuring = _measuring(every, measurer)
     identity = config.identity(measurer.data if measurer is not None else None)
     # bad data fails before the output is touched
     data_fields = measurer.fields() if measuring else {}
@@ -284,6 +278,17 @@ def run_sweep(
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
     return SweepRun(path, rows, written, len(points) - len(todo), time.perf_counter() - start)
+
+
+def _measuring(points: Sequence[Point], measurer: Measurer | None) -> bool:
+    """Whether a point measures (refused without a measurer)."""
+    grids = sorted({p.grid for p in points if p.measure})
+    if grids and measurer is None:
+        raise ValueError(
+            f"grids {grids} measure steps on the local device: run them with experiments/"
+            "sweep.py (a measurer), or set measure=False to analyse only"
+        )
+    return bool(grids)
 
 
 def _calibration(

@@ -172,7 +172,6 @@ def per_layer_activations(
             f"per-layer activations need a bundled model (remat_kit.preset); program "
             f"{program.name!r} is not one"
         )
-    batch_size, seq_len = program.known.batch_size, program.known.seq_len
     l1, l2 = layers
     if l1 == l2 or min(l1, l2) <= 0:
         raise ValueError(f"layers must be two distinct positive counts, got {layers}")
@@ -188,42 +187,38 @@ def per_layer_activations(
     grads = (
         _param_bytes(programs[l2].args[0].params) - _param_bytes(programs[l1].args[0].params)
     ) / (l2 - l1)
+    return [
+        _layer_row(config, spec, by_key[(j, 0)], by_key[(j, 1)], grads, (l1, l2))
+        for j, spec in enumerate(specs)
+    ]
+
+
+def _layer_row(
+    config: ModelConfig, spec: PolicySpec, r1, r2, grads: float, layers: tuple[int, int]
+) -> LayerActivations:
+    """One policy's row from its reports at the two layer counts (``r1``, ``r2``; ``grads``:
+    one layer's parameter, optimizer-state and gradient bytes)."""
+    batch_size, seq_len = r1.batch_size, r1.seq_len
+    dl = layers[1] - layers[0]
+    temp = (r2.temp_bytes - r1.temp_bytes) / dl - grads
+    if r1.live_peak_bytes is not None and r2.live_peak_bytes is not None:
+        live = r2.live_peak_bytes - r1.live_peak_bytes
+        compiled = (live - (r2.argument_bytes - r1.argument_bytes)) / dl - grads
+    else:
+        compiled = temp
+    residuals = model_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
     itemsize = jnp.dtype(config.dtype).itemsize
-    out = []
-    for j, spec in enumerate(specs):
-        r1, r2 = by_key[(j, 0)], by_key[(j, 1)]
-        dl = l2 - l1
-        temp = (r2.temp_bytes - r1.temp_bytes) / dl - grads
-        if r1.live_peak_bytes is not None and r2.live_peak_bytes is not None:
-            live = r2.live_peak_bytes - r1.live_peak_bytes
-            compiled = (live - (r2.argument_bytes - r1.argument_bytes)) / dl - grads
-        else:
-            compiled = temp
-        host = (r2.host_bytes - r1.host_bytes) / dl
-        residuals = model_residuals(config.replace(remat_policy=spec), batch_size, seq_len)
-        jaxpr = sum(r.nbytes for r in residuals) / config.num_layers
-        textbook = korthikanti_bytes(
-            seq_len, batch_size, config.d_model, config.num_heads, spec.name, itemsize
-        )
-        out.append(
-            LayerActivations(
-                model=config.name,
-                target=r1.target,
-                policy=policy_label(spec),
-                batch_size=batch_size,
-                seq_len=seq_len,
-                d_model=config.d_model,
-                num_heads=config.num_heads,
-                dtype=config.dtype,
-                textbook_bytes=textbook,
-                jaxpr_bytes=round(jaxpr),
-                compiled_bytes=compiled,
-                compiled_temp_bytes=temp,
-                compiled_host_bytes=host,
-                ratio=compiled / textbook if textbook else None,
-                layers=(l1, l2),
-                compile_s=round(r1.compile_s + r2.compile_s, 3),
-                note=_NOTES.get(spec.name, "no textbook formula for this policy"),
-            )
-        )
-    return out
+    textbook = korthikanti_bytes(
+        seq_len, batch_size, config.d_model, config.num_heads, spec.name, itemsize
+    )
+    return LayerActivations(
+        model=config.name, target=r1.target, policy=policy_label(spec), batch_size=batch_size,
+        seq_len=seq_len, d_model=config.d_model, num_heads=config.num_heads, dtype=config.dtype,
+        textbook_bytes=textbook,
+        jaxpr_bytes=round(sum(r.nbytes for r in residuals) / config.num_layers),
+        compiled_bytes=compiled, compiled_temp_bytes=temp,
+        compiled_host_bytes=(r2.host_bytes - r1.host_bytes) / dl,
+        ratio=compiled / textbook if textbook else None, layers=layers,
+        compile_s=round(r1.compile_s + r2.compile_s, 3),
+        note=_NOTES.get(spec.name, "no textbook formula for this policy"),
+    )  # fmt: skip

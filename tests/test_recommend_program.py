@@ -44,7 +44,7 @@ def test_program_arguments_that_do_not_apply(program):
         with pytest.raises(ValueError, match="apply to presets; program 'plain-jax'") as err:
             recommend(program, target=TARGET, **kwargs)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="seq_len is required for a preset"):
+    with pytest.raises(ValueError, match="seq_len is required for preset 'tiny-llama'"):
         recommend("tiny-llama", target=TARGET)
 
 

@@ -306,14 +306,12 @@ def _program_of(
         raise ValueError(f"batch_size='auto' is for one device; on mesh {spec} give a batch size")
     if solve and auto:
         raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
-    if isinstance(model, Program):  # its batch search builds its family's members
-        return as_program(model, None if auto else batch_size, seq_len, optimizer, spec)
-    if seq_len is None:  # a preset: its default batch and required seq
-        raise ValueError("seq_len is required for a preset (tokens per sequence)")
-    split = spec.dp * spec.fsdp if spec is not None else 1
-    batch_size = 1 if auto else (split if batch_size is None else batch_size)
-    _check_batch(batch_size, False)
-    return as_program(model, batch_size, seq_len, optimizer, spec)
+    batch = None if auto else batch_size
+    if batch is not None:
+        _check_batch(batch)
+    # a preset's default batch: one sequence per dp*fsdp device (1 to start "auto" from)
+    start = 1 if auto else (spec.dp * spec.fsdp if spec is not None else 1)
+    return as_program(model, batch, seq_len, optimizer, spec, default_shape=(start, None))
 
 
 def recommend_program(
@@ -359,11 +357,9 @@ def recommend_program(
     return assemble(request, session, found, compiles, time.perf_counter() - t_start)
 
 
-def _check_batch(batch_size: Any, auto_and_solve: bool) -> None:
+def _check_batch(batch_size: Any) -> None:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
-    if auto_and_solve:
-        raise ValueError("solve needs a fixed batch: give a batch size, not 'auto'")
 
 
 def _resolve_specs(

@@ -253,10 +253,9 @@ def config_path(name: str) -> Path:
 
 def _summary_header(run, argv: list[str] | None, legend: str, source: str | None) -> str:
     """Where and how the rows were made, for the top of summary.md, and what the columns of its
-    tables mean (``legend``: :func:`remat_kit.sweep.results.summary_legend`; ``source``: the
-    device figures of the local estimates,
-    :func:`~remat_kit.sweep.results.local_estimate_source`)."""
-    from remat_kit.sweep import results
+    tables mean (``legend``: :func:`measured.summary.summary_legend`; ``source``: the device
+    figures of the local estimates, :func:`measured.summary.local_estimate_source`)."""
+    from measured import summary
 
     args = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python experiments/sweep.py {args}".rstrip()
@@ -271,10 +270,10 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             f"{run.skipped} kept from earlier runs",
             f"- Machine: {_machine(r, run.rows)}",
             *([f"- Estimates on 'local' from {source}"] if source else []),
-            *([f"- Note: {note}"] if (note := results.load_note(run.rows)) else []),
-            *([f"- Note: {fast}"] if (fast := results.cpu_faster_note(run.rows)) else []),
-            *([f"- Note: {small}"] if (small := results.small_step_note(run.rows)) else []),
-            *([f"- Note: {peak}"] if (peak := results.measured_peak_note(run.rows)) else []),
+            *([f"- Note: {note}"] if (note := summary.load_note(run.rows)) else []),
+            *([f"- Note: {fast}"] if (fast := summary.cpu_faster_note(run.rows)) else []),
+            *([f"- Note: {small}"] if (small := summary.small_step_note(run.rows)) else []),
+            *([f"- Note: {peak}"] if (peak := summary.measured_peak_note(run.rows)) else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
             *([f"- {legend}"] if legend else []),
@@ -311,18 +310,20 @@ def _measured_line(r: dict, data: str) -> str:
 def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int:
     """The table, summary.md and the figures, rebuilt from every row of the run's file; the
     exit code (1 when a point of this run failed with status ``error``)."""
+    from measured import summary
+
     from remat_kit import plots
     from remat_kit.sweep import results
     from remat_kit.sweep.output import warning_lines
 
-    results.print_summary(run.rows, console)
+    summary.print_summary(run.rows, console)
     if run.rows:  # every figure says where it comes from ("local": this machine's backend)
         console.print(
             f"measured and analysed on: {_machine(run.rows[-1], run.rows)} "
             "('local' is this machine)",
             highlight=False, markup=False,
         )  # fmt: skip
-    source = results.local_estimate_source(run.rows)
+    source = summary.local_estimate_source(run.rows)
     if source:  # a calibration timed on a busy machine misprices memory traffic: say which
         from remat_kit.memory.calibration import cache_dir
 
@@ -334,14 +335,14 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
             highlight=False, markup=False,
         )  # fmt: skip
     for note in (
-        results.load_note(run.rows),  # the machine's load while the steps were timed
-        results.cpu_faster_note(run.rows),  # why remat can time faster than no-remat on a CPU
-        results.small_step_note(run.rows),  # the small-step caveat as analyze and recommend say it
-        results.measured_peak_note(run.rows),  # a null measured peak
+        summary.load_note(run.rows),  # the machine's load while the steps were timed
+        summary.cpu_faster_note(run.rows),  # why remat can time faster than no-remat on a CPU
+        summary.small_step_note(run.rows),  # the small-step caveat as analyze and recommend say it
+        summary.measured_peak_note(run.rows),  # a null measured peak
     ):
         if note:
             console.print(f"note: {note}", highlight=False, markup=False)
-    legend = results.summary_legend(run.rows)
+    legend = summary.summary_legend(run.rows)
     if legend:  # what the columns mean, under the table as at the top of summary.md
         console.print(f"columns: {legend}", highlight=False, markup=False)
     warnings = warning_lines(run.rows)  # each policy's analysis warnings, shared ones once
@@ -355,7 +356,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
     files.write_text(
         out.parent / "summary.md",
         _summary_header(run, argv, legend, source)
-        + results.summary_markdown(run.rows)
+        + summary.summary_markdown(run.rows)
         + (f"\nAnalysis warnings:\n\n{listed}" if warnings else "")
         + ("\n" + options if options else ""),
     )

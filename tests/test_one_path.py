@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
-from measured import run_program_sweep  # experiments/ on sys.path: tests/conftest.py
+from measured import (
+    run_program_sweep,  # experiments/ on sys.path: tests/conftest.py
+    summary,
+)
 
 import remat_kit
 from remat_kit import doctor
@@ -192,7 +195,7 @@ def test_a_cut_down_policy_has_one_label_in_every_tool(tmp_path):
     )  # fmt: skip
     (row,) = [r for r in run.rows if r["policy_label"] == "minimal (cut)"]
     assert row["policy"] == "mlpwi=save,query_proj=save"
-    (table,) = remat_kit.sweep.results.summary_lines(run.rows)
+    (table,) = summary.summary_lines(run.rows)
     assert [line[0] for line in table[2]] == ["save-nothing", "minimal (cut)"]
 
 

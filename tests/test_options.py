@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from measured import summary
 
 from remat_kit import plots, sweep
 from remat_kit.models import get_config
@@ -104,7 +105,7 @@ def test_tiny_option_sweep_end_to_end(tmp_path):
     assert full["peak_bytes"] <= half["peak_bytes"] <= plain["peak_bytes"]
     assert half["step_time_s"] is None
     assert "options.png" in [p.name for p in plots.save_figures(run.rows, tmp_path)]
-    titles = [t for t, _, _ in results.summary_lines(run.rows)]
+    titles = [t for t, _, _ in summary.summary_lines(run.rows)]
     assert len(titles) == 2 and any('"remat_layers":1' in t for t in titles)
     again = sweep.run_sweep(config, out, resume=True, progress=False)
     assert again.new_rows == [] and again.skipped == 3

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from measured import TextMeasurer
+from measured import TextMeasurer, summary
 from measured import steps as measure
 
 import remat_kit
@@ -108,20 +108,20 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     measured = [r for r in rows if r.get("step_time_s") is not None]
     analysed = [r for r in rows if r.get("step_time_s") is None]
     for subset in (rows, measured, analysed):
-        headers = {c for _, header, _ in results.summary_lines(subset) for c in header}
-        legend = results.summary_legend(subset)
-        for column, text in results.COLUMN_LEGEND.items():
+        headers = {c for _, header, _ in summary.summary_lines(subset) for c in header}
+        legend = summary.summary_legend(subset)
+        for column, text in summary.COLUMN_LEGEND.items():
             has = column in headers or (column == "peak" and any(
                 c.startswith("peak ") and c != "peak Δ" for c in headers))  # fmt: skip
             assert (text in legend) == has, (column, sorted(headers))
-    assert "tok/s" not in results.summary_legend(analysed)
+    assert "tok/s" not in summary.summary_legend(analysed)
     # the step's spread: its own timed steps, (max - min) / median, shown as ± half of it
     (record,) = [r for r in results.summarize(measured) if r["policy"] == "minimal"
                  and r["seq_len"] == 128]  # fmt: skip
     (row,) = [r for r in measured if r["policy"] == "minimal" and r["seq_len"] == 128]
     times = sorted(row["step_times_s"])
     assert record["step_spread"] == pytest.approx((times[-1] - times[0]) / times[len(times) // 2])
-    ((_, header, body), *_) = results.summary_lines(measured)
+    ((_, header, body), *_) = summary.summary_lines(measured)
     line = body[[b[0] for b in body].index("minimal")]
     ms = 1e3 * row["step_time_s"]
     digits = f"{ms:,.0f}" if ms >= 100 else f"{ms:#.3g}"  # 6.36 ms is not "6"
@@ -131,14 +131,14 @@ def test_summary_legend_names_only_the_columns_the_tables_have():
     est = row["predicted_step_time_s"]
     assert header.index("est. ms") == header.index("step ms") + 1
     assert line[header.index("est. err")] == f"{100 * (est / row['step_time_s'] - 1):+.0f}%"
-    assert "est. ms" in results.summary_legend(measured)
-    assert results.summary_legend([]) == ""
+    assert "est. ms" in summary.summary_legend(measured)
+    assert summary.summary_legend([]) == ""
     # gpt-10m's peaks (hundreds of MiB) keep one decimal; a small model's (under 10 MiB) two,
     # so 4.38 and 4.50 MiB do not both read 4.4-4.5
     peak = header.index("peak MiB")
     assert line[peak] == f"{row['peak_bytes'] / 2**20:,.1f}"
     small = [{**r, "peak_bytes": r["peak_bytes"] // 64} for r in measured]
-    ((_, header, body), *_) = results.summary_lines(small)
+    ((_, header, body), *_) = summary.summary_lines(small)
     line = body[[b[0] for b in body].index("minimal")]
     assert line[header.index("peak MiB")] == f"{row['peak_bytes'] // 64 / 2**20:,.2f}"
 
@@ -161,7 +161,7 @@ def test_a_policy_compiled_to_an_earlier_ones_program_is_labelled_so():
     assert records["save-qkv-out-proj", 128]["same_program_as"] == "save-out-proj"
     assert records["save-qkv-out-proj", 256]["same_program_as"] is None
     assert records["save-out-proj", 128]["same_program_as"] is None
-    ((_, _, body), *_) = results.summary_lines(rows)
+    ((_, _, body), *_) = summary.summary_lines(rows)
     labels = [line[0] for line in body]
     assert "save-qkv-out-proj (same program as save-out-proj)" in labels
     assert labels.count("save-qkv-out-proj") == 1  # the s=256 row
@@ -239,7 +239,7 @@ def test_a_noisy_timing_is_marked_where_it_is_shown(times, noisy, cell):
     assert results.is_noisy(row) is noisy
     (rec,) = [r for r in results.summarize(rows) if r["policy"] == "save-nothing"]
     assert rec["noisy"] is noisy
-    ((_, header, body),) = results.summary_lines(rows)
+    ((_, header, body),) = summary.summary_lines(rows)
     assert body[1][header.index("step ms")] == cell
 
 
@@ -479,7 +479,7 @@ def test_injected_failure_gives_an_error_row_and_the_rest_complete(
     plots.memory_breakdown(run.rows, path=tmp_path / "breakdown.png")
     plots.predicted_vs_measured(run.rows, path=tmp_path / "pvm.png")
     plots.slowdown_vs_flops(run.rows, path=tmp_path / "slow.png")
-    assert "save-nothing" in results.summary_markdown(run.rows)
+    assert "save-nothing" in summary.summary_markdown(run.rows)
     json.dumps(run.rows)
 
 
@@ -637,13 +637,13 @@ def test_local_estimates_say_which_calibration_they_came_from():
     calibration, when and at what load it was timed): a newcomer's estimates came from one
     timed under load and nothing said so. Analysis-only GPU rows are not the local one."""
     rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
-    source = results.local_estimate_source(rows)
+    source = summary.local_estimate_source(rows)
     (first,) = [r for r in rows if r["target"] == "local"][:1]
     assert source == first["report"]["step_time"]["figures"]
     assert source.startswith("local cpu") and "calibrated on this machine" in source
     gpu = [r for r in rows if r["target"] != "local"]
-    assert gpu and results.local_estimate_source(gpu) is None
-    assert results.local_estimate_source([]) is None
+    assert gpu and summary.local_estimate_source(gpu) is None
+    assert summary.local_estimate_source([]) is None
 
 
 def _calibrated(load: float, share: float | None = None, contended: bool = False) -> dict:
@@ -657,7 +657,7 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so(monkey
     """A newcomer's sweep timed at load average 5 against a calibration taken at 1.2 read every
     estimate 68-76% low with nothing said (session 16): the summary now says why. The
     calibration's state is read from the rows' fields, never parsed back from prose."""
-    from remat_kit.sweep.results import load_note
+    load_note = summary.load_note
 
     busy = [{"load_average": [5.07, 4.0, 3.0]}, {"load_average": [5.62, 4.0, 3.0]}]
     note = load_note([_calibrated(1.22), *busy])
@@ -693,8 +693,8 @@ def test_steps_timed_on_a_busier_machine_than_the_calibration_are_said_so(monkey
 def test_rows_from_before_the_calibration_fields_are_read_from_their_source_line():
     """The committed CPU sweep's rows carry the calibration in their figures' text only."""
     rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
-    got = results.local_calibration(rows)
-    source = results.local_estimate_source(rows)
+    got = summary.local_calibration(rows)
+    source = summary.local_estimate_source(rows)
     assert got is not None and f"load average {got['load_average']:.2f}" in source
     assert got["contended"] is ("; contended" in source)
 
@@ -746,15 +746,15 @@ def test_small_local_steps_carry_the_same_caveat_as_analyze_and_recommend():
     calibrated = {"step_time": {"measured_figures": True}}
     timed = [{"target": "local", "report": calibrated, "predicted_step_time_s": 0.0027,
               "step_time_s": 0.0066}]  # fmt: skip
-    note = results.small_step_note(timed)
+    note = summary.small_step_note(timed)
     assert note.startswith("small steps (estimated 2.7 ms and up)")
     assert note.endswith("go by the measured steps beside them")
     analysed = [{**timed[0], "step_time_s": None}]
-    assert results.small_step_note(analysed).endswith("(experiments/sweep.py)")
+    assert summary.small_step_note(analysed).endswith("(experiments/sweep.py)")
     # datasheet figures (a GPU model compiled without a GPU) and large steps: no caveat
     datasheet = [{**timed[0], "target": "h100-sxm", "report": {"step_time": {}}}]
-    assert results.small_step_note(datasheet) is None
-    assert results.small_step_note([{**timed[0], "predicted_step_time_s": 0.3}]) is None
+    assert summary.small_step_note(datasheet) is None
+    assert summary.small_step_note([{**timed[0], "predicted_step_time_s": 0.3}]) is None
 
 
 @pytest.mark.parametrize("n", range(1, 10))
@@ -791,11 +791,11 @@ def test_a_null_measured_peak_is_said_in_the_summary():
     """The CPU reports no peak: every timed row records null with why, and the summary says so
     (it was in the JSONL alone)."""
     rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
-    note = results.measured_peak_note(rows)
+    note = summary.measured_peak_note(rows)
     assert note.startswith("measured peak: null on every timed row (the cpu backend reports")
     timed = [r for r in rows if r.get("step_time_s") is not None]
-    assert results.measured_peak_note([{**timed[0], "measured_peak_bytes": 5}, *timed]) is None
-    assert results.measured_peak_note([r for r in rows if r.get("step_time_s") is None]) is None
+    assert summary.measured_peak_note([{**timed[0], "measured_peak_bytes": 5}, *timed]) is None
+    assert summary.measured_peak_note([r for r in rows if r.get("step_time_s") is None]) is None
 
 
 def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_path):
@@ -810,8 +810,8 @@ def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_pa
     for r in rows:
         if r.get("load_average"):
             r["load_average"] = [9.0, 9.0, 9.0]
-    load = results.load_note(rows)
-    fast = results.cpu_faster_note(rows)
+    load = summary.load_note(rows)
+    fast = summary.cpu_faster_note(rows)
     assert load and "timed at load average 9.00" in load
     assert fast == (
         "remat ran faster than no-remat on the CPU in 24 row(s): XLA:CPU faults in each step's "
@@ -827,4 +827,4 @@ def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_pa
     # none where no remat row beat no-remat on the CPU, nor on another backend
     slower = [{**r, "step_time_s": 1.0 if r["policy"] != "no-remat" else 0.5} for r in rows]
     gpu = [{**r, "backend": "gpu"} for r in rows]
-    assert results.cpu_faster_note(slower) is None and results.cpu_faster_note(gpu) is None
+    assert summary.cpu_faster_note(slower) is None and summary.cpu_faster_note(gpu) is None

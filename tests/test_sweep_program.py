@@ -19,6 +19,7 @@ import jax
 import measured
 import pytest
 from measured import steps as programs
+from measured import summary
 from measured.steps import time_runs
 from rich.console import Console
 
@@ -255,12 +256,12 @@ def test_terminal_table_never_cuts_a_figure(swept, width):
     label = ",".join(f"{t}=save" for t in ("attn_in", "attn_out", "mlp_hidden", "qkv_out_long"))
     rows = _table_rows(swept[1], label)
     console = Console(width=width, record=True, file=io.StringIO())
-    results.print_summary(rows, console)
+    summary.print_summary(rows, console)
     text = console.export_text()
     assert "…" not in text
-    ((_, header, body),) = results.summary_lines(rows)
+    ((_, header, body),) = summary.summary_lines(rows)
     # optional columns left out for the width, the caption says which
-    gone = [h for h in results.OPTIONAL_COLUMNS if f"{h}: left out" in text or f"{h}, " in text]
+    gone = [h for h in summary.OPTIONAL_COLUMNS if f"{h}: left out" in text or f"{h}, " in text]
     kept = [i for i, h in enumerate(header) if h not in gone]
     for line in body:  # every figure whole, on the line where its policy starts
         start = next(t for t in text.splitlines() if t.strip().startswith(line[0][:12]))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_folder
+from measured import summary
 
 from remat_kit.sweep import Grid, SweepConfig, results, run_sweep
 from remat_kit.sweep.engine import LocalEngine, SerialEngine
@@ -134,8 +135,8 @@ def test_tasks_in_any_order_give_the_same_rows_summary_and_resume(tmp_path, seri
     points = [p.key for p in config.points()]
     assert [r["key"] for r in first.rows] == [r["key"] for r in other.rows] == points
     assert by_key(in_file) == by_key(results.read_rows(path))
-    assert results.summary_markdown(first.rows) == results.summary_markdown(other.rows)
-    assert results.summary_markdown(first.rows).count("| no-remat |") == 2
+    assert summary.summary_markdown(first.rows) == summary.summary_markdown(other.rows)
+    assert summary.summary_markdown(first.rows).count("| no-remat |") == 2
     # resume onto the last group's row and a torn line
     part = tmp_path / "c.jsonl"
     lines = (tmp_path / "b.jsonl").read_bytes().splitlines(keepends=True)
@@ -146,7 +147,7 @@ def test_tasks_in_any_order_give_the_same_rows_summary_and_resume(tmp_path, seri
     assert by_key(results.read_rows(part, timelines=False)) == by_key(
         results.read_rows(path, timelines=False)
     )
-    assert results.summary_markdown(resumed.rows) == results.summary_markdown(first.rows)
+    assert summary.summary_markdown(resumed.rows) == summary.summary_markdown(first.rows)
 
 
 def test_worker_processes_give_the_serial_rows(tmp_path, serial):
@@ -156,7 +157,7 @@ def test_worker_processes_give_the_serial_rows(tmp_path, serial):
     run = run_sweep(analysis_grid(), tmp_path / "w.jsonl", progress=False, engine=LocalEngine(2))
     assert [r["key"] for r in run.rows] == [r["key"] for r in first.rows]
     assert by_key(results.read_rows(tmp_path / "w.jsonl")) == by_key(results.read_rows(path))
-    assert results.summary_markdown(run.rows) == results.summary_markdown(first.rows)
+    assert summary.summary_markdown(run.rows) == summary.summary_markdown(first.rows)
 
 
 def test_a_task_that_fails_outside_its_points_gives_an_error_row_per_point(tmp_path, serial):
@@ -233,8 +234,8 @@ def test_shards_then_merge_give_the_serial_rows_summary_and_figures(tmp_path, se
     merged = results.read_rows(out)
     assert [r["key"] for r in merged] == [r["key"] for r in first.rows]
     assert by_key(merged) == by_key(results.read_rows(path))
-    summary = (out.parent / "summary.md").read_text()
-    assert results.summary_markdown(first.rows) in summary
+    written = (out.parent / "summary.md").read_text()
+    assert summary.summary_markdown(first.rows) in written
     assert (out.parent / "pareto_analysis.png").stat().st_size > 0
     assert (out.parent / "report.html").stat().st_size > 0
     assert "2 point(s) run" in capsys.readouterr().out

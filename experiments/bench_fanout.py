@@ -130,7 +130,7 @@ def run_overhead(folder: Path, base: int = 24, more: int = 200) -> dict:
     import bench_fanout  # this file, importable by the workers (not __main__)
 
     from remat_kit.sweep.engine import LocalEngine
-    from remat_kit.sweep.run import run_tasks
+    from remat_kit.sweep.run import RowSink, run_tasks
     from remat_kit.sweep.tasks import Task
 
     one = grid(policies=("no-remat",)).points()[0]
@@ -140,7 +140,9 @@ def run_overhead(folder: Path, base: int = 24, more: int = 200) -> dict:
         tasks = [Task((p,)) for p in points]
         path = folder / f"noop-{n}.jsonl"
         start = time.perf_counter()
-        rows = run_tasks(LocalEngine(2), tasks, bench_fanout.NoopRunner, path, {}, progress=False)
+        rows = run_tasks(
+            LocalEngine(2), tasks, bench_fanout.NoopRunner, RowSink(path), progress=False
+        )
         walls[n] = time.perf_counter() - start
         assert len(rows) == n and len({r["pid"] for r in rows}) == 2, rows[:3]
         print(f"{n} no-op points on 2 workers: {walls[n]:.2f} s", flush=True)

@@ -129,9 +129,8 @@ def _compare_offload(report):
     no_remat = dataclasses.replace(report, temp_bytes=report.temp_bytes * 4)
     kept = doctor.Residuals(device_bytes=0, host_bytes=4096, tags=frozenset(), dots=False)
     kept_base = doctor.Residuals(device_bytes=10**6, host_bytes=0, tags=frozenset(), dots=False)
-    return doctor.compare(
-        spec, report, no_remat, kept, kept_base, remat_kit.targets.get_target("h100-sxm")
-    )
+    evidence = doctor.PolicyEvidence(report, no_remat, kept, kept_base)
+    return doctor.compare(spec, evidence, remat_kit.targets.get_target("h100-sxm"))
 
 
 def test_offload_rules_on_real_gpu_target_report(offload_report):

@@ -190,6 +190,25 @@ def test_a_task_that_fails_outside_its_points_gives_an_error_row_per_point(tmp_p
     assert [r["status"] for r in run.rows] == ["error", "ok"]
 
 
+def test_row_sink_appends_only_where_this_process_writes(tmp_path):
+    """run_tasks hands each task's rows to a RowSink: a lost task's rows are error rows with the
+    run's common fields; a process that does not write (not process 0 under jax.distributed)
+    returns the rows and leaves the file alone."""
+    from remat_kit.sweep.run import RowSink
+
+    (task,) = make_tasks(analysis_grid().points()[:1])
+    path = tmp_path / "rows.jsonl"
+    quiet = RowSink(path, {"sweep": "tasks"}, writes=False)
+    lost = quiet.take(task, None, RuntimeError("gone"))
+    assert [(r["key"], r["status"], r["sweep"]) for r in lost] == [
+        (task.points[0].key, "error", "tasks")
+    ]
+    assert not path.exists()
+    ok = [{"key": task.points[0].key, "status": "ok"}]
+    assert RowSink(path).take(task, ok, None) == ok
+    assert [r["key"] for r in results.read_rows(path)] == [task.points[0].key]
+
+
 # -- Shards (SLURM arrays) and their merge -------------------------------------------------------
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "sweep.py"

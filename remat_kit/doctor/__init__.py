@@ -20,6 +20,7 @@ from remat_kit.doctor.checks import check_function as check_function
 from remat_kit.doctor.checks import check_policies as check_policies
 from remat_kit.doctor.checks import recomputed_ops as recomputed_ops
 from remat_kit.doctor.compare import MIN_EFFECT as MIN_EFFECT
+from remat_kit.doctor.compare import PolicyEvidence as PolicyEvidence
 from remat_kit.doctor.compare import Residuals as Residuals
 from remat_kit.doctor.compare import check_remat_static_argnums as check_remat_static_argnums
 from remat_kit.doctor.compare import compare as compare

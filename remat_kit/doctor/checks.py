@@ -29,7 +29,12 @@ import optax
 from remat_kit import targets as T
 from remat_kit import trace
 from remat_kit import walker as W
-from remat_kit.doctor.compare import Residuals, check_remat_static_argnums, compare
+from remat_kit.doctor.compare import (
+    PolicyEvidence,
+    Residuals,
+    check_remat_static_argnums,
+    compare,
+)
 from remat_kit.doctor.findings import Finding, dedupe, has_errors, sort_findings
 from remat_kit.doctor.promise import (
     Promise,
@@ -299,10 +304,12 @@ def _policy_check(
         # a from_loss step is remat-kit's around the user's make_loss: name theirs
         factory = "make_loss" if program.step_of_loss is not None else reach.part
         findings.append(no_remat_remats(label, factory, reach.without_policy))
+    evidence = PolicyEvidence(
+        report, j.baseline, _kept(program, spec), j.kept_baseline, kept_nothing=j.kept_nothing
+    )
     findings += compare(
-        promise, report, j.baseline, _kept(program, spec), j.kept_baseline, j.target,
-        program.known.scan_layers, facts=j.facts, kept_nothing=j.kept_nothing,
-        around_loop=reach.around_loop, lone=reach.lone,
+        promise, evidence, j.target, scan_layers=program.known.scan_layers, facts=j.facts,
+        reach=reach,
     )  # fmt: skip
     if raw is None:  # the default set: a policy the user did not ask for is no defect of theirs
         findings = [_of_the_default_set(f) for f in findings]
@@ -513,15 +520,16 @@ def _compared(
     ops = None
     if not run.reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
         ops = recomputed_ops(run.grads["policy"], args, tgt)
-    return compare(
-        promise, run.reports["policy"], run.reports["no-remat"],
+    evidence = PolicyEvidence(
+        run.reports["policy"], run.reports["no-remat"],
         Residuals.of(saved_residuals(run.losses["policy"], *args)),
-        Residuals.of(saved_residuals(run.losses["no-remat"], *args)), tgt, recomputed_ops=ops,
-        facts=run.facts, kept_nothing=Residuals.of(
+        Residuals.of(saved_residuals(run.losses["no-remat"], *args)),
+        kept_nothing=Residuals.of(
             saved_residuals(make_loss(jax.checkpoint_policies.nothing_saveable), *args)
         ),
-        around_loop=reach.around_loop, lone=reach.lone,
+        recomputed_ops=ops,
     )  # fmt: skip
+    return compare(promise, evidence, tgt, facts=run.facts, reach=reach)
 
 
 def _opaque_findings(

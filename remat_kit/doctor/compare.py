@@ -24,6 +24,7 @@ from remat_kit.memory.undone import (
     peak_set_by,
     working_bytes,
 )
+from remat_kit.reach import PolicyReach
 
 #: Residual sources a dots policy keeps (JAX's dots policies save convolutions too).
 _DOT_SOURCES = ("dot_general", "conv_general_dilated")
@@ -182,43 +183,73 @@ def _not_effective(
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyEvidence:
+    """What the compile and the walk show of one policy on one step, beside the baseline it is
+    judged against (``no-remat``; ``save-everything`` where the factory remats even without a
+    policy): the input of :func:`compare`.
+
+    Attributes:
+      report: the policy's compiled step (bytes; FLOPs where counted).
+      no_remat: the baseline's compiled step, for the same target.
+      kept: what the policy's jaxpr keeps (:class:`Residuals`: bytes, tags).
+      kept_no_remat: what the baseline's jaxpr keeps.
+      kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs), for
+        ``saved-anyway``; None: not known.
+      recomputed_ops: operations of the compiled policy step under JAX's remat scope
+        (:func:`remat_kit.doctor.recomputed_ops`); None: not counted, the FLOPs decide.
+    """
+
+    report: MemoryReport
+    no_remat: MemoryReport
+    kept: Residuals
+    kept_no_remat: Residuals
+    kept_nothing: Residuals | None = None
+    recomputed_ops: int | None = None
+
+    @property
+    def promised(self) -> int:
+        """Device bytes of residuals the policy's jaxpr keeps fewer of than the baseline's
+        (negative: it keeps more)."""
+        return self.kept_no_remat.device_bytes - self.kept.device_bytes
+
+
 def compare(
     spec: Promise | Any,
-    report: MemoryReport,
-    no_remat: MemoryReport,
-    kept: Residuals,
-    kept_no_remat: Residuals,
+    evidence: PolicyEvidence,
     target: T.Target,
+    *,
     scan_layers: bool | None = None,
-    recomputed_ops: int | None = None,
     facts: TagFacts | None = None,
-    kept_nothing: Residuals | None = None,
-    around_loop: int = 0,
-    lone: bool = False,
+    reach: PolicyReach | None = None,
 ) -> list[Finding]:
-    """Findings from the compiled reports of a policy and of ``no-remat`` for one step, and
-    what each keeps in the jaxpr (:class:`Residuals`). None for an optional argument: not known.
+    """Findings from what the compile and the walk show of a policy against ``no-remat`` for
+    one step (:class:`PolicyEvidence`). None for an optional argument: not known.
 
     Args:
       spec: a :class:`Promise` or a :class:`~remat_kit.policies.PolicySpec`.
-      recomputed_ops: operations of the compiled policy step under JAX's remat scope, where
-        counted; else the FLOPs decide.
+      evidence: the compiled reports of the policy and of the baseline, and what each (and
+        ``save-nothing``) keeps in the jaxpr.
+      target: the target both steps were compiled for.
+      scan_layers: a bundled model's ``scan_layers`` (the fix names it); None: a user's
+        program (the fix speaks of their layer loop).
       facts: the program's checkpoint names (:class:`~remat_kit.doctor.tags.TagFacts`), which
         tell why a name is kept nowhere (tags never emitted are ``unknown-tag``'s, not here).
-      kept_nothing: what ``save-nothing`` keeps (the remat segments' inputs), for
-        ``saved-anyway``.
-      around_loop: the program's remat segments wrapping a whole loop
-        (:attr:`remat_kit.reach.PolicyReach.around_loop`), for ``remat-around-loop``.
-      lone: the program's one remat segment sits outside every loop
-        (:attr:`remat_kit.reach.PolicyReach.lone`): the cause of a policy freeing too little
-        on a real target.
+      reach: where the program's remat segments sit (:class:`~remat_kit.reach.PolicyReach`):
+        segments wrapping a whole loop (``around_loop``) for ``remat-around-loop``, or one
+        segment outside every loop (``lone``), the cause of a policy freeing too little on a
+        real target; None: neither.
+
+    Returns:
+      The findings, in the order found (nothing for ``no-remat``, which promises nothing).
     """
     promise = spec if isinstance(spec, Promise) else Promise.of(spec)
     out: list[Finding] = []
     if not promise.wrap:  # no-remat: nothing promised
         return out
-    promised = kept_no_remat.device_bytes - kept.device_bytes  # device bytes the policy frees
-    achieved = _achieved(report, no_remat, target.platform)
+    report, kept, kept_no_remat = evidence.report, evidence.kept, evidence.kept_no_remat
+    promised = evidence.promised  # device bytes the policy frees
+    achieved = _achieved(report, evidence.no_remat, target.platform)
     offload_real = promise.offloads and target.supports_host_offload
     if promised <= 0 and not (offload_real and report.host_bytes > 0):
         out.append(_no_op(promise, kept))
@@ -233,14 +264,14 @@ def compare(
             _not_effective(
                 promise,
                 report,
-                no_remat,
+                evidence.no_remat,
                 promised=promised,
                 achieved=achieved,
                 target=target,
                 scan_layers=scan_layers,
-                ops=recomputed_ops,
-                around_loop=around_loop,
-                lone=lone,
+                ops=evidence.recomputed_ops,
+                around_loop=reach.around_loop if reach is not None else 0,
+                lone=reach is not None and reach.lone,
             )  # fmt: skip
         )
     cse = _cse_findings(promise, report, out)
@@ -248,7 +279,8 @@ def compare(
         out = [f for f in out if f.code != "remat-not-lowering-peak"] + cse
     full = _full_remat(promise, kept, kept_no_remat, facts)
     out += full
-    anyway = kept_nothing.tag_bytes if kept_nothing is not None else {}
+    nothing = evidence.kept_nothing
+    anyway = nothing.tag_bytes if nothing is not None else {}
     if not full:
         out += _names_kept_nowhere(promise, kept, kept_no_remat, facts)
         out += _saved_anyway(promise, kept, anyway, facts)

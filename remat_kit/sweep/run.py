@@ -14,6 +14,7 @@ and the sweep goes on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -272,8 +273,9 @@ def run_sweep(
     tasks = make_tasks(todo, engine.analysis_slots, engine.device_slots, engine.backend)
     with pinned:
         written = run_tasks(
-            engine, tasks, functools.partial(TaskRunner, setup), path, setup.common,
-            progress=progress and primary, console=console, primary=primary,
+            engine, tasks, functools.partial(TaskRunner, setup),
+            RowSink(path, setup.common, writes=primary), progress=progress and primary,
+            console=console,
         )  # fmt: skip
     by_key = {**done, **{r["key"]: r for r in written}}
     rows = [by_key[p.key] for p in points if p.key in by_key]
@@ -304,23 +306,53 @@ def _calibration(
     return contextlib.nullcontext()
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSink:
+    """Where :func:`run_tasks` puts each finished task's rows, and whether this process writes
+    them.
+
+    Attributes:
+      path: the JSONL results file each row is appended to
+        (:func:`remat_kit.sweep.results.append_row`).
+      common: the fields every row of the run shares (the sweep, its identity, the data), which
+        the ``error`` rows of a lost task are built from
+        (:func:`~remat_kit.sweep.tasks.error_rows`).
+      writes: whether this process appends; under ``jax.distributed`` only process 0 does
+        (every process still returns the rows).
+    """
+
+    path: Path
+    common: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    writes: bool = True
+
+    def take(
+        self, task: Task, rows: list[dict[str, Any]] | None, error: BaseException | None
+    ) -> list[dict[str, Any]]:
+        """``task``'s rows (None: the task was lost, one ``error`` row per point from
+        ``error``), appended to :attr:`path` where this process :attr:`writes`; returned."""
+        if rows is None:
+            rows = error_rows(task, self.common, error)  # type: ignore[arg-type]
+        if self.writes:
+            for row in rows:
+                R.append_row(self.path, row)
+        return rows
+
+
 def run_tasks(
     engine: Any,
     tasks: Sequence[Task],
     make_runner: Callable,
-    path: Path,
-    common: Mapping[str, Any],
+    sink: RowSink,
     *,
     progress: bool = True,
     console: Any = None,
-    primary: bool = True,
 ) -> list[dict[str, Any]]:
     """Run ``tasks`` through ``engine`` (:mod:`remat_kit.sweep.engine`; ``make_runner``: the
-    factory of task runners it calls in each process) and append each task's rows to ``path``
-    as it finishes (``primary``: this process writes; under ``jax.distributed``, process 0),
-    in whatever order; a task lost (its process gone, its runner raising) gets an error row
-    per point (``common``: the fields those rows share). Progress: a bar or a line per point,
-    and what is running every 10 s (:class:`~remat_kit.sweep.tasks.Tally`).
+    factory of task runners it calls in each process) and hand each task's rows to ``sink``
+    (:class:`RowSink`: the results file, the fields a lost task's error rows share, whether
+    this process writes) as it finishes, in whatever order. Progress (``progress``; on
+    ``console``, default a new one on stderr): a bar or a line per point, and what is running
+    every 10 s (:class:`~remat_kit.sweep.tasks.Tally`).
 
     Returns:
       The rows written, in the order written.
@@ -332,12 +364,7 @@ def run_tasks(
             if event.kind == "start":
                 tally.start(event.task)
                 continue
-            rows = event.rows
-            if rows is None:
-                rows = error_rows(event.task, common, event.error)  # type: ignore[arg-type]
-            for row in rows:
-                if primary:
-                    R.append_row(path, row)
+            rows = sink.take(event.task, event.rows, event.error)
             written += rows
             tally.finish(event.task, rows)
     return written

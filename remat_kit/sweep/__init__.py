@@ -7,15 +7,12 @@ point (:class:`Point`) :func:`run_sweep`
 
 1. analyses the step with :func:`remat_kit.memory.analyze_policies` (the compiled peak, residuals
    by checkpoint name, compiled FLOPs), all policies of one model/shape/target together;
-2. on the local device, where the grid asks and a measurer is given (``experiments/measured``
-   of a clone: experiment machinery), times the real step on real text: median step time
-   (seconds), tokens per second, MFU (:func:`remat_kit.zoo.facts.model_flops_per_token`),
-   measured peak, every loss;
+2. where the grid measures, hands the point to the run's measurer (``experiments/measured``:
+   the step timed on real text, tokens per second, MFU, measured peak, every loss);
 3. appends the row to a JSONL file (:mod:`remat_kit.sweep.results`) as its task finishes.
 
 A failed point becomes an ``oom`` / ``error`` row; ``resume=True`` skips points already in the
-file. How a point is timed and where each part lives: docs/sweep.md ("Timing", "Where the
-code lives").
+file. Timing and where each part lives: docs/sweep.md.
 
 Example::
 

@@ -94,6 +94,26 @@ def _save(fig, path: str | os.PathLike[str] | None, layout: bool = True):
     return fig
 
 
+#: Characters per line of a policy's name in a legend or under a bar (:func:`policy_text`).
+LABEL_WIDTH = 32
+
+
+def policy_text(row: Mapping[str, Any]) -> str:
+    """A row's policy as the tables name it (``policy_label``, e.g. ``custom: attn_in=save``;
+    else ``policy``), broken after its commas into lines of at most :data:`LABEL_WIDTH`
+    characters where it is longer."""
+    text = str(row.get("policy_label") or row["policy"])
+    parts = [part.strip() for part in text.split(",")]
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 2 + len(part) <= LABEL_WIDTH:
+            lines[-1] += ", " + part
+        else:
+            lines[-1] += ","
+            lines.append(part)
+    return "\n".join(lines)
+
+
 def _renderer(fig: Figure):
     if not isinstance(fig.canvas, FigureCanvasAgg):
         FigureCanvasAgg(fig)
@@ -129,8 +149,9 @@ def _finish(
                 break
             legend.remove()
         grow += box.height + 6
+        width = max(width, box.width / 0.96)  # one column still wider: the figure widens
     w, h = fig.get_size_inches()
-    fig.set_size_inches(w, h + grow / fig.dpi)
+    fig.set_size_inches(width / fig.dpi if width > fig.bbox.width else w, h + grow / fig.dpi)
     height = fig.bbox.height
     heading.set_y(1 - 6 / height)
     bottom = 4.0
@@ -197,8 +218,9 @@ def pareto(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{'predicted' if y == 'peak_bytes' else 'measured'} peak ({unit_name})")
         ax.grid(alpha=0.3)
+    names = {r["policy"]: policy_text(r) for r in usable}
     handles = [
-        Line2D([], [], color=c, marker=m, ls="", label=name) for name, (c, m) in styles.items()
+        Line2D([], [], color=c, marker=m, ls="", label=names[p]) for p, (c, m) in styles.items()
     ]
     if title is None:
         title = f"Predicted peak memory vs {xlabel.split(' (')[0]}"
@@ -359,7 +381,8 @@ def memory_breakdown(
     if not usable:
         raise ValueError("no ok rows with a memory report to plot")
     panels = _panels(usable)
-    fig, axes = _grid(len(panels), size=(5.4, 3.6))
+    bars = max(len(members) for members in panels.values())
+    fig, axes = _grid(len(panels), size=(max(5.4, 1.5 + 0.42 * bars), 3.6))
     tags, colors, names = _residual_styles(usable)
     seen: dict[str, Any] = {}
     for ax, (key, members) in zip(axes, panels.items(), strict=True):
@@ -398,7 +421,6 @@ def _breakdown_panel(
     each layer's bars are added to ``seen`` by label."""
     colors, names = styles
     unit, unit_name = units.table_unit([r["peak_bytes"] for r in members])
-    policies = [r["policy"] for r in members]
     bottoms = [0.0] * len(members)
     layers = [
         (field.removesuffix("_bytes"), color, [r.get(field) or 0 for r in members])
@@ -426,7 +448,8 @@ def _breakdown_panel(
             label="host (compiled)",
         )
         seen.setdefault("host (compiled)", bars)
-    ax.set_xticks(range(len(members)), policies, rotation=40, ha="right", fontsize=8)
+    ax.set_xticks(range(len(members)), [policy_text(r) for r in members], rotation=40,
+                  ha="right", rotation_mode="anchor", fontsize=8)  # fmt: skip
     ax.set_ylabel(f"predicted peak ({unit_name})")
 
 

@@ -253,3 +253,21 @@ def test_every_figure_reads_without_overlaps_on_gpu_and_noisy_rows(tmp_path, mon
     (frontier,) = [ln for ln in ax.get_lines() if ln.get_label() == "Pareto frontier"]
     noisy = {round(1e3 * r["step_time_s"], 6) for r in rows[3:5]}
     assert not noisy & {round(x, 6) for x in frontier.get_xdata()}
+
+
+def test_long_per_tag_labels_fit_the_figure():
+    """A user's program sweep names its per-tag specs ``custom: a=save, b=save, ...``: the legend
+    and the bar labels use those names, broken into lines, and the legend stays inside the
+    figure (a one-column legend wider than the figure cut its labels off both sides)."""
+    rows = copy.deepcopy(_rows("save-nothing", 128))
+    tags = ["attn_probs", "decoder_layer_input", "key_proj", "mlpwi", "out_proj", "query_proj"]
+    rows[1]["policy"] = ",".join(f"{t}=save" for t in tags)
+    rows[1]["policy_label"] = "custom: " + ", ".join(f"{t}=save" for t in tags)
+    for draw in (plots.pareto, plots.memory_breakdown):
+        fig = draw(rows, x="predicted_step_time_s") if draw is plots.pareto else draw(rows)
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        texts = [t.get_text() for t in fig.findobj(Text)]
+        assert "custom: attn_probs=save,\ndecoder_layer_input=save," in "\n".join(texts)
+        for legend in fig.legends:
+            box, frame = legend.get_window_extent(renderer), fig.bbox
+            assert frame.x0 <= box.x0 and box.x1 <= frame.x1, (draw.__name__, box, frame)

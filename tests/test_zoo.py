@@ -79,5 +79,5 @@ def test_library_sweep_refuses_a_measuring_grid_without_a_measurer(tmp_path):
 
 
 def test_moved_sweep_names_say_where_they_went():
-    with pytest.raises(ImportError, match="experiments/measured"):
+    with pytest.raises(ImportError, match="`from measured import run_program_sweep`"):
         from remat_kit.sweep import run_program_sweep  # noqa: F401

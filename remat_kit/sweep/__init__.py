@@ -51,9 +51,11 @@ _MOVED = frozenset({"run_program_sweep", "measure"})
 def __getattr__(name: str):
     """Say where a moved name went (PEP 562), instead of a bare "cannot import name"."""
     if name in _MOVED:
+        new = "from measured import run_program_sweep" if name != "measure" else (
+            "from measured import steps")  # fmt: skip
         raise ImportError(
-            f"remat_kit.sweep.{name} moved out of the library to the measuring harness: from a "
-            f"clone of remat-kit, with experiments/ on sys.path, `import measured` "
-            f"(experiments/measured/)"
+            f"remat_kit.sweep.{name} moved out of the library to the measuring harness "
+            f"(experiments/measured/): from a clone of remat-kit, with experiments/ on sys.path, "
+            f"`{new}`; or run `python experiments/sweep.py --model FILE.py:FACTORY`"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,20 +1,10 @@
-"""The entry point :func:`recommend`: a short sequence of named stages.
+"""The entry point :func:`recommend`, as named stages, for any :class:`~remat_kit.program.Program`.
 
-One path for every :class:`~remat_kit.program.Program`: a bundled model (a preset name or
-config is made one by :func:`remat_kit.preset` where the arguments are read) or a user's own. The
-searches that vary the model (batch, group size, structure) run where the program has a family
-(:attr:`~remat_kit.program.Program.family`: a preset's); on a user's program, which carries its
-own shapes, the named policies that act on its checkpoint tags and the per-tag solver.
-
-1. :func:`resolve_request`: every input checked and resolved (nothing compiled).
-2. :func:`open_session`: the compile session, and the budget checked against the state.
-3. :func:`compile_named`: every named policy at the base group size.
-4. :func:`search_largest_batch` (``"auto"``) or :func:`search_fixed_batch` (group sizes, solver).
-5. :func:`search_structure_options` (fixed batch, ``structure``): cuDNN attention, chunked
-   cross-entropy and nested remat when nothing fits, then fewer rematerialised layers when a
-   full-remat pick fits with room (:mod:`remat_kit.recommend.search`).
-6. :func:`advise`: when nothing fits, what would.
-7. :func:`assemble`: the :class:`~remat_kit.recommend.Recommendation`.
+Searches that vary the model (batch, group size, structure) need a
+:attr:`~remat_kit.program.Program.family` (a preset's); a user's program gets the named policies
+on its tags and the per-tag solver. Stages: :func:`resolve_request`, :func:`open_session`,
+:func:`compile_named`, :func:`search_largest_batch` or :func:`search_fixed_batch`,
+:func:`search_structure_options`, :func:`advise` (nothing fits), :func:`assemble`.
 """
 
 from __future__ import annotations
@@ -73,17 +63,13 @@ from remat_kit.recommend.session import (
 from remat_kit.units import format_bytes, parse_bytes
 from remat_kit.zoo import PresetLike, as_program
 
-#: Fraction of device memory kept free by default: XLA's peak leaves out the CUDA context,
-#: cuBLAS/cuDNN workspaces and allocator fragmentation (about 1-3 GiB on an 80 GB GPU). It
-#: matches XLA:GPU's own target (``xla_gpu_memory_limit_slop_factor`` = 95%). Run with
-#: ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``: JAX preallocates 75% of the GPU by default.
+#: Device memory kept free by default for the CUDA context, workspaces and fragmentation, as
+#: XLA:GPU's ``xla_gpu_memory_limit_slop_factor`` (95%); see docs/recommend.md.
 DEFAULT_MARGIN = 0.05
 
 
 def parse_budget(budget: int | float | str) -> int:
-    """Bytes from an int, a float (``8e10``) or a string (``"76GiB"``, ``"80GB"``, ``"8e10"``;
-    the units of :func:`remat_kit.units.parse_bytes`: kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB
-    powers of 1024).
+    """Bytes from an int, a float or a string (``"76GiB"``; :func:`remat_kit.units.parse_bytes`).
 
     Raises:
       ValueError: not a positive size (the message lists the units).
@@ -103,12 +89,10 @@ def parse_budget(budget: int | float | str) -> int:
 def resolve_budget(
     target: T.Target, budget: int | float | str | None, margin: float
 ) -> tuple[int, str]:
-    """``(budget bytes per device, where it comes from)``: ``budget`` parsed, or the target's
-    memory less ``margin``.
+    """``(bytes per device, source)``: ``budget`` parsed, or the target's memory less ``margin``.
 
     Raises:
-      ValueError: ``budget`` not a size (see :func:`parse_budget`); no ``budget`` and the
-        target's memory is unknown.
+      ValueError: ``budget`` not a size; no ``budget`` and the target's memory unknown.
     """
     if budget is None:
         if target.memory_bytes is None:
@@ -133,17 +117,7 @@ def resolve_budget(
 
 @dataclasses.dataclass(frozen=True)
 class SearchScope:
-    """What :func:`recommend` is asked to search, before it is checked against the program
-    (:func:`resolve_request` resolves it; the arguments of :func:`recommend_program`).
-
-    Attributes:
-      policies: the policies to consider (names, :class:`~remat_kit.PolicySpec` objects or
-        per-tag mappings); None: the default set.
-      group_sizes: ``remat_group_size`` values to consider; None: every divisor of the layers.
-      auto: the largest batch per policy, from batch 1 (a program with a family only).
-      solve: also search per-tag choices.
-      structure: also search the model's structure; None: on when ``policies`` is None.
-    """
+    """What :func:`recommend` is asked to search, unchecked (fields as in :func:`recommend`)."""
 
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None
     group_sizes: Sequence[int] | None = None
@@ -154,19 +128,14 @@ class SearchScope:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What :func:`recommend` was asked, checked and resolved (see its arguments).
+    """What :func:`recommend` was asked, checked and resolved.
 
     Attributes:
-      program: compiled first (a preset at batch 1 with ``auto``).
-      specs: the policies kept, in order.
-      groups: the group sizes to consider (none for a user's program).
       arguments: bytes of the step's arguments, per device.
       tags: the checkpoint names the program emits.
-      labels: custom specs among ``specs`` with the label every tool gives them (a registered
-        policy cut down to those tags: ``minimal (cut)``).
+      labels: custom specs with their label in every tool (``minimal (cut)``).
       cut: the specs registered policies were cut down to.
-      notes: what resolving dropped or cut down (offloading policies on a target that does
-        not offload, policies naming no emitted tag).
+      notes: what resolving dropped or cut down.
     """
 
     program: Program
@@ -184,8 +153,7 @@ class Request:
     cut: frozenset[PolicySpec] = frozenset()
     structure: bool = False
     margin: float = DEFAULT_MARGIN
-    #: Remat segments a user's factory builds when given None (``no-remat``): 0 for a step
-    #: without remat (``without_policy`` of :class:`remat_kit.reach.PolicyReach`).
+    #: Remat segments built for policy None (:class:`remat_kit.reach.PolicyReach`).
     remats_for_none: int = 0
 
     @property
@@ -195,8 +163,7 @@ class Request:
 
 @dataclasses.dataclass
 class Found:
-    """What the search stages found: every candidate compiled, the pick, and with ``auto`` the
-    largest batch per policy; with ``solve`` the solver's summary; ``advice`` when nothing fits."""
+    """What the search stages found: candidates, pick, largest batches, solver summary, advice."""
 
     candidates: list[Candidate]
     pick: Candidate | None
@@ -232,7 +199,7 @@ def recommend(
         or any :class:`~remat_kit.Program` (a user's: by default the policies ``analyze``
         compiles on it, those that act on the tags it emits and specs in its own tag names, and
         with ``solve`` per-tag choices over them; ``seq_len``, ``batch_size``, ``group_sizes``,
-        ``optimizer`` and ``mesh`` do not apply, the program carries its own arguments).
+        ``optimizer`` and ``mesh`` do not apply).
       seq_len: tokens per sequence (required for a preset).
       target: a GPU target name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"a100-40gb"``,
         ``"l4"``) or a :class:`~remat_kit.targets.Target` with known peak FLOP/s.
@@ -255,13 +222,9 @@ def recommend(
         says so in ``notes``.
       workers: concurrent compiles (see :func:`remat_kit.memory.analyze_policies`).
       cache: a :class:`CompileCache` shared between calls.
-      structure: also search the model's structure (fixed batch only): ``attention="cudnn"``
-        where the target has it and ``loss_chunk_size`` when nothing fits, then ``remat_layers``
-        (the first k layers under the policy, the rest not rematerialised) when a full-remat pick
-        fits with room (:mod:`remat_kit.recommend.search`). Default: on when ``policies`` is
-        None (the full search), off when the policies are given (exactly those are compiled).
-        The compile cap grows by :func:`~remat_kit.recommend.search.structure_compiles`
-        (``num_layers``) when on.
+      structure: also search the model's structure at a fixed batch
+        (:mod:`remat_kit.recommend.search`); default on when ``policies`` is None. Adds
+        :func:`~remat_kit.recommend.search.structure_compiles` to the compile cap.
       mesh: compile every configuration on this (dp, fsdp, tp) mesh of the target's devices
         (``"fsdp=256"`` on a ``v6e-256`` slice; :func:`remat_kit.targets.parse_mesh`): the
         batch is split over dp*fsdp devices (default one sequence per such device; not with
@@ -296,10 +259,7 @@ def _program_of(
     mesh: str | T.MeshSpec | None,
     solve: bool,
 ) -> Program:
-    """The program :func:`recommend` searches: ``model`` itself (``"auto"``: its family's
-    members, where it has one), or a preset's at ``seq_len`` tokens per sequence and
-    ``batch_size`` sequences (default one per dp*fsdp device of ``mesh``; 1 to start from with
-    ``"auto"``), its arguments checked."""
+    """``model`` as the program :func:`recommend` searches, its arguments checked."""
     auto = batch_size == "auto"
     spec = T.parse_mesh(mesh) if mesh else None
     if spec is not None and auto:
@@ -309,7 +269,6 @@ def _program_of(
     batch = None if auto else batch_size
     if batch is not None:
         _check_batch(batch)
-    # a preset's default batch: one sequence per dp*fsdp device (1 to start "auto" from)
     start = 1 if auto else (spec.dp * spec.fsdp if spec is not None else 1)
     return as_program(model, batch, seq_len, optimizer, spec, default_shape=(start, None))
 
@@ -329,8 +288,7 @@ def recommend_program(
     cache: CompileCache | None = None,
     structure: bool | None = None,
 ) -> Recommendation:
-    """:func:`recommend` on a :class:`~remat_kit.program.Program` (its arguments there; ``auto``:
-    the largest batch per policy, a preset's, from batch 1).
+    """:func:`recommend` on a :class:`~remat_kit.program.Program`.
 
     Raises:
       ValueError: as :func:`recommend`; ``auto``, ``group_sizes`` or ``structure`` on a program
@@ -368,18 +326,11 @@ def _resolve_specs(
     program: Program,
     tags: frozenset[str],
 ) -> tuple[list[PolicySpec], list[str], dict[PolicySpec, str], frozenset[PolicySpec]]:
-    """The policies worth compiling on ``program`` (emitting ``tags``), notes, the labels of
-    the custom specs among them as every tool gives them (``minimal (cut)``:
-    :meth:`remat_kit.memory.policy_set.PolicySet.labels`), and the specs registered policies
-    were cut down to (found as the named policy they come from).
+    """``(specs, notes, custom labels, cut specs)``: the policies worth compiling on ``program``.
 
-    Default on a user's program: the set ``analyze`` compiles on it; on a preset: every
-    registered policy (``analyze --all-policies``); given policies fitted to the program's tags
-    (:func:`remat_kit.memory.policy_set.policy_set` with ``fit``: name-based ones cut down or
-    skipped, a user's own spec checked, offloading ones dropped where offload is not real).
-    Dropped with a note as well: those the remat implementation in use does not apply as named
-    (never picked for what they would do under the other one:
-    :func:`remat_kit.policies.honoured`).
+    Fitted to ``tags`` by :func:`remat_kit.memory.policy_set.policy_set`; those the remat
+    implementation does not apply as named are dropped with a note
+    (:func:`remat_kit.policies.honoured`).
 
     Raises:
       ValueError: empty ``policies``; unknown policy; nothing left to compile.
@@ -407,8 +358,7 @@ def _cannot_vary(program: Program, *changes: str) -> ValueError:
 
 
 def _resolve_groups(program: Program, group_sizes: Sequence[int] | None) -> list[int]:
-    """The group sizes to consider (default every divisor of ``num_layers``; none for a
-    program without a family).
+    """The group sizes to consider (default every divisor of ``num_layers``).
 
     Raises:
       ValueError: a group size that does not divide ``num_layers``; group sizes for a
@@ -437,10 +387,7 @@ def resolve_request(
     budget: int | float | str | None,
     margin: float,
 ) -> Request:
-    """Stage 1: check and resolve every input of :func:`recommend` (``scope``: what it
-    searches; ``budget`` and ``margin`` as there); traces the program once for the checkpoint
-    names it emits, compiles nothing (on a mesh, the target's devices are made to size the
-    sharded arguments).
+    """Stage 1: check and resolve every input of :func:`recommend`; traces once, compiles nothing.
 
     Raises:
       ValueError: see :func:`recommend`.
@@ -458,8 +405,7 @@ def resolve_request(
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
     tags = program_tags(program)
     specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
-    # a user's factory that remats even when given None: its "no-remat" is not a step without
-    # remat (the judgement analyze and the doctor make: PolicyReach.no_remat_note)
+    # a factory that remats even when given None: its "no-remat" still remats
     reach = program.reach()
     remats_for_none = reach.without_policy
     if remats_for_none:
@@ -482,9 +428,8 @@ def resolve_request(
 
 
 def _parameter_bytes(program: Program, arguments: Mapping[str, int]) -> int:
-    """Bytes of the parameters among the step's ``arguments`` (per device): the ``params`` part,
-    and for a :meth:`~remat_kit.program.Program.from_loss` program its differentiated
-    arguments under their own names (an equinox ``model``, a ``weights`` dict)."""
+    """Bytes of the parameters per device: ``params``, or a ``from_loss`` program's
+    differentiated arguments."""
     names = {"params"}
     if program.step_of_loss is not None:  # step(opt_state, *loss_args)
         names |= {program.argument_names[1 + i] for i in program.argnums}
@@ -499,12 +444,10 @@ def open_session(
     max_compiles: int | None,
     engine: CompileEngine | None = None,
 ) -> Session:
-    """Stage 2: the compile session (its rounds compiled through ``engine`` when given); the
-    compile cap defaults to 2x the named policies (6x with ``auto``).
+    """Stage 2: the compile session; the cap defaults to 2x the named policies (6x ``auto``).
 
     Raises:
-      ValueError: the budget is below the parameters and optimizer state (the message gives the
-        compiled peak of the usual least-memory policy: a budget that fits).
+      BudgetTooSmall: the budget is below the parameters and optimizer state.
     """
     params = _parameter_bytes(request.program, request.arguments)
     opt_state = request.arguments.get("opt_state", 0)
@@ -527,14 +470,12 @@ def open_session(
 
 
 def compile_named(session: Session, request: Request) -> list[Named]:
-    """Stage 3: every policy at the program's own configuration (a preset's batch 1 with
-    ``auto``)."""
+    """Stage 3: every policy at the program's own configuration."""
     return session.candidates(list(request.specs), None, None, "named")
 
 
 def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
-    """Stage 4 with ``auto``: the largest batch per distinct policy; the pick has the most
-    tokens per second (then the least memory)."""
+    """Stage 4 with ``auto``: the largest batch per policy; pick the most tokens per second."""
     largest, probes = largest_batch(session, [(spec, c) for spec, c, _ in distinct(named)])
     skip = pointless_offloads(largest, auto=True)
     usable = [c for c in largest if not any(c is s for s in skip)]
@@ -543,10 +484,8 @@ def search_largest_batch(session: Session, named: Sequence[Named]) -> Found:
 
 
 def search_fixed_batch(session: Session, request: Request, named: Sequence[Named]) -> Found:
-    """Stage 4 at a fixed batch: other group sizes, then (``solve``) per-tag choices; the pick is
-    the fitting candidate with the least estimated step time (:func:`~.session.fastest_fitting`:
-    an offload that a candidate on device matches in peak and, within the model's error, in
-    time is passed over)."""
+    """Stage 4 at a fixed batch: group sizes, then per-tag choices (``solve``); the pick by
+    :func:`~.session.fastest_fitting`."""
     candidates = [c for _, c, _ in named]
     if request.groups:
         candidates += group_search(session, named, request.groups, request.batch)
@@ -565,10 +504,7 @@ def search_fixed_batch(session: Session, request: Request, named: Sequence[Named
 def search_structure_options(
     session: Session, request: Request, named: Sequence[Named], found: Found
 ) -> None:
-    """Stage 5 (``structure``): cuDNN attention / chunked loss / nested remat when nothing fits,
-    then fewer rematerialised layers when a full-remat pick fits
-    (:mod:`remat_kit.recommend.search`); the pick is chosen again over every candidate, and
-    ``made_fit`` says what its options did."""
+    """Stage 5: structure options (:mod:`remat_kit.recommend.search`); the pick chosen again."""
     pool: list[Named] = list(named)
     if found.pick is None:
         extra = search_structure(session, named, request.batch, math.inf)
@@ -582,8 +518,7 @@ def search_structure_options(
 
 
 def advise(session: Session, request: Request, named: Sequence[Named], found: Found) -> None:
-    """Stage 5, when nothing fits: what would, and the candidates compiled to find out (a
-    program that cannot vary: what can be done to it, from its least-memory candidate)."""
+    """Stage 5, when nothing fits: what would, and the candidates compiled to find out."""
     if session.structure is None:
         found.advice = fixed_program_advice(session, found.candidates)
         return
@@ -604,7 +539,6 @@ def assemble(
     over = None if request.auto else passed_over_note(found.pick, found.candidates, margin)
     passed = offload_passed_over(found.pick, rivals, request.auto)
     small = small_step_note((c.step_time_s for c in found.candidates), figures_for(tgt).measured)
-    # what analyze prints under the pick's row (remat undone, XLA's own remat, ...), said here too
     warned = [f"{found.pick.label}: {w}" for w in found.pick.warnings] if found.pick else []
     return Recommendation(
         model=program.name,
@@ -641,16 +575,11 @@ def assemble(
 
 
 def compiled_on(tgt: T.Target) -> str:
-    """What the candidates were compiled on and by, e.g. ``"local (local cpu (CPU MODEL), N
-    cores); XLA CPU compiler (local device, jax X.Y.Z)"`` or ``"h100-sxm (NVIDIA H100 SXM5 80 GB
-    HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``: the local CPU as
-    its calibration names it (:func:`~remat_kit.memory.calibration.figures_for`), any other target
-    by its description (:mod:`remat_kit.targets`), and the compiler
-    (:func:`~remat_kit.memory.xla_compile.jax_backend_description`).
+    """The device and compiler the candidates were compiled for, e.g. ``"h100-sxm (NVIDIA H100
+    SXM5 80 GB HBM3 (Hopper, sm_90a)); XLA GPU compiler (deviceless, jax 0.10.2)"``.
 
     Raises:
-      ValueError: the target has no device figures (what ``figures_for`` raises; recommend
-        has refused such a target before this is asked).
+      ValueError: no device figures (:func:`~remat_kit.memory.calibration.figures_for`).
     """
     figures = figures_for(tgt)
     where = (

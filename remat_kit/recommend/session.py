@@ -1,9 +1,7 @@
-"""The compile session of one :func:`~remat_kit.recommend.recommend` call, and what it yields:
-configurations compiled through :func:`remat_kit.memory.analyze_policies`, memoised in a
-:class:`CompileCache`, turned into :class:`Candidate` rows, and XLA compiles counted; the
-answer, a :class:`Recommendation`.
+"""The compile session of one :func:`~remat_kit.recommend.recommend` call and its answer.
 
-Integers are bytes, times seconds, FLOPs counts of floating-point operations.
+Configurations compile through :func:`remat_kit.memory.analyze_policies`, memoised in a
+:class:`CompileCache`, become :class:`Candidate` rows. Integers are bytes, times seconds.
 """
 
 from __future__ import annotations
@@ -39,17 +37,15 @@ FoundBy = Literal[
     "structure",
     "partial-layers",
 ]
-#: Structural changes of a candidate (:class:`~remat_kit.family.Structure` fields), as sorted
-#: ``(field, value)`` pairs (``attention``, ``loss_chunk_size``, ``nested_groups``,
-#: ``nested_remat``, ``remat_layers``); ``()`` is the program as given.
+#: Structural changes (:class:`~remat_kit.family.Structure` fields) as sorted ``(field, value)``
+#: pairs; ``()`` is the program as given.
 Overrides = tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Where in the program's family a configuration was compiled: ``group`` blocks per remat
-    segment, ``batch`` sequences of ``seq_len`` tokens, the structural ``overrides``. All None
-    and ``()`` for a user's program, which carries its own shapes (nothing to vary)."""
+    """Where in the program's family a configuration was compiled (all None for a user's
+    program)."""
 
     group: int | None = None
     batch: int | None = None
@@ -69,27 +65,17 @@ class Candidate:
     Attributes:
       policy: a registered policy name, or ``"custom"`` (then ``actions`` says what it does).
       actions: for a custom policy, ``{tag: "save" | "offload"}`` (tags not listed recomputed).
-      remat_group_size: blocks per remat segment; batch_size, seq_len: the step's shape (all
-        three None for a user's program, which carries its own arguments).
-      peak_bytes: XLA's device peak (bytes, per device). host_bytes: bytes in host memory.
-      flops: compiled matmul FLOPs of the step. flops_no_remat: the same step without remat,
-        counted on its jaxpr (the time model's forward share is a third of it).
-      compute_s, transfer_s, step_time_s: the time model's seconds (see :mod:`remat_kit.recommend`).
+      remat_group_size, batch_size, seq_len: the step's shape (None for a user's program).
+      peak_bytes: XLA's device peak per device. host_bytes: bytes in host memory.
+      flops: compiled matmul FLOPs. flops_no_remat: the same step without remat (jaxpr count).
+      compute_s, transfer_s, step_time_s: the time model's seconds (:mod:`remat_kit.recommend`).
       tokens_per_s: ``batch_size * seq_len / step_time_s`` (None for a user's program).
       fits: ``peak_bytes <= budget``.
-      found_by: which stage compiled it (the policies given: ``named`` a registered policy,
-        ``per-tag`` a per-tag spec, ``given`` a user's own spec; ``group-size``,
-        ``batch-search``, ``solve``,
-        ``structure``: cuDNN attention / chunked loss; ``partial-layers``: fewer layers remat).
+      found_by: the search stage that compiled it (:data:`FoundBy`).
       predicted_peak_bytes, predicted_step_time_s: the solver's prediction (``solve`` only).
       warnings: compiler messages (XLA's own rematerialisation, ...).
-      model: the preset or config name (None for a user's program).
-      attention: the attention kernel compiled (``"xla"`` or ``"cudnn"``; None for a user's
-        program). loss_chunk_size: tokens per chunk of the chunked cross-entropy (None: whole
-        logits). remat_layers: the first ``remat_layers`` of the layers under ``policy``, the
-        rest not rematerialised (None: every layer under ``policy``). nested_groups: nested
-        remat's outer segment count (``nested_remat`` with ``nested_groups``: only
-        the segments' inputs stored, each segment recomputed whole; None: not nested).
+      attention, loss_chunk_size, remat_layers, nested_groups: the structural options
+        (None: the plain step; :class:`~remat_kit.family.Structure`).
     """
 
     policy: str
@@ -109,8 +95,7 @@ class Candidate:
     found_by: FoundBy
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
-    #: Estimated seconds of the kernels that recompute the forward pass
-    #: (``StepTime.recompute_s`` of :mod:`remat_kit.memory.roofline`); None without an estimate.
+    #: Estimated seconds of recomputing kernels (:class:`~remat_kit.memory.roofline.StepTime`).
     recompute_s: float | None = None
     warnings: tuple[str, ...] = ()
     model: str | None = None
@@ -118,24 +103,18 @@ class Candidate:
     loss_chunk_size: int | None = None
     remat_layers: int | None = None
     nested_groups: int | None = None
-    #: The label every tool gives this custom spec where it is one of the policies compiled by
-    #: default (a registered policy cut down to a program's tags: ``minimal (cut)``; every tag
-    #: saved: ``custom: every name=save``; :meth:`remat_kit.memory.policy_set.PolicySet.labels`),
-    #: else None.
+    #: The label every tool gives this custom spec (``minimal (cut)``;
+    #: :meth:`remat_kit.memory.policy_set.PolicySet.labels`), else None.
     named_label: str | None = None
     #: The compiled program's key (:attr:`remat_kit.memory.report.MemoryReport.program_sha256`):
-    #: equal for two candidates that compiled to one program (``custom: out_proj=save`` and
-    #: ``save-out-proj`` on a program tagging only ``out_proj`` of that policy's names).
+    #: equal for two candidates that compiled to one program.
     program_sha256: str | None = None
-    #: The program is built by the user's own factory (it takes a ``jax.checkpoint`` policy),
-    #: so the line to paste is the policy for it, whatever its family varied.
+    #: Built by the user's factory: the line to paste is the policy it receives.
     own_factory: bool = False
 
     @property
     def options(self) -> dict[str, Any]:
-        """The structural options set away from the plain step (``attention`` other than xla,
-        ``loss_chunk_size``, ``nested_remat`` with ``nested_groups``, ``remat_layers``), as
-        changes of the program's family (:class:`~remat_kit.family.Structure` fields)."""
+        """The structural options away from the plain step, as family changes."""
         out: dict[str, Any] = {}
         if self.attention not in (None, "xla"):
             out["attention"] = self.attention
@@ -150,8 +129,7 @@ class Candidate:
 
     @property
     def options_label(self) -> str:
-        """``"cudnn, loss chunk 1024, nested 4 groups, remat 24 layers"``, or ``"-"`` for the
-        plain step."""
+        """``"cudnn, loss chunk 1024, nested 4 groups, remat 24 layers"``, or ``"-"``."""
         o = self.options
         parts = [o["attention"]] if "attention" in o else []
         if "loss_chunk_size" in o:
@@ -164,9 +142,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Policy name, a default policy's label as every tool gives it (``minimal (cut)``), or
-        the custom actions as analyze prints them (:func:`remat_kit.policies.policy_label`:
-        ``custom: key_proj=save, query_proj=offload``)."""
+        """Policy name, or the label every tool gives (:func:`remat_kit.policies.policy_label`)."""
         if self.actions is None:
             return self.policy
         if self.named_label is not None:
@@ -174,10 +150,8 @@ class Candidate:
         return policy_label(custom_spec(self.actions))
 
     def code(self, remats_for_none: int = 0) -> str:
-        """The one line to paste: ``nn.remat(Block, policy=...)`` and, as a comment, the batch
-        and remat group size to use; for a user's program, the policy its factory receives
-        (``remats_for_none``: the remat segments its factory builds for None, said beside a
-        ``no-remat`` pick)."""
+        """The one line to paste, the batch and group size as a comment; for a user's program
+        the policy its factory receives."""
         if self.actions is None:
             policy = f'remat_kit.policy("{self.policy}")'
         else:
@@ -228,14 +202,12 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class TagCost:
-    """One checkpoint tag in the solver's additive model (bytes and FLOPs over all layers).
+    """One checkpoint tag in the solver's additive model, summed over layers.
 
     Attributes:
-      tag: the checkpoint name.
-      nbytes: device bytes of its residuals when kept (from the jaxpr residual table).
+      nbytes: device bytes of its residuals when kept (jaxpr residual table).
       base_bytes: bytes of it that ``save-nothing`` keeps anyway (the segment inputs).
-      flops_saved: jaxpr matmul FLOPs not recomputed when it is kept (saved or offloaded):
-        FLOPs of the step saving nothing minus those saving only this tag.
+      flops_saved: jaxpr matmul FLOPs not recomputed when it is kept.
     """
 
     tag: str
@@ -249,19 +221,14 @@ class SolveSummary:
     """What :func:`solve_tags` enumerated, predicted and verified.
 
     Attributes:
-      tags: the model's per-tag costs.
-      actions: the actions allowed per tag (offload only on targets where it is real).
-      combinations: how many per-tag choices were enumerated (all of them: the search is exact
-        under the model). predicted_fit: how many the model predicted to fit within its observed
-        peak error of the budget.
-      peak_slack_bytes: the model's observed peak error: the largest |compiled - predicted| peak
-        (bytes) over the compiled choices it can express other than recompute-everything (named
-        policies selecting by tag, solve compiles); a choice predicted within it of the budget
-        may be compiled. None when no such choice was compiled (unmeasured).
-      flops_scale: compiled / jaxpr FLOPs of ``save-nothing``: predictions are scaled by it.
+      actions: the actions allowed per tag (offload only where it is real).
+      combinations: per-tag choices enumerated (all: exact under the model).
+      predicted_fit: how many were predicted to fit within ``peak_slack_bytes`` of the budget.
+      peak_slack_bytes: the largest |compiled - predicted| peak over the compiled choices the
+        model expresses (save-nothing aside); None when unmeasured.
+      flops_scale: compiled / jaxpr FLOPs of ``save-nothing``, applied to predictions.
       verified: the custom candidates compiled, best predicted first.
-      calibration: (policy, predicted peak, compiled peak) for the named policies the model can
-        express.
+      calibration: (policy, predicted peak, compiled peak) of the named policies it expresses.
     """
 
     tags: tuple[TagCost, ...]
@@ -279,34 +246,21 @@ class Recommendation:
     """The answer of :func:`recommend`. Integers are bytes, times seconds.
 
     Attributes:
-      model, target, seq_len: what was asked. batch_size: the batch asked (None for ``auto``).
-        For a user's program (:class:`~remat_kit.Program`): model is its name, and seq_len,
-        batch_size and optimizer are None (the program carries its own arguments).
+      model, target, seq_len, batch_size, optimizer: what was asked (None: ``auto`` batch, or
+        a user's program, which carries its own arguments).
       budget_bytes: the per-device budget; budget_note: where it comes from.
-      arguments: bytes of the step's arguments (``params``, ``opt_state``, ``batch`` at the
-        batch asked, 1 for ``auto``).
+      arguments: bytes of the step's arguments (``params``, ``opt_state``, ``batch``).
       pick: the fastest candidate that fits (most tokens/s for ``auto``), or None.
-      candidates: every candidate compiled, in the order found.
-      largest_batch: with ``auto``, the largest batch that fits for each distinct policy.
-      compiles: XLA compiles of the train step this call ran, counted from JAX's own
-        backend-compile events (identical programs are compiled once; persistent-cache hits would
-        count). reused: candidates taken from the ``cache`` (not compiled again).
-        from_compile_cache: candidates whose compile was read from the persistent compile cache
-        (:mod:`remat_kit.memory.compile_cache`; not counted in ``compiles``).
-      wall_s: seconds this call took.
-      advice: when nothing fits: what would (each line says whether it was compiled).
-      notes: the assumptions and limits of this answer (time model, search bounds, skipped).
+      largest_batch: with ``auto``, the largest batch that fits per distinct policy.
+      compiles: XLA compiles of the train step (JAX's backend-compile events). reused: taken
+        from ``cache``. from_compile_cache: read from the persistent compile cache.
+      advice: when nothing fits, what would. notes: the assumptions and limits of this answer.
       solve: the solver's summary, with ``solve=True``.
       peak_flops, host_link_bytes_per_s, host_link: the time model's figures and their source.
-      tags: for a user's program, the ``checkpoint_name`` tags its step emits (None for a
-        preset).
-      remats_for_none: remat segments a user's factory builds when given None: its ``no-remat``
-        candidate is then that remat, not a step without remat (0: none).
-      compiled_on: the target, the device behind it (for the local CPU its model and cores)
-        and the compiler that compiled the candidates, with jax's version.
-      made_fit: which structural options (``attention``, ``loss_chunk_size``, ``remat_layers``)
-        the pick carries and what they did (made it fit, or made it faster), with the compiled
-        figures; None when the pick is a plain step.
+      tags: a user's program's ``checkpoint_name`` tags (None for a preset).
+      remats_for_none: remat segments a user's factory builds for None (0: none).
+      compiled_on: target, device and compiler (:func:`~remat_kit.recommend.api.compiled_on`).
+      made_fit: the pick's structural options and what they did; None for a plain step.
     """
 
     model: str
@@ -336,9 +290,8 @@ class Recommendation:
     compiled_on: str = ""
 
     def line(self) -> str:
-        """The pick as one line of code, its comment naming the shape, the target and the
-        budget it was picked for (``# batch 1, seq 64, remat_group_size=1; h100-sxm: peak
-        4.79 MiB of a 6.00 MiB budget``), or what would fit when nothing does."""
+        """The pick as one line of code, commented with shape, target and budget, or what
+        would fit when nothing does."""
         if self.pick is None:
             return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
         code = self.pick.code(self.remats_for_none)
@@ -357,29 +310,25 @@ class Recommendation:
 
 
 def rank(c: Candidate) -> tuple:
-    """Least estimated time; on a tie, no host traffic over some (the overlap is the least
-    certain part of the model), then least device memory."""
+    """Least estimated time; on a tie, no host traffic, then least device memory."""
     return (c.step_time_s, c.host_bytes, c.peak_bytes)
 
 
-#: Estimated step times closer than this (a fraction) are a tie to the time model: its ratio
-#: errors against measured steps reach 7-12% per policy (docs/time-model.md, the CPU checks).
+#: Estimated step times closer than this fraction tie: the time model's errors against measured
+#: steps reach 7-12% per policy (docs/time-model.md).
 CLOSE_CALL = 0.05
 
 
 def pointless_offloads(candidates: Sequence[Candidate], auto: bool = False) -> list[Candidate]:
-    """The candidates with host traffic that one without makes pointless: that one's device
-    peak is no higher and its estimated speed within :data:`CLOSE_CALL` (step time; ``auto``:
-    tokens per second), so the offload buys no device memory and adds transfers the time
-    model cannot price apart from it (analyze's "offloading did not lower the device peak").
-    Never picked while the other fits."""
+    """Offloading candidates that an on-device one (:func:`on_device_peers`) makes pointless;
+    never picked while that one fits."""
 
     return [c for c in candidates if c.host_bytes and on_device_peers(c, candidates, auto)]
 
 
 def on_device_peers(c: Candidate, candidates: Sequence[Candidate], auto: bool) -> list[Candidate]:
-    """The fitting candidates without host traffic that make offload ``c`` pointless: device
-    peak no higher than ``c``'s, estimated speed within :data:`CLOSE_CALL` of it."""
+    """Fitting candidates without host traffic, peak no higher than ``c``'s, speed within
+    :data:`CLOSE_CALL`."""
 
     def slower(a: Candidate, b: Candidate) -> float:  # how much slower a is than b
         if auto:
@@ -396,8 +345,7 @@ def on_device_peers(c: Candidate, candidates: Sequence[Candidate], auto: bool) -
 def offload_passed_over(
     pick: Candidate | None, rivals: Sequence[Candidate], auto: bool
 ) -> str | None:
-    """The note for :func:`pointless_offloads` the time model ranks ahead of ``pick``: why the
-    faster estimate was not taken. None when there is none."""
+    """Why a faster :func:`pointless_offloads` estimate was not picked; None when none was."""
     if pick is None or pick.host_bytes:
         return None
 
@@ -429,11 +377,10 @@ def offload_passed_over(
 
 
 def fastest_fitting(candidates: Sequence[Candidate], margin: float = 0.0) -> Candidate | None:
-    """The pick at a fixed batch: the fitting candidate first by :func:`rank`, leaving out
-    :func:`pointless_offloads`; None when none fits. With ``margin`` (the time model's error
-    on the target, :func:`remat_kit.memory.roofline.estimate_error`), the candidate that
-    recomputes least (:func:`recompute_key`) among those estimated within ``margin`` of the
-    fastest: recomputation is work a step surely does, the estimated lead is not."""
+    """The fitting candidate first by :func:`rank`, bar :func:`pointless_offloads`; None if none
+    fits. Among those within ``margin`` (:func:`remat_kit.memory.roofline.estimate_error`) of
+    the fastest, the one that recomputes least (:func:`recompute_key`): recomputation is
+    certain work, the estimated lead is not."""
     skip = pointless_offloads(candidates)
     usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
     best = min(usable, key=rank, default=None)
@@ -444,8 +391,7 @@ def fastest_fitting(candidates: Sequence[Candidate], margin: float = 0.0) -> Can
 
 
 def recompute_key(c: Candidate) -> tuple[float, float]:
-    """How much ``c`` recomputes: compiled matmul FLOPs, then the estimated seconds of its
-    recomputing kernels (elementwise recomputation costs no matmul FLOPs); unknown last."""
+    """Compiled matmul FLOPs, then recomputing kernels' seconds; unknown last."""
     flops = c.flops if c.flops is not None else math.inf
     return flops, c.recompute_s if c.recompute_s is not None else math.inf
 
@@ -453,8 +399,7 @@ def recompute_key(c: Candidate) -> tuple[float, float]:
 def less_recompute_note(
     pick: Candidate | None, candidates: Sequence[Candidate], margin: float
 ) -> str | None:
-    """The note for a pick that :func:`fastest_fitting` preferred, for recomputing less, to a
-    fitting candidate estimated faster within ``margin``; None otherwise."""
+    """The note for a pick preferred to a faster estimate for recomputing less; or None."""
     if pick is None or margin <= 0:
         return None
     skip = pointless_offloads(candidates)
@@ -474,10 +419,8 @@ def less_recompute_note(
 def passed_over_note(
     pick: Candidate | None, candidates: Sequence[Candidate], margin: float
 ) -> str | None:
-    """The note for a fitting candidate that recomputes less than the pick (no-remat, most
-    often) but is estimated slower than the fastest by more than ``margin``: what makes it
-    slower in the estimate and that no GPU measurement confirms it; None where there is none.
-    """
+    """The note for a candidate recomputing less than the pick but estimated slower by more
+    than ``margin``; or None."""
     if pick is None or margin <= 0:
         return None
     skip = pointless_offloads(candidates)
@@ -498,11 +441,8 @@ def passed_over_note(
 
 
 def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) -> str | None:
-    """The note for a pick whose estimated lead over the next fitting configuration (another
-    program: another label, or another peak, and not the same compiled program) is under
-    :data:`CLOSE_CALL`: the time model cannot tell them apart, so the user should measure both.
-    ``auto``: the lead in tokens per second (the largest batch of each policy), else in step
-    time. None when the lead is clear."""
+    """The note for a pick whose estimated lead over the next distinct program is under
+    :data:`CLOSE_CALL` (tokens/s with ``auto``, else step time); or None."""
     if pick is None:
         return None
 
@@ -536,18 +476,15 @@ STEP_FNS = ("jit(step)", "step")
 
 
 def candidate_times(step: StepTime | None) -> tuple[float, float, float]:
-    """``(compute_s, transfer_s, step_time_s)`` of a compiled candidate from its report's
-    roofline (:class:`~remat_kit.memory.roofline.StepTime`): compute is everything but the
-    exposed host transfers. ``inf`` where the report has no estimate (ranked last)."""
+    """``(compute_s, transfer_s, step_time_s)`` from the report's roofline; ``inf`` when none."""
     if step is None:
         return float("inf"), 0.0, float("inf")
     return step.step_time_s - step.transfer_s, step.transfer_s, step.step_time_s
 
 
 class CompileCounter:
-    """Counts XLA compiles of the train step: ``jax.monitoring`` backend-compile events whose
-    function is ``jit(step)`` (:func:`remat_kit.training.make_train_step`). Identical programs that
-    the analyzer dedupes are compiled once, so they count once."""
+    """Counts ``jax.monitoring`` backend-compile events of the train step (identical programs
+    compile once)."""
 
     def __init__(self, fun_names: Sequence[str] = STEP_FNS):
         self.count = 0
@@ -562,8 +499,7 @@ class CompileCounter:
 
 @contextmanager
 def counting(fun_names: Sequence[str] = STEP_FNS) -> Iterator[CompileCounter]:
-    """A :class:`CompileCounter` (of compiles of ``fun_names``) listening to JAX's monitoring
-    events inside the block."""
+    """A :class:`CompileCounter` of ``fun_names`` compiles inside the block."""
     counter = CompileCounter(fun_names)
     jax.monitoring.register_event_duration_secs_listener(counter)
     try:
@@ -578,11 +514,8 @@ def spec_key(spec: PolicySpec) -> tuple:
 
 
 class CompileCache:
-    """Compiled reports memoised by (program, target, variant, policy).
-
-    Pass one to several :func:`recommend` calls (different budgets, say) to compile each
-    configuration once; a report taken from it counts as ``reused``, not as a compile.
-    """
+    """Compiled reports memoised by (program, target, variant, policy); share one between
+    :func:`recommend` calls (hits count as ``reused``)."""
 
     def __init__(self):
         self.reports: dict[tuple, Any] = {}
@@ -593,12 +526,8 @@ class CompileCache:
 
 @dataclasses.dataclass
 class Session:
-    """What one :func:`recommend` call compiles against, and its compile accounting.
-
-    ``program`` is the one compiled at the base configuration; the searches that vary it
-    (batch, sequence, group size, structure) compile the members of its family
-    (:class:`~remat_kit.family.Family`).
-    """
+    """What one :func:`recommend` call compiles against, and its compile accounting (searches
+    compile members of the program's :class:`~remat_kit.family.Family`)."""
 
     program: Program
     target: T.Target
@@ -612,17 +541,15 @@ class Session:
     reused: int = 0
     from_compile_cache: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
-    #: Custom specs among the policies compiled by default, each with the label every tool
-    #: gives it (a registered policy cut down to the program's tags: ``minimal (cut)``).
+    #: Custom specs compiled by default, with their label (``minimal (cut)``).
     labels: Mapping[PolicySpec, str] = dataclasses.field(default_factory=dict)
-    #: The specs registered policies were cut down to: found as the named policy.
+    #: The specs registered policies were cut down to.
     cut: frozenset[PolicySpec] = frozenset()
     #: The checkpoint names the program emits.
     tags: frozenset[str] = frozenset()
     #: Fraction of device memory the default budget keeps free.
     margin: float = 0.0
-    #: The compile engine every round of the session compiles through (one GPU kernel cache
-    #: filled once, compiles side by side); None: a private one per round.
+    #: The engine every round compiles through; None: a private one per round.
     engine: CompileEngine | None = None
 
     @property
@@ -678,9 +605,8 @@ class Session:
         seq_len: int | None = None,
         structure: Overrides = (),
     ) -> list[Any]:
-        """Reports (or ``CompileError``) of ``specs`` on the program's variant at (group, batch,
-        seq) with the structural overrides ``structure`` (None: the program's own), cached; the
-        uncached ones compiled together by :func:`remat_kit.memory.analyze_policies`."""
+        """Reports (or ``CompileError``) of ``specs`` on a variant, cached; the rest compiled
+        by :func:`remat_kit.memory.analyze_policies`."""
         changes = self._changes(group, batch, seq_len, structure)
         base = self.program.known.cache_key or ("program", id(self.program))
         variant = tuple(sorted(changes.items()))
@@ -728,9 +654,7 @@ class Session:
     def candidate(
         self, report: Any, spec: PolicySpec, found_by: FoundBy, variant: Variant
     ) -> Candidate | None:
-        """:func:`to_candidate` at this session's budget, carrying the config's structural
-        options (a family's: ``variant``'s None filled in from the program's own; a user's
-        program has no group, batch or sequence)."""
+        """:func:`to_candidate` at this session's budget with the variant's options."""
         layers, structure = self.structure, variant.structure
         if layers is not None:
             variant = Variant(
@@ -757,9 +681,7 @@ class Session:
 
 
 def given_by(spec: PolicySpec) -> FoundBy:
-    """What a policy given to recommend is: ``named`` (a registered policy as registered),
-    ``per-tag`` (a per-tag spec: ``--policy q=save,k=offload`` or :func:`custom_spec`), or
-    ``given`` (a user's own :class:`PolicySpec` under another name)."""
+    """``named``, ``per-tag`` (:func:`custom_spec`) or ``given`` (a user's own spec)."""
     if spec.name in policy_names() and get_policy_spec(spec.name) == spec:
         return "named"
     return "per-tag" if spec.name == "custom" else "given"
@@ -773,12 +695,8 @@ def to_candidate(
     found_by: FoundBy,
     variant: Variant | None = None,
 ) -> Candidate | None:
-    """A compiled report as a :class:`Candidate` timed by its roofline estimate
-    (:func:`candidate_times`), ``fits`` when its peak is at most ``budget`` bytes; None, with
-    a note appended to ``notes``, for a :class:`CompileError`. ``variant``: where in the
-    family it was compiled (None: a user's program, which carries its own shapes;
-    ``tokens_per_s`` is then None); its structural options are named in the note of a failed
-    compile. ``found_by="named"`` (the policies given) becomes :func:`given_by` of ``spec``."""
+    """A compiled report as a :class:`Candidate` timed by :func:`candidate_times`; None, with a
+    note in ``notes``, for a :class:`CompileError`."""
     variant = variant or Variant()
     group, batch, seq, options = variant.group, variant.batch, variant.seq_len, variant.options
     actions = None

@@ -1,23 +1,14 @@
 """Sweep results as data: an append-only JSONL file, one JSON object (a *row*) per point.
 
-A row is one ``write()`` of a full line, flushed and ``fsync``-ed: a kill leaves every finished
-row and at most a torn last line, which :func:`read_rows` ignores and :func:`repair` cuts off.
-Each row carries:
-
-* ``key``: :func:`point_key` of the point's configuration (model, policy, shapes, target, steps,
-  ...): what ``--resume`` matches on, so a point is never measured, or written, twice;
-* ``config_fingerprint``: :func:`fingerprint` of the whole sweep configuration: resuming onto a file
-  written by a different configuration is refused (:func:`check_resumable`).
-
-A report's live-bytes timeline goes to the timelines file beside the rows
-(:func:`timelines_path`); :func:`read_rows` puts it back unless ``timelines=False``. Slowdown and
-memory saved against ``no-remat`` come from :func:`summarize`; plots (:mod:`remat_kit.plots`)
-and notebooks only read rows. The timelines file and why: docs/sweep.md ("Where the code lives").
+Each row is one flushed, ``fsync``-ed ``write()``: a kill leaves at most a torn last line, which
+:func:`read_rows` ignores and :func:`repair` cuts off. ``key`` (:func:`point_key`) is what
+``--resume`` matches on; ``config_fingerprint`` (:func:`fingerprint`) refuses resuming onto
+another configuration's file (:func:`check_resumable`). Timelines live beside the rows
+(:func:`timelines_path`; docs/sweep.md).
 
 Example::
 
-    rows = read_rows("experiments/results/cpu/sweep.jsonl")
-    for r in summarize(rows):
+    for r in summarize(read_rows("experiments/results/cpu/sweep.jsonl")):
         print(r["policy"], r["seq_len"], r["peak_saved"], r["slowdown"])
 """
 
@@ -86,8 +77,7 @@ def _canonical(obj: Any) -> str:
 
 
 def point_key(point: Mapping[str, Any]) -> str:
-    """Stable key of one point: the first 16 hex characters of the sha256 of its canonical JSON
-    (sorted keys), so the same configuration gives the same key in every process."""
+    """First 16 hex characters of the sha256 of the point's canonical (sorted-key) JSON."""
     return hashlib.sha256(_canonical(dict(point)).encode()).hexdigest()[:_KEY_CHARS]
 
 
@@ -97,15 +87,12 @@ def fingerprint(config: Mapping[str, Any]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Provenance of a result: where and with what it was measured (JSON-ready, flat).
+    """Provenance of a result, flat and JSON-ready (sweep rows; training's ``environment``).
 
-    The one provenance dict of remat-kit: sweep rows carry these fields, training results
-    carry it as ``environment``. Keys: library versions (``jax``, ``jaxlib``, ``flax``,
-    ``optax``, ``orbax-checkpoint``, ``numpy``; None when not installed), ``python``,
-    ``backend``, ``device_kind`` (of device 0), ``device_count`` (every process's devices),
-    ``process_count``, ``platform``, ``machine``, ``processor``, ``cpu_model`` (None when
-    ``/proc/cpuinfo`` has none), ``cpu_count`` and ``remat_impl`` (the remat implementation
-    ``jax.checkpoint`` traces with: ``classic`` or ``remat3``, :mod:`remat_kit.policies`).
+    Keys: versions of ``jax``, ``jaxlib``, ``flax``, ``optax``, ``orbax-checkpoint``, ``numpy``
+    (None when not installed), ``python``, ``backend``, ``device_kind``, ``device_count``,
+    ``process_count``, ``platform``, ``machine``, ``processor``, ``cpu_model``, ``cpu_count``,
+    ``remat_impl`` (:mod:`remat_kit.policies`).
     """
 
     def version(dist: str) -> str | None:
@@ -142,10 +129,10 @@ def now_utc() -> str:
 
 
 def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """Complete rows of ``path`` and the byte length they occupy (torn last line excluded).
+    """Complete rows of ``path`` and their byte length.
 
     Raises:
-      ValueError: a complete (newline-terminated) line is not a JSON object.
+      ValueError: a complete line is not a JSON object.
     """
     if not path.exists():
         return [], 0
@@ -157,7 +144,7 @@ def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
     while start < len(data):
         lineno += 1
         end = data.find(b"\n", start)
-        if end < 0:  # torn last line from a kill: ignored (and truncated by repair)
+        if end < 0:  # torn last line: ignored (repair truncates it)
             break
         line = data[start:end].strip()
         if line:
@@ -177,22 +164,16 @@ def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def timelines_path(path: str | os.PathLike[str]) -> Path:
-    """The timelines file of the rows at ``path``: ``runs/sweep.jsonl`` ->
-    ``runs/sweep.timelines.jsonl`` (see the module docstring)."""
+    """``runs/sweep.jsonl`` -> ``runs/sweep.timelines.jsonl``."""
     p = Path(path)
     return p.with_name(f"{p.stem}.timelines{p.suffix or '.jsonl'}")
 
 
 def read_rows(path: str | os.PathLike[str], timelines: bool = True) -> list[dict[str, Any]]:
-    """Every complete row of a results file, in file order; ``[]`` if it does not exist.
-
-    A torn last line (no trailing newline: the process was killed mid-write) is ignored.
+    """Every complete row of a results file, in order; ``[]`` if it does not exist.
 
     Args:
-      path: the rows (JSONL).
-      timelines: put each report's timeline back from :func:`timelines_path` (where the file
-        has one for the row's key; a rewritten key's last line wins). False: the rows as
-        stored, each report's ``timeline`` None.
+      timelines: put each report's timeline back from :func:`timelines_path` (False: None).
 
     Raises:
       ValueError: a complete line is not a JSON object.
@@ -209,11 +190,10 @@ def read_rows(path: str | os.PathLike[str], timelines: bool = True) -> list[dict
 
 
 def repair(path: str | os.PathLike[str]) -> int:
-    """Truncate a torn last line off ``path`` (and off its :func:`timelines_path`) so rows can
-    be appended after it.
+    """Truncate a torn last line off ``path`` and its :func:`timelines_path`.
 
     Returns:
-      Bytes removed from ``path`` (0 when the file ends with a full line or does not exist).
+      Bytes removed from ``path``.
 
     Raises:
       ValueError: as :func:`read_rows`.
@@ -223,7 +203,7 @@ def repair(path: str | os.PathLike[str]) -> int:
 
 
 def _cut_torn_line(p: Path) -> int:
-    """Truncate ``p`` to its complete lines; the bytes removed (0: none, or no file)."""
+    """Truncate ``p`` to its complete lines; the bytes removed."""
     if not p.exists():
         return 0
     _, good = _scan(p)
@@ -245,12 +225,8 @@ def truncate(path: str | os.PathLike[str]) -> None:
 
 
 def append_row(path: str | os.PathLike[str], row: Mapping[str, Any]) -> None:
-    """Append ``row`` as one JSON line: one ``os.write`` of the whole line to a file opened
-    with ``O_APPEND``, then ``os.fsync``, so a kill leaves either the whole row or a torn last
-    line that :func:`read_rows` ignores and :func:`repair` removes.
-
-    A report's timeline goes first to :func:`timelines_path` (the same way), the row then
-    without it: a kill between the two leaves a timeline no row names, which is ignored.
+    """Append ``row`` as one ``O_APPEND`` write, then ``fsync``; its timeline goes first to
+    :func:`timelines_path` (a timeline no row names is ignored).
 
     Raises:
       OSError: the file cannot be written.
@@ -292,15 +268,11 @@ def check_resumable(
     """Refuse to resume onto rows written by another sweep configuration.
 
     Args:
-      rows: the rows in the file.
-      config_fingerprint: :func:`fingerprint` of ``config``.
-      path: the file, for the message.
-      config: what the fingerprint is made of (the sweep's config and data argument); rows
-        store it as ``sweep_config``, so the message can name the first field that differs.
+      config: what ``config_fingerprint`` is made of, to name the first field that differs.
 
     Raises:
-      ValueError: a row's ``config_fingerprint`` differs (one line: what differs, and the fix:
-        a new ``--out`` file, or ``--overwrite``).
+      ValueError: a row's ``config_fingerprint`` differs (the fix: a new ``--out`` or
+        ``--overwrite``).
     """
     other = [r for r in rows if r.get("config_fingerprint") != config_fingerprint]
     if not other:
@@ -351,10 +323,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def to_frame(rows: Iterable[Mapping[str, Any]] | Any):
-    """Rows as a pandas ``DataFrame`` (one column per top-level field; nested fields stay dicts).
-
-    A ``DataFrame`` passed in is returned as is.
-    """
+    """Rows as a pandas ``DataFrame``, one column per top-level field (a frame as is)."""
     import pandas as pd
 
     if isinstance(rows, pd.DataFrame):
@@ -377,7 +346,7 @@ def _isnan(v: Any) -> bool:
 
 
 def group_key(row: Mapping[str, Any]) -> tuple:
-    """The rows a policy is compared against share this key (see :data:`GROUP_FIELDS`)."""
+    """The key of rows compared against each other (:data:`GROUP_FIELDS`)."""
     return tuple(_canonical(row.get(f)) for f in GROUP_FIELDS)
 
 
@@ -388,17 +357,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def offload_stayed_on_device(row: Mapping[str, Any]) -> bool:
-    """Whether a row's offloaded residuals (``offloaded_bytes``, marked by the jaxpr) were kept on
-    the device by the compiled program: it put nothing in host memory (``host_bytes`` 0 or
-    unknown), as on the CPU backend, which ignores host offload."""
+    """Whether a row's offloaded residuals stayed on device (no host bytes, as on CPU)."""
     return not row.get("host_bytes")
 
 
 def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
-    """Bytes of the residuals a row's policy keeps on the device for the backward pass (all
-    layers, from the jaxpr: ``activation_bytes``), plus its offloaded residuals when the
-    compiled program put nothing in host memory (``host_bytes == 0``: a target that does not
-    offload, such as the CPU backend, keeps them on the device)."""
+    """Bytes a row's policy keeps on device for the backward pass (jaxpr
+    ``activation_bytes``), plus offloaded residuals when they stayed on device."""
     act = row.get("activation_bytes")
     if act is None:
         return None
@@ -408,36 +373,22 @@ def device_residual_bytes(row: Mapping[str, Any]) -> int | None:
 
 
 def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
-    """One record per ``ok`` row with its figures next to the ``no-remat`` row of its group.
+    """One record per ``ok`` row with its figures next to its group's ``no-remat`` row.
 
-    A group is the rows sharing model, target, batch size, sequence length, ``remat_group_size``,
-    config overrides and mesh (:data:`GROUP_FIELDS`). Figures (``None`` where an input is missing,
-    e.g. no ``no-remat`` row in the group, or no measurement):
+    Groups by :data:`GROUP_FIELDS`. Figures (``None`` where an input is missing):
 
-    * ``peak_bytes``: the analyzer's predicted peak (bytes); ``measured_peak_bytes`` as measured.
-    * ``peak_saved``: ``1 - peak / peak(no-remat)`` (fraction of the whole step's peak).
-    * ``activation_bytes``: :func:`device_residual_bytes`; ``activation_saved``:
-      ``1 - activation / activation(no-remat)``.
-    * ``step_time_s``: median measured step time (seconds); ``slowdown``:
+    * ``peak_saved``: ``1 - peak / peak(no-remat)``; ``measured_peak_bytes`` as measured.
+    * ``activation_bytes``: :func:`device_residual_bytes`; ``activation_saved`` as above.
+    * ``step_time_s``: median measured seconds; ``slowdown``:
       ``step_time / step_time(no-remat) - 1``.
-    * ``step_cpu_s``: median process CPU seconds per step; ``cpu_slowdown`` likewise. On the CPU
-      backend this is the work done, unlike wall time unaffected by other processes (it does
-      count every XLA thread, spinning ones too); on a GPU it is host time only.
-    * ``flops_ratio``: compiled matmul FLOPs over the no-remat step's (``recompute_ratio``).
-    * ``predicted_step_time_s``: the roofline's estimated step time (seconds,
-      :mod:`remat_kit.memory.roofline`); ``predicted_slowdown`` against its no-remat row's
-      estimate; ``prediction_error``: ``(1 + predicted_slowdown) / (1 + slowdown) - 1``, the
-      error of the predicted ratio against the measured one (None unless both are known);
-      ``estimate_error``: ``predicted_step_time / step_time - 1``, the error of the estimate
-      itself against the step it predicts (None unless both are known).
-
-    Returns:
-      Records in row order: ``model, target, batch_size, seq_len, remat_group_size, mesh,
-      overrides, policy, status, peak_bytes, peak_saved, activation_bytes, activation_saved,
-      step_time_s, slowdown, step_cpu_s, cpu_slowdown, backend, tokens_per_s, flops_ratio, fits,
-      measured_peak_bytes, mfu, predicted_step_time_s, predicted_slowdown, prediction_error,
-      estimate_error, same_program_as`` (the label of the first earlier row of the group compiled
-      to the same program, :attr:`MemoryReport.program_sha256`; None for the first or unknown).
+    * ``step_cpu_s``, ``cpu_slowdown``: process CPU seconds per step (on CPU, the work done; on a
+      GPU, host time only).
+    * ``flops_ratio``: ``recompute_ratio``.
+    * ``predicted_step_time_s``, ``predicted_slowdown``: the roofline's
+      (:mod:`remat_kit.memory.roofline`); ``prediction_error``:
+      ``(1 + predicted_slowdown) / (1 + slowdown) - 1``; ``estimate_error``:
+      ``predicted_step_time / step_time - 1``.
+    * ``same_program_as``: :func:`same_program_as`.
     """
     records = as_records(rows)
     base: dict[tuple, Mapping[str, Any]] = {}
@@ -451,17 +402,14 @@ def summarize(rows: Iterable[Mapping[str, Any]] | Any) -> list[dict[str, Any]]:
 
 
 def row_label(row: Mapping[str, Any]) -> str:
-    """What tables call a row's policy: a program sweep's cut-down policy as every tool names
-    it (``minimal (cut)``), else the policy (a per-tag spec as sorted JSON)."""
+    """A row's policy as tables name it (``minimal (cut)``, a per-tag spec as sorted JSON)."""
     policy = row.get("policy_label") or row.get("policy")
     return policy if isinstance(policy, str) else json.dumps(policy, sort_keys=True)
 
 
 def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]:
-    """For each row, the label (:func:`row_label`) of the first earlier ``ok`` row of its group
-    (:func:`group_key`) compiled from the same lowered program (the report's
-    ``program_sha256``), else None: a name-based policy cut down to a program's tags. Its step
-    time differs from that row's by noise alone, as analyze and recommend say of such rows."""
+    """Per row, the :func:`row_label` of the first earlier ``ok`` row of its group with the same
+    ``program_sha256``, else None (their step times differ by noise alone)."""
     records = as_records(rows)
 
     def key(r: Mapping[str, Any]) -> tuple | None:
@@ -472,23 +420,19 @@ def same_program_as(rows: Iterable[Mapping[str, Any]] | Any) -> list[str | None]
     return [None if i is None else row_label(records[i]) for i in report_same_program(records, key)]
 
 
-#: A point whose timed steps spread more than this ((max - min) / median: ±10%) is *noisy*: the
-#: policies it is compared with differ in step time by a few percent to a few tens of percent
-#: (docs/results), so a spread this wide can reorder them. A noisy point is marked in the tables
-#: and figures and never placed on a Pareto frontier.
+#: (max - min) / median of a point's timed steps beyond which it is *noisy*: policies differ by a
+#: few percent (docs/results), so it is marked and kept off Pareto frontiers.
 NOISY_SPREAD = 0.2
 
 
 def is_noisy(row: Mapping[str, Any]) -> bool:
-    """Whether a measured row's own timed steps spread beyond :data:`NOISY_SPREAD` (False for a
-    row without timed steps)."""
+    """Whether a row's :func:`step_spread` exceeds :data:`NOISY_SPREAD`."""
     spread = step_spread(row.get("step_times_s"))
     return spread is not None and spread > NOISY_SPREAD
 
 
 def step_spread(times: Sequence[float] | None) -> float | None:
-    """How far a point's own timed steps spread, the noise of its step time: (max - min) /
-    median of ``times`` (seconds; a ratio, 0.1 = 10%); None for fewer than two steps."""
+    """(max - min) / median of ``times`` (seconds); None for fewer than two steps."""
     if not times or len(times) < 2 or statistics.median(times) <= 0:
         return None
     return (max(times) - min(times)) / statistics.median(times)
@@ -541,11 +485,7 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     }
 
 
-# -- Option sets: rows of one shape that differ in model-field overrides -------------------------
-# (e.g. experiments/configs/options.py: remat_layers, nested_remat, loss_chunk_size, attention
-# varied one at a time). Each row is a *variant*, labelled by the overrides it does not share
-# with every row of its set ("plain" when it has none of its own) and its policy; figures in
-# remat_kit.plots.option_effects.
+# -- Option sets: rows of one shape differing in model-field overrides (remat_layers, ...) -----
 
 _SET_FIELDS = ("model", "target", "batch_size", "seq_len", "remat_group_size", "mesh")
 #: The option fields that name a variant's family (its color in the figure), in that order.
@@ -557,8 +497,7 @@ def _overrides_text(overrides: Mapping[str, Any]) -> str:
 
 
 def option_sets(rows: Any) -> dict[tuple, list[dict[str, Any]]]:
-    """Rows grouped by model, target, batch size, sequence length, ``remat_group_size`` and mesh,
-    keeping only groups whose rows carry more than one distinct ``overrides``; in row order."""
+    """Rows grouped by :data:`GROUP_FIELDS` bar overrides, where a group holds several."""
     sets: dict[tuple, list[dict[str, Any]]] = {}
     for r in as_records(rows):
         sets.setdefault(tuple(r.get(f) for f in _SET_FIELDS), []).append(r)
@@ -575,9 +514,7 @@ def own_overrides(row: Mapping[str, Any], members: Sequence[Mapping[str, Any]]) 
 
 
 def _xla_baseline(members: Sequence[Mapping[str, Any]]) -> float | None:
-    """Traced matmul FLOPs of the plain no-remat step with XLA attention (``flops_no_remat`` of
-    any ok row of the set with ``attention="xla"``: the baseline resets every layer-structure
-    and loss option)."""
+    """``flops_no_remat`` of the set's ``attention="xla"`` rows: the baseline of every option."""
     for r in members:
         attention = (r.get("model_config") or {}).get("attention")
         if r.get("status") == "ok" and attention == "xla" and r.get("flops_no_remat"):
@@ -588,17 +525,11 @@ def _xla_baseline(members: Sequence[Mapping[str, Any]]) -> float | None:
 def option_records(rows: Any) -> list[dict[str, Any]]:
     """One record per row of every option set (:func:`option_sets`).
 
-    Fields: the set's ``model, target, batch_size, seq_len``; ``option`` (``"plain"`` or the
-    row's own overrides, ``"remat_layers=3"``), ``family`` (the first own override's field
-    with a color of its own, e.g. ``nested_remat`` beside ``nested_groups``, or ``"plain"``),
-    ``policy``, ``status``; ``peak_bytes`` (the analyzer's predicted peak, bytes); ``fits``
-    (within the target's memory; None where unknown);
-    ``flops_ratio``: the policy's own matmul FLOPs (``recompute_ratio``, XLA's own
-    rematerialisation told apart) over the plain no-remat step's with XLA attention, i.e.
-    ``recompute_ratio * flops_no_remat / flops_no_remat(xla)`` (so cuDNN attention's own FLOPs,
-    counted by its matmul work, show against the same baseline); ``step_time_s`` (median measured
-    seconds) and ``step_cpu_s``. ``None`` wherever the row has no such figure (a failed row;
-    an analysis-only row has no step time): never 0.
+    Fields: ``model, target, batch_size, seq_len``; ``option`` (``"plain"`` or the row's own
+    overrides), ``family`` (the first own override with a color, or ``"plain"``), ``policy``,
+    ``status``, ``peak_bytes``, ``fits``, ``flops_ratio`` (``recompute_ratio * flops_no_remat /
+    flops_no_remat(xla)``: one baseline for cuDNN too), ``step_time_s``, ``step_cpu_s``;
+    ``None`` where the row has no such figure, never 0.
     """
     out = []
     for members in option_sets(rows).values():
@@ -633,10 +564,7 @@ def _fmt_or_dash(v: float | None, fmt: str) -> str:
 
 
 def option_markdown(rows: Any) -> str:
-    """:func:`option_records` as one Markdown table per option set: predicted peak (in the
-    set's unit) and its change against the plain ``no-remat`` row, ``fits``, ``flops_ratio``,
-    median step time (wall and process CPU, ms); ``-`` where a row has no such figure. Empty
-    string when the rows hold no option set."""
+    """:func:`option_records` as one Markdown table per option set (``""`` if none)."""
     sets: dict[tuple, list[dict[str, Any]]] = {}
     for r in option_records(rows):
         sets.setdefault((r["model"], r["target"], r["batch_size"], r["seq_len"]), []).append(r)
@@ -672,15 +600,12 @@ def option_markdown(rows: Any) -> str:
 def pareto_frontier(
     xs: Sequence[float], ys: Sequence[float], left_out: Collection[int] = ()
 ) -> list[int]:
-    """Indices of the points no other point beats in both ``x`` and ``y`` (both minimised),
-    sorted by ``x``: the memory-vs-time frontier of the sweep's figures and the HTML report.
+    """Indices of the points no other beats in both ``x`` and ``y`` (minimised), sorted by ``x``.
 
     Args:
-      xs: one value per point, in any unit (e.g. step seconds).
-      ys: one value per point, as many as ``xs`` (e.g. peak bytes); a tie in ``x`` keeps the
-        point with the lower ``y``.
-      left_out: indices of points that may neither be on the frontier nor push others off it
-        (noisy timings: :func:`is_noisy`).
+      ys: as many as ``xs``; a tie in ``x`` keeps the lower ``y``.
+      left_out: points that may neither be on the frontier nor push others off it
+        (:func:`is_noisy`).
     """
     order = sorted((i for i in range(len(xs)) if i not in left_out), key=lambda i: (xs[i], ys[i]))
     out, best = [], float("inf")

@@ -1,14 +1,10 @@
 """A user's training program as remat-kit reads it: a step (or loss) factory and its arguments.
 
-A :class:`Program` answers *what does this step cost under policy P?* for JAX/Flax code as its
-author writes it: :meth:`Program.from_loss` takes ``make_loss(policy) -> loss(*args)`` and builds
-the step around it (``value_and_grad`` plus optax); :meth:`Program.from_step` takes the user's own
-``make_step(policy) -> step(*args)`` (NNX steps too), ``make_loss`` for residuals and the doctor.
-
-The factory gets a ``jax.checkpoint`` policy, or ``None`` for ``no-remat`` (build the step
-without remat then); arguments are arrays, ``jax.ShapeDtypeStruct`` pytrees, NNX objects or
-equinox modules (:mod:`remat_kit.pure`). Presets are Programs too (:func:`remat_kit.zoo.preset`,
-:attr:`Program.known`, :attr:`Program.family`): docs/own-model.md, docs/architecture.md.
+:meth:`Program.from_loss` takes ``make_loss(policy) -> loss(*args)`` and builds the step
+(``value_and_grad`` plus optax); :meth:`Program.from_step` takes ``make_step(policy) ->
+step(*args)``. The factory gets a ``jax.checkpoint`` policy, or ``None`` for ``no-remat``;
+arguments are arrays, ``ShapeDtypeStruct`` pytrees, NNX objects or equinox modules
+(:mod:`remat_kit.pure`). Presets are Programs too: docs/own-model.md, docs/architecture.md.
 
 Example::
 
@@ -61,14 +57,12 @@ from remat_kit.walker import (
     traced_flops,
 )
 
-#: What a program computes once and every tool reads (its loss traces, its policy reach): kept
-#: beside the program, which stays a plain value, keyed by its identity and dropped with it.
+#: Per-program memo (loss traces, policy reach), keyed by program identity, dropped with it.
 _MEMO: dict[int, dict[Any, Any]] = {}
 
 
 def memo(program: Any, key: Any, make: Callable[[], Any]) -> Any:
-    """``make()`` once per ``program`` (by identity) and ``key``; later calls read it. The memo
-    is dropped when the program is (a :func:`dataclasses.replace` copy starts a new one)."""
+    """``make()`` once per ``program`` (by identity) and ``key``; later calls read it."""
     held = _MEMO.get(id(program))
     if held is None:
         held = _MEMO[id(program)] = {}
@@ -87,9 +81,7 @@ class Program:
       make_step: ``policy -> step``; ``step(*args)`` is one training step.
       args: the step's arguments (arrays, ``ShapeDtypeStruct`` pytrees, NNX objects).
       donate_argnums: step arguments donated to its outputs (updated in place).
-      make_loss: ``policy -> loss``; the differentiated function, for residuals by tag and the
-        doctor (None: not given).
-      loss_args: the loss's arguments.
+      make_loss: ``policy -> loss``, for residuals by tag and the doctor (None: not given).
       argnums: which loss arguments are differentiated (integer arrays never are).
       argument_names: names of the step's arguments (from its signature).
     """
@@ -102,25 +94,20 @@ class Program:
     loss_args: tuple[Any, ...] = ()
     argnums: tuple[int, ...] = (0,)
     argument_names: tuple[str, ...] = ()
-    #: How the step's arguments are laid out over a target's devices (:func:`sharded`); None:
-    #: one device, unsharded. Set it with ``dataclasses.replace(program, layout=...)``.
+    #: The arguments' layout over a target's devices (:func:`sharded`); None: one device.
     layout: Layout | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: ``loss -> step`` of a :meth:`from_loss` program (the step built around a given loss);
-    #: None for a user's own step.
+    #: ``loss -> step`` of a :meth:`from_loss` program; None for a user's own step.
     step_of_loss: Callable[[Callable[..., Any]], Callable[..., Any]] | None = dataclasses.field(
         default=None, repr=False, compare=False
     )
-    #: What the program's builder knows of it (shapes, configured policy, faster rules);
-    #: empty for a user's program.
+    #: What the program's builder knows of it (shapes, policy, rules); empty for a user's.
     known: Known = dataclasses.field(default=Known(), repr=False, compare=False)
-    #: The programs a search may build around it (other batch, sequence or structure); None:
-    #: it cannot vary (a user's program carries its own shapes).
+    #: The programs a search may build around it; None: it cannot vary.
     family: Family | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
-        """Short: name, each argument summarised (one array as ``int32[2, 33]``, a pytree or NNX
-        object as its array count, dtypes and bytes), donated arguments, whether a loss is given
-        (the dataclass repr printed every argument array)."""
+        """Name, each argument summarised (``int32[2, 33]``, or count, dtypes and bytes),
+        donated arguments, whether a loss is given."""
         names = self.argument_names or tuple(f"arg{i}" for i in range(len(self.args)))
         args = ", ".join(f"{n}: {summary(a)}" for n, a in zip(names, self.args, strict=False))
         loss = "yes" if self.make_loss is not None else "no"
@@ -139,28 +126,19 @@ class Program:
         name: str | None = None,
     ) -> Program:
         """A program whose step is ``value_and_grad(loss, argnums)`` plus an optax update:
-        ``step(opt_state, *args) -> (opt_state, (updated parameters...), loss)`` (an NNX module
-        updated in place is not in the tuple).
+        ``step(opt_state, *args) -> (opt_state, (updated parameters...), loss)``.
 
         Args:
           make_loss: ``policy -> loss(*args) -> scalar``.
-          *args: the loss's arguments; those in ``argnums`` are the parameters (pytrees of
-            float arrays, or pytrees such as an ``equinox.Module`` whose other leaves are
-            static), updated by ``optimizer`` in their array leaves; an ``nnx.Module`` is
-            differentiated by its ``nnx.Param`` state and updated in place, so the step's new
-            NNX state carries the update (fed to the next step, its buffers donated).
-          optimizer: a name of :func:`remat_kit.training.make_optimizer` (``"adamw"``,
-            ``"sgd"``, ``"adafactor"``, the bundled models' settings) or an optax transformation;
-            its state is an
-            argument of the step (donated, with the parameters).
-          argnums: the differentiated arguments.
+          *args: the loss's arguments; those in ``argnums`` are the parameters (float pytrees,
+            an ``equinox.Module``, or an ``nnx.Module`` updated in place by its ``nnx.Param``).
+          optimizer: a :func:`remat_kit.training.make_optimizer` name (``"adamw"``, ``"sgd"``,
+            ``"adafactor"``) or an optax transformation; its state is donated with the parameters.
           name: for reports (default: the factory's name).
 
         Raises:
-          ValueError: ``argnums`` out of range or naming an argument with no float arrays
-            (integer and boolean leaves beside floats are carried, not differentiated), or an
-            NNX object with an integer ``nnx.Param``; a parameter
-            argument with no array leaves; an argument JAX cannot see into (not a pytree, a
+          ValueError: ``argnums`` out of range or naming an argument with no float arrays, or
+            an NNX object with an integer ``nnx.Param``; an argument JAX cannot see into (a
             linen Module); a loss that does not return a float scalar; unknown optimizer.
         """
         nums = argnums_of(argnums, args)
@@ -201,7 +179,7 @@ class Program:
 
         Raises:
           ValueError: ``donate_argnums`` or ``argnums`` out of range; with ``make_loss``, as
-            :meth:`from_loss` (parameters without arrays, a loss that is not a float scalar).
+            :meth:`from_loss`.
         """
         donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         for i in donate:
@@ -231,17 +209,15 @@ class Program:
         return self.known.title or self.name
 
     def factory_input(self, spec: PolicySpec) -> Any:
-        """What the factories receive for ``spec``: its ``jax.checkpoint`` policy (None for
-        ``no-remat``), or the spec itself where the builder says so (:attr:`Known.takes_spec`)."""
+        """Its ``jax.checkpoint`` policy (None for ``no-remat``), or ``spec`` itself where
+        :attr:`Known.takes_spec`."""
         return spec if self.known.takes_spec else jax_policy(spec)
 
     def step(self, spec: PolicySpec) -> Pure:
         """The step under ``spec`` as a function of arrays (NNX objects split and merged).
 
-        A :meth:`from_loss` program's step differentiates the loss's one trace under ``spec``
-        (:meth:`loss_trace`): what is compiled is what the residual table, the tags and the
-        doctor walk, even where the factory's trace depends on state it changes (a class
-        swapped in at module level to add remat)."""
+        A :meth:`from_loss` step differentiates the :meth:`loss_trace`, so what is compiled is
+        what the residual table and the doctor walk."""
         if self.step_of_loss is not None:
             fn = self.step_of_loss(self.loss_trace(spec).call)
         else:
@@ -249,15 +225,14 @@ class Program:
         return purify(fn, self.args, self.argument_names)
 
     def loss(self, spec: PolicySpec) -> Pure | None:
-        """The loss under ``spec`` as a function of arrays (NNX objects split): its one trace
-        (:meth:`loss_trace`); None without ``make_loss``."""
+        """The loss under ``spec`` as a function of arrays (its :meth:`loss_trace`); None
+        without ``make_loss``."""
         if self.make_loss is None:
             return None
         return self.loss_trace(spec).pure
 
     def loss_trace(self, spec: PolicySpec) -> LossTrace:
-        """The loss built for ``spec`` and traced once per program and spec (later calls read
-        it): every tool walks and compiles this jaxpr, never a second call of the factory.
+        """The loss traced once per program and spec; every tool reads this jaxpr.
 
         Raises:
           ValueError: the program has no ``make_loss``.
@@ -273,47 +248,37 @@ class Program:
         return memo(self, ("loss_trace", spec), trace)
 
     def baseline_step(self) -> Pure:
-        """The step without remat: the denominator of the recompute ratio (the builder's
-        :attr:`Known.baseline` where it has one)."""
+        """The step without remat (:attr:`Known.baseline` where set): the recompute ratio's
+        denominator."""
         if self.known.baseline is not None:
             return self.known.baseline(self)
         return self.step(get_policy_spec("no-remat"))
 
     def donated(self, pure: Pure) -> tuple[int, ...]:
-        """``donate_argnums`` of the pure step (:func:`purify` puts the NNX objects' state
-        first, the other arguments after it in order): the NNX state is donated (updated in
-        place), and each other donated argument at its place there (a :meth:`from_loss`
-        optimizer state beside an ``nnx.Module``'s parameters)."""
+        """``donate_argnums`` of the pure step, whose NNX state (donated) comes first."""
         if pure.nnx_index is None:
             return self.donate_argnums
         rest = [i for i, a in enumerate(self.args) if not is_nnx(a)]
         return (pure.nnx_index, *(1 + rest.index(i) for i in self.donate_argnums if i in rest))
 
     def place(self, target: T.Target) -> Placement:
-        """Where the step's arguments live on ``target``: laid out by :attr:`layout` where the
-        program has one, else on one device, each array leaf a ``ShapeDtypeStruct`` with the
-        target's single-device sharding."""
+        """The arguments on ``target``: by :attr:`layout`, else on one device."""
         if self.layout is not None:
             return self.layout(T.get_target(target), self.baseline_step().names)
         sharding = T.abstract_sharding(target)
         return Placement(lambda args: tuple(T.abstractify(a, sharding) for a in args))
 
     def reach(self) -> PolicyReach:
-        """Whether the factories pass the policy on (:func:`policy_reach`: two to four traces),
-        judged once per program and remat implementation: every tool, and each compile a
-        search makes (recommend's candidates, the sweep's points), reads the same judgement
-        (:attr:`Known.reach` where the builder knows it by construction)."""
+        """Whether the factories pass the policy on (:func:`policy_reach`), judged once per
+        program and remat implementation (:attr:`Known.reach` where known)."""
         if self.known.reach is not None:
             return self.known.reach
         return memo(self, ("reach", remat_implementation()), lambda: policy_reach(self))
 
 
 def step_flops(program: Program, spec: PolicySpec) -> float:
-    """Matmul FLOPs of ``program``'s whole step under ``spec`` (forward, backward and update;
-    the global step, not one device's share), counted on its jaxpr (:func:`traced_flops`):
-    nothing is compiled. Saving a tag lowers it only where the backward pass then stops
-    recomputing the matmul under the tag; the solver's per-tag costs
-    (:func:`remat_kit.recommend.tag_costs`) and the doctor's "tags whose saving removes
-    recompute" (:func:`remat_kit.doctor.tags.recompute_savers`) both judge by it."""
+    """Matmul FLOPs of the whole (global) step under ``spec``, counted on its jaxpr
+    (:func:`traced_flops`), nothing compiled; the solver's tag costs and the doctor's
+    :func:`remat_kit.doctor.tags.recompute_savers` judge by it."""
     pure = program.step(spec)
     return traced_flops(pure.fn, *pure.args)

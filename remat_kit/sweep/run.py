@@ -1,14 +1,7 @@
-"""The sweep loop: each group of points (one preset, shape and target; several policies) is
-analysed, and one row per point appended as soon as the group finishes. A grid's groups run as
-tasks (:mod:`remat_kit.sweep.tasks`) through an engine (:mod:`remat_kit.sweep.engine`);
-:class:`TaskRunner` runs a task wherever the engine puts it.
-
-The library analyses (:func:`remat_kit.memory.analyze_policies`: the figures of ``remat-kit
-analyze``). Points whose grid measures (the step run and timed on the local device) are run by
-a :class:`Measurer` the caller gives: the measuring harness is experiment machinery
-(``experiments/measured`` of a clone: real text, the initial state, the timed steps), used by
-``experiments/sweep.py``. A failure at one point gives a row with status ``oom`` / ``error``
-and the sweep goes on.
+"""The sweep loop: per group of points (one preset, shape and target; several policies), analyse
+and append one row per point. Groups run as tasks (:mod:`remat_kit.sweep.tasks`) through an
+engine (:mod:`remat_kit.sweep.engine`). Measured points are run by a caller's :class:`Measurer`
+(``experiments/measured``). A failing point gets an ``oom`` / ``error`` row; the sweep goes on.
 """
 
 from __future__ import annotations
@@ -45,27 +38,24 @@ from remat_kit.sweep.tasks import Tally, Task, TaskSetup, error_rows, make_tasks
 from remat_kit.training.step import make_optimizer
 from remat_kit.zoo import preset
 
-#: ``(program, reports, engine) -> (executables, measurements)`` by key: a group's measured
-#: steps, run after its analysis on the engine that compiled it (:func:`analyse_group`).
+#: A group's measured steps by key, run after its analysis on its engine (:func:`analyse_group`).
 Measure = Callable[[Program, Mapping[str, Any], CompileEngine], tuple[dict, dict]]
 
 
 class Measurer(Protocol):
-    """What runs and times a sweep's measured points (``experiments/measured``'s
-    ``TextMeasurer``); picklable, sent to every process that runs tasks.
+    """Runs and times measured points (``experiments/measured``'s ``TextMeasurer``); picklable.
 
     Attributes:
-      data: the text the steps train on, as the results' identity records it (None: the
-        measurer's default corpus).
+      data: the text trained on, as rows record it (None: the default corpus).
     """
 
     data: str | None
 
     def fields(self) -> dict[str, Any]:
-        """Fields every row of a measuring run shares (the corpus's description).
+        """Fields every row of a measuring run shares.
 
         Raises:
-          ValueError: the data cannot be read (asked before the results file is touched).
+          ValueError: the data cannot be read.
         """
         ...
 
@@ -77,10 +67,8 @@ class Measurer(Protocol):
         engine: CompileEngine,
         advance: Callable,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The measured ``points`` of one group run on the local device: by point key, the
-        compiled step (``(executable, compile seconds, reused)`` or the exception) and the
-        measurement (:func:`remat_kit.sweep.rows.make_row` reads both), for the points whose
-        analysis (``reports``) succeeded; ``engine`` holds the analysis's executables."""
+        """By point key, the compiled step (or exception) and the measurement of ``points``
+        whose ``reports`` succeeded (:func:`remat_kit.sweep.rows.make_row` reads both)."""
         ...
 
 
@@ -94,27 +82,23 @@ def analyse_group(
     failed: Mapping[str, BaseException] | None = None,
     measure: Measure | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """One group's reports, compiled steps and measurements (each the result or the exception),
-    by key.
+    """One group's reports, compiled steps and measurements (or exceptions), by key.
 
-    The policies ``specs`` (by key; ``failed``: keys already failed, with why) are analysed
-    together on ``make_program()`` (:func:`remat_kit.memory.analyze_policies`: the same figures
-    as ``remat-kit analyze``). With ``measure``, the analysis compiles with full code-generation
-    optimisation in one engine that keeps the executables, and ``measure`` runs the steps
-    after it (the step that runs is the program the analyzer compiled).
+    ``specs`` are analysed together by :func:`remat_kit.memory.analyze_policies`; with
+    ``measure``, fully optimised in one engine that keeps the executables, which ``measure``
+    then runs.
     """
     failed = dict(failed or {})
     live = {k: s for k, s in specs.items() if k not in failed}
     finished = [0]
 
     def compiled(index: int, total: int, item: str, stage: str) -> None:
-        """A line per compile finished (or answered by the cache): never minutes of silence."""
+        """A line per compile finished."""
         if stage in ("done", "cached", "same program"):
             finished[0] += 1
             how = "" if stage == "done" else f" ({stage})"
             advance(None, f"{what}: {finished[0]} of {total} compiles done{how}")
 
-    # one engine per group: its executables go with it
     with CompileEngine(progress=compiled) as engine:
         advance(None, f"analysing {what} ({len(live)} policies)")
         try:
@@ -184,9 +168,8 @@ def _measure_points(
 
 
 class TaskRunner:
-    """Runs tasks (:class:`~remat_kit.sweep.tasks.Task`) in one process, wherever that is (the
-    driver, a worker process, a Ray task), keeping what its tasks share: model facts by model
-    and this process's :func:`~remat_kit.sweep.results.environment` (in every row)."""
+    """Runs :class:`~remat_kit.sweep.tasks.Task` objects in one process, caching model facts
+    and the :func:`~remat_kit.sweep.results.environment`."""
 
     def __init__(self, setup: TaskSetup):
         self.setup = setup
@@ -216,43 +199,29 @@ def run_sweep(
 ) -> SweepRun:
     """Run every point of ``config`` not yet in ``out``; append one row per point.
 
-    Everything that can be checked is checked before anything compiles: the config
-    (:func:`validate`), the output file (writable; from the same config when resuming), the
-    measurer's data (when a point is measured).
-
-    The points run as tasks (:func:`~remat_kit.sweep.tasks.make_tasks`: a group's points, or
-    shares of a group where processes run side by side), each task's rows appended as it
-    finishes, in whatever order the engine finishes them; a row's figures do not depend on the
-    order, and the ``rows`` of :class:`~remat_kit.sweep.output.SweepRun` are in point order.
+    The config (:func:`validate`), ``out`` and the measurer's data are checked before anything
+    compiles. Rows are appended as tasks finish (:func:`~remat_kit.sweep.tasks.make_tasks`);
+    :class:`~remat_kit.sweep.output.SweepRun` ``rows`` are in point order.
 
     Args:
-      config: the sweep.
       out: the JSONL results file (created with its folders).
-      resume: skip points whose key is already in ``out`` (a torn last line is dropped first).
+      resume: skip points whose key is already in ``out``.
       overwrite: empty ``out`` first.
-      measurer: what runs and times the measured points (:class:`Measurer`;
-        ``experiments/measured``'s ``TextMeasurer``); required when a grid measures.
-      progress: show a rich progress bar (point being run, ETA).
-      console: a ``rich.console.Console`` for the bar (default: a new one on stderr).
-      before_point: called with each point before its group (the points differing only in the
-        policy) is analysed; an exception it raises becomes that point's ``error`` row and the
-        point is neither analysed nor run (used to test fault handling).
-      engine: what runs the tasks (:mod:`remat_kit.sweep.engine`): None, this process, one
-        task after the other (:class:`~remat_kit.sweep.engine.SerialEngine`);
-        :func:`~remat_kit.sweep.engine.local_engine` for worker processes and every GPU (a
-        local point then runs on one GPU unless its grid has a mesh: its ``local_devices``).
-      shard: run only this part of the points (:func:`~remat_kit.sweep.shard.shard_points`;
-        ``out`` is then the part's file, :func:`~remat_kit.sweep.shard.part_path`, and
-        :func:`~remat_kit.sweep.shard.merge_parts` joins the parts); its rows are those of
-        the whole sweep (same identity and fingerprint).
+      measurer: runs the measured points; required when a grid measures.
+      progress: show a rich progress bar; console: its ``rich.console.Console`` (default stderr).
+      before_point: called per point before analysis; what it raises becomes the point's
+        ``error`` row (fault-handling tests).
+      engine: runs the tasks (:mod:`remat_kit.sweep.engine`); None: serially here.
+      shard: run only this part (:func:`~remat_kit.sweep.shard.shard_points`; ``out`` is the
+        part's file, joined by :func:`~remat_kit.sweep.shard.merge_parts`).
 
     Returns:
       A :class:`SweepRun`.
 
     Raises:
-      ValueError: an invalid config; ``out`` not writable; ``out`` holding rows without
-        ``resume`` or ``overwrite``, or rows of another config (naming what differs); a
-        grid measuring without a ``measurer``; data the measurer cannot read.
+      ValueError: an invalid config; ``out`` not writable, or holding rows without ``resume``
+        or ``overwrite``, or rows of another config; a grid measuring without a ``measurer``;
+        data the measurer cannot read.
     """
     start = time.perf_counter()
     engine = engine or SerialEngine()
@@ -261,7 +230,6 @@ def run_sweep(
     path = Path(out)
     measuring = _measuring(every, measurer)
     identity = config.identity(measurer.data if measurer is not None else None)
-    # bad data fails before the output is touched
     data_fields = measurer.fields() if measuring else {}
     primary = jax.process_index() == 0
     done, todo = _todo(points, path, identity, resume, overwrite, primary)
@@ -298,27 +266,20 @@ def _calibration(
 ) -> contextlib.AbstractContextManager:
     """The local device's calibration pinned for the sweep when a point runs on it here."""
     if engine.calibrate_here and any(not T.get_target(p.target).deviceless for p in todo):
-        # Time the local device for the step-time model before anything else runs (cached
-        # per machine): a calibration beside compiles in flight would time them too. Every row
-        # of the sweep (a resumed one too) is priced with that one calibration, kept beside the
-        # results. (GPUs handed to worker processes are timed there, each by its first point.)
+        # time the local device first: calibrating beside compiles would time them (docs/sweep.md)
         return calibration.pinned_calibration(calibration_path(path))
     return contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
 class RowSink:
-    """Where :func:`run_tasks` puts each finished task's rows, and whether this process writes
-    them.
+    """Where :func:`run_tasks` puts each finished task's rows.
 
     Attributes:
-      path: the JSONL results file each row is appended to
-        (:func:`remat_kit.sweep.results.append_row`).
-      common: the fields every row of the run shares (the sweep, its identity, the data), which
-        the ``error`` rows of a lost task are built from
+      path: the JSONL results file (:func:`remat_kit.sweep.results.append_row`).
+      common: the fields every row shares, for a lost task's error rows
         (:func:`~remat_kit.sweep.tasks.error_rows`).
-      writes: whether this process appends; under ``jax.distributed`` only process 0 does
-        (every process still returns the rows).
+      writes: whether this process appends (process 0 only under ``jax.distributed``).
     """
 
     path: Path
@@ -328,8 +289,7 @@ class RowSink:
     def take(
         self, task: Task, rows: list[dict[str, Any]] | None, error: BaseException | None
     ) -> list[dict[str, Any]]:
-        """``task``'s rows (None: the task was lost, one ``error`` row per point from
-        ``error``), appended to :attr:`path` where this process :attr:`writes`; returned."""
+        """``task``'s rows (None: lost, error rows from ``error``), appended if :attr:`writes`."""
         if rows is None:
             rows = error_rows(task, self.common, error)  # type: ignore[arg-type]
         if self.writes:
@@ -347,12 +307,8 @@ def run_tasks(
     progress: bool = True,
     console: Any = None,
 ) -> list[dict[str, Any]]:
-    """Run ``tasks`` through ``engine`` (:mod:`remat_kit.sweep.engine`; ``make_runner``: the
-    factory of task runners it calls in each process) and hand each task's rows to ``sink``
-    (:class:`RowSink`: the results file, the fields a lost task's error rows share, whether
-    this process writes) as it finishes, in whatever order. Progress (``progress``; on
-    ``console``, default a new one on stderr): a bar or a line per point, and what is running
-    every 10 s (:class:`~remat_kit.sweep.tasks.Tally`).
+    """Run ``tasks`` through ``engine`` with ``make_runner`` per process; hand each task's rows
+    to ``sink`` as it finishes. Progress: a bar or a line per point, and what runs every 10 s.
 
     Returns:
       The rows written, in the order written.
@@ -378,8 +334,7 @@ def _todo(
     overwrite: bool,
     primary: bool,
 ) -> tuple[dict[str, dict], list[Point]]:
-    """The rows already in ``path`` (by key) and the points still to run. Several processes
-    (jax.distributed) run every point together; process 0 owns the file and says which."""
+    """The rows already in ``path`` (by key) and the points still to run (process 0 decides)."""
     done: dict | ValueError = {}
     if primary:
         try:
@@ -396,8 +351,7 @@ _progress_bar = progress  # run_sweep's argument of the same name hides the func
 def _common_fields(
     config: SweepConfig, identity: Mapping[str, Any], data_fields: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Fields every row of this call shares wherever it runs: the sweep, its identity, the data
-    (when the config measures; each process running tasks adds where it ran)."""
+    """Fields every row of this call shares: the sweep, its identity, the data."""
     return {
         "sweep": config.name,
         "config_fingerprint": R.fingerprint(identity),

@@ -1,18 +1,10 @@
-"""The doctor's entry points: :func:`check_policies` (a program's policies: a user's own or a
-bundled model's, :func:`remat_kit.preset`), :func:`check` (one policy, a preset by name or a
-program) and :func:`check_function` (a user's loss function, a raw ``jax.checkpoint`` policy
-allowed).
+"""The doctor's entry points: :func:`check_policies` (a program's policies), :func:`check` (one
+policy, a preset or a program) and :func:`check_function` (a user's loss function, a raw
+``jax.checkpoint`` policy allowed).
 
-:func:`check_policies` compares what each policy promises against what the program's traced
-loss and compiled step do. Without a policy list it checks the default set ``analyze`` compiles
-on the program (:func:`remat_kit.memory.policy_set.policy_set`): the kind-based policies
-(``save-nothing``, ``save-dots``...), the name-based ones whose names it emits, those naming
-some of them cut down to those (labelled ``name (cut)``), and specs in its own names (each
-saved alone, all saved, all offloaded where the target offloads); the rest, and offload
-policies on a target without host offload, are one note each, not errors. A policy named
-explicitly is checked as given: one ``unknown-tag`` error for the names the program never
-emits. Advice speaks of the program's author's code: a user's (``lax.scan``, ``nn.scan``,
-``nnx.scan``, its own names) or a preset's config fields.
+Each policy's promise is compared against the traced loss and compiled step. Without a policy
+list the default set of ``analyze`` is checked (:func:`remat_kit.memory.policy_set.policy_set`;
+docs/doctor.md); a policy named explicitly is checked as given.
 """
 
 from __future__ import annotations
@@ -76,9 +68,8 @@ from remat_kit.zoo import PresetLike, as_program
 
 
 def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target) -> int:
-    """Operations of ``fn``'s compiled program for ``target`` that recompute the forward pass
-    (:func:`remat_kit.memory.hlo.count_recomputed_ops`). 0 when XLA merged the recomputation
-    away (CSE)."""
+    """Operations of ``fn``'s compiled program that recompute the forward pass
+    (:func:`remat_kit.memory.hlo.count_recomputed_ops`); 0 when CSE merged them away."""
     sharding = T.abstract_sharding(target)
     abstract = [T.abstractify(a, sharding) for a in args]
     text = jax.jit(fn).lower(*abstract).compile().as_text()
@@ -87,9 +78,7 @@ def recomputed_ops(fn: Callable[..., Any], args: Sequence[Any], target: T.Target
 
 @dataclasses.dataclass(frozen=True)
 class PolicyCheck:
-    """One policy checked on a program: ``label`` as printed (a registered policy cut down to
-    the program's names reads ``save-qkv-out-proj -> out_proj=save``), the spec compiled, and
-    its findings (errors first)."""
+    """One policy checked: ``label`` as printed, the spec compiled, its findings (errors first)."""
 
     label: str
     spec: PolicySpec
@@ -98,8 +87,8 @@ class PolicyCheck:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCheck:
-    """The doctor's answer for a program: the emitted checkpoint names, one
-    :class:`PolicyCheck` per policy checked, and notes (policies not checked and why)."""
+    """The doctor's answer for a program: emitted names, a :class:`PolicyCheck` per policy,
+    notes."""
 
     program: str
     tags: frozenset[str]
@@ -127,8 +116,7 @@ def _kept(program: Program, spec: PolicySpec) -> Residuals:
 
 
 def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
-    """The program's :class:`TagFacts`: where its names are applied (its loss traced under
-    ``save-nothing``), and, on demand, which of those inside a remat segment saving keeps."""
+    """The program's :class:`TagFacts` (its loss traced under ``save-nothing``)."""
     loss = program.loss(get_policy_spec("save-nothing"))
     jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
     inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
@@ -156,22 +144,16 @@ def check_policies(
     policies: Sequence[str | PolicySpec | Mapping[str, str]] | None = None,
     target: str | T.Target = "local",
 ) -> ProgramCheck:
-    """Check policies on a program (it needs its loss: ``Program.from_loss``, ``make_loss=`` in
-    ``Program.from_step``, or a preset).
+    """Check policies on a program that has a loss (``from_loss``, ``make_loss=``, a preset).
 
-    Compiles the program's step under each policy and under ``no-remat`` for ``target``
-    (concurrently, one path with ``analyze``) and reads what its loss keeps under each.
+    Compiles the step under each policy and ``no-remat`` for ``target`` (as ``analyze``) and
+    reads what the loss keeps under each.
 
     Args:
-      program: a :class:`~remat_kit.program.Program` (a preset: :func:`remat_kit.preset`).
-      policies: the policies to check as given (a name the program never emits is an
-        ``unknown-tag`` error); None: the registered ones that act on its names (module
-        docstring).
-      target: compile target name.
+      policies: checked as given; None: the default set (module docstring).
 
     Returns:
-      A :class:`ProgramCheck`: one :class:`PolicyCheck` per policy (its findings, errors first)
-      and notes.
+      A :class:`ProgramCheck`.
 
     Raises:
       ValueError: unknown policy or target; a program without a loss.
@@ -213,8 +195,7 @@ def _policy_never_passed(
     tags: frozenset[str],
     reach: PolicyReach,
 ) -> ProgramCheck:
-    """The one error of a program whose factory passes no policy to its remat segments (or has
-    none): every policy compiles to the same program."""
+    """The one error when the factory passes no policy to its remat segments."""
     factory = f"the {reach.part} of {program.name!r}"
     finding = (
         policy_not_passed(None, factory, reach.segments)
@@ -234,8 +215,7 @@ def _policies_to_check(
     tgt: T.Target,
     tags: frozenset[str],
 ) -> tuple[list[PolicySpec], list[str], list[str]]:
-    """``(specs, labels, notes)``: the policies given, resolved on the program's names, or
-    (None given) the default set that acts on them (:func:`policy_set`) and its notes."""
+    """``(specs, labels, notes)``: the policies given, or the default set (:func:`policy_set`)."""
     if policies is None:
         chosen = policy_set(program, tgt, tags=tags)
         specs, labels, notes = list(chosen.specs), chosen.labels(), list(chosen.notes)
@@ -248,13 +228,11 @@ def _policies_to_check(
 
 
 def _baseline(reach: PolicyReach) -> tuple[PolicySpec, str | None]:
-    """``(spec, note)`` of what every policy is judged against: ``no-remat``, or
-    ``save-everything`` with a note where the factory remats even without a policy."""
+    """``(spec, note)`` of the baseline: ``no-remat``, or ``save-everything`` where the factory
+    remats even without a policy."""
     if not reach.no_remat_note():
         return get_policy_spec("no-remat"), None
-    # the factory remats for None: what saving everything keeps (jax.checkpoint_policies.
-    # everything_saveable: every residual of the remat segments, none recomputed) is what
-    # a step without remat keeps, and the baseline every policy is judged against
+    # the factory remats for None: saving everything keeps what a step without remat keeps
     baseline = PolicySpec(
         "save-everything",
         "Every residual of the remat segments kept on device, none recomputed; the model "
@@ -270,9 +248,7 @@ def _baseline(reach: PolicyReach) -> tuple[PolicySpec, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class _Judging:
-    """What :func:`check_policies` judges every policy of a program against: its target, names,
-    reach and facts, the baseline's compiled report and kept residuals, what ``save-nothing``
-    keeps, and the registered policy names."""
+    """What :func:`check_policies` judges every policy of a program against."""
 
     program: Program
     target: T.Target
@@ -292,8 +268,8 @@ def _policy_check(
     raw: str | PolicySpec | Mapping[str, str] | None,
     report: MemoryReport,
 ) -> PolicyCheck:
-    """One policy's check: its promise (``raw``: the policy as the user gave it, None for the
-    default set) against its compiled ``report`` and what its loss keeps."""
+    """One policy's promise (``raw`` as given; None: default set) against its compiled
+    ``report``."""
     j, program, reach = judging, judging.program, judging.reach
     promise = Promise.of(spec, registered=spec.name in j.registered)
     # save_any_names_but_these: judged as the name set it amounts to, as check_function does
@@ -317,9 +293,7 @@ def _policy_check(
 
 
 def _of_the_default_set(finding: Finding) -> Finding:
-    """A ``no-op-policy`` error on a policy of the default set, as a warning: the policy keeps
-    everything no-remat keeps on this program (saving every name the program emits, or every
-    matmul, can), which is worth knowing before picking it, not an error in the user's setup."""
+    """A default-set ``no-op-policy`` error as a warning: the user did not ask for it."""
     if finding.code != "no-op-policy" or finding.severity != "error":
         return finding
     return dataclasses.replace(
@@ -328,8 +302,7 @@ def _of_the_default_set(finding: Finding) -> Finding:
     )  # fmt: skip
 
 
-#: (batch, seq) a preset is checked at when not given: the doctor's findings do not depend on
-#: the shape, and a small one compiles in seconds.
+#: (batch, seq) a preset is checked at by default: findings do not depend on the shape.
 DEFAULT_SHAPE = (2, 64)
 
 
@@ -341,18 +314,14 @@ def check(
     target: str | T.Target = "local",
     optimizer: str | optax.GradientTransformation | None = None,
 ) -> list[Finding]:
-    """Check one policy: :func:`check_policies` of one policy, its findings.
+    """:func:`check_policies` of one policy: its findings.
 
     Args:
-      model: a preset name or config (:data:`remat_kit.zoo.PresetLike`: its ``scan_layers`` /
-        ``remat_group_size`` are used), or a :class:`~remat_kit.program.Program`.
-      batch_size: a preset's sequences per step (default 2); not for a Program (it carries
-        its own arguments).
-      seq_len: a preset's tokens per sequence (default 64; the step's tokens are
-        [batch_size, seq_len]); not for a Program.
-      policy: policy name, spec or custom mapping; default a preset's ``remat_policy`` (a
-        Program needs one).
-      target: compile target name.
+      model: a preset name or config (:data:`remat_kit.zoo.PresetLike`), or a
+        :class:`~remat_kit.program.Program`.
+      batch_size, seq_len: a preset's step shape, tokens [batch_size, seq_len] (default 2, 64);
+        not for a Program.
+      policy: name, spec or mapping; default a preset's ``remat_policy`` (a Program needs one).
       optimizer: a preset's optimizer (default ``adamw``).
 
     Returns:
@@ -360,8 +329,7 @@ def check(
 
     Raises:
       ValueError: unknown preset, policy or target; bad shapes; shapes given with a Program; no
-        policy for a Program; the policy name ``"none"`` (the message says it means
-        ``save-nothing``).
+        policy for a Program; the policy name ``"none"``.
     """
     program = as_program(model, batch_size, seq_len, optimizer, default_shape=DEFAULT_SHAPE)
     chosen = policy if policy is not None else program.known.default_policy
@@ -385,37 +353,27 @@ def check_function(
     """Check a policy on a user's own function.
 
     Args:
-      make_loss: ``make_loss(jax_policy) -> loss(*args) -> scalar``: builds the user's loss with
-        ``jax.checkpoint`` / ``nn.remat`` under the given ``jax.checkpoint`` policy.
-      *args: the loss's arguments (arrays or ``jax.ShapeDtypeStruct``, or pytrees such as an
-        ``equinox.Module`` whose other leaves are static, as :class:`~remat_kit.Program` takes
-        them).
+      make_loss: ``make_loss(jax_policy) -> loss(*args) -> scalar``.
+      *args: the loss's arguments, as :class:`~remat_kit.Program` takes them.
       policy: a remat-kit policy (name, spec, mapping), a raw ``jax.checkpoint_policies``
-        policy (its names read back whatever they are), or None: as in ``jax.checkpoint``,
-        save nothing.
-      target: compile target name.
-      remat_static_argnums: the ``static_argnums`` given to ``nn.remat``, to check the
-        off-by-one of ``self`` (:func:`check_remat_static_argnums`).
-      remat_call_args: the positional arguments of one call of the module (without ``self``),
-        for that check.
-      argnums: the arguments to differentiate (default: every argument whose arrays are all
-        floating point; integer token arrays and other non-differentiable inputs are not).
+        policy, or None (save nothing, as in ``jax.checkpoint``).
+      remat_static_argnums, remat_call_args: ``nn.remat``'s ``static_argnums`` and one call's
+        positional arguments (without ``self``), for :func:`check_remat_static_argnums`.
+      argnums: the arguments to differentiate (default: those whose arrays are all float).
 
     Returns:
       The findings, errors first.
 
     Raises:
       ValueError: unknown policy name or target.
-      Exception: whatever tracing ``make_loss(policy)(*args)`` raises, unless a
-        ``static_argnums`` error found first explains it (the findings are then returned).
+      Exception: what tracing ``make_loss(policy)(*args)`` raises, unless a ``static_argnums``
+        finding explains it (the findings are then returned).
     """
     tgt = T.get_target(target)
-    # filter semantics, as a Program takes its arguments: an equinox.Module's float / bool
-    # leaves static, never traced (they failed inside the module's own code)
+    # as a Program takes its arguments: an equinox.Module's non-array leaves static
     make_loss, args = filtered_factory(make_loss, args)
     promise, findings, jax_policy = _read_policy(policy)
-    # Judged before the trace: an off-by-one static_argnums makes it fail (flax#2452), and the
-    # user should read the cause, not JAX's tracer error.
+    # before the trace: an off-by-one static_argnums makes it fail (flax#2452)
     static = (
         check_remat_static_argnums(remat_static_argnums, remat_call_args)
         if remat_static_argnums is not None
@@ -447,9 +405,8 @@ def check_function(
 
 @dataclasses.dataclass(frozen=True)
 class _Analysed:
-    """A user's loss as :func:`check_function` analyses it, each by ``"policy"`` and
-    ``"no-remat"`` (``everything_saveable``): the losses, their ``value_and_grad`` and its
-    compiled reports; and the loss's :class:`TagFacts`."""
+    """A user's loss analysed under ``"policy"`` and ``"no-remat"``: losses, gradients,
+    compiled reports, :class:`TagFacts`."""
 
     losses: dict[str, Callable[..., Any]]
     grads: dict[str, Callable[..., Any]]
@@ -465,8 +422,7 @@ def _analysed(
     tgt: T.Target,
     argnums: int | Sequence[int] | None,
 ) -> _Analysed:
-    """Trace and compile ``loss`` (``make_loss`` under the policy, ``jaxpr`` its trace) and the
-    loss without remat for ``tgt``: their facts, gradients and compiled reports."""
+    """Trace and compile ``loss`` and the loss without remat for ``tgt``."""
     loss_all = make_loss(jax.checkpoint_policies.everything_saveable)
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
@@ -488,9 +444,7 @@ def _judged_promise(
     facts: TagFacts,
     jax_policy: Callable[..., Any],
 ) -> tuple[Promise, bool, list[Finding]]:
-    """``(promise, opaque, findings)``: the promise judged (an exclusion policy's name set on
-    the emitted names; an opaque callable's ``custom-callable``), whether the callable is
-    opaque, and the findings on the names it speaks of and what the remat in use makes of it."""
+    """``(promise, opaque, findings)`` of the policy on the emitted names."""
     findings: list[Finding] = []
     if promise is None:  # save_any_names_but_these: the name set it amounts to here
         promise = promise_of_exclusions(policy, facts.emitted)
@@ -515,8 +469,7 @@ def _compared(
     reach: PolicyReach,
     tgt: T.Target,
 ) -> list[Finding]:
-    """:func:`compare`'s findings on a user's function: the policy's compiled step against
-    no remat's, with what each loss keeps and what ``nothing_saveable`` keeps."""
+    """:func:`compare`'s findings on a user's function against no remat."""
     ops = None
     if not run.reports["no-remat"].flops:  # no counted FLOPs to tell recomputation by
         ops = recomputed_ops(run.grads["policy"], args, tgt)
@@ -538,12 +491,11 @@ def _opaque_findings(
     jax_policy: Callable[..., Any],
     args: Sequence[Any],
 ) -> list[Finding]:
-    """``findings`` of an opaque callable restated: full remat judged from what classic remat
-    keeps (:func:`_opaque_full_remat`), its no-op cause its own (:func:`_callable_no_op`)."""
+    """``findings`` of an opaque callable restated (:func:`_opaque_full_remat`,
+    :func:`_callable_no_op`)."""
     findings = [f for f in findings if f.code != "acts-as-full-remat"]
     findings += _opaque_full_remat(make_loss, jax_policy, args)
-    # compare read the opaque callable as a name policy naming nothing: its no-op cause
-    # (layers outside every remat) is that reading's; the callable saves what it is asked
+    # the no-op cause compare gave (layers outside remat) is not the callable's
     if any(f.code == "saves-everything" for f in findings):  # the same fact, its cause
         findings = [f for f in findings if f.code != "no-op-policy"]
     return [_callable_no_op(f) if f.code == "no-op-policy" else f for f in findings]
@@ -571,8 +523,7 @@ def _read_policy(policy):
 
 
 def _flops_keeping(make_loss, args: Sequence[Any]) -> Callable[[frozenset[str]], float]:
-    """:attr:`TagFacts.flops_keeping` for a user's function: traced matmul FLOPs of its
-    forward and backward pass (as saved_residuals' vjp) saving those names, cached."""
+    """:attr:`TagFacts.flops_keeping` for a user's function (traced matmul FLOPs), cached."""
 
     @functools.cache
     def keeping(names: frozenset[str]) -> float:
@@ -610,7 +561,7 @@ def _float_argnums(args: Sequence[Any]) -> tuple[int, ...]:
     """Positions of the arguments whose array leaves are all floating point.
 
     Raises:
-      ValueError: no argument is (nothing to differentiate).
+      ValueError: none is.
     """
     nums = tuple(
         i
@@ -636,8 +587,7 @@ def _residuals_withremat3_findings(make_loss, policy, args, remat3: bool) -> Res
 
 
 def _opaque_full_remat(make_loss, policy, args) -> list[Finding]:
-    """An opaque callable promises what classic remat (which calls it) keeps; find whether the
-    remat implementation in use keeps less, i.e. runs it as full remat."""
+    """Whether the remat in use keeps less than classic remat under an opaque callable."""
     classic = _residuals_withremat3_findings(make_loss, policy, args, False)
     current = _residuals_withremat3_findings(make_loss, policy, args, jax.config.jax_remat3)
     nothing = _residuals_withremat3_findings(

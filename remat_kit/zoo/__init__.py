@@ -1,20 +1,11 @@
-"""The bundled models as a zoo that builds ordinary :class:`~remat_kit.program.Program` values.
+"""The bundled models as ordinary :class:`~remat_kit.program.Program` values.
 
-:func:`preset` turns a preset name or :class:`~remat_kit.models.ModelConfig`, a batch and a
-sequence length into a program whose step is :func:`remat_kit.make_train_step` (forward,
-backward under the policy, optax update, the train state donated) on abstract arguments
-(``jax.eval_shape``: a 70B model is never allocated). What the zoo knows of its model rides
-beside the factories (:mod:`remat_kit.family`):
-
-- ``known``: the factories take the :class:`~remat_kit.policies.PolicySpec` itself (the model
-  applies it per layer group); the residual table from one traced remat segment times the
-  segments (:func:`model_residuals`), per device on a mesh; a cache key (a repeat traces
-  nothing);
-- ``layout``: a (dp, fsdp, tp) mesh of the target's devices (``mesh="fsdp=8"``);
-- ``family``: the same model at another batch, sequence, group size or structure, which
-  recommend's searches build.
-
-The core (:mod:`remat_kit.program`) imports nothing from this module.
+:func:`preset` turns a preset name or :class:`~remat_kit.models.ModelConfig` into a program whose
+step is :func:`remat_kit.make_train_step` on abstract arguments (``jax.eval_shape``: nothing
+allocated). Beside the factories (:mod:`remat_kit.family`): ``known`` (the factories take the
+:class:`~remat_kit.policies.PolicySpec`; residuals from one traced segment,
+:func:`model_residuals`), ``layout`` (a (dp, fsdp, tp) mesh) and ``family`` (the model at other
+shapes or structure, for recommend's searches). :mod:`remat_kit.program` imports nothing from here.
 
 Example::
 
@@ -61,8 +52,7 @@ from remat_kit.training.step import (
 from remat_kit.validation import check_batch_split, check_seq_len, positive_int
 from remat_kit.walker import Residual, TagResiduals, group_by_tag, saved_residuals
 
-#: What names a bundled model where a tool's input is read: a preset name (``"llama3-8b"``)
-#: or a :class:`~remat_kit.models.ModelConfig`; :func:`as_program` makes it a Program.
+#: A preset name (``"llama3-8b"``) or :class:`~remat_kit.models.ModelConfig` (:func:`as_program`).
 PresetLike = str | ModelConfig
 
 #: Changes of :attr:`Program.family` that are shapes, not model fields.
@@ -74,8 +64,7 @@ def _title(config: ModelConfig, batch_size: int, seq_len: int) -> str:
 
 
 def _baseline(program: Program, config: ModelConfig, tx: optax.GradientTransformation) -> Pure:
-    """The plain step: no remat on any layer, no nested scan, whole logits; the config's
-    ``attention`` kept (so the recompute ratio is against the same attention)."""
+    """The plain step (no remat, no nested scan, whole logits), same ``attention``."""
     plain = config.replace(
         remat_policy="no-remat", remat_layers=None, nested_remat=False, nested_groups=None,
         loss_chunk_size=None,
@@ -91,8 +80,8 @@ def _baseline(program: Program, config: ModelConfig, tx: optax.GradientTransform
 def _mesh_layout(
     config: ModelConfig, tx: optax.GradientTransformation, batch: Any, mesh: T.MeshSpec
 ) -> Any:
-    """The train state sharded over the mesh of the target's devices
-    (:func:`remat_kit.training.sharded_train_state`) and the batch split over dp*fsdp."""
+    """The train state sharded over the mesh (:func:`remat_kit.training.sharded_train_state`),
+    the batch over dp*fsdp."""
 
     def layout(target: T.Target, names: Any) -> Placement:
         devices = T.make_mesh(mesh, T.compile_devices(target, mesh.num_devices))
@@ -107,8 +96,7 @@ def _residuals(
     program: Program, spec: PolicySpec, placement: Placement, *, config: ModelConfig,
     batch_size: int, seq_len: int,
 ) -> tuple[TagResiduals, ...]:  # fmt: skip
-    """:func:`model_residuals` per device: the batch split over dp*fsdp, tagged heads /
-    kv_heads / d_ff dimensions over tp."""
+    """:func:`model_residuals` per device (batch over dp*fsdp, tagged dimensions over tp)."""
     shape = dict(placement.mesh.shape) if placement.mesh is not None else {}
     split = shape.get("dp", 1) * shape.get("fsdp", 1)
     remat = config.replace(remat_policy=spec)
@@ -119,8 +107,7 @@ def _buffer_names(
     program: Program, rows: Any, placement: Placement, *, config: ModelConfig,
     batch_size: int, seq_len: int,
 ) -> BufferNames:  # fmt: skip
-    """Residual rows stacked over the remat segments ([segments, *row shape]), the
-    parameters' shapes, and the logits."""
+    """Residual rows [segments, *row shape], the parameters' shapes, and the logits."""
     segments = config.num_layers // config.remat_group_size
     stacked: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
     for row in rows:
@@ -136,14 +123,12 @@ def _buffer_names(
 def _saved(
     program: Program, spec: PolicySpec, *, config: ModelConfig, batch_size: int, seq_len: int
 ) -> list[Residual]:
-    """One remat segment's kept values (:func:`block_residuals`): the bundled models repeat
-    one segment, so a policy's effect is read on one."""
+    """One remat segment's kept values (:func:`block_residuals`)."""
     return list(block_residuals(config.replace(remat_policy=spec), batch_size, seq_len))
 
 
 def preset_name(config: ModelConfig) -> str | None:
-    """``config.name`` where ``config`` is that preset up to its remat fields (so
-    ``get_config(name, ...)`` rebuilds it); None for a config of the user's own."""
+    """``config.name`` where ``get_config(name, ...)`` rebuilds ``config``; else None."""
     known = PRESETS.get(config.name)
     if known is None:
         return None
@@ -153,9 +138,8 @@ def preset_name(config: ModelConfig) -> str | None:
 
 
 def nested_groups(config: ModelConfig) -> int | None:
-    """Nested remat's outer group count a search would try (:func:`sqrt_groups`), or None
-    where it does not apply: the config is nested already, not a per-layer scan at group size
-    1, has partial-layer remat, or has no divisor of ``num_layers`` strictly between 1 and L."""
+    """Outer group count for nested remat (:func:`sqrt_groups`), or None where it does not apply
+    (already nested, not a per-layer scan, partial-layer remat, no divisor in (1, L))."""
     ok = config.scan_layers and config.remat_group_size == 1 and not config.layer_structure
     groups = sqrt_groups(config.num_layers)
     return groups if ok and 1 < groups < config.num_layers else None
@@ -178,10 +162,8 @@ def family(
     optimizer: str | optax.GradientTransformation,
     mesh: T.MeshSpec | None,
 ) -> Family:
-    """The preset's family: ``build(batch_size=, seq_len=, **ModelConfig fields)`` makes the
-    same preset with those changed (``remat_group_size``, ``attention``, ``loss_chunk_size``,
-    ``remat_layers``, ``nested_remat``, ``nested_groups``...; ``ValueError`` as
-    :func:`preset` for the new shapes or an unknown field)."""
+    """The preset's family: ``build(batch_size=, seq_len=, **ModelConfig fields)`` (errors as
+    :func:`preset`)."""
 
     def build(**changes: Any) -> Program:
         shape = {k: changes.pop(k) for k in _SHAPE_FIELDS if k in changes}
@@ -246,12 +228,9 @@ def preset(
         :class:`~remat_kit.models.ModelConfig`.
       batch_size: sequences per step (global; on a mesh split over dp*fsdp).
       seq_len: tokens per sequence.
-      optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` (:func:`remat_kit.make_optimizer`) or
-        an optax transformation.
-      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4"`` or a :class:`~remat_kit.targets.MeshSpec`: compile
-        on that many devices of the target, figures per device.
-      changes: model fields changed (``remat_group_size=2``, ``scan_layers=True``: the fields
-        of :class:`~remat_kit.models.ModelConfig`).
+      optimizer: a :func:`remat_kit.make_optimizer` name or an optax transformation.
+      mesh: ``"fsdp=8"`` or a :class:`~remat_kit.targets.MeshSpec`; figures per device.
+      changes: :class:`~remat_kit.models.ModelConfig` fields changed.
 
     Raises:
       ValueError: unknown preset, field or optimizer; ``batch_size`` / ``seq_len`` not positive
@@ -300,9 +279,8 @@ def preset(
 def check_preset(
     model: PresetLike, seq_len: int | None = None, how: str | None = None, **changes: Any
 ) -> PolicySpec | str:
-    """Check, building nothing, that the preset with ``changes`` (as :func:`preset` takes them)
-    exists and holds ``seq_len`` tokens where given (``how``: how the caller's user raises
-    ``max_seq_len``, said in the error).
+    """Check, building nothing, that the preset with ``changes`` exists and holds ``seq_len``
+    (``how``: how the user raises ``max_seq_len``, for the error).
 
     Returns:
       The remat policy the preset is configured with.
@@ -319,32 +297,21 @@ def check_preset(
 def model_residuals(
     config: ModelConfig, batch_size: int, seq_len: int, tp: int = 1
 ) -> tuple[TagResiduals, ...]:
-    """The saved residuals of the whole model under ``config``'s policy, grouped by checkpoint
-    tag, from the jaxpr of one remat segment (:func:`block_residuals`) times
-    the number of segments (``num_layers // remat_group_size``).
+    """The model's saved residuals under ``config``'s policy by tag: one remat segment
+    (:func:`block_residuals`, segment input included) times ``num_layers // remat_group_size``.
 
-    A structured config (``remat_layers``, ``nested_remat`` or ``loss_chunk_size`` set) is not a
-    uniform stack of segments: its rows are the saved values of the whole loss's VJP
-    (:func:`remat_kit.walker.saved_residuals`, parameters and the batch left out), each row's
-    shape the stacked one (e.g. [layers, batch, seq, d_model]).
-
-    Each segment's input (tagged ``decoder_layer_input``) is included: the layer scan keeps it
-    for every segment. Parameters and the positions are not residuals here (they are arguments
-    of the step). Untagged residuals are grouped as ``"<primitive>"``.
+    A structured config (``remat_layers``, ``nested_remat``, ``loss_chunk_size``) reads the whole
+    loss's VJP instead (:func:`remat_kit.walker.saved_residuals`), rows stacked ([layers, batch,
+    seq, d_model]). Untagged residuals are grouped as ``"<primitive>"``.
 
     Args:
-      config: the model and its policy.
-      batch_size: sequences (per device under data parallelism: the caller divides).
-      seq_len: tokens per sequence.
-      tp: tensor-parallel degree: tagged residuals with a heads, kv_heads or d_ff dimension
-        keep ``1/tp`` of it per device (:func:`split_over_tp`); shapes and
-        bytes in the rows are then per device.
+      batch_size: sequences (per device under data parallelism).
+      tp: tensor-parallel degree; rows per device (:func:`split_over_tp`).
 
     Raises:
       ValueError: ``tp`` is not a positive integer.
     """
     if config.layer_structure or config.loss_chunk_size is not None:
-        # Not a uniform stack of segments: the forward's saved values of the whole loss.
         state = abstract_train_state(config, make_optimizer("sgd"))
         whole = saved_residuals(
             lambda p, b: loss_fn(p, config, b), state.params, abstract_batch(batch_size, seq_len)
@@ -374,15 +341,12 @@ def as_program(
     *,
     default_shape: tuple[int, int] | None = None,
 ) -> Program:
-    """The program a tool's ``model`` argument names: a :class:`Program` as
-    it is, a preset name or :class:`~remat_kit.models.ModelConfig` through :func:`preset`.
-    Where the Python entry points read their input; the tools below take a Program only.
+    """A tool's ``model`` argument as a Program (a preset through :func:`preset`);
     ``default_shape``: (batch, seq) for a preset given without them.
 
     Raises:
-      ValueError: shapes, optimizer or mesh given with a Program (it carries its own; the
-        message names them); for a preset, a missing ``batch_size`` / ``seq_len`` and what
-        :func:`preset` raises.
+      ValueError: shapes, optimizer or mesh given with a Program; for a preset, a missing
+        ``batch_size`` / ``seq_len`` and what :func:`preset` raises.
     """
     given = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "mesh": mesh}
     if isinstance(model, Program):
@@ -410,14 +374,8 @@ _DIM_AXES = {
 
 
 def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[Residual]:
-    """Residuals of one remat segment (``remat_group_size`` blocks) under the config's policy.
-
-    The segment is traced on abstract shapes (nothing allocated): input x [batch, seq, d_model]
-    in the compute dtype, parameters from ``jax.eval_shape`` of the block's init. Parameters and
-    the segment input appear as ``argument`` residuals; the input of each later block in the
-    segment is tagged ``decoder_layer_input``. Multiply by ``num_layers // remat_group_size`` for
-    the whole model.
-    """
+    """Residuals of one remat segment under the config's policy, traced on abstract shapes:
+    input x [batch, seq, d_model]; later blocks' inputs tagged ``decoder_layer_input``."""
     x = jax.ShapeDtypeStruct((batch_size, seq_len, config.d_model), config.compute_dtype)
     positions = jnp.arange(seq_len, dtype=jnp.int32)
     group = BlockGroup(config)
@@ -434,34 +392,23 @@ def block_residuals(config: ModelConfig, batch_size: int, seq_len: int) -> list[
 
 
 def tag_axes(tag: str) -> tuple[str, ...] | None:
-    """Logical axes of a tagged tensor, from its shape in
-    :data:`remat_kit.names.CHECKPOINT_SHAPES`: ``tag_axes("query_proj") == ("batch", "seq",
-    "heads", "head_dim")``; None for an unknown tag."""
+    """Logical axes of a tag (:data:`remat_kit.names.CHECKPOINT_SHAPES`); None if unknown."""
     dims = CHECKPOINT_SHAPES.get(tag)
     return None if dims is None else tuple(_DIM_AXES[d] for d in dims)
 
 
 def tp_split_axes() -> frozenset[str]:
-    """Logical axes split over the ``tp`` mesh axis (from :data:`remat_kit.targets.LOGICAL_RULES`:
-    ``heads``, ``kv_heads``, ``mlp``, ``vocab``)."""
+    """Logical axes split over ``tp`` (:data:`remat_kit.targets.LOGICAL_RULES`)."""
     return frozenset(axis for axis, mesh in T.LOGICAL_RULES if mesh == "tp")
 
 
 def split_over_tp(residuals: list[Residual], tp: int) -> list[Residual]:
     """Per-device residuals under ``tp``-way tensor parallelism.
 
-    A tagged residual whose documented shape (:func:`tag_axes`) has an axis that
-    :data:`remat_kit.targets.LOGICAL_RULES` maps to ``tp`` (heads, kv_heads, mlp) keeps
-    ``1/tp`` of that dimension on each device: the projection's weight is split that way and
-    XLA's sharding propagation splits its output (and the saved residual) likewise (Megatron-LM,
-    Shoeybi et al. 2019, arXiv:1909.08053). The ``embed`` rule (fsdp) is a parameter rule only:
-    FSDP all-gathers a layer's weights, and [batch, seq, d_model] activations stay whole on every
-    device. Untagged residuals and those whose rank differs from the documented shape are kept
-    as they are (their axes are not known).
-
-    Args:
-      residuals: from :func:`saved_residuals` (shapes as traced).
-      tp: size of the ``tp`` mesh axis (>= 1).
+    A tagged residual with an axis mapped to ``tp`` (:func:`tag_axes`) keeps ``1/tp`` of it per
+    device, as its projection's weight is split (Megatron-LM, Shoeybi et al. 2019,
+    arXiv:1909.08053); FSDP keeps [batch, seq, d_model] activations whole. Residuals of unknown
+    axes are kept as they are.
 
     Returns:
       The residuals with per-device shapes and ``nbytes``, in the same order.

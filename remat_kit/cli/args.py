@@ -1,9 +1,6 @@
-"""Arguments shared by the ``remat-kit`` commands, defined once, and the parser that turns bad
-input into one line on stderr with exit code 2.
-
-argparse ``type=`` functions wrap the library's own parsers (:mod:`remat_kit.units`,
-:mod:`remat_kit.validation`, :func:`remat_kit.policies.parse_policy_arg`): a ``ValueError``
-becomes ``argparse.ArgumentTypeError`` with the library's one-line message.
+"""Arguments shared by the ``remat-kit`` commands, and a parser that reports bad input as one
+line on stderr with exit code 2 (``type=`` functions wrap the library's parsers:
+:func:`arg_type`).
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ def _batch_or_auto(text: str) -> int | str:
 parse_bytes = arg_type(units.parse_bytes, "size")
 #: argparse type: an integer > 0.
 positive_int = arg_type(_positive, "positive integer")
-#: argparse type: an integer >= 0 (a count that may be zero, such as warm-up steps).
+#: argparse type: an integer >= 0.
 nonnegative_int = arg_type(_nonnegative, "count")
 #: argparse type: a positive integer or ``auto``.
 batch_or_auto = arg_type(_batch_or_auto, "batch")
@@ -85,24 +82,22 @@ policy_arg = arg_type(parse_policy_arg, "policy")
 
 
 def _target(text: str) -> str:
-    """``text`` if it names a compile target (:func:`remat_kit.targets.get_target`, whose
-    one-line error for an unknown name or a TPU generation's unknown size the CLI prints)."""
+    """``text`` if it names a compile target (:func:`remat_kit.targets.get_target`)."""
     from remat_kit import targets
 
     targets.get_target(text)
     return text
 
 
-#: argparse type: a compile target's name, checked (an unknown one in one short line).
+#: argparse type: a compile target's name, checked.
 target_name = arg_type(_target, "target")
 
 
 def add_model(
     p: argparse.ArgumentParser, example: str = "llama3-8b", *, several: bool = False
 ) -> None:
-    """``--model`` (a preset name, or the user's program as ``MODULE:FACTORY`` /
-    ``FILE.py:FACTORY``) and ``--set FIELD=VALUE`` (preset overrides); ``several``: repeatable
-    (a list, one value per grid point: :data:`SEVERAL`)."""
+    """``--model`` (a preset, or ``MODULE:FACTORY`` / ``FILE.py:FACTORY``) and ``--set
+    FIELD=VALUE``; ``several``: repeatable (:data:`SEVERAL`)."""
     p.add_argument(
         "--model",
         required=True,
@@ -119,8 +114,7 @@ def add_model(
 
 
 def add_maxtext(p: argparse.ArgumentParser) -> None:
-    """``--maxtext "KEY=VALUE ..."``: MaxText's own training step for its config with these
-    overrides (:func:`remat_kit.maxtext.maxtext_program`), in place of ``--model``."""
+    """``--maxtext "KEY=VALUE ..."``: MaxText's step (:func:`remat_kit.maxtext.maxtext_program`)."""
     for action in p._actions:  # --model is then one of the two ways to name the program
         if action.dest == "model":
             action.required = False
@@ -157,8 +151,7 @@ def read_maxtext(args: argparse.Namespace, preset_only: Mapping[str, Any] | None
 
 
 def maxtext_policies(program: Any) -> list[Any]:
-    """The policies ``recommend --maxtext`` searches by default: those MaxText's config can set
-    (:func:`remat_kit.maxtext.maxtext_candidates` of the checkpoint names the program emits)."""
+    """``recommend --maxtext``'s default policies (:func:`remat_kit.maxtext.maxtext_candidates`)."""
     from remat_kit.maxtext import maxtext_candidates
     from remat_kit.memory.policy_set import program_tags
 
@@ -166,16 +159,13 @@ def maxtext_policies(program: Any) -> list[Any]:
 
 
 def is_program_ref(model: str | None) -> bool:
-    """True when ``--model`` names a user's program (``MODULE:FACTORY``), not a preset, or is
-    not given (``--maxtext`` names the program)."""
+    """True unless ``--model`` names a preset (None: ``--maxtext`` names the program)."""
     return model is None or ":" in model
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``["d_model=128", "norm=rmsnorm"]`` -> ``{"d_model": 128, "norm": "rmsnorm"}``: command-line
-    ``--set FIELD=VALUE`` overrides of a preset's fields (values read as JSON where they
-    parse, else as strings). Field names and values are checked by
-    :func:`remat_kit.preset`.
+    """``["d_model=128", "norm=rmsnorm"]`` -> ``{"d_model": 128, "norm": "rmsnorm"}`` (values
+    read as JSON where they parse, else strings; checked by :func:`remat_kit.preset`).
 
     Raises:
       ValueError: an item without ``=`` or without a field name.
@@ -193,8 +183,7 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
 
 
 def preset_changes(args: argparse.Namespace, **fixed: Any) -> dict[str, Any]:
-    """The model fields ``--set`` changes, with ``fixed`` fields (as :func:`remat_kit.preset`
-    takes them).
+    """The model fields ``--set`` changes, with ``fixed`` fields.
 
     Raises:
       ValueError: a ``--set`` item without ``=`` or a field name.
@@ -217,29 +206,23 @@ def read_program(
     preset_only: Mapping[str, Any] | None = None,
     **fixed: Any,
 ) -> Program:
-    """The program ``--model`` names: the user's (``MODULE:FACTORY``, loaded) or a preset's
-    (:func:`remat_kit.preset`: ``--set`` overrides and ``fixed`` fields, ``--batch``,
-    ``--seq``, ``--optimizer``, ``mesh``). Where the command line's input becomes the one
-    :class:`~remat_kit.program.Program` every tool takes.
+    """The :class:`~remat_kit.program.Program` ``--model`` names: the user's (loaded) or a
+    preset's (:func:`remat_kit.preset` with ``--set``, ``fixed``, ``--batch``, ``--seq``,
+    ``--optimizer``, ``mesh``).
 
     Args:
       needed: which of ``--batch`` / ``--seq`` a preset requires.
-      mesh: a preset's mesh (per-device figures).
-      preset_only: other flags that apply to presets only -> their values (``{"--per-layer":
-        args.per_layer}``); one given (not None or False) with a program is refused.
+      preset_only: preset-only flags -> values (``{"--per-layer": args.per_layer}``).
 
     Raises:
-      UsageError: ``--batch`` (but ``auto``) / ``--seq`` / ``--set`` or a ``preset_only`` flag
-        given with a program, or a preset missing one of ``needed`` (one line saying which).
-      ValueError: an unknown preset, a program reference that cannot be loaded, shapes the
-        preset refuses (:func:`remat_kit.preset`).
+      UsageError: a preset's flag given with a program, or a preset missing one of ``needed``.
+      ValueError: an unknown preset, a program that cannot be loaded, shapes the preset refuses.
     """
     if getattr(args, "maxtext", None) is not None:
         return read_maxtext(args, preset_only)
     if args.model is None:
         raise UsageError("one of --model or --maxtext is required")
     if is_program_ref(args.model):
-        # --batch auto: recommend's batch search, over the program's family where it has one
         given = [f"--{f}" for f in ("batch", "seq") if getattr(args, f, None) not in (None, "auto")]
         given += [f for f, v in (preset_only or {}).items() if v not in (None, False)]
         if args.overrides:
@@ -275,9 +258,7 @@ SEVERAL = "; repeat for a grid of points (see --out)"
 def add_batch(
     p: argparse.ArgumentParser, preset_default: int | None = None, *, several: bool = False
 ) -> None:
-    """``--batch``: sequences per step (for a preset; a program carries its own arguments);
-    ``preset_default``: what the command uses when it is not given (None: required);
-    ``several``: repeatable (a list)."""
+    """``--batch`` (presets); ``preset_default`` None: required; ``several``: repeatable."""
     what = f"sequences per step (presets; {_for_presets(preset_default)})"
     p.add_argument("--batch", type=positive_int, default=None, help=what + (SEVERAL if several
                    else ""), **({"action": "append"} if several else {}))  # fmt: skip
@@ -286,16 +267,14 @@ def add_batch(
 def add_seq(
     p: argparse.ArgumentParser, preset_default: int | None = None, *, several: bool = False
 ) -> None:
-    """``--seq``: tokens per sequence (for a preset); ``preset_default`` and ``several`` as for
-    :func:`add_batch`."""
+    """``--seq`` (presets); as :func:`add_batch`."""
     what = f"tokens per sequence (presets; {_for_presets(preset_default)})"
     p.add_argument("--seq", type=positive_int, default=None, help=what + (SEVERAL if several
                    else ""), **({"action": "append"} if several else {}))  # fmt: skip
 
 
 def add_target(p: argparse.ArgumentParser, default: str) -> None:
-    """``--target``: a compile target name; ``--slices K``: K of that TPU slice (multi-slice),
-    folded into the target name (``2xv5p-8``) by :func:`resolve_slices`."""
+    """``--target``, and ``--slices K`` (folded in by :func:`resolve_slices`)."""
     p.add_argument(
         "--target",
         type=target_name,

@@ -319,8 +319,8 @@ def check(
     Args:
       model: a preset name or config (:data:`remat_kit.zoo.PresetLike`), or a
         :class:`~remat_kit.program.Program`.
-      batch_size, seq_len: a preset's step shape, tokens [batch_size, seq_len] (default 2, 64);
-        not for a Program.
+      batch_size: a preset's sequences per step (default 2); not for a Program.
+      seq_len: a preset's tokens per sequence (default 64); not for a Program.
       policy: name, spec or mapping; default a preset's ``remat_policy`` (a Program needs one).
       optimizer: a preset's optimizer (default ``adamw``).
 
@@ -357,8 +357,9 @@ def check_function(
       *args: the loss's arguments, as :class:`~remat_kit.Program` takes them.
       policy: a remat-kit policy (name, spec, mapping), a raw ``jax.checkpoint_policies``
         policy, or None (save nothing, as in ``jax.checkpoint``).
-      remat_static_argnums, remat_call_args: ``nn.remat``'s ``static_argnums`` and one call's
-        positional arguments (without ``self``), for :func:`check_remat_static_argnums`.
+      remat_static_argnums: ``nn.remat``'s ``static_argnums``, checked by
+        :func:`check_remat_static_argnums`.
+      remat_call_args: one call's positional arguments (without ``self``), for that check.
       argnums: the arguments to differentiate (default: those whose arrays are all float).
 
     Returns:

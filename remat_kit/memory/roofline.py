@@ -129,7 +129,8 @@ def cross_checked(
     )
 
 
-#: Factor between this model's and XLA's loop-once times beyond which :func:`xla_disagreement` warns.
+#: Factor between this model's and XLA's loop-once times above which
+#: :func:`xla_disagreement` warns.
 XLA_DISAGREEMENT = 2.0
 
 

@@ -8,7 +8,7 @@ cost, in seconds:
             bytes / bandwidth,
             elementwise / elementwise_rate + transcendental / transcendental_rate) + launch_s
 
-``bandwidth`` is the cache's for re-reads within ``cache_bytes`` (:class:`_Reuse`), else device
+``bandwidth`` is the cache's for re-reads within ``cache_bytes`` (:class:`_ReuseModel`), else device
 memory's; transfers and collectives (ring) run at their links, asynchronous ones charged beyond
 what overlaps them. The step time is the sum. Figures: :mod:`remat_kit.memory.calibration`;
 rules and measured error: docs/time-model.md.

@@ -140,14 +140,15 @@ def analyze_model(
     mesh: str | T.MeshSpec | None = None,
 ) -> MemoryReport:
     """The memory of a bundled model's training step (:func:`remat_kit.make_train_step`, state
-    donated) from abstract shapes: :func:`analyze_policies` of :func:`remat_kit.preset`.
+    donated) from abstract shapes: :func:`analyze_policies` of :func:`remat_kit.preset`. Other
+    arguments as :func:`analyze`.
 
     Args:
       config: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`).
-      batch_size, seq_len: sequences per step, tokens per sequence.
+      batch_size: sequences per step.
+      seq_len: tokens per sequence.
       policy: a policy name, :class:`PolicySpec` or mapping; default the config's.
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
-      target, budget_bytes, top_k, fast_compile: as :func:`analyze`.
       mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.targets.MeshSpec`: report
         per device (batch over dp*fsdp, heads / d_ff over tp; a warning when a device does over
         1.1x its even share of the matmuls).
@@ -352,13 +353,13 @@ def analyze_policies(
     no_remat_baseline: bool = True,
 ) -> list[MemoryReport | CompileError]:
     """Compile a program under each policy for ``target`` and report its memory; policies that
-    act the same (:func:`effective_spec`) compile once, sharing ``program_sha256``.
+    act the same (:func:`effective_spec`) compile once, sharing ``program_sha256``. Other
+    arguments as :func:`remat_kit.analyze`.
 
     Args:
       program: a :class:`~remat_kit.program.Program`.
       policies: names, :class:`PolicySpec` or per-tag mappings; None: the default set of
         :func:`~remat_kit.memory.policy_set.policy_set`.
-      target, budget_bytes, top_k, fast_compile: as :func:`remat_kit.analyze`.
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
       raise_errors: False: a failed policy gives its CompileError.
       compare_offload: as :func:`analyze_model`.

@@ -217,7 +217,7 @@ def machine_key() -> dict[str, str]:
 def _best_of(fn: Callable[[], object], runs: int) -> float:
     import jax
 
-    jax.block_until_ready(fn())  # compile + warm
+    jax.block_until_ready(fn())
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()

@@ -1,20 +1,11 @@
 """``analyze``: compile a program's step for a target (nothing allocated) and report its memory.
 
-One path for every program (:class:`~remat_kit.program.Program`: a user's linen, NNX, Equinox or
-plain-JAX step, or a bundled model made one by :func:`remat_kit.preset`): per policy, the step
-is traced once (the trace gives its matmul FLOPs and where its remat regions are, and is then
-lowered), compiled for the target with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`), and
-its ``memory_analysis()``, live-at-peak buffers, timeline and estimated step time read back
-(:mod:`remat_kit.memory.reading`); the residual table comes from the program
-(:func:`~remat_kit.trace.residuals`). Several policies compile concurrently, identical
-programs once, GPU kernels shared (:mod:`remat_kit.memory.runner`); a preset's repeat is read
-from the report cache (:mod:`remat_kit.memory.compile_cache`) without tracing anything.
-
-Without policies, the default set is about the program's own ``checkpoint_name`` tags
-(:func:`~remat_kit.memory.policy_set.policy_set`): the registered policies that act on them,
-and specs in its own tag names. Policies that act the same on the program (equal once cut down
-to the tags it emits) are one program: traced and compiled once, each reported under its own
-name with the same ``MemoryReport.program_sha256``.
+Per policy, a :class:`~remat_kit.program.Program`'s step is traced once (FLOPs, remat
+placement), compiled with XLA's dumps on (:mod:`remat_kit.memory.xla_compile`) and read back
+(:mod:`remat_kit.memory.reading`); residuals come from :func:`~remat_kit.trace.residuals`.
+Compiles run concurrently (:mod:`remat_kit.memory.runner`); repeats come from the report cache
+(:mod:`remat_kit.memory.compile_cache`). The default policy set is
+:func:`~remat_kit.memory.policy_set.policy_set`.
 """
 
 from __future__ import annotations
@@ -90,18 +81,13 @@ def analyze(
 
     Args:
       fn: any jittable function, or a ``jax.jit``-wrapped one (its ``donate_argnums`` kept).
-      *args: real arrays or ``jax.ShapeDtypeStruct`` (pytrees of them); each array leaf is
-        recompiled for ``target`` as a ``ShapeDtypeStruct`` with the target's single-device
-        sharding. ``nnx.Module`` / ``nnx.Optimizer`` arguments (real or from
-        ``nnx.eval_shape``) are split into their state, merged inside the compiled function
-        and their updated state returned (and donated), so a step that mutates them keeps its
-        backward pass and update; their bytes are reported as ``params``, ``opt_state`` and
-        ``other``.
-      target: a name from :func:`remat_kit.targets.target_names` (``local``, ``cpu``,
-        ``h100-sxm``, ...) or a :class:`~remat_kit.targets.Target`.
-      policy: a label for the report (the remat policy ``fn`` uses), if any.
-      name: the report's name (default: ``fn``'s name).
-      donate_argnums: for a plain ``fn``, the arguments donated to the output (aliased).
+      *args: arrays or ``jax.ShapeDtypeStruct`` pytrees, placed on one device of ``target``.
+        ``nnx.Module`` / ``nnx.Optimizer`` arguments are split into state, merged inside and
+        their updated state returned (donated); reported as ``params``, ``opt_state``, ``other``.
+      target: a name from :func:`remat_kit.targets.target_names` or a
+        :class:`~remat_kit.targets.Target`.
+      policy: a label for the report (the remat policy ``fn`` uses).
+      donate_argnums: for a plain ``fn``, the arguments donated to the output.
       budget_bytes: judge ``fits`` against this instead of the target's memory.
       top_k: how many of the largest buffers live at the peak to keep.
       fast_compile: skip LLVM/ptxas optimisation (same memory figures, faster compile).
@@ -153,37 +139,24 @@ def analyze_model(
     compare_offload: bool = True,
     mesh: str | T.MeshSpec | None = None,
 ) -> MemoryReport:
-    """Report the memory of a whole training step of a bundled model, from abstract shapes only:
-    :func:`analyze_policies` of :func:`remat_kit.preset` under one policy.
-
-    The step is :func:`remat_kit.make_train_step`: forward, backward under ``policy``, optax
-    update; the train state (parameters, optimizer state, step) is donated, so the update is in
-    place as in a real loop. Parameters and optimizer state are ``jax.eval_shape`` shapes: the
-    model is never allocated, and a 70B model can be analysed for an 8-GPU target on a laptop.
+    """The memory of a bundled model's training step (:func:`remat_kit.make_train_step`, state
+    donated) from abstract shapes: :func:`analyze_policies` of :func:`remat_kit.preset`. Other
+    arguments as :func:`analyze`.
 
     Args:
       config: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`).
-      batch_size: sequences per step (b).
-      seq_len: tokens per sequence (s).
-      policy: a policy name, :class:`PolicySpec` or custom mapping; default the config's.
-      target: where to compile (see :func:`analyze`).
+      batch_size: sequences per step.
+      seq_len: tokens per sequence.
+      policy: a policy name, :class:`PolicySpec` or mapping; default the config's.
       optimizer: ``"adamw"``, ``"sgd"``, ``"adafactor"`` or an optax transformation.
-      budget_bytes: as :func:`analyze`.
-      top_k: as :func:`analyze`.
-      fast_compile: as :func:`analyze`.
-      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.targets.MeshSpec`:
-        compile for that many devices of the target and report per device: arguments and
-        peak; the residual table (batch split over dp*fsdp, heads / kv_heads / d_ff dimensions
-        of tagged residuals over tp); ``flops`` and ``flops_no_remat`` (the compiled step's
-        matmuls less the recomputed ones: work XLA replicates over the mesh is in both, and a
-        warning says when a device does over 1.1x its even share).
-      compare_offload: for an offloading policy on a target where offload is real, also
-        compile the same policy keeping those tensors on device, and report its peak
-        (``peak_bytes_without_offload``): whether offloading helped is measured, not assumed.
+      mesh: ``"fsdp=8"``, ``"dp=2,fsdp=4,tp=1"`` or a :class:`remat_kit.targets.MeshSpec`: report
+        per device (batch over dp*fsdp, heads / d_ff over tp; a warning when a device does over
+        1.1x its even share of the matmuls).
+      compare_offload: also compile an offloading policy without offload
+        (``peak_bytes_without_offload``).
 
     Returns:
-      A :class:`MemoryReport` with the residual table, the logits line, and the recompute ratio
-      (compiled matmul FLOPs over those of the same step traced without remat).
+      A :class:`MemoryReport` with residuals, logits line and recompute ratio.
 
     Raises:
       ValueError: unknown preset, policy, target or optimizer; non-positive batch or sequence;
@@ -212,9 +185,7 @@ class _ProgramSetup:
 
 
 def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
-    """``spec`` as it acts on a program emitting ``tags``: a name-based spec's saved and
-    offloaded names cut down to the emitted ones (the others select nothing, so the step is the
-    same program)."""
+    """``spec`` with its saved and offloaded names cut down to the emitted ``tags``."""
     if spec.base != "names" or spec.tags <= tags:
         return spec
     return dataclasses.replace(spec, save=spec.save & tags, offload=spec.offload & tags)
@@ -226,9 +197,8 @@ def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
 
 
 def remat_placement(jaxpr: Any) -> RematPlacement:
-    """Where the remat regions (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``: the
-    ``remat`` primitive) of a step's jaxpr are: inside a ``scan`` / ``while`` body or not, and
-    how many of those outside one have ``prevent_cse=False``."""
+    """Counts of a jaxpr's ``remat`` regions inside / outside a loop body, and of those outside
+    with ``prevent_cse=False``."""
     counts = {"inside": 0, "outside": 0, "no_cse": 0, "around_loop": 0}
 
     def visit(j: Any, in_loop: bool) -> None:
@@ -303,14 +273,11 @@ def _hints(program: Program, rows: Sequence[TagResiduals], placement: Placement)
 
 
 def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tuple[Pure, Any]:
-    """The program's step under ``spec`` (its one trace: :meth:`Program.step`), jitted with
-    its donated arguments and traced on its arguments as ``placement`` places them: the
-    ``jax.stages.Traced`` every analysis compile lowers, and the sweep's run of it too (the same
-    lowered program, so one compile serves both).
+    """The program's step under ``spec`` (:meth:`Program.step`), jitted and traced on its
+    placed arguments: the ``jax.stages.Traced`` that analysis and sweep both lower.
 
     Raises:
-      Exception: whatever tracing the program's step raises (its own code, or JAX on its
-        arguments).
+      Exception: whatever tracing the program's step raises.
     """
     pure = program.step(spec)
     fixed = {} if placement.out_shardings is None else {"out_shardings": placement.out_shardings}
@@ -385,35 +352,27 @@ def analyze_policies(
     policy_alone_peak: bool = False,
     no_remat_baseline: bool = True,
 ) -> list[MemoryReport | CompileError]:
-    """Compile a program under each policy for ``target`` and report its memory. Policies
-    that act the same on the program (:func:`effective_spec`) are compiled once, each reported
-    under its own name with the same ``program_sha256``.
+    """Compile a program under each policy for ``target`` and report its memory; policies that
+    act the same (:func:`effective_spec`) compile once, sharing ``program_sha256``. Other
+    arguments as :func:`remat_kit.analyze`.
 
     Args:
-      program: a :class:`~remat_kit.program.Program` (``Program.from_loss`` / ``from_step``,
-        or ``remat_kit.preset("llama3-8b", 1, 8192)``).
+      program: a :class:`~remat_kit.program.Program`.
       policies: names, :class:`PolicySpec` or per-tag mappings; None: the default set of
-        :func:`~remat_kit.memory.policy_set.policy_set` (its notes say what it leaves out).
-      target: the compile target, as :func:`remat_kit.analyze`.
-      budget_bytes: the budget ``fits`` is judged against, as :func:`remat_kit.analyze`.
-      top_k: the largest buffers at the peak to keep, as :func:`remat_kit.analyze`.
-      fast_compile: code-generation-only compiler options, as :func:`remat_kit.analyze`.
+        :func:`~remat_kit.memory.policy_set.policy_set`.
       workers: concurrent compiles (default ``min(4, cpu_count - 1)``).
-      raise_errors: False: a policy that fails to lower or compile gives its CompileError.
-      compare_offload: also compile each offloading policy with its tags kept on device, where
-        the target offloads (``peak_bytes_without_offload``).
-      strict_tags: raise on a user spec naming a tag the program never emits (False: compile).
-      engine: the :class:`~remat_kit.memory.runner.CompileEngine` to use (None: a new one).
-      policy_alone_peak: where XLA's own remat pass changed a policy's program, compile it
-        again with the pass off (``policy_only.peak_bytes``).
-      no_remat_baseline: without ``no-remat`` among the policies, compile it unseen too, so a
-        policy whose fewer residuals free no memory is warned of
-        (:func:`remat_kit.memory.undone.memory_not_freed`); False: only those given.
+      raise_errors: False: a failed policy gives its CompileError.
+      compare_offload: as :func:`analyze_model`.
+      strict_tags: raise on a user spec naming a tag the program never emits.
+      engine: the :class:`~remat_kit.memory.runner.CompileEngine` (None: a new one).
+      policy_alone_peak: recompile with XLA's remat pass off where it acted
+        (``policy_only.peak_bytes``).
+      no_remat_baseline: also compile ``no-remat`` unseen, for
+        :func:`remat_kit.memory.undone.memory_not_freed`.
 
     Returns:
-      One :class:`MemoryReport` per policy (peak, host bytes, residuals by tag with a loss,
-      recompute ratio, buffers at peak); policies that compiled to one program for no reason
-      known before compiling say so (:func:`~remat_kit.memory.report.same_program_lines`).
+      One :class:`MemoryReport` per policy (or CompileError); same-program warnings from
+      :func:`~remat_kit.memory.report.same_program_lines`.
 
     Raises:
       ValueError: unknown policy or target; a user spec naming a tag the program never emits;

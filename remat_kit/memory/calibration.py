@@ -1,9 +1,6 @@
-"""The device figures the roofline needs (:class:`DeviceFigures`: peak FLOP/s per dtype, memory,
-cache and host-link bandwidth, launch cost), from the target's datasheet
-(:class:`~remat_kit.targets.Target`, cited there) or, for the local device, timed by
-:func:`calibrate` (a few micro-kernels through JAX, cached per machine under :func:`cache_dir`;
-``refresh=True`` times again), with the machine's load while timed (:class:`Calibration`).
-docs/time-model.md gives the figures and their sources.
+"""The roofline's :class:`DeviceFigures`, from the target's datasheet
+(:class:`~remat_kit.targets.Target`, cited there) or timed on the local device by
+:func:`calibrate` (cached per machine). Figures and sources: docs/time-model.md.
 """
 
 from __future__ import annotations
@@ -24,26 +21,22 @@ from remat_kit import files
 from remat_kit import targets as T
 from remat_kit.memory import compile_cache
 
-#: Smallest allocation whose pages are faulted in anew at every step on a CPU: glibc serves
-#: requests at or above its mmap threshold, whose dynamic ceiling is 32 MiB on 64-bit systems,
-#: with a fresh mmap (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX); docs/time-model.md.
+#: Bytes from which glibc allocates with a fresh mmap, faulted in at every step (its dynamic
+#: mmap threshold ceiling on 64-bit; mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX).
 FRESH_ALLOCATION_MIN_BYTES = 32 * 2**20
 
-#: Runs of the fresh-output kernel a calibration keeps the best of (the most variable figure;
-#: ``experiments/bench_page_faults.py``).
+#: Runs of the fresh-output kernel, best kept (``experiments/bench_page_faults.py``).
 FRESH_RUNS = 9
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The state of the machine while the local device's figures were timed (:func:`calibrate`).
+    """The machine's load while :func:`calibrate` timed.
 
     Attributes:
-      others_share: the share of the machine's cores (0 to 1) other processes kept busy
-        meanwhile (:func:`others_share`); None where it could not be read.
-      load_average: the 1-minute load average when the timing ended; None where unknown.
-      contended: ``others_share`` above :data:`CONTENDED_SHARE` (or, unknown, the load average
-        above the core count): the figures are below an idle machine's.
+      others_share: share of cores (0 to 1) other processes kept busy (None: unread).
+      load_average: 1-minute load average at the end (None: unknown).
+      contended: ``others_share`` above :data:`CONTENDED_SHARE`: figures below an idle machine's.
     """
 
     others_share: float | None
@@ -56,20 +49,13 @@ class DeviceFigures:
     """What the roofline needs to know about one device. Rates per second, sizes in bytes.
 
     Attributes:
-      name: the target or machine these figures describe.
-      peak_flops: matmul peak FLOP/s by operand dtype (``"bf16"``, ``"f32"``); a dtype absent
-        here uses the ``"f32"`` figure.
-      memory_bytes_per_s: device-memory bandwidth (HBM; DRAM for a CPU).
-      cache_bytes: capacity of the cache that serves re-reads (GPU L2, CPU last-level cache);
-        0 to switch the reuse model off.
-      cache_bytes_per_s: bandwidth of that cache.
-      elementwise_per_s: elementwise operations per second (FP32 lanes x clock).
-      transcendental_per_s: transcendental operations per second (special-function units).
-      launch_s: fixed cost of one kernel.
-      host_link_bytes_per_s: host<->device bandwidth per direction, None if there is none.
-      interconnect_bytes_per_s: device<->device bandwidth per direction, None if unknown.
-      source: where each figure comes from (datasheet, or the calibration and when it ran).
-      measured: True when the figures were timed on this machine (calibration).
+      peak_flops: matmul peak FLOP/s by operand dtype (absent dtypes use ``"f32"``).
+      memory_bytes_per_s: HBM (CPU: DRAM) bandwidth.
+      cache_bytes: the re-read cache (GPU L2, CPU LLC); 0 turns the reuse model off.
+      elementwise_per_s: FP32 lanes x clock. transcendental_per_s: special-function units.
+      launch_s: seconds per kernel.
+      host_link_bytes_per_s, interconnect_bytes_per_s: per direction, None if none or unknown.
+      source: where each figure comes from. measured: timed on this machine.
     """
 
     name: str
@@ -84,72 +70,56 @@ class DeviceFigures:
     interconnect_bytes_per_s: float | None
     source: str
     measured: bool = False
-    #: Bytes/s at which a step's freshly allocated buffers are faulted in (XLA:CPU allocates
-    #: temp and outputs at each execution); None where buffers are reused (GPU, TPU).
+    #: Bytes/s of faulting in fresh buffers (XLA:CPU); None where buffers are reused.
     fresh_bytes_per_s: float | None = None
-    #: FLOP/s of a matmul with batch dimensions (attention's per-head ``Q @ K^T``, ``P @ V``)
-    #: by operand dtype, from the calibration; None: at :attr:`peak_flops` (datasheets).
+    #: FLOP/s of batched matmuls (attention's ``Q @ K^T``, ``P @ V``); None: :attr:`peak_flops`.
     batched_flops: dict[str, float] | None = None
     #: The machine's state while calibrated figures were timed; None for datasheet figures.
     calibration: Calibration | None = None
-    #: Streaming multiprocessors a GPU spreads a matmul's output tiles over (wave and tile
-    #: quantization, :func:`~remat_kit.memory.roofline.gemm_efficiency`); 0 where matmuls are
-    #: not costed by tiles.
+    #: SMs for :func:`~remat_kit.memory.roofline.gemm_efficiency`; 0: no tile costing.
     sm_count: int = 0
     #: Devices joined by :attr:`interconnect_bytes_per_s` (a GPU node); None: any number.
     node_size: int | None = None
     #: Per-device bytes/s between nodes (a GPU's NIC), None where unknown.
     network_bytes_per_s: float | None = None
-    #: FLOP/s of a fused attention call (cuDNN flash attention) by operand dtype; None: at
-    #: :attr:`peak_flops`.
+    #: FLOP/s of fused (cuDNN flash) attention; None: :attr:`peak_flops`.
     attention_flops: dict[str, float] | None = None
 
     def matmul_peak(self, dtype: str, batched: bool = False) -> float:
-        """FLOP/s of a matmul whose operands are ``dtype``; ``batched``: one with batch
-        dimensions (:attr:`batched_flops` where known)."""
+        """Matmul FLOP/s for ``dtype`` operands (``batched``: :attr:`batched_flops`)."""
         if batched and self.batched_flops:
             return self.batched_flops.get(dtype) or self.batched_flops["f32"]
         return self.peak_flops.get(dtype) or self.peak_flops["f32"]
 
 
-#: Environment variable naming a calibration file (the JSON :func:`calibrate` writes) to use
-#: instead of timing this machine: figures timed on a quiet machine, or fixed ones for tests.
+#: Environment variable naming a calibration file (:func:`calibrate`'s JSON) to use as is.
 CALIBRATION_ENV = "REMAT_KIT_CALIBRATION"
 
-#: Version of the calibration's file format and micro-kernels (a change re-times): 5 records
-#: the machine's load as fields (:class:`Calibration`).
+#: Version of the calibration format and micro-kernels (a change re-times).
 CALIBRATION_VERSION = 5
 
 #: Issue rate of the special-function units per SM per clock for 32-bit transcendental
 #: instructions on compute capability 8.x and 9.0 (CUDA C++ Programming Guide, "Arithmetic
 #: Instructions" throughput table).
 _SFU_PER_SM_PER_CLOCK = 16
-#: Launch cost of one GPU kernel: a few microseconds back to back (NVIDIA Developer Blog,
-#: "Getting Started with CUDA Graphs", 2019, measured ~3 us per short kernel without graphs).
-#: An assumption until the GPU check calibrates it on a real H200.
+#: GPU kernel launch, seconds: ~3 us per short kernel without graphs (NVIDIA Developer Blog,
+#: "Getting Started with CUDA Graphs", 2019); an assumption until calibrated on a GPU.
 GPU_LAUNCH_S = 3e-6
-#: Fixed cost per HLO kernel on a TPU, where the whole step runs as one program on the chip
-#: (no host launch per kernel): an assumption of 1 us (pipeline fill and sync between fused
-#: ops), no published figure.
+#: Seconds per HLO kernel on a TPU (one program on chip, no host launch): assumed, unpublished.
 TPU_OP_S = 1e-6
 
 
 def cache_dir() -> Path:
-    """remat-kit's cache folder (:func:`remat_kit.memory.compile_cache.default_folder`:
-    ``$REMAT_KIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/remat-kit``, else ``~/.cache/remat-kit``);
-    calibrations go in its ``calibration/`` folder."""
+    """:func:`remat_kit.memory.compile_cache.default_folder`; calibrations in ``calibration/``."""
     return compile_cache.default_folder()
 
 
 def datasheet_figures(target: T.Target) -> DeviceFigures | None:
-    """Figures of a GPU or TPU target from its vendor figures; None where the target lacks a
-    peak FLOP/s or memory bandwidth (the CPU, an unknown local device).
+    """A GPU or TPU target's datasheet figures; None without peak FLOP/s or bandwidth.
 
-    Elementwise rate: FP32 lanes x SMs x boost clock (one operation per lane per clock);
-    transcendental rate: 16 per SM per clock (see :data:`_SFU_PER_SM_PER_CLOCK`). The GPU's L2
-    bandwidth is not published: every byte is costed at HBM bandwidth (``cache_bytes=0``).
-    A TPU target without a ``gpu`` spec takes its vector rate as a tenth of its matmul peak
-    (its VPU's share; an assumption, stated in ``source``).
+    Elementwise: FP32 lanes x SMs x boost clock; transcendental: :data:`_SFU_PER_SM_PER_CLOCK`.
+    L2 bandwidth is unpublished, so ``cache_bytes=0``. A TPU's vector rate is assumed a tenth
+    of its matmul peak (stated in ``source``).
     """
     if not target.peak_flops_bf16 or not target.hbm_bytes_per_s:
         return None
@@ -247,7 +217,7 @@ def machine_key() -> dict[str, str]:
 def _best_of(fn: Callable[[], object], runs: int) -> float:
     import jax
 
-    jax.block_until_ready(fn())  # compile + warm
+    jax.block_until_ready(fn())
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -257,10 +227,7 @@ def _best_of(fn: Callable[[], object], runs: int) -> float:
 
 
 def measure(runs: int = 5) -> dict[str, float]:
-    """Time the micro-kernels on JAX's default device (docs/time-model.md, "Device figures").
-
-    Returns rates per second, ``cache_bytes`` and ``launch_s``.
-    """
+    """Time the micro-kernels on JAX's default device (docs/time-model.md, "Device figures")."""
     out = _measure_matmuls(runs)
     out.update(_measure_memory(runs))
     out["launch_s"] = _measure_launch(runs)
@@ -304,9 +271,7 @@ def _measure_memory(runs: int) -> dict[str, float]:
     nbytes = 256 * 2**20
     state = {"x": jnp.ones((nbytes // 4,), jnp.float32)}
     axpb = jax.jit(lambda x: x * 1.0001 + 0.5)
-    # Faulting pages in is the most variable figure on a virtual machine, and a step's faults,
-    # spread among its compute, cost what the undisturbed runs cost: the best of FRESH_RUNS,
-    # not of two.
+    # The most variable figure on a VM: best of FRESH_RUNS.
     t_fresh = _best_of(lambda: axpb(state["x"]), max(FRESH_RUNS, runs))
     # The same in place (the input donated): no fresh output buffer to fault in.
     inplace = jax.jit(lambda x: x * 1.0001 + 0.5, donate_argnums=0)
@@ -319,19 +284,16 @@ def _measure_memory(runs: int) -> dict[str, float]:
     state.clear()
     return {
         "memory_bytes_per_s": 2 * nbytes / t_inplace,
-        # What a fresh 256 MiB output costs beyond the same work in place: faulting its pages in.
         "fresh_bytes_per_s": nbytes / max(t_fresh - t_inplace, 1e-9),
     }
 
 
 def _measure_launch(runs: int) -> float:
-    """Seconds to launch one kernel: a loop of 2,000 iterations of two tiny kernels against
-    one iteration."""
+    """Seconds per kernel launch: 2,000 loop iterations of two tiny kernels against one."""
     import jax
     import jax.numpy as jnp
 
-    # Launch: a loop whose body is two tiny kernels (an [8, 8] matmul and an add), so each
-    # iteration dispatches real kernels (XLA compiles a purely elementwise loop into one).
+    # A matmul in the body: XLA would fuse a purely elementwise loop into one kernel.
     def tiny_loop(k):
         def body(i, v):
             return jnp.tanh(v @ v) + 0.5
@@ -401,20 +363,16 @@ def _last_level_cache_bytes() -> int | None:
 #: Held while a calibration is read or timed: two timed at once would each see a loaded machine.
 _CALIBRATING = threading.Lock()
 
-#: Above this share of the machine's cores taken by other processes while the micro-kernels
-#: ran, a calibration is *contended*: its rates are too low and every estimate too high
+#: Share of cores other processes used above which a calibration is *contended*
 #: (docs/time-model.md, "Device figures").
 CONTENDED_SHARE = 0.25
-#: A contended calibration in the cache is timed again when asked for this long after it was
-#: last timed (seconds), and the quieter of the two is kept: a busy machine is not re-timed at
-#: every ask, a quiet one replaces the figures taken beside other work.
+#: Seconds after which a contended calibration is re-timed when asked; the quieter is kept.
 RETIME_AFTER_S = 600.0
 
 
 def _busy_cpu_s() -> float | None:
-    """CPU seconds every process on the machine has spent busy since boot (``/proc/stat``: user,
-    nice, system, irq, softirq and steal, the time a hypervisor gave other guests); None where
-    there is no ``/proc/stat``."""
+    """Busy CPU seconds of the whole machine since boot (``/proc/stat`` user, nice, system, irq,
+    softirq, steal); None without ``/proc/stat``."""
     try:
         first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
         ticks = [int(x) for x in first[1:9]]
@@ -425,10 +383,8 @@ def _busy_cpu_s() -> float | None:
 
 
 def others_share(fn: Callable[[], Any]) -> tuple[Any, float | None]:
-    """``fn()`` and the share of the machine's cores (0 to 1) that other processes kept busy
-    while it ran: the busy CPU time of the whole machine (:func:`_busy_cpu_s`) less this
-    process's own (``time.process_time``), over the wall time times ``os.cpu_count()``. None
-    where the machine's busy time cannot be read."""
+    """``fn()`` and the share of cores (0 to 1) other processes kept busy meanwhile: machine busy
+    time less this process's, over wall time x ``os.cpu_count()`` (None: unreadable)."""
     busy0, own0, t0 = _busy_cpu_s(), time.process_time(), time.perf_counter()
     out = fn()
     busy1, own1, wall = _busy_cpu_s(), time.process_time(), time.perf_counter() - t0
@@ -439,29 +395,23 @@ def others_share(fn: Callable[[], Any]) -> tuple[Any, float | None]:
 
 
 def calibrate(refresh: bool = False, runs: int = 5) -> DeviceFigures:
-    """Figures for JAX's default device, timed here once per machine and cached.
-
-    A calibration timed while other processes kept more than :data:`CONTENDED_SHARE` of the
-    cores busy is said so in ``source`` and timed again when asked for :data:`RETIME_AFTER_S`
-    later; the quieter of the two is kept.
+    """Figures for JAX's default device, timed once per machine and cached; a contended one
+    (:data:`CONTENDED_SHARE`) is re-timed after :data:`RETIME_AFTER_S`.
 
     Args:
-      refresh: time again even when a cached calibration exists.
+      refresh: time again even when cached.
       runs: timed runs per micro-kernel (the best is kept).
 
     Returns:
-      :class:`DeviceFigures` with ``measured=True``; ``source`` names the machine, the date
-      the figures were timed, the share of the cores other processes used meanwhile and the
-      load average.
+      :class:`DeviceFigures` (``measured=True``; ``source`` names machine, date and load).
     """
     with _CALIBRATING:  # threads asking at once: one times the machine, the others read it
         return _calibrate(refresh, runs)
 
 
 def _others_share_of(data: dict[str, Any]) -> float | None:
-    """The share of the cores other processes used while ``data``'s figures were timed; where
-    it was not read, 1.0 when the load average exceeded the core count (other work certain:
-    the calibration's own kernels hold at most every core), else None."""
+    """``data``'s others' share of cores; unread: 1.0 if the load average exceeded the cores,
+    else None."""
     share = data.get("others_share")
     if share is not None:
         return float(share)
@@ -497,11 +447,8 @@ def _calibrate(refresh: bool, runs: int) -> DeviceFigures:
 
 @contextlib.contextmanager
 def pinned_calibration(path: str | Path) -> Iterator[None]:
-    """Within the ``with``, every calibration of this process and of the processes it starts is
-    the one in ``path``, so a long run (a sweep) prices all its rows with one set of figures.
-    ``path`` is kept when it holds this machine's calibration (a resumed run); otherwise the cached
-    calibration (timed now if there is none) is written there. Nothing is pinned when
-    :data:`CALIBRATION_ENV` already names a file."""
+    """Within the ``with``, this process and its children use the calibration in ``path`` (kept
+    if it is this machine's, else written from the cache), unless :data:`CALIBRATION_ENV` is set."""
     if os.environ.get(CALIBRATION_ENV):
         yield
         return
@@ -591,9 +538,8 @@ def _figures_of(data: dict[str, Any], key: dict[str, str]) -> DeviceFigures:
 
 
 def device_figures(target: T.Target) -> DeviceFigures | None:
-    """The figures the time model uses for ``target``: the datasheet's for a GPU or TPU model
-    compiled deviceless, the calibration's for the local device (a local GPU of a known model too).
-    None when neither is available (a CPU target while JAX's default device is not a CPU)."""
+    """``target``'s datasheet figures (deviceless GPU/TPU) or the local calibration; None when
+    neither is available."""
     import jax
 
     if not target.deviceless and target.platform == jax.devices()[0].platform:
@@ -605,8 +551,7 @@ def figures_for(target: T.Target) -> DeviceFigures:
     """The device figures to time steps on ``target`` with (datasheet or calibration), or an error.
 
     Raises:
-      ValueError: the target has no figures (no peak FLOP/s or bandwidth, and it is not the
-        local device, which would be calibrated).
+      ValueError: the target has no figures and is not the local device.
     """
     figures = device_figures(target)
     if figures is None:

@@ -1,20 +1,10 @@
 """A persistent on-disk cache of compiles: a repeated analysis reads it instead of compiling.
 
-What is kept is the compile's *artifacts*, not a finished report: XLA's optimized HLO text, the
-live-range, buffer-assignment and memory-usage dumps, the ``memory_analysis()`` fields, the
-compiler's log lines and its wall seconds, so every reader of a compile reads a hit as it reads
-a fresh compile; only the executable is missing (:class:`CachedExecutable` answers
-``memory_analysis()`` and ``as_text()``, and refuses to run).
-
-Key (sha256, :meth:`CompileCache.key`): the lowered StableHLO with each location reduced to its
-name (:func:`canonical_locations`), the whole target (and a GPU model's ``GpuTargetConfig``
-text), the compiler options less dump paths, ``XLA_FLAGS`` / ``LIBTPU_INIT_ARGS``, the jax,
-jaxlib and plugin versions, and :data:`FORMAT_VERSION`. Where: ``$REMAT_KIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/remat-kit``, else ``~/.cache/remat-kit``; one gzip JSON file per compile.
-Off: ``REMAT_KIT_NO_CACHE=1``. At most ``$REMAT_KIT_CACHE_MAX_BYTES`` (bytes, default
-:data:`DEFAULT_MAX_BYTES`), least recently used evicted first. Safe to delete at any time: a
-missing or unreadable entry is a miss. Why each key part, and the settings: docs/performance.md
-("The compile cache").
+It keeps a compile's artifacts (optimized HLO, dumps, ``memory_analysis()`` fields, log lines,
+seconds), read back as a fresh compile is; :class:`CachedExecutable` cannot run. Key:
+:meth:`CompileCache.key`. One gzip JSON file per compile in :func:`default_folder`; off with
+``REMAT_KIT_NO_CACHE=1``; LRU within ``$REMAT_KIT_CACHE_MAX_BYTES`` (default
+:data:`DEFAULT_MAX_BYTES`). Key parts and settings: docs/performance.md ("The compile cache").
 """
 
 from __future__ import annotations
@@ -67,10 +57,8 @@ _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
 def _loc_name(body: str, aliases: Mapping[str, str], depth: int = 0) -> str:
-    """The name of a location body: ``"jit(f)/dot"(...)`` (a NameLoc: what becomes the HLO
-    op_name the readers use) -> ``jit(f)/dot``, an alias ``#loc3`` resolved; "" for a file
-    position, a call-site chain, ``unknown`` or anything else (only XLA's source-line and
-    stack-frame metadata come from those, which no reader uses)."""
+    """A location body's NameLoc (``"jit(f)/dot"(...)`` -> ``jit(f)/dot``, aliases resolved);
+    "" for anything else (file positions, call sites: no reader uses them)."""
     body = body.strip()
     if body.startswith("#loc") and depth < 64:
         return _loc_name(aliases.get(body[1:], ""), aliases, depth + 1)
@@ -81,11 +69,8 @@ def _loc_name(body: str, aliases: Mapping[str, str], depth: int = 0) -> str:
 
 
 def canonical_locations(text: str) -> str:
-    """``text`` (StableHLO with debug info) with every location reduced to its name: the alias
-    definitions dropped and each ``loc(...)`` written ``loc["name"]``. Two lowerings of one
-    program then read the same whether they were traced from another line, another function or
-    another tool (alias numbers, file positions and call-site chains differ), while op names,
-    which reach the optimized HLO's ``op_name`` metadata, still tell programs apart."""
+    """StableHLO ``text`` with each ``loc(...)`` written ``loc["name"]`` and alias definitions
+    dropped: one program traced from anywhere reads the same; op names still differ."""
     aliases = {name: body for name, body in _LOC_DEF.findall(text)}
     body = _LOC_DEF.sub("", text)
     out, i = [], 0
@@ -143,8 +128,7 @@ def compiler_versions() -> str:
 
 
 def canonical(value: Any) -> str:
-    """A text for ``value`` that is the same in every process: dataclasses by their fields,
-    sets sorted (a ``repr`` of a frozenset of strings follows the process's hash seed)."""
+    """A ``repr`` of ``value`` independent of the hash seed (sets sorted)."""
 
     def walk(v: Any) -> Any:
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -163,8 +147,7 @@ def canonical(value: Any) -> str:
 
 @functools.cache
 def source_fingerprint() -> str:
-    """The sha256 of remat-kit's own Python source (every ``.py`` file of the package): the
-    bundled models, train step and readers that make a report are all in it."""
+    """The sha256 of every ``.py`` file of remat-kit."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -174,11 +157,8 @@ def source_fingerprint() -> str:
 
 
 def target_fingerprint(target: T.Target) -> str:
-    """What of ``target`` the compiler sees: the whole dataclass, the ``GpuTargetConfig`` text of
-    a deviceless GPU model, or the local backend's platform version and device kinds. Every
-    CPU target (``cpu``; ``local`` on a machine without an accelerator) compiles on the one CPU
-    backend: one fingerprint, so ``analyze`` (``local``) and ``recommend --target cpu`` share
-    their compiles."""
+    """What of ``target`` the compiler sees (dataclass, ``GpuTargetConfig`` text, or the local
+    backend's version and device kinds); every CPU target shares one fingerprint."""
     if T.compile_identity(target) == "cpu":
         import jax
 
@@ -199,8 +179,7 @@ def target_fingerprint(target: T.Target) -> str:
 
 
 class CachedExecutable:
-    """Stands in for a ``jax.stages.Compiled`` read from the cache: ``memory_analysis()`` and
-    ``as_text()`` (the optimized HLO) as the compile gave them; it cannot run."""
+    """A cached ``jax.stages.Compiled``: ``memory_analysis()`` and ``as_text()`` only."""
 
     def __init__(
         self,
@@ -228,10 +207,8 @@ class CachedExecutable:
 
 
 def cost_fields(compiled: Any) -> dict[str, float] | None:
-    """XLA's own cost analysis of a compile (``compiled.cost_analysis()``): its whole-module
-    figures (``flops``, ``bytes accessed``, ``transcendentals``, ``optimal_seconds``), each
-    ``while`` body counted once; None where the backend gives none (deviceless GPU compiles:
-    "GetCostAnalysis is not supported"; the TPU compiler answers deviceless)."""
+    """``compiled.cost_analysis()``'s ``flops``, ``bytes accessed``, ``transcendentals`` and
+    ``optimal_seconds`` (loop bodies once); None where not supported (deviceless GPU)."""
     try:
         cost = compiled.cost_analysis()
     except Exception:  # noqa: BLE001 - a backend without it raises its own error types
@@ -259,14 +236,9 @@ def _memory_fields(compiled: Any) -> dict[str, Any] | None:
 
 
 def kernel_cache_file(target: T.Target, folder: Path | None) -> Path | None:
-    """Where XLA's GPU kernel cache (``xla_gpu_kernel_cache_file``: compiled kernels by fusion)
-    for a deviceless GPU ``target`` is kept between runs: ``$REMAT_KIT_KERNEL_CACHE_DIR``, else
-    ``folder/kernels`` (``folder``: the compile cache's; None when the cache is off: nothing is
-    kept), one file per target, compiler versions and ``XLA_FLAGS``. None for any other target
-    (a local GPU runs its kernels: only a file of its own compiles may reach it).
-
-    Kernels change no figure: the HLO passes, the schedule and buffer assignment come before
-    code generation, which the file only shortens (docs/performance.md).
+    """The kept ``xla_gpu_kernel_cache_file`` of a deviceless GPU ``target``
+    (``$REMAT_KIT_KERNEL_CACHE_DIR`` or ``folder/kernels``; per target, versions, ``XLA_FLAGS``);
+    None otherwise. Changes no figure (docs/performance.md).
     """
     root = Path(os.environ[ENV_KERNELS]) if os.environ.get(ENV_KERNELS) else None
     if root is None and folder is not None:
@@ -279,10 +251,8 @@ def kernel_cache_file(target: T.Target, folder: Path | None) -> Path | None:
 
 
 def keep_kernels(source: Path, dest: Path) -> None:
-    """Write the kernel-cache file ``source`` to ``dest`` when it holds more than ``dest`` does
-    and at most :data:`KERNEL_CACHE_MAX_BYTES`: written beside and renamed, so another process
-    reading ``dest`` never sees a torn file (the last writer wins; a kernel lost that way is
-    compiled again). A failure to write is not an error: the file only saves seconds."""
+    """Copy ``source`` over ``dest`` when larger (up to :data:`KERNEL_CACHE_MAX_BYTES`), atomically
+    by rename; write failures are ignored."""
     try:
         size = source.stat().st_size
         if size > KERNEL_CACHE_MAX_BYTES or (dest.exists() and dest.stat().st_size >= size):
@@ -351,10 +321,8 @@ class CompileCache:
 
     @staticmethod
     def request_key(*parts: Any) -> str:
-        """The sha256 of an analysis request of a bundled model (its ``repr``-able inputs),
-        the compiler versions and :func:`source_fingerprint`: the key of the reports of
-        :func:`remat_kit.memory.analyze_policies` of a preset, which a repeat then reads without
-        tracing anything. Any change to remat-kit's source changes it."""
+        """The sha256 of a preset's analysis request, compiler versions and
+        :func:`source_fingerprint`: the key of its stored reports."""
         h = hashlib.sha256()
         for part in (f"remat-kit report v{FORMAT_VERSION}", compiler_versions(),
                      source_fingerprint(), *map(canonical, parts)):  # fmt: skip

@@ -1,18 +1,10 @@
 """Reading XLA's own reports of one compile: the optimized HLO, its live ranges, its FLOPs.
 
-``compile(compiler_options={"xla_dump_to": DIR})`` makes XLA write, for the module it compiles,
-``*after_optimizations.txt`` (the scheduled HLO, with each instruction's JAX ``op_name``),
-``*after_optimizations-live-range.txt`` (the buffers live at the peak of the schedule, "Live
-ranges at N (peak)") and ``*buffer-assignment.txt`` / ``*memory-usage-report.txt`` (how buffers
-share allocations). This module parses those text files; nothing here calls JAX.
-
-Matmul FLOPs are counted on the optimized HLO rather than taken from
-``compiled.cost_analysis()``: XLA's cost analysis counts a ``while`` body once, whatever its trip
-count, so under ``lax.scan`` over layers it misses all layers but one; and it is ``None`` for
-deviceless GPU executables. Here every ``dot`` (and cuBLAS gemm custom call) is counted
-``2 * prod(output) * prod(contracting dims)``, every convolution and cuDNN fused attention call
-by its matmul work (:func:`instruction_flops`), times the ``known_trip_count`` of every loop that
-encloses it.
+Parses the text files ``xla_dump_to`` writes (``*after_optimizations.txt``, its
+``-live-range.txt``, ``*buffer-assignment.txt``, ``*memory-usage-report.txt``); no JAX calls.
+Matmul FLOPs are counted here, times every enclosing loop's trip count
+(:func:`instruction_flops`), because ``compiled.cost_analysis()`` counts a ``while`` body once
+and is ``None`` for deviceless GPU executables.
 """
 
 from __future__ import annotations
@@ -105,16 +97,14 @@ def shape_bytes(dtype: str, dims: Iterable[int]) -> int:
 
 
 def tuple_element(operand: str) -> tuple[str, int | None]:
-    """``("while.3", 2)`` for the operand ``while.3#2``: newer XLA writes an element of a tuple
-    value as ``name#index`` where older XLA made a ``get-tuple-element`` instruction;
+    """``("while.3", 2)`` for the operand ``while.3#2`` (newer XLA's tuple element);
     ``(operand, None)`` for a plain operand."""
     name, sep, index = operand.rpartition("#")
     return (name, int(index)) if sep and index.isdigit() else (operand, None)
 
 
 class Shapes(dict):
-    """Instruction (and parameter) name -> HLO shape, where an operand ``name#k`` (see
-    :func:`tuple_element`) has the shape of element ``k`` of ``name``'s tuple shape."""
+    """Instruction name -> HLO shape, ``name#k`` (:func:`tuple_element`) included."""
 
     def __missing__(self, key: str) -> str:
         name, index = tuple_element(key)
@@ -291,12 +281,9 @@ def _call_target(instr: Instruction) -> str:
 
 def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     """``2 * prod(output) * prod(kernel) / kernel_output_features`` of the forward convolution an
-    instruction computes or differentiates, the kernel's layout read from ``dim_labels``
-    (``b01f_o01i->b01f``). XLA's ``convolution`` is its own forward. A cuDNN call writes the
-    labels of the forward convolution it belongs to (XLA's GPU conv rewriter): for
-    ``__cudnn$convBackwardFilter`` (operands input and output gradient) the forward output is
-    operand 1 and the kernel is the result; for ``__cudnn$convBackwardInput`` (operands output
-    gradient and kernel) the forward output is operand 0. Each costs what the forward does."""
+    instruction computes or differentiates (layout from ``dim_labels``). cuDNN backward calls
+    carry the forward's labels: ``convBackwardFilter``'s forward output is operand 1 and kernel
+    the result, ``convBackwardInput``'s forward output operand 0; each costs the forward."""
     result = array_shapes(instr.shape)
     labels = _DIM_LABELS.search(instr.attributes)
     if not result or len(instr.operands) < 2 or not labels:
@@ -327,13 +314,10 @@ def _padding_share(instr: Instruction, shapes: dict[str, str]) -> float:
     """The share of a convolution's (output position, window tap) pairs that multiply input
     values, not padding or the holes of a dilated input.
 
-    XLA's TPU compiler writes some dots as convolutions whose window slides over a padded
-    dimension of size 1 (``window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}``, the heads of a
-    projection: of the 4 x 4 pairs along it only 4 touch input, so the dot's work is a quarter
-    of ``output x kernel``), or over a dilated one (``lhs_dilate=2x1``, grouped-query attention's
-    query groups). Only a dimension shorter than its window or dilated is corrected: an
-    ordinary "same" convolution keeps the usual ``output x kernel`` count. 1.0 without padding
-    or dilation, and with a window dilation (``rhs_dilate``, not corrected)."""
+    XLA:TPU writes some dots as convolutions over a padded size-1 dimension
+    (``window={size=1x4 pad=0_0x3_3}``: a quarter of ``output x kernel``) or a dilated one
+    (``lhs_dilate=2x1``); only such dimensions are corrected. 1.0 otherwise (``rhs_dilate`` is
+    not corrected)."""
     window = _WINDOW.search(instr.attributes)
     labels = _FULL_LABELS.search(instr.attributes)
     if not window or not labels:
@@ -389,9 +373,8 @@ def _json_object(text: str) -> dict:
 
 
 def backend_config(instr: Instruction) -> dict:
-    """An instruction's ``backend_config={...}`` as a dict (``{}`` without one, or when it is
-    not JSON). Read as JSON, not by pattern: XLA's writers differ in key order and spacing
-    (jax 0.12's dumps sort the keys, ``as_text()`` puts spaces after colons)."""
+    """An instruction's ``backend_config={...}`` parsed as JSON (``{}`` if absent or not JSON;
+    XLA's writers differ in key order and spacing)."""
     at = instr.attributes.find(_BACKEND_CONFIG)
     if at < 0:
         return {}
@@ -399,11 +382,9 @@ def backend_config(instr: Instruction) -> dict:
 
 
 def _fmha_flops(instr: Instruction) -> float:
-    """A cuDNN fused attention call (``__cudnn$fmha*``): ``4 * prod(output) * kv_len`` (the
-    ``Q K^T`` and ``P V`` matmuls; the first output has the query's shape, the scores
-    ``intermediate_tensor_shape`` of its ``cudnn_fmha_backend_config`` is [batch, heads, q_len,
-    kv_len]), halved under a causal mask, times :data:`FMHA_BACKWARD_FACTOR` for a backward
-    call."""
+    """A cuDNN fused attention call (``__cudnn$fmha*``): ``4 * prod(output) * kv_len``
+    (``Q K^T`` and ``P V``; scores [batch, heads, q_len, kv_len]), halved if causal, times
+    :data:`FMHA_BACKWARD_FACTOR` for a backward call."""
     config = backend_config(instr).get("cudnn_fmha_backend_config", {})
     scores = config.get("intermediate_tensor_shape", {}).get("dimensions", [])
     out = array_shapes(instr.shape)
@@ -432,9 +413,8 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
 
 
 def is_batched_matmul(instr: Instruction) -> bool:
-    """Whether a dot or gemm call has batch dimensions (``lhs_batch_dims={0,1}``; a cuBLAS
-    call's ``"lhs_batch_dimensions":["0"]``): many small matmuls in one kernel, such as
-    attention's per-head ``Q @ K^T`` and ``P @ V`` over [batch, heads, seq, head_dim]."""
+    """Whether a dot or gemm call has batch dimensions (attention's ``Q @ K^T`` over
+    [batch, heads, seq, head_dim])."""
     if instr.opcode == "dot":
         m = _BATCH.search(instr.attributes)
     elif _is_gemm_call(instr):
@@ -445,9 +425,8 @@ def is_batched_matmul(instr: Instruction) -> bool:
 
 
 def gemm_dims(instr: Instruction) -> tuple[int, int, int] | None:
-    """``(batch, m, n)`` of a dot or gemm call's output: the product of its batch dimensions
-    (they come first in a dot's output), of the other dimensions but the last, and the last;
-    None for anything else. What a GPU's tiles cover (:mod:`remat_kit.memory.roofline`)."""
+    """``(batch, m, n)`` of a dot or gemm call's output (batch dims first, n the last), else
+    None; for :func:`remat_kit.memory.roofline.gemm_efficiency`."""
     if instr.opcode != "dot" and not _is_gemm_call(instr):
         return None
     out = array_shapes(instr.shape)
@@ -499,10 +478,8 @@ BOOKKEEPING_OPCODES = frozenset({
 
 
 def count_recomputed_ops(comps: dict[str, Computation]) -> int:
-    """Instructions of a compiled module that recompute the forward pass: those whose
-    ``op_name`` carries JAX's remat scope (:data:`JAX_RECOMPUTE_SCOPE`), bookkeeping excluded
-    (:data:`BOOKKEEPING_OPCODES`). 0 when the program has no rematerialisation left: the policy
-    saves everything, or XLA's CSE merged the recomputation back into the forward pass."""
+    """Instructions under :data:`JAX_RECOMPUTE_SCOPE`, :data:`BOOKKEEPING_OPCODES` excluded (0:
+    nothing recomputed, or CSE merged it back)."""
     return sum(
         1
         for comp in comps.values()
@@ -518,15 +495,9 @@ class FlopCount:
     Attributes:
       flops: every dot and gemm call, times its loops' trip counts.
       unknown_trip_counts: while loops counted once for want of a known trip count.
-      recomputed_flops: the part of ``flops`` that recomputes the forward pass: dots under JAX's
-        remat scope (``op_name`` containing :data:`JAX_RECOMPUTE_SCOPE`) and dots in clones made
-        by XLA's rematerialisation pass. ``flops - recomputed_flops`` is the step's matmul work
-        as compiled without any recomputation.
-      xla_remat_flops: the part of ``flops`` that XLA's rematerialisation pass added: of each
-        original and its clones (``fusion.3``, ``fusion.3.remat``, ``.remat2``), every member
-        but one (the original where it is left, else the first clone: the pass removes an
-        original once a clone took all its uses, which moves the work and adds none).
-        ``flops - xla_remat_flops`` is the policy's own matmul work.
+      recomputed_flops: dots under :data:`JAX_RECOMPUTE_SCOPE` or in XLA remat clones.
+      xla_remat_flops: what XLA's pass added: all but one of each original and its clones
+        (``fusion.3``, ``fusion.3.remat``); ``flops - xla_remat_flops`` is the policy's own.
     """
 
     flops: float
@@ -584,17 +555,11 @@ def inferred_trip_count(
 
 
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
-    """FLOPs of the entry computation: dots and gemm custom calls, convolutions and fused
-    attention calls (:func:`instruction_flops`), each multiplied by the
-    trip counts of the loops around it (``backend_config`` ``known_trip_count``); conditionals
-    count their most expensive branch. Elementwise ops are not counted (a transformer step's
-    FLOPs are >95% matmuls). Recomputation is counted separately as well (see
-    :class:`FlopCount`)."""
+    """Matmul FLOPs (:func:`instruction_flops`) of the entry computation times enclosing
+    ``known_trip_count``; a conditional's costliest branch; elementwise ops not counted."""
     unknown = [0]
     nothing = (0.0, 0.0, 0.0)
-    # XLA's pass names each clone after its original (``fusion.3.remat``, ``.remat2`` ...) and
-    # removes the original once a clone took all its uses: of a family of one original and
-    # its clones, one member computes what the program asked for, the others are added.
+    # Of an original and its clones one member is the program's own work (FlopCount).
     own: dict[str, str] = {}
     for name in sorted((i.name for c in comps.values() for i in c.instructions), key=_remat_order):
         own.setdefault(_remat_origin(name), name)

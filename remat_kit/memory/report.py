@@ -20,16 +20,12 @@ class PeakBuffer:
     """One buffer live at the peak of XLA's schedule (from its live-range dump).
 
     Attributes:
-      value: XLA's name for the value (instruction, plus tuple index: ``"while.24{3}"``).
-      nbytes: size in bytes.
-      shape: array shape as XLA prints it (``"bf16[32,1,8192,4096]"``), "" if unknown.
-      kind: what it is: ``params`` / ``opt_state`` / ``batch`` / another argument name,
-        ``logits`` / ``logits_grad``, a checkpoint name (``query_proj``), ``attention``,
-        ``norm``, ``loop_state`` (a scan's carried or stacked values), or ``other``.
-      phase: ``forward``, ``backward``, ``recompute`` (JAX remat), ``xla_remat`` (XLA's own
-        rematerialisation pass) or ``argument``.
-      op_name: the JAX ``op_name`` XLA kept for it (module path and primitive), "" if none.
-      memory: ``device``, or ``host`` for a buffer XLA placed in host memory (offloaded).
+      value: XLA's value name (``"while.24{3}"``). shape: as XLA prints it
+        (``"bf16[32,1,8192,4096]"``), "" if unknown. nbytes: bytes.
+      kind: an argument name (``params``, ``opt_state``, ``batch``), ``logits`` / ``logits_grad``,
+        a checkpoint name, ``attention``, ``norm``, ``loop_state`` (scan carry) or ``other``.
+      phase: ``forward``, ``backward``, ``recompute`` (JAX remat), ``xla_remat`` (XLA's pass) or
+        ``argument``. op_name: JAX's ``op_name`` ("" if none). memory: ``device`` or ``host``.
     """
 
     value: str
@@ -46,13 +42,8 @@ class LogitsLine:
     """The logits ``[batch, seq, vocab]`` and their gradient: remat does not shrink them.
 
     Attributes:
-      shape: ``(batch, seq, vocab)``.
-      dtype: the compute dtype of the logits.
-      logits_bytes: one logits tensor in the compute dtype.
-      f32_bytes: the float32 copy the loss makes (``cross_entropy_loss`` upcasts).
-      grad_bytes: the gradient of the logits, in the compute dtype.
-      live_at_peak_bytes: bytes of compiled buffers with the logits' element count live at XLA's
-        peak (logits, their float32 copies, softmax, gradient): the compiler's own figure.
+      logits_bytes, grad_bytes: in the compute ``dtype``; f32_bytes: the loss's float32 copy.
+      live_at_peak_bytes: compiled buffers of the logits' element count live at XLA's peak.
     """
 
     shape: tuple[int, int, int]
@@ -65,19 +56,14 @@ class LogitsLine:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyOnly:
-    """The policy's own figures where XLA's own rematerialisation pass changed the program
-    (:mod:`remat_kit.memory.policy_only`). The FLOPs come from the as-run compile, its clones told
-    apart (:class:`~remat_kit.memory.hlo.FlopCount` ``xla_remat_flops``); the peak needs a second
-    compile with the pass off, made only when asked (``analyze_policies(...,
-    policy_alone_peak=True)``, ``remat-kit analyze --policy-alone-peak``).
+    """The policy's own figures where XLA's rematerialisation pass changed the program
+    (:mod:`remat_kit.memory.policy_only`).
 
     Attributes:
-      xla_remat_instructions: instructions XLA's pass cloned to recompute (as run).
-      flops: the policy's own matmul FLOPs; recompute_ratio: ``flops / flops_no_remat``.
-      peak_bytes: the device peak of the policy alone (argument + output + temp - alias), None
-        when the pass-off compile was not made.
-      live_peak_bytes: the most device bytes live at one point of that schedule (or None).
-      compile_s: seconds of the pass-off compile (or None).
+      xla_remat_instructions: instructions XLA's pass cloned (as run).
+      flops: matmul FLOPs without XLA's clones; recompute_ratio: ``flops / flops_no_remat``.
+      peak_bytes, live_peak_bytes, compile_s: of a compile with the pass off (bytes, seconds);
+        None unless asked for (``policy_alone_peak=True``, ``--policy-alone-peak``).
     """
 
     xla_remat_instructions: int
@@ -92,59 +78,37 @@ class PolicyOnly:
 class MemoryReport:
     """Memory (and FLOPs) of one compiled step on one target. Integers are bytes.
 
-    ``peak_bytes = argument_bytes + output_bytes + temp_bytes - alias_bytes``: XLA's
-    ``compiled.memory_analysis()`` parts, per device (donated arguments alias their outputs, counted
-    once). The framework's own overhead (CUDA context, fragmentation, JAX's preallocation: see
-    ``Target.usable_bytes``) is not in it. On a TPU target ``peak_bytes`` is XLA's own
-    ``peak_memory_in_bytes`` instead, its ``temp_bytes`` leaving out most temporaries
+    ``peak_bytes = argument_bytes + output_bytes + temp_bytes - alias_bytes`` per device, from
+    XLA's ``compiled.memory_analysis()`` (donated arguments counted once); framework overhead is
+    not in it (``Target.usable_bytes``). On TPU it is XLA's ``peak_memory_in_bytes``
     (:func:`remat_kit.memory.reading.compiled_peak_bytes`).
 
     Attributes:
-      name: what was analysed (function name, or ``"llama3-8b b=1 s=8192"``).
-      target: the target name (``"h100-sxm"``, ``"cpu"``, ``"local"``): the numbers are this
-        compiler's for this device, and the CPU backend's are not GPU numbers.
-      platform: ``"cpu"``, ``"cuda"`` or ``"tpu"``; backend: compiler and jax version.
-      policy: the remat policy name, a per-tag spec's label
-        (:func:`remat_kit.policies.policy_label`), or None for an arbitrary function.
-      peak_bytes: see above. argument_bytes, output_bytes, temp_bytes, alias_bytes: its parts.
-      host_bytes: bytes in host memory (offloaded residuals; XLA's ``host_*`` figures, same
-        formula); 0 on the CPU backend, where offloading is not real.
+      name: what was analysed. target: the target name; the CPU backend's numbers are not GPU
+        numbers. platform: ``cpu``/``cuda``/``tpu``; backend: compiler and jax version.
+      policy: remat policy name or per-tag label (:func:`remat_kit.policies.policy_label`), None
+        for an arbitrary function.
+      host_bytes: bytes in host memory (offloaded; 0 on the CPU backend).
       arguments: argument bytes by part (``params``, ``opt_state``, ``batch``, ...).
-      flops: matmul FLOPs of the compiled program (loops counted by trip count).
-      flops_no_remat: matmul FLOPs of the same step without remat, from its jaxpr (on a mesh: per
-        device, the compiled step's matmuls less those recomputed); None for an arbitrary
-        function. recompute_ratio: the policy's own ``flops / flops_no_remat`` (XLA's own remat
-        told apart: ``policy_only``); compiled_recompute_ratio: the same as compiled.
-      residuals: saved residuals (from the jaxpr) by checkpoint tag, all layers: count, shape of
-        one, dtype, total bytes, memory kind. activation_bytes: their device bytes;
-        offloaded_bytes: their host bytes.
-      logits: the logits line (models only).
-      peak_buffers: the largest buffers live at XLA's peak, largest first.
-      live_peak_bytes: device bytes of all buffers live at the busiest point of XLA's schedule,
-        aliased values once (below ``peak_bytes`` by what buffer packing loses).
-      memory_bytes: the target's device memory; budget_bytes: the budget judged against
-        (``memory_bytes`` unless given); fits: ``peak_bytes <= budget_bytes`` (None if unknown).
-      compile_s: wall seconds of XLA's compile (lowering excluded; for a cached compile, those
-        of the compile that made the entry).
-      warnings: compiler messages worth reading (XLA's remat pass giving up, unknown trip counts,
-        dumps missing).
-      model, batch_size, seq_len: the model preset (or config name) and shape, when a model.
-      peak_bytes_without_offload: for an offloading policy where offload is real, the device
-        peak of the same policy keeping those tensors on device (offloading helped only if
-        ``peak_bytes`` is below it).
-      timeline: live device bytes at each point of XLA's schedule, by category
-        (:class:`~remat_kit.memory.timeline.Timeline`).
-      policy_only: the step without XLA's own rematerialisation pass, when that pass changed the
-        program (:class:`PolicyOnly`); None when it did not.
-      step_time_s: the estimated step time in seconds (:mod:`remat_kit.memory.roofline`); None
-        where the target has no device figures. step_time: its breakdown
-        (:class:`~remat_kit.memory.roofline.StepTime`).
-      program_sha256: the compile engine's key of the compiled program: equal keys, one compile
-        (two policies that act the same); None when not known.
-      remat_impl: the remat implementation traced under (``classic`` / ``remat3``); jax_version.
-      runs_as: what the policy ran as where that implementation does not apply it as named
-        (``save-nothing``: full remat); None when as named.
-      compile_cached: the compile's artifacts were read from the persistent compile cache.
+      flops: matmul FLOPs of the compiled program (loops by trip count). flops_no_remat: without
+        remat, from the jaxpr (per device on a mesh). recompute_ratio: the policy's own
+        ``flops / flops_no_remat`` (XLA's remat told apart); compiled_recompute_ratio: as compiled.
+      residuals: saved residuals by checkpoint tag, all layers. activation_bytes: their device
+        bytes; offloaded_bytes: their host bytes.
+      peak_buffers: the largest buffers live at XLA's peak. live_peak_bytes: all device bytes live
+        at the busiest point of the schedule (below ``peak_bytes`` by what packing loses).
+      memory_bytes: device memory; budget_bytes: the budget (default ``memory_bytes``); fits:
+        ``peak_bytes <= budget_bytes`` (None if unknown).
+      compile_s: seconds of XLA's compile, lowering excluded (for a cache hit: the original's).
+      warnings: compiler messages worth reading.
+      peak_bytes_without_offload: device peak of the same policy without offloading.
+      timeline: :class:`~remat_kit.memory.timeline.Timeline`. policy_only: :class:`PolicyOnly`,
+        None unless XLA's remat pass changed the program.
+      step_time_s: estimated step time, seconds (:class:`~remat_kit.memory.roofline.StepTime`
+        in ``step_time``); None without device figures.
+      program_sha256: the compile engine's program key (equal keys, one compile).
+      remat_impl: ``classic`` / ``remat3``. runs_as: what the policy ran as when not as named
+        (``save-nothing``). compile_cached: read from the persistent compile cache.
     """
 
     name: str
@@ -230,8 +194,7 @@ class MemoryReport:
         return cls.from_dict(json.loads(text))
 
     def summary(self) -> str:
-        """One line: target, policy, peak and host bytes (in the unit that fits them), recompute
-        ratio, estimated step time (the roofline), fits."""
+        """One line: target, policy, peak and host bytes, recompute ratio, step time, fits."""
         parts = [
             f"{self.name} on {self.target}",
             f"policy={self.policy}" if self.policy else "",
@@ -244,8 +207,7 @@ class MemoryReport:
         return ", ".join(p for p in parts if p)
 
 
-#: How a report compiled to the same program as an earlier policy's begins
-#: (:func:`same_program_lines`); the command line's table says it in its own column instead.
+#: Prefix of :func:`same_program_lines`' warning.
 SAME_PROGRAM = "the same program as policy "
 
 
@@ -255,18 +217,14 @@ def same_program_lines(
     expected: Sequence[Hashable],
     cause: str | None = None,
 ) -> list[tuple[str, ...]]:
-    """The warning lines to add to each report (one tuple per report) where a policy compiled to
-    the same program (equal :attr:`MemoryReport.program_sha256`) as an earlier one for no reason
-    already given (``expected[i] == expected[j]``: one program by construction, noted elsewhere).
-    A later report gets ``"the same program as policy 'X' ..."`` (:data:`SAME_PROGRAM`); when all of
-    two or more reports are one program, each gets one line saying the policy changes nothing
-    here, with ``cause`` (why, and the fix) where known.
+    """Per report, the warning lines saying it compiled to the same program as an earlier one
+    (:data:`SAME_PROGRAM`), or, when all did, that the policy changes nothing here (with
+    ``cause``). Pairs with ``expected[i] == expected[j]`` are one program by construction: skipped.
 
     Args:
-      labels: each report's policy as its row names it.
+      labels: each report's policy label.
       reports: :class:`MemoryReport` or :class:`~remat_kit.memory.xla_compile.CompileError`
-        (never matched), in the order compiled.
-      expected: per report, what makes two reports one program by construction.
+        (never matched), in compile order.
       cause: e.g. :meth:`remat_kit.reach.PolicyReach.after_gradient_cause`, or None.
     """
     same = same_program_as(reports)
@@ -296,11 +254,8 @@ def same_program_lines(
 def same_program_as(
     reports: Sequence[MemoryReport | Any], key: Callable[[Any], Hashable | None] | None = None
 ) -> list[int | None]:
-    """For each report, the index of the first earlier report of the same compiled program
-    (equal :attr:`MemoryReport.program_sha256`), else None; entries that are not reports (a
-    :class:`~remat_kit.memory.xla_compile.CompileError`) get None. ``key``: what identifies
-    an entry's program instead (None: unknown, never matched), e.g. a sweep row's group and
-    its report's ``program_sha256``."""
+    """Per report, the index of the first earlier one with equal
+    :attr:`MemoryReport.program_sha256` (or ``key``; None never matches), else None."""
     key = key or (lambda r: getattr(r, "program_sha256", None))
     first: dict[Hashable, int] = {}
     out: list[int | None] = []

@@ -1,23 +1,17 @@
 """The step-time model: a roofline over every kernel of the compiled program.
 
-The optimized HLO that XLA dumps for a compile (:mod:`remat_kit.memory.hlo`) lists, in schedule
-order, the kernels one step runs (``while`` bodies ``known_trip_count`` times). Per kernel this
-module counts matmul FLOPs and their dtype, elementwise and transcendental operations, and the
-bytes read and written at the kernel's boundary, and times it as a roofline (Williams, Waterman,
-Patterson, CACM 52(4), 2009) plus a launch cost, in seconds:
+Each kernel of the optimized HLO (:mod:`remat_kit.memory.kernels`; loop bodies times their trip
+count) is timed as a roofline (Williams, Waterman, Patterson, CACM 52(4), 2009) plus a launch
+cost, in seconds:
 
     t = max((flops - batched) / peak_flops[dtype] + batched / batched_flops[dtype],
             bytes / bandwidth,
             elementwise / elementwise_rate + transcendental / transcendental_rate) + launch_s
 
-``bandwidth`` is the last-level cache's for bytes re-read within ``cache_bytes`` of traffic (a
-reuse-distance model), else device memory's. Host transfers run at the host link, collectives
-at the interconnect (ring: an all-reduce moves ``2 (n-1)/n`` of its bytes), an asynchronous one
-charged only beyond the kernels scheduled between its start and done. The step time is the sum.
-
-The kernels come from :mod:`remat_kit.memory.kernels`, the device figures from
-:mod:`remat_kit.memory.calibration` (datasheet or timed). What each rule counts, the device
-figures and the model's error against measured steps: docs/time-model.md.
+``bandwidth`` is the cache's for re-reads within ``cache_bytes`` (:class:`_ReuseModel`), else device
+memory's; transfers and collectives (ring) run at their links, asynchronous ones charged beyond
+what overlaps them. The step time is the sum. Figures: :mod:`remat_kit.memory.calibration`;
+rules and measured error: docs/time-model.md.
 """
 
 from __future__ import annotations
@@ -36,9 +30,8 @@ from remat_kit.units import format_seconds
 
 @dataclasses.dataclass(frozen=True)
 class KernelTime:
-    """One kernel's share of the step: its total seconds (all executions) and what bound it
-    (``compute``, ``memory``, ``cache``, ``elementwise``, ``launch``, ``host_link``,
-    ``interconnect``)."""
+    """One kernel's seconds per step (all executions) and its bound (``compute``, ``memory``,
+    ``cache``, ``elementwise``, ``launch``, ``host_link``, ``interconnect``)."""
 
     name: str
     kind: str
@@ -53,23 +46,16 @@ class StepTime:
     """The estimated time of one step and where it goes. Seconds.
 
     ``step_time_s = compute_s + memory_s + elementwise_s + launch_s + transfer_s +
-    collective_s + allocation_s``: each kernel's roofline time is assigned to the term that
-    bound it (its launch cost to ``launch_s``); ``transfer_s`` and ``collective_s`` are the
-    host-transfer and collective time the schedule could not hide behind other kernels.
+    collective_s + allocation_s``, each kernel's time under the term that bound it;
+    ``transfer_s`` and ``collective_s`` are what the schedule could not hide.
 
     Attributes:
-      kernels: executed kernels per step (loop bodies times their trip counts).
-      allocation_s: faulting in the step's freshly allocated buffers (temp and outputs not
-        aliased to inputs) where the backend allocates them per execution (XLA:CPU); 0 else.
-      recompute_s: time of the kernels that recompute the forward pass (included above).
-      top: the kernels taking the most time, largest first.
-      figures: the device figures used (name and source).
-      measured_figures: True when they were calibrated on this machine.
-      xla_optimal_s: XLA's own cost model's time for the module (``cost_analysis()``'s
-        ``optimal_seconds``, every loop body counted once), None where the backend gives none
-        (deviceless GPU compiles); loop_once_s: this model's time counted the same way (each
-        kernel once per step, whatever its loop's trip count): the two side by side are the
-        cross-check (:func:`xla_disagreement`).
+      kernels: executed kernels per step.
+      allocation_s: faulting in fresh buffers (XLA:CPU); 0 else.
+      recompute_s: of the kernels that recompute the forward pass (included above).
+      top: the costliest kernels, largest first. figures: name and source of the figures used.
+      xla_optimal_s: XLA's ``cost_analysis()`` ``optimal_seconds`` (loop bodies once; None where
+        not given); loop_once_s: this model counted the same way (:func:`xla_disagreement`).
     """
 
     step_time_s: float
@@ -119,14 +105,12 @@ def estimate(
     fresh_bytes: int = 0,
     top_k: int = 8,
 ) -> StepTime:
-    """The estimated step time of a compiled module on a device (see the module docstring).
+    """The estimated step time of a compiled module (see the module docstring).
 
     Args:
       comps: the optimized HLO module (:func:`remat_kit.memory.hlo.parse_hlo_module`).
-      figures: the device's figures (:func:`device_figures`).
-      fresh_bytes: bytes the step allocates anew at each execution: temp + output - alias
-        (``memory_analysis()``); costed only where ``figures.fresh_bytes_per_s`` is set.
-      top_k: how many of the costliest kernels to keep in ``StepTime.top``.
+      fresh_bytes: bytes allocated anew per execution; costed where ``fresh_bytes_per_s`` is set.
+      top_k: kernels kept in ``StepTime.top``.
     """
     return time_kernels(executed_kernels(comps), figures, fresh_bytes, top_k)
 
@@ -134,10 +118,8 @@ def estimate(
 def cross_checked(
     step: StepTime, comps: dict[str, hlo.Computation], figures: DeviceFigures, xla_cost: Any
 ) -> StepTime:
-    """``step`` with XLA's own estimate beside it: ``xla_cost`` is the compile's cost analysis
-    (:func:`remat_kit.memory.compile_cache.cost_fields`); its ``optimal_seconds`` counts each
-    loop body once, so this model's time is counted the same way for the comparison. ``step``
-    unchanged where XLA gives no time."""
+    """``step`` with XLA's ``optimal_seconds``
+    (:func:`remat_kit.memory.compile_cache.cost_fields`) and this model's loop-once time."""
     optimal = (xla_cost or {}).get("optimal_seconds")
     if not optimal or optimal <= 0:
         return step
@@ -147,15 +129,13 @@ def cross_checked(
     )
 
 
-#: The factor between this model's and XLA's own time (both counting loop bodies once) beyond
-#: which :func:`xla_disagreement` says so.
+#: Factor between this model's and XLA's loop-once times above which
+#: :func:`xla_disagreement` warns.
 XLA_DISAGREEMENT = 2.0
 
 
 def xla_disagreement(step: StepTime | None) -> str | None:
-    """A one-line warning where this model and XLA's own cost model (:func:`cross_checked`)
-    differ by more than :data:`XLA_DISAGREEMENT` times; None where they agree or XLA gave no
-    time."""
+    """A warning where :func:`cross_checked`'s times differ by over :data:`XLA_DISAGREEMENT`."""
     if step is None or not step.xla_optimal_s or not step.loop_once_s:
         return None
     ratio = step.loop_once_s / step.xla_optimal_s
@@ -171,8 +151,7 @@ def xla_disagreement(step: StepTime | None) -> str | None:
 def time_kernels(
     kernels: Iterable[Kernel], figures: DeviceFigures, fresh_bytes: int = 0, top_k: int = 8
 ) -> StepTime:
-    """Sum the roofline over ``kernels`` in schedule order (see the module docstring), plus
-    ``fresh_bytes / figures.fresh_bytes_per_s`` where the backend allocates per step."""
+    """Sum the roofline over ``kernels``, plus ``fresh_bytes / figures.fresh_bytes_per_s``."""
     terms, recompute, n_kernels, per_kernel = _tally(kernels, figures)
     per_kernel.sort(key=lambda t: -t.time_s)
     allocation = fresh_bytes / figures.fresh_bytes_per_s if figures.fresh_bytes_per_s else 0.0
@@ -198,8 +177,7 @@ def time_kernels(
 def _tally(
     kernels: Iterable[Kernel], figures: DeviceFigures
 ) -> tuple[dict[str, float], float, int, list[KernelTime]]:
-    """Walk ``kernels`` in schedule order: ``(seconds per term, recompute seconds, kernel
-    executions, each kernel's time)``, asynchronous work hidden behind what runs meanwhile."""
+    """``(seconds per term, recompute seconds, executions, per-kernel times)`` in schedule order."""
     terms = dict.fromkeys(
         ("compute", "memory", "cache", "elementwise", "launch", "host_link", "interconnect"), 0.0
     )
@@ -246,23 +224,20 @@ def _tally(
 
 
 def _transfer_seconds(k: Kernel, figures: DeviceFigures) -> tuple[float, str]:
-    """``(seconds per execution, term)`` of a host transfer (``host_link``) or a collective
-    (``interconnect``): its bytes over the link's bandwidth; 0 where the bandwidth is unknown."""
+    """``(seconds per execution, term)`` of a transfer or collective (0: bandwidth unknown)."""
     term = "host_link" if k.kind == "host_transfer" else "interconnect"
     bw = (
         figures.host_link_bytes_per_s
         if term == "host_link"
         else collective_bandwidth(k.group, figures)
     )
-    # a transfer's bytes cross once (read on one side, written on the other); a
-    # collective's wire bytes are its bytes_read (see _collective_factor)
+    # a transfer crosses once; a collective's wire bytes are its bytes_read
     nbytes = k.bytes_read if k.kind == "collective" else max(k.bytes_read, k.bytes_written)
     return (nbytes / bw if bw else 0.0), term
 
 
 def _roofline_body(k: Kernel, figures: DeviceFigures, reuse: _ReuseModel) -> tuple[float, str]:
-    """``(seconds per execution, bound)`` of a kernel's work, launch left out: the longest of
-    its matmul, memory (cache or DRAM, per ``reuse``) and vector times, and which bound it."""
+    """``(seconds per execution, bound)``: the longest of matmul, memory and vector time."""
     compute = _matmul_seconds(k, figures)
     cached, uncached = reuse.split(k)
     memory = cached / figures.cache_bytes_per_s + uncached / figures.memory_bytes_per_s
@@ -280,9 +255,8 @@ def _roofline_body(k: Kernel, figures: DeviceFigures, reuse: _ReuseModel) -> tup
 
 
 def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
-    """A kernel's matmul time: a fused attention call's FLOPs at the device's attention rate
-    where it has one; else its FLOPs in matmuls with batch dimensions at the batched rate, the
-    rest at the matmul peak, both over :func:`gemm_efficiency` of its largest matmul."""
+    """A kernel's matmul seconds: fused attention at the attention rate where known; else
+    batched and plain FLOPs at their rates, over :func:`gemm_efficiency`."""
     if not k.flops:
         return 0.0
     dtype = k.dtype or "f32"
@@ -296,20 +270,16 @@ def _matmul_seconds(k: Kernel, figures: DeviceFigures) -> float:
     return seconds / gemm_efficiency(k.gemm, figures.sm_count)
 
 
-#: Output tiles (rows x columns) a GPU matmul kernel computes one per thread block, the sizes
-#: cuBLAS picks among for large matmuls (NVIDIA, "Matrix Multiplication Background User's
-#: Guide", docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication,
-#: "Tile quantization" and "Wave quantization").
+#: cuBLAS output tiles (rows x columns) per thread block (NVIDIA, "Matrix Multiplication
+#: Background User's Guide",
+#: docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication).
 GEMM_TILES = ((256, 128), (128, 256), (128, 128))
 
 
 def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> float:
-    """The share of a GPU's matmul rate a ``(batch, m, n)`` output keeps after tile and wave
-    quantization (NVIDIA, "Matrix Multiplication Background User's Guide"): for each tile in
-    :data:`GEMM_TILES`, ``useful / (waves * sm_count * tile area)`` with ``waves = ceil(batch *
-    ceil(m / tm) * ceil(n / tn) / sm_count)``, the best tile taken. 1.0 where ``sm_count`` is 0 or
-    the shape unknown; a large matmul keeps about 1.0 (the peak it scales is measured at a best
-    shape)."""
+    """Share of the matmul rate a ``(batch, m, n)`` output keeps after tile and wave quantization
+    (ibid.): best over :data:`GEMM_TILES` of ``useful / (waves * sm_count * tile area)``,
+    ``waves = ceil(batch * ceil(m / tm) * ceil(n / tn) / sm_count)``; 1.0 if ``sm_count`` is 0."""
     if not sm_count or not gemm:
         return 1.0
     batch, m, n = gemm
@@ -322,10 +292,9 @@ def gemm_efficiency(gemm: tuple[int, int, int] | tuple[()], sm_count: int) -> fl
 
 
 def collective_bandwidth(group: tuple[int, ...], figures: DeviceFigures) -> float | None:
-    """Bus bandwidth (bytes/s per device) of a ring collective over the devices ``group``: the
-    interconnect's inside one node; across nodes at most ``devices of the group per node x
-    figures.network_bytes_per_s`` (Bekman, ML Engineering Open Book, network/README.md,
-    "Inter-node speed depends on intra-node speed"). None where no figure is known."""
+    """Bytes/s per device of a ring over ``group``: the interconnect's within a node; across
+    nodes at most ``group devices per node x network_bytes_per_s`` (Bekman, ML Engineering Open
+    Book, network/README.md, "Inter-node speed depends on intra-node speed"). None: unknown."""
     bw = figures.interconnect_bytes_per_s
     size = figures.node_size
     if not group or not size or not figures.network_bytes_per_s:
@@ -341,18 +310,15 @@ def collective_bandwidth(group: tuple[int, ...], figures: DeviceFigures) -> floa
 
 
 def _hide(in_flight: dict[str, list], per_exec: float, count: int) -> None:
-    """Asynchronous work in flight runs while a kernel (``per_exec`` seconds, ``count``
-    executions) does: what is left of each shrinks by the kernel's time per its own execution."""
+    """Shrink the asynchronous work in flight by a kernel's time."""
     for entry in in_flight.values():
         entry[0] = max(0.0, entry[0] - per_exec * count / max(entry[2], 1))
 
 
 class _ReuseModel:
-    """Which of a kernel's reads come from the cache: an operand read while the traffic since
-    it was last written or read, plus its own size, fits ``capacity`` bytes (reuse distance,
-    Mattson et al., "Evaluation techniques for storage hierarchies", IBM Systems Journal
-    9(2), 1970). Values never seen before (the step's arguments) come from memory. A loop body
-    is seen once, so its values are judged as in one iteration."""
+    """Reads served by the cache: traffic since last use plus the operand's size within
+    ``capacity`` bytes (reuse distance, Mattson et al., "Evaluation techniques for storage
+    hierarchies", IBM Systems Journal 9(2), 1970); loop bodies judged as one iteration."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -360,8 +326,7 @@ class _ReuseModel:
         self.last: dict[str, int] = {}  # value -> position when last touched
 
     def split(self, k: Kernel) -> tuple[int, int]:
-        """``(cached, uncached)`` bytes of ``k``'s traffic; its output is written to memory
-        (counted uncached) and becomes recent."""
+        """``(cached, uncached)`` bytes of ``k``'s traffic (outputs uncached)."""
         if not self.capacity:
             return 0, k.bytes_read + k.bytes_written
         cached = 0
@@ -377,26 +342,21 @@ class _ReuseModel:
         return cached, traffic - cached
 
 
-#: Error of the datasheet (GPU and TPU) estimates between two policies, as a fraction of step
-#: time: the largest gap between an estimated and a published overhead of recomputation over
-#: the published GPU configurations (docs/results/published.md, ``experiments/
-#: bench_published.py``: 43.5 percentage points, full recomputation against none on a
-#: tensor-parallel layer, rounded up). A policy that recomputes less is preferred to one
-#: estimated faster by less than this.
+#: Error of datasheet estimates between two policies (share of step time): the largest gap to
+#: a published recompute overhead, rounded up (docs/results/published.md,
+#: ``experiments/bench_published.py``).
 DATASHEET_ESTIMATE_ERROR = 0.44
 
 
 def estimate_error(target: T.Target) -> float:
-    """The share of step time within which two estimates on ``target`` cannot be told apart
-    when one recomputes more: :data:`DATASHEET_ESTIMATE_ERROR` for a GPU or TPU target timed by
-    its datasheet, 0 for the calibrated local device (its steps are measured beside the
-    estimates by the sweep, and remat measures faster there)."""
+    """Share of step time within which two estimates on ``target`` are a tie:
+    :data:`DATASHEET_ESTIMATE_ERROR` for datasheet targets, 0 for the calibrated local device."""
     figures = device_figures(target)
     return 0.0 if figures is None or figures.measured else DATASHEET_ESTIMATE_ERROR
 
 
-#: Below this estimated step time (seconds) on a calibrated CPU, the estimate has been measured
-#: furthest off (docs/time-model.md, "Small steps": 10-63% below the measured step).
+#: Seconds below which calibrated CPU estimates are furthest off
+#: (docs/time-model.md, "Small steps").
 SMALL_STEP_S = 0.03
 
 
@@ -406,11 +366,9 @@ def small_step_note(
     """A caveat for estimates of small steps on the calibrated local device, or None.
 
     Args:
-      step_times_s: the estimated step times (seconds) a tool shows; None entries are skipped.
-      measured: whether the device figures were calibrated on this machine (the local CPU);
-        datasheet targets get no caveat: no small GPU or TPU step has been measured yet.
-      timed: the estimates stand beside measured steps (the sweep): the caveat points to them
-        rather than to the sweep.
+      step_times_s: estimated seconds (None skipped).
+      measured: figures calibrated here (datasheet targets get no caveat).
+      timed: measured steps stand beside the estimates (the sweep).
 
     Returns None when no estimate is below :data:`SMALL_STEP_S`.
     """
@@ -431,10 +389,8 @@ def small_step_note(
 
 
 def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) -> str | None:
-    """Why no-remat is estimated slower than a policy that recomputes, on a datasheet (GPU or
-    TPU) target: a scanned step that keeps its residuals stacks them per layer and reads them back
-    (docs/time-model.md, "On GPUs"). ``step_times_s``: estimated seconds by policy label. None where
-    no-remat is not among them, is not slower, or the figures are calibrated (``measured``)."""
+    """Why no-remat is estimated slower than a recomputing policy on a datasheet target (stacked
+    residuals, docs/time-model.md, "On GPUs"); None where it is not, or ``measured``."""
     mine = step_times_s.get("no-remat")
     others = {k: v for k, v in step_times_s.items() if k != "no-remat" and v}
     if measured or not mine or not others:

@@ -1,14 +1,8 @@
 """Compile many steps quickly: lower in order, compile in a thread pool, share GPU kernels.
 
-The engine is :class:`CompileEngine` (the analyzer and the sweep share it). Each job is lowered
-in the calling thread (tracing needs the GIL) while earlier jobs compile in
-worker threads (XLA's compile releases it). Jobs whose lowered programs are identical compile
-once. For GPU targets, most of a deviceless compile is code generation of kernels that are the
-same from one policy to the next (optimizer update, embedding, loss): XLA's kernel cache
-(``xla_gpu_kernel_cache_file``) is warmed by the first compile, then copied to one file per
-worker thread (XLA appends to it; copies keep threads from writing one file at once), which cuts
-the later compiles to a fraction. Buffer assignment happens before code generation and does not
-read the cache: the memory figures are the same with or without it.
+:class:`CompileEngine` (shared by analyzer and sweep) lowers in the calling thread and compiles
+in worker threads, identical programs once. On GPU targets the first compile fills XLA's kernel
+cache, copied per worker (docs/performance.md); memory figures do not depend on it.
 """
 
 from __future__ import annotations
@@ -79,16 +73,8 @@ DEFAULT_TOP_K = 10
 
 @dataclasses.dataclass(frozen=True)
 class ReportOptions:
-    """What every report of one :func:`run_jobs` call shares: the options of
-    :func:`remat_kit.analyze` that are not the step's own.
-
-    Attributes:
-      budget_bytes: judge ``fits`` against this many bytes (per device) instead of the
-        target's memory (None: the target's; unknown memory gives ``fits`` None).
-      top_k: how many of the largest buffers live at the peak to keep.
-      fast_compile: skip LLVM/ptxas optimisation (the same memory figures, a faster compile;
-        :data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`).
-    """
+    """The options of :func:`remat_kit.analyze` every report of one :func:`run_jobs` shares
+    (``fast_compile``: :data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`)."""
 
     budget_bytes: int | None = None
     top_k: int = DEFAULT_TOP_K
@@ -122,42 +108,30 @@ class Job:
     notes: tuple[str, ...] = ()
     #: Jobs with equal keys lower to the same program: lowered and compiled once.
     program_key: str | None = None
-    #: Devices of the mesh the step is compiled for (None: one device). Then ``flops_no_remat``
-    #: is the traced step's even share per device, and the report's baseline is read from the
-    #: compile instead (see :func:`_per_device_baseline`).
+    #: Devices of the mesh (None: one); see :func:`_per_device_baseline`.
     mesh_devices: int | None = None
-    #: When XLA's own rematerialisation pass changed the program, compile it again with the
-    #: pass off for the peak of the policy alone (``MemoryReport.policy_only.peak_bytes``).
+    #: Recompile with XLA's remat pass off where it acted (``policy_only.peak_bytes``).
     policy_only: bool = False
-    #: Matmul FLOPs of the step under this policy, from its trace (None: not traced). Above
-    #: ``flops_no_remat`` the policy recomputes matmuls; a warning says when the compiled step
-    #: recomputes none of them.
+    #: Matmul FLOPs of the traced step under this policy (None: not traced).
     flops_traced: float | None = None
-    #: Where the step's remat regions are (None: not known): the cause in the warnings when
-    #: XLA undid the recomputation (:mod:`remat_kit.memory.undone`).
+    #: Where the remat regions are, for :mod:`remat_kit.memory.undone` (None: not known).
     remat: RematPlacement | None = None
     #: The policy as its report's row names it (``custom: attn_in=save``), for warnings.
     label: str | None = None
-    #: The remat implementation the step is traced under (``classic`` / ``remat3``), read
-    #: when the job is made, in the thread that lowers it.
+    #: ``classic`` / ``remat3``, read in the thread that lowers the job.
     remat_impl: str = dataclasses.field(default_factory=remat_implementation)
     #: What the policy runs as there when not as named (``save-nothing``), else None.
     runs_as: str | None = None
 
 
-#: Compiled per-device matmul work above this multiple of the even split is reported as
-#: computation replicated over the mesh (padding of small sharded dimensions stays below).
+#: Per-device matmul work above this multiple of the even split is reported as replicated.
 _REPLICATION_WARN = 1.1
 
 
 def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None):
-    """``(flops_no_remat, warnings)`` for the recompute ratio of one compiled job.
-
-    On a mesh the compiled FLOPs are one device's, and its share is not always ``1/devices`` of
-    the traced FLOPs: what XLA's sharding propagation leaves replicated or pads, every device
-    computes, with or without remat. The baseline per device is therefore the compiled step's own
-    matmuls less those that recompute (JAX's remat scope and XLA's remat clones); the even split
-    only says when work is replicated."""
+    """``(flops_no_remat, warnings)`` of one compiled job. On a mesh the baseline is the
+    compiled device's matmuls less recomputed ones (XLA may replicate or pad work, so the even
+    split of the traced FLOPs is not it); the even split only flags replication."""
     if job.mesh_devices is None or not flops or recomputed is None:
         return job.flops_no_remat, []
     compiled = flops - recomputed
@@ -172,16 +146,13 @@ def _per_device_baseline(job: Job, flops: float | None, recomputed: float | None
 
 
 def default_workers() -> int:
-    """Concurrent compiles by default: one per core, at most 4; the first compile runs alone to fill
-    the GPU kernel cache the others read (timings: docs/performance.md)."""
+    """One per core, at most 4 (docs/performance.md)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 
 class _KernelCaches:
-    """A kernel-cache file per worker thread, all seeded from the first compile's file, which
-    starts from the file kept between runs for its target where there is one
-    (:func:`~remat_kit.memory.compile_cache.kernel_cache_file`); :meth:`keep` writes the
-    fullest file back there."""
+    """A kernel-cache file per worker thread, seeded from the first compile's, which starts from
+    :func:`~remat_kit.memory.compile_cache.kernel_cache_file`; :meth:`keep` writes it back."""
 
     def __init__(self, folder: str, kept: Callable[[T.Target], Path | None]):
         self.folder = folder
@@ -204,7 +175,7 @@ class _KernelCaches:
         if source is not None:
             try:
                 shutil.copyfile(source, path)
-            except OSError:  # a kept file removed meanwhile: start empty
+            except OSError:  # removed meanwhile: start empty
                 pass
 
     def options(self, target: T.Target, seeding: bool) -> dict[str, Any]:
@@ -223,8 +194,7 @@ class _KernelCaches:
         return {"xla_gpu_kernel_cache_file": path}
 
     def keep(self) -> None:
-        """Write the fullest kernel file back to where its target's is kept, when every compile
-        of this engine was for that one target (files of two GPU models are not mixed)."""
+        """Write the fullest kernel file back, when every compile was for one target."""
         if len(self._targets) != 1:
             return
         kept = self._kept(next(iter(self._targets.values())))
@@ -239,11 +209,8 @@ def step_time_of(
     parts: dict[str, int | None],
     xla_cost: dict[str, float] | None = None,
 ) -> roofline.StepTime | None:
-    """The roofline estimate of a compiled step on ``target`` (None without a dump or device
-    figures). ``parts``: :func:`memory_parts`; the step's temp buffer and its outputs not
-    aliased to inputs are allocated anew at each execution, and where the device figures say
-    that costs (XLA:CPU) those of at least :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` count.
-    ``xla_cost``: XLA's own cost analysis of the compile, set beside the estimate
+    """The roofline estimate of a compiled step (None without a dump or device figures), with
+    :func:`fresh_bytes` where allocation costs and XLA's ``xla_cost`` beside it
     (:func:`roofline.cross_checked`)."""
     figures = calibration.device_figures(target)
     if figures is None or not dump.hlo:
@@ -253,11 +220,9 @@ def step_time_of(
 
 
 def fresh_bytes(parts: dict[str, int | None]) -> int:
-    """Bytes a compiled step's execution allocates anew and faults in on XLA:CPU: its temp
-    buffer and its outputs not aliased to inputs, each counted where it reaches
-    :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` (glibc serves smaller ones from its heap).
-    ``parts``: :func:`memory_parts`. Checked against page-fault counts and timed steps by
-    ``experiments/bench_page_faults.py``."""
+    """Bytes an execution allocates anew on XLA:CPU: temp and non-aliased outputs, each of at
+    least :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` (smaller ones come from glibc's heap).
+    Checked by ``experiments/bench_page_faults.py``."""
     outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
     return sum(
         n
@@ -268,8 +233,7 @@ def fresh_bytes(parts: dict[str, int | None]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Read:
-    """What a job's report reads from its compile (:func:`_read`): the memory parts, the
-    dumps' reading, the roofline estimate and the live-bytes timeline."""
+    """What :func:`_read` reads from a job's compile."""
 
     parts: dict[str, int | None]
     reading: DumpReading
@@ -278,9 +242,8 @@ class _Read:
 
 
 def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
-    """Read ``job``'s compile: needs no compiler log line, so a compile worker can. A job not
-    shown (an offloading policy's on-device twin, the no-remat step a judgement is made
-    against) gets no estimate and no timeline: only its memory and FLOPs are read."""
+    """Read ``job``'s compile (in a worker: no log lines needed); a hidden job gets memory and
+    FLOPs only."""
     parts = memory_parts(result.compiled, unknown_as_none=True)
     shown = job.visible
     return _Read(
@@ -397,8 +360,7 @@ def _xla_lines(
     ratio: float | None,
     policy_only: PolicyOnly | None,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(dump warnings, lines on what XLA did)``: its own remat, recomputation it undid, its
-    cost analysis disagreeing with the estimate, and the host bytes it compiled."""
+    """``(dump warnings, lines on what XLA did)``: remat, undone recompute, cost, host bytes."""
     reading = read.reading
     xla_line: tuple[str, ...] = ()
     if policy_only and peak is not None:
@@ -421,8 +383,7 @@ def _xla_lines(
 
 
 def note_policy_effect(job: Job, spec: Any, target: T.Target) -> Job:
-    """Note on a policy's job what it runs as when the remat implementation in use does not
-    apply it as named (:func:`remat_kit.policies.policy_effect`), and on an offloading one
+    """Note on a job what its policy runs as (:func:`remat_kit.policies.policy_effect`), and
     when ``target`` does not offload."""
     effect = policy_effect(spec)
     if not effect.as_named:
@@ -455,10 +416,8 @@ def offload_twin_jobs(
     compare_offload: bool,
     make_job: Callable[[Any], Job],
 ) -> Iterator[Job]:
-    """The job of each offloading policy's on-device twin where :func:`has_twin`
-    (:func:`remat_kit.policies.on_device_twin`, built by ``make_job``; not visible), to be run
-    after ``jobs``, each linked from its policy's job (``on_device_twin``), so the report says
-    whether offloading lowered the device peak."""
+    """Hidden on-device twin jobs (:func:`remat_kit.policies.on_device_twin`) of offloading
+    policies where :func:`has_twin`, linked from each policy's job, run after ``jobs``."""
     index = len(jobs)
     for job, spec in zip(jobs, specs, strict=True):
         if has_twin(spec, target, compare_offload):
@@ -482,11 +441,9 @@ def _with_twin(report: MemoryReport, twin: MemoryReport | CompileError | None) -
     )
 
 
-#: ``progress(index, total, what, stage)``: item ``index`` (0-based) of ``total`` is at
-#: ``stage``: ``"tracing"`` (traced and lowered, in the calling thread), ``"compiling"``,
-#: ``"compiling (XLA's remat pass off)"``, ``"cached"`` (read from the compile cache),
-#: ``"same program"`` (another item's compile) or ``"done"``; compile stages are reported from
-#: worker threads.
+#: ``progress(index, total, what, stage)``, stage one of ``"tracing"``, ``"compiling"``,
+#: ``"compiling (XLA's remat pass off)"``, ``"cached"``, ``"same program"``, ``"done"``
+#: (compile stages from worker threads).
 Progress = Callable[[int, int, str, str], None]
 
 #: ``CompileEngine(cache=FROM_ENV)``: the compile cache the environment asks for.
@@ -495,8 +452,7 @@ FROM_ENV = "env"
 
 @dataclasses.dataclass(frozen=True)
 class _Batch:
-    """One :meth:`CompileEngine.compile_all` call's state: its options, each item's program key
-    in order, the compiles submitted and held back, and what the compile cache said."""
+    """One :meth:`CompileEngine.compile_all` call's state."""
 
     pool: ThreadPoolExecutor
     fast: bool
@@ -516,24 +472,15 @@ class _Batch:
 
 
 class CompileEngine:
-    """The one compile engine: lower in the calling thread, compile in a thread pool, one
-    compile per distinct program, executables kept by program until :meth:`clear`.
-
-    A program is identified by its target, whether the fast code-generation options are on
-    (:data:`remat_kit.memory.xla_compile.FAST_COMPILE_OPTIONS`) and the sha256 of its lowered
-    StableHLO (argument shardings and donation included). The analyzer (:func:`run_jobs`) and the
-    sweep compile through it, so a step the sweep runs costs no compile when the analyzer compiled
-    that very program. Compiles go through the persistent compile cache
-    (:mod:`remat_kit.memory.compile_cache`) unless an executable is asked for; compiler log lines
-    belong to the :meth:`compile_all` call that made them.
+    """Lower in the calling thread, compile in a thread pool, once per program (target, fast
+    options, sha256 of the lowered StableHLO); executables kept until :meth:`clear`. Analyzer
+    and sweep share it; compiles go through :mod:`remat_kit.memory.compile_cache` unless an
+    executable is asked for. A context manager (it owns a folder of GPU kernel caches).
 
     Args:
       workers: concurrent compiles (default :func:`default_workers`).
-      cache: a :class:`~remat_kit.memory.compile_cache.CompileCache`, None for none, or
-        :data:`FROM_ENV` (default): the one the environment asks for.
-      progress: called as each item advances (see :data:`Progress`).
-
-    Use as a context manager (it owns a temporary folder of GPU kernel caches).
+      cache: a :class:`~remat_kit.memory.compile_cache.CompileCache`, None, or :data:`FROM_ENV`.
+      progress: see :data:`Progress`.
     """
 
     def __init__(
@@ -560,22 +507,19 @@ class CompileEngine:
         self.close()
 
     def close(self) -> None:
-        """Keep the kernel cache for the next run (see :class:`_KernelCaches`), then drop every
-        executable and this engine's files."""
+        """Keep the kernel cache, then drop every executable and this engine's files."""
         self._caches.keep()
         self._done.clear()
         self._folder.cleanup()
 
     def held(self) -> frozenset[str]:
-        """Keys of the programs whose executables are held (compiled so far, not cleared; not
-        those read from the compile cache, which have none)."""
+        """Keys of the programs whose executables are held."""
         return frozenset(
             k for k, r in self._done.items() if not (isinstance(r, CompileResult) and r.cached)
         )
 
     def executable(self, key: str | None) -> CompileResult | None:
-        """The compile of program ``key`` (a report's ``program_sha256``) when its executable is
-        held, else None (never compiled here, failed, cleared, or read from the cache)."""
+        """The compile of program ``key`` (``program_sha256``) if its executable is held."""
         result = self._done.get(key) if key is not None else None
         held = isinstance(result, CompileResult) and not result.cached
         return result if held else None
@@ -591,9 +535,8 @@ class CompileEngine:
     def _compile(self, item: Any, lowered: Any, fast: bool, seeding: bool,
                  tell: Callable[[str], None], base: CompileResult | None = None,
                  then: Callable[[Any, CompileResult], None] | None = None):  # fmt: skip
-        """Compile ``lowered`` (unless ``base``, read from the cache, is that compile) and,
-        for an item asking for XLA's own remat told apart, its pass-off compile; then
-        ``then(item, result)``, in this worker, beside the compiles still running."""
+        """Compile ``lowered`` (unless ``base`` is it) and its pass-off compile where asked;
+        then ``then(item, result)`` in this worker."""
         try:
             opts = self._caches.options(item.target, seeding)
             result = base
@@ -619,10 +562,8 @@ class CompileEngine:
     def _from_cache(
         self, item: Any, lowered: Any, fast: bool, load: bool = True
     ) -> tuple[Any, tuple[str, str]]:
-        """``(cached result or None, (cache key, pass-off cache key))``; the result is complete
-        (its pass-off compile read too, where it is asked for and XLA's pass fired) or has
-        ``policy_only`` None with the pass-off compile still to run. ``load=False``: the keys
-        only (the compile will run; its artifacts are stored under them)."""
+        """``(cached result or None, (cache key, pass-off cache key))``; a result may still lack
+        its pass-off compile. ``load=False``: the keys only."""
         platform = item.target.platform
         text = lowered.as_text(debug_info=True)
         key = self.cache.key(text, item.target, compile_options(platform, fast))
@@ -635,8 +576,7 @@ class CompileEngine:
         return hit, (key, off_key)
 
     def _submit(self, batch: _Batch) -> None:
-        """Submit the compiles held back while the first compile filled the kernel cache (it
-        is done: called by its future's callback, or after it); empties ``batch.pending``."""
+        """Submit the compiles held back for the kernel cache; empties ``batch.pending``."""
         self._seeded = self._seeded or bool(batch.futures)
         for key, item, lowered, tell, base in batch.pending:
             batch.futures[key] = batch.pool.submit(
@@ -652,22 +592,19 @@ class CompileEngine:
         total: int | None = None,
         then: Callable[[Any, CompileResult], None] | None = None,
     ) -> list[tuple[str, CompileResult | CompileError]]:
-        """Lower and compile every item, each distinct program once. Items are taken one at a time,
-        so a generator that traces each policy's step is traced while the ones before it compile.
+        """Lower and compile every item, each program once; a generator's items are traced while
+        earlier ones compile.
 
         Args:
-          items: objects with ``what`` (names it in errors), ``target`` (a
-            :class:`~remat_kit.targets.Target`), ``lower`` (returns a ``jax.stages.Lowered``) and
-            ``program_key`` (equal non-None keys are lowered once), e.g. :class:`Job`.
-          fast: the fast code-generation options (same memory figures; not for a step to be timed).
-          executable: the caller will run the executables: compile what the cache holds.
-          total: how many items there are, for progress (default ``len(items)``).
-          then: ``then(item, result)``, called in the compile's worker after each compile (not for a
-            program the cache answers whole), e.g. to read its dumps.
+          items: with ``what``, ``target``, ``lower`` and ``program_key``, e.g. :class:`Job`.
+          fast: the fast code-generation options (not for a step to be timed).
+          executable: the caller will run the executables.
+          total: for progress (default ``len(items)``).
+          then: ``then(item, result)`` in the worker after each compile not answered by the cache.
 
         Returns:
-          ``(program key, CompileResult or CompileError)`` per item, in order; an item JAX could not
-          lower gets its :class:`CompileError` (``stage="lower"``) and the items after it go on.
+          ``(program key, CompileResult or CompileError)`` per item, in order (``stage="lower"``
+          for one JAX could not lower).
         """
         total = len(items) if total is None else total  # type: ignore[arg-type]
         with capture_compiler_log(), ThreadPoolExecutor(max_workers=self.workers) as pool:
@@ -679,8 +616,7 @@ class CompileEngine:
         return [(key, self._done[key]) for key in batch.keys]
 
     def _take(self, batch: _Batch, index: int, item: Any, tell: Callable[[str], None]) -> None:
-        """Lower item ``index`` and schedule its compile, unless its program is known (compiled,
-        cached, under way) or it failed to lower (its :class:`CompileError` is its result)."""
+        """Lower item ``index`` and schedule its compile unless its program is known."""
         if item.program_key is not None and item.program_key in batch.by_item_key:
             batch.keys.append(batch.by_item_key[item.program_key])
             tell("same program")
@@ -716,8 +652,7 @@ class CompileEngine:
         self._schedule(batch, key, item, lowered, tell, base)
 
     def _known(self, batch: _Batch, key: str) -> bool:
-        """Whether program ``key`` is compiled (with an executable, where one is asked for) or
-        its compile is under way or held back."""
+        """Whether program ``key`` is compiled, under way or held back."""
         held = self._done.get(key)
         if batch.executable and isinstance(held, CompileResult) and held.cached:
             held = None  # read from the cache: no executable to run
@@ -726,8 +661,7 @@ class CompileEngine:
         return held is not None or seen
 
     def _cached(self, batch: _Batch, key: str, item: Any, lowered: Any) -> CompileResult | None:
-        """The compile cache's result for program ``key`` (None: no cache, or not in it; may
-        lack its pass-off compile), noting its cache keys for :meth:`_store`."""
+        """The compile cache's result for ``key`` or None, noting its keys for :meth:`_store`."""
         if self.cache is None:
             return None
         base, batch.cache_keys[key] = self._from_cache(
@@ -737,8 +671,7 @@ class CompileEngine:
 
     def _schedule(self, batch: _Batch, key: str, item: Any, lowered: Any,
                   tell: Callable[[str], None], base: CompileResult | None) -> None:  # fmt: skip
-        """Submit program ``key``'s compile; on a GPU before the kernel cache is filled, the
-        first compile fills it and the others are held back until it is done."""
+        """Submit ``key``'s compile; on a GPU others wait for the first (the kernel cache)."""
         with batch.lock:
             seeding = not self._seeded and item.target.platform == "cuda"  # a cache to fill
             if seeding and batch.futures:  # the seed is under way: compile after it
@@ -790,22 +723,17 @@ def run_jobs(
     """Lower, compile (identical programs once, ``workers`` at a time) and report every job.
 
     Args:
-      jobs: the jobs, or a generator that makes each (traces its step) when it is due: then
-        each is traced while the ones before it compile (:meth:`CompileEngine.compile_all`).
-      options: the budget, buffers kept and compile options every report shares.
+      jobs: a sequence or generator (traced while earlier jobs compile).
       workers: concurrent compiles of a private engine (default :func:`default_workers`).
-      raise_errors: False: a job that fails to lower or compile gives its CompileError.
-      engine: compile through this :class:`CompileEngine` (its executables stay available to
-        the caller); None: a private one for this call (``workers`` at a time).
-      total: how many jobs there are, for progress (default ``len(jobs)``).
+      raise_errors: False: a failed job gives its CompileError.
+      engine: a :class:`CompileEngine` whose executables the caller keeps; None: a private one.
+      total: for progress (default ``len(jobs)``).
 
     Returns:
-      One report per job, in order; a job that failed to lower or compile gives its
-      :class:`CompileError` when ``raise_errors`` is False.
+      One report (or CompileError) per job, in order.
 
     Raises:
-      CompileError: with ``raise_errors``, for the first visible job (in order) that failed
-        to lower or compile.
+      CompileError: with ``raise_errors``, the first visible job that failed.
     """
     made: list[Job] = []
     queue = iter(jobs)
@@ -848,9 +776,8 @@ def run_jobs(
 
 
 def _add_memory_not_freed(jobs: Sequence[Job], out: list) -> None:
-    """Warn, on each report of a run that also compiled ``no-remat`` (same target and mesh),
-    when its policy's fewer residuals do not lower the compiled temp memory
-    (:func:`remat_kit.memory.undone.memory_not_freed`; not twice with the CSE warning)."""
+    """Warn where a policy's fewer residuals do not lower the temp memory of ``no-remat``
+    (:func:`remat_kit.memory.undone.memory_not_freed`)."""
     bases = {
         (job.target.name, job.mesh_devices): rep
         for job, rep in zip(jobs, out, strict=True)

@@ -1,18 +1,12 @@
 """Live device bytes over one compiled step: XLA's schedule, its live ranges, buffer assignment.
 
-XLA's ``*-live-range.txt`` gives each HLO value's live range in positions of the flattened
-schedule (loop bodies inlined once) and ``*buffer-assignment.txt`` its allocation, offset and
-size. Values that alias one another (a loop's carry, an in-place update, a donated argument and
-its output) share one slot, counted once at the size of its largest live value; the slots'
-sum is the live device bytes at every point, and its most the step's live peak (XLA's own
-"Live ranges at N (peak)" moment sums values without merging aliases and can sit elsewhere).
-
-Each slot is given one category: ``params``, ``opt_state``, ``batch`` (or another argument
-name), ``gradients``, ``residual:<tag>`` (forward values still live when the backward pass
-starts, named by checkpoint tag where the jaxpr's residual rows or the ``op_name`` carry one,
-else ``residual:untagged``; small tags merged into ``residual:other``), ``logits`` and
-``temporaries``. Phases (forward, backward, optimizer) come from the instructions' ``op_name``
-(``transpose(...)`` marks the backward).
+Live ranges (``*-live-range.txt``, loop bodies once) and allocations
+(``*buffer-assignment.txt``) give one slot per set of aliasing values, at its largest value's
+size; the slots' sum over the schedule peaks at the live peak (XLA's own "peak" moment does not
+merge aliases). Categories: argument names (``params``, ``opt_state``, ``batch``),
+``gradients``, ``residual:<tag>`` (forward values live when the backward starts;
+``residual:untagged``, ``residual:other``), ``logits``, ``temporaries``; phases from ``op_name``
+(``transpose(...)``: backward).
 """
 
 from __future__ import annotations

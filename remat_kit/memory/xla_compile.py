@@ -1,13 +1,8 @@
 """Compile a lowered step once, with XLA's dumps and log lines captured for the report.
 
-XLA reports some of what matters only in its log: its own rematerialisation pass warns "Can't
-reduce memory use below X by rematerialization; only reduced to Y" when a program cannot be made
-to fit the device. Those lines go to file descriptor 2 from the C++ logger, out of Python's reach,
-so :class:`capture_compiler_log` points fd 2 at a temporary file while compiles run and gives each
-compile the lines its own thread logged (absl log lines carry the native thread id). Lines no
-compile claims are written back to the real stderr when the capture ends. Python's own writes to
-``sys.stderr`` (progress bars, warnings printed by the tools) keep reaching the terminal while
-the capture runs: ``sys.stderr`` is pointed at the original stream for that time.
+Some facts are only in XLA's C++ log on fd 2 (its remat pass: "Can't reduce memory use below X
+by rematerialization; only reduced to Y"); :class:`capture_compiler_log` captures it and gives
+each compile its own thread's lines.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ import jax
 
 from remat_kit.memory import hlo
 
-#: Compiler options that only change how fast machine code is generated (LLVM / ptxas
-#: optimisation), not the HLO passes, the schedule or buffer assignment: the memory figures are
-#: identical with and without them (checked in tests/test_memory.py and the benchmark).
+#: Code-generation-only compiler options (LLVM / ptxas): memory figures unchanged
+#: (tests/test_memory.py).
 FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True},
     # LLVM's own optimisation off too (docs/results/compiler.md: same dumps, less CPU time).
@@ -41,11 +35,8 @@ FAST_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     },
 }
 
-#: A compiler option in the key of JAX's persistent compilation cache that changes nothing XLA
-#: compiles (a GPU autotuning results file, never written by a deviceless or CPU compile).
-#: :func:`compile_with_dump` points it into the compile's own dump folder, so JAX's cache never
-#: hands back an executable without its dumps and log lines (``jax/_src/cache_key.py`` leaves
-#: ``xla_dump_to`` out of its key).
+#: An inert option in JAX's compilation-cache key, set per dump folder so JAX's cache never
+#: returns an executable without its dumps (``jax/_src/cache_key.py`` omits ``xla_dump_to``).
 CACHE_BYPASS_OPTION = "xla_gpu_dump_autotune_results_to"
 
 # absl: "W1129 16:34:37.803546    5784 hlo_rematerialization.cc:3231] message"
@@ -93,12 +84,9 @@ def _parse_log(text: str) -> tuple[list[LogLine], list[str]]:
 
 
 class capture_compiler_log:  # noqa: N801 (used as a context manager, like contextlib's)
-    """Context manager: redirect fd 2 to a temporary file; re-entrant across threads.
-
-    The outermost ``with`` installs the redirect and, on exit, parses the file, keeps absl log
-    lines for :meth:`lines_for`, and writes every other line back to the original stderr. While
-    it is installed, a ``sys.stderr`` that wrote to fd 2 writes to the original stderr instead,
-    so progress lines are seen as they happen, not when the compiles end.
+    """Context manager: redirect fd 2 to a temporary file; re-entrant across threads. On exit
+    absl lines are kept for :meth:`lines_for`, others written back; ``sys.stderr`` reaches the
+    terminal meanwhile.
     """
 
     _lock = threading.Lock()
@@ -168,7 +156,7 @@ class capture_compiler_log:  # noqa: N801 (used as a context manager, like conte
 
     @classmethod
     def lines_for(cls, thread: int, start: float, end: float) -> list[LogLine]:
-        """Lines logged by ``thread`` between ``start`` and ``end`` (after the capture ended)."""
+        """Lines logged by ``thread`` between ``start`` and ``end``."""
         return [line for line in cls._lines if _claimed(line, (thread, start, end))]
 
 
@@ -205,13 +193,11 @@ class CompileResult:
     end: float
     #: Instructions XLA's own rematerialisation pass cloned (``fusion.3.remat``).
     xla_remat_instructions: int = 0
-    #: The same program compiled with that pass off (when it fired and that was asked for).
+    #: The compile with that pass off, when asked for.
     policy_only: CompileResult | None = None
-    #: The compiler's log lines of this compile when known without the capture (a compile
-    #: read back from :mod:`remat_kit.memory.compile_cache`).
+    #: Log lines known without the capture (read from the compile cache).
     logged: list[LogLine] | None = None
-    #: Read from the persistent compile cache (``compiled`` cannot run; ``compile_s`` is the
-    #: seconds of the compile that made the entry).
+    #: Read from the compile cache (``compiled`` cannot run; ``compile_s`` is the original's).
     cached: bool = False
     #: What was compiled differently from what was asked, and why (:data:`TILING_FALLBACK`).
     notes: tuple[str, ...] = ()
@@ -237,16 +223,13 @@ _REFUSED_FIGURES = (
 
 
 class CompileError(RuntimeError):
-    """A step failed to lower or compile; the message names what was compiled, the stage and
-    the first line of the error (XLA's, or JAX's when lowering failed).
+    """A step failed to lower or compile.
 
     Attributes:
       what: what was compiled (``"policy 'save-dots' on target 'h100-sxm'"``).
-      xla_message: the first line of the error (and, for a known cause, how to fix it).
-      policy: the policy name, when a model step.
-      stage: ``"compile"`` (XLA refused the program), ``"build"`` (a program's family refused
-        the change a search asked of it) or ``"lower"`` (JAX could not lower the
-        traced step for the target: :func:`lower_for`).
+      xla_message: the error's first line (with the fix, for a known cause).
+      stage: ``"compile"`` (XLA), ``"build"`` (the program's family refused a change) or
+        ``"lower"`` (JAX: :func:`lower_for`).
     """
 
     def __init__(
@@ -264,15 +247,12 @@ class CompileError(RuntimeError):
 
     @property
     def out_of_memory(self) -> bool:
-        """True when the compile failed because the step does not fit the device: XLA's TPU
-        compiler refuses such a program ("RESOURCE_EXHAUSTED: ... Ran out of memory on HBM ...
-        exceeds available HBM (30.75G)") where the GPU compiler reports a peak over memory."""
+        """XLA:TPU refused the step as over HBM ("RESOURCE_EXHAUSTED: ... Ran out of memory")."""
         return bool(_OUT_OF_MEMORY.search(self.xla_message))
 
     def over_memory(self) -> str | None:
-        """For a step refused as over the device's memory (:attr:`out_of_memory`), what does
-        not fit in XLA's own figures when its message states them ("26.05G of HLO temporaries
-        against 15.75G of HBM"), else "XLA gave no figure"; None for any other failure."""
+        """For :attr:`out_of_memory`, XLA's figures ("26.05G of HLO temporaries against 15.75G
+        of HBM") or "XLA gave no figure"; None otherwise."""
         if not self.out_of_memory:
             return None
         for pattern in _REFUSED_FIGURES:
@@ -284,17 +264,13 @@ class CompileError(RuntimeError):
         return "XLA gave no figure"
 
 
-#: JAX's words when a step's arguments and a sharding inside it are on different devices (a
-#: mesh built on the CPU's devices, the arguments on the target's compile-only ones):
-#: "Received incompatible devices for jitted computation. Got argument ... on platform GPU
-#: and sharding_constraint inside jit with device ids [0] on platform CPU".
+#: JAX's error for a mesh built on other devices than the target's compile-only ones.
 _DEVICE_MISMATCH = "incompatible devices"
 
 
 def lowering_message(err: BaseException, target: str) -> str:
-    """The first line of a lowering error for ``target`` (a target name), with the fix where
-    the cause is known: a mesh built on other devices than the target's gets the call that
-    makes the right ones (:func:`remat_kit.targets.compile_devices`)."""
+    """A lowering error's first line, with the fix for a known cause
+    (:func:`remat_kit.targets.compile_devices`)."""
     line = first_line(err)
     if _DEVICE_MISMATCH in line:
         line += (
@@ -306,12 +282,10 @@ def lowering_message(err: BaseException, target: str) -> str:
 
 
 def lower_for(item: Any) -> Any:
-    """``item.lower()`` (a ``jax.stages.Lowered``) for an item of
-    :meth:`~remat_kit.memory.runner.CompileEngine.compile_all` (``what``, ``target``).
+    """``item.lower()`` for :meth:`~remat_kit.memory.runner.CompileEngine.compile_all`.
 
     Raises:
-      CompileError: JAX could not lower the step for ``item.target`` (``stage="lower"``; the
-        message says how to fix a known cause, :func:`lowering_message`).
+      CompileError: JAX could not lower the step (``stage="lower"``, :func:`lowering_message`).
     """
     try:
         return item.lower()
@@ -338,12 +312,8 @@ def count_xla_remat(hlo_text: str | None) -> int:
     return sum(hlo.is_xla_remat(n) for n in _INSTR_NAME.findall(hlo_text or ""))
 
 
-#: The dump options of every analysis compile. Compiler options override the ``XLA_FLAGS``
-#: the backend read (MaxText's pyconfig sets ``--xla_dump_to=... --xla_dump_hlo_module_re=
-#: jit_train_step``), so these keep the user's dump flags from filtering or thinning the dumps
-#: the analysis reads: a module filter that wrote none of them (FLOPs None, no buffers at the
-#: peak), a cap on the modules dumped, metadata off (no op names), and every HLO pass dumped
-#: (many files, each compile slower).
+#: Dump options of every analysis compile; they override a user's ``XLA_FLAGS`` dump filters
+#: (e.g. MaxText's ``--xla_dump_hlo_module_re``) that would thin the dumps read.
 DUMP_OPTIONS: dict[str, Any] = {
     "xla_dump_hlo_as_text": True,
     "xla_dump_hlo_module_re": ".*",
@@ -354,15 +324,12 @@ DUMP_OPTIONS: dict[str, Any] = {
 
 
 def user_dump_flags() -> list[str]:
-    """The ``--xla_dump*`` flags of the ``XLA_FLAGS`` environment variable (``[]`` for none),
-    named in the warning when a compile wrote no dump."""
+    """The ``--xla_dump*`` flags of ``XLA_FLAGS``."""
     return [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_dump")]
 
 
 def compile_options(platform: str, fast: bool = True, options: dict | None = None) -> dict:
-    """The compiler options :func:`compile_with_dump` passes, less the dump folder: the
-    :data:`DUMP_OPTIONS`, the :data:`FAST_COMPILE_OPTIONS` of ``platform`` with ``fast``, then
-    ``options``."""
+    """:data:`DUMP_OPTIONS`, :data:`FAST_COMPILE_OPTIONS` (with ``fast``), then ``options``."""
     opts: dict[str, Any] = dict(DUMP_OPTIONS)
     if fast:
         opts.update(FAST_COMPILE_OPTIONS.get(platform, {}))
@@ -370,10 +337,8 @@ def compile_options(platform: str, fast: bool = True, options: dict | None = Non
     return opts
 
 
-#: XLA's GPU compiler without a GPU cannot always pick a Triton GEMM tiling (no autotuning):
-#: "INTERNAL: Couldn't find output tile sizes that satisfy hlo: ..." (e.g. attention over 65
-#: tokens). Such a compile is made again with the option below (every GEMM a cuBLAS call, as
-#: XLA also picks where Triton is slower), and the report says so.
+#: Deviceless XLA:GPU sometimes finds no Triton GEMM tiling ("Couldn't find output tile sizes");
+#: the compile is retried with every GEMM a cuBLAS call, and the report says so.
 TILING_ERROR = "Couldn't find output tile sizes"
 TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
 
@@ -383,15 +348,14 @@ def compile_with_dump(
 ) -> CompileResult:
     """``lowered.compile()`` with ``xla_dump_to`` a temporary folder; reads the dumps back.
 
-    Must run inside :class:`capture_compiler_log` for the compiler's log lines to be kept. A GPU
-    compile XLA cannot tile (:data:`TILING_ERROR`) is made again with
-    :data:`TILING_FALLBACK`, with a note in ``notes``.
+    Log lines are kept inside :class:`capture_compiler_log`. :data:`TILING_ERROR` retries with
+    :data:`TILING_FALLBACK` (noted).
 
     Args:
       lowered: a ``jax.stages.Lowered``.
-      platform: ``"cpu"`` or ``"cuda"``, to pick :data:`FAST_COMPILE_OPTIONS`.
-      what: names the compile in errors (``"policy 'save-dots' on target 'h100-sxm'"``).
-      fast: add the code-generation-only :data:`FAST_COMPILE_OPTIONS`.
+      platform: ``"cpu"`` or ``"cuda"``.
+      what: names the compile in errors.
+      fast: add :data:`FAST_COMPILE_OPTIONS`.
       options: more XLA compiler options.
 
     Raises:
@@ -437,11 +401,8 @@ def _compile_with_dump(
 
 
 def _no_persistent_cache_write() -> Any:
-    """A context (this thread only) in which JAX writes no entry to its persistent compilation
-    cache: the minimum compile time for a write set to infinity. Our compiles' keys are never
-    read again (:data:`CACHE_BYPASS_OPTION`), so an entry would only fill the user's cache.
-    Uses JAX's internal config state (as jax's own test utilities do); where a JAX version lacks
-    it, entries are written and never read."""
+    """A context (this thread) in which JAX writes no compilation-cache entry (its keys are never
+    read again, :data:`CACHE_BYPASS_OPTION`); uses JAX's internal config state where present."""
     from jax._src import config as jax_config
 
     state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
@@ -451,9 +412,8 @@ def _no_persistent_cache_write() -> Any:
 def add_policy_only(
     result: CompileResult, lowered: Any, platform: str, what: str, fast: bool, options: dict
 ) -> CompileResult:
-    """When XLA's own rematerialisation pass cloned instructions in ``result``, compile
-    ``lowered`` again with the pass off (:data:`WITHOUT_XLA_REMAT`) into
-    ``result.policy_only``; otherwise nothing is compiled. Returns ``result``."""
+    """``result`` with ``policy_only`` compiled with :data:`WITHOUT_XLA_REMAT` where XLA's remat
+    pass cloned instructions."""
     if result.xla_remat_instructions:
         opts = {**options, **WITHOUT_XLA_REMAT}
         try:

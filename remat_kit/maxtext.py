@@ -1,16 +1,9 @@
-"""A MaxText config as a remat-kit :class:`~remat_kit.program.Program`: :func:`maxtext_program`.
+"""A MaxText config as a remat-kit :class:`~remat_kit.program.Program` (:func:`maxtext_program`).
 
-:func:`maxtext_program` takes MaxText's ``key=value`` overrides (AI-Hypercomputer/maxtext,
-Python >= 3.12) and builds what MaxText's ahead-of-time compile
-(``maxtext/trainers/pre_train/train_compile.py``) compiles: MaxText's own model, train state and
-``train_step``, abstract (``jax.ShapeDtypeStruct`` with shardings: nothing allocated), on
-MaxText's mesh of the target's devices (:func:`remat_kit.targets.compile_devices`), jitted with
-MaxText's shardings and its state donated. Figures are per chip. A MaxText ``remat_policy`` name
-(:data:`remat_kit.policies.MAXTEXT_POLICY_NAMES`) is set as MaxText's own override; any other
-policy is injected into its ``loss_fn`` (:func:`remat_kit.inject_policy`). The program's loss is
-the function ``train_step`` differentiates (:func:`loss_arguments`); its residuals are per chip
-(``Known.saved`` of the program). The config, mesh, GPU targets and ``XLA_FLAGS`` handling:
-docs/maxtext.md.
+It builds what MaxText's AOT compile (``maxtext/trainers/pre_train/train_compile.py``) compiles:
+its model, abstract train state and ``train_step`` on its mesh of the target's devices, figures
+per chip. A MaxText ``remat_policy`` name is set as MaxText's override; any other policy is
+injected into its ``loss_fn`` (:func:`remat_kit.inject_policy`). docs/maxtext.md.
 
 Example (with maxtext installed)::
 
@@ -49,22 +42,19 @@ from remat_kit.program import Program
 from remat_kit.validation import MissingExtraError
 from remat_kit.walker import Residual, saved_residuals
 
-#: The PRNG MaxText trains and compiles with (its ``train.py`` and ``train_compile.py`` set
-#: ``jax_default_prng_impl`` to it): the train state's keys have its shape. Scoped here to the
-#: program's build and trace, never set for the process.
+#: MaxText's ``jax_default_prng_impl`` (its ``train.py``); scoped to build and trace here.
 PRNG_IMPL = "unsafe_rbg"
 
-#: What to install where MaxText is missing.
 INSTALL = 'MaxText is not installed: pip install "remat-kit[maxtext]" (needs Python >= 3.12)'
 
 
 def _modules() -> types.SimpleNamespace:
-    """MaxText's modules this one uses, imported on first use.
+    """MaxText's modules, imported on first use.
 
     Raises:
-      MissingExtraError: MaxText is not installed (one line: what to install).
+      MissingExtraError: MaxText is not installed.
     """
-    try:  # MaxText prints its import notes on stdout: kept off it (``--json`` reads stdout)
+    try:  # MaxText's import notes kept off stdout (``--json``)
         with contextlib.redirect_stdout(sys.stderr):
             return _import()
     except ImportError as err:
@@ -84,7 +74,7 @@ def _import() -> types.SimpleNamespace:
 
 
 def split_overrides(overrides: str | Sequence[str]) -> list[str]:
-    """MaxText's ``key=value`` overrides as a list (one string split as a shell splits it).
+    """MaxText's ``key=value`` overrides as a list (a string split as a shell would).
 
     Raises:
       ValueError: an item that is not ``key=value``.
@@ -109,11 +99,11 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
     before = os.environ.get("XLA_FLAGS")
     try:
         return mt.pyconfig.initialize(["train.py", *overrides])
-    except SystemExit:  # MaxText exits with code 2 on a bad config, its message logged
+    except SystemExit:  # a bad config, its message logged
         raise ValueError(
             f"MaxText refused the config {' '.join(overrides)!r} (its message is above)"
         ) from None
-    except ValueError as err:  # its pydantic validation: one line per field, made one line
+    except ValueError as err:  # pydantic validation
         raise ValueError(f"MaxText refused the config: {_one_line(err)}") from None
     finally:
         if before is None:
@@ -123,8 +113,7 @@ def _config(mt: types.SimpleNamespace, overrides: Sequence[str]) -> Any:
 
 
 def _one_line(err: ValueError) -> str:
-    """A config error on one line: each field pydantic refused, its message and the value given
-    (``model_name: Input should be 'default', 'llama2-7b', ... (got 'llama9-7b')``)."""
+    """A pydantic error on one line: ``field: message (got value)`` per field."""
     errors = getattr(err, "errors", None)
     if not callable(errors):
         return " ".join(str(err).split())
@@ -137,11 +126,9 @@ def _one_line(err: ValueError) -> str:
 
 
 def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
-    """The policies a MaxText user can set, for a model emitting ``tags``: MaxText's own
-    ``remat_policy`` names (:data:`~remat_kit.policies.MAXTEXT_POLICY_NAMES`) whose checkpoint
-    names the model all emits (``minimal`` where it emits some), then ``remat_policy=custom``
-    with MaxText's defaults and with each emitted tensor it has a setting for kept on device
-    (one each): what ``recommend --maxtext`` searches by default.
+    """What ``recommend --maxtext`` searches: MaxText's ``remat_policy`` names whose checkpoint
+    names ``tags`` all hold (``minimal``: some), then ``custom`` with its defaults and with each
+    emitted tensor kept on device.
 
     Raises:
       ValueError: ``tags`` holds none of MaxText's tensors (not a MaxText model).
@@ -152,7 +139,6 @@ def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
             f"the program emits none of MaxText's checkpoint names ({', '.join(sorted(tags))})"
         )
     named = [maxtext_spec(n) for n in MAXTEXT_POLICY_NAMES if n != "custom"]
-    # ``minimal`` is remat-kit's registered one too: the tools cut it to the names emitted
     out = [s for s in named if s.tags <= tags or (s.name == "minimal" and s.tags & tags)]
     customs = [maxtext_spec("custom")]
     customs += [maxtext_spec("custom", {t: "device"}) for t in emitted]
@@ -163,8 +149,7 @@ def maxtext_candidates(tags: frozenset[str] | set[str]) -> list[PolicySpec]:
 
 
 def maxtext_name(spec: PolicySpec) -> str | None:
-    """The MaxText ``remat_policy`` name ``spec`` is (:func:`remat_kit.policies.maxtext_spec`
-    of its own name), or None: a policy MaxText's config does not name (injected)."""
+    """``spec``'s MaxText ``remat_policy`` name, or None (the policy is injected)."""
     if spec.name == "custom" or spec.name not in MAXTEXT_POLICY_NAMES:
         return None
     return spec.name if maxtext_spec(spec.name) == spec else None
@@ -172,7 +157,7 @@ def maxtext_name(spec: PolicySpec) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Built:
-    """One MaxText config's step on the mesh: its graphdef and shardings, and its loss."""
+    """One MaxText config's graphdef and shardings on the mesh."""
 
     config: Any
     graphdef: Any
@@ -182,9 +167,7 @@ class _Built:
 
 
 def _layout(target_name: str, mesh: Any, out_shardings: Any) -> Any:
-    """MaxText's mesh and shardings, built for the target given to :func:`maxtext_program`;
-    the layout raises ``ValueError`` for another target (the mesh is made of that target's
-    devices)."""
+    """The layout of MaxText's mesh and shardings; ``ValueError`` for another target."""
 
     def layout(target: T.Target, names: Any) -> Placement:
         if target.name != target_name:
@@ -198,8 +181,7 @@ def _layout(target_name: str, mesh: Any, out_shardings: Any) -> Any:
 
 
 def _buffer_names(program: Program, rows: Sequence[Any], placement: Placement) -> BufferNames:
-    """As :func:`remat_kit.trace.buffer_names`, the parameters' shapes per chip (each sharded as
-    MaxText shards it), as the compiled step's buffers hold them."""
+    """As :func:`remat_kit.trace.buffer_names`, parameter shapes per chip."""
     names = trace.traced_buffer_names(program, rows)
     params = frozenset((x.dtype.name, tuple(_shard_shape(x))) for x in trace.param_leaves(program))
     return dataclasses.replace(names, params=params)
@@ -208,12 +190,8 @@ def _buffer_names(program: Program, rows: Sequence[Any], placement: Placement) -
 def _saved(
     program: Program, spec: PolicySpec, *, batch_split: tuple[int, int, int]
 ) -> list[Residual] | None:
-    """What MaxText's loss keeps under ``spec`` (as JAX keeps it), per chip: a value holding
-    the batch's ``[batch, sequence]`` dimensions has its batch divided over the chips MaxText
-    shards the activation batch over (``activation_batch`` in its logical axis rules: data,
-    fsdp, ... ); other values (those made from the parameters, such as a weight transposed for
-    the backward pass) are counted whole, an upper bound per chip where their parameter is
-    sharded. One chip: as JAX keeps them."""
+    """What MaxText's loss keeps under ``spec``, per chip: ``[batch, seq]`` values divided over
+    the ``activation_batch`` chips (:func:`_per_chip`); others whole (an upper bound)."""
     loss = program.loss(spec)
     if loss is None:
         return None
@@ -224,29 +202,22 @@ def _saved(
 
 
 def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "local") -> Program:
-    """MaxText's training step for its config ``base.yml`` plus ``overrides``, as every tool
-    takes it, on MaxText's mesh of ``target``'s devices (see the module docstring).
+    """MaxText's training step for ``base.yml`` plus ``overrides`` on its mesh of ``target``.
 
     Args:
-      overrides: MaxText's ``key=value`` overrides, one string
-        (``"model_name=llama2-7b per_device_batch_size=1 max_target_length=8192"``) or a list.
-        ``remat_policy`` here is the program's default only: each tool sets the policy it asks
-        for. What remat-kit adds per target (``compile_topology``, ``hardware=gpu``,
-        ``skip_jax_distributed_system=true``, each where not given): docs/maxtext.md.
-      target: a TPU slice (``v5p-8``: every chip, MaxText's default FSDP over them), a GPU
-        model (one GPU, deviceless) or ``local`` (the local devices).
+      overrides: ``key=value`` items, a string
+        (``"model_name=llama2-7b per_device_batch_size=1"``) or a list; ``remat_policy`` is only
+        the default. What remat-kit adds per target: docs/maxtext.md.
+      target: a TPU slice (all its chips), a GPU model (one, deviceless) or ``local``.
 
     Returns:
-      A :class:`~remat_kit.program.Program`: arguments MaxText's abstract train state and
-      batch (shapes global, shardings over the mesh; figures per device), the state donated;
-      its loss MaxText's, of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`), the
-      first two differentiated.
+      A :class:`~remat_kit.program.Program` over MaxText's abstract state (donated) and batch;
+      its loss of ``(params, custom_params, rest, batch)`` (:func:`loss_arguments`).
 
     Raises:
-      MissingExtraError: MaxText not installed (``pip install "remat-kit[maxtext]"``, Python
-        >= 3.12); libtpu / the CUDA plugin missing for the target.
-      ValueError: an override that is not ``key=value``; MaxText refusing the config; an
-        unknown target.
+      MissingExtraError: MaxText (Python >= 3.12), libtpu or the CUDA plugin not installed.
+      ValueError: an override not ``key=value``; MaxText refusing the config; an unknown
+        target.
     """
     mt = _modules()
     tgt = T.get_target(target)
@@ -256,10 +227,8 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
         topology = [f"compile_topology={tgt.name}", "compile_topology_num_slices=1"]
     given = {item.partition("=")[0] for item in items}
     if tgt.gpu is not None and "hardware" not in given:
-        topology.append("hardware=gpu")  # MaxText's GPU paths (its default is tpu)
-    if "skip_jax_distributed_system" not in given:
-        # one process compiles: MaxText's config would start JAX's distributed system (with
-        # checkpointing on and no compile_topology), which fails once JAX has a backend
+        topology.append("hardware=gpu")
+    if "skip_jax_distributed_system" not in given:  # one process; docs/maxtext.md
         topology.append("skip_jax_distributed_system=true")
     base = [*items, *topology]
     n = tgt.tpu.num_devices if tgt.tpu is not None else 1 if tgt.gpu is not None else None
@@ -277,7 +246,6 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
     (built_base, (state, batch)) = first
 
     def step_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
-        # a spec from the tools; a raw jax policy (or None) from the reach probe: injected
         return _step(mt, _choose(spec, built), mesh, spec)
 
     def loss_for(spec: PolicySpec | Callable[..., Any] | None) -> Callable[..., Any]:
@@ -306,9 +274,7 @@ def maxtext_program(overrides: str | Sequence[str], target: str | T.Target = "lo
 
 
 def _batch_split(config: Any, mesh: Any) -> tuple[int, int, int]:
-    """``(global batch, sequence length, chips)``: MaxText's micro batch, its
-    ``max_target_length``, and the product of the mesh axes its first ``activation_batch``
-    logical axis rule names (the chips the batch of an activation is split over)."""
+    """``(global batch, max_target_length, chips the activation batch is split over)``."""
     axes: Any = ()
     for name, mapped in config.logical_axis_rules:
         if name == "activation_batch":
@@ -321,7 +287,7 @@ def _batch_split(config: Any, mesh: Any) -> tuple[int, int, int]:
 
 
 def _shard_shape(x: Any) -> tuple[int, ...]:
-    """One chip's shape of an abstract array carrying its sharding (its shape without one)."""
+    """One chip's shape of an abstract array."""
     sharding = getattr(x, "sharding", None)
     if sharding is None or not hasattr(sharding, "shard_shape"):
         return tuple(x.shape)
@@ -329,8 +295,7 @@ def _shard_shape(x: Any) -> tuple[int, ...]:
 
 
 def _per_chip(res: Residual, batch: int, seq: int, chips: int) -> Residual:
-    """``res`` on one chip: its first ``[batch, seq]`` dimension pair with the batch divided by
-    ``chips``; unchanged where it holds no such pair (or the batch does not divide)."""
+    """``res`` with the batch of its first ``[batch, seq]`` pair divided by ``chips``."""
     shape = tuple(res.shape)
     for i in range(len(shape) - 1):
         if shape[i : i + 2] == (batch, seq) and batch % chips == 0:
@@ -353,22 +318,20 @@ def _mesh(mt: types.SimpleNamespace, config: Any, devices: Sequence[Any]) -> Any
 
 
 def _build(mt: types.SimpleNamespace, config: Any, mesh: Any, shaped: bool = False) -> Any:
-    """MaxText's train-state graphdef and shardings for ``config`` on ``mesh`` (as its AOT
-    compile makes them); with ``shaped``, ``(built, (abstract state, abstract batch))``."""
+    """MaxText's graphdef and shardings for ``config``; ``shaped``: with the abstract args."""
     from flax import nnx
 
     args, _, state_sh, _, graphdef = mt.train_compile.get_shaped_inputs(mesh, config)
     params_sh, state_sh = mt.sharding.maybe_update_params_sharding_with_opt(config, state_sh)
     input_sh = mt.sharding.build_zero1_input_state_mesh_shardings(config, state_sh, params_sh)
-    model = nnx.merge(graphdef, args[0]).model  # abstract: its variables hold ShapeDtypeStructs
+    model = nnx.merge(graphdef, args[0]).model  # abstract
     model_graphdef = nnx.split(model, *_param_filters(config))[0]
     built = _Built(config, graphdef, input_sh, params_sh, model_graphdef)
     return (built, tuple(args)) if shaped else built
 
 
 def _choose(spec: Any, built: Callable[[tuple[str, ...]], _Built]) -> _Built:
-    """The config a policy runs under: MaxText's own ``remat_policy`` for a MaxText name, else
-    ``remat_policy=full`` (every layer in remat, the policy then injected)."""
+    """The config for ``spec``: its MaxText name, else ``remat_policy=full`` (then injected)."""
     name = maxtext_name(spec) if isinstance(spec, PolicySpec) else None
     if name is not None:
         return built((f"remat_policy={name}",))
@@ -377,10 +340,8 @@ def _choose(spec: Any, built: Callable[[tuple[str, ...]], _Built]) -> _Built:
 
 @contextlib.contextmanager
 def _tracing(mt: types.SimpleNamespace, config: Any, mesh: Any) -> Iterator[None]:
-    """What MaxText's step and loss are traced under: the mesh (abstract), MaxText's logical
-    axis rules, its PRNG; on a GPU mesh also tokamax's ``cross_compile`` (MaxText's GPU flash
-    attention is a tokamax kernel, which otherwise refuses to trace where the local device is
-    not a GPU: a deviceless compile)."""
+    """The abstract mesh, MaxText's axis rules and PRNG; on GPU, tokamax's ``cross_compile`` (its
+    flash attention kernel refuses to trace deviceless otherwise)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
         stack.enter_context(mt.axis_rules(config.logical_axis_rules))
@@ -393,15 +354,14 @@ def _tracing(mt: types.SimpleNamespace, config: Any, mesh: Any) -> Iterator[None
 
 
 def _platform(mesh: Any) -> str:
-    """``tpu``, ``gpu`` or ``cpu``: the platform of the mesh's devices (a CUDA device is
-    ``gpu``, as MaxText's ``hardware`` names it)."""
+    """The mesh's platform as MaxText's ``hardware`` names it."""
     platform = str(mesh.devices.flat[0].platform).lower()
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
-    """MaxText's ``train_step`` for ``built``'s config, traced under its mesh and logical axis
-    rules; for a policy MaxText does not name, its ``loss_fn`` with the policy injected."""
+    """MaxText's ``train_step`` (:func:`_tracing`), ``loss_fn`` injected where ``spec`` is not
+    a MaxText name."""
     train_step = mt.train.train_step
     if not isinstance(spec, PolicySpec) or maxtext_name(spec) is None:
         policy = spec if not isinstance(spec, PolicySpec) else spec.to_jax() if spec.wrap else None
@@ -423,9 +383,8 @@ def _step(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
 
 
 def _param_filters(config: Any) -> tuple[Any, Any, Any]:
-    """The filters MaxText's ``train_step`` splits its model by: the trained parameters
-    (``nnx.Param``, ``nnx.LoRAParam`` under LoRA), the variables differentiated beside them
-    (``_overwrite_with_gradient``), the rest."""
+    """MaxText ``train_step``'s model split: trained params (LoRA too),
+    ``_overwrite_with_gradient`` variables, the rest."""
     from flax import nnx
     from flax.nnx import variablelib
 
@@ -436,9 +395,8 @@ def _param_filters(config: Any) -> tuple[Any, Any, Any]:
 
 
 def loss_arguments(state: Any, batch: Any, config: Any) -> tuple[Any, Any, Any, Any]:
-    """``(params, custom_params, rest, batch)``: MaxText's abstract train state's model split
-    as its ``train_step`` splits it before differentiating (:func:`_param_filters`), and the
-    batch; the arguments of :func:`_loss`'s loss."""
+    """``(params, custom_params, rest, batch)`` split by :func:`_param_filters`: the loss's
+    arguments."""
     from flax import nnx
 
     params, custom, rest = nnx.split_state(state["model"], *_param_filters(config))
@@ -446,10 +404,8 @@ def loss_arguments(state: Any, batch: Any, config: Any) -> tuple[Any, Any, Any, 
 
 
 def _loss(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
-    """The function MaxText's ``train_step`` differentiates (its ``diff_wrapper``): the model
-    merged from its parameters and other variables, MaxText's ``loss_fn`` on the batch, the
-    loss returned (its aux dropped); traced under the step's mesh and axis rules; for a policy
-    MaxText does not name, ``loss_fn`` with the policy injected (as :func:`_step`)."""
+    """What ``train_step`` differentiates (its ``diff_wrapper``), aux dropped; injected as in
+    :func:`_step`."""
     from flax import nnx
 
     loss_fn = mt.train.loss_fn
@@ -468,9 +424,8 @@ def _loss(mt: types.SimpleNamespace, built: _Built, mesh: Any, spec: Any):
 
 
 def _injected(loss_fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
-    """MaxText's ``loss_fn(model, config, data, ...)`` with ``policy`` in each remat segment
-    (:func:`remat_kit.inject_policy` over the model's state and the batch; None: no remat);
-    what the loss changes in the model is written back to it, as MaxText's own does."""
+    """``loss_fn`` with ``policy`` in each remat segment (None: no remat), model updates written
+    back."""
     from flax import nnx
 
     def injected(model: Any, config: Any, data: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,18 +1,13 @@
-"""The bundled model: ModelConfig and presets at the published shapes of real models, what a
-config decides before a module is built, and the decoder-only transformer built from it.
+"""The bundled decoder-only transformer (flax.linen, MaxText checkpoint names), its
+:class:`ModelConfig` and presets at published shapes.
 
-The transformer is flax.linen; its intermediate tensors carry checkpoint names (MaxText's). Beyond
-one policy per layer a config chooses a layer plan (:func:`layer_plan`): partial-layer remat
-(Megatron-LM's ``--recompute-num-layers``) or nested remat (Chen et al. 2016, arXiv:1604.06174,
-groups of layers checkpointed whole, :func:`sqrt_groups`), both run by :class:`RematLayerStack`,
-which any linen model can use; :func:`chunked_cross_entropy` computes the LM head and the loss
-over sequence chunks under remat; :func:`attention_choices` says where cuDNN's fused attention
-compiles (compute capability >= 8.0, bf16/f16, head dim a multiple of 8 up to 128, 256 from
-sm_90: ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``). How each works and
-what it costs: docs/structure.md.
+Layer plans (:func:`layer_plan`): partial-layer remat (Megatron-LM's ``--recompute-num-layers``)
+or nested remat (Chen et al. 2016, arXiv:1604.06174), run by :class:`RematLayerStack` for any
+linen block; :func:`chunked_cross_entropy`: the LM head and loss over sequence chunks. How
+each works and costs: docs/structure.md.
 
 Shapes: ``b`` batch, ``s`` sequence, ``h`` d_model, ``a`` query heads, ``g`` key/value heads,
-``r = a // g`` query heads per key/value head, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
+``r = a // g``, ``d`` head_dim, ``f`` d_ff, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from remat_kit.validation import check_seq_len, positive_int, unknown_value_erro
 
 Placement = Literal["first", "interleaved"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
-#: One scan of the stack: the per-position remat choice of one scan step, and the trip count.
+#: One scan: per-block remat choice of a step, and the trip count.
 Run = tuple[tuple[bool, ...], int]
 
 
@@ -46,11 +41,9 @@ def layer_plan(
     """The layer scans that put ``remat_layers`` of ``num_layers`` blocks under the policy.
 
     Returns:
-      ``((pattern, repeats), ...)``: one scan per run, each step applying ``len(pattern)``
-      blocks, ``pattern[i]`` True where block ``i`` of the step is rematerialised. ``None`` (all
-      layers) gives ``(((True,), num_layers),)``; ``placement="first"`` with ``0 < k < L`` gives
-      ``(((True,), k), ((False,), L - k))``; ``"interleaved"`` gives one run whose pattern of
-      ``L // k`` blocks rematerialises its first.
+      ``((pattern, repeats), ...)``, one scan each; ``pattern[i]``: block ``i`` of a step is
+      rematerialised. ``"first"``: ``(((True,), k), ((False,), L - k))``; ``"interleaved"``:
+      one run of ``L // k`` blocks, the first rematerialised.
 
     Raises:
       ValueError: a non-positive ``num_layers``; ``remat_layers`` outside ``0..num_layers``; an
@@ -76,9 +69,8 @@ def layer_plan(
 
 
 def sqrt_groups(num_layers: int) -> int:
-    """The divisor of ``num_layers`` nearest ``sqrt(num_layers)`` (the smaller on a tie): the
-    outer group count that minimises ``groups + num_layers / groups`` stored layer inputs
-    (Chen et al. 2016). ``sqrt_groups(32) == 4``, ``sqrt_groups(36) == 6``.
+    """The divisor of ``num_layers`` nearest its square root (smaller on a tie), minimising
+    ``groups + num_layers / groups`` stored layer inputs (Chen et al. 2016).
 
     Raises:
       ValueError: ``num_layers`` is not a positive integer.
@@ -105,9 +97,8 @@ def check_nested_groups(num_layers: int, groups: int) -> int:
 
 
 def stored_layer_inputs(num_layers: int, groups: int | None = None) -> int:
-    """Layer inputs live at the start of the backward pass's worst segment: ``num_layers`` for
-    per-layer remat; ``groups + num_layers // groups`` nested (outer carries plus one segment's
-    inner carries while it is recomputed). The textbook count that the measured bytes follow."""
+    """Layer inputs live in the backward pass's worst segment: ``num_layers`` per-layer;
+    ``groups + num_layers // groups`` nested (outer carries plus one segment's inner ones)."""
     if groups is None:
         return num_layers
     return groups + num_layers // check_nested_groups(num_layers, groups)
@@ -116,54 +107,48 @@ def stored_layer_inputs(num_layers: int, groups: int | None = None) -> int:
 Norm = Literal["layernorm", "rmsnorm"]
 MlpKind = Literal["gelu", "swiglu"]
 Positions = Literal["learned", "rope"]
-#: ``xla``: plain einsum attention that materialises the [batch, heads, seq, seq] scores (tagged
-#: and rematerialisable); ``dot_product_attention``: ``jax.nn.dot_product_attention`` letting JAX
-#: pick the implementation; ``cudnn``: the same forced to the cuDNN flash kernel (GPU only).
+#: ``xla``: einsum attention materialising [b, heads, s, s] scores; ``dot_product_attention``:
+#: ``jax.nn.dot_product_attention``; ``cudnn``: its cuDNN flash kernel (GPU only).
 AttentionImpl = Literal["xla", "dot_product_attention", "cudnn"]
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """One decoder-only transformer, passed whole to every module.
-
-    Shapes: ``d_model`` (hidden size h), ``num_heads`` (a), ``head_dim = d_model // num_heads``.
-    """
+    """One decoder-only transformer, passed whole to every module; ``head_dim = d_model //
+    num_heads``."""
 
     name: str = "custom"
-    vocab_size: int = 256  # tokens; logits are [batch, seq, vocab_size]
-    d_model: int = 64  # residual stream width
-    num_layers: int = 2  # transformer blocks
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
     num_heads: int = 4  # query heads
-    num_kv_heads: int | None = None  # key/value heads (GQA); None means num_heads
-    d_ff: int = 256  # MLP hidden width
-    max_seq_len: int = 128  # longest sequence (learned positions table size)
+    num_kv_heads: int | None = None  # GQA; None: num_heads
+    d_ff: int = 256
+    max_seq_len: int = 128
     norm: Norm = "layernorm"
     norm_eps: float = 1e-5
     mlp: MlpKind = "gelu"
     positions: Positions = "learned"
     rope_theta: float = 10_000.0  # RoPE base frequency (Su et al. 2021, arXiv:2104.09864)
-    tied_embeddings: bool = True  # logits use the token embedding matrix transposed
-    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2); GPT-2 uses biases everywhere
-    use_bias: bool = False  # bias on every other dense layer (GPT-2)
-    dtype: str = "float32"  # compute (activation) dtype
-    param_dtype: str = "float32"  # parameter storage dtype
+    tied_embeddings: bool = True
+    qkv_bias: bool = False  # on q/k/v only (Qwen2)
+    use_bias: bool = False  # on every other dense layer (GPT-2)
+    dtype: str = "float32"  # compute
+    param_dtype: str = "float32"
     attention: AttentionImpl = "xla"
-    remat_policy: str | PolicySpec = "no-remat"  # a name from remat_kit.policy_names() or a spec
-    scan_layers: bool = True  # nn.scan over blocks (one compiled block) vs an unrolled loop
-    remat_group_size: int = 1  # k consecutive blocks form one remat segment
-    # Partial-layer remat (layer_plan; transformer.RematLayerStack): only ``remat_layers`` blocks
-    # use ``remat_policy`` (None: all), placed first or interleaved; the rest ``rest_remat_policy``.
+    remat_policy: str | PolicySpec = "no-remat"
+    scan_layers: bool = True  # nn.scan over blocks, else unrolled
+    remat_group_size: int = 1  # consecutive blocks per remat segment
+    # Partial-layer remat (:func:`layer_plan`): ``remat_layers`` blocks (None: all) under
+    # ``remat_policy``, the rest under ``rest_remat_policy``.
     remat_layers: int | None = None
     remat_placement: Placement = "first"
     rest_remat_policy: str | PolicySpec = "no-remat"
-    # Nested remat: an outer scan over ``nested_groups`` checkpointed segments (None:
-    # sqrt_groups(num_layers)); ``remat_layers`` then counts blocks per segment.
+    # Nested remat over ``nested_groups`` segments (None: sqrt_groups); remat_layers per segment.
     nested_remat: bool = False
     nested_groups: int | None = None
-    # Chunked cross-entropy (transformer.chunked_cross_entropy): LM head + loss over sequence
-    # chunks of this many tokens under remat, so the [batch, seq, vocab] logits never exist
-    # whole. None: whole.
+    # Tokens per chunk of :func:`chunked_cross_entropy` (None: whole logits).
     loss_chunk_size: int | None = None
 
     def __post_init__(self):
@@ -192,7 +177,7 @@ class ModelConfig:
         _check_choice("attention", self.attention, get_args(AttentionImpl))
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
-        get_policy_spec(self.remat_policy)  # raises on an unknown name
+        get_policy_spec(self.remat_policy)
         self._check_structure()
 
     def _check_structure(self) -> None:
@@ -221,8 +206,7 @@ class ModelConfig:
 
     @property
     def layer_structure(self) -> bool:
-        """True when partial-layer or nested remat is on (the layer stack is
-        :class:`remat_kit.models.RematLayerStack`)."""
+        """True when partial-layer or nested remat is on (:class:`RematLayerStack`)."""
         return self.remat_layers is not None or self.nested_remat
 
     @property
@@ -236,7 +220,6 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads (``num_kv_heads`` or ``num_heads``)."""
         return self.num_kv_heads or self.num_heads
 
     @property
@@ -257,14 +240,14 @@ class ModelConfig:
 
     @property
     def checkpoint_names(self) -> tuple[str, ...]:
-        """The tags a block of this config emits."""
+        """The checkpoint names a block emits."""
         return N.SWIGLU_BLOCK_NAMES if self.mlp == "swiglu" else N.GELU_BLOCK_NAMES
 
     def replace(self, **overrides) -> ModelConfig:
-        """A copy with fields replaced (validated again).
+        """A validated copy with fields replaced.
 
         Raises:
-          ValueError: an unknown field name (listing the valid ones) or an invalid value.
+          ValueError: an unknown field (listing the valid ones) or an invalid value.
         """
         _check_fields(overrides)
         return dataclasses.replace(self, **overrides)
@@ -297,9 +280,8 @@ _LLAMA3 = dict(
 )  # fmt: skip
 _LLAMA2 = {**_LLAMA3, "vocab_size": 32000, "max_seq_len": 4096, "rope_theta": 10_000.0}
 
-# Published shapes: GPT-2 (Radford et al. 2019, HF gpt2* config.json); Llama 2 (Touvron et al.
-# 2023, arXiv:2307.09288); Llama 3 / 3.2 (Meta, "The Llama 3 Herd of Models", arXiv:2407.21783,
-# HF config.json); Qwen2.5 (Qwen team 2024, arXiv:2412.15115, HF Qwen2.5-7B config.json).
+# Shapes: GPT-2 (Radford et al. 2019, HF config.json); Llama 2 (arXiv:2307.09288); Llama 3 /
+# 3.2 (arXiv:2407.21783, HF config.json); Qwen2.5 (arXiv:2412.15115, HF Qwen2.5-7B config.json).
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
     for c in [
@@ -361,7 +343,7 @@ PRESETS: dict[str, ModelConfig] = {
                 "qkv_bias": True,
             },
         ),  # fmt: skip
-        # Byte-level (vocabulary 256) models for CPU runs and tests.
+        # Byte-level models for CPU runs and tests.
         ModelConfig(
             "gpt-10m",
             vocab_size=256,
@@ -403,22 +385,13 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset_names() -> list[str]:
-    """Names of every preset (published shapes first, then byte-level test models)."""
+    """Preset names (published shapes first)."""
     return list(PRESETS)
 
 
 def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
-    """The preset ``name`` with ``overrides`` applied (e.g. ``remat_policy="save-dots"``); a
-    :class:`ModelConfig` given for ``name`` gets the overrides itself.
-
-    Presets at published shapes compute in bfloat16 and store parameters in bfloat16, as the
-    memory figures in the design notes assume; override ``param_dtype`` for fp32 master weights.
-
-    Raises:
-      ValueError: unknown preset or field (message lists the valid ones and the closest match),
-        or an invalid value (see :class:`ModelConfig`).
-
-    Example::
+    """The preset (or :class:`ModelConfig`) ``name`` with ``overrides``. Published-shape presets
+    are bfloat16 throughout; ``param_dtype="float32"`` for fp32 master weights::
 
         >>> config = get_config("llama3-8b", remat_policy="save-dots", scan_layers=True)
         >>> config.d_model, config.num_layers, config.num_kv_heads, config.remat_policy
@@ -427,6 +400,10 @@ def get_config(name: str | ModelConfig, **overrides) -> ModelConfig:
         Traceback (most recent call last):
         ...
         ValueError: ...
+
+    Raises:
+      ValueError: unknown preset or field (listing the valid ones and the closest), or an
+        invalid value.
     """
     if isinstance(name, ModelConfig):
         return name.replace(**overrides)
@@ -443,7 +420,6 @@ def _compute_capability(target: T.Target) -> tuple[int, int] | None:
         return None
     if target.gpu is not None:
         return (target.gpu.cc_major, target.gpu.cc_minor)
-    # the local CUDA device describes itself
     text = getattr(jax.devices()[0], "compute_capability", None)
     if not text:
         return None
@@ -452,10 +428,9 @@ def _compute_capability(target: T.Target) -> tuple[int, int] | None:
 
 
 def attention_choices(target: str | T.Target, config: ModelConfig | None = None) -> tuple[str, ...]:
-    """The ``ModelConfig.attention`` values worth searching on ``target``: always ``"xla"``;
-    ``"cudnn"`` where cuDNN flash attention exists (CUDA, compute capability >= 8.0) and, given a
-    ``config``, its dtype (bfloat16 / float16) and head_dim (multiple of 8, <= 128, or <= 256 on
-    sm_90+) qualify.
+    """``"xla"``, and ``"cudnn"`` where cuDNN flash attention compiles: CUDA cc >= 8.0, bf16/f16,
+    head_dim a multiple of 8 up to 128 (256 from sm_90)
+    (``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``).
 
     Raises:
       ValueError: unknown target name.
@@ -472,23 +447,16 @@ def attention_choices(target: str | T.Target, config: ModelConfig | None = None)
     return ("xla", "cudnn")
 
 
-# The transformer: modules, the layer stack, the chunked loss.
-
 _EMBED_INIT = nn.initializers.normal(stddev=0.02)  # GPT-2's initialisation (Radford et al. 2019)
 
 
 def _partitioned(init, names: tuple[str, ...]):
-    """``init`` with logical axis ``names`` on its output. ``rules=()``: a parameter is never
-    constrained inside the model, also while :func:`remat_kit.targets.activation_sharding`'s
-    rules are in force (its layout is the jitted step's input sharding; and flax's
-    ``DenseGeneral`` would apply an N-d constraint to its flattened 2-d kernel)."""
+    """``init`` with logical axis ``names``; ``rules=()``: never constrained inside the model
+    (its layout is the step's input sharding; ``DenseGeneral`` flattens its kernel to 2-d)."""
     return nn.with_logical_partitioning(init, names, rules=())
 
 
-# Logical axis names of every parameter dimension (mapped to mesh axes by
-# remat_kit.targets.LOGICAL_RULES; without rules they are inert metadata). Scanned parameters get
-# a leading "layers" axis. Activations: ACTIVATION_AXES, constrained only while flax logical axis
-# rules are in force (remat_kit.targets.activation_sharding), a no-op otherwise.
+# Logical axes (remat_kit.targets.LOGICAL_RULES / activation_sharding; inert without rules).
 ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")  # [b, s, h]
 _KERNEL_AXES = {
     N.QUERY_PROJ: ("embed", "heads", "head_dim"),
@@ -519,7 +487,7 @@ def _dense(config: ModelConfig, features, *, name: str, axis=-1, use_bias: bool 
 
 
 def _proj(config: ModelConfig, x: jax.Array, features, tag: str, **kw) -> jax.Array:
-    """Dense projection named after its checkpoint tag, output tagged with ``checkpoint_name``."""
+    """Dense projection named after its checkpoint tag, its output tagged."""
     return checkpoint_name(_dense(config, features, name=tag, **kw)(x), tag)
 
 
@@ -536,13 +504,7 @@ def _norm(config: ModelConfig, name: str) -> nn.Module:
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, arXiv:2104.09864), half-split layout.
 
-    Args:
-      x: [b, s, heads, d] queries or keys.
-      positions: [s] integer positions.
-      theta: base frequency.
-
-    Returns:
-      [b, s, heads, d], the dtype of ``x``.
+    ``x`` [b, s, heads, d], ``positions`` [s] -> [b, s, heads, d] in ``x``'s dtype.
     """
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [d/2]
@@ -556,18 +518,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention that materialises the [b, g, r, s, s] scores.
 
-    Args:
-      q: [b, s, a, d]; k, v: [b, s, g, d] with ``a % g == 0`` (grouped-query attention).
-
-    Returns:
-      context [b, s, a, d]. Softmax runs in float32.
+    ``q`` [b, s, a, d], ``k``, ``v`` [b, s, g, d] -> [b, s, a, d]; softmax in float32.
     """
     b, s, a, d = q.shape
     g = k.shape[2]
     q = q.reshape(b, s, g, a // g, d)  # (b, s, g, r, d)
     scores = jnp.einsum("bqgrd,btgd->bgrqt", q, k) / jnp.sqrt(d).astype(q.dtype)
-    # Causal mask as an additive [s, s] bias, broadcast implicitly: a ``jnp.where`` over the full
-    # [b, g, r, s, s] scores would be hoisted out of the layer scan as a constant of that size.
+    # An additive [s, s] bias: a jnp.where over the scores is hoisted out of the scan whole.
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     bias = jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)  # (s, s)
     scores = scores.astype(jnp.float32) + bias
@@ -616,13 +573,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). [b, s, h] -> same.
-
-    The block input is tagged ``decoder_layer_input``; every projection carries its MaxText tag
-    (see :mod:`remat_kit.names`), and the Dense module producing it is named after the tag, so
-    untagged copies of a projection (a matmul output kept by a dots policy) can be attributed from
-    JAX's name stack.
-    """
+    """Pre-norm block, [b, s, h] -> [b, s, h]. Its input is tagged ``decoder_layer_input``;
+    each projection and its Dense carry the MaxText tag (:mod:`remat_kit.names`), so the walker
+    attributes untagged copies from JAX's name stack."""
 
     config: ModelConfig
 
@@ -636,10 +589,7 @@ class Block(nn.Module):
 
 
 class BlockGroup(nn.Module):
-    """``remat_group_size`` consecutive blocks: one remat segment, one step of the layer scan.
-
-    Returns ``(x, None)`` so it can be the body of ``nn.scan``.
-    """
+    """``remat_group_size`` blocks: one remat segment, one ``nn.scan`` step (``(x, None)``)."""
 
     config: ModelConfig
 
@@ -655,15 +605,13 @@ def remat_group(config: ModelConfig) -> type[nn.Module]:
     spec = config.policy_spec
     if not spec.wrap:
         return BlockGroup
-    # Under nn.scan, prevent_cse=False: the scan already keeps XLA from merging the recompute
-    # into the forward pass (CSE cannot cross loop iterations), and the optimisation barriers
-    # prevent_cse inserts only cost speed there (flax.linen.remat docstring). Unrolled, the
-    # barriers are what keeps XLA from undoing the remat, so they stay on.
+    # prevent_cse only under a loop-free stack: CSE cannot cross scan iterations, and the
+    # barriers cost speed (flax.linen.remat docstring).
     return nn.remat(BlockGroup, policy=spec.to_jax(), prevent_cse=not config.scan_layers)
 
 
 def structured_stack(config: ModelConfig) -> RematLayerStack:
-    """The layer stack with partial-layer / nested remat (``config.layer_structure``)."""
+    """The :class:`RematLayerStack` of ``config``."""
     return RematLayerStack(
         lambda name: Block(config, name=name),
         num_layers=config.num_layers,
@@ -677,9 +625,7 @@ def structured_stack(config: ModelConfig) -> RematLayerStack:
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model. tokens [b, s] int32 -> logits [b, s, V] (compute dtype), or
-    with ``return_hidden`` the final-norm output [b, s, h] (the LM head's input, for
-    :func:`chunked_cross_entropy`)."""
+    """tokens [b, s] int32 -> logits [b, s, V]; ``return_hidden``: the LM head's input [b, s, h]."""
 
     config: ModelConfig
 
@@ -730,19 +676,16 @@ class Transformer(nn.Module):
 
 @functools.lru_cache(maxsize=64)
 def make_model(config: ModelConfig) -> Transformer:
-    """The :class:`Transformer` for ``config`` (the last 64 configs cached, so jitted functions
-    see the same module object; ``make_model.cache_clear()`` empties the cache)."""
+    """The :class:`Transformer` for ``config`` (64 cached, so jitted functions see one module)."""
     return Transformer(config)
 
 
 def resolve_block_policy(policy: Any) -> PolicySpec | Callable[..., bool] | None:
-    """A block's policy as the stack applies it: None for no remat (``"no-remat"``, or None as
-    a :class:`~remat_kit.program.Program` factory receives for no-remat), a jax policy callable
-    as given (``jax.checkpoint_policies.*``, :func:`remat_kit.custom_policy`: what a factory
-    receives otherwise), else the :class:`PolicySpec` of a name, spec or per-tag mapping.
+    """A block's policy as the stack applies it: None (no remat), a jax policy callable as
+    given, else the :class:`PolicySpec` of a name, spec or mapping.
 
     Raises:
-      ValueError: an unknown policy name or a bad mapping (:func:`get_policy_spec`).
+      ValueError: as :func:`get_policy_spec`.
     """
     if policy is None:
         return None
@@ -757,8 +700,7 @@ def _apply(module: nn.Module, x: jax.Array, *args: Any) -> jax.Array:
 
 
 class _Step(nn.Module):
-    """One scan step: ``len(specs)`` blocks, block ``i`` under ``specs[i]`` (None: no remat; see
-    :func:`resolve_block_policy`)."""
+    """One scan step: block ``i`` under ``specs[i]`` (:func:`resolve_block_policy`)."""
 
     block: Callable[[str], nn.Module]
     specs: tuple[PolicySpec | Callable[..., bool] | None, ...]
@@ -771,8 +713,7 @@ class _Step(nn.Module):
                 x = module(x, *args)
             else:
                 policy = spec.to_jax() if isinstance(spec, PolicySpec) else spec
-                # Under a scan, prevent_cse=False: CSE cannot merge the recompute across loop
-                # iterations, and the barriers only cost speed (flax.linen.remat docstring).
+                # prevent_cse=False under a scan: see remat_group
                 x = nn.remat(_apply, policy=policy, prevent_cse=False)(module, x, *args)
         return x, None
 
@@ -789,7 +730,7 @@ def _scan(body: Any, length: int, axis_name: str) -> Any:
 
 
 class _Segment(nn.Module):
-    """Nested remat's outer step: the inner runs (a segment of blocks), returned as a carry."""
+    """Nested remat's outer step: a segment's inner runs."""
 
     block: Callable[[str], nn.Module]
     runs: tuple[tuple[tuple[PolicySpec | None, ...], int], ...]
@@ -807,29 +748,21 @@ class _Segment(nn.Module):
 class RematLayerStack(nn.Module):
     """``num_layers`` blocks in layer scans with partial-layer or nested remat (docs/structure.md).
 
-    ``block(name)`` must return a fresh linen module mapping ``x [batch, seq, d_model]`` and the
-    broadcast ``*args`` (e.g. positions [seq]) to ``[batch, seq, d_model]``; for example
-    ``lambda name: MyBlock(features=64, name=name)``.
+    ``block(name)`` returns a fresh linen module, ``x [batch, seq, d_model]`` and broadcast
+    ``*args`` (positions [seq]) -> ``[batch, seq, d_model]``.
 
     Attributes:
-      block: the block factory.
-      num_layers: blocks in the stack (L).
-      policy: remat policy of the rematerialised blocks: a name, :class:`PolicySpec`, per-tag
-        mapping, a jax policy callable or None (:func:`resolve_block_policy`).
-      remat_layers: how many blocks use ``policy`` (None: all; nested: per segment, at most
-        ``L // nested_groups``); the rest use ``rest_policy`` (default ``"no-remat"``).
-      placement: ``"first"`` or ``"interleaved"`` (see :func:`layer_plan`).
-      nested_groups: if set, nested remat with this many outer segments (a divisor of L), each
-        checkpointed whole (nothing saved but its input).
-      axis_name: logical axis name of the stacked parameters' leading dimension (nested: the
-        outer one is ``axis_name + "_outer"``).
+      policy: of the rematerialised blocks (:func:`resolve_block_policy`).
+      remat_layers: blocks under ``policy`` (None: all; nested: per segment); the rest under
+        ``rest_policy``. ``placement``: see :func:`layer_plan`.
+      nested_groups: outer segments (a divisor of ``num_layers``), each checkpointed whole.
+      axis_name: logical axis of the stacked parameters (nested outer: ``axis_name + "_outer"``).
 
-    Parameters: ``layers/block_0/...`` with leading dimension L for one run; ``layers_0``,
-    ``layers_1``, ... for several runs; nested: ``layers/inner/...`` with leading dimensions
-    ``[groups, L // groups]``.
+    Parameters: ``layers/block_0/...`` (leading dimension L), ``layers_0``, ``layers_1``, ... for
+    several runs, nested ``layers/inner/...`` ([groups, L // groups]).
 
     Raises (when called):
-      ValueError: see :func:`layer_plan` and :func:`check_nested_groups`; unknown policy names.
+      ValueError: as :func:`layer_plan`, :func:`check_nested_groups`; unknown policy names.
     """
 
     block: Callable[[str], nn.Module]
@@ -855,8 +788,7 @@ class RematLayerStack(nn.Module):
             outer = nn.remat(
                 _Segment, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
             )
-            # Flax's logical-to-mesh mapping rejects a name used twice: the outer axis gets its
-            # own (absent from the rules, so not split).
+            # a logical axis name may appear once: the outer one gets its own (unsplit)
             scan = _scan(outer, self.nested_groups, f"{self.axis_name}_outer")
             x, _ = scan(self.block, runs, self.axis_name, name="layers")(x, *args)
             return x
@@ -877,18 +809,14 @@ def chunked_cross_entropy(
     Args:
       hidden: [batch, seq, d_model], the LM head's input.
       targets: [batch, seq] int token ids.
-      logits_fn: ``x [batch, chunk, d_model] -> logits [batch, chunk, vocab]`` (any float dtype,
-        upcast to float32); may close over traced parameters (their gradients flow). A function
-        of arrays: inside a linen module it must not call a submodule (``nn.Dense`` called
-        under this function's ``jax.checkpoint`` / ``lax.scan`` leaks tracers, flax's
-        ``UnexpectedTracerError``); take the head's kernel as an array instead, e.g.
-        ``kernel = self.param("head", init, (d_model, vocab))`` then
-        ``lambda x: x @ kernel``, or call it outside ``apply`` with the params tree.
+      logits_fn: ``[batch, chunk, d_model] -> [batch, chunk, vocab]``, a function of arrays
+        (may close over parameters). It must not call a linen submodule (flax's
+        ``UnexpectedTracerError``): use the kernel, ``lambda x: x @ self.param(...)``.
       chunk_size: tokens per chunk; must divide ``seq``.
 
     Returns:
-      float32 scalar, equal (within float32 summation order) to
-      ``optax.softmax_cross_entropy_with_integer_labels(logits_fn(hidden), targets).mean()``.
+      float32 scalar: ``optax.softmax_cross_entropy_with_integer_labels(logits_fn(hidden),
+      targets).mean()`` up to summation order.
 
     Raises:
       ValueError: ``chunk_size`` not a positive divisor of ``seq``; shapes that disagree.
@@ -905,7 +833,6 @@ def chunked_cross_entropy(
     xs = hidden.reshape(b, n, chunk_size, h).swapaxes(0, 1)  # (n, b, c, h)
     ts = targets.reshape(b, n, chunk_size).swapaxes(0, 1)  # (n, b, c)
 
-    # Nothing saved but the inputs; under the scan CSE cannot merge the recompute back.
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk_loss(x, t):
         logits = logits_fn(x).astype(jnp.float32)  # (b, c, V)
@@ -919,8 +846,7 @@ def chunked_cross_entropy(
 
 
 def lm_head_logits(config: ModelConfig, params: Any, x: jax.Array) -> jax.Array:
-    """The bundled Transformer's LM head on ``x [..., d_model]`` -> ``[..., vocab]`` in the
-    compute dtype: the tied embedding transposed, or the ``lm_head`` kernel [d_model, vocab]."""
+    """The bundled Transformer's LM head: ``x [..., d_model]`` -> ``[..., vocab]``."""
     dtype = config.compute_dtype
     if config.tied_embeddings:
         return jnp.dot(x.astype(dtype), params["embed"]["embedding"].astype(dtype).T)
@@ -928,8 +854,8 @@ def lm_head_logits(config: ModelConfig, params: Any, x: jax.Array) -> jax.Array:
 
 
 def chunked_model_loss(params: Any, config: ModelConfig, batch: dict[str, jax.Array]) -> jax.Array:
-    """The bundled model's mean loss on ``batch`` ({"inputs", "targets"}: [batch, seq] int32)
-    with the LM head and cross-entropy chunked by ``config.loss_chunk_size`` tokens.
+    """The bundled model's mean loss on ``batch`` (``inputs``, ``targets`` [batch, seq] int32),
+    chunked by ``config.loss_chunk_size``.
 
     Raises:
       ValueError: ``config.loss_chunk_size`` is None or does not divide the sequence length.

@@ -1,22 +1,18 @@
-"""Named rematerialization policies: a registry of small specs turned into jax.checkpoint policies.
+"""Named rematerialization policies: a registry of :class:`PolicySpec` turned into
+``jax.checkpoint`` policies (:func:`policy`).
 
-A policy decides, for every intermediate value of a checkpointed function, whether the forward
-pass keeps it for the backward pass (a *residual*, on device), moves it to pinned host memory
-(*offload*), or drops it and recomputes it (*rematerialization*); source: the JAX doc "Gradient
-checkpointing with jax.checkpoint". Every named policy is a :class:`PolicySpec` and :func:`policy`
-turns it into the callable ``jax.checkpoint``, ``flax.linen.remat`` and ``flax.nnx.remat`` take,
-built from name sets rather than composed callables, which ``jax_remat3`` may run as full remat.
-:func:`policy_effect` asks the JAX in use what a policy becomes under each remat implementation
-(docs/remat3.md).
+A policy keeps each intermediate of a checkpointed function for the backward pass (on device),
+offloads it to pinned host memory, or recomputes it (JAX doc "Gradient checkpointing with
+jax.checkpoint"). Specs are name sets, not composed callables, which ``jax_remat3`` may run as
+full remat; :func:`policy_effect` checks (docs/remat3.md).
 
     >>> import flax.linen as nn
     >>> import jax
     >>> import jax.numpy as jnp
     >>> import remat_kit
     >>> RematBlock = nn.remat(remat_kit.Block, policy=remat_kit.policy("save-dots-no-batch"))
-    >>> custom = remat_kit.custom_policy({"query_proj": "offload", "out_proj": "save"})
     >>> f = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)), policy=remat_kit.policy("save-nothing"))
-    >>> float(jax.grad(f)(0.0))  # cos(sin 0) * cos 0: remat changes memory, not the maths
+    >>> float(jax.grad(f)(0.0))  # remat changes memory, not the maths
     1.0
     >>> remat_kit.policy("save-dot")
     Traceback (most recent call last):
@@ -41,15 +37,13 @@ from jax.ad_checkpoint import checkpoint_name
 from remat_kit import names as N
 from remat_kit.walker import saved_residuals
 
-#: How a spec decides what to save. ``names``: the tags in ``save`` / ``offload``;
-#: ``dots``: every ``dot_general`` output; ``dots_no_batch``: ``dot_general`` outputs without batch
-#: dimensions (weight matmuls); ``everything``: nothing is recomputed.
+#: What a spec saves: its ``save`` / ``offload`` names; every ``dot_general`` output; those
+#: without batch dimensions (weight matmuls); everything.
 PolicyBase = Literal["names", "dots", "dots_no_batch", "everything"]
-#: What a custom spec may do with one tag.
 TagAction = Literal["save", "offload", "recompute"]
 TAG_ACTIONS: tuple[str, ...] = get_args(TagAction)
 
-#: Memory kinds used for offloading (JAX memory kinds; ``pinned_host`` is page-locked host RAM).
+#: JAX memory kinds of an offload (``pinned_host``: page-locked host RAM).
 OFFLOAD_SRC = "device"
 OFFLOAD_DST = "pinned_host"
 
@@ -59,13 +53,11 @@ class PolicySpec:
     """What a rematerialization policy keeps, offloads and recomputes.
 
     Attributes:
-      name: registry name (``"save-dots"``) or ``"custom"`` for :func:`custom_policy` specs.
-      description: one sentence: what is saved, offloaded, recomputed.
-      base: how values are selected (see :data:`PolicyBase`).
-      save: checkpoint names kept on device (``base == "names"`` only).
-      offload: checkpoint names moved to pinned host memory (``base == "names"`` only).
-      source: where the policy comes from (paper, JAX doc, MaxText policy name).
-      wrap: False only for ``no-remat``: the model is then not wrapped in remat at all.
+      name: registry name, or ``"custom"``.
+      base: see :data:`PolicyBase`; ``save`` / ``offload`` (names on device / on host) only
+        with ``"names"``.
+      source: paper, JAX doc or MaxText policy name.
+      wrap: False only for ``no-remat`` (no remat at all).
     """
 
     name: str
@@ -90,16 +82,16 @@ class PolicySpec:
 
     @property
     def offloads(self) -> bool:
-        """True when the policy moves some residuals to host memory."""
+        """Whether some residuals go to host memory."""
         return bool(self.offload)
 
     @property
     def tags(self) -> frozenset[str]:
-        """Checkpoint names this spec refers to (saved or offloaded)."""
+        """Checkpoint names saved or offloaded."""
         return self.save | self.offload
 
     def to_jax(self) -> Callable[..., Any]:
-        """The ``jax.checkpoint`` policy callable for this spec."""
+        """The ``jax.checkpoint`` policy."""
         cp = jax.checkpoint_policies
         if self.base == "everything":
             return cp.everything_saveable
@@ -119,7 +111,7 @@ class PolicySpec:
         return cp.save_only_these_names(*sorted(self.save))
 
     def action(self, tag: str) -> TagAction:
-        """What this spec does with checkpoint name ``tag`` (for ``base == "names"`` specs)."""
+        """What a ``"names"`` spec does with ``tag``."""
         if tag in self.save:
             return "save"
         if tag in self.offload:
@@ -233,11 +225,9 @@ def _save_text(names: frozenset[str]) -> str:
     return ",".join(f"{t}=save" for t in sorted(names))
 
 
-#: MaxText's ``remat_policy`` names (``src/MaxText/layers/decoders.py``, ``get_remat_policy``;
-#: ``minimal`` is remat-kit's name too) -> what remat-kit calls the policy saving the same
-#: checkpoint names (MaxText's fused ``qkv_proj`` left out, as remat-kit's specs do): a
-#: registered name, or the per-tag text of a set remat-kit has no name for (a per-tag spec must
-#: name only what the model emits: the gated MLP's ``mlpwi_0`` / ``mlpwi_1`` are given).
+#: MaxText ``remat_policy`` (``src/MaxText/layers/decoders.py``, ``get_remat_policy``) -> the
+#: remat-kit policy saving the same names (fused ``qkv_proj`` left out): a registered name or
+#: per-tag text (gated MLP names ``mlpwi_0`` / ``mlpwi_1``). ``minimal`` is the same in both.
 MAXTEXT_POLICIES = types.MappingProxyType(
     {
         "full": "save-nothing",
@@ -252,38 +242,30 @@ MAXTEXT_POLICIES = types.MappingProxyType(
         "minimal_flash": _save_text(_PROJECTIONS - {N.MLPWI} | {N.CONTEXT}),
     }
 )
-#: MaxText's ``custom`` policy actions (``device`` / ``offload`` / ``remat``) -> remat-kit's.
 _MAXTEXT_ACTIONS = types.MappingProxyType({"device": "save", "remat": "recompute"})
-#: remat-kit's tag actions -> MaxText's ``custom`` settings.
 _TO_MAXTEXT_ACTIONS = types.MappingProxyType(
     {"save": "device", "offload": "offload", "recompute": "remat"}
 )
-#: The tensors MaxText's ``custom`` policy takes a setting for (``remat`` / ``device`` /
-#: ``offload`` each; its ``configs/types.py``, MaxText 0.2.5). ``decoder_layer_input`` is
-#: ``device`` unless set; every other one ``remat``.
+#: The tensors MaxText's ``custom`` policy takes a setting for (its ``configs/types.py``,
+#: MaxText 0.2.5); default ``remat``, ``decoder_layer_input``: ``device``.
 MAXTEXT_TENSORS: tuple[str, ...] = (
     N.DECODER_LAYER_INPUT, N.INDEXER_CUTOFF_THRESHOLD, N.CONTEXT, N.MLPWI, N.MOE_MLPWI_0,
     N.MOE_MLPWI_1, N.MOE_MLPWO, "moe_x_sorted", "moe_routing_maps", N.MLPWI_0, N.MLPWI_1,
     N.MLPWO, N.QUERY_PROJ, N.KEY_PROJ, N.VALUE_PROJ, N.KV_PROJ, N.QUERY_WA_PROJ, N.KV_WA_PROJ,
     N.MLA_KV, N.MLA_Q, N.QKV_PROJ, N.ATTENTION_OUT, N.OUT_PROJ,
 )  # fmt: skip
-#: MaxText's ``remat_policy`` names remat-kit takes (:func:`maxtext_spec`): those of
-#: :data:`MAXTEXT_POLICIES`, ``minimal`` and ``custom``.
+#: MaxText ``remat_policy`` names :func:`maxtext_spec` takes.
 MAXTEXT_POLICY_NAMES: tuple[str, ...] = ("minimal", *MAXTEXT_POLICIES, "custom")
 
 
 def maxtext_spec(name: str, tensors: Mapping[str, str] | None = None) -> PolicySpec:
-    """The :class:`PolicySpec` of MaxText's ``remat_policy=name``, named ``name``: the same
-    checkpoint names saved and offloaded as MaxText's ``get_remat_policy`` (``full``: save
-    nothing). For ``custom``, ``tensors`` gives MaxText's per-tensor settings
-    (``{"query_proj": "device", "mlpwo": "offload"}``; ``remat`` / ``device`` / ``offload``,
-    remat-kit's ``recompute`` / ``save`` too): MaxText's defaults apply to the rest
-    (``decoder_layer_input`` on device, every other tensor rematerialised).
+    """The :class:`PolicySpec` of MaxText's ``remat_policy=name`` (same names saved and
+    offloaded as its ``get_remat_policy``). For ``custom``, ``tensors`` are MaxText's
+    per-tensor settings (``{"mlpwo": "offload"}``) over its defaults (:data:`MAXTEXT_TENSORS`).
 
     Raises:
-      ValueError: an unknown MaxText policy name (the valid ones and the closest named);
-        ``tensors`` with another policy than ``custom``; a tensor MaxText has no setting for,
-        or an unknown setting.
+      ValueError: an unknown MaxText policy name; ``tensors`` without ``custom``; an unknown
+        tensor or setting.
     """
     if name != "custom" and tensors:
         raise ValueError(
@@ -311,14 +293,9 @@ def maxtext_spec(name: str, tensors: Mapping[str, str] | None = None) -> PolicyS
 
 
 def maxtext_config_lines(policy: str | PolicySpec | Mapping[str, str]) -> list[str]:
-    """The MaxText config lines that set ``policy`` (as its command line or a YAML file takes
-    them, ``key=value``): ``["remat_policy=minimal"]`` where MaxText has a name for it, else
-    ``["remat_policy=custom", "NAME=device|offload|remat", ...]``, one line for each tensor the
-    policy saves (``device``) or offloads, and ``decoder_layer_input=remat`` where it keeps no
-    layer input (MaxText's default there is ``device``). :func:`parse_maxtext_lines` reads them
-    back to the same policy.
-
-    Example::
+    """MaxText ``key=value`` config lines setting ``policy``: its ``remat_policy`` name, else
+    ``remat_policy=custom`` and one line per tensor saved or offloaded
+    (:func:`parse_maxtext_lines` reads them back)::
 
         >>> maxtext_config_lines("save-nothing")
         ['remat_policy=full']
@@ -326,9 +303,8 @@ def maxtext_config_lines(policy: str | PolicySpec | Mapping[str, str]) -> list[s
         ['decoder_layer_input=remat', 'out_proj=device', 'query_proj=offload']
 
     Raises:
-      ValueError: a policy MaxText cannot express: one selecting by kind (``save-dots``,
-        ``save-dots-no-batch``, ``no-remat``: MaxText wraps its scanned layers in remat under
-        every ``remat_policy``), or one naming a tensor MaxText's ``custom`` has no setting for.
+      ValueError: a policy selecting by kind (``save-dots``, ``no-remat``: MaxText always
+        remats its layers), or naming a tensor MaxText's ``custom`` has no setting for.
     """
     spec = get_policy_spec(policy)
     if spec.name in MAXTEXT_POLICY_NAMES and spec.name != "custom":
@@ -355,14 +331,11 @@ def maxtext_config_lines(policy: str | PolicySpec | Mapping[str, str]) -> list[s
 
 
 def parse_maxtext_lines(lines: str | Sequence[str]) -> PolicySpec:
-    """The policy MaxText config lines set: ``remat_policy=NAME`` and, for ``custom``, one
-    ``TENSOR=device|offload|remat`` each (a list, or one string of them separated by spaces,
-    commas or newlines, as MaxText's command line takes them); other keys are refused.
-    :func:`maxtext_spec` gives the spec.
+    """The policy of MaxText config lines (a list, or one string split at spaces, commas,
+    newlines): ``remat_policy=NAME`` and, for ``custom``, ``TENSOR=device|offload|remat``.
 
     Raises:
-      ValueError: no ``remat_policy`` line; a line that is not ``key=value``; an unknown key,
-        policy name, tensor or setting (see :func:`maxtext_spec`).
+      ValueError: no ``remat_policy``; a line not ``key=value``; as :func:`maxtext_spec`.
     """
     items = lines.replace(",", " ").split() if isinstance(lines, str) else list(lines)
     settings: dict[str, str] = {}
@@ -381,7 +354,7 @@ def parse_maxtext_lines(lines: str | Sequence[str]) -> PolicySpec:
 
 
 def _maxtext_meaning(policy: object) -> str | None:
-    """What a MaxText ``remat_policy`` name is in remat-kit (for the unknown-name error)."""
+    """A MaxText name's meaning in remat-kit, for the unknown-name error."""
     if policy == "custom":
         return (
             "MaxText's 'custom' takes its per-tensor settings: 'remat_policy=custom "
@@ -389,7 +362,7 @@ def _maxtext_meaning(policy: object) -> str | None:
             "'query_proj=save,mlpwo=offload' (device or save, offload, remat or recompute)."
         )
     meant = MAXTEXT_POLICIES.get(policy) if isinstance(policy, str) else None
-    if meant is None and isinstance(policy, str):  # a misspelt name: MaxText's may be closest
+    if meant is None and isinstance(policy, str):  # misspelt: MaxText's may be closest
         near = N.closest(policy, [*_REGISTRY, *MAXTEXT_POLICY_NAMES])
         if near is not None and near not in _REGISTRY:
             return (
@@ -409,7 +382,7 @@ def _maxtext_meaning(policy: object) -> str | None:
 
 
 def policy_names() -> list[str]:
-    """Names of every registered policy, in registry order (least to most custom)."""
+    """Registered policy names, in registry order."""
     return list(_REGISTRY)
 
 
@@ -433,24 +406,20 @@ def _names(value: Any) -> frozenset[str] | None:
 
 
 def _made_by(policy: Any, constructor: str) -> bool:
-    """Whether ``policy`` is the closure ``constructor`` of ``jax.checkpoint_policies``
-    returns (its ``__qualname__`` is ``"<constructor>.<locals>.policy"``)."""
+    """Whether ``policy`` is the closure ``jax.checkpoint_policies.<constructor>`` returns."""
     return getattr(policy, "__qualname__", "") == f"{constructor}.<locals>.policy"
 
 
 def is_by_exclusion(policy: Any) -> bool:
-    """Whether ``policy`` is ``jax.checkpoint_policies.save_any_names_but_these(*names)``: it
-    saves every ``checkpoint_name`` a program emits but ``names``, so what it keeps depends on
-    the program. JAX keeps ``names`` as a frozen dataclass's field (``SaveAnyNamesButThese``,
-    jax 0.10) or in the returned closure (``names_not_to_save``, jax 0.12); both are read."""
+    """Whether ``policy`` is ``jax.checkpoint_policies.save_any_names_but_these`` (a dataclass
+    in jax 0.10, a closure in jax 0.12): what it keeps depends on the program."""
     return type(policy).__name__ == "SaveAnyNamesButThese" or _made_by(
         policy, "save_any_names_but_these"
     )
 
 
 def excluded_names(policy: Any) -> frozenset[str]:
-    """The names ``save_any_names_but_these(*names)`` leaves out (see :func:`is_by_exclusion`);
-    empty for any other policy."""
+    """The names ``save_any_names_but_these`` leaves out; empty for any other policy."""
     if not is_by_exclusion(policy):
         return frozenset()
     names = getattr(policy, "names", None)
@@ -463,12 +432,10 @@ def read_jax_policy(
     policy: Callable[..., Any], emitted: Iterable[str] | None = None
 ) -> PolicySpec | None:
     """The :class:`PolicySpec` of a raw ``jax.checkpoint_policies`` policy, read from the data
-    JAX's constructors keep (``jax/_src/ad_checkpoint.py``): the four fixed policies,
-    ``save_only_these_names`` and ``save_and_offload_only_these_names``, named after the
-    constructor and its names (``save_only_these_names(attn_out, mlp_up)``);
-    ``save_any_names_but_these(*names)`` as the name set it amounts to on a program emitting
-    ``emitted``. None for a callable whose effect is not a name set or a base rule (that one with
-    no ``emitted``; ``offload_dot_with_no_batch_dims``; composed callables and lambdas)."""
+    its constructor keeps (``jax/_src/ad_checkpoint.py``): the fixed policies, the
+    ``save_only`` / ``save_and_offload_only_these_names`` sets, ``save_any_names_but_these``
+    given ``emitted``. None for composed callables, lambdas and
+    ``offload_dot_with_no_batch_dims``."""
     if is_by_exclusion(policy) and emitted is not None:
         excluded = excluded_names(policy)
         save = frozenset(emitted) - excluded
@@ -495,7 +462,6 @@ def read_jax_policy(
     if saveable is None and _made_by(policy, "save_only_these_names"):
         saveable = _names(_closure(policy).get("names_which_can_be_saved"))
     if saveable is not None:
-        # named with its names: two raw policies of other name sets are other rows
         name = f"save_only_these_names({', '.join(sorted(saveable))})"
         return PolicySpec(name, "jax.checkpoint_policies.save_only_these_names", save=saveable)
     cells = _closure(policy)
@@ -512,17 +478,13 @@ def get_policy_spec(
     policy: str | PolicySpec | Mapping[str, str] | Callable[..., Any],
     emitted: Iterable[str] | None = None,
 ) -> PolicySpec:
-    """Resolve a policy name, per-tag text (``"query_proj=offload,out_proj=save"``, as
-    ``--policy`` takes it: :func:`parse_policy_arg`), a custom mapping, a spec, or a raw
-    ``jax.checkpoint_policies`` policy that can be read as data (:func:`read_jax_policy`) to a
-    :class:`PolicySpec`. ``emitted``: the ``checkpoint_name`` values of the program the policy
-    is for (:func:`remat_kit.program_tags`), which ``save_any_names_but_these`` needs (the tools
-    pass their program's).
+    """The :class:`PolicySpec` of a name, per-tag text (:func:`parse_policy_arg`), mapping,
+    spec or raw jax policy (:func:`read_jax_policy`). ``emitted``: the program's checkpoint
+    names (:func:`remat_kit.program_tags`), for ``save_any_names_but_these``.
 
     Raises:
-      ValueError: unknown policy name (the message lists the valid names and the closest match),
-        a bad custom mapping (see :func:`custom_spec`), a callable that cannot be read as
-        data (the message says what to give instead), ``emitted`` not a collection of names.
+      ValueError: an unknown name (listing the valid ones and the closest), a bad mapping
+        (:func:`custom_spec`), a callable not readable as data, ``emitted`` not names.
     """
     if emitted is not None:
         names = list(emitted) if isinstance(emitted, Iterable) else None
@@ -556,7 +518,7 @@ def get_policy_spec(
             )
         return spec
     if isinstance(policy, str) and ("=" in policy or policy.lstrip().startswith("{")):
-        return parse_policy_arg(policy)  # the per-tag text the command line takes, one syntax
+        return parse_policy_arg(policy)
     if isinstance(policy, str) and policy.strip().lower() in ("none", "null"):
         raise ValueError(
             f"policy {policy!r}: jax.checkpoint(policy=None) / nn.remat(policy=None) saves "
@@ -564,28 +526,23 @@ def get_policy_spec(
             "checkpoint, every residual kept)"
         )
     if isinstance(policy, str) and policy not in _REGISTRY:
-        snake = policy.replace("-", "_")  # MaxText's names, written with hyphens as ours are
+        snake = policy.replace("-", "_")  # MaxText's names written with hyphens
         if snake in MAXTEXT_POLICIES:
-            return maxtext_spec(snake)  # MaxText's name for the same names saved
+            return maxtext_spec(snake)
     if not isinstance(policy, str) or policy not in _REGISTRY:
         raise N.unknown_value_error("policy", policy, policy_names(), _maxtext_meaning(policy))
     return _REGISTRY[policy]
 
 
 def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
-    """A :class:`PolicySpec` from a per-tag mapping ``{checkpoint_name: "save" | "offload" |
-    "recompute"}`` (MaxText's ``custom`` settings ``device`` and ``remat`` read as ``save`` and
-    ``recompute``); every tag not listed is recomputed.
-
-    Any ``checkpoint_name`` is accepted (the bundled models' MaxText tags or a user model's own);
-    :func:`check_tags` checks a spec against the names a program emits.
+    """A :class:`PolicySpec` from ``{checkpoint_name: "save" | "offload" | "recompute"}``
+    (MaxText's ``device`` / ``remat`` too); tags not listed are recomputed. Any name is
+    accepted; :func:`check_tags` checks them against a program.
 
     Raises:
-      ValueError: a tag that is not a non-empty string, or an unknown action (message names it,
-        the valid ones and the closest match).
+      ValueError: a tag not a non-empty string, or an unknown action (listing the valid ones).
     """
     save, offload = set(), set()
-    # MaxText's custom-policy settings read as remat-kit's: device -> save, remat -> recompute
     spec = {t: _MAXTEXT_ACTIONS.get(a, a) if isinstance(a, str) else a for t, a in spec.items()}
     for tag, act in spec.items():
         N.validate_name(tag)
@@ -608,16 +565,12 @@ def custom_spec(spec: Mapping[str, str], name: str = "custom") -> PolicySpec:
 
 
 def check_tags(spec: PolicySpec, emitted: Iterable[str], program: str = "the program") -> None:
-    """Check that every tag ``spec`` saves or offloads is one the program emits.
-
-    Args:
-      spec: the policy.
-      emitted: the ``checkpoint_name`` tags the program emits (e.g. from the walker).
-      program: what to call the program in the message.
+    """Check every tag ``spec`` saves or offloads is in ``emitted`` (``program``: its name in
+    the message).
 
     Raises:
-      ValueError: a tag the program never emits (the policy would silently recompute it); the
-        message names it, the emitted names and the closest one.
+      ValueError: a tag never emitted (it would be silently recomputed), naming the emitted
+        names and the closest.
     """
     emitted = sorted(set(emitted))
     for tag in sorted(spec.tags):
@@ -632,14 +585,12 @@ def check_tags(spec: PolicySpec, emitted: Iterable[str], program: str = "the pro
 
 @dataclasses.dataclass(frozen=True)
 class TagFit:
-    """What a set of policies does on a program emitting a given set of tags
-    (:func:`policies_for_tags`).
+    """:func:`policies_for_tags`'s answer.
 
     Attributes:
-      specs: the specs worth compiling, in the given order, duplicates removed.
-      restricted: ``(named spec, the custom spec it was cut down to)`` for each registered
-        name-based policy naming some tags the program does not emit.
-      skipped: registered name-based policies naming none of the emitted tags (they would run as
+      specs: the specs worth compiling, in order, without duplicates.
+      restricted: ``(named spec, its cut-down custom spec)`` pairs.
+      skipped: registered specs naming none of the emitted tags (they would run as
         ``save-nothing``).
     """
 
@@ -650,10 +601,8 @@ class TagFit:
     def notes(
         self, program: str, named: bool = True, compiled: Iterable[PolicySpec] | None = None
     ) -> list[str]:
-        """One line per restricted policy and one for all the skipped ones; ``named=False``
-        leaves the policy's name out of the first kind (a note printed under that policy);
-        ``compiled``: the specs compiled in the end (a cut-down spec dropped after, e.g. an
-        offload on a target without host memory, gets no "compiled as" line)."""
+        """One line per restricted policy (``named=False``: without its name; only those in
+        ``compiled`` when given) and one for the skipped ones."""
         kept = None if compiled is None else set(compiled)
         out = [
             f"{spec.name + ' ' if named else ''}names {', '.join(_missing(spec, cut))}, which "
@@ -671,29 +620,23 @@ class TagFit:
 
 
 def _missing(named: PolicySpec, cut: PolicySpec) -> list[str]:
-    """The tags ``named`` names that its cut-down ``cut`` lost, less the other MLP family's
-    (absent by design where the program emits the one ``cut`` keeps)."""
+    """The tags ``cut`` lost from ``named``, less the other MLP family's."""
     return sorted(t for t in named.tags - cut.tags if not N.MLP_ALTERNATES.get(t, set()) & cut.tags)
 
 
 def policies_for_tags(
     policies: Iterable[str | PolicySpec | Mapping[str, str]], tags: Iterable[str]
 ) -> TagFit:
-    """The policies that can act on a program emitting ``tags``.
-
-    Kept as given: the kind-based specs (``save-nothing``, ``save-dots``, ``no-remat``...), a
-    registered name-based spec whose tags the program all emits (the other MLP family's names,
-    ``mlpwi`` against ``mlpwi_0`` / ``mlpwi_1``, count as emitted), and every user's own spec
-    (check it with :func:`check_tags`). A registered spec naming some tags the program does not
-    emit is cut down to the emitted ones; one naming none of them is skipped.
+    """The policies that can act on a program emitting ``tags``: kind-based, user and fully
+    emitted registered specs as given (the other MLP family, ``mlpwi`` / ``mlpwi_0``, counts
+    as emitted); a registered spec naming some unemitted tags cut down, one naming none skipped.
 
     Raises:
-      ValueError: an unknown policy name (see :func:`get_policy_spec`).
+      ValueError: as :func:`get_policy_spec`.
     """
     tags = frozenset(tags)
     specs, restricted, skipped = [], [], []
     for spec in dict.fromkeys(get_policy_spec(p, tags) for p in policies):
-        # the other MLP family's names are absent by design (registered policies name both)
         missing = {t for t in spec.tags - tags if not N.MLP_ALTERNATES.get(t, set()) & tags}
         if _REGISTRY.get(spec.name) != spec or spec.base != "names" or not missing:
             specs.append(spec)
@@ -708,7 +651,6 @@ def policies_for_tags(
     return TagFit(tuple(dict.fromkeys(specs)), tuple(restricted), tuple(skipped))
 
 
-#: How one command-line ``--policy`` value is written (shown in ``--help``).
 POLICY_ARG_HELP = (
     "a registered policy name (see `remat-kit policies`), or a per-tag spec: "
     "'query_proj=offload,out_proj=save' or its JSON form '{\"query_proj\": \"offload\"}' "
@@ -743,11 +685,7 @@ def _parse_tag_list(text: str) -> dict[str, str]:
 
 
 def parse_policy_arg(text: str) -> PolicySpec:
-    """A :class:`PolicySpec` from one command-line ``--policy`` value: a registered name
-    (``save-dots``), per-tag actions ``query_proj=offload,out_proj=save``, or the same as a JSON
-    object. The per-tag forms go through :func:`custom_spec` (names not listed are recomputed).
-
-    Example::
+    """A :class:`PolicySpec` from a ``--policy`` value: a name, ``tag=action,...`` or JSON::
 
         >>> parse_policy_arg("query_proj=offload,out_proj=save").offload
         frozenset({'query_proj'})
@@ -755,12 +693,11 @@ def parse_policy_arg(text: str) -> PolicySpec:
         True
 
     Raises:
-      ValueError: an unknown policy name (message lists the valid ones and the closest match);
-        an unknown checkpoint name or action (the errors of :func:`custom_spec`); text that is
-        neither form, JSON that is not an object of strings, or a checkpoint name given twice.
+      ValueError: an unknown name; as :func:`custom_spec`; unreadable text or JSON; a
+        checkpoint name given twice.
     """
     text = str(text).strip()
-    if "remat_policy=" in text:  # MaxText's config lines
+    if "remat_policy=" in text:
         return parse_maxtext_lines(text)
     if text.startswith("{"):
         try:
@@ -779,8 +716,7 @@ def parse_policy_arg(text: str) -> PolicySpec:
 
 
 def policy_label(spec: PolicySpec) -> str:
-    """A short name for a spec in tables: its registry name, or for a custom spec its per-tag
-    actions (``custom: out_proj=save, query_proj=offload``)."""
+    """A spec's name in tables (custom: ``custom: out_proj=save, query_proj=offload``)."""
     if spec.name != "custom":
         return spec.name
     parts = [f"{t}={spec.action(t)}" for t in sorted(spec.tags)]
@@ -788,16 +724,13 @@ def policy_label(spec: PolicySpec) -> str:
 
 
 def cut_label(names: Sequence[str]) -> str:
-    """The label of the custom spec registered policies were cut down to on a program that
-    emits only some of their tags (``minimal (cut)``; ``a, b (cut)`` when several cut to one
-    spec): every tool names such a row the same way."""
+    """The label of a cut-down spec (:func:`policies_for_tags`): ``minimal (cut)``."""
     return f"{', '.join(names)} (cut)"
 
 
 def policy_arg(spec: PolicySpec) -> str:
-    """The spec as ``--policy`` takes it back (:func:`parse_policy_arg`), the key of a sweep
-    row: a registered policy's name, or its per-tag actions (``attn_in=save,mlp_hidden=offload``;
-    ``recompute-all`` when it keeps nothing)."""
+    """The spec as ``--policy`` text (:func:`parse_policy_arg`), a sweep row's key;
+    ``recompute-all`` when it keeps nothing."""
     if policy_specs().get(spec.name) == spec:
         return spec.name
     acts = {**{t: "save" for t in spec.save}, **{t: "offload" for t in spec.offload}}
@@ -805,9 +738,7 @@ def policy_arg(spec: PolicySpec) -> str:
 
 
 def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:
-    """A ``jax.checkpoint`` policy from a per-tag mapping; tags not listed are recomputed.
-
-    Example: ``custom_policy({"query_proj": "offload", "out_proj": "save"})``.
+    """A ``jax.checkpoint`` policy from a per-tag mapping (``{"query_proj": "offload"}``).
 
     Raises:
       ValueError: see :func:`custom_spec`.
@@ -816,25 +747,22 @@ def custom_policy(spec: Mapping[str, str]) -> Callable[..., Any]:
 
 
 def policy(name: str | PolicySpec | Mapping[str, str]) -> Callable[..., Any]:
-    """The ``jax.checkpoint`` policy for a registered name, a custom mapping or a spec.
-
-    The result can be passed as ``policy=`` to ``jax.checkpoint``, ``flax.linen.remat`` and
-    ``flax.nnx.remat``. ``"no-remat"`` gives ``everything_saveable`` (nothing recomputed).
+    """The ``policy=`` for ``jax.checkpoint`` / ``flax.linen.remat`` / ``flax.nnx.remat`` of a
+    name, mapping or spec (``"no-remat"``: ``everything_saveable``).
 
     Raises:
-      ValueError: unknown name (message lists the valid names and the closest match).
+      ValueError: unknown name (listing the valid ones and the closest).
     """
     return get_policy_spec(name).to_jax()
 
 
 def describe(name: str | PolicySpec | Mapping[str, str]) -> str:
-    """The one-sentence description of a policy (what it saves, offloads and recomputes)."""
+    """A policy's one-sentence description."""
     return get_policy_spec(name).description
 
 
 def on_device_twin(spec: PolicySpec) -> PolicySpec:
-    """``spec`` with its offloaded tags kept on device instead: the comparison that says whether
-    an offload lowered the device peak (measured, never assumed)."""
+    """``spec`` with its offloaded tags kept on device (to measure what an offload saves)."""
     return PolicySpec(
         f"{spec.name} (on device)",
         f"{spec.name} keeping its offloaded tensors on device.",
@@ -843,20 +771,17 @@ def on_device_twin(spec: PolicySpec) -> PolicySpec:
     )
 
 
-# What a policy becomes under each remat implementation (a traced probe per policy).
-
-#: The two remat implementations of JAX: ``classic`` (``remat2``) and ``remat3``
-#: (``jax_remat3``).
+#: JAX's remat implementations: ``remat2`` and ``jax_remat3``.
 RematImplementation = Literal["classic", "remat3"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(RematImplementation)
 
-#: Probe keys of the dots policies (there are no checkpoint names to follow).
+#: Probe keys of the dots policies.
 WEIGHT_MATMUL = "<weight matmul>"
 BATCHED_MATMUL = "<batched matmul>"
 
 
 def remat3_flag() -> bool | None:
-    """``jax.config.jax_remat3`` as set now, or None in a JAX without that flag."""
+    """``jax.config.jax_remat3``, or None in a JAX without it."""
     try:
         return bool(jax.config.jax_remat3)
     except AttributeError:
@@ -864,10 +789,8 @@ def remat3_flag() -> bool | None:
 
 
 def remat_implementation() -> RematImplementation:
-    """The remat implementation ``jax.checkpoint`` traces with now, read from the primitive a
-    traced ``jax.checkpoint`` leaves in its jaxpr (``remat2`` / ``checkpoint``: classic; a
-    ``RematTraced`` hi-primitive: ``remat3``), so a JAX where remat3 became the default, or
-    lost its flag, is read right too.
+    """The remat implementation ``jax.checkpoint`` traces with now, read from a traced jaxpr
+    (not the flag).
 
     Raises:
       RuntimeError: a jaxpr of neither kind (a JAX this module does not know).
@@ -890,19 +813,17 @@ def _implementation(flag: bool | None, version: str) -> RematImplementation:
 
 @contextlib.contextmanager
 def using(implementation: RematImplementation) -> Iterator[None]:
-    """Trace under ``implementation`` inside the ``with`` block (this thread only; JAX's
-    thread-local config context), whatever ``jax_remat3`` is set to outside.
+    """Trace under ``implementation`` inside the block (this thread only).
 
     Raises:
-      ValueError: an unknown implementation, or one this JAX cannot switch to (no
-        ``jax_remat3`` flag).
+      ValueError: an unknown implementation, or no ``jax_remat3`` flag to switch.
     """
     if implementation not in IMPLEMENTATIONS:
         raise N.unknown_value_error("remat implementation", implementation, IMPLEMENTATIONS)
     if implementation == remat_implementation():
         yield
         return
-    from jax._src import config as jax_config  # the flag's own context manager (thread-local)
+    from jax._src import config as jax_config
 
     state = getattr(jax_config, "remat3", None)
     if state is None:
@@ -919,7 +840,7 @@ def _remat3_asks_callables(version: str) -> bool:
     def body(w, x):  # w [8, 8], x [2, 8]
         return jnp.sum(jnp.sin(checkpoint_name(jnp.sin(x @ w), N.QUERY_PROJ)))
 
-    def plain(prim, *_, **params):  # no constructor of jax.checkpoint_policies
+    def plain(prim, *_, **params):
         return params.get("name") == N.QUERY_PROJ
 
     args = (jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32))
@@ -929,20 +850,16 @@ def _remat3_asks_callables(version: str) -> bool:
 
 
 def remat3_asks_any_policy() -> bool:
-    """Whether this JAX's ``jax_remat3`` asks *any* policy callable at ``checkpoint_name``
-    values and matmuls (and honours its ``Saveable`` / ``Offloadable`` answers), as jax 0.12's
-    ``CheckpointName.remat`` and ``lax._dot_general_remat`` do; False where it reads only
-    policies it knows as data (jax 0.10: the ``SaveOnlyTheseNames``,
-    ``SaveAnyNamesButThese`` and ``DotsSaveable`` dataclasses and ``everything_saveable``),
-    running every other callable as full remat, or where JAX has no ``jax_remat3``. Read from
-    a traced probe (a plain function saving one name), once per JAX version."""
+    """Whether ``jax_remat3`` honours *any* policy callable (jax 0.12), not only those it reads
+    as data (jax 0.10, others run as full remat); False without ``jax_remat3``. From a probe,
+    once per JAX version."""
     if remat3_flag() is None:
         return False
     return _remat3_asks_callables(jax.__version__)
 
 
 def describe_implementation(implementation: RematImplementation | None = None) -> str:
-    """``"jax_remat3 (jax X.Y.Z)"`` or ``"classic remat (jax X.Y.Z)"``, the JAX in use."""
+    """``"jax_remat3 (jax X.Y.Z)"`` or ``"classic remat (jax X.Y.Z)"``."""
     impl = implementation or remat_implementation()
     return f"{'jax_remat3' if impl == 'remat3' else 'classic remat'} (jax {jax.__version__})"
 
@@ -952,14 +869,10 @@ class PolicyEffect:
     """What one policy does under one remat implementation, from a traced probe.
 
     Attributes:
-      policy: the policy as tables name it (``offload-to-host``, ``custom: q=save``).
-      implementation: ``classic`` or ``remat3``; jax_version: the JAX traced with.
-      promised: per probe key (a checkpoint name, or :data:`WEIGHT_MATMUL` /
-        :data:`BATCHED_MATMUL` for the dots policies): ``save`` / ``offload`` / ``recompute``.
-      observed: the same keys as the probe's saved residuals show them.
-      runs_as: ``"as named"``, or what it does instead: a registered policy's name when one
-        promises exactly that (``save-nothing`` for full remat), else a per-tag label.
-      cause, fix: why it differs and what to do (None when as named).
+      promised, observed: per probe key (a checkpoint name, or :data:`WEIGHT_MATMUL` /
+        :data:`BATCHED_MATMUL`): ``save`` / ``offload`` / ``recompute``.
+      runs_as: ``"as named"``, else the registered name or per-tag label of what it does.
+      cause, fix: None when as named.
     """
 
     policy: str
@@ -976,8 +889,7 @@ class PolicyEffect:
         return self.runs_as == "as named"
 
     def line(self) -> str | None:
-        """One line for tables and warnings: what it runs as, the cause, the fix (None when it
-        runs as named)."""
+        """What it runs as, the cause, the fix, on one line (None when as named)."""
         if self.as_named:
             return None
         runs_as = "save-nothing (full remat)" if self.runs_as == "save-nothing" else self.runs_as
@@ -993,7 +905,7 @@ class PolicyEffect:
 def _probe_keys(spec: PolicySpec) -> list[str]:
     if spec.base in ("dots", "dots_no_batch"):
         return [WEIGHT_MATMUL, BATCHED_MATMUL]
-    return sorted(spec.tags) or [N.QUERY_PROJ]  # a name nothing saves: it must be recomputed
+    return sorted(spec.tags) or [N.QUERY_PROJ]  # saved by nothing: must be recomputed
 
 
 def _promised(spec: PolicySpec) -> dict[str, str]:
@@ -1062,9 +974,7 @@ def _runs_as(spec: PolicySpec, observed: Mapping[str, str]) -> str:
 def _cause_and_fix(spec: PolicySpec, implementation: str, observed: Mapping[str, str]):
     lost_offload = any(spec.action(t) == "offload" and observed.get(t) != "offload"
                        for t in spec.offload)  # fmt: skip
-    twin = custom_spec(
-        {t: "save" for t in spec.save | spec.offload}
-    )  # the same names kept on device
+    twin = custom_spec({t: "save" for t in spec.save | spec.offload})
     twin_name = next((n for n, s in policy_specs().items() if s.base == "names"
                       and s.save == twin.save and not s.offload), policy_label(twin))  # fmt: skip
     other = "classic remat" if implementation == "remat3" else "jax_remat3"
@@ -1119,10 +1029,8 @@ def policy_effect(
     policy: str | PolicySpec | Mapping[str, str],
     implementation: RematImplementation | None = None,
 ) -> PolicyEffect:
-    """What ``policy`` does under ``implementation`` (default: the one in use now): a tiny
-    checkpointed function emitting the policy's names (a weight and a batched matmul for the dots
-    policies) is traced and its saved residuals (:func:`remat_kit.walker.saved_residuals`) set
-    against the promise; cached per (policy, implementation, jax version). docs/remat3.md.
+    """What ``policy`` does under ``implementation`` (default: in use): a tiny checkpointed probe's
+    :func:`remat_kit.walker.saved_residuals` against the promise; cached. docs/remat3.md.
 
     Raises:
       ValueError: an unknown policy name, or an implementation this JAX cannot trace with.
@@ -1133,20 +1041,17 @@ def policy_effect(
 
 
 def offload_works(implementation: RematImplementation | None = None) -> bool:
-    """Whether a name-based offload (``save_and_offload_only_these_names``) puts its residual
-    in host memory under ``implementation`` (default: the one in use), from the probe."""
+    """Whether a name-based offload reaches host memory under ``implementation``."""
     return policy_effect(custom_spec({N.QUERY_PROJ: "offload"}), implementation).as_named
 
 
 def can_offload(target: Any) -> bool:
-    """Whether an offloading policy can offload on ``target`` now: the target has host memory
-    (``target.supports_host_offload``) and the remat implementation in use offloads."""
+    """Whether ``target`` supports host offload and the remat implementation in use offloads."""
     return bool(target.supports_host_offload) and offload_works()
 
 
 def honoured(specs: Iterable[PolicySpec]) -> tuple[list[PolicySpec], list[str]]:
-    """The specs that run as named under the implementation in use, and one line for each
-    that does not (what it runs as, the cause, the fix): what a search may pick from."""
+    """The specs that run as named now, and a :meth:`PolicyEffect.line` for each that does not."""
     kept, notes = [], []
     for spec in specs:
         effect = policy_effect(spec)

@@ -1,26 +1,17 @@
-"""Compile targets: the local backend, the CPU, GPU models compiled without a GPU, and TPU slices
-compiled without a TPU; and the meshes and shardings a step is laid out with over their devices.
+"""Compile targets (local, CPU, GPU models and TPU slices compiled deviceless) and the meshes and
+shardings a step is laid out with over their devices.
 
-A :class:`Target` names a device model and carries the vendor figures remat-kit needs to judge a
-compiled step against it: device memory (bytes), dense bf16 tensor-core peak (FLOP/s), memory and
-host-link bandwidth (bytes/s). GPU targets also carry a :class:`GpuSpec`, enough to write XLA's
-``GpuTargetConfig`` text proto, so a step can be compiled *deviceless*, on a machine with no GPU:
+A :class:`Target` carries a device model's figures: memory (bytes), dense bf16 peak (FLOP/s),
+memory and host-link bandwidth (bytes/s). A GPU target's :class:`GpuSpec` becomes XLA's
+``GpuTargetConfig``, so a step compiles with no GPU present (:func:`abstract_sharding`); TPU
+slices (:func:`tpu_target`) compile through ``libtpu`` on a CPU host. Mesh axes ``dp``, ``fsdp``,
+``tp``: :data:`LOGICAL_RULES`, :data:`ACTIVATION_RULES`. Setup: docs/targets.md, docs/tpu.md,
+docs/multi-device.md.
 
-    sharding = targets.abstract_sharding("h100-sxm", num_devices=8, spec=P("x"))
-    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16, sharding=sharding)
-    jax.jit(f).lower(x).compile().memory_analysis()   # per-device bytes, as on a real H100
-
-TPU slices (:class:`TpuSlice`, :func:`tpu_target`) compile through ``libtpu`` on a CPU host.
-Meshes have three optional axes ``dp``, ``fsdp``, ``tp``; :data:`LOGICAL_RULES` and
-:data:`ACTIVATION_RULES` map the models' logical axes onto them. Setup (plugins,
-``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, which :func:`ensure_deviceless_env` sets on import):
-docs/targets.md; slice names: docs/tpu.md; mesh axes: docs/multi-device.md.
-
-Sources: NVIDIA datasheets and whitepapers, Cloud TPU system architecture pages (cited per target
-in ``Target.source``); per-SM limits from the CUDA C++ Programming Guide ("Technical
-Specifications per Compute Capability") and XLA's GPU spec files
-(``xla/backends/gpu/target_config/specs/*.txtpb``); the slice -> topology table from MaxText
-``src/MaxText/accelerator_to_spec_map.py``.
+Sources: NVIDIA datasheets and whitepapers, Cloud TPU system architecture pages (per target in
+``Target.source``); per-SM limits: CUDA C++ Programming Guide ("Technical Specifications per
+Compute Capability"), XLA ``xla/backends/gpu/target_config/specs/*.txtpb``; slice topologies:
+MaxText ``src/MaxText/accelerator_to_spec_map.py``.
 """
 
 from __future__ import annotations
@@ -55,21 +46,17 @@ TPU_INSTALL_HINT = "pip install 'remat-kit[tpu]'"
 
 @dataclasses.dataclass(frozen=True)
 class TpuChip:
-    """Figures of one TPU chip (= one JAX device, megacore included). Units: bytes, FLOP/s,
-    bytes/s. ``None``: no cited figure."""
+    """One TPU chip (= one JAX device). Bytes, FLOP/s, bytes/s; ``None``: no cited figure."""
 
     generation: str  # "v5p": the Cloud name's prefix
     device_kind: str  # what JAX reports: "TPU v5"
     topology_prefix: str  # "v5": the generation in topology names ("v5:2x2x1")
     tensorcores: int  # per chip; 2 (megacore) on v4 and v5p
-    #: HBM the TPU compiler lets a program use, per chip: its own figure in the
-    #: RESOURCE_EXHAUSTED message ("exceeds available HBM (95.74G)"), libtpu 0.0.42.1. A
-    #: little under the marketing size (the runtime reserves some).
+    #: Usable HBM per chip: libtpu's RESOURCE_EXHAUSTED figure ("exceeds available HBM").
     memory_bytes: int
     peak_flops_bf16: float
     hbm_bytes_per_s: float
-    #: ICI bytes/s per direction per chip (Cloud's bidirectional per-chip figure / 2, or its
-    #: "interchip interconnect BW" in Gbit/s / 8 / 2).
+    #: ICI per direction per chip (Cloud's bidirectional figure / 2; Gbit/s: / 8 / 2).
     interconnect_bytes_per_s: float | None
     host_link_bytes_per_s: float | None
     description: str
@@ -190,10 +177,8 @@ _NAME = re.compile(r"^(?:(\d+)x)?(v\d+[a-z]*)-(\d+)$")
 
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
-    """One TPU slice (or several joined: ``num_slices``) as ``get_topology_desc`` takes it.
-
-    ``chips`` JAX devices per slice (megacore: one per chip); ``topology`` like ``"v5:2x2x1"``.
-    """
+    """A TPU slice (``num_slices`` joined) as ``get_topology_desc`` takes it; ``chips`` devices
+    per slice, ``topology`` like ``"v5:2x2x1"``."""
 
     generation: str
     size: int  # the number in the Cloud name: TensorCores (v4, v5p) or chips (v5e, v6e)
@@ -261,12 +246,11 @@ def families() -> str:
 
 
 def parse_slice(name: str) -> TpuSlice | None:
-    """The slice named ``name`` (normalised: lower case, ``_`` as ``-``), ``None`` when the
-    name is not of a TPU generation at all (``h100-sxm``).
+    """The slice ``name`` (lower case, ``-``), ``None`` when not a TPU name (``h100-sxm``).
 
     Raises:
-      ValueError: a TPU generation with a size it does not come in (the message lists the
-        valid sizes), or a slice count of 0.
+      ValueError: a size the generation does not come in (listing the valid ones), or a slice
+        count of 0.
     """
     m = _NAME.match(name)
     if m is None:
@@ -301,19 +285,10 @@ def has_tpu_chips() -> bool:
 
 
 def ensure_tpu_env() -> None:
-    """Environment libtpu needs on a machine without TPU chips, set where unset before libtpu loads
-    (this module's import); nothing is set on a TPU machine.
-
-    - ``TPU_SKIP_MDS_QUERY=1``: no query to the GCE metadata server (axlearn's
-      ``aot_compilation.py`` sets it too).
-    - ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: without it a second process (another compile, a pytest
-      worker) fails on libtpu's ``/tmp/libtpu_lockfile`` ("Internal error when accessing libtpu
-      multi-process lockfile").
-    - ``JAX_PLATFORMS=cpu`` when libtpu is installed and the machine has no accelerator at all:
-      otherwise JAX's first backend use loads libtpu to look for a TPU (seconds, and its start-up
-      lines on every run).
-    - ``TPU_LOG_DIR=disabled``: no log files in ``/tmp/tpu_logs`` per process; stderr lines stay
-      (Marin does the same, marin-community/marin#2078)."""
+    """On a machine without TPU chips, set where unset (on import): ``TPU_SKIP_MDS_QUERY=1`` (as
+    axlearn's ``aot_compilation.py``), ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``,
+    ``TPU_LOG_DIR=disabled`` (as marin-community/marin#2078) and, with libtpu and no
+    accelerator, ``JAX_PLATFORMS=cpu``. Why each: docs/tpu.md."""
     if has_tpu_chips():
         return
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -329,7 +304,6 @@ def ensure_tpu_env() -> None:
         import jax
         from jax._src import xla_bridge
 
-        # JAX read the variable when it was imported: tell its config too, while it can change.
         if jax.config.jax_platforms is None and not xla_bridge.backends_are_initialized():
             jax.config.update("jax_platforms", "cpu")
 
@@ -348,10 +322,8 @@ def libtpu_installed() -> bool:
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 into a temporary file inside the block; written back only when the
-    block raises. libtpu, when it starts on a host that is not a TPU VM, logs lines about
-    ``TPU_ACCELERATOR_TYPE`` and ``TPU_WORKER_HOSTNAMES`` it cannot read (INVALID_ARGUMENT):
-    noise for a compile-only topology."""
+    """Hold back fd 2 inside the block (libtpu's start-up noise off a TPU VM); replay it if the
+    block raises."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as sink:
@@ -374,11 +346,10 @@ class LibtpuMissingError(MissingExtraError):
 
 @functools.cache
 def topology(tpu: TpuSlice) -> Any:
-    """The deviceless ``TopologyDescription`` of ``tpu`` (cached): ``.devices`` are its
-    compile-only devices, ``num_slices`` slices of ``chips`` each.
+    """The deviceless ``TopologyDescription`` of ``tpu`` (cached; compile-only ``.devices``).
 
     Raises:
-      LibtpuMissingError: libtpu is not installed (one line naming the extra).
+      LibtpuMissingError: libtpu is not installed.
     """
     if not libtpu_installed():
         raise LibtpuMissingError(
@@ -400,18 +371,15 @@ def topology(tpu: TpuSlice) -> Any:
 
 ensure_tpu_env()
 
-#: Platforms a target compiles for. The built-in targets are ``cpu`` or ``cuda``; ``local`` takes
-#: whatever JAX's default backend is.
+#: Platforms a target compiles for (``local``: JAX's default backend).
 Platform = Literal["cpu", "cuda", "rocm", "tpu"]
 
-#: The name of the target resolved from JAX's default backend at use time.
 LOCAL = "local"
 
 #: PJRT plugin modules that provide the ``cuda`` platform, newest first.
 CUDA_PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
-#: Device files whose presence means the machine has an NVIDIA GPU (the same test JAX uses in
-#: ``jax._src.hardware_utils.has_visible_nvidia_gpu`` before it tries the CUDA backend).
+#: As ``jax._src.hardware_utils.has_visible_nvidia_gpu``.
 _NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 
 _SKIP_CHECK_VAR = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
@@ -421,110 +389,78 @@ _INSTALL_HINT = "pip install 'remat-kit[cuda12]'"
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """What XLA's GPU compiler needs to know about one NVIDIA GPU model.
+    """One NVIDIA GPU model as XLA's ``gpu_device_info`` (:func:`gpu_target_config`); memory
+    and bandwidth come from the :class:`Target`. Bytes; clock in GHz."""
 
-    These become the ``gpu_device_info`` of a ``GpuTargetConfig`` text proto (see
-    :func:`gpu_target_config`). Device memory and memory bandwidth come from the enclosing
-    :class:`Target`. Sizes in bytes, clock in GHz.
-    """
-
-    core_count: int  # streaming multiprocessors (SMs)
-    cc_major: int  # CUDA compute capability, e.g. 9 for sm_90
+    core_count: int  # SMs
+    cc_major: int  # compute capability: 9 for sm_90
     cc_minor: int
     l2_cache_bytes: int
-    shared_memory_per_core: int  # bytes of shared memory per SM
-    shared_memory_per_block_optin: int  # largest opt-in shared memory per block, bytes
-    threads_per_core_limit: int  # resident threads per SM
+    shared_memory_per_core: int
+    shared_memory_per_block_optin: int
+    threads_per_core_limit: int
     fpus_per_core: int  # FP32 lanes per SM
-    clock_rate_ghz: float  # boost clock
-    device_description: str  # the device_kind JAX reports on the real GPU
-    #: ``ACCELERATED_FEATURES`` compiles for the ``a`` variant (sm_90a), as XLA does on a real
-    #: Hopper; ``None`` for the plain compute capability.
-    cc_feature_extension: str | None = None
-    shared_memory_per_block: int = 48 * 1024  # bytes without opt-in
+    clock_rate_ghz: float  # boost
+    device_description: str  # JAX's device_kind on the real GPU
+    cc_feature_extension: str | None = None  # ACCELERATED_FEATURES: sm_90a, as on real Hopper
+    shared_memory_per_block: int = 48 * 1024
     threads_per_block_limit: int = 1024
     threads_per_warp: int = 32
-    registers_per_core_limit: int = 64 * 1024  # 32-bit registers per SM
+    registers_per_core_limit: int = 64 * 1024
     registers_per_block_limit: int = 64 * 1024
     block_dim_limit: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
-    dnn_version: tuple[int, int, int] = (9, 8, 0)  # cuDNN the compile assumes
-    runtime_version: tuple[int, int, int] = (12, 8, 0)  # CUDA runtime the compile assumes
+    dnn_version: tuple[int, int, int] = (9, 8, 0)  # cuDNN assumed
+    runtime_version: tuple[int, int, int] = (12, 8, 0)  # CUDA runtime assumed
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A device model to compile for and judge memory against.
-
-    Figures are per device. ``None`` means unknown (the local CPU, or a local device JAX does not
-    describe).
-    """
+    """A device model to compile for and judge memory against. Per device; ``None``: unknown."""
 
     name: str
     platform: Platform
     description: str
-    #: Device memory in bytes, as the CUDA driver reports it (a little under the marketing size);
-    #: for ``local``, JAX's allocator limit (``memory_stats()["bytes_limit"]``); ``None`` for CPUs.
+    #: Bytes as the CUDA driver reports them; ``local``: JAX's ``bytes_limit``.
     memory_bytes: int | None
-    #: Dense bf16 tensor-core peak in FLOP/s (vendor figure, without 2:4 sparsity).
+    #: Dense bf16 peak, FLOP/s (no 2:4 sparsity).
     peak_flops_bf16: float | None
-    #: Device-memory bandwidth in bytes/s.
     hbm_bytes_per_s: float | None
-    #: Host<->device bandwidth in bytes/s, per direction (PCIe Gen5 x16: 64e9; Gen4 x16: 32e9).
+    #: Host<->device, bytes/s per direction (:func:`host_link_source`).
     host_link_bytes_per_s: float | None
-    #: Whether offload to pinned host memory is real on this target (on CPU it compiles but
-    #: changes nothing).
+    #: Whether pinned-host offload is real (on CPU it compiles but changes nothing).
     supports_host_offload: bool
-    #: Where the figures come from.
     source: str
-    #: For GPU targets compiled deviceless: the fields of XLA's ``GpuTargetConfig``.
     gpu: GpuSpec | None = None
-    #: Dense float32 matmul peak in FLOP/s as XLA runs an f32 dot by default (TF32 tensor
-    #: cores on NVIDIA Ampere and newer, JAX's default matmul precision there).
+    #: f32 matmul peak, FLOP/s, at JAX's default precision (TF32 on Ampere and newer).
     peak_flops_f32: float | None = None
-    #: Device-to-device bandwidth in bytes/s per direction per device (NVLink, TPU ICI), used
-    #: for collectives; ``None`` where unknown or there is no such link.
+    #: NVLink / TPU ICI, bytes/s per direction per device.
     interconnect_bytes_per_s: float | None = None
-    #: Fixed cost of one kernel launch in seconds (the time model's per-kernel overhead).
+    #: Per-kernel launch cost, seconds.
     launch_s: float | None = None
-    #: Share of ``peak_flops_bf16`` a large matmul achieves on this device, measured (the
-    #: best shape of a brute-force search, e.g. MAMF, see :data:`_MAMF_SOURCE`); None: the
-    #: datasheet peak is used as it is.
+    #: Measured shares of the datasheet peaks (None: the peak as is): large matmuls, streaming
+    #: kernels, cuDNN fused attention (None: at ``matmul_efficiency``). Sources: docs/time-model.md.
     matmul_efficiency: float | None = None
-    #: Share of ``hbm_bytes_per_s`` a streaming kernel achieves, measured; None: the datasheet
-    #: bandwidth is used as it is.
     memory_efficiency: float | None = None
-    #: Share of ``peak_flops_bf16`` a fused attention kernel (cuDNN's flash attention, what
-    #: XLA:GPU calls for ``jax.nn.dot_product_attention(implementation="cudnn")``) achieves,
-    #: measured at long sequences; None: attention runs at ``matmul_efficiency``.
     attention_efficiency: float | None = None
-    #: Devices joined by ``interconnect_bytes_per_s`` (a GPU node's NVLink/NVSwitch domain); a
-    #: collective over devices of more than one node runs over ``network_bytes_per_s`` too.
-    #: None: one domain of any size (a TPU slice's ICI).
+    #: Devices per interconnect domain (a GPU node); beyond it collectives also use
+    #: ``network_bytes_per_s`` (InfiniBand, per device per direction). None: one domain.
     node_size: int | None = None
-    #: Network bytes/s per device, per direction, between nodes (a GPU's InfiniBand NIC); None
-    #: where unknown.
     network_bytes_per_s: float | None = None
-    #: For TPU slices compiled deviceless: the slice's topology (see :class:`TpuSlice`).
     tpu: TpuSlice | None = None
 
     @property
     def deviceless(self) -> bool:
-        """True when compiling for this target needs no such device (a GPU model, a TPU
-        slice)."""
+        """True for a GPU model or TPU slice (compiled with no such device)."""
         return self.gpu is not None or self.tpu is not None
 
     @property
     def num_devices(self) -> int | None:
-        """JAX devices of the target as a whole (a TPU slice's chips times its slices); ``None``
-        for targets of no fixed size (GPU models and local backends take any count)."""
+        """A TPU slice's devices; ``None`` for targets of any size."""
         return None if self.tpu is None else self.tpu.num_devices
 
     def usable_bytes(self, fraction: float = 1.0) -> int:
-        """``fraction`` of device memory, in bytes.
-
-        A default JAX process on a GPU preallocates and may use only
-        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of device memory: pass ``0.75`` to judge
-        a step against that, ``1.0`` for what the hardware holds.
+        """``fraction`` of device memory, in bytes (0.75: JAX's default
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` on a GPU).
 
         Raises:
             ValueError: the target's memory is unknown (``memory_bytes is None``), or ``fraction``
@@ -602,46 +538,24 @@ _L4_SOURCE = (
     "whitepaper (58 SMs, 48 MB L2, 2.04 GHz boost); memory size: nvidia-smi total 23034 MiB"
 )
 
-#: Measured matmul efficiency (Bekman, "Machine Learning Engineering Open Book",
-#: github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
-#: FLOPS comparison table", BF16 inputs, best shape of a brute-force search with mamf-finder.py,
-#: PyTorch + cuBLAS): A100 SXM 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989 (80.3%,
-#: "H200 is the same").
+# Measured efficiencies and links, cited in the _*_SOURCE strings; docs/time-model.md.
 _MAMF_SOURCE = (
     "matmul efficiency: Maximum Achievable Matmul FLOPS, BF16, best shape (Bekman, ML "
     "Engineering Open Book, compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s, "
     "H100 SXM 794.5 of 989 ('H200 is the same')"
 )
-#: Measured fused attention on Hopper: cuDNN's flash attention on an H100 80GB SXM5, BF16, head
-#: dim 128, sequence 8k: 529 TFLOP/s forward with a causal mask, 518 TFLOP/s backward (Shah et
-#: al., "FlashAttention-3", arXiv:2407.08608, Figures 5 and 6): the forward's share, 529 of 989.
 _HOPPER_ATTENTION = 529.0 / 989.0
 _ATTENTION_SOURCE = (
     "fused attention: cuDNN flash attention 529 TFLOP/s forward (causal) and 518 backward of 989, "
     "BF16, head dim 128, seq 8k, H100 SXM5 (Shah et al., FlashAttention-3, arXiv:2407.08608, "
     "Figs. 5-6)"
 )
-#: Measured streaming bandwidth: 1.80 of 2.04 TB/s (88%) on an A100 80GB SXM, read kernel timed
-#: with events and confirmed by Nsight Compute, where "the maximum memory bandwidth achieved by
-#: any kernel was around 90%" in NVIDIA's GTC talk it cites (NVIDIA Developer Forums, "Trouble
-#: to Reach Peak Bandwidth of A100", forums.developer.nvidia.com/t/339083). Taken for every
-#: NVIDIA HBM GPU here.
 _HBM_EFFICIENCY = 0.88
 _HBM_SOURCE = (
     "memory efficiency 88%: 1.80 of 2.04 TB/s measured on an A100 80GB SXM, ~90% the best any "
     "kernel reached in NVIDIA's GTC talk (NVIDIA Developer Forums, 'Trouble to Reach Peak "
     "Bandwidth of A100')"
 )
-#: NVLink, per GPU per direction, as a ring collective's bus bandwidth: an A100 node's
-#: nccl-tests all_reduce measured 235 GB/s busbw against NVLink 3's 300 GB/s per direction;
-#: an 8x H200 node (NVLink 4, NVSwitch) copies 396.40 GB/s per direction against 450 GB/s
-#: (Bekman, ML Engineering Open Book, network/README.md, "Unidirectional vs Bidirectional").
-#: Between nodes a ring crosses each node boundary once per node, all of a node's NICs in
-#: flight (ibid., "Inter-node speed depends on intra-node speed": within 6% of a measured
-#: 4-node all-reduce), so a collective over several nodes runs at the smaller of the NVLink
-#: figure and node_size x the per-GPU NIC rate: DGX A100, 8 x 200 Gb/s HDR InfiniBand
-#: (25 GB/s per GPU); DGX H100/H200, 8 x 400 Gb/s NDR (50 GB/s per GPU) (NVIDIA DGX A100 and
-#: DGX H100 user guides, system specifications).
 _NVLINK_SOURCE = (
     "NVLink as measured ring bus bandwidth: A100 node all_reduce 235 GB/s busbw (of 300 per "
     "direction), H200 node 396.4 GB/s per direction (of 450) (Bekman, ML Engineering Open "
@@ -769,15 +683,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (_CPU, *_GPU_TARGETS)}
 
 
 def tpu_target(name: str | TpuSlice) -> Target:
-    """The :class:`Target` of a TPU slice (``"v5p-8"``, ``"v5litepod-16"``, ``"2xv6e-256"``),
-    compiled deviceless through libtpu (:func:`topology`).
-
-    Figures are per JAX device = per chip. ``peak_flops_f32`` is the bf16 peak (an f32 dot at
-    JAX's default TPU precision is one bf16 MXU pass); ``launch_s`` is None (no cited figure).
+    """The :class:`Target` of a TPU slice (``"v5p-8"``, ``"2xv6e-256"``), per chip.
+    ``peak_flops_f32`` is the bf16 peak (JAX's default TPU f32 dot is one bf16 MXU pass).
 
     Raises:
-      ValueError: not a TPU slice name, or a size the generation does not come in (the
-        message lists the valid sizes).
+      ValueError: not a TPU slice name, or a size the generation does not come in.
     """
     tpu = name if isinstance(name, TpuSlice) else parse_slice(str(name).strip().lower())
     if tpu is None:
@@ -805,20 +715,16 @@ def tpu_target(name: str | TpuSlice) -> Target:
 
 
 def target_names() -> list[str]:
-    """Every valid target name: ``local``, ``cpu``, the GPU models, then every single TPU slice
-    (``v4-8`` ... ``v6e-256``; multi-slice names ``2xv5p-8`` are valid too, not listed)."""
+    """``local``, ``cpu``, the GPU models, every single TPU slice (``2xv5p-8`` valid, unlisted)."""
     return [LOCAL, *TARGETS, *slice_names()]
 
 
 def get_target(name: str | Target) -> Target:
-    """The :class:`Target` called ``name`` (case-insensitive, ``_`` read as ``-``).
-
-    ``local`` is built now from JAX's default backend: its platform, and its memory from
-    ``jax.devices()[0].memory_stats()["bytes_limit"]`` where the backend reports it (GPUs do,
-    the CPU does not). A local GPU of a known model also gets that model's figures.
+    """The :class:`Target` called ``name`` (case-insensitive, ``_`` as ``-``). ``local``: JAX's
+    default backend now, memory from ``memory_stats()["bytes_limit"]``, a known GPU's figures.
 
     Raises:
-        ValueError: ``name`` is not a target; the message lists the valid names and the closest.
+        ValueError: ``name`` is not a target (listing the valid names and the closest).
     """
     if isinstance(name, Target):
         return name
@@ -840,9 +746,8 @@ def get_target(name: str | Target) -> Target:
 
 
 def compile_identity(target: Target) -> str:
-    """What decides which compiler ``target`` is compiled by, for the compile caches: ``cpu``
-    for every CPU target (the ``cpu`` model and ``local`` on a machine without an accelerator
-    compile on the same backend, to the same program), else the target's name."""
+    """The compile caches' key for ``target``'s compiler: ``cpu`` for every CPU target, else
+    its name."""
     if target.platform == "cpu" and target.gpu is None and target.tpu is None:
         return "cpu"
     return target.name
@@ -863,7 +768,6 @@ def _local_target() -> Target:
     description = f"the local {platform} backend: {device.device_kind}"
     for known in _GPU_TARGETS:
         if known.gpu is not None and known.gpu.device_description == device.device_kind:
-            # The model's figures, JAX's allocator limit as memory; compiled on the real device.
             return dataclasses.replace(
                 known, name=LOCAL, description=description, memory_bytes=memory_bytes, gpu=None
             )
@@ -884,19 +788,14 @@ def _local_target() -> Target:
 
 
 def has_visible_nvidia_gpu() -> bool:
-    """True when this machine shows an NVIDIA GPU device file (JAX's own test)."""
+    """True when this machine shows an NVIDIA GPU device file."""
     return any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
 
 
 def ensure_deviceless_env() -> bool:
-    """Let the CUDA plugin load on a machine without a GPU; returns whether the check is skipped.
-
-    On a machine with no NVIDIA GPU, sets ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` unless already set:
-    without it the plugin's version check fails (``cuInit(0) failed``) and no ``cuda`` topology can
-    be made; with it JAX still keeps the CPU as the local backend. ``JAX_PLATFORMS`` is left alone.
-    Effective until JAX first discovers its plugins (first backend use, not ``import jax``); this
-    module calls it on import, and :func:`compile_devices` re-registers the plugin where that was
-    too late. On a GPU machine the check stays on (it catches broken CUDA installs)."""
+    """Without an NVIDIA GPU, set ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` where unset (on import)
+    so the CUDA plugin loads for deviceless compiles; returns whether the check is skipped.
+    Why and when it takes effect: docs/targets.md."""
     if not has_visible_nvidia_gpu():
         os.environ.setdefault(_SKIP_CHECK_VAR, "1")
     return bool(os.environ.get(_SKIP_CHECK_VAR))
@@ -906,7 +805,7 @@ ensure_deviceless_env()
 
 
 def cuda_plugin_module() -> str | None:
-    """The name of the installed CUDA PJRT plugin module, or ``None`` when there is none."""
+    """The installed CUDA PJRT plugin module, or ``None``."""
     for module in CUDA_PLUGIN_MODULES:
         try:
             if importlib.util.find_spec(module) is not None:
@@ -963,20 +862,13 @@ def gpu_target_config(target: str | Target) -> str:
 
 
 def compile_devices(target: str | Target, num_devices: int = 1) -> list[jax.Device]:
-    """The ``num_devices`` devices to lower and compile for ``target`` on.
-
-    ``local`` and ``cpu``: the first ``num_devices`` of ``jax.devices()`` (every process's, in a
-    ``jax.distributed`` run). GPU models: compile-only devices of a deviceless topology
-    ``1x1x{num_devices}``. TPU slices: the first ``num_devices`` chips of the slice's topology
-    (:func:`topology`). Both cached. Compile-only devices cannot run anything: give every argument
-    a ``jax.ShapeDtypeStruct`` with a sharding on them (:func:`abstract_sharding`) and call
-    ``.lower(...).compile()``.
+    """``num_devices`` devices to compile for ``target`` on: ``jax.devices()`` for ``local`` /
+    ``cpu``; else compile-only devices (cached) that only take abstract arguments
+    (:func:`abstract_sharding`) and ``.lower(...).compile()``.
 
     Raises:
-        ValueError: unknown target; ``num_devices`` < 1; fewer local devices than asked (the
-            message says how to get more CPU devices), or more than a TPU slice has.
-        remat_kit.validation.MissingExtraError: a TPU slice without libtpu, or a GPU target
-            without JAX's CUDA plugin (the message names the extra to install).
+        ValueError: unknown target; ``num_devices`` < 1; more devices than the target has.
+        remat_kit.validation.MissingExtraError: no libtpu (TPU) or CUDA plugin (GPU).
         RuntimeError: the CUDA plugin would not register.
     """
     t = get_target(target)
@@ -1025,8 +917,7 @@ def _cuda_topology(target: Target, num_devices: int) -> Any:
     try:
         return make()
     except NotImplementedError:
-        # JAX discovered its plugins before JAX_SKIP_CUDA_CONSTRAINTS_CHECK was set, and the
-        # CUDA plugin's version check failed for lack of a GPU: register the plugin again.
+        # plugins discovered before JAX_SKIP_CUDA_CONSTRAINTS_CHECK was set
         _register_cuda_plugin(target)
         return make()
 
@@ -1052,11 +943,7 @@ def target_mesh(
 ) -> Mesh:
     """A ``Mesh`` over :func:`compile_devices` of ``target``.
 
-    Args:
-        target: a target name or :class:`Target`.
-        num_devices: devices in the mesh.
-        axis_names: one name per mesh axis.
-        mesh_shape: devices along each axis; defaults to ``(num_devices,)`` for one axis.
+    ``mesh_shape`` defaults to ``(num_devices,)`` for one axis.
 
     Raises:
         ValueError: ``mesh_shape`` missing for several axes, of the wrong length, or not
@@ -1084,10 +971,8 @@ def abstract_sharding(
     axis_names: Sequence[str] = ("x",),
     mesh_shape: Sequence[int] | None = None,
 ) -> NamedSharding:
-    """``NamedSharding(target_mesh(...), spec)``: the sharding for abstract arguments.
-
-    Example (the local device here; ``abstract_sharding("h100-sxm", 8, ...)`` for 8 GPUs
-    compiled deviceless)::
+    """``NamedSharding(target_mesh(...), spec)`` for abstract arguments (``"h100-sxm", 8``: 8
+    GPUs, deviceless)::
 
         >>> import jax.numpy as jnp
         >>> s = abstract_sharding("local", 1, PartitionSpec("x"))
@@ -1102,11 +987,8 @@ def abstract_sharding(
 
 
 def abstractify(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """``tree`` with every array-like leaf (``.shape`` and ``.dtype``) turned into a
-    ``jax.ShapeDtypeStruct`` carrying ``sharding``; other leaves unchanged.
-
-    Use it on a real or abstract train state to compile it for a target.
-    """
+    """``tree`` with each leaf having ``.shape`` and ``.dtype`` as a ``jax.ShapeDtypeStruct``
+    with ``sharding``."""
 
     def leaf(x: Any) -> Any:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -1117,13 +999,9 @@ def abstractify(tree: Any, sharding: jax.sharding.Sharding) -> Any:
 
 
 def host_link_source(target: Target) -> str:
-    """Where a target's host<->device bandwidth (``Target.host_link_bytes_per_s``) comes from.
-
-    PCIe Gen5 x16 (H100 SXM, H200): 32 GT/s x 16 lanes, 128b/130b encoding = 63 GB/s per
-    direction, written 64 GB/s (NVIDIA datasheets give 128 GB/s for both directions together).
-    PCIe Gen4 x16 (A100, L4): half that, 32 GB/s per direction (datasheets: 64 GB/s). These
-    are line rates: real copies get less, so the time model's transfers are optimistic.
-    """
+    """Where ``target.host_link_bytes_per_s`` comes from: PCIe line rate per direction (Gen5 x16:
+    32 GT/s x 16 x 128b/130b = 63, written 64 GB/s; Gen4 x16: 32 GB/s; PCI-SIG, NVIDIA
+    datasheets give both directions); real copies get less."""
     bw = target.host_link_bytes_per_s
     if bw is None:
         return f"target {target.name!r}: host link unknown"
@@ -1134,8 +1012,6 @@ def host_link_source(target: Target) -> str:
         f"{target.description} datasheet: see Target.source)"
     )
 
-
-# Meshes (dp, fsdp, tp) and the shardings of parameters, optimizer state and activations.
 
 MESH_AXES: tuple[str, ...] = ("dp", "fsdp", "tp")
 
@@ -1155,7 +1031,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the ``dp``, ``fsdp`` and ``tp`` mesh axes; ``num_devices`` is their product."""
+    """Sizes of the ``dp``, ``fsdp`` and ``tp`` mesh axes."""
 
     dp: int = 1
     fsdp: int = 1
@@ -1174,18 +1050,16 @@ class MeshSpec:
 
     @classmethod
     def of(cls, mesh: Mesh) -> MeshSpec:
-        """The sizes of a mesh made by :func:`make_mesh` (axes dp, fsdp, tp)."""
+        """The sizes of a mesh made by :func:`make_mesh`."""
         return cls(**{a: int(mesh.shape[a]) for a in MESH_AXES})
 
 
 def parse_mesh(text: str | MeshSpec | None, num_devices: int | None = None) -> MeshSpec:
-    """Parse ``"fsdp=8"`` or ``"dp=2,fsdp=4,tp=1"`` (axes not named have size 1).
-
-    ``None`` or ``""`` means plain data parallelism over ``num_devices`` (``dp=num_devices``).
+    """Parse ``"fsdp=8"`` or ``"dp=2,fsdp=4,tp=1"`` (unnamed axes: 1; ``None``/``""``: dp only).
 
     Raises:
-      ValueError: an unknown axis name (listing dp, fsdp, tp), a size that is not a positive
-        integer, or a product of sizes different from ``num_devices`` (naming both numbers).
+      ValueError: an unknown axis, a size not a positive integer, or a product other than
+        ``num_devices``.
     """
     if isinstance(text, MeshSpec):
         spec = text
@@ -1217,7 +1091,7 @@ def parse_mesh(text: str | MeshSpec | None, num_devices: int | None = None) -> M
 
 
 def make_mesh(spec: MeshSpec, devices: Sequence[Any]) -> Mesh:
-    """A ``Mesh`` with axes (dp, fsdp, tp) over ``devices`` (real or deviceless).
+    """A (dp, fsdp, tp) ``Mesh`` over ``devices``.
 
     Raises:
       ValueError: ``len(devices)`` differs from the mesh's device count.
@@ -1236,7 +1110,7 @@ def _mesh_axis_size(mesh: Mesh, axes: Any) -> int:
 
 
 def check_divisible(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
-    """Raise if a sharded dimension is not divisible by the mesh axes it is split over.
+    """Check each sharded dimension divides by its mesh axes.
 
     Raises:
       ValueError: naming the array, the dimension, its size and the mesh axis size.
@@ -1255,13 +1129,10 @@ def check_divisible(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh
 def param_shardings(boxed_params: Any, mesh: Mesh) -> Any:
     """``NamedSharding`` per parameter from the logical axes the modules annotate.
 
-    Args:
-      boxed_params: abstract or real parameters as flax ``LogicallyPartitioned`` boxes
-        (``remat_kit.training.init_boxed_params`` under ``jax.eval_shape``).
-      mesh: a mesh with axes (dp, fsdp, tp).
+    ``boxed_params``: flax ``LogicallyPartitioned`` boxes (``training.init_boxed_params``).
 
     Raises:
-      ValueError: a sharded dimension not divisible by its mesh axes (see :func:`check_divisible`).
+      ValueError: as :func:`check_divisible`.
     """
     logical = nn.get_partition_spec(boxed_params)
     specs = nn.logical_to_mesh(logical, LOGICAL_RULES)
@@ -1276,9 +1147,8 @@ def param_shardings(boxed_params: Any, mesh: Mesh) -> Any:
 
 
 def like_params_shardings(tree: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
-    """Shardings for a tree that holds copies of the parameter tree (optimizer moments): a leaf
-    whose path ends with a parameter's path and has its shape gets that parameter's sharding;
-    everything else (step counts, scalars) is replicated."""
+    """Shardings for a tree holding copies of the parameters (optimizer moments): a leaf whose
+    path ends with a parameter's and has its shape gets its sharding; the rest replicated."""
     by_path = {}
     for (path, leaf), sharding in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shardings), strict=True
@@ -1297,16 +1167,10 @@ def like_params_shardings(tree: Any, params: Any, shardings: Any, mesh: Mesh) ->
 
 
 def local_mesh(mesh: str | MeshSpec | None = None) -> Mesh:
-    """A (dp, fsdp, tp) ``Mesh`` over every device of the run (``jax.devices()``: all processes'
-    devices under ``jax.distributed``).
-
-    Args:
-      mesh: ``"fsdp=4"``, ``"dp=2,fsdp=2,tp=2"``, a :class:`MeshSpec`, or ``None`` / ``""`` for
-        data parallelism over every device.
+    """A (dp, fsdp, tp) ``Mesh`` over ``jax.devices()``; ``mesh`` as :func:`parse_mesh` takes it.
 
     Raises:
-      ValueError: a bad mesh text (see :func:`parse_mesh`), or a product of sizes different
-        from ``jax.device_count()`` (naming both numbers).
+      ValueError: as :func:`parse_mesh`, or a product other than ``jax.device_count()``.
     """
     devices = jax.devices()
     spec = parse_mesh(mesh) if mesh else MeshSpec(dp=len(devices))
@@ -1324,14 +1188,8 @@ def local_mesh(mesh: str | MeshSpec | None = None) -> Mesh:
 
 
 def put_global(host: Any, shardings: Any) -> Any:
-    """Place a tree of host (numpy) arrays as global ``jax.Array`` s with ``shardings``.
-
-    Every process holds the whole value and keeps the shards its own devices own
-    (``jax.make_array_from_callback``), so the same call works in one process and in every
-    process of a ``jax.distributed`` run. Meant for values every process can compute (initial
-    parameters from a seed, a batch drawn from a seeded stream); a very large model would be
-    initialised sharded instead.
-    """
+    """Host (numpy) arrays as global ``jax.Array`` s with ``shardings``: each process passes the
+    whole value and keeps its devices' shards (``jax.make_array_from_callback``)."""
 
     def put(x: Any, sharding: Any) -> jax.Array:
         x = np.asarray(x)
@@ -1346,8 +1204,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_size: int, mesh: Mesh, micro_batches: int = 1) -> None:
-    """Raise unless each micro-batch of ``batch_size // micro_batches`` rows splits evenly over
-    the (dp, fsdp) devices of ``mesh``.
+    """Check each micro-batch splits evenly over the (dp, fsdp) devices of ``mesh``.
 
     Raises:
       ValueError: naming the batch size, the micro-batch count and dp*fsdp.
@@ -1356,21 +1213,15 @@ def check_batch(batch_size: int, mesh: Mesh, micro_batches: int = 1) -> None:
     check_batch_split(batch_size, split, micro_batches=micro_batches, mesh=str(MeshSpec.of(mesh)))
 
 
-#: Logical activation axis -> mesh axes, in force inside :func:`activation_sharding` (the
-#: models constrain ``activation_batch``; axes without a rule stay unsplit).
+#: Logical activation axis -> mesh axes inside :func:`activation_sharding`.
 ACTIVATION_RULES: tuple[tuple[str, Any], ...] = (("activation_batch", ("dp", "fsdp")),)
 
 
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh | None):
-    """While active (at trace time), activations the models constrain with
-    ``nn.with_logical_constraint`` (a block's input: ``activation_batch``, ...) have their batch
-    dimension split over (dp, fsdp) of ``mesh``; ``None`` leaves them to XLA's propagation.
-
-    Scoped flax context (``nn.logical_axis_rules``, :data:`ACTIVATION_RULES`) plus ``mesh``'s
-    abstract mesh (``jax.sharding.use_abstract_mesh``, allowed inside ``jax.jit`` too): no
-    module-level state. Without it XLA's sharding propagation may keep whole activations on
-    every device under fsdp (docs/results/compiler.md)."""
+    """At trace time, split the batch of activations the models constrain
+    (``nn.with_logical_constraint``) over (dp, fsdp) of ``mesh``; ``None``: XLA's propagation
+    (which may keep whole activations per device under fsdp, docs/results/compiler.md)."""
     if mesh is None:
         with nn.logical_axis_rules(()):
             yield

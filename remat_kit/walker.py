@@ -1,20 +1,10 @@
-"""One walk of a program: a jaxpr and every jaxpr JAX nests inside it.
+"""One walk of a jaxpr and every jaxpr nested in it: any equation parameter holding a
+``Jaxpr`` / ``ClosedJaxpr``, including a hi primitive's ``_prim`` (``jax_remat3``).
 
-Sub-jaxprs are found generically, not by primitive name: any equation parameter that is a
-``Jaxpr`` / ``ClosedJaxpr`` (or a tuple / list of them) is walked (``scan``, ``while``, ``cond``,
-``pjit``, ``custom_vjp_call``, ``remat2``, ``shard_map``, ...), and so are the sub-jaxprs of
-JAX's "hi" primitives (``call_hi_primitive``, ``jax_remat3``) on their ``_prim`` object.
-:func:`eqn_tag` reads a checkpoint name in both forms, the ``name`` primitive and a
-``CheckpointName`` hi primitive (``jax/_src/ad_checkpoint.py``).
-
-:func:`saved_residuals` gives what the forward pass keeps for the backward pass by checkpoint
-name and memory kind (device or pinned host), each residual followed back to the
-``checkpoint_name`` producing or consuming it (``jax.ad_checkpoint.print_saved_residuals`` loses
-the tag of an offloaded or saved matmul output). :func:`traced_flops` counts the FLOPs of a
-function as JAX traces it, before XLA (``dot_general``, ``conv_general_dilated``, cuDNN fused
-attention; scans times their length, recomputation included): the recompute ratio's no-remat
-baseline. Why it is counted on the jaxpr, and what the walk covers: docs/architecture.md
-("The walker").
+:func:`saved_residuals`: what the forward pass keeps, by checkpoint name and memory kind (the
+tags ``jax.ad_checkpoint.print_saved_residuals`` loses). :func:`traced_flops`: matmul,
+convolution and fused-attention FLOPs of the jaxpr, before XLA. docs/architecture.md ("The
+walker").
 """
 
 from __future__ import annotations
@@ -38,10 +28,9 @@ class Residual:
     """One value saved by the forward pass for the backward pass.
 
     Attributes:
-      tag: the checkpoint name of the value, or None (untagged).
-      source: "argument NAME" for an input kept as is, else the primitive that produced it.
-      shape: array shape; dtype: numpy dtype name; memory: "device" or "host" (offloaded).
-      nbytes: size in bytes (prod(shape) * itemsize).
+      tag: checkpoint name, or None.
+      source: "argument NAME" for an input kept as is, else the producing primitive.
+      memory: "device" or "host" (offloaded).
     """
 
     tag: str | None
@@ -65,10 +54,9 @@ class TagResiduals:
     shape: tuple[int, ...]
     dtype: str
     memory: MemoryKind
-    nbytes: int  # total bytes over ``count`` residuals
+    nbytes: int  # over ``count`` residuals
 
 
-#: Primitives whose equations bind a hi-level primitive object with its own parameters.
 HI_CALL = "call_hi_primitive"
 
 
@@ -93,24 +81,20 @@ def eqn_params(eqn: Any) -> dict[str, Any]:
 
 
 def sub_jaxprs(eqn: Any) -> list[jcore.Jaxpr]:
-    """Every jaxpr nested directly in ``eqn`` (any parameter holding one), in parameter order."""
+    """Every jaxpr nested directly in ``eqn``, in parameter order."""
     return [j for value in eqn_params(eqn).values() for j in _jaxprs_in(value)]
 
 
 def body(eqn: Any) -> jcore.Jaxpr | None:
-    """The one sub-jaxpr of a call-like equation whose outputs map one-to-one to the equation's
-    outputs (a jit / closed_call / remat / custom_vjp body, a scan body without carries), or
-    None when there is no such single sub-jaxpr."""
+    """The one sub-jaxpr whose outputs are the equation's (a jit / remat / custom_vjp body), or
+    None."""
     subs = [j for j in sub_jaxprs(eqn) if len(j.outvars) == len(eqn.outvars)]
     return subs[0] if len(subs) == 1 else None
 
 
 def sub_inputs(eqn: Any, v: Any) -> list[tuple[jcore.Jaxpr, Any]]:
-    """Where the input ``v`` of ``eqn`` enters each jaxpr nested in it: (sub-jaxpr, its input
-    variable) for every sub-jaxpr whose inputs are the equation's, position by position (jit,
-    closed_call, checkpoint, custom_jvp / custom_vjp calls, scan, shard_map), or after the
-    branch index (a ``cond``'s branches); a ``while`` is not mapped (its inputs are split
-    between the condition and the body)."""
+    """``(sub-jaxpr, its variable)`` where input ``v`` of ``eqn`` enters each sub-jaxpr taking
+    the equation's inputs in order (after a ``cond``'s index; ``while`` is not mapped)."""
     out = []
     positions = [i for i, u in enumerate(eqn.invars) if u is v]
     for sub in sub_jaxprs(eqn):
@@ -121,8 +105,8 @@ def sub_inputs(eqn: Any, v: Any) -> list[tuple[jcore.Jaxpr, Any]]:
 
 
 def eqn_tag(eqn: Any) -> str | None:
-    """The checkpoint name an equation applies (``checkpoint_name``), in either representation
-    (classic ``name`` primitive or ``jax_remat3``'s ``CheckpointName``), else None."""
+    """The checkpoint name ``eqn`` applies (``name`` primitive or ``CheckpointName`` hi
+    primitive, ``jax/_src/ad_checkpoint.py``), else None."""
     if eqn.primitive.name == "name":
         return eqn.params["name"]
     if eqn.primitive.name == HI_CALL:
@@ -148,9 +132,8 @@ def walk(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
 
 
 def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float]) -> float:
-    """Sum ``cost(eqn)`` over a program as it runs: a ``scan`` body times its ``length``, a
-    ``cond`` its most expensive branch, a ``while`` body once (its trip count is not static),
-    every other nested jaxpr (jit, checkpoint, custom_vjp, shard_map...) once per equation."""
+    """Sum ``cost(eqn)`` as the program runs: a ``scan`` body ``length`` times, a ``cond``'s
+    costliest branch, a ``while`` body once (trip count not static), other sub-jaxprs once."""
     total = 0.0
     for eqn in jaxpr.eqns:
         total += cost(eqn)
@@ -167,20 +150,18 @@ def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float]) -> float:
             bodies = list(_jaxprs_in(body_jaxpr)) if body_jaxpr is not None else subs
             total += sum(fold(j, cost) for j in bodies)
         elif name.startswith("custom_vjp") or name.startswith("custom_jvp"):
-            total += fold(subs[0], cost)  # the primal; the fwd / jvp rules are thunks or alike
+            total += fold(subs[0], cost)  # the primal only
         else:
             total += sum(fold(j, cost) for j in subs)
     return total
 
 
-#: Primitives of a remat segment: classic ``jax.checkpoint`` (``remat2``); under
-#: ``jax_remat3`` a ``call_hi_primitive`` whose ``_prim`` is a ``RematTraced``.
+#: Classic remat segment primitives (``jax_remat3``: a ``RematTraced`` hi primitive).
 REMAT_PRIMITIVES = ("remat2", "checkpoint")
 
 
 def is_remat(eqn: Any) -> bool:
-    """Whether ``eqn`` is a remat segment (``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``,
-    classic or ``jax_remat3``)."""
+    """Whether ``eqn`` is a remat segment (classic or ``jax_remat3``)."""
     name = eqn.primitive.name
     if name == HI_CALL:
         return "Remat" in type(eqn.params.get("_prim")).__name__
@@ -196,10 +177,9 @@ def remat_policy(eqn: Any) -> Any:
 
 
 def holds(obj: Any, target: Any, depth: int = 4) -> bool:
-    """Whether ``obj`` is ``target`` or reaches it through a function's closure cells,
-    ``__wrapped__``, a ``functools.partial``'s function and arguments, or a bound method's
-    ``__self__`` / ``__func__`` (``depth`` steps at most): a policy wrapped by a library (a
-    lambda calling it, a partial) still holds the policy it was given."""
+    """Whether ``obj`` is ``target`` or reaches it within ``depth`` steps through closure
+    cells, ``__wrapped__``, a partial's function and arguments, a bound method (a policy
+    wrapped by a library)."""
     todo, seen = [(obj, 0)], set()
     while todo:
         x, d = todo.pop()
@@ -212,7 +192,7 @@ def holds(obj: Any, target: Any, depth: int = 4) -> bool:
         for cell in getattr(x, "__closure__", None) or ():
             try:
                 nxt.append(cell.cell_contents)
-            except ValueError:  # an empty cell
+            except ValueError:
                 pass
         for attr in ("__wrapped__", "func", "__func__", "__self__"):
             if hasattr(x, attr) and not isinstance(x, type):
@@ -226,21 +206,16 @@ def holds(obj: Any, target: Any, depth: int = 4) -> bool:
 
 
 def remat_segments(jaxpr: Any) -> list[Any]:
-    """The remat segment equations of ``jaxpr`` and its nested jaxprs (a sub-jaxpr shared by
-    several equations is walked once: :func:`walk`)."""
+    """The remat segment equations of ``jaxpr``, nested ones included."""
     return [eqn for eqn in walk(jaxpr) if is_remat(eqn)]
 
 
-#: Loop primitives: a ``lax.scan`` (``nn.scan``, ``nnx.scan``) or ``lax.while_loop`` /
-#: ``fori_loop``.
 LOOP_PRIMITIVES = ("scan", "while")
 
 
 def wraps_whole_loop(eqn: Any) -> bool:
-    """Whether remat segment ``eqn`` holds a whole loop (a ``scan`` of more than one iteration,
-    a ``while``) whose body holds no remat segment of its own: ``jax.checkpoint`` around a
-    ``lax.scan`` rather than around its body. Its backward pass re-runs the loop and stacks
-    every iteration's residuals again, so it keeps what no remat keeps."""
+    """Whether remat segment ``eqn`` wraps a whole loop (``jax.checkpoint`` around a scan of
+    more than one step, not its body): its backward pass keeps what no remat keeps."""
     for sub in sub_jaxprs(eqn):
         for inner in walk(sub):
             if inner.primitive.name not in LOOP_PRIMITIVES:
@@ -266,19 +241,15 @@ def has_remat(jaxpr: Any) -> bool:
 
 
 def tags_in_remat(jaxpr: Any) -> frozenset[str]:
-    """Checkpoint names applied inside a remat segment anywhere in ``jaxpr`` (nested segments
-    and sub-jaxprs included)."""
+    """Checkpoint names applied inside any remat segment of ``jaxpr``."""
     return frozenset(
         t for eqn in walk(jaxpr) if is_remat(eqn) for sub in sub_jaxprs(eqn) for t in tags_in(sub)
     )
 
 
 def dots_in_remat(jaxpr: Any) -> tuple[int, int]:
-    """``(unbatched, batched)``: the ``dot_general`` equations inside remat segments anywhere in
-    ``jaxpr``, without and with batch dimensions (``dimension_numbers``' second pair; a matmul
-    under ``vmap`` or a batched einsum has them). ``dots_with_no_batch_dims_saveable`` saves
-    only the first kind, ``dots_saveable`` both (``jax/_src/ad_checkpoint.py``). A matmul in
-    nested segments is counted once per segment holding it."""
+    """``(unbatched, batched)`` ``dot_general`` counts inside remat segments (once per enclosing
+    segment): what ``dots_with_no_batch_dims_saveable`` / ``dots_saveable`` keep."""
     unbatched = batched = 0
     for eqn in walk(jaxpr):
         if not is_remat(eqn):
@@ -293,25 +264,22 @@ def dots_in_remat(jaxpr: Any) -> tuple[int, int]:
 
 
 def tags_in(jaxpr: jcore.Jaxpr) -> set[str]:
-    """Checkpoint names applied anywhere in ``jaxpr`` (sub-jaxprs included)."""
+    """Checkpoint names applied anywhere in ``jaxpr``."""
     return {t for t in map(eqn_tag, walk(jaxpr)) if t is not None}
 
 
 def emitted_tags(fn: Callable[..., Any], *args: Any) -> set[str]:
-    """Checkpoint names ``fn(*args)`` emits: in its traced program and in the program of its
-    forward pass for differentiation (``jax.vjp``), where ``custom_vjp`` forward rules are
-    inlined (a name applied only inside a forward rule is seen there). ``args`` may be
-    ``jax.ShapeDtypeStruct``; nothing is compiled."""
+    """Checkpoint names ``fn(*args)`` emits, in its jaxpr and its ``jax.vjp`` (where
+    ``custom_vjp`` forward rules are inlined); ``args`` may be abstract."""
     tags = tags_in(jax.make_jaxpr(fn)(*args).jaxpr)
     try:
         vjp_jaxpr = jax.make_jaxpr(lambda *xs: jax.vjp(fn, *xs))(*args).jaxpr
-    except (TypeError, ValueError):  # not differentiable in these arguments (e.g. int inputs)
+    except (TypeError, ValueError):  # not differentiable (int inputs)
         return tags
     return tags | tags_in(vjp_jaxpr)
 
 
-#: JAX primitives of the cuDNN fused attention forward pass
-#: (``jax/_src/cudnn/fused_attention_stablehlo.py``).
+#: cuDNN fused attention (``jax/_src/cudnn/fused_attention_stablehlo.py``).
 FUSED_ATTENTION_FWD = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
 FUSED_ATTENTION_BWD = ("dot_product_attention_bwd", "dot_product_attention_bwd_wrapper")
 #: Backward over forward matmul work of fused attention (FlashAttention-2, arXiv:2307.08691).
@@ -326,8 +294,7 @@ def _dot_general_flops(eqn) -> float:
 
 
 def _conv_flops(eqn) -> float:
-    """``2 * prod(out) * prod(kernel) / kernel_out_features``: each output element is a dot of
-    the kernel's spatial window and its input features (per feature group)."""
+    """``2 * prod(out) * prod(kernel) / kernel_out_features``."""
     rhs = eqn.invars[1].aval
     out = eqn.outvars[0].aval
     out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
@@ -336,9 +303,8 @@ def _conv_flops(eqn) -> float:
 
 
 def _fused_attention_flops(eqn) -> float:
-    """The two matmuls of attention, ``4 * batch * heads * q_len * kv_len * head_dim`` (halved
-    under a causal mask), for query and key laid out [batch, seq, heads, head_dim] (BTNH) or
-    [batch, heads, seq, head_dim] (BNTH)."""
+    """``4 * batch * heads * q_len * kv_len * head_dim`` (causal: half), for q, k as [batch,
+    seq, heads, head_dim] or [batch, heads, seq, head_dim] (BNTH)."""
     q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     if len(q) != 4 or len(k) != 4:
         return 0.0
@@ -364,20 +330,16 @@ def eqn_flops(eqn: Any) -> float:
 
 
 def jaxpr_flops(jaxpr: jcore.Jaxpr) -> float:
-    """FLOPs of ``jaxpr`` (matmuls ``2 * prod(out) * prod(contracting)``, convolutions, fused
-    attention): ``scan`` bodies times their length, ``cond`` its most expensive branch, ``while``
-    bodies once (their trip count is not static), every other sub-jaxpr once."""
+    """FLOPs of ``jaxpr`` (a matmul: ``2 * prod(out) * prod(contracting)``), by :func:`fold`."""
     return fold(jaxpr, eqn_flops)
 
 
 def traced_flops(fn: Callable[..., Any], *args: Any) -> float:
-    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be ``jax.ShapeDtypeStruct``;
-    nothing is compiled or allocated)."""
+    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be abstract)."""
     return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 _FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")
-#: Primitives followed back from an added operand to the array it holds the values of.
 _BROADCAST_THROUGH = ("broadcast_in_dim", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 
@@ -388,8 +350,7 @@ def _memory_kind(aval) -> MemoryKind:
 
 
 def _module_tag(eqn) -> str | None:
-    """The checkpoint name of the module an equation ran in: the bundled modules name each
-    projection's Dense after its tag, and flax puts module paths in JAX's name stack."""
+    """The checkpoint name of the module ``eqn`` ran in (from JAX's name stack)."""
     scopes = str(eqn.source_info.name_stack).split("/")
     for scope in reversed(scopes):
         if scope in CHECKPOINT_NAMES:
@@ -398,14 +359,9 @@ def _module_tag(eqn) -> str | None:
 
 
 class _Graph:
-    """Producers and consumers of one jaxpr's variables, for following a value to its tag.
-
-    A residual is attributed to a checkpoint name when the name is applied to the very value
-    kept: the name's output or its input (a kind-based policy such as ``dots_saveable`` keeps the
-    matmul's own output variable, which ``checkpoint_name`` then binds to a new one), through
-    identity ops (``reduce_precision``, copies, offloads), in whichever jaxpr the name sits: the
-    body of the scan / jit / remat that produced the value or of a call that consumes it.
-    """
+    """Producers and consumers of one jaxpr's variables. A residual gets the checkpoint name
+    applied to the same value (before or after the name, through identity ops), in the jaxpr
+    that made it or one that consumes it."""
 
     def __init__(self, jaxpr: Any):
         self.jaxpr = jaxpr
@@ -419,8 +375,7 @@ class _Graph:
                     self.consumers[v].append(eqn)
 
     def _same_value(self, v: Any) -> list[Any]:
-        """``v`` and every variable of this jaxpr downstream of it holding the same value
-        (through names and identity ops), nearest first."""
+        """``v`` and the variables downstream holding its value, nearest first."""
         out, todo = [v], [v]
         while todo:
             for c in self.consumers.get(todo.pop(0), []):
@@ -430,24 +385,19 @@ class _Graph:
         return out
 
     def _bias_add_out(self, eqn: Any, v: Any) -> Any | None:
-        """The output of ``eqn`` when it only adds a bias to ``v`` or reshapes, transposes or
-        casts it (the named value of a matmul kept by a dots policy often comes after its bias
-        add; attention's context is its einsum's output transposed). A bias is an operand
-        smaller than ``v``, or one broadcast to ``v``'s shape from a smaller array
-        (:meth:`_broadcast_from`: Haiku's ``hk.Linear`` adds ``jnp.broadcast_to(b, out.shape)``)."""
+        """The output of ``eqn`` when it only adds a bias (a smaller or broadcast operand, as
+        Haiku's ``hk.Linear``) to ``v``, or reshapes, transposes or casts it."""
         if eqn.primitive.name not in _FORWARD_THROUGH or len(eqn.outvars) != 1:
             return None
         if eqn.primitive.name == "add":
             others = [u for u in eqn.invars if u is not v]
             size = math.prod(v.aval.shape)
             if len(others) != 1 or self._broadcast_from(others[0]) >= size:
-                return None  # a sum of two activations (a residual stream) is another value
+                return None  # two activations' sum is another value
         return eqn.outvars[0]
 
     def _broadcast_from(self, u: Any) -> int:
-        """Elements of the array ``u`` holds the values of: its own size, or, where ``u`` is
-        made here by ``broadcast_in_dim`` (through casts, copies and names), the size of the
-        array broadcast."""
+        """``u``'s size, or that of the array it was broadcast from."""
         size = math.prod(getattr(u.aval, "shape", ()))
         for _ in range(8):
             eqn = self.producer.get(u) if isinstance(u, jcore.Var) else None
@@ -460,8 +410,7 @@ class _Graph:
         return size
 
     def twins(self, eqn: Any, v: Any) -> list[Any]:
-        """The other outputs of the call ``eqn`` (whose body is this jaxpr) that return the
-        value of its output ``v``: this jaxpr returns one value twice, or a copy of it."""
+        """The other outputs of call ``eqn`` (body: this jaxpr) returning ``v``'s value."""
         root = self.jaxpr.outvars[eqn.outvars.index(v)]
         while isinstance(root, jcore.Var) and root in self.producer:
             e = self.producer[root]
@@ -473,8 +422,7 @@ class _Graph:
                 if u is not v and o in same]  # fmt: skip
 
     def forward_tag(self, v: Any, depth: int = 0) -> str | None:
-        """The checkpoint name applied to ``v`` (or to the same value) downstream of it here
-        or inside a call that consumes it; after a bias add or reshape of a single-use value."""
+        """The checkpoint name applied downstream of ``v``, here or in a consuming call."""
         if depth > 16:
             return None
         same = self._same_value(v)
@@ -490,15 +438,15 @@ class _Graph:
                     if tag is not None:
                         return tag
         uses = [(c, u) for u in same for c in self.consumers.get(u, []) if not _is_identity(c)]
-        if len(uses) == 1 and depth < 3:  # the value's only use (copies of it aside)
+        if len(uses) == 1 and depth < 3:
             nxt = self._bias_add_out(*uses[0])
             if nxt is not None:
                 return self.forward_tag(nxt, depth + 1)
         return None
 
     def tag_of(self, v: Any, depth: int = 0) -> str | None:
-        """The checkpoint name of ``v``: its producer's, through copies and offloads, inside
-        the body of a scan / jit / remat that produced it, or the name it flows into."""
+        """The checkpoint name of ``v``: its producer's (through copies and call bodies), or
+        the name it flows into."""
         if depth > 16 or not isinstance(v, jcore.Var):
             return None
         eqn = self.producer.get(v)
@@ -515,7 +463,7 @@ class _Graph:
                 tag = inner.tag_of(sub.outvars[eqn.outvars.index(v)], depth + 1)
                 if tag is not None:
                     return tag
-                for twin in inner.twins(eqn, v):  # the call returns the same value twice
+                for twin in inner.twins(eqn, v):
                     tag = self.forward_tag(twin)
                     if tag is not None:
                         return tag
@@ -528,16 +476,13 @@ class _Graph:
 
 
 def _same_bytes(eqn: Any) -> bool:
-    """Whether ``eqn``'s output holds its first input's bytes (a copy, an offload, a cast to
-    the same dtype): a cast to another dtype (a norm's ``x.astype(float32)``) is another
-    value, of another size, and does not carry the input's name."""
+    """Whether ``eqn``'s output keeps its first input's dtype (a cast is another value)."""
     x = eqn.invars[0]
     return not isinstance(x, jcore.Var) or x.aval.dtype == eqn.outvars[0].aval.dtype
 
 
 def _is_identity(eqn: Any) -> bool:
-    """An equation whose output is its first input's value, bytes unchanged: a checkpoint
-    name, a copy or offload, a no-op ``reduce_precision`` or same-dtype cast."""
+    """Whether ``eqn`` outputs its first input unchanged (a name, copy, offload, no-op cast)."""
     if eqn_tag(eqn) is not None:
         return True
     if eqn.primitive.name not in _PASS_THROUGH or not eqn.invars or len(eqn.outvars) != 1:
@@ -546,8 +491,7 @@ def _is_identity(eqn: Any) -> bool:
 
 
 def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
-    """The primitive that produced ``v`` inside ``jaxpr`` (through names, copies and nested
-    calls); None for an input of ``jaxpr`` or a literal."""
+    """The primitive that made ``v`` in ``jaxpr`` (through copies and calls), or None."""
     if depth > 16 or not isinstance(v, jcore.Var):
         return None
     eqn = _Graph(jaxpr).producer.get(v)
@@ -564,12 +508,7 @@ def _inner_source(jaxpr: Any, v: Any, depth: int = 0) -> str | None:
 def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
     """The residuals ``jax.vjp(fn, *args)`` keeps, each attributed to a checkpoint name.
 
-    Args:
-      fn: a differentiable function (with ``jax.checkpoint`` / ``nn.remat`` inside or not).
-      *args: real arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated).
-
-    Returns:
-      One :class:`Residual` per saved value, in the order JAX keeps them.
+    ``args`` may be ``jax.ShapeDtypeStruct``. One :class:`Residual` per value, in JAX's order.
     """
     leaves, tree = jax.tree.flatten(args)
     flat_names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
@@ -592,14 +531,12 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
         if not isinstance(v, jcore.Var):
             return "literal"
         if v in arg_index:
-            # The argument itself is no new buffer; a copy of it (an offload) is.
             return f"{'copy of ' if copied else ''}argument {flat_names[arg_index[v]]}"
         eqn = producer.get(v)
         if eqn is None:
             return "constant"
         inner = body(eqn)
         if inner is not None:
-            # e.g. residuals stacked by a layer scan: name the primitive inside that made them
             found = _inner_source(inner, inner.outvars[eqn.outvars.index(v)])
             if found is not None:
                 return found
@@ -615,7 +552,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
         tag = top.tag_of(v)
         source = _source(v)
         shape = tuple(int(d) for d in aval.shape)
-        dtype = aval.dtype  # a numpy dtype, or an extended one (a PRNG key: key<fry>)
+        dtype = aval.dtype  # numpy or extended (PRNG key)
         out.append(
             Residual(
                 tag=tag,
@@ -630,10 +567,8 @@ def saved_residuals(fn: Callable[..., Any], *args: Any) -> list[Residual]:
 
 
 def group_by_tag(residuals: list[Residual], include_arguments: bool = False) -> list[TagResiduals]:
-    """Sum residuals per (tag or source, memory kind, shape, dtype): one row per distinct array
-    of a tag (a tag whose values differ in shape gets a row per shape; :func:`bytes_by_tag` sums
-    them). Arguments (parameters, the segment input) are left out unless ``include_arguments``;
-    untagged values are grouped as ``"<primitive>"``."""
+    """Residuals summed per (tag or ``"<primitive>"``, memory, shape, dtype), largest first;
+    arguments only with ``include_arguments``."""
     groups: dict[tuple[str, str, tuple[int, ...], str], list[Residual]] = defaultdict(list)
     for r in residuals:
         if r.is_argument and not include_arguments:
@@ -659,9 +594,7 @@ def _largest_first(rows: Iterable[TagResiduals]) -> list[TagResiduals]:
 
 
 def held_on_device(rows: Iterable[TagResiduals]) -> tuple[TagResiduals, ...]:
-    """``rows`` as a target that does not offload holds them: every host row counted on the
-    device, merged with the device row of the same tag, shape and dtype (XLA:CPU, and a GPU
-    without offload support, keep offloaded residuals in device memory)."""
+    """``rows`` with host rows merged into device rows, as a target without offload holds them."""
     merged: dict[tuple, TagResiduals] = {}
     for r in rows:
         key = (r.tag, tuple(r.shape), str(r.dtype))
@@ -676,8 +609,7 @@ def held_on_device(rows: Iterable[TagResiduals]) -> tuple[TagResiduals, ...]:
 
 
 def bytes_by_tag(rows: Iterable[TagResiduals], memory: str | None = "device") -> dict[str, int]:
-    """Bytes per tag over ``rows`` (:func:`group_by_tag`), every shape of a tag summed; only
-    rows in ``memory`` (``"device"`` / ``"host"``; None: both)."""
+    """Bytes per tag of ``rows`` in ``memory`` (None: both)."""
     out: dict[str, int] = {}
     for r in rows:
         if memory is None or r.memory == memory:

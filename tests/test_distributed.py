@@ -53,11 +53,10 @@ def _env(**env: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def train_env(tmp_path_factory) -> dict[str, str]:
-    """Environment of this module's experiments/train.py runs: one JAX persistent compilation
-    cache (every run trains the same tiny program; JAX writes entries from process 0 only, and
-    process 1's keys differ, so process 0 of a later run and a one-process run's resume read
-    it). Not for the sweep, whose analysis reads XLA's dumps of each compile: a cache hit
-    writes none."""
+    """Environment of this module's experiments/train.py processes: one JAX persistent
+    compilation cache (every run trains the same tiny program; JAX writes entries from process 0
+    only, and process 1's keys differ, so process 0 of a later run reads it). Not for the
+    sweep, whose analysis reads XLA's dumps of each compile: a cache hit writes none."""
     return {
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-compilation-cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -173,12 +172,15 @@ def two_process_run(tmp_path_factory, train_env) -> Path:
     return workdir
 
 
-def test_train_script_over_two_processes_matches_one(two_process_run, train_env, tmp_path):
+def test_train_script_over_two_processes_matches_one(two_process_run, tmp_path):
     """2 processes (data parallel over their 2 CPU devices) give one process's losses; a
-    one-device run resumes from their checkpoint and continues as an uninterrupted run."""
+    one-device run resumes from their checkpoint and continues as an uninterrupted run. The
+    one-process runs are experiments/train.py's main(argv) in this process (one CPU device,
+    the same XLA flags): no interpreter to start, and the resume reuses the run's compiled
+    step (the trainer caches compiled steps per process)."""
     two, one = tmp_path / "two", tmp_path / "one"
-    out = _run([*TRAIN, "--workdir", str(one), "--steps", "8", *TINY_TRAIN], **train_env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    train_main = _script("train").main
+    assert train_main(["--workdir", str(one), "--steps", "8", *TINY_TRAIN]) == 0
     r2 = json.loads((two_process_run / "result.json").read_text())
     r1 = json.loads((one / "result.json").read_text())
     assert (r2["num_processes"], r2["mesh"], r2["environment"]["process_count"]) == (
@@ -191,9 +193,7 @@ def test_train_script_over_two_processes_matches_one(two_process_run, train_env,
     # The 2-process checkpoint (sharded over 2 devices) restores onto 1 device: a copy of the
     # uninterrupted 2-process run (the other tests compare with it) continues to step 8.
     shutil.copytree(two_process_run, two)
-    out = _run([*TRAIN, "--workdir", str(two), "--steps", "8", "--resume", *TINY_TRAIN],
-               **train_env)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert train_main(["--workdir", str(two), "--steps", "8", "--resume", *TINY_TRAIN]) == 0
     resumed = json.loads((two / "result.json").read_text())
     assert resumed["resumed_from"] == 6 and resumed["num_processes"] == 1
     np.testing.assert_allclose(resumed["losses"], r1["losses"], rtol=1e-5)

@@ -118,7 +118,7 @@ def fit_table(table: Table, width: int, optional: Sequence[str] = (), why: str =
         table.columns.remove(drop)
         dropped.append(_plain(drop.header))
     if dropped:
-        table.caption = f"{', '.join(dropped)}: left out for the width" + (
+        table.caption = f"columns left out for the width: {', '.join(dropped)}" + (
             f" ({why})" if why else ""
         )
         table.caption_justify = "left"

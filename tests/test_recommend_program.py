@@ -301,6 +301,14 @@ def test_a_policy_that_recomputes_less_wins_within_the_time_models_error():
     )
     assert passed_over_note(none, [dots, none], margin) is None  # the pick recomputes least
     assert passed_over_note(full, [full, dots, none], 0.0) is None  # calibrated: no rule
+    # one policy at two structures (a newcomer read "picked offload-to-host over
+    # offload-to-host"): each named with its options
+    import dataclasses
+
+    fewer = dataclasses.replace(none, remat_layers=1)
+    faster = dataclasses.replace(dots, policy="no-remat")
+    note = less_recompute_note(fewer, [faster, fewer], margin)
+    assert note.startswith("picked no-remat [remat 1 layers] (est. 100 ms) over no-remat ("), note
 
 
 def _scan_mlp(batch_size: int = 4, seq_len: int = 16, remat_group_size: int = 1, most: int = 0):

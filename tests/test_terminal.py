@@ -42,7 +42,7 @@ def test_optional_columns_go_first_and_the_caption_says_so():
     lines = _render(_table(optional=("compile s",)), 60)
     text = "\n".join(lines)
     assert max(map(len, lines)) <= 60 and "compile" not in text.split("\n")[2]
-    assert "compile s: left out for the width (--json has them)" in text
+    assert "columns left out for the width: compile s (--json has them)" in text
     assert "memory 63%" in text and "save-dots-except-mlp" in text
     wide = _render(_table(optional=("compile s",)), 120)
     assert "left out" not in "\n".join(wide)  # kept where it fits

@@ -175,7 +175,7 @@ def run_program_sweep(
             )  # fmt: skip
             R.append_row(path, row)
             written.append(row)
-            advance(1, f"{program.name} {label}")
+            advance(1, f"{program.name} {labels[label]}")
     rows = [*done.values(), *written]
     wall = time.perf_counter() - start
     return SweepRun(path, rows, written, len(by_label) - len(todo), wall, notes)

@@ -524,11 +524,12 @@ def made_fit(pick: Candidate | None, candidates: Sequence[Candidate], layers: in
         k, full = opts["remat_layers"], _twin(pick, candidates, ("remat_layers",))
         line = f"remat_layers={k}: {layers - k} of {layers} layers not rematerialised"
         if full is not None:
-            gain = 1 - pick.step_time_s / full.step_time_s
+            change = pick.step_time_s / full.step_time_s - 1
+            how = f"{abs(change):.1%} {'slower' if change > 0 else 'faster'}"
             line += (
                 f", est. step {format_seconds(pick.step_time_s)} vs "
                 f"{format_seconds(full.step_time_s)} "
-                f"with {pick.policy} on every layer ({gain:.1%} less), peak "
+                f"with {pick.policy} on every layer ({how}), peak "
                 f"{format_bytes(pick.peak_bytes)} vs {format_bytes(full.peak_bytes)} (compiled)"
             )
         parts.append(line + _least_layers(pick, candidates))

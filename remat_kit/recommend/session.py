@@ -141,6 +141,12 @@ class Candidate:
         return ", ".join(parts) or "-"
 
     @property
+    def full_label(self) -> str:
+        """:attr:`label` with its structural options (``offload-to-host [remat 1 layers]``)."""
+        opts = self.options_label
+        return self.label if opts == "-" else f"{self.label} [{opts}]"
+
+    @property
     def label(self) -> str:
         """Policy name, or the label every tool gives (:func:`remat_kit.policies.policy_label`)."""
         if self.actions is None:
@@ -408,11 +414,11 @@ def less_recompute_note(
     if best is None or best is pick or best.step_time_s >= pick.step_time_s:
         return None
     return (
-        f"picked {pick.label} (est. {format_seconds(pick.step_time_s)}) over {best.label} "
-        f"(est. {format_seconds(best.step_time_s)}, {1 - best.step_time_s / pick.step_time_s:.0%}"
-        f" faster): {pick.label} recomputes less, and the estimates differ by less than the "
-        f"time model's error on this target ({margin:.0%}, docs/results/published.md); "
-        "measure both to choose on speed"
+        f"picked {pick.full_label} (est. {format_seconds(pick.step_time_s)}) over "
+        f"{best.full_label} (est. {format_seconds(best.step_time_s)}, "
+        f"{1 - best.step_time_s / pick.step_time_s:.0%} faster): the pick recomputes less, and "
+        f"the estimates differ by less than the time model's error on this target "
+        f"({margin:.0%}, docs/results/published.md); measure both to choose on speed"
     )
 
 
@@ -431,7 +437,7 @@ def passed_over_note(
     best = min(usable, key=rank)
     other = min(less, key=recompute_key)
     return (
-        f"not picked though it recomputes less: {other.label} (est. "
+        f"not picked though it recomputes less: {other.full_label} (est. "
         f"{format_seconds(other.step_time_s)}, {other.step_time_s / best.step_time_s - 1:.0%} "
         f"above the fastest, beyond the time model's {margin:.0%} error): the estimate charges a "
         "scanned step that keeps its residuals the copies that stack them per layer and read "

@@ -94,11 +94,13 @@ def load_program(ref: str) -> Program:
         )
     module = _import_module(ref, module_ref)
     program = _from_factory(ref, module_ref, attr, module)
-    if not isinstance(program, Program):
+    try:
+        require_program(program)
+    except ValueError:
         raise ValueError(
             f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
             "Program.from_loss(...) or Program.from_step(...)"
-        )
+        ) from None
     defaulted = {getattr(f, "__name__", None) for f in (program.make_loss, program.make_step)}
     if program.name in defaulted | {"program"}:  # named after a function (from_loss's default,
         # often ``make_loss``): the reports name it as the user named it instead
@@ -147,27 +149,27 @@ def _from_factory(ref: str, module_ref: str, attr: str, module: Any) -> Any:
         found = _factories(module)
         bad = unknown_value_error("factory", attr, found or ["(none)"])
         raise ValueError(f"{module_ref}: {bad}")
-    if callable(factory) and not isinstance(factory, Program):
-        try:
-            inspect.signature(factory).bind()
-        except TypeError:
-            raise ValueError(
-                f"{ref}: the factory must take no arguments (remat-kit calls {attr}()); wrap it, "
-                "e.g. def program(): return Program.from_loss(...)"
-            ) from None
-        except ValueError:  # no signature (a builtin): just call it
-            pass
-        try:
-            return factory()
-        except Exception as err:  # the user's code: one line naming it (the cause chained)
-            first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
-            raise ValueError(
-                f"{ref}: the factory raised {type(err).__name__}" + (f": {first}" if first else "")
-            ) from err
-    if not isinstance(factory, Program):  # a module, a constant: nothing to call
+    if isinstance(factory, Program):
+        return factory
+    if not callable(factory):  # a module, a constant: nothing to call
         valid = ", ".join(_factories(module)) or "(none)"
         raise ValueError(
             f"{module_ref}: {attr!r} is a {type(factory).__name__}, not a factory (a function "
             f"returning a remat_kit.Program) or a Program; valid: {valid}."
         )
-    return factory
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise ValueError(
+            f"{ref}: the factory must take no arguments (remat-kit calls {attr}()); wrap it, "
+            "e.g. def program(): return Program.from_loss(...)"
+        ) from None
+    except ValueError:  # no signature (a builtin): just call it
+        pass
+    try:
+        return factory()
+    except Exception as err:  # the user's code: one line naming it (the cause chained)
+        first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+        raise ValueError(
+            f"{ref}: the factory raised {type(err).__name__}" + (f": {first}" if first else "")
+        ) from err

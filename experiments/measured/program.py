@@ -31,7 +31,7 @@ from remat_kit.program import Program
 from remat_kit.sweep import results as R
 from remat_kit.sweep.output import SweepRun, prepare_output, progress
 from remat_kit.sweep.rows import make_row
-from remat_kit.sweep.run import analyse_group
+from remat_kit.sweep.run import analyse_group, failed_before
 
 from .steps import (
     HostArguments,
@@ -208,7 +208,7 @@ def _run_policies(
     (:func:`remat_kit.sweep.run.analyse_group`)."""
     if not todo:
         return {}, {}, {}
-    failed = _before(list(todo), before_policy)
+    failed = failed_before(list(todo), before_policy)
 
     def make_run(label: str, program: Program, compiled: Any) -> StepRun:
         pure = program.step(todo[label])
@@ -221,15 +221,3 @@ def _run_policies(
     return analyse_group(
         lambda: program, todo, T.LOCAL, advance, program.name, failed=failed, measure=measure
     )
-
-
-def _before(labels: Sequence[str], hook: Callable[[str], None] | None) -> dict[str, BaseException]:
-    """Run ``hook`` on each label: those it raises on, with the exception."""
-    failed: dict[str, BaseException] = {}
-    for label in labels:
-        try:
-            if hook is not None:
-                hook(label)
-        except Exception as err:
-            failed[label] = err
-    return failed

@@ -7,7 +7,6 @@ calibration's load, measured peaks, small steps). Figures come from
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -16,15 +15,14 @@ from remat_kit import units
 from remat_kit.memory import roofline
 from remat_kit.memory.calibration import RETIME_AFTER_S, cache_dir
 from remat_kit.policies import policy_names
-from remat_kit.sweep.results import NOISY_SPREAD, as_records, group_key, summarize
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or not b else a / b
+from remat_kit.sweep.results import (
+    NOISY_SPREAD,
+    as_records,
+    canonical_json,
+    group_key,
+    ratio,
+    summarize,
+)
 
 
 def _fmt_spread(x: float | None) -> str:
@@ -63,10 +61,10 @@ def summary_lines(rows: Sequence[Mapping[str, Any]] | Any) -> list[tuple[str, li
     records = summarize(rows)
     order = {name: i for i, name in enumerate(policy_names())}
     tables: dict[tuple, list[dict[str, Any]]] = {}
-    varied = len({_canonical(r["overrides"]) for r in records}) > 1  # an option grid
+    varied = len({canonical_json(r["overrides"]) for r in records}) > 1  # an option grid
     for r in records:
         key = (r["model"], r["target"], r["batch_size"], r["remat_group_size"], r["mesh"])
-        tables.setdefault((*key, _canonical(r["overrides"]) if varied else ""), []).append(r)
+        tables.setdefault((*key, canonical_json(r["overrides"]) if varied else ""), []).append(r)
     out = []
     for (model, target, b, k, mesh, overrides), recs in tables.items():
         recs = sorted(recs, key=lambda r: (r["seq_len"] or 0, order.get(r["policy"], len(order))))
@@ -335,7 +333,7 @@ def cpu_faster_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
             or r["step_time_s"] >= b["step_time_s"]
         ):  # fmt: skip
             continue
-        ratios.append(_ratio(b.get("temp_bytes"), r.get("temp_bytes")))
+        ratios.append(ratio(b.get("temp_bytes"), r.get("temp_bytes")))
     if not ratios:
         return None
     known = [x for x in ratios if x]

@@ -38,6 +38,7 @@ __all__ = [
     "ROW_FORMAT",
     "STATUSES",
     "append_row",
+    "canonical_json",
     "check_resumable",
     "device_residual_bytes",
     "environment",
@@ -49,6 +50,7 @@ __all__ = [
     "option_sets",
     "own_overrides",
     "point_key",
+    "ratio",
     "read_rows",
     "repair",
     "step_spread",
@@ -72,13 +74,14 @@ GROUP_FIELDS = (
 )  # fmt: skip
 
 
-def _canonical(obj: Any) -> str:
+def canonical_json(obj: Any) -> str:
+    """``obj`` as JSON with sorted keys and no spaces: the same text for the same value."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def point_key(point: Mapping[str, Any]) -> str:
     """First 16 hex characters of the sha256 of the point's canonical (sorted-key) JSON."""
-    return hashlib.sha256(_canonical(dict(point)).encode()).hexdigest()[:_KEY_CHARS]
+    return hashlib.sha256(canonical_json(dict(point)).encode()).hexdigest()[:_KEY_CHARS]
 
 
 def fingerprint(config: Mapping[str, Any]) -> str:
@@ -309,13 +312,13 @@ def first_difference(old: Any, new: Any, where: str = "") -> str:
             if found:
                 return found
         return ""
-    if _canonical(old) == _canonical(new):
+    if canonical_json(old) == canonical_json(new):
         return ""
     return f"{where or 'config'}: {_short(old)} in the file, {_short(new)} now"
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = _canonical(value)
+    text = canonical_json(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -347,10 +350,11 @@ def _isnan(v: Any) -> bool:
 
 def group_key(row: Mapping[str, Any]) -> tuple:
     """The key of rows compared against each other (:data:`GROUP_FIELDS`)."""
-    return tuple(_canonical(row.get(f)) for f in GROUP_FIELDS)
+    return tuple(canonical_json(row.get(f)) for f in GROUP_FIELDS)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None where either is unknown or ``b`` is 0."""
     if a is None or b is None or not b:
         return None
     return a / b
@@ -444,13 +448,13 @@ def _summary_record(r: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any
     peak = r.get("peak_bytes") if ok else None
     act = device_residual_bytes(r) if ok else None
     step = r.get("step_time_s") if ok else None
-    peak_ratio = _ratio(peak, b.get("peak_bytes"))
-    act_ratio = _ratio(act, device_residual_bytes(b) if b else None)
-    step_ratio = _ratio(step, b.get("step_time_s"))
+    peak_ratio = ratio(peak, b.get("peak_bytes"))
+    act_ratio = ratio(act, device_residual_bytes(b) if b else None)
+    step_ratio = ratio(step, b.get("step_time_s"))
     spread = step_spread(r.get("step_times_s")) if ok else None
-    cpu_ratio = _ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
+    cpu_ratio = ratio(r.get("step_cpu_s") if ok else None, b.get("step_cpu_s"))
     predicted = r.get("predicted_step_time_s") if ok else None
-    predicted_ratio = _ratio(predicted, b.get("predicted_step_time_s"))
+    predicted_ratio = ratio(predicted, b.get("predicted_step_time_s"))
     error = None
     if predicted_ratio is not None and step_ratio:
         error = predicted_ratio / step_ratio - 1

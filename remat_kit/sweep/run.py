@@ -117,7 +117,7 @@ def analyse_group(
     return reports, executables, measurements
 
 
-def _before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseException]:
+def failed_before(keys: Sequence[Any], hook: Callable | None) -> dict[str, BaseException]:
     """Run ``hook`` on each key (points or labels): those it raises on, with the exception."""
     failed: dict[str, BaseException] = {}
     for k in keys:
@@ -140,7 +140,7 @@ def _preset_group(
         optimizer = make_optimizer(p0.optimizer, learning_rate=p0.learning_rate)
         return preset(p0.model, p0.batch_size, p0.seq_len, optimizer, p0.mesh, **p0.changes)
 
-    failed = _before(members, setup.before_point)
+    failed = failed_before(members, setup.before_point)
     measured = [p for p in members if p.measure and p.key not in failed]
     measure = None
     if measured:

@@ -15,7 +15,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from remat_kit.models import get_config
+from remat_kit.models import ModelConfig, get_config
 from remat_kit.training.step import TrainState, init_params, init_train_state, make_train_step
 from remat_kit.zoo import PresetLike
 
@@ -44,7 +44,10 @@ def model_flops_per_token(model: PresetLike, seq_len: int, **changes: Any) -> fl
     Forward plus backward, no recomputation; the attention term counts the full (unmasked)
     ``T x T`` scores, as the compiled attention computes them."""
     config = get_config(model, **changes)
-    _, matmul = param_counts(config)
+    return _flops_per_token(config, seq_len, param_counts(config)[1])
+
+
+def _flops_per_token(config: ModelConfig, seq_len: int, matmul: int) -> float:
     return 6.0 * matmul + 12.0 * config.num_layers * config.d_model * seq_len
 
 
@@ -54,11 +57,10 @@ def model_facts(model: PresetLike, seq_len: int, **changes: Any) -> dict[str, An
     ``dtype`` (the compute dtype) and ``fields`` (every model field, JSON-ready)."""
     config = get_config(model, **changes)
     total, matmul = param_counts(config)
-    flops = 6.0 * matmul + 12.0 * config.num_layers * config.d_model * seq_len
     return {
         "num_params": total,
         "matmul_params": matmul,
-        "model_flops_per_token": flops,
+        "model_flops_per_token": _flops_per_token(config, seq_len, matmul),
         "dtype": config.dtype,
         "fields": dataclasses.asdict(config),
     }

@@ -111,7 +111,7 @@ def instrument(timers: Timers) -> None:
 
     from remat_kit import zoo as P
 
-    api._setup = timers.wrap("setup", api._setup)  # tags, reach and the baseline's trace
+    api.trace.trace_program = timers.wrap("setup", api.trace.trace_program)  # tags, reach, baseline
     P.model_residuals = timers.wrap(
         "residuals", P.model_residuals,
         lambda config, *a, **k: config.policy_spec.name,

@@ -240,6 +240,47 @@ def has_remat(jaxpr: Any) -> bool:
     return any(is_remat(eqn) for eqn in walk(jaxpr))
 
 
+@dataclasses.dataclass(frozen=True)
+class RematPlacement:
+    """Remat regions of a step's jaxpr: ``in_loop`` inside a scan / while body, ``outside``
+    not, ``no_cse_outside`` of those outside with ``prevent_cse=False``."""
+
+    in_loop: int
+    outside: int
+    no_cse_outside: int = 0
+    #: Regions that wrap a whole loop with no remat in its body
+    #: (:func:`wraps_whole_loop`).
+    around_loop: int = 0
+
+    @property
+    def lone(self) -> bool:
+        """One remat region, outside every loop
+        (:data:`remat_kit.memory.undone.LONE_SEGMENT_CAUSE`)."""
+        return self.in_loop == 0 and self.outside == 1 and self.around_loop == 0
+
+
+def remat_placement(jaxpr: Any) -> RematPlacement:
+    """Counts of a jaxpr's ``remat`` regions inside / outside a loop body, and of those outside
+    with ``prevent_cse=False``."""
+    counts = {"inside": 0, "outside": 0, "no_cse": 0, "around_loop": 0}
+
+    def visit(j: Any, in_loop: bool) -> None:
+        for eqn in j.eqns:
+            name = eqn.primitive.name
+            if is_remat(eqn):
+                counts["inside" if in_loop else "outside"] += 1
+                if not in_loop and eqn.params.get("prevent_cse") is False:
+                    counts["no_cse"] += 1
+                counts["around_loop"] += wraps_whole_loop(eqn)
+            for sub in sub_jaxprs(eqn):
+                visit(sub, in_loop or name in LOOP_PRIMITIVES)
+
+    visit(jaxpr, False)
+    return RematPlacement(
+        counts["inside"], counts["outside"], counts["no_cse"], counts["around_loop"]
+    )
+
+
 def tags_in_remat(jaxpr: Any) -> frozenset[str]:
     """Checkpoint names applied inside any remat segment of ``jaxpr``."""
     return frozenset(

@@ -20,15 +20,16 @@ from remat_kit import Program, targets
 from remat_kit.cli import analyze as cli_analyze
 from remat_kit.cli import main as cli_main
 from remat_kit.memory import runner
-from remat_kit.memory.api import analyze_policies, remat_placement
+from remat_kit.memory.api import analyze_policies
 from remat_kit.memory.hlo import DumpFiles
 from remat_kit.memory.host_buffers import HostBuffers, host_buffers, host_line
 from remat_kit.memory.policy_set import policy_set
 from remat_kit.memory.reading import XLA_REMAT_LIMIT_NOTE
 from remat_kit.memory.report import same_program_as
-from remat_kit.memory.undone import RematPlacement, cpu_undoes_remat_outside_scan, undone_cause
+from remat_kit.memory.undone import cpu_undoes_remat_outside_scan, undone_cause
 from remat_kit.policies import get_policy_spec, policy_label
 from remat_kit.units import MIB, in_unit
+from remat_kit.walker import RematPlacement, remat_placement
 from tests.conftest import needs_cuda_plugin
 from tests.user_models import plain_jax
 
@@ -648,9 +649,7 @@ def test_a_step_that_cannot_be_lowered_for_the_target_is_reported_per_policy():
     gpu = jax.sharding.Mesh(targets.compile_devices("h100-sxm"), ("x",))
     fixed = Program.from_loss(_meshed_loss(gpu), w, x, optimizer="sgd")
     spec = get_policy_spec("save-nothing")
-    traced = remat_kit.memory.api.traced_step(
-        fixed, spec, fixed.place(targets.get_target("h100-sxm"))
-    )
+    traced = remat_kit.trace.trace_step(fixed, spec, fixed.place(targets.get_target("h100-sxm")))
     assert "sharding" in traced[1].lower().as_text()  # lowers: the compile can go on
 
 

@@ -200,11 +200,11 @@ def test_bundled_model_repeat_traces_nothing(compiles, monkeypatch):
     first = run("save-nothing")
     # and the no-remat step, unseen, that the memory-not-freed judgement needs
     assert [c.split("'")[1] for c in compiles] == ["save-nothing", "no-remat"]
-    setup = api._setup
-    monkeypatch.setattr(api, "_setup", lambda *a, **k: pytest.fail("traced on a repeat"))
+    setup = api.trace.trace_program
+    monkeypatch.setattr(api.trace, "trace_program", lambda *a: pytest.fail("traced on a repeat"))
     again = run("save-nothing")
     assert len(compiles) == 2 and again == [dataclasses.replace(first[0], compile_cached=True)]
-    monkeypatch.setattr(api, "_setup", setup)
+    monkeypatch.setattr(api.trace, "trace_program", setup)
     (other,) = run("save-dots")  # its no-remat step read from the compile cache
     assert len(compiles) == 3 and not other.compile_cached and other.policy == "save-dots"
 

@@ -266,8 +266,9 @@ def test_one_remat_segment_around_the_whole_function_is_said_by_doctor_and_analy
     from types import SimpleNamespace as NS
 
     from remat_kit.doctor.compare import _not_effective
-    from remat_kit.memory.undone import LONE_SEGMENT_CAUSE, RematPlacement, memory_not_freed
+    from remat_kit.memory.undone import LONE_SEGMENT_CAUSE, memory_not_freed
     from remat_kit.reach import factory_reach
+    from remat_kit.walker import RematPlacement
 
     def net(x):
         for _ in range(3):

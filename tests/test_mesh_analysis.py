@@ -108,7 +108,7 @@ def test_compiled_stacked_residuals_have_the_analyzers_per_device_shapes():
     """What XLA compiles for tp=2: the forward layer scan stacks each saved residual per device
     as [layers, *shape]; every row of the residual table must be one of them."""
     program = preset(CONFIG, 8, 64, mesh="tp=2")
-    setup = api._setup(program, get_target("h100-sxm"), program.reach())
+    setup = api.trace.trace_program(program, get_target("h100-sxm"))
     with targets.activation_sharding(setup.placement.mesh), capture_compiler_log():
         job = api._program_job(setup, api.get_policy_spec("minimal"))
         result = compile_with_dump(job.lower(), "cuda", "minimal on tp=2")

@@ -621,11 +621,11 @@ def test_the_step_that_runs_is_the_analysed_program_traced_once(monkeypatch, fre
     with CompileEngine() as engine:
         program, specs, reports = _executables(points, engine)
         lowered = measure.run_executables(  # traced and lowered again
-            program, specs, reports, engine, lower=lambda key: measure.traced_step(
+            program, specs, reports, engine, lower=lambda key: measure.trace_step(
                 program, specs[key], program.place(remat_kit.get_target("local")))[1].lower()
         )  # fmt: skip
         assert all(reused for _, _, reused in lowered.values())  # the same programs
-        monkeypatch.setattr(measure, "traced_step", lambda *a: pytest.fail("traced again"))
+        monkeypatch.setattr(measure, "trace_step", lambda *a: pytest.fail("traced again"))
         held = measure.run_executables(program, specs, reports, engine)
         for p in points:
             key = reports[p.key].program_sha256

@@ -25,10 +25,10 @@ from rich.console import Console
 
 import remat_kit
 from remat_kit import Program, load_program, sweep
-from remat_kit.memory.api import traced_step
 from remat_kit.policies import get_policy_spec
 from remat_kit.sweep import results
 from remat_kit.sweep.output import warning_lines
+from remat_kit.trace import trace_step
 from tests.user_models import plain_jax
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ def test_concrete_params_give_the_optimizers_own_state_and_the_users_first_loss(
     host = programs.host_arguments(pure)
     assert host.source == "concrete" and host.note is None
     local = remat_kit.get_target("local")
-    _, stage = traced_step(program, get_policy_spec("save-nothing"), program.place(local))
+    _, stage = trace_step(program, get_policy_spec("save-nothing"), program.place(local))
     run = programs.ProgramRun(program, pure, stage.lower().compile(), host, 0, 2)
     (result,) = time_runs([lambda: run], interleave=False)
     own = float(plain_jax.make_loss(None)(params, tokens))
@@ -322,7 +322,7 @@ def test_interleaved_program_steps_are_each_policys_own():
     makers = []
     for name in ("no-remat", "save-nothing"):
         spec = get_policy_spec(name)
-        pure, stage = traced_step(program, spec, program.place(local))
+        pure, stage = trace_step(program, spec, program.place(local))
         host = programs.host_arguments(pure)
         compiled = stage.lower().compile()
         makers.append(

@@ -21,12 +21,12 @@ import numpy as np
 from trainer.data import Corpus
 
 from remat_kit import targets as T
-from remat_kit.memory.api import traced_step
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, policy_label
 from remat_kit.program import Program
 from remat_kit.pure import Pure
 from remat_kit.sweep.config import Point
+from remat_kit.trace import trace_step
 from remat_kit.training.step import TrainState, abstract_batch, make_optimizer
 from remat_kit.zoo.facts import initial_state, mesh_train_step
 
@@ -140,7 +140,7 @@ def run_executables(
     """The executables to run, by key: the analysis's own where ``engine`` holds it (its report's
     ``program_sha256``: the step that runs is the program the analyzer compiled, state donated,
     same shardings, so it is neither traced nor compiled again); else the step lowered for the
-    local device (``lower(key)``, by default :func:`remat_kit.memory.api.traced_step` of the
+    local device (``lower(key)``, by default :func:`remat_kit.trace.trace_step` of the
     program under the key's spec) and compiled by :func:`compile_run_steps`. ``lower`` given
     (a preset on a mesh: :func:`lower_mesh_step`) always lowers.
 
@@ -159,7 +159,7 @@ def run_executables(
         t0 = time.perf_counter()
         try:
             if lower is None:
-                low = traced_step(program, spec, program.place(local))[1].lower()
+                low = trace_step(program, spec, program.place(local))[1].lower()
             else:
                 low = lower(key)
         except Exception as err:

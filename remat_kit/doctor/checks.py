@@ -51,7 +51,7 @@ from remat_kit.doctor.tags import (
 )
 from remat_kit.memory import MemoryReport, analyze, hlo
 from remat_kit.memory.api import analyze_policies
-from remat_kit.memory.policy_set import policy_set, program_tags
+from remat_kit.memory.policy_set import policy_set
 from remat_kit.policies import (
     PolicySpec,
     custom_spec,
@@ -63,6 +63,7 @@ from remat_kit.policies import (
 from remat_kit.program import Program, step_flops
 from remat_kit.pure import filtered_factory
 from remat_kit.reach import PolicyReach, factory_reach
+from remat_kit.trace import trace_program
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 from remat_kit.zoo import PresetLike, as_program
 
@@ -165,8 +166,8 @@ def check_policies(
             "build it with Program.from_loss, or pass make_loss= and loss_args= to from_step"
         )
     tgt = T.get_target(target)
-    tags = program_tags(program)
-    reach = program.reach()  # the judgement analyze and recommend make too
+    traced = trace_program(program, tgt)  # the trace analyze and recommend make too
+    tags, reach = traced.tags, traced.reach
     wraps = policies is None or any(resolve_policy(p, tags).wrap for p in policies)
     if not reach.passes and wraps:  # every policy compiles to one program: one error says it
         return _policy_never_passed(program, policies, tags, reach)

@@ -24,7 +24,6 @@ from remat_kit.memory.compile_cache import CompileCache, target_fingerprint
 from remat_kit.memory.policy_set import (
     given_specs,
     policy_set,
-    program_tags,
 )
 from remat_kit.memory.reading import Hints, xla_shape
 from remat_kit.memory.report import MemoryReport, same_program_lines
@@ -32,7 +31,6 @@ from remat_kit.memory.runner import (
     DEFAULT_TOP_K,
     CompileEngine,
     Job,
-    RematPlacement,
     ReportOptions,
     has_twin,
     note_policy_effect,
@@ -51,17 +49,10 @@ from remat_kit.policies import (
     remat_implementation,
 )
 from remat_kit.program import Program
-from remat_kit.pure import Pure, argument_parts, param_names, purify
-from remat_kit.reach import PolicyReach
+from remat_kit.pure import argument_parts, param_names, purify
+from remat_kit.trace import ProgramTrace, Traced
 from remat_kit.walker import (
-    LOOP_PRIMITIVES,
     TagResiduals,
-    held_on_device,
-    is_remat,
-    jaxpr_flops,
-    sub_jaxprs,
-    traced_flops,
-    wraps_whole_loop,
 )
 from remat_kit.zoo import PresetLike, preset
 
@@ -172,18 +163,6 @@ def analyze_model(
     return report  # type: ignore[return-value]
 
 
-@dataclasses.dataclass
-class _ProgramSetup:
-    """What does not depend on the policy: the target, the emitted tags, the baseline."""
-
-    program: Program
-    target: T.Target
-    placement: Placement
-    tags: frozenset[str]
-    reach: PolicyReach
-    flops_no_remat: float | None = None
-
-
 def effective_spec(spec: PolicySpec, tags: frozenset[str]) -> PolicySpec:
     """``spec`` with its saved and offloaded names cut down to the emitted ``tags``."""
     if spec.base != "names" or spec.tags <= tags:
@@ -196,29 +175,7 @@ def _effective_key(spec: PolicySpec, tags: frozenset[str]) -> tuple:
     return (eff.base, eff.wrap, tuple(sorted(eff.save)), tuple(sorted(eff.offload)))
 
 
-def remat_placement(jaxpr: Any) -> RematPlacement:
-    """Counts of a jaxpr's ``remat`` regions inside / outside a loop body, and of those outside
-    with ``prevent_cse=False``."""
-    counts = {"inside": 0, "outside": 0, "no_cse": 0, "around_loop": 0}
-
-    def visit(j: Any, in_loop: bool) -> None:
-        for eqn in j.eqns:
-            name = eqn.primitive.name
-            if is_remat(eqn):
-                counts["inside" if in_loop else "outside"] += 1
-                if not in_loop and eqn.params.get("prevent_cse") is False:
-                    counts["no_cse"] += 1
-                counts["around_loop"] += wraps_whole_loop(eqn)
-            for sub in sub_jaxprs(eqn):
-                visit(sub, in_loop or name in LOOP_PRIMITIVES)
-
-    visit(jaxpr, False)
-    return RematPlacement(
-        counts["inside"], counts["outside"], counts["no_cse"], counts["around_loop"]
-    )
-
-
-def _spec_notes(setup: _ProgramSetup, spec: PolicySpec) -> tuple[str, ...]:
+def _spec_notes(setup: ProgramTrace, spec: PolicySpec) -> tuple[str, ...]:
     """What is known about ``spec`` on the program before compiling."""
     notes = []
     if setup.program.make_loss is None:
@@ -272,69 +229,44 @@ def _hints(program: Program, rows: Sequence[TagResiduals], placement: Placement)
     )
 
 
-def traced_step(program: Program, spec: PolicySpec, placement: Placement) -> tuple[Pure, Any]:
-    """The program's step under ``spec`` (:meth:`Program.step`), jitted and traced on its
-    placed arguments: the ``jax.stages.Traced`` that analysis and sweep both lower.
+def _job(traced: Traced, visible: bool = True) -> Job:
+    """The compile job of one traced policy."""
+    setup, spec, rows = traced.program_trace, traced.spec, traced.residuals
+    program, placement = setup.program, setup.placement
+    placed = dataclasses.replace(traced.pure, args=tuple(placement.place(traced.pure.args)))
 
-    Raises:
-      Exception: whatever tracing the program's step raises.
-    """
-    pure = program.step(spec)
-    fixed = {} if placement.out_shardings is None else {"out_shardings": placement.out_shardings}
-    jitted = jax.jit(pure.fn, donate_argnums=program.donated(pure), **fixed)
-    with T.activation_sharding(placement.mesh):  # the model traced under the mesh
-        return pure, jitted.trace(*placement.place(pure.args))
+    def kept(memory: str) -> int | None:
+        return None if rows is None else sum(r.nbytes for r in rows if r.memory == memory)
 
-
-def _program_job(setup: _ProgramSetup, spec: PolicySpec, visible: bool = True) -> Job:
-    """One policy's compile job; traces the step once (FLOPs, remat placement, lowering)."""
-    program = setup.program
-    pure, stage = traced_step(program, spec, setup.placement)
-    abstract = setup.placement.place(pure.args)
-    traced = stage.jaxpr.jaxpr if spec.wrap else None
-    residuals = trace.residuals(program, spec, setup.placement)
-    if residuals is not None and not setup.target.supports_host_offload:
-        residuals = held_on_device(residuals)  # what it offloads stays in device memory
-    devices = setup.placement.devices
     return Job(
         name=program.title,
         what=f"policy {policy_label(spec)!r} of {program.name!r} on target {setup.target.name!r}",
         target=setup.target,
-        lower=stage.lower,
-        arguments=argument_parts(dataclasses.replace(pure, args=tuple(abstract)), program.args),
+        lower=traced.stage.lower,
+        arguments=argument_parts(placed, program.args),
         policy=policy_label(spec),
         flops_no_remat=setup.flops_no_remat,
-        residuals=residuals or (),
-        activation_bytes=None
-        if residuals is None
-        else sum(r.nbytes for r in residuals if r.memory == "device"),
-        offloaded_bytes=None
-        if residuals is None
-        else sum(r.nbytes for r in residuals if r.memory == "host"),
+        residuals=rows or (),
+        activation_bytes=kept("device"),
+        offloaded_bytes=kept("host"),
         logits=program.known.logits,
         model=program.name,
         batch_size=program.known.batch_size,
         seq_len=program.known.seq_len,
-        hints=_hints(program, residuals or (), setup.placement),
+        hints=_hints(program, rows or (), placement),
         visible=visible,
         notes=_spec_notes(setup, spec),
-        flops_traced=None if traced is None else jaxpr_flops(traced) / devices,
-        remat=None if traced is None else remat_placement(traced),
+        flops_traced=traced.flops,
+        remat=traced.remat,
         label=policy_label(spec),
-        mesh_devices=devices if setup.placement.mesh is not None else None,
+        mesh_devices=placement.devices if placement.mesh is not None else None,
         program_key=repr((id(setup), _effective_key(spec, setup.tags))),
     )
 
 
-def _setup(program: Program, target: T.Target, reach: PolicyReach) -> _ProgramSetup:
-    placement = program.place(target)
-    setup = _ProgramSetup(program, target, placement, program_tags(program), reach)
-    if reach.without_policy:  # the "no-remat" step remats: no ratio is reported against it
-        return setup
-    base = program.baseline_step()
-    # On a mesh, the traced (global) step's even share per device (see Job.mesh_devices).
-    setup.flops_no_remat = traced_flops(base.fn, *base.args) / placement.devices
-    return setup
+def _program_job(setup: ProgramTrace, spec: PolicySpec, visible: bool = True) -> Job:
+    """One policy's compile job; traces the step once (FLOPs, remat placement, lowering)."""
+    return _job(trace.trace_policy(setup, spec), visible)
 
 
 def analyze_policies(
@@ -389,8 +321,8 @@ def analyze_policies(
     cache, key = _request_cache(program, specs, tgt, options)
     if key is not None and (cached := _cached_reports(cache, key, len(specs))) is not None:
         return cached  # the same request made before: its reports, nothing compiled
-    reach, specs = _reached(program, tgt, specs)
-    setup = _setup(program, tgt, reach)
+    setup = trace.trace_program(program, tgt)
+    specs = _reached(setup, specs)
     first, distinct = _distinct(setup, specs, strict_tags)
     jobs, total = _jobs(
         setup, [specs[i] for i in distinct], compare_offload, policy_alone_peak, no_remat_baseline
@@ -406,24 +338,20 @@ def analyze_policies(
     return out
 
 
-def _reached(
-    program: Program, target: T.Target, specs: list[PolicySpec] | None
-) -> tuple[PolicyReach, list[PolicySpec]]:
-    """The program's reach and the specs to compile (None: the default set, read from the
-    program's remat). Raises ValueError where a spec needs the policy passed on and the
-    factories do not."""
-    reach = program.reach()
-    if specs is None and not reach.passes:
-        raise ValueError(reach.error())
+def _reached(setup: ProgramTrace, specs: list[PolicySpec] | None) -> list[PolicySpec]:
+    """The specs to compile (None: the default set, read from the program's remat). Raises
+    ValueError where a spec needs the policy passed on and the factories do not."""
+    if specs is None and not setup.reach.passes:
+        raise ValueError(setup.reach.error())
     if specs is None:
-        specs = list(policy_set(program, target).specs)
-    if any(spec.wrap for spec in specs) and not reach.passes:
-        raise ValueError(reach.error())
-    return reach, specs
+        specs = list(policy_set(setup.program, setup.target, tags=setup.tags).specs)
+    if any(spec.wrap for spec in specs) and not setup.reach.passes:
+        raise ValueError(setup.reach.error())
+    return specs
 
 
 def _distinct(
-    setup: _ProgramSetup, specs: list[PolicySpec], strict_tags: bool
+    setup: ProgramTrace, specs: list[PolicySpec], strict_tags: bool
 ) -> tuple[dict[tuple, int], list[int]]:
     """The index of the first of each set of ``specs`` that act the same on the program (by
     :func:`effective_spec`: compiled once for them all) and those indices in order; with
@@ -464,7 +392,7 @@ def _request_cache(
 
 
 def _jobs(
-    setup: _ProgramSetup,
+    setup: ProgramTrace,
     own_specs: list[PolicySpec],
     compare_offload: bool,
     policy_alone_peak: bool,
@@ -502,7 +430,7 @@ def _jobs(
 
 
 def _every_policy(
-    setup: _ProgramSetup, specs: list[PolicySpec], first: dict[tuple, int], own: dict[int, Any]
+    setup: ProgramTrace, specs: list[PolicySpec], first: dict[tuple, int], own: dict[int, Any]
 ) -> list[MemoryReport | CompileError]:
     """One result per spec from the compiled ones (``own``, by index): a spec acting as an
     earlier one gets that one's result under its own name; policies that compiled to one
@@ -521,7 +449,7 @@ def _every_policy(
 
 
 def _same_program(
-    setup: _ProgramSetup, spec: PolicySpec, compiled: PolicySpec, result: MemoryReport | Any
+    setup: ProgramTrace, spec: PolicySpec, compiled: PolicySpec, result: MemoryReport | Any
 ) -> MemoryReport | CompileError:
     """The result for ``spec`` when it is the same program as ``compiled`` (whose result is
     ``result``): renamed, with ``spec``'s own notes and the compile's warnings."""

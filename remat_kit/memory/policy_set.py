@@ -28,34 +28,17 @@ from remat_kit.policies import (
     policy_specs,
 )
 from remat_kit.program import Program
+from remat_kit.trace import program_tags
 from remat_kit.walker import (
     TagResiduals,
     bytes_by_tag,
-    emitted_tags,
     group_by_tag,
     saved_residuals,
-    tags_in,
     tags_in_remat,
 )
 
 #: At most this many single-tag specs (``{tag: "save"}``) in a program's default policy set.
 MAX_TAG_SPECS = 8
-
-
-def program_tags(program: Program) -> frozenset[str]:
-    """The ``checkpoint_name`` tags the program's step emits (under no remat; the tags do not
-    depend on the policy), found by walking its jaxpr and every sub-jaxpr (and its loss's,
-    where it gives one: a name applied only in a ``custom_vjp`` forward rule shows up there).
-    What :func:`remat_kit.get_policy_spec` reads ``save_any_names_but_these`` against.
-
-    Traces the step (and the loss) once each; compiles nothing. Raises what the program's
-    factory raises while tracing."""
-    pure = program.step(get_policy_spec("no-remat"))
-    tags = tags_in(jax.make_jaxpr(pure.fn)(*pure.args).jaxpr)
-    loss = program.loss(get_policy_spec("no-remat"))
-    if loss is not None:  # names applied only in a custom_vjp forward rule show up here
-        tags |= emitted_tags(loss.fn, *loss.args)
-    return frozenset(tags)
 
 
 @dataclasses.dataclass(frozen=True)

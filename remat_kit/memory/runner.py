@@ -47,7 +47,6 @@ from remat_kit.memory.timeline import Timeline, build_timeline
 from remat_kit.memory.undone import (  # noqa: F401 (cse_undone: the doctor reads it here)
     CSE_UNDID_ALL,
     CSE_UNDID_PART,
-    RematPlacement,
     cse_undone,
     memory_not_freed,
     recompute_undone,
@@ -65,7 +64,7 @@ from remat_kit.memory.xla_compile import (
 )
 from remat_kit.policies import on_device_twin, policy_effect, remat_implementation
 from remat_kit.units import format_bytes
-from remat_kit.walker import TagResiduals
+from remat_kit.walker import RematPlacement, TagResiduals
 
 #: How many of the largest buffers live at the peak a report keeps by default.
 DEFAULT_TOP_K = 10

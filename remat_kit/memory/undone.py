@@ -1,6 +1,7 @@
 """Warnings for a policy whose recomputation the compiled step undid, with the cause told from
 what is known: the target's platform and where the step's remat regions sit (inside a
-``scan`` / ``while`` body or not, and their ``prevent_cse``; :class:`RematPlacement`).
+``scan`` / ``while`` body or not, and their ``prevent_cse``;
+:class:`~remat_kit.walker.RematPlacement`).
 
 Two symptoms are checked: the compiled step recomputes fewer matmul FLOPs than the jaxpr
 (:func:`recompute_undone`: XLA's CSE merged the recomputation back) and the compiled temp
@@ -14,12 +15,12 @@ compile (:func:`cpu_undoes_remat_outside_scan`), not assumed (docs/results/compi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
 
 from remat_kit.units import format_bytes
+from remat_kit.walker import RematPlacement
 
 #: How :func:`recompute_undone` says XLA's CSE merged all, or part, of the recomputation
 #: back; :func:`cse_undone` reads it back (the doctor judges by the analyzer's own line).
@@ -29,24 +30,6 @@ CSE_UNDID_PART = "XLA's CSE merged part of the recomputation back"
 _FREED_SHARE = 0.1
 #: A policy's own recompute ratio above this: the compiled step recomputes (the remat stands).
 _RECOMPUTES = 1.01
-
-
-@dataclasses.dataclass(frozen=True)
-class RematPlacement:
-    """Remat regions of a step's jaxpr: ``in_loop`` inside a scan / while body, ``outside``
-    not, ``no_cse_outside`` of those outside with ``prevent_cse=False``."""
-
-    in_loop: int
-    outside: int
-    no_cse_outside: int = 0
-    #: Regions that wrap a whole loop with no remat in its body
-    #: (:func:`remat_kit.walker.wraps_whole_loop`).
-    around_loop: int = 0
-
-    @property
-    def lone(self) -> bool:
-        """One remat region, outside every loop (:data:`LONE_SEGMENT_CAUSE`)."""
-        return self.in_loop == 0 and self.outside == 1 and self.around_loop == 0
 
 
 #: Why one remat segment outside every loop frees little (jax#19822: ``jax.checkpoint`` around

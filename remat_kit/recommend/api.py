@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from remat_kit import targets as T
 from remat_kit.memory.calibration import figures_for
-from remat_kit.memory.policy_set import policy_set, program_tags
+from remat_kit.memory.policy_set import policy_set
 from remat_kit.memory.roofline import estimate_error, small_step_note, time_model_note
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.memory.xla_compile import jax_backend_description
@@ -29,7 +29,6 @@ from remat_kit.policies import (
     policy_names,
 )
 from remat_kit.program import Program
-from remat_kit.pure import argument_parts
 from remat_kit.recommend.search import (
     BudgetTooSmall,
     Named,
@@ -60,6 +59,7 @@ from remat_kit.recommend.session import (
     passed_over_note,
     pointless_offloads,
 )
+from remat_kit.trace import trace_program
 from remat_kit.units import format_bytes, parse_bytes
 from remat_kit.zoo import PresetLike, as_program
 
@@ -403,10 +403,10 @@ def resolve_request(
         program = program.family.build(batch_size=1)
     groups = _resolve_groups(program, scope.group_sizes)
     budget_bytes, budget_note = resolve_budget(tgt, budget, margin)
-    tags = program_tags(program)
+    traced = trace_program(program, tgt)
+    tags, reach = traced.tags, traced.reach
     specs, notes, labels, cut = _resolve_specs(tgt, policies, program, tags)
     # a factory that remats even when given None: its "no-remat" still remats
-    reach = program.reach()
     remats_for_none = reach.without_policy
     if remats_for_none:
         notes.append(f"no-remat: {reach.no_remat_note()}")
@@ -416,14 +416,11 @@ def resolve_request(
     on = on and program.family is not None
     if on and auto:
         notes.append("structure search (attention, loss chunks, remat_layers) needs a fixed batch")
-    pure = program.step(specs[0])
-    placed = program.place(tgt).place(pure.args)  # per device on a mesh
-    arguments = argument_parts(dataclasses.replace(pure, args=tuple(placed)), program.args)
     return Request(
         program=program, target=tgt, auto=auto, solve=scope.solve, budget_bytes=budget_bytes,
-        budget_note=budget_note, specs=tuple(specs), groups=tuple(groups), arguments=arguments,
-        notes=tuple(notes), tags=tags, labels=labels, cut=cut, structure=on and not auto,
-        margin=margin, remats_for_none=remats_for_none,
+        budget_note=budget_note, specs=tuple(specs), groups=tuple(groups),
+        arguments=traced.arguments, notes=tuple(notes), tags=tags, labels=labels, cut=cut,
+        structure=on and not auto, margin=margin, remats_for_none=remats_for_none,
     )  # fmt: skip
 
 

@@ -43,7 +43,7 @@ def test_committed_option_rows_record_their_options():
         assert r["status"] == "ok", r["error"]
         assert r["overrides"] == config_grids[r["grid"]]["overrides"]
         for field, value in r["overrides"].items():
-            assert r["model_config"][field] == value
+            assert r["model_fields"][field] == value
 
 
 def _row(option: dict, policy: str, peak, **extra) -> dict:
@@ -51,7 +51,7 @@ def _row(option: dict, policy: str, peak, **extra) -> dict:
         "model": "m", "target": "h100-sxm", "batch_size": 1, "seq_len": 8,
         "remat_group_size": 1, "mesh": None, "status": "ok", "policy": policy,
         "overrides": {"scan_layers": True, **option}, "peak_bytes": peak,
-        "model_config": {"attention": option.get("attention", "xla")},
+        "model_fields": {"attention": option.get("attention", "xla")},
         "recompute_ratio": 1.0, "flops_no_remat": 100.0, "step_time_s": None,
         "step_cpu_s": None, **extra,
     }  # fmt: skip

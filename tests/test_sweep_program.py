@@ -85,7 +85,7 @@ def test_rows_measured_on_the_cpu(swept):
         assert r["losses"][-1] < r["losses"][0]  # AdamW steps on the fed-back state
         assert sorted(r["fed_back"]) == ["opt_state", "params"] and r["recopied"] == []
         assert r["arguments"] == "materialised" and "jax.random.key(0)" in r["arguments_note"]
-        for field in ("batch_size", "seq_len", "model_config", "tokens_per_s", "mfu",
+        for field in ("batch_size", "seq_len", "model_fields", "tokens_per_s", "mfu",
                       "model_flops_per_step"):  # fmt: skip
             assert r[field] is None, field
     by = {r["policy"]: r for r in rows}

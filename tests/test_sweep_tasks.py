@@ -150,6 +150,37 @@ def test_tasks_in_any_order_give_the_same_rows_summary_and_resume(tmp_path, seri
     assert summary.summary_markdown(resumed.rows) == summary.summary_markdown(first.rows)
 
 
+def test_rows_written_under_old_field_names_read_and_resume_as_current(tmp_path, serial):
+    """A row with ``model_config`` (the old name of ``model_fields``) reads as ``model_fields``,
+    in place; a resume over a file of old rows runs none of them again and leaves their bytes,
+    and over a file holding one old row runs only the other point."""
+    first, path = serial
+    old_lines = [
+        line.replace(b'"model_fields":', b'"model_config":')
+        for line in path.read_bytes().splitlines(keepends=True)
+    ]
+    assert all(b'"model_config":' in line for line in old_lines)
+    old = tmp_path / "old.jsonl"
+    old.write_bytes(b"".join(old_lines))
+    current = results.read_rows(path, timelines=False)  # the old file has no timelines beside
+    assert results.read_rows(old) == current
+    assert [list(r) for r in results.read_rows(old)] == [list(r) for r in current]  # in place
+    # both names in one row: the current name's value is kept
+    both = tmp_path / "both.jsonl"
+    both.write_text('{"key": "k", "model_config": {"a": 1}, "model_fields": {"a": 2}}\n')
+    assert results.read_rows(both) == [{"key": "k", "model_fields": {"a": 2}}]
+    resumed = run_sweep(analysis_grid(), old, resume=True, progress=False)
+    assert resumed.skipped == 2 and resumed.new_rows == []
+    assert old.read_bytes() == b"".join(old_lines)
+    assert by_key(resumed.rows) == by_key(current)
+    half = tmp_path / "half.jsonl"
+    half.write_bytes(old_lines[0])
+    resumed = run_sweep(analysis_grid(), half, resume=True, progress=False)
+    assert resumed.skipped == 1 and [r["key"] for r in resumed.new_rows] == [current[1]["key"]]
+    assert half.read_bytes().startswith(old_lines[0])
+    assert by_key(results.read_rows(half, timelines=False)) == by_key(current)
+
+
 def test_worker_processes_give_the_serial_rows(tmp_path, serial):
     """The grid on the local engine's two CPU worker processes (one group each): the serial
     run's rows by key, timings aside; each row says where it ran (a worker's environment)."""

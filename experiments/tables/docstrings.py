@@ -24,7 +24,7 @@ def sweep_claims_cpu_doc(r: Results) -> list[str]:
     _, seqs, rows = sweep_local(r)
     _, seconds, _ = summary_run(r)
     grid, first = grid_text(r, 1)
-    shape = first["model_config"]
+    shape = first["model_fields"]
     out = [
         f"took {seconds // 60} min {seconds % 60} s of wall time",
         f"``{grid.replace(' (', '`` (byte-level, ', 1)}, {shape['num_layers']} layers, "

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from remat_kit.sweep.results import read_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 GIB = 2**30
@@ -32,7 +34,11 @@ class Results:
         return json.loads(self.text(rel))
 
     def jsonl(self, rel: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.text(rel).splitlines() if line.strip()]
+        """The rows of a JSONL file, as :func:`remat_kit.sweep.results.read_rows` reads them."""
+        path = self.root / rel
+        if not path.is_file():  # read_rows takes a missing file as no rows; a table needs it
+            raise FileNotFoundError(f"no results file {path}")
+        return read_rows(path, timelines=False)
 
 
 # ---------------------------------------------------------------- formatting

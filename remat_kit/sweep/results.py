@@ -67,6 +67,9 @@ STATUSES = ("ok", "oom", "error")
 """``ok``: analysed (and measured, if asked); ``oom``: out of memory compiling or running;
 ``error``: any other failure (the message is in the row's ``error``)."""
 
+#: Fields renamed since rows were first written, old name -> current name: :func:`read_rows`
+#: gives every row the current names, so old results files read (and resume) as new ones.
+_RENAMED_FIELDS = {"model_config": "model_fields"}
 _KEY_CHARS = 16  # hex characters of the sha256 kept in keys and fingerprints
 #: Identity of a group of rows compared against each other (same model, shapes, target, mesh).
 GROUP_FIELDS = (
@@ -175,13 +178,16 @@ def timelines_path(path: str | os.PathLike[str]) -> Path:
 def read_rows(path: str | os.PathLike[str], timelines: bool = True) -> list[dict[str, Any]]:
     """Every complete row of a results file, in order; ``[]`` if it does not exist.
 
+    A field written under an older name (``_RENAMED_FIELDS``) is read under its current one, in
+    the row's key order.
+
     Args:
       timelines: put each report's timeline back from :func:`timelines_path` (False: None).
 
     Raises:
       ValueError: a complete line is not a JSON object.
     """
-    rows = _scan(Path(path))[0]
+    rows = [_current_names(row) for row in _scan(Path(path))[0]]
     if timelines:
         side = {t.get("key"): t.get("timeline") for t in _scan(timelines_path(path))[0]}
         for row in rows:
@@ -190,6 +196,17 @@ def read_rows(path: str | os.PathLike[str], timelines: bool = True) -> list[dict
                 if side.get(row.get("key")) is not None:
                     report["timeline"] = side[row.get("key")]
     return rows
+
+
+def _current_names(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its fields under their current names (a current one wins over an old one)."""
+    if not any(old in row for old in _RENAMED_FIELDS):
+        return row
+    return {
+        _RENAMED_FIELDS.get(k, k): v
+        for k, v in row.items()
+        if not (k in _RENAMED_FIELDS and _RENAMED_FIELDS[k] in row)
+    }
 
 
 def repair(path: str | os.PathLike[str]) -> int:
@@ -520,7 +537,7 @@ def own_overrides(row: Mapping[str, Any], members: Sequence[Mapping[str, Any]]) 
 def _xla_baseline(members: Sequence[Mapping[str, Any]]) -> float | None:
     """``flops_no_remat`` of the set's ``attention="xla"`` rows: the baseline of every option."""
     for r in members:
-        attention = (r.get("model_config") or {}).get("attention")
+        attention = (r.get("model_fields") or {}).get("attention")
         if r.get("status") == "ok" and attention == "xla" and r.get("flops_no_remat"):
             return r["flops_no_remat"]
     return None

@@ -15,7 +15,7 @@ from remat_kit.zoo.facts import model_facts
 
 #: Row fields from the point's model and analysis (None in a row whose analysis failed).
 ANALYSIS_KEYS = (
-    "model_config", "num_params", "matmul_params", "tokens_per_step", "model_flops_per_step",
+    "model_fields", "num_params", "matmul_params", "tokens_per_step", "model_flops_per_step",
     "dtype",
     "peak_bytes", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "host_bytes",
     "params_bytes", "opt_state_bytes", "activation_bytes", "offloaded_bytes", "flops",
@@ -87,7 +87,7 @@ def model_fields(point: Point, facts: dict[tuple, dict[str, Any]]) -> dict[str, 
         "model_flops_per_step": known["model_flops_per_token"] * tokens,
         "dtype": known["dtype"],
         # the policy as written (a name or a per-tag spec), not the spec's frozensets
-        "model_config": {**known["fields"], "remat_policy": point.policy},
+        "model_fields": {**known["fields"], "remat_policy": point.policy},
     }
 
 

@@ -512,3 +512,36 @@ def test_nnx_module_loss_peaks_as_the_same_loss_over_its_state():
     got = {p: (m.peak_bytes, t.peak_bytes) for p, m, t in zip(policies, module, tree, strict=True)}
     assert all(m == t for m, t in got.values()), got
     assert got["no-remat"][0] > got["minimal"][0]  # the policy acts: its peak is its own
+
+
+def test_trace_stage_traces_a_program_once_for_every_tool():
+    """What every policy shares (tags, reach, no-remat FLOPs) is traced on a program's first
+    ``trace_program``; a second tool's ``trace_program`` on the same program runs the step's
+    body no more, and ``trace_policy`` gives the policy's own jaxpr facts beside it."""
+    runs = []
+
+    def make_step(policy):
+        step = plain_jax.make_step(policy)
+
+        def counted(params, opt_state, tokens):
+            runs.append(policy)
+            return step(params, opt_state, tokens)
+
+        return counted
+
+    program = Program.from_step(
+        make_step, *plain_jax.abstract_args(), donate_argnums=(0, 1), name="counted"
+    )
+    first = trace.trace_program(program, "cpu")
+    traced_once = len(runs)
+    again = trace.trace_program(program, "cpu")
+    assert traced_once > 0 and len(runs) == traced_once
+    assert again.tags == first.tags == frozenset(plain_jax.TAGS)
+    assert again.flops_no_remat == first.flops_no_remat > 0
+    assert first.arguments["params"] > 0 and first.arguments["opt_state"] > 0
+    save_nothing = trace.trace_policy(first, remat_kit.get_policy_spec("save-nothing"))
+    save_dots = trace.trace_policy(first, remat_kit.get_policy_spec("save-dots"))
+    # recomputing the matmuls costs FLOPs over the step without remat; saving them less
+    assert save_nothing.flops > save_dots.flops >= first.flops_no_remat
+    assert save_nothing.remat.in_loop == 1 and save_nothing.remat.outside == 0
+    assert save_dots.residuals is None  # a step without its loss: no residual table

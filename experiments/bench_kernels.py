@@ -136,7 +136,7 @@ def one_policy(model: str, batch: int, seq: int, policy: str, steps: int) -> dic
     from remat_kit.memory import calibration, hlo, roofline
     from remat_kit.memory import kernels as K
     from remat_kit.memory.reading import memory_parts
-    from remat_kit.memory.runner import fresh_bytes
+    from remat_kit.memory.roofline import fresh_bytes
     from remat_kit.models import get_config
     from remat_kit.training.step import (
         abstract_batch,

@@ -3,7 +3,7 @@
 XLA:CPU allocates a step's temp buffer (and outputs not aliased to inputs) at every execution;
 glibc serves an allocation of 32 MiB or more with a fresh ``mmap`` whose pages the kernel faults
 in (and zeroes) on first touch, so the step pays for them each time. The roofline prices this
-as ``fresh bytes / fresh_bytes_per_s`` (:func:`remat_kit.memory.runner.fresh_bytes`, the
+as ``fresh bytes / fresh_bytes_per_s`` (:func:`remat_kit.memory.roofline.fresh_bytes`, the
 calibration's fresh-output micro-kernel: :mod:`remat_kit.memory.roofline`). This benchmark
 checks both halves on real train steps (a preset, the sweep's step):
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from remat_kit.memory import calibration
-    from remat_kit.memory.runner import fresh_bytes
+    from remat_kit.memory.roofline import fresh_bytes
     from remat_kit.sweep.results import environment
 
     figures = calibration.calibrate()  # before the workers: a quiet machine

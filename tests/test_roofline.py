@@ -11,7 +11,7 @@ import re
 import pytest
 
 from remat_kit import targets
-from remat_kit.memory import calibration, hlo, roofline, runner
+from remat_kit.memory import calibration, hlo, roofline
 from remat_kit.memory import kernels as K
 
 MIB = 2**20
@@ -243,7 +243,7 @@ def test_allocation_term_only_where_the_backend_allocates_per_step():
 )
 def test_fresh_bytes_counts_what_a_step_allocates_anew(temp, output, alias, fresh):
     parts = {"temp_bytes": temp, "output_bytes": output, "alias_bytes": alias}
-    assert runner.fresh_bytes(parts) == fresh
+    assert roofline.fresh_bytes(parts) == fresh
 
 
 def test_reuse_model_serves_recent_values_from_the_cache():

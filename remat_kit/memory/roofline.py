@@ -23,7 +23,12 @@ from typing import Any
 
 from remat_kit import targets as T
 from remat_kit.memory import hlo
-from remat_kit.memory.calibration import Calibration, DeviceFigures, device_figures
+from remat_kit.memory.calibration import (
+    FRESH_ALLOCATION_MIN_BYTES,
+    Calibration,
+    DeviceFigures,
+    device_figures,
+)
 from remat_kit.memory.kernels import Kernel, executed_kernels
 from remat_kit.units import format_seconds
 
@@ -423,3 +428,27 @@ def time_model_note(target: T.Target) -> str:
         "running concurrently, caches beyond one level and latency-bound kernels: an estimate "
         "to rank by, not a measurement"
     )
+
+
+def step_time_of(
+    target: T.Target,
+    dump: hlo.DumpFiles,
+    parts: dict[str, int | None],
+    xla_cost: dict[str, float] | None = None,
+) -> StepTime | None:
+    """The roofline estimate of a compiled step (None without a dump or device figures), with
+    :func:`fresh_bytes` where allocation costs and XLA's ``xla_cost`` beside it
+    (:func:`cross_checked`)."""
+    figures = device_figures(target)
+    if figures is None or not dump.hlo:
+        return None
+    step = estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
+    return cross_checked(step, dump.module, figures, xla_cost)
+
+
+def fresh_bytes(parts: dict[str, int | None]) -> int:
+    """Bytes an execution allocates anew on XLA:CPU: temp and non-aliased outputs, each of at
+    least :data:`FRESH_ALLOCATION_MIN_BYTES` (smaller ones come from glibc's heap).
+    Checked by ``experiments/bench_page_faults.py``."""
+    outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
+    return sum(n for n in (parts["temp_bytes"] or 0, outputs) if n >= FRESH_ALLOCATION_MIN_BYTES)

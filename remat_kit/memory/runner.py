@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import targets as T
-from remat_kit.memory import calibration, hlo, roofline
+from remat_kit.memory import calibration, roofline
 from remat_kit.memory.compile_cache import (
     CompileCache,
     cost_fields,
@@ -202,34 +202,6 @@ class _KernelCaches:
             keep_kernels(max(files, key=lambda f: f.stat().st_size), kept)
 
 
-def step_time_of(
-    target: T.Target,
-    dump: hlo.DumpFiles,
-    parts: dict[str, int | None],
-    xla_cost: dict[str, float] | None = None,
-) -> roofline.StepTime | None:
-    """The roofline estimate of a compiled step (None without a dump or device figures), with
-    :func:`fresh_bytes` where allocation costs and XLA's ``xla_cost`` beside it
-    (:func:`roofline.cross_checked`)."""
-    figures = calibration.device_figures(target)
-    if figures is None or not dump.hlo:
-        return None
-    step = roofline.estimate(dump.module, figures, fresh_bytes=fresh_bytes(parts))
-    return roofline.cross_checked(step, dump.module, figures, xla_cost)
-
-
-def fresh_bytes(parts: dict[str, int | None]) -> int:
-    """Bytes an execution allocates anew on XLA:CPU: temp and non-aliased outputs, each of at
-    least :data:`calibration.FRESH_ALLOCATION_MIN_BYTES` (smaller ones come from glibc's heap).
-    Checked by ``experiments/bench_page_faults.py``."""
-    outputs = (parts["output_bytes"] or 0) - (parts["alias_bytes"] or 0)
-    return sum(
-        n
-        for n in (parts["temp_bytes"] or 0, outputs)
-        if n >= calibration.FRESH_ALLOCATION_MIN_BYTES
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Read:
     """What :func:`_read` reads from a job's compile."""
@@ -248,7 +220,7 @@ def _read(job: Job, result: CompileResult, top_k: int) -> _Read:
     return _Read(
         parts,
         read_dump(result.dump, top_k, job.hints),
-        step_time_of(job.target, result.dump, parts, cost_fields(result.compiled))
+        roofline.step_time_of(job.target, result.dump, parts, cost_fields(result.compiled))
         if shown
         else None,
         build_timeline(result.dump, job.hints) if shown else None,

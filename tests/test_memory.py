@@ -294,6 +294,51 @@ def test_flops_added_by_xla_remat_are_every_clone_but_one_per_original():
     assert hlo.count_flops(hlo.parse_hlo_module(_HLO)).xla_remat_flops == 0
 
 
+_SPLIT_K_HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_pad (param_0.1: f32[520,64]) -> f32[544,64] {
+  %param_0.1 = f32[520,64]{1,0} parameter(0)
+  %zero.1 = f32[] constant(0)
+  ROOT %pad.1 = f32[544,64]{1,0} pad(%param_0.1, %zero.1), padding=0_24x0_0
+}
+
+%fused_pad.2 (param_0.2: f32[520,256]) -> f32[544,256] {
+  %param_0.2 = f32[520,256]{1,0} parameter(0)
+  %zero.2 = f32[] constant(0)
+  ROOT %pad.2 = f32[544,256]{1,0} pad(%param_0.2, %zero.2), padding=0_24x0_0
+}
+
+%gemm (p0: f32[8,68,64], p1: f32[8,68,256]) -> f32[8,64,256] {
+  %p0 = f32[8,68,64]{2,1,0} parameter(0)
+  %p1 = f32[8,68,256]{2,1,0} parameter(1)
+  ROOT %dot.59 = f32[8,64,256]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (x: f32[520,64], g: f32[520,256]) -> f32[8,64,256] {
+  %x = f32[520,64]{1,0} parameter(0)
+  %g = f32[520,256]{1,0} parameter(1)
+  %loop_pad_fusion = f32[544,64]{1,0} fusion(%x), kind=kLoop, calls=%fused_pad
+  %loop_pad_fusion.2 = f32[544,256]{1,0} fusion(%g), kind=kLoop, calls=%fused_pad.2
+  %bitcast.1 = f32[8,68,64]{2,1,0} bitcast(%loop_pad_fusion)
+  %bitcast.2 = f32[8,68,256]{2,1,0} bitcast(%loop_pad_fusion.2)
+  ROOT %gemm_fusion_dot.41 = f32[8,64,256]{2,1,0} fusion(%bitcast.1, %bitcast.2), kind=kCustom, calls=%gemm
+}
+"""
+
+
+def test_flops_leave_out_the_zeros_xla_pads_a_split_k_gemm_with():
+    """XLA's GPU split-K rewrite pads a weight gradient's contracting dimension (520 tokens to
+    8 x 68 = 544) in a fusion of its own before the gemm fusion: the step's FLOPs are the
+    program's 2 * 520 * 64 * 256, as its jaxpr counts them, not the padded 544 (a no-remat
+    step would otherwise show a recompute ratio of 1.05)."""
+    comps = hlo.parse_hlo_module(_SPLIT_K_HLO)
+    assert hlo.count_flops(comps).flops == 2 * 520 * 64 * 256
+    unpadded = _SPLIT_K_HLO.replace("calls=%fused_pad.2", "calls=%gemm_input")
+    # a producer that is not a pad fusion: only the other operand's share applies (the same)
+    assert hlo.count_flops(hlo.parse_hlo_module(unpadded)).flops == 2 * 520 * 64 * 256
+    assert hlo.count_flops(hlo.parse_hlo_module(_HLO)).flops == 6 * 2 * 8 * 4 * 16
+
+
 def test_live_range_and_buffer_assignment_parsing():
     live = hlo.parse_live_at_peak(
         "HloLiveRange (max 9):\n  Live ranges at 4 (peak):\n"

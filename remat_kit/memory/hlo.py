@@ -554,6 +554,57 @@ def inferred_trip_count(
     return None if start is None or limit < start else limit - start
 
 
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+
+
+def _padded_share(
+    name: str,
+    comp: Computation,
+    by_name: Mapping[str, Instruction],
+    comps: Mapping[str, Computation],
+) -> float:
+    """Elements before / after the ``pad`` that made value ``name`` of ``comp`` (through
+    bitcasts, or a fusion whose root is a pad); 1.0 for any other value. ``by_name``: the
+    instructions of ``comp`` by name."""
+    instr = by_name.get(name)
+    while instr is not None and instr.opcode == "bitcast" and instr.operands:
+        instr = by_name.get(instr.operands[0])
+    if instr is None:
+        return 1.0
+    home = comp
+    if instr.opcode == "fusion" and (callee := _CALLS.search(instr.attributes)):
+        inner = comps.get(callee.group(1))
+        pads = [i for i in inner.instructions if i.opcode == "pad"] if inner else []
+        if not pads or pads[-1].shape != instr.shape:  # the fusion's value is the pad's
+            return 1.0
+        instr, home = pads[-1], inner
+    if instr.opcode != "pad" or not instr.operands:
+        return 1.0
+    shapes = {**home.param_shapes, **{i.name: i.shape for i in home.instructions}}
+    before = array_shapes(shapes.get(instr.operands[0], ""))
+    after = array_shapes(instr.shape)
+    if not before or not after:
+        return 1.0
+    return math.prod(before[0][1]) / max(math.prod(after[0][1]), 1)
+
+
+def padding_share(
+    instr: Instruction,
+    comp: Computation,
+    by_name: Mapping[str, Instruction],
+    comps: Mapping[str, Computation],
+) -> float:
+    """The share of a call's matmul FLOPs that multiply the program's values, not the zeros
+    XLA padded its operands with (its GPU split-K rewrite pads the contracting dimension of
+    both operands of a weight gradient to a multiple of the split; tensor-core alignment
+    pads others): one padded share where every padded operand has the same (a shared
+    contracting dimension), their product otherwise; 1.0 with no padded operand."""
+    shares = {_padded_share(op, comp, by_name, comps) for op in instr.operands} - {1.0}
+    if len(shares) <= 1:
+        return min(shares, default=1.0)
+    return math.prod(shares)
+
+
 def count_flops(comps: dict[str, Computation]) -> FlopCount:
     """Matmul FLOPs (:func:`instruction_flops`) of the entry computation times enclosing
     ``known_trip_count``; a conditional's costliest branch; elementwise ops not counted."""
@@ -573,6 +624,7 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
         if comp is None:
             return nothing
         shapes = Shapes(comp.param_shapes)
+        by_name = {i.name: i for i in comp.instructions}
         total = rec = xla = 0.0
 
         def add(f: tuple[float, float, float], instr: Instruction) -> None:
@@ -609,7 +661,8 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
             if instr.opcode == "conditional":
                 add(max(counts, default=nothing), instr)
             else:
-                add(tuple(sum(c[k] for c in counts) for k in range(3)), instr)
+                scale = padding_share(instr, comp, by_name, comps) if counts else 1.0
+                add(tuple(scale * sum(c[k] for c in counts) for k in range(3)), instr)
         return total, rec, xla
 
     entry = next((c.name for c in comps.values() if c.is_entry), None)
@@ -617,9 +670,6 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
     return FlopCount(
         flops=total, unknown_trip_counts=unknown[0], recomputed_flops=rec, xla_remat_flops=xla
     )
-
-
-_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 
 
 def op_name_of(instr: Instruction, comps: Mapping[str, Computation]) -> str:

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from remat_kit import cli, targets
-from remat_kit.recommend import BudgetTooSmall, recommend
+from remat_kit.recommend import BudgetTooSmall, CompileCache, recommend
 from remat_kit.units import format_bytes, parse_bytes
 from tests.user_models import plain_jax
 
@@ -30,9 +30,15 @@ def program():
 
 
 @pytest.fixture(scope="module")
-def free(program):
+def cache() -> CompileCache:
+    """The named policies' reports, compiled once by :func:`free` for every budget after."""
+    return CompileCache()
+
+
+@pytest.fixture(scope="module")
+def free(program, cache):
     """Every policy at the default budget (the target's memory less the margin)."""
-    return recommend(program, target=TARGET, policies=POLICIES)
+    return recommend(program, target=TARGET, policies=POLICIES, cache=cache)
 
 
 def _needs_only_emitted(pick, tags):
@@ -78,12 +84,14 @@ def test_free_budget_picks_a_compiled_named_policy(free):
 
 
 @needs_cuda_plugin
-def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free):
+def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free, cache):
     fastest = min(free.candidates, key=lambda c: (c.step_time_s, c.peak_bytes))
     lower = [c for c in free.candidates if c.peak_bytes < fastest.peak_bytes]
     assert lower, "the fastest policy is also the smallest: no budget can make the choice matter"
     budget = (fastest.peak_bytes + max(c.peak_bytes for c in lower)) // 2
-    rec = recommend(program, target=TARGET, budget=budget, solve=True, policies=POLICIES)
+    rec = recommend(
+        program, target=TARGET, budget=budget, solve=True, policies=POLICIES, cache=cache
+    )  # the named policies as `free` compiled them; the solver's choices compiled here
     pick = rec.pick
     assert pick is not None and pick.fits and pick.peak_bytes <= budget
     # the least recomputing of the fitting candidates within the time model's error of the

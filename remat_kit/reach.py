@@ -126,7 +126,9 @@ def policy_reach(program: Any) -> PolicyReach:
         loss = factory_reach(program.make_loss, program.loss_args, program.name, "make_loss")
         if not loss.passes:
             return loss
-    step = factory_reach(program.make_step, program.args, program.name, "make_step")
+    # a from_loss program's step is its make_loss under value_and_grad: the user's factory
+    part = "make_loss" if program.step_of_loss is not None else "make_step"
+    step = factory_reach(program.make_step, program.args, program.name, part)
     if step.linearized and loss is not None:  # the loss's trace still shows its segments
         return loss
     return step

@@ -236,7 +236,7 @@ def test_recommend_maxtext_prints_the_config_line(capsys):
     rec = SimpleNamespace(pick=pick, target="v5p-8", budget_bytes=2**21)
     print_maxtext_lines(rec)
     out = capsys.readouterr().out.splitlines()
-    assert "v5p-8: peak 1.00 MiB of a 2.00 MiB budget" in out[0]
+    assert "v5p-8: peak 1.00 MiB of the 2.00 MiB budget" in out[0]
     assert out[1] == "remat_policy=custom decoder_layer_input=remat query_proj=device"
     named = SimpleNamespace(policy="save_dot_except_mlp", actions=None, peak_bytes=1)
     assert _maxtext_lines(named) == ["remat_policy=save_dot_except_mlp"]

@@ -153,7 +153,7 @@ def print_maxtext_lines(rec: Recommendation) -> None:
         return
     print(
         f"# MaxText config lines for the pick (command line or YAML); {rec.target}: peak "
-        f"{format_bytes(pick.peak_bytes)} of a {format_bytes(rec.budget_bytes)} budget"
+        f"{format_bytes(pick.peak_bytes)} of the {format_bytes(rec.budget_bytes)} budget"
     )
     print(" ".join(lines))
 

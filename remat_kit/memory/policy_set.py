@@ -94,15 +94,15 @@ class PolicySet:
 
 def own_tag_specs(
     tags: frozenset[str],
-    offload: bool,
+    target: T.Target,
     max_single: int = MAX_TAG_SPECS,
     kept_bytes: Mapping[str, int] | None = None,
 ) -> tuple[list[PolicySpec], list[str]]:
     """Specs in a program's own tag names: each tag saved alone (the first ``max_single``: by
     the bytes the loss keeps for each when every tag is saved, ``kept_bytes``, largest first,
     as the choice that trades most memory; by name without them), every tag saved, and, where
-    the target offloads, every tag offloaded; with a note when the single-tag specs were
-    capped."""
+    ``target`` offloads (:func:`remat_kit.policies.can_offload`), every tag offloaded; with a
+    note when the single-tag specs were capped or no offloading spec is made."""
     weight = kept_bytes or {}
     ranked = sorted(tags, key=lambda t: (-weight.get(t, 0), t))
     specs = [custom_spec({t: "save"}) for t in sorted(ranked[:max_single])]  # listed by name
@@ -117,10 +117,15 @@ def own_tag_specs(
     names = sorted(tags)
     if len(names) > 1:
         specs.append(custom_spec(dict.fromkeys(names, "save")))
-    if offload and names:
+    if can_offload(target) and names:
         specs.append(custom_spec(dict.fromkeys(names, "offload")))
     elif names:
-        notes.append("no offloading policy: the target does not offload to host memory")
+        why = (
+            f"{target.name} has no host memory to offload to"
+            if not target.supports_host_offload
+            else "the remat implementation in use does not offload"
+        )
+        notes.append(f"no offloading policy: {why}")
     return specs, notes
 
 
@@ -204,7 +209,7 @@ def _default_set(
     kept = _residual_bytes(program, tags)
     own_tags = tags if kept is None else tags & frozenset(kept)
     # per-tag offload specs only where they can offload (target and remat implementation)
-    own, own_notes = own_tag_specs(own_tags, can_offload(tgt), max_single, kept)
+    own, own_notes = own_tag_specs(own_tags, tgt, max_single, kept)
     own_notes += _unsaveable_notes(program, tags - own_tags)
     specs = [
         s for s in dict.fromkeys([*fit.specs, *own]) if tgt.supports_host_offload or not s.offloads

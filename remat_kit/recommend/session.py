@@ -378,28 +378,49 @@ def offload_passed_over(
         )
     return (
         f"not picked though estimated faster: {'; '.join(parts)}, without host transfers and "
-        f"within the time model's error ({CLOSE_CALL:.0%}) of the offload's estimate"
+        f"within {CLOSE_CALL:.0%} of the offload's estimate (a close call: nearer than the "
+        "estimates tell apart)"
     )
 
 
 def fastest_fitting(candidates: Sequence[Candidate], margin: float = 0.0) -> Candidate | None:
     """The fitting candidate first by :func:`rank`, bar :func:`pointless_offloads`; None if none
     fits. Among those within ``margin`` (:func:`remat_kit.memory.roofline.estimate_error`) of
-    the fastest, the one that recomputes least (:func:`recompute_key`): recomputation is
-    certain work, the estimated lead is not."""
+    the fastest, the one that recomputes least (:func:`recomputes_less`; the fastest of those
+    that tie): recomputation is certain work, the estimated lead is not."""
     skip = pointless_offloads(candidates)
     usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
     best = min(usable, key=rank, default=None)
     if best is None or margin <= 0:
         return best
     near = [c for c in usable if c.step_time_s <= best.step_time_s * (1 + margin)]
-    return min(near, key=lambda c: (*recompute_key(c), rank(c)))
+    least = [c for c in near if not any(recomputes_less(d, c) for d in near)]
+    return min(least, key=rank)
+
+
+#: Compiled matmul FLOPs (or recomputing kernels' seconds) closer than this fraction tie when
+#: the pick goes to the candidate that recomputes less: nearer is bookkeeping, not work.
+RECOMPUTE_TIE = 0.01
 
 
 def recompute_key(c: Candidate) -> tuple[float, float]:
     """Compiled matmul FLOPs, then recomputing kernels' seconds; unknown last."""
     flops = c.flops if c.flops is not None else math.inf
     return flops, c.recompute_s if c.recompute_s is not None else math.inf
+
+
+def recomputes_less(a: Candidate, b: Candidate) -> bool:
+    """Whether ``a`` recomputes less than ``b``: fewer compiled matmul FLOPs by more than
+    :data:`RECOMPUTE_TIE`, or as many (within it) and fewer recomputing kernels' seconds by
+    more than it (:func:`recompute_key`; unknown is most)."""
+
+    def tied(x: float, y: float) -> bool:
+        return x == y or abs(x - y) <= RECOMPUTE_TIE * max(x, y)
+
+    (fa, sa), (fb, sb) = recompute_key(a), recompute_key(b)
+    if not tied(fa, fb):
+        return fa < fb
+    return not tied(sa, sb) and sa < sb
 
 
 def less_recompute_note(
@@ -413,10 +434,18 @@ def less_recompute_note(
     best = min(usable, key=rank, default=None)
     if best is None or best is pick or best.step_time_s >= pick.step_time_s:
         return None
+    (fp, sp), (fb, sb) = recompute_key(pick), recompute_key(best)
+    less = (
+        f"{1 - fp / fb:.0%} fewer matmul FLOPs"
+        if math.isfinite(fb) and fp < fb * (1 - RECOMPUTE_TIE)
+        else f"as many matmul FLOPs, {format_seconds(sb - sp)} less other recomputation"
+        if math.isfinite(sb)
+        else "less"
+    )
     return (
         f"picked {pick.full_label} (est. {format_seconds(pick.step_time_s)}) over "
         f"{best.full_label} (est. {format_seconds(best.step_time_s)}, "
-        f"{1 - best.step_time_s / pick.step_time_s:.0%} faster): the pick recomputes less, and "
+        f"{1 - best.step_time_s / pick.step_time_s:.0%} faster): the pick recomputes {less}, and "
         f"the estimates differ by less than the time model's error on this target "
         f"({margin:.0%}, docs/results/published.md); measure both to choose on speed"
     )
@@ -431,7 +460,7 @@ def passed_over_note(
         return None
     skip = pointless_offloads(candidates)
     usable = [c for c in candidates if c.fits and not any(c is s for s in skip)]
-    less = [c for c in usable if recompute_key(c) < recompute_key(pick)]
+    less = [c for c in usable if recomputes_less(c, pick)]
     if not less:
         return None
     best = min(usable, key=rank)
@@ -470,8 +499,9 @@ def close_call(pick: Candidate | None, rivals: Sequence[Candidate], auto: bool) 
     what = "tokens per second" if auto else "step time"
     return (
         f"close call: the pick {pick.label} leads {near.label} by {lead(near):.1%} in estimated "
-        f"{what}, within the time model's error on measured steps (docs/time-model.md); "
-        "measure both before choosing on speed (the sweep times them: experiments/sweep.py)"
+        f"{what}, under {CLOSE_CALL:.0%}: nearer than the estimates tell apart "
+        "(docs/time-model.md); measure both before choosing on speed (the sweep times them: "
+        "experiments/sweep.py)"
     )
 
 

@@ -70,6 +70,10 @@ def test_default_set_on_own_tags_is_clean_with_one_note():
     skipped = [n for n in result.notes if "save-qkv-proj" in n]
     assert len(skipped) == 1 and "offload-to-host" in skipped[0]
     assert "would run as save-nothing" in skipped[0]
+    text = result.summary().splitlines()
+    assert text[0] == f"doctor on 'own-tags': {len(labels)} policies; tags: attn_in, mlp_hidden"
+    assert [line[:-1] for line in text if line.endswith(":")] == labels
+    assert text[-len(result.notes) :] == [f"note: {n}" for n in result.notes]
 
 
 def test_named_policies_cut_down_to_the_emitted_names_are_labelled():

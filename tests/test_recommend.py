@@ -219,9 +219,10 @@ def assert_pick_rule(rec):
     """The pick fits, is estimated within the time model's error of the fastest fitting
     candidate, and recomputes least among those (``fastest_fitting`` on a datasheet target)."""
     from remat_kit.memory.roofline import estimate_error
-    from remat_kit.recommend.session import recomputes_less
+    from remat_kit.recommend.session import pointless_offloads, recomputes_less
 
-    fitting = [c for c in rec.candidates if c.fits]
+    skip = pointless_offloads(rec.candidates)  # an offload an on-device peer matches
+    fitting = [c for c in rec.candidates if c.fits and not any(c is s for s in skip)]
     fastest = min(c.step_time_s for c in fitting)
     near = [
         c for c in fitting

@@ -68,12 +68,14 @@ def test_free_budget_picks_a_compiled_named_policy(free):
     assert pick is not None and pick.fits and pick.flops is not None
     # the least recomputing of the candidates within the time model's error of the fastest
     from remat_kit.memory.roofline import estimate_error
-    from remat_kit.recommend.session import recomputes_less
+    from remat_kit.recommend.session import pointless_offloads, recomputes_less
     from remat_kit.targets import get_target
 
-    fastest = min(c.step_time_s for c in free.candidates)
+    skip = pointless_offloads(free.candidates)  # an offload an on-device peer matches
+    usable = [c for c in free.candidates if c.fits and not any(c is s for s in skip)]
+    fastest = min(c.step_time_s for c in usable)
     margin = estimate_error(get_target(free.target))
-    near = [c for c in free.candidates if c.fits and c.step_time_s <= fastest * (1 + margin)]
+    near = [c for c in usable if c.step_time_s <= fastest * (1 + margin)]
     least = [c for c in near if not any(recomputes_less(d, c) for d in near)]
     assert pick in least and pick.step_time_s == min(c.step_time_s for c in least)
     assert pick.tokens_per_s is None and pick.batch_size is None
@@ -98,10 +100,11 @@ def test_budget_between_two_peaks_decides_and_solve_is_compiled(program, free, c
     # the least recomputing of the fitting candidates within the time model's error of the
     # fastest fitting one (fastest_fitting), as at the free budget
     from remat_kit.memory.roofline import estimate_error
-    from remat_kit.recommend.session import recomputes_less
+    from remat_kit.recommend.session import pointless_offloads, recomputes_less
     from remat_kit.targets import get_target
 
-    fits = [c for c in rec.candidates if c.fits]
+    skip = pointless_offloads(rec.candidates)  # an offload an on-device peer matches
+    fits = [c for c in rec.candidates if c.fits and not any(c is s for s in skip)]
     quickest = min(c.step_time_s for c in fits)
     margin = estimate_error(get_target(rec.target))
     near = [c for c in fits if c.step_time_s <= quickest * (1 + margin)]

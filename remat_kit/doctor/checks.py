@@ -104,6 +104,16 @@ class ProgramCheck:
     def __len__(self) -> int:
         return len(self.checks)
 
+    def summary(self) -> str:
+        """The answer as text: the program and its tags, each policy's findings
+        (:meth:`Finding.line`) under its label, then the notes."""
+        tags = ", ".join(sorted(self.tags)) or "none"
+        lines = [f"doctor on {self.program!r}: {len(self.checks)} policies; tags: {tags}"]
+        for check in self.checks:
+            lines.append(f"{check.label}:")
+            lines += [f"  {f.line()}" for f in check.findings] or ["  no findings"]
+        return "\n".join([*lines, *(f"note: {n}" for n in self.notes)])
+
     def __iter__(self) -> Iterator[list[Finding]]:
         """Each policy's findings, in order (errors first)."""
         return (list(c.findings) for c in self.checks)

@@ -302,7 +302,7 @@ class Recommendation:
             return "nothing fits: " + ("; ".join(self.advice) or "no candidate compiled")
         code = self.pick.code(self.remats_for_none)
         fit = (
-            f"{self.target}: peak {format_bytes(self.pick.peak_bytes)} of a "
+            f"{self.target}: peak {format_bytes(self.pick.peak_bytes)} of the "
             f"{format_bytes(self.budget_bytes)} budget"
         )
         return f"{code}; {fit}" if "  # " in code else f"{code}  # {fit}"

@@ -245,24 +245,51 @@ def short_xla(text: str) -> str:
     """XLA's long messages in one line for a terminal (the JSON, rows and reports keep them
     whole): its rematerialisation pass giving up ("Can't reduce memory use below 60.47GiB
     (64927346170 bytes) by rematerialization; only reduced to ...") and remat-kit's note on
-    what it recomputed; its GPU scheduler calling a step whose arguments and outputs exceed the
-    device "an error in the calculation"; any other text as it is."""
+    what it recomputed; its GPU scheduler calling a step whose arguments and outputs exceed its
+    planning limit "an error in the calculation"; any other text as it is. The words come
+    before ``": "`` and the figures after, so that :func:`group_notes` says the words once
+    for every policy with each one's figures.
+
+    XLA:GPU's scheduler plans for 80% of the device's memory less the arguments and outputs,
+    times ``--xla_gpu_memory_limit_slop_factor`` (95 by default) percent
+    (``gpu_hlo_schedule.cc``); its remat pass aims at that figure, not at the device's memory.
+    """
     m = _REMAT_WARNING.search(text)
     if m:
         limit, reached, before = m.groups()
         return (
-            f"XLA's remat pass missed its own {limit} target, not the device's memory "
-            f"({before} -> {reached})"
+            f"XLA's remat pass missed its own {limit} target (its scheduler's planning figure, "
+            f"not the device's memory): {before} -> {reached}"
         )
     m = _SCHEDULER_LIMIT.search(text)
     if m:
         given, limit = (format_bytes(int(x)) for x in m.groups())
         return (
-            f"XLA's GPU scheduler: the step's arguments and outputs ({given}) exceed its memory "
-            f"limit ({limit}), which it calls 'an error in the calculation': the step does not "
-            "fit the device"
+            f"the step's arguments and outputs exceed XLA's GPU scheduler limit ({limit}, 80% of "
+            f"the device's memory), which XLA calls 'an error in the calculation': {given}"
         )
     m = re.search(r"recomputed (\d+) instruction", text)
     if m and "rematerialisation pass" in text:
         return f"XLA recomputed {m.group(1)} instructions itself (in the FLOPs)"
     return text
+
+
+def short_warnings(warnings: Iterable[str]) -> list[str]:
+    """One report's warnings for a terminal: :func:`short_xla` of each, XLA's scheduler
+    warnings (one per computation it schedules) said once with the largest figure."""
+    out: list[str] = []
+    line_of: dict[str, int] = {}  # scheduler limit -> the index of its line in ``out``
+    sizes: dict[str, int] = {}
+    for text in warnings:
+        m = _SCHEDULER_LIMIT.search(text)
+        if m is None:
+            out.append(short_xla(text))
+            continue
+        given, limit = int(m.group(1)), m.group(2)
+        if limit not in line_of:
+            line_of[limit], sizes[limit] = len(out), given
+            out.append(short_xla(text))
+        elif given > sizes[limit]:
+            sizes[limit] = given
+            out[line_of[limit]] = short_xla(text)
+    return list(dict.fromkeys(out))

@@ -208,7 +208,7 @@ def test_xla_remat_said_once():
     )
     assert r.policy_only is not None
     said = [w for w in r.warnings if "instruction" in w and "recomputed" in w]
-    assert len(said) == 1 and said[0].startswith("XLA recomputed"), r.warnings
+    assert len(said) == 1 and said[0].startswith("XLA's remat pass recomputed"), r.warnings
     # The repeat reads the compile and XLA's log lines from the cache.
     assert again.compile_cached and again == dataclasses.replace(r, compile_cached=True)
     assert any("Can't reduce memory use" in w for w in again.warnings), again.warnings

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from remat_kit.terminal import FittedTable, fit_table, group_notes, short_xla
+from remat_kit.terminal import FittedTable, fit_table, group_notes, short_warnings, short_xla
 
 
 def _table(optional=()):
@@ -105,8 +105,8 @@ def test_xlas_long_messages_shortened_to_one_line():
         "109.21GiB (117262955178 bytes) originally [remat-kit: that limit is XLA's own ...]"
     )
     assert short_xla(text) == (
-        "XLA's remat pass missed its own 60.47GiB target, not the device's memory "
-        "(109.21GiB -> 109.21GiB)"
+        "XLA's remat pass missed its own 60.47GiB target (its scheduler's planning figure, not "
+        "the device's memory): 109.21GiB -> 109.21GiB"
     )
     assert short_xla("something else") == "something else"
     scheduler = (
@@ -114,7 +114,16 @@ def test_xlas_long_messages_shortened_to_one_line():
         "base limit (67954383257). This indicates an error in the calculation!"
     )
     assert short_xla(scheduler) == (
-        "XLA's GPU scheduler: the step's arguments and outputs (128.00 GiB) exceed its memory "
-        "limit (63.29 GiB), which it calls 'an error in the calculation': the step does not fit "
-        "the device"
+        "the step's arguments and outputs exceed XLA's GPU scheduler limit (63.29 GiB, 80% of "
+        "the device's memory), which XLA calls 'an error in the calculation': 128.00 GiB"
     )
+    # one report's scheduler warnings (one per computation scheduled): the largest, once;
+    # the same words for several policies: one line, each policy's figures after them
+    bigger = scheduler.replace("(137438953472)", "(274877906944)")
+    one = short_warnings([scheduler, text, bigger, scheduler])
+    assert one == [short_xla(bigger), short_xla(text)]
+    lines = group_notes([("no-remat", one), ("save-dots", short_warnings([scheduler]))])
+    assert lines[0].endswith(
+        "'an error in the calculation': no-remat 256.00 GiB; save-dots 128.00 GiB"
+    )
+    assert len(lines) == 2 and lines[1].startswith("no-remat: XLA's remat pass missed")

@@ -202,10 +202,10 @@ def test_xla_remat_told_apart_deviceless():
     assert off.policy_only.flops == po.flops and off.recompute_ratio == r.recompute_ratio
     assert off.policy_only.peak_bytes > 0 and off.policy_only.compile_s is not None
     assert off.peak_bytes == r.peak_bytes and off.flops == r.flops
-    line = next(w for w in r.warnings if w.startswith("XLA recomputed"))
-    assert "the policy alone: x1." in line, line
-    assert "the policy alone peaks at" in next(
-        w for w in off.warnings if w.startswith("XLA recomputed")
+    line = next(w for w in r.warnings if w.startswith("XLA's remat pass recomputed"))
+    assert "the policy alone x1." in line, line
+    assert "the policy alone peaking at" in next(
+        w for w in off.warnings if w.startswith("XLA's remat pass recomputed")
     )
 
 

@@ -23,7 +23,7 @@ from remat_kit.memory.roofline import StepTime, no_remat_slower_note, small_step
 from remat_kit.memory.runner import CompileEngine
 from remat_kit.policies import PolicySpec, get_policy_spec, policy_label, policy_names
 from remat_kit.targets import parse_mesh
-from remat_kit.terminal import group_notes, short_xla
+from remat_kit.terminal import group_notes, short_warnings
 from remat_kit.training.step import make_optimizer
 from remat_kit.units import KIB, MIB, format_seconds, in_unit, table_unit
 from remat_kit.units import format_bytes as _size
@@ -519,19 +519,19 @@ def _layer_table(layers):
 
 
 def _warning_lines(results, labels: Sequence[str]) -> list[str]:
-    """Each report's warnings, XLA's long ones in one line (:func:`remat_kit.terminal.short_xla`;
-    ``--json`` keeps them whole), each said once with every policy that has it ("all
-    policies" for all), a cause several share said once after them
-    (:func:`remat_kit.terminal.group_notes`)."""
+    """Each report's warnings, XLA's long ones in one line
+    (:func:`remat_kit.terminal.short_warnings`; ``--json`` keeps them whole), each said once
+    with every policy that has it ("all policies" for all), a cause several share said once
+    after them (:func:`remat_kit.terminal.group_notes`)."""
     items = [
         (
             label,
-            [
-                short_xla(w)
+            short_warnings(
+                w
                 for w in r.warnings
                 # the table's row says "(same program as X)"
                 if "offloading did not" not in w and not w.startswith(SAME_PROGRAM)
-            ],
+            ),
         )
         for label, r in zip(labels, results, strict=True)
         if not isinstance(r, CompileError)

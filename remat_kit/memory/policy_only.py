@@ -53,18 +53,19 @@ def policy_only_figures(
 
 
 def xla_remat_line(peak_bytes: int, compiled_ratio: float | None, policy_only: PolicyOnly) -> str:
-    """``"XLA recomputed 56 instructions on its own to reach 81.17 GiB; the policy alone peaks
-    at 82.15 GiB, x1.25 FLOPs (x1.53 as compiled)"`` (without the policy's own peak when the
-    pass-off compile was not made)."""
+    """``"XLA's remat pass recomputed on its own, beyond the policy: 56 instructions to reach
+    81.17 GiB, the policy alone peaking at 82.15 GiB with x1.25 FLOPs (x1.53 as compiled)"``
+    (without the policy's own peak when the pass-off compile was not made); the words before
+    ``": "`` are the same for every policy (:func:`remat_kit.terminal.group_notes`)."""
     ratio = policy_only.recompute_ratio
-    flops = f"x{ratio:.2f} FLOPs" if ratio else ""
+    flops = f"x{ratio:.2f} FLOPs" if ratio else "FLOPs unknown"
     compiled = f" (x{compiled_ratio:.2f} as compiled)" if compiled_ratio else ""
     if policy_only.peak_bytes is not None:
-        alone = f" peaks at {format_bytes(policy_only.peak_bytes)}"
-        alone += f", {flops}" if flops else ""
+        alone = f" peaking at {format_bytes(policy_only.peak_bytes)} with {flops}"
     else:
-        alone = f": {flops or 'FLOPs unknown'}"
+        alone = f" {flops}"
     return (
-        f"XLA recomputed {policy_only.xla_remat_instructions} instructions on its own to reach "
-        f"{format_bytes(peak_bytes)}; the policy alone{alone}{compiled}"
+        "XLA's remat pass recomputed on its own, beyond the policy: "
+        f"{policy_only.xla_remat_instructions} instructions to reach {format_bytes(peak_bytes)}, "
+        f"the policy alone{alone}{compiled}"
     )

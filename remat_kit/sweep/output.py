@@ -17,7 +17,7 @@ import numpy as np
 
 from remat_kit.sweep import results as R
 from remat_kit.sweep.config import Point
-from remat_kit.terminal import group_notes, short_xla
+from remat_kit.terminal import group_notes, short_warnings
 
 
 @dataclasses.dataclass
@@ -192,7 +192,7 @@ def warning_lines(rows: Sequence[Mapping[str, Any]], short: bool = False) -> lis
     (``save-nothing, attn_in=save: ...``); a cause several warnings give (``... Cause: X``) is
     written once (``[cause 1]``, then ``cause 1: X``) (:func:`remat_kit.terminal.group_notes`);
     the table is named first when there are several. ``short``: XLA's long messages in one
-    line, for a terminal (:func:`remat_kit.terminal.short_xla`; the rows keep them whole)."""
+    line, for a terminal (:func:`remat_kit.terminal.short_warnings`; the rows keep them whole)."""
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
         if r.get("status") == "ok":
@@ -203,7 +203,7 @@ def warning_lines(rows: Sequence[Mapping[str, Any]], short: bool = False) -> lis
         shape = ", ".join(f"{k} {r0[k]}" for k in ("batch_size", "seq_len") if r0.get(k))
         where = f"{r0.get('model')} on {r0.get('target')}" + (f", {shape}" if shape else "")
         items = [
-            (str(r.get("policy")), [short_xla(w) if short else w for w in r.get("warnings") or ()])
+            (str(r.get("policy")), (short_warnings if short else list)(r.get("warnings") or ()))
             for r in members
         ]
         out += group_notes(items, lead=f"{where}: " if len(groups) > 1 else "")

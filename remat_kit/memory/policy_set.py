@@ -121,7 +121,7 @@ def own_tag_specs(
         specs.append(custom_spec(dict.fromkeys(names, "offload")))
     elif names:
         why = (
-            f"{target.name} has no host memory to offload to"
+            f"{target.name} does not offload to host memory"
             if not target.supports_host_offload
             else "the remat implementation in use does not offload"
         )

@@ -683,28 +683,39 @@ class CompileEngine:
                     self.cache.store(off, result.policy_only, batch.names[key] + ", pass off")
 
 
-def run_jobs(
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """The compile stage's output for one job: XLA's executable and dumps (``result``), the
+    lowered program's sha256 (equal for jobs that lowered to one program: compiled once), and
+    what was read from them beside the other compiles; :meth:`report` is the report stage."""
+
+    job: Job
+    result: CompileResult
+    program_sha256: str
+    read: _Read | None = None
+
+    def report(self, options: ReportOptions) -> MemoryReport:
+        """The job's :class:`MemoryReport` (peak, buffers, residuals, estimated step time)."""
+        report = _report(self.job, self.result, options, self.read)
+        return dataclasses.replace(report, program_sha256=self.program_sha256)
+
+
+def compile_jobs(
     jobs: Iterable[Job],
     options: ReportOptions,
     workers: int | None = None,
-    raise_errors: bool = True,
     engine: CompileEngine | None = None,
     total: int | None = None,
-) -> list[MemoryReport | CompileError]:
-    """Lower, compile (identical programs once, ``workers`` at a time) and report every job.
+) -> list[tuple[Job, Compiled | CompileError]]:
+    """Lower and compile every job (identical programs once, ``workers`` at a time), each
+    compile's dumps read in its worker: each job with its :class:`Compiled`, or with XLA's
+    CompileError where it failed.
 
     Args:
       jobs: a sequence or generator (traced while earlier jobs compile).
       workers: concurrent compiles of a private engine (default :func:`default_workers`).
-      raise_errors: False: a failed job gives its CompileError.
       engine: a :class:`CompileEngine` whose executables the caller keeps; None: a private one.
       total: for progress (default ``len(jobs)``).
-
-    Returns:
-      One report (or CompileError) per job, in order.
-
-    Raises:
-      CompileError: with ``raise_errors``, the first visible job that failed.
     """
     made: list[Job] = []
     queue = iter(jobs)
@@ -728,17 +739,49 @@ def run_jobs(
             compiled = own.compile_all(taken(), options.fast_compile, total=total, then=then)
     else:
         compiled = engine.compile_all(taken(), options.fast_compile, total=total, then=then)
-    jobs = made
+    return [
+        (
+            job,
+            result
+            if isinstance(result, CompileError)
+            else Compiled(job, result, key, reads.get(id(job))),
+        )
+        for job, (key, result) in zip(made, compiled, strict=True)
+    ]
+
+
+def run_jobs(
+    jobs: Iterable[Job],
+    options: ReportOptions,
+    workers: int | None = None,
+    raise_errors: bool = True,
+    engine: CompileEngine | None = None,
+    total: int | None = None,
+) -> list[MemoryReport | CompileError]:
+    """Compile (:func:`compile_jobs`) and report every job, each offloading job beside its
+    on-device twin and each policy against the run's no-remat step.
+
+    Args:
+      raise_errors: False: a failed job gives its CompileError.
+      Others: as :func:`compile_jobs`.
+
+    Returns:
+      One report (or CompileError) per job, in order.
+
+    Raises:
+      CompileError: with ``raise_errors``, the first visible job that failed.
+    """
+    stages = compile_jobs(jobs, options, workers, engine, total)
     out: list[MemoryReport | CompileError] = []
-    for job, (key, result) in zip(jobs, compiled, strict=True):
-        if isinstance(result, CompileError):
-            err = result.renamed(job.what, job.policy)
-            if raise_errors and job.visible:
-                raise err from result
-            out.append(err)
-        else:
-            report = _report(job, result, options, reads.get(id(job)))
-            out.append(dataclasses.replace(report, program_sha256=key))
+    for job, stage in stages:
+        if isinstance(stage, Compiled):
+            out.append(stage.report(options))
+            continue
+        err = stage.renamed(job.what, job.policy)
+        if raise_errors and job.visible:
+            raise err from stage
+        out.append(err)
+    jobs = [job for job, _ in stages]
     for i, job in enumerate(jobs):
         if job.on_device_twin is not None and isinstance(out[i], MemoryReport):
             out[i] = _with_twin(out[i], out[job.on_device_twin])  # type: ignore[arg-type]

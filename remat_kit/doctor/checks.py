@@ -63,7 +63,7 @@ from remat_kit.policies import (
 from remat_kit.program import Program, step_flops
 from remat_kit.pure import filtered_factory
 from remat_kit.reach import PolicyReach, factory_reach
-from remat_kit.trace import trace_program
+from remat_kit.trace import program_tags
 from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
 from remat_kit.zoo import PresetLike, as_program
 
@@ -176,8 +176,9 @@ def check_policies(
             "build it with Program.from_loss, or pass make_loss= and loss_args= to from_step"
         )
     tgt = T.get_target(target)
-    traced = trace_program(program, tgt)  # the trace analyze and recommend make too
-    tags, reach = traced.tags, traced.reach
+    # traced once per program (memoised beside it; analyze's trace_program reads them) and
+    # before any placement on the target: a factory that drops the policy is told without it
+    tags, reach = program_tags(program), program.reach()
     wraps = policies is None or any(resolve_policy(p, tags).wrap for p in policies)
     if not reach.passes and wraps:  # every policy compiles to one program: one error says it
         return _policy_never_passed(program, policies, tags, reach)

@@ -336,6 +336,22 @@ def test_flops_leave_out_the_zeros_xla_pads_a_split_k_gemm_with():
     unpadded = _SPLIT_K_HLO.replace("calls=%fused_pad.2", "calls=%gemm_input")
     # a producer that is not a pad fusion: only the other operand's share applies (the same)
     assert hlo.count_flops(hlo.parse_hlo_module(unpadded)).flops == 2 * 520 * 64 * 256
+    # the program's own pads (a JAX op_name: jnp.pad) are in its jaxpr too: counted padded
+    own = _SPLIT_K_HLO.replace(
+        "padding=0_24x0_0", 'padding=0_24x0_0, metadata={op_name="jit(step)/pad"}'
+    )
+    assert hlo.count_flops(hlo.parse_hlo_module(own)).flops == 2 * 544 * 64 * 256
+    # a gemm in the same computation as XLA's pads (no fusion around it): the same share
+    inline = (
+        _SPLIT_K_HLO.replace(", kind=kCustom, calls=%gemm", "")
+        .replace("fusion(%bitcast.1, %bitcast.2)", "dot(%bitcast.1, %bitcast.2)")
+        .replace("%gemm_fusion_dot.41 = f32[8,64,256]{2,1,0} dot(%bitcast.1, %bitcast.2)",
+                 "%gemm_fusion_dot.41 = f32[8,64,256]{2,1,0} dot(%bitcast.1, %bitcast.2), "
+                 "lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={0}, "
+                 "rhs_contracting_dims={1}")
+    )  # fmt: skip
+    assert "calls=%gemm\n" not in inline and " dot(%bitcast.1" in inline
+    assert hlo.count_flops(hlo.parse_hlo_module(inline)).flops == 2 * 520 * 64 * 256
     assert hlo.count_flops(hlo.parse_hlo_module(_HLO)).flops == 6 * 2 * 8 * 4 * 16
 
 

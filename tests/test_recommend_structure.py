@@ -215,7 +215,7 @@ def test_nested_remat_makes_it_fit(capsys):
         "scan_layers=True)"
     )
     comment = (
-        f"batch {BATCH}, seq {SEQ}; {TARGET}: peak {format_bytes(pick.peak_bytes)} of a "
+        f"batch {BATCH}, seq {SEQ}; {TARGET}: peak {format_bytes(pick.peak_bytes)} of the "
         f"{format_bytes(budget)} budget"
     )
     assert rec.line() == f"{code}  # {comment}"

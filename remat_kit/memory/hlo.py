@@ -563,9 +563,10 @@ def _padded_share(
     by_name: Mapping[str, Instruction],
     comps: Mapping[str, Computation],
 ) -> float:
-    """Elements before / after the ``pad`` that made value ``name`` of ``comp`` (through
-    bitcasts, or a fusion whose root is a pad); 1.0 for any other value. ``by_name``: the
-    instructions of ``comp`` by name."""
+    """Elements before / after the ``pad`` XLA added that made value ``name`` of ``comp``
+    (through bitcasts, or a fusion whose root is a pad); 1.0 for any other value, and for the
+    program's own pads (those with a JAX ``op_name``: ``jnp.pad``, a transpose rule's, counted
+    in the jaxpr as padded too). ``by_name``: the instructions of ``comp`` by name."""
     instr = by_name.get(name)
     while instr is not None and instr.opcode == "bitcast" and instr.operands:
         instr = by_name.get(instr.operands[0])
@@ -578,7 +579,7 @@ def _padded_share(
         if not pads or pads[-1].shape != instr.shape:  # the fusion's value is the pad's
             return 1.0
         instr, home = pads[-1], inner
-    if instr.opcode != "pad" or not instr.operands:
+    if instr.opcode != "pad" or not instr.operands or instr.op_name:
         return 1.0
     shapes = {**home.param_shapes, **{i.name: i.shape for i in home.instructions}}
     before = array_shapes(shapes.get(instr.operands[0], ""))
@@ -637,7 +638,8 @@ def count_flops(comps: dict[str, Computation]) -> FlopCount:
         for instr in comp.instructions:
             shapes[instr.name] = instr.shape
             f = instruction_flops(instr, shapes)
-            if f:
+            if f:  # a dot or gemm call whose operands XLA padded in this computation
+                f *= padding_share(instr, comp, by_name, comps)
                 add((f, f if JAX_RECOMPUTE_SCOPE in instr.op_name else 0.0, 0.0), instr)
             if instr.opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", instr.attributes)

@@ -111,6 +111,20 @@ LONGEST_FIRST = (
     "test_gpu_check",
     "test_programs",
     "test_analyze_programs",
+    # few tests each, 20-50 s in all: left to xdist's order (most tests first) they come last
+    "test_memory",
+    "test_mesh_analysis",
+    "test_doctor",
+    "test_cli_grid",
+    "test_remat3",
+    "test_sweep_program",
+    "test_sharding",
+    "test_tpu",
+    "test_recommend_program",
+    "test_notebook",
+    "test_timeline",
+    "test_one_path",
+    "test_sweep_tasks",
 )
 
 

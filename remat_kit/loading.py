@@ -9,6 +9,7 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from remat_kit.program import Program
@@ -38,15 +39,20 @@ def _factories(module: Any) -> list[str]:
     return sorted(programs + (builders or others))
 
 
-def require_program(obj: Any) -> Program:
+def require_program(obj: Any, error: Callable[[], str] | None = None) -> Program:
     """``obj`` if it is a :class:`Program` (the tools take nothing else).
+
+    Args:
+      error: the message for anything else, made only then (default: how to make a Program).
 
     Raises:
       ValueError: anything else (one line saying how to make a Program).
     """
     if not isinstance(obj, Program):
         raise ValueError(
-            f"expected a remat_kit.Program (Program.from_loss / Program.from_step, or "
+            error()
+            if error is not None
+            else f"expected a remat_kit.Program (Program.from_loss / Program.from_step, or "
             f"remat_kit.preset(name, batch_size, seq_len) for a bundled model), got "
             f"{type(obj).__name__}"
         )
@@ -93,14 +99,21 @@ def load_program(ref: str) -> Program:
             "FILE.py:FACTORY (models/gpt.py:program), or give a preset name"
         )
     module = _import_module(ref, module_ref)
-    program = _from_factory(ref, module_ref, attr, module)
-    try:
-        require_program(program)
-    except ValueError:
-        raise ValueError(
-            f"{ref} returned {type(program).__name__}, not a remat_kit.Program; return "
-            "Program.from_loss(...) or Program.from_step(...)"
-        ) from None
+    obj, called = _from_factory(ref, module_ref, attr, module)
+
+    def error() -> str:
+        if called:
+            return (
+                f"{ref} returned {type(obj).__name__}, not a remat_kit.Program; return "
+                "Program.from_loss(...) or Program.from_step(...)"
+            )
+        valid = ", ".join(_factories(module)) or "(none)"
+        return (
+            f"{module_ref}: {attr!r} is a {type(obj).__name__}, not a factory (a function "
+            f"returning a remat_kit.Program) or a Program; valid: {valid}."
+        )
+
+    program = require_program(obj, error)
     defaulted = {getattr(f, "__name__", None) for f in (program.make_loss, program.make_step)}
     if program.name in defaulted | {"program"}:  # named after a function (from_loss's default,
         # often ``make_loss``): the reports name it as the user named it instead
@@ -141,22 +154,16 @@ def _import_module(ref: str, module_ref: str) -> Any:
     return module
 
 
-def _from_factory(ref: str, module_ref: str, attr: str, module: Any) -> Any:
-    """What the factory ``attr`` of ``module`` returns (called with no arguments), or the
-    Program the name holds."""
+def _from_factory(ref: str, module_ref: str, attr: str, module: Any) -> tuple[Any, bool]:
+    """What the factory ``attr`` of ``module`` returns (called with no arguments), or what the
+    name holds when it is not callable (a Program constant); and whether it was called."""
     factory = getattr(module, attr, None)
     if factory is None:
         found = _factories(module)
         bad = unknown_value_error("factory", attr, found or ["(none)"])
         raise ValueError(f"{module_ref}: {bad}")
-    if isinstance(factory, Program):
-        return factory
-    if not callable(factory):  # a module, a constant: nothing to call
-        valid = ", ".join(_factories(module)) or "(none)"
-        raise ValueError(
-            f"{module_ref}: {attr!r} is a {type(factory).__name__}, not a factory (a function "
-            f"returning a remat_kit.Program) or a Program; valid: {valid}."
-        )
+    if not callable(factory):  # a Program constant, or a module or value: nothing to call
+        return factory, False
     try:
         inspect.signature(factory).bind()
     except TypeError:
@@ -167,7 +174,7 @@ def _from_factory(ref: str, module_ref: str, attr: str, module: Any) -> Any:
     except ValueError:  # no signature (a builtin): just call it
         pass
     try:
-        return factory()
+        return factory(), True
     except Exception as err:  # the user's code: one line naming it (the cause chained)
         first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
         raise ValueError(

@@ -292,4 +292,4 @@ def short_warnings(warnings: Iterable[str]) -> list[str]:
         elif given > sizes[limit]:
             sizes[limit] = given
             out[line_of[limit]] = short_xla(text)
-    return list(dict.fromkeys(out))
+    return out

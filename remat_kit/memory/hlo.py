@@ -581,8 +581,10 @@ def _padded_share(
         instr, home = pads[-1], inner
     if instr.opcode != "pad" or not instr.operands or instr.op_name:
         return 1.0
-    shapes = {**home.param_shapes, **{i.name: i.shape for i in home.instructions}}
-    before = array_shapes(shapes.get(instr.operands[0], ""))
+    source = (by_name if home is comp else {i.name: i for i in home.instructions}).get(
+        instr.operands[0]
+    )
+    before = array_shapes(source.shape if source else home.param_shapes.get(instr.operands[0], ""))
     after = array_shapes(instr.shape)
     if not before or not after:
         return 1.0

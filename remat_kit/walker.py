@@ -381,6 +381,7 @@ def traced_flops(fn: Callable[..., Any], *args: Any) -> float:
 
 
 _FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")
+_LAYOUT_ONLY = ("reshape", "transpose")
 _BROADCAST_THROUGH = ("broadcast_in_dim", "convert_element_type")
 _PASS_THROUGH = ("device_put", "reduce_precision", "convert_element_type", "copy", "copy_p")
 
@@ -485,6 +486,20 @@ class _Graph:
                 return self.forward_tag(nxt, depth + 1)
         return None
 
+    def _named_upstream(self, v: Any) -> str | None:
+        """The checkpoint name ``v`` is, through copies, reshapes and transposes; or None."""
+        for _ in range(8):
+            eqn = self.producer.get(v) if isinstance(v, jcore.Var) else None
+            if eqn is None or not eqn.invars:
+                return None
+            tag = eqn_tag(eqn)
+            if tag is not None:
+                return tag
+            if eqn.primitive.name not in _LAYOUT_ONLY and not _is_identity(eqn):
+                return None
+            v = eqn.invars[0]
+        return None
+
     def tag_of(self, v: Any, depth: int = 0) -> str | None:
         """The checkpoint name of ``v``: its producer's (through copies and call bodies), or
         the name it flows into."""
@@ -498,6 +513,10 @@ class _Graph:
             if eqn.primitive.name in _PASS_THROUGH and eqn.invars and _same_bytes(eqn):
                 tag = self.tag_of(eqn.invars[0], depth + 1)
                 return tag if tag is not None else self.forward_tag(v)
+            if eqn.primitive.name in _LAYOUT_ONLY:  # e.g. a named projection split into heads
+                tag = self._named_upstream(eqn.invars[0])
+                if tag is not None:
+                    return tag
             sub = body(eqn)
             if sub is not None:  # e.g. residuals stacked by a layer scan
                 inner = _Graph(sub)

@@ -193,6 +193,11 @@ def recommend(
 ) -> Recommendation:
     """The configuration with the least estimated step time whose compiled peak fits the budget.
 
+    On a target with datasheet figures (GPU, TPU) the pick is, among fitting candidates
+    estimated within the time model's error of the fastest
+    (:func:`remat_kit.memory.roofline.estimate_error`), the one that recomputes least; a note
+    names the faster estimate (docs/recommend.md).
+
     Args:
       model: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`: its
         ``remat_group_size`` is the base group size), made a program by :func:`remat_kit.preset`;

@@ -423,6 +423,15 @@ def recomputes_less(a: Candidate, b: Candidate) -> bool:
     return not tied(sa, sb) and sa < sb
 
 
+def _recomputed_less(pick: Candidate, best: Candidate) -> str:
+    """`` (recomputes N% fewer)``: the recomputed matmul FLOPs (``flops - flops_no_remat``) of
+    ``pick`` against ``best``'s; empty where either is unknown or ``best`` recomputes none."""
+    if None in (pick.flops, pick.flops_no_remat, best.flops, best.flops_no_remat):
+        return ""
+    rp, rb = pick.flops - pick.flops_no_remat, best.flops - best.flops_no_remat
+    return f" (recomputes {1 - max(rp, 0.0) / rb:.0%} fewer)" if rb > 0 else ""
+
+
 def less_recompute_note(
     pick: Candidate | None, candidates: Sequence[Candidate], margin: float
 ) -> str | None:
@@ -436,16 +445,16 @@ def less_recompute_note(
         return None
     (fp, sp), (fb, sb) = recompute_key(pick), recompute_key(best)
     less = (
-        f"{1 - fp / fb:.0%} fewer matmul FLOPs"
+        f"runs {1 - fp / fb:.0%} fewer matmul FLOPs{_recomputed_less(pick, best)}"
         if math.isfinite(fb) and fp < fb * (1 - RECOMPUTE_TIE)
-        else f"as many matmul FLOPs, {format_seconds(sb - sp)} less other recomputation"
+        else f"recomputes as many matmul FLOPs, {format_seconds(sb - sp)} less other recomputation"
         if math.isfinite(sb)
-        else "less"
+        else "recomputes less"
     )
     return (
         f"picked {pick.full_label} (est. {format_seconds(pick.step_time_s)}) over "
         f"{best.full_label} (est. {format_seconds(best.step_time_s)}, "
-        f"{1 - best.step_time_s / pick.step_time_s:.0%} faster): the pick recomputes {less}, and "
+        f"{1 - best.step_time_s / pick.step_time_s:.0%} faster): the pick {less}, and "
         f"the estimates differ by less than the time model's error on this target "
         f"({margin:.0%}, docs/results/published.md); measure both to choose on speed"
     )

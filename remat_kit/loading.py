@@ -83,16 +83,22 @@ def load_program(ref: str) -> Program:
     my_models.gpt:program``) beside the bundled preset names.
 
     Raises:
-      ValueError: ``ref`` without ``:``, a module or file that cannot be found or imported, a
-        file Python cannot parse (``SyntaxError``: file and line in one line), a missing
-        factory, a factory that raises (its exception chained) or that does not return a
-        Program (one line naming which).
+      ValueError: ``ref`` without ``:`` (for ``FILE.py``, naming its factories), a module or
+        file that cannot be found or imported, a file Python cannot parse (``SyntaxError``: file
+        and line in one line), a missing factory, a factory that raises (its exception
+        chained) or that does not return a Program (one line naming which).
 
     A program left with its default name (its loss or step function's, often ``make_loss``)
     is named ``FILE:FACTORY`` (``gpt:program``) in reports; a name given to ``from_loss`` /
     ``from_step`` other than that function's is kept.
     """
     module_ref, sep, attr = ref.rpartition(":")
+    if not sep and ref.endswith(".py"):  # a file without its factory: name the ones it has
+        valid = ", ".join(_factories(_import_module(ref, ref))) or "(none)"
+        raise ValueError(
+            f"{ref!r} names a file, not its factory: write FILE.py:FACTORY; valid factories in "
+            f"it: {valid}"
+        )
     if not sep or not module_ref or not attr:
         raise ValueError(
             f"cannot read {ref!r} as a program: write MODULE:FACTORY (my_pkg.models:program) or "

@@ -737,11 +737,11 @@ def get_target(name: str | Target) -> Target:
         return tpu_target(key)
     names = [LOCAL, *TARGETS]
     close = closest(key, names)  # a prefix ("h100") beats a near spelling ("h200")
-    hint = f"; did you mean {close!r}?" if close else ""
+    hint = f" Did you mean {close!r}?" if close else ""
     slices = ", ".join(f"{g}-N" for g in CHIPS)
     raise ValueError(
         f"unknown target {name!r}; valid: {', '.join(names)}, TPU slices {slices} (e.g. "
-        f"v5p-8, v6e-256; sizes in `remat-kit targets`){hint}"
+        f"v5p-8, v6e-256; sizes in `remat-kit targets`).{hint}"
     )
 
 

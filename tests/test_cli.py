@@ -133,7 +133,7 @@ def test_an_unknown_target_is_one_short_line_on_every_command(command, capfd):
     assert code == 2 and out == "" and len(line) < 250, line
     assert line.startswith("remat-kit: error: argument --target: unknown target 'h100'; valid: ")
     assert "h100-sxm, h200, a100-80gb" in line and "v5p-N, v6e-N (e.g. v5p-8, v6e-256" in line
-    assert line.endswith("did you mean 'h100-sxm'?") and "17920" not in line
+    assert line.endswith("Did you mean 'h100-sxm'?") and "17920" not in line
 
 
 def test_every_process_case_is_a_bad_input():

@@ -164,6 +164,10 @@ def test_analyze_an_unjitted_nnx_step_equals_nnx_jit():
     "ref, match",
     [
         ("nocolon", r"write MODULE:FACTORY"),
+        (
+            "tests/user_models/plain_jax.py",
+            r"names a file, not its factory.*factories in it: program",
+        ),
         ("tests/user_models/nope.py:program", r"program file .* does not exist"),
         ("no_such_pkg.models:program", r"cannot import module 'no_such_pkg.models'"),
         (

@@ -133,7 +133,7 @@ def test_batch_bracket_converges_on_an_affine_peak():
         (dict(batch_size=0), "positive integer or 'auto'"),
         (dict(budget="80 parsecs"), "cannot read"),
         (dict(margin=1.5), "margin"),
-        (dict(target="h100"), "did you mean 'h100-sxm'"),
+        (dict(target="h100"), "Did you mean 'h100-sxm'"),
     ],
 )
 def test_bad_input_raises_one_line(kwargs, message):

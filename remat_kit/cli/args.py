@@ -159,8 +159,9 @@ def maxtext_policies(program: Any) -> list[Any]:
 
 
 def is_program_ref(model: str | None) -> bool:
-    """True unless ``--model`` names a preset (None: ``--maxtext`` names the program)."""
-    return model is None or ":" in model
+    """True unless ``--model`` names a preset (None: ``--maxtext`` names the program); a
+    ``FILE.py`` without its factory is a program reference too (its error lists them)."""
+    return model is None or ":" in model or model.endswith(".py")
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -96,7 +96,10 @@ def resolve_budget(
     """
     if budget is None:
         if target.memory_bytes is None:
-            raise ValueError(f"target {target.name!r} has unknown memory: give a budget")
+            raise ValueError(
+                f"target {target.name!r} has unknown memory: give a budget "
+                "(budget='40GiB'; --budget on the command line)"
+            )
         note = (
             f"{target.name} memory {format_bytes(target.memory_bytes)} less {margin:.0%} for the "
             "CUDA context, workspaces and fragmentation; run with "

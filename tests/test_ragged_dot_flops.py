@@ -33,3 +33,17 @@ def test_ragged_dot_jaxpr_flops_match_compiled_cpu():
     walked = traced_flops(_grads, x, w, sizes)
     assert walked == 3 * 2 * M * K * N * G  # forward, and one per operand's gradient
     assert report.flops == pytest.approx(walked)
+
+
+def test_save_dots_recomputes_ragged_dot_as_its_description_says():
+    """save-dots' description says JAX's policy does not keep a ragged_dot's output."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x, w, sizes = _args()
+    assert "ragged_dot" in remat_kit.get_policy_spec("save-dots").description
+    f = jax.checkpoint(
+        lambda x, w: jnp.sin(jax.lax.ragged_dot(x, w, sizes)).sum(),
+        policy=remat_kit.policy("save-dots"),
+    )
+    kept = [aval.shape for aval, source in saved_residuals(f, x, w) if "argument" not in source]
+    assert (M, N) not in kept

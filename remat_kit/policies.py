@@ -152,14 +152,18 @@ _REGISTRY: dict[str, PolicySpec] = {
         PolicySpec(
             "save-dots",
             "Every matmul output kept (projections and the attention score / context matmuls); "
-            "elementwise ops, norms and softmax recomputed.",
+            "elementwise ops, norms and softmax recomputed. lax.ragged_dot (MoE experts "
+            "grouped by expert) is no dot to JAX's policy: recomputed.",
             base="dots",
             source=f"{_JAX_DOC} (dots_saveable)",
         ),
         PolicySpec(
             "save-dots-no-batch",
             "Weight matmul outputs kept; the batched attention score and context matmuls, "
-            "softmax and elementwise ops recomputed (selective activation recompute).",
+            "softmax and elementwise ops recomputed (selective activation recompute). A "
+            "matmul with a dimension in both operands and its output is batched (MoE experts "
+            "as one einsum over stacked weights, 'bsef,efd->bsed'), and lax.ragged_dot no "
+            "dot: both recomputed.",
             base="dots_no_batch",
             source=f"{_KORTHIKANTI}; {_JAX_DOC} (dots_with_no_batch_dims_saveable)",
         ),

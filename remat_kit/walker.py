@@ -334,6 +334,20 @@ def _dot_general_flops(eqn) -> float:
     return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract)
 
 
+def _ragged_dot_flops(eqn) -> float:
+    """``lax.ragged_dot_general`` as XLA:CPU and XLA:GPU run it: JAX (CPU) and XLA's GPU
+    rewrite expand it to a dense dot over every group, each row masked to its own,
+    ``2 * prod(out) * prod(contracting) * prod(rhs group dims)``: the number of groups times
+    the ``2 * rows * K * N`` the routed rows need. Counted so, the jaxpr's FLOPs match the
+    compiled program's (:func:`remat_kit.memory.hlo.count_flops`)."""
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = dims.dot_dimension_numbers
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    out = eqn.outvars[0].aval
+    groups = math.prod(rhs.shape[d] for d in dims.rhs_group_dimensions)
+    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract) * groups
+
+
 def _conv_flops(eqn) -> float:
     """``2 * prod(out) * prod(kernel) / kernel_out_features``."""
     rhs = eqn.invars[1].aval
@@ -357,10 +371,13 @@ def _fused_attention_flops(eqn) -> float:
 
 
 def eqn_flops(eqn: Any) -> float:
-    """FLOPs of one equation (0 for anything but a matmul, convolution or fused attention)."""
+    """FLOPs of one equation (0 for anything but a matmul, a ragged matmul, a convolution or
+    fused attention)."""
     name = eqn.primitive.name
     if name == "dot_general":
         return _dot_general_flops(eqn)
+    if name == "ragged_dot_general":
+        return _ragged_dot_flops(eqn)
     if name == "conv_general_dilated":
         return _conv_flops(eqn)
     if name in FUSED_ATTENTION_FWD:

@@ -101,13 +101,21 @@ def trace_program(program: Program, target: str | T.Target) -> ProgramTrace:
     arguments = argument_parts(dataclasses.replace(pure, args=tuple(placed)), program.args)
     flops = None
     if not reach.without_policy:  # a no-remat step that remats gives no ratio
+        routed = routes_ragged(tgt)
 
         def count() -> float:
             base = program.baseline_step()
-            return traced_flops(base.fn, *base.args)
+            return traced_flops(base.fn, *base.args, routed_ragged=routed)
 
-        flops = memo(program, "flops_no_remat", count) / placement.devices
+        flops = memo(program, ("flops_no_remat", routed), count) / placement.devices
     return ProgramTrace(program, tgt, placement, program_tags(program), reach, arguments, flops)
+
+
+def routes_ragged(target: T.Target) -> bool:
+    """Whether ``target`` runs a ``lax.ragged_dot`` over its routed rows only (a TPU's
+    ragged-dot kernel) rather than as a dense dot over every group (CPU, GPU): how the jaxpr's
+    FLOPs count it (:func:`remat_kit.walker.eqn_flops`)."""
+    return target.platform == "tpu"
 
 
 def trace_step(program: Program, spec: PolicySpec, placement: Placement) -> tuple[Pure, Any]:
@@ -161,7 +169,8 @@ def trace_policy(program_trace: ProgramTrace, spec: PolicySpec) -> Traced:
     if rows is not None and not program_trace.target.supports_host_offload:
         rows = held_on_device(rows)  # what it offloads stays in device memory
     jaxpr = stage.jaxpr.jaxpr if spec.wrap else None
-    flops = None if jaxpr is None else jaxpr_flops(jaxpr) / placement.devices
+    routed = routes_ragged(program_trace.target)
+    flops = None if jaxpr is None else jaxpr_flops(jaxpr, routed) / placement.devices
     remat = None if jaxpr is None else remat_placement(jaxpr)
     return Traced(program_trace, spec, pure, stage, rows, flops, remat)
 

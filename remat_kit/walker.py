@@ -10,6 +10,7 @@ walker").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -334,18 +335,20 @@ def _dot_general_flops(eqn) -> float:
     return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract)
 
 
-def _ragged_dot_flops(eqn) -> float:
-    """``lax.ragged_dot_general`` as XLA:CPU and XLA:GPU run it: JAX (CPU) and XLA's GPU
-    rewrite expand it to a dense dot over every group, each row masked to its own,
-    ``2 * prod(out) * prod(contracting) * prod(rhs group dims)``: the number of groups times
-    the ``2 * rows * K * N`` the routed rows need. Counted so, the jaxpr's FLOPs match the
-    compiled program's (:func:`remat_kit.memory.hlo.count_flops`)."""
+def _ragged_dot_flops(eqn, routed: bool) -> float:
+    """``lax.ragged_dot_general``: ``2 * prod(out) * prod(contracting) * prod(rhs group dims)``,
+    the dense dot over every group (each row masked to its own) that JAX's CPU lowering and
+    XLA's GPU rewrite run; ``routed``: that over the number of groups (``group_sizes``' last
+    dimension), the ``2 * rows * K * N`` of the routed rows only, as libtpu's ragged-dot kernel
+    runs it (:func:`remat_kit.memory.hlo.instruction_flops`). Either way the jaxpr's count
+    matches the compiled program's on that target."""
     dims = eqn.params["ragged_dot_dimension_numbers"]
     (lhs_contract, _), _ = dims.dot_dimension_numbers
     lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
     out = eqn.outvars[0].aval
     groups = math.prod(rhs.shape[d] for d in dims.rhs_group_dimensions)
-    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract) * groups
+    dense = 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract) * groups
+    return dense / max(eqn.invars[2].aval.shape[-1], 1) if routed else dense
 
 
 def _conv_flops(eqn) -> float:
@@ -370,14 +373,15 @@ def _fused_attention_flops(eqn) -> float:
     return 4.0 * b * n * t * s * d * (0.5 if causal else 1.0)
 
 
-def eqn_flops(eqn: Any) -> float:
+def eqn_flops(eqn: Any, routed_ragged: bool = False) -> float:
     """FLOPs of one equation (0 for anything but a matmul, a ragged matmul, a convolution or
-    fused attention)."""
+    fused attention). ``routed_ragged``: a ragged matmul's routed rows only, as a TPU runs it;
+    else the dense dot over every group a CPU or GPU runs (:func:`_ragged_dot_flops`)."""
     name = eqn.primitive.name
     if name == "dot_general":
         return _dot_general_flops(eqn)
     if name == "ragged_dot_general":
-        return _ragged_dot_flops(eqn)
+        return _ragged_dot_flops(eqn, routed_ragged)
     if name == "conv_general_dilated":
         return _conv_flops(eqn)
     if name in FUSED_ATTENTION_FWD:
@@ -387,14 +391,16 @@ def eqn_flops(eqn: Any) -> float:
     return 0.0
 
 
-def jaxpr_flops(jaxpr: jcore.Jaxpr) -> float:
-    """FLOPs of ``jaxpr`` (a matmul: ``2 * prod(out) * prod(contracting)``), by :func:`fold`."""
-    return fold(jaxpr, eqn_flops)
+def jaxpr_flops(jaxpr: jcore.Jaxpr, routed_ragged: bool = False) -> float:
+    """FLOPs of ``jaxpr`` (a matmul: ``2 * prod(out) * prod(contracting)``), by :func:`fold`;
+    ``routed_ragged`` as in :func:`eqn_flops`."""
+    return fold(jaxpr, functools.partial(eqn_flops, routed_ragged=routed_ragged))
 
 
-def traced_flops(fn: Callable[..., Any], *args: Any) -> float:
-    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be abstract)."""
-    return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+def traced_flops(fn: Callable[..., Any], *args: Any, routed_ragged: bool = False) -> float:
+    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be abstract); ``routed_ragged`` as
+    in :func:`eqn_flops`."""
+    return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr, routed_ragged)
 
 
 _FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")

@@ -1,6 +1,8 @@
 """Ragged matmuls (``lax.ragged_dot``, as MoE layers dispatch tokens to experts) counted in the
 jaxpr's FLOPs as the compiled program runs them."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -47,3 +49,33 @@ def test_save_dots_recomputes_ragged_dot_as_its_description_says():
     )
     kept = [aval.shape for aval, source in saved_residuals(f, x, w) if "argument" not in source]
     assert (M, N) not in kept
+
+
+def test_ragged_dot_routed_count_is_one_group_in_g():
+    """A TPU runs the routed rows only: the count over the number of groups, every mode (the
+    forward's ragged rows, and the gradients' ragged rows and ragged contraction)."""
+    x, w, sizes = _args()
+    assert traced_flops(_grads, x, w, sizes, routed_ragged=True) == 3 * 2 * M * K * N
+
+
+def _make_loss(policy):
+    def layer(x, w):
+        return jnp.tanh(jax.lax.ragged_dot(x, w, jnp.array([3, 5, 0, 8], jnp.int32)))
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    return lambda w, x: (body(x, w) ** 2).sum()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)"
+)
+def test_ragged_dot_on_a_tpu_counts_the_routed_rows_compiled_and_traced():
+    """libtpu's ragged-dot kernel is a custom call the compiled count read as 0 FLOPs; it is
+    the routed rows' ``2 * M * K * N``, and the jaxpr's count on a TPU target is the same, so
+    a step without remat recomputes nothing (it read 0 against the dense count, then 1/G)."""
+    x, w, sizes = _args()
+    assert remat_kit.analyze(_grads, x, w, sizes, target="v5e-1").flops == 3 * 2 * M * K * N
+    program = remat_kit.Program.from_loss(_make_loss, w, x, optimizer="sgd")
+    for target in ("v5e-1", "cpu"):
+        (report,) = remat_kit.analyze_policies(program, ["no-remat"], target=target)
+        assert report.recompute_ratio == pytest.approx(1.0), target

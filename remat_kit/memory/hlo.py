@@ -399,9 +399,31 @@ def _fmha_flops(instr: Instruction) -> float:
     return flops
 
 
+def _ragged_kernel_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    """``2 * rows * K * N`` of libtpu's ragged-dot kernel (``lax.ragged_dot``: the routed rows
+    only), from its output and its last two operands, the data (the ones before are the
+    group metadata): ``[M, K] x [G, K, N] -> [M, N]`` (and the operand gradient, alike) is
+    ``2 * prod(out) * K``; the weight gradient ``[M, K] x [M, N] -> [G, K, N]`` is
+    ``2 * M * K * N``."""
+    out = array_shapes(instr.shape)
+    lhs = array_shapes(shapes.get(instr.operands[-2], "")) if len(instr.operands) >= 2 else []
+    if not out or not lhs or not out[0][1] or not lhs[0][1]:
+        return 0.0
+    o, a = out[0][1], lhs[0][1]
+    if len(o) == 3:  # one [K, N] per group, each from its own rows
+        return 2.0 * a[0] * math.prod(o[1:])
+    return 2.0 * math.prod(o) * a[-1]
+
+
+def _is_ragged_kernel(instr: Instruction, target: str) -> bool:
+    """libtpu's ragged-dot Mosaic kernel (``%ragged-dot-none``), not its metadata call."""
+    name = instr.name.lstrip("%")
+    return target == "tpu_custom_call" and "ragged-dot" in name and "metadata" not in name
+
+
 def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     """FLOPs of one instruction: dots and gemm calls, convolutions (and cuDNN convolution
-    calls), cuDNN fused attention calls; 0 for anything else."""
+    calls), cuDNN fused attention calls, libtpu's ragged-dot kernel; 0 for anything else."""
     if instr.opcode == "dot" or _is_gemm_call(instr):
         return _dot_flops(instr, shapes)
     target = _call_target(instr)
@@ -409,6 +431,8 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
         return _conv_flops(instr, shapes)
     if target.startswith("__cudnn$fmha"):
         return _fmha_flops(instr)
+    if _is_ragged_kernel(instr, target):
+        return _ragged_kernel_flops(instr, shapes)
     return 0.0
 
 

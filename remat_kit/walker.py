@@ -289,10 +289,12 @@ def tags_in_remat(jaxpr: Any) -> frozenset[str]:
     )
 
 
-def dots_in_remat(jaxpr: Any) -> tuple[int, int]:
-    """``(unbatched, batched)`` ``dot_general`` counts inside remat segments (once per enclosing
-    segment): what ``dots_with_no_batch_dims_saveable`` / ``dots_saveable`` keep."""
-    unbatched = batched = 0
+def dots_in_remat(jaxpr: Any) -> tuple[int, int, int]:
+    """``(unbatched, batched, ragged)`` matmul counts inside remat segments (once per enclosing
+    segment): the ``dot_general`` equations ``dots_with_no_batch_dims_saveable`` /
+    ``dots_saveable`` keep, and the ``ragged_dot_general`` ones (``lax.ragged_dot``: MoE
+    experts grouped by expert) neither keeps."""
+    unbatched = batched = ragged = 0
     for eqn in walk(jaxpr):
         if not is_remat(eqn):
             continue
@@ -302,7 +304,8 @@ def dots_in_remat(jaxpr: Any) -> tuple[int, int]:
                     (_, (lhs_batch, _)) = e.params["dimension_numbers"]
                     batched += bool(lhs_batch)
                     unbatched += not lhs_batch
-    return unbatched, batched
+                ragged += e.primitive.name == "ragged_dot_general"
+    return unbatched, batched, ragged
 
 
 def tags_in(jaxpr: jcore.Jaxpr) -> set[str]:

@@ -217,17 +217,17 @@ def test_a_dots_policy_keeping_no_matmul_says_why_from_the_matmuls_in_the_segmen
 
     ws, x = jnp.ones((3, 2, 2, 16, 16)) * 0.1, jnp.ones((4, 16))  # [members, layers, 2, d, d]
     jaxpr = jax.make_jaxpr(make_loss(None))(ws, x).jaxpr
-    assert dots_in_remat(jaxpr) == (0, 2)
+    assert dots_in_remat(jaxpr) == (0, 2, 0)
     unbatched = jax.make_jaxpr(lambda w, x: jax.checkpoint(layer)(x, w).sum())(ws[0, 0], x)
-    assert dots_in_remat(unbatched.jaxpr) == (2, 0)
+    assert dots_in_remat(unbatched.jaxpr) == (2, 0, 0)
     facts = tag_facts(make_loss(None), ws, x)  # the function path's walk (the program's: _facts)
-    assert facts.remat_dots == (0, 2)
+    assert facts.remat_dots == (0, 2, 0)
     kept = Residuals(100, 0, frozenset(), dots=False)  # what save-dots-no-batch keeps here
     (full,) = _full_remat(Promise.of(get_policy_spec("save-dots-no-batch")), kept, kept, facts)
     assert full.code == "acts-as-full-remat"
     assert "2 dot_general equations) has a batch dimension" in full.cause
     assert "not emitted" not in full.cause and "save-dots (dots_saveable)" in full.fix
-    nowhere = dataclasses.replace(facts, remat_dots=(0, 0))  # the matmuls outside the segments
+    nowhere = dataclasses.replace(facts, remat_dots=(0, 0, 0))  # the matmuls outside the segments
     (full,) = _full_remat(Promise.of(get_policy_spec("save-dots")), kept, kept, nowhere)
     assert "no matmul (dot_general) runs inside a remat segment" in full.cause
 

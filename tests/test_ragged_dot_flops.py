@@ -6,6 +6,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit.walker import traced_flops
@@ -79,3 +80,27 @@ def test_ragged_dot_on_a_tpu_counts_the_routed_rows_compiled_and_traced():
     for target in ("v5e-1", "cpu"):
         (report,) = remat_kit.analyze_policies(program, ["no-remat"], target=target)
         assert report.recompute_ratio == pytest.approx(1.0), target
+
+
+def test_doctor_says_a_dots_policy_recomputes_the_ragged_experts():
+    """save-dots on a MoE layer whose experts run as lax.ragged_dot kept the router's matmul
+    and recomputed the experts, with no finding (MoE user trial): now a warning says so, and
+    a policy saving the experts' name gets none."""
+
+    def make_loss(policy):
+        def layer(x, w):
+            h = jnp.tanh(x @ w["router"])  # a dot_general the dots policies keep
+            y = jax.lax.ragged_dot(h, w["experts"], jnp.array([3, 5, 0, 8], jnp.int32))
+            return jnp.sin(checkpoint_name(y, "mlpwo"))
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return lambda w, x: (body(x, w) ** 2).sum()
+
+    w = {"router": jnp.ones((K, K)), "experts": jnp.ones((G, K, N))}
+    program = remat_kit.Program.from_loss(make_loss, w, jnp.ones((M, K)), optimizer="sgd")
+    dots, named = (
+        remat_kit.check(program, policy=p, target="cpu") for p in ("save-dots", {"mlpwo": "save"})
+    )
+    assert "ragged-dot-recomputed" not in [f.code for f in named]
+    (line,) = [f.line() for f in dots if f.code == "ragged-dot-recomputed"]
+    assert "1 lax.ragged_dot equation(s)" in line and "checkpoint_name" in line

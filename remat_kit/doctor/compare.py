@@ -278,7 +278,7 @@ def compare(
     if cse:  # the measured cause, not the guess that the peak is outside the layers
         out = [f for f in out if f.code != "remat-not-lowering-peak"] + cse
     full = _full_remat(promise, kept, kept_no_remat, facts)
-    out += full
+    out += full + _ragged_recomputed(promise, facts)
     nothing = evidence.kept_nothing
     anyway = nothing.tag_bytes if nothing is not None else {}
     if not full:
@@ -511,7 +511,7 @@ def _why_no_dots(promise: Promise, facts: TagFacts | None) -> tuple[str, str]:
     """(cause, fix) for a dots policy that keeps no matmul output, from the matmuls the walk
     found inside remat segments (:attr:`TagFacts.remat_dots`)."""
     name_fix = "or name the values to keep with checkpoint_name and save those names."
-    unbatched, batched = facts.remat_dots if facts and facts.remat_dots else (None, None)
+    unbatched, batched, _ = facts.remat_dots if facts and facts.remat_dots else (None,) * 3
     if unbatched == 0 and batched == 0:
         return (
             "no matmul (dot_general) runs inside a remat segment: they are computed outside "
@@ -530,6 +530,28 @@ def _why_no_dots(promise: Promise, facts: TagFacts | None) -> tuple[str, str]:
         "jax_remat3 runs the policy as full remat.",
         "name the values to keep with checkpoint_name and save those names.",
     )
+
+
+def _ragged_recomputed(promise: Promise, facts: TagFacts | None) -> list[Finding]:
+    """``ragged-dot-recomputed`` for a policy keeping matmuls by kind on a program with
+    ``lax.ragged_dot`` inside its remat segments: JAX's dots policies match ``dot_general``
+    only, so the experts' matmuls are recomputed whatever the policy's name says."""
+    ragged = facts.remat_dots[2] if facts and facts.remat_dots else 0
+    if promise.base not in ("dots", "dots_no_batch") or not ragged:
+        return []
+    return [
+        Finding(
+            "ragged-dot-recomputed", "warning",
+            f"policy {promise.name!r} keeps matmul outputs, but not those of the {ragged} "
+            "lax.ragged_dot equation(s) inside the remat segments (MoE experts grouped by "
+            "expert): they are recomputed in the backward pass.",
+            "JAX's dots policies (dots_saveable, dots_with_no_batch_dims_saveable) match "
+            "dot_general only; ragged_dot_general is another primitive.",
+            "name the experts' outputs with checkpoint_name and save those names (a per-tag "
+            "policy, or jax.checkpoint_policies.save_from_both_policies with "
+            "save_only_these_names); or accept the recompute.",
+        )
+    ]  # fmt: skip
 
 
 def _names_kept_nowhere(

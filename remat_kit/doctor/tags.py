@@ -57,9 +57,10 @@ class TagFacts:
     flops_keeping: Callable[[frozenset[str]], float] | None = dataclasses.field(
         default=None, compare=False
     )
-    #: ``(unbatched, batched)`` matmuls inside remat segments (:func:`remat_kit.walker.
-    #: dots_in_remat`): why a dots policy keeps no matmul output. None: not walked.
-    remat_dots: tuple[int, int] | None = None
+    #: ``(unbatched, batched, ragged)`` matmuls inside remat segments
+    #: (:func:`remat_kit.walker.dots_in_remat`): why a dots policy keeps no matmul output, and
+    #: the ragged ones it recomputes. None: not walked.
+    remat_dots: tuple[int, int, int] | None = None
 
     @property
     def remat_kit_names(self) -> bool:

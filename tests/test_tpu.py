@@ -204,6 +204,7 @@ def test_tpu_compile_per_device_params_real_offload_and_xla_peak():
         remat_kit.preset("tiny-llama", 4, 64, mesh="fsdp=4"), ["offload-layer-inputs"],
         target="v5e-4",
         compare_offload=False, top_k=3,
+        no_remat_baseline=False,  # per-device figures of the policy's own compile
     )  # fmt: skip
     assert report.platform == "tpu" and "XLA TPU compiler" in report.backend
     # Per-device parameters: every sharded leaf split 4 ways, the replicated ones whole.
@@ -240,7 +241,9 @@ def test_a_program_on_one_chip_of_a_slice_and_the_assumed_per_op_cost_are_said()
     from remat_kit.cli.analyze import _summary_lines, _time_line
     from remat_kit.examples import plain_jax
 
-    (report,) = analyze_policies(plain_jax.program(), ["save-nothing"], target="v5e-4")
+    # no unseen no-remat compiles: the placement notes and time line are the policy's own
+    kw = dict(no_remat_baseline=False)
+    (report,) = analyze_policies(plain_jax.program(), ["save-nothing"], target="v5e-4", **kw)
     (note,) = [w for w in report.warnings if "compiled on 1 of" in w]
     assert "v5e-4's 4 devices" in note and "one chip running the whole step" in note
     line = _time_line([report])
@@ -255,7 +258,9 @@ def test_a_program_on_one_chip_of_a_slice_and_the_assumed_per_op_cost_are_said()
     assert "(other: XLA's argument bytes beyond the arguments' values: on a TPU, the tiled" in (
         summary
     )
-    (preset,) = analyze_policies(remat_kit.preset("tiny-gpt", 2, 32), ["save-nothing"], "v5e-4")
+    (preset,) = analyze_policies(
+        remat_kit.preset("tiny-gpt", 2, 32), ["save-nothing"], "v5e-4", **kw
+    )
     assert any("--mesh / mesh= shards a preset" in w for w in preset.warnings)
 
 

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit import doctor, walker
+from remat_kit import policies as RP
 from remat_kit.memory import hlo
 from remat_kit.walker import FUSED_ATTENTION_FWD, traced_flops
 
@@ -194,6 +195,21 @@ def test_name_inside_a_custom_vjp_forward_rule_is_emitted():
     )
     assert "unknown-tag" not in _codes(findings)
     assert _loud(findings) == []
+
+
+def test_a_forward_rule_name_remat3_drops_is_not_called_outside_remat():
+    """jax_remat3 without jax_custom_vjp3 ignores a checkpoint_name inside a custom_vjp's
+    forward rule: the doctor says so, not that the name is applied outside every remat segment
+    (it is inside the checkpointed layer)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        pytest.skip("jax_custom_vjp3 is on: remat3 sees the forward rule's names")
+    with RP.using("remat3"):
+        findings = doctor.check_function(
+            custom_vjp, W, X, policy=cp.save_only_these_names("context"), target="cpu"
+        )
+    full = next(f for f in findings if f.code == "acts-as-full-remat")
+    assert "custom_vjp forward rule" in full.cause
+    assert "outside every remat segment" not in full.cause
 
 
 # -- Kind 1b: a matmul kept by a kind-based policy is the value a name binds -------------------

@@ -64,7 +64,14 @@ from remat_kit.program import Program, step_flops
 from remat_kit.pure import filtered_factory
 from remat_kit.reach import PolicyReach, factory_reach
 from remat_kit.trace import program_tags
-from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
+from remat_kit.walker import (
+    dots_in_remat,
+    has_remat,
+    saved_residuals,
+    tags_in,
+    tags_in_remat,
+    traced_flops,
+)
 from remat_kit.zoo import PresetLike, as_program
 
 
@@ -146,7 +153,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     user = program.known.scan_layers is None
     return TagFacts(
         tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping,
-        remat_dots=dots_in_remat(jaxpr),
+        remat_dots=dots_in_remat(jaxpr), in_fwd_rule=tags - tags_in(jaxpr),
     )  # fmt: skip
 
 

@@ -629,3 +629,37 @@ def test_residual_rows_keep_each_shape_apart():
     assert walker.bytes_by_tag(rows)["proj"] == sum(proj.values())
     for r in rows:  # every row's bytes are count arrays of its own shape
         assert r.nbytes == r.count * int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize, r
+
+
+@jax.custom_vjp
+def _square(x):
+    return x * x
+
+
+def _square_fwd(x):
+    twice = checkpoint_name(2.0 * x, "twice")  # the one residual, named in the rule
+    return x * x, (twice,)
+
+
+def _square_bwd(res, ct):
+    return (ct * res[0],)
+
+
+_square.defvjp(_square_fwd, _square_bwd)
+
+
+def test_a_forward_rule_name_whose_saving_spares_a_matmul_is_a_saver():
+    """Classic remat keeps a name applied in a custom_vjp forward rule: saving ``twice`` spares
+    the backward pass recomputing ``h @ w``, so the doctor lists it among the savers."""
+    if RP.remat_implementation() != "classic":
+        pytest.skip("classic remat only: jax_remat3 ignores a forward rule's names")
+
+    def make_loss(policy):
+        return _layers(lambda h, w: h + _square(h @ w), policy)
+
+    program = remat_kit.Program.from_loss(make_loss, W, X)
+    from remat_kit.doctor.checks import _facts
+
+    facts = _facts(program, frozenset({"twice"}))
+    assert facts.in_fwd_rule == {"twice"}
+    assert "twice" in facts.savers()

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import remat_kit
 from remat_kit import doctor, walker
+from remat_kit import policies as RP
 from remat_kit.memory import hlo
 from remat_kit.walker import FUSED_ATTENTION_FWD, traced_flops
 
@@ -194,6 +195,21 @@ def test_name_inside_a_custom_vjp_forward_rule_is_emitted():
     )
     assert "unknown-tag" not in _codes(findings)
     assert _loud(findings) == []
+
+
+def test_a_forward_rule_name_remat3_drops_is_not_called_outside_remat():
+    """jax_remat3 without jax_custom_vjp3 ignores a checkpoint_name inside a custom_vjp's
+    forward rule: the doctor says so, not that the name is applied outside every remat segment
+    (it is inside the checkpointed layer)."""
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        pytest.skip("jax_custom_vjp3 is on: remat3 sees the forward rule's names")
+    with RP.using("remat3"):
+        findings = doctor.check_function(
+            custom_vjp, W, X, policy=cp.save_only_these_names("context"), target="cpu"
+        )
+    full = next(f for f in findings if f.code == "acts-as-full-remat")
+    assert "custom_vjp forward rule" in full.cause
+    assert "outside every remat segment" not in full.cause
 
 
 # -- Kind 1b: a matmul kept by a kind-based policy is the value a name binds -------------------
@@ -613,3 +629,37 @@ def test_residual_rows_keep_each_shape_apart():
     assert walker.bytes_by_tag(rows)["proj"] == sum(proj.values())
     for r in rows:  # every row's bytes are count arrays of its own shape
         assert r.nbytes == r.count * int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize, r
+
+
+@jax.custom_vjp
+def _square(x):
+    return x * x
+
+
+def _square_fwd(x):
+    twice = checkpoint_name(2.0 * x, "twice")  # the one residual, named in the rule
+    return x * x, (twice,)
+
+
+def _square_bwd(res, ct):
+    return (ct * res[0],)
+
+
+_square.defvjp(_square_fwd, _square_bwd)
+
+
+def test_a_forward_rule_name_whose_saving_spares_a_matmul_is_a_saver():
+    """Classic remat keeps a name applied in a custom_vjp forward rule: saving ``twice`` spares
+    the backward pass recomputing ``h @ w``, so the doctor lists it among the savers."""
+    if RP.remat_implementation() != "classic":
+        pytest.skip("classic remat only: jax_remat3 ignores a forward rule's names")
+
+    def make_loss(policy):
+        return _layers(lambda h, w: h + _square(h @ w), policy)
+
+    program = remat_kit.Program.from_loss(make_loss, W, X)
+    from remat_kit.doctor.checks import _facts
+
+    facts = _facts(program, frozenset({"twice"}))
+    assert facts.in_fwd_rule == {"twice"}
+    assert "twice" in facts.savers()

@@ -64,7 +64,14 @@ from remat_kit.program import Program, step_flops
 from remat_kit.pure import filtered_factory
 from remat_kit.reach import PolicyReach, factory_reach
 from remat_kit.trace import program_tags
-from remat_kit.walker import dots_in_remat, has_remat, saved_residuals, tags_in_remat, traced_flops
+from remat_kit.walker import (
+    dots_in_remat,
+    has_remat,
+    saved_residuals,
+    tags_in,
+    tags_in_remat,
+    traced_flops,
+)
 from remat_kit.zoo import PresetLike, as_program
 
 
@@ -131,6 +138,7 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     loss = program.loss(get_policy_spec("save-nothing"))
     jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
     inside, matmuls = tags_in_remat(jaxpr), matmul_tags(jaxpr)
+    in_rule = tags - tags_in(jaxpr)  # a custom_vjp forward rule's: kept where JAX sees them
 
     def saving(tag: str):
         return trace.saved(program, custom_spec({tag: "save"}))
@@ -142,11 +150,11 @@ def _facts(program: Program, tags: frozenset[str]) -> TagFacts:
     def flops(tag: str | None) -> float:
         return keeping(frozenset([tag] if tag else []))
 
-    savers = functools.cache(lambda: recompute_savers(saving, inside, matmuls, flops))
+    savers = functools.cache(lambda: recompute_savers(saving, inside | in_rule, matmuls, flops))
     user = program.known.scan_layers is None
     return TagFacts(
         tags, inside, user=user, savers=savers, feeds=feeds(jaxpr), flops_keeping=keeping,
-        remat_dots=dots_in_remat(jaxpr),
+        remat_dots=dots_in_remat(jaxpr), in_fwd_rule=in_rule,
     )  # fmt: skip
 
 
@@ -440,9 +448,10 @@ def _analysed(
     losses = {"policy": loss, "no-remat": loss_all}
     facts = tag_facts(losses["policy"], *args, emitted=W.emitted_tags(loss_all, *args))
     keeping = _flops_keeping(make_loss, args)
+    inside = (facts.in_remat or frozenset()) | facts.in_fwd_rule
     facts = dataclasses.replace(
         facts,
-        savers=_savers(make_loss, args, facts.in_remat or (), matmul_tags(jaxpr), keeping),
+        savers=_savers(make_loss, args, inside, matmul_tags(jaxpr), keeping),
         flops_keeping=keeping,
     )
     nums = _float_argnums(args) if argnums is None else argnums

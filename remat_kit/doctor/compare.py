@@ -590,11 +590,13 @@ def _why_not_kept(
     named: frozenset[str], kept_no_remat: Residuals, facts: TagFacts | None, outcome: str = ""
 ) -> tuple[str, str]:
     """(cause, fix) for emitted names the policy keeps none of, from the walk: applied only
-    outside every remat segment (``outcome`` appended: what that means for this policy), or not
-    residuals even without remat (the backward pass does not need them)."""
+    outside every remat segment (``outcome`` appended: what that means for this policy), only
+    inside a ``custom_vjp`` forward rule, or not residuals even without remat (the backward
+    pass does not need them)."""
     outside = facts.outside_remat(named) if facts is not None else frozenset()
     unneeded = named - outside - kept_no_remat.tags if facts is not None else frozenset()
-    if named and outside | unneeded == named:
+    in_rule = named & facts.in_fwd_rule - unneeded if facts is not None else frozenset()
+    if named and outside | unneeded | in_rule == named:
         parts = []
         if outside:
             one = len(outside) == 1
@@ -603,13 +605,21 @@ def _why_not_kept(
                 f"remat segment: {'it is' if one else 'they are'} stored or not regardless of "
                 f"the policy{outcome}"
             )
+        if in_rule:
+            parts.append(
+                f"{', '.join(sorted(in_rule))} {'is' if len(in_rule) == 1 else 'are'} applied "
+                "only inside a custom_vjp forward rule, whose checkpoint_name JAX's remat does "
+                "not see under jax_remat3 without jax_custom_vjp3 (classic remat does)"
+            )
         if unneeded:
             parts.append(
                 f"the backward pass does not need {', '.join(sorted(unneeded))}: even without "
                 "remat none is a residual (a value that only feeds additions or the output)"
             )
-        where = ", and apply checkpoint_name inside the checkpointed function." if outside else "."
-        return "; ".join(parts) + ".", _save_instead(named, facts) + where
+        where = ", and apply checkpoint_name inside the checkpointed function" if outside else ""
+        if in_rule:
+            where += "; or name the custom_vjp's output outside its rules (or jax_custom_vjp3)"
+        return "; ".join(parts) + ".", _save_instead(named, facts) + where + "."
     return (
         "its tags are not emitted inside the remat segment, or jax_remat3 runs the policy as "
         "full remat.",

@@ -61,6 +61,10 @@ class TagFacts:
     #: (:func:`remat_kit.walker.dots_in_remat`): why a dots policy keeps no matmul output, and
     #: the ragged ones it recomputes. None: not walked.
     remat_dots: tuple[int, int, int] | None = None
+    #: The names applied only inside a ``custom_vjp`` forward rule (emitted by the
+    #: differentiated program, absent from the primal one): JAX's remat sees them only where it
+    #: traces the rule (classic remat, or ``jax_remat3`` with ``jax_custom_vjp3``).
+    in_fwd_rule: frozenset[str] = frozenset()
 
     @property
     def remat_kit_names(self) -> bool:
@@ -71,7 +75,7 @@ class TagFacts:
         """Those of ``tags`` the program emits only outside every remat segment."""
         if self.in_remat is None:
             return frozenset()
-        return frozenset(tags) & self.emitted - self.in_remat
+        return frozenset(tags) & self.emitted - self.in_remat - self.in_fwd_rule
 
 
 def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None = None):
@@ -82,7 +86,7 @@ def tag_facts(fn: Callable[..., Any], *args: Any, emitted: Iterable[str] | None 
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     return TagFacts(
         frozenset(tags), tags_in_remat(jaxpr), user=True, feeds=feeds(jaxpr),
-        remat_dots=W.dots_in_remat(jaxpr),
+        remat_dots=W.dots_in_remat(jaxpr), in_fwd_rule=frozenset(tags) - W.tags_in(jaxpr),
     )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from remat_kit.walker import (
     bytes_by_tag,
     group_by_tag,
     saved_residuals,
+    tags_in,
     tags_in_remat,
 )
 
@@ -235,13 +236,20 @@ def _unsaveable_notes(program: Program, tags: frozenset[str]) -> list[str]:
     if not tags:
         return []
     loss = program.loss(get_policy_spec("save-nothing"))
-    inside = tags_in_remat(jax.make_jaxpr(loss.fn)(*loss.args).jaxpr)
+    jaxpr = jax.make_jaxpr(loss.fn)(*loss.args).jaxpr
+    inside, in_rule = tags_in_remat(jaxpr), tags - tags_in(jaxpr)
     out = []
-    if tags - inside:
+    if tags - inside - in_rule:
         out.append(
-            f"no own-name policy for {', '.join(sorted(tags - inside))}: applied outside every "
-            "remat segment (jax.checkpoint / nn.remat / nnx.remat), so it is stored or not "
-            "regardless of the policy"
+            f"no own-name policy for {', '.join(sorted(tags - inside - in_rule))}: applied "
+            "outside every remat segment (jax.checkpoint / nn.remat / nnx.remat), so it is "
+            "stored or not regardless of the policy"
+        )
+    if in_rule:
+        out.append(
+            f"no own-name policy for {', '.join(sorted(in_rule))}: applied only inside a "
+            "custom_vjp forward rule, whose checkpoint_name JAX's remat does not see under "
+            "jax_remat3 without jax_custom_vjp3"
         )
     if tags & inside:
         out.append(

@@ -368,3 +368,26 @@ def test_analyze_of_one_policy_judges_it_against_no_remat_as_the_doctor_does():
     assert "frees only" in finding.what
     # the single-report API compiles only what it is asked
     assert not freed_warning(remat_kit.analyze_model(config, 2, 32, "save-nothing", "cpu"))
+
+
+def test_unknown_tag_hints_no_other_tensor_of_the_vocabulary():
+    """A policy naming ``out_proj`` and ``mlpwo`` on a program emitting ``value_proj`` and
+    ``mlpwi``: the fix suggested ``value_proj`` for ``out_proj`` and ``mlpwi`` for ``mlpwo``
+    by spelling alone (custom_vjp user trial), names of other tensors. Only a misspelling, or
+    the other MLP family's name, is hinted."""
+
+    def make_loss(policy):
+        def layer(h, w):
+            v = checkpoint_name(h @ w, "value_proj")
+            return checkpoint_name(jnp.tanh(v) @ w.T, "mlpwi") + h
+
+        f = jax.checkpoint(layer, policy=policy)
+        return lambda ws, x: (jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)[0] ** 2).mean()
+
+    policy = {"out_proj": "save", "mlpwo": "save", "mlpwi_0": "save", "valu_proj": "save"}
+    ws = jax.ShapeDtypeStruct((3, 128, 128), jnp.float32)
+    findings = doctor.check_function(make_loss, ws, X, policy=policy)
+    (unknown,) = [f for f in findings if f.code == "unknown-tag"]
+    assert "'out_proj', " in unknown.what and "'mlpwo', " in unknown.what, unknown.what
+    assert "'mlpwi_0' (closest: 'mlpwi')" in unknown.what  # the plain MLP's name for SwiGLU's
+    assert "'valu_proj' (closest: 'value_proj')" in unknown.what  # a misspelling

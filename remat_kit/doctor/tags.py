@@ -330,7 +330,7 @@ def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
         return []
     if promise.registered and promise.tags & emitted:
         return [_not_emitted(promise, missing, promise.tags & emitted)]
-    hints = {t: closest(t, sorted(emitted)) for t in sorted(missing)}
+    hints = {t: _hint(t, emitted) for t in sorted(missing)}
     listed = ", ".join(f"{t!r}" + (f" (closest: {h!r})" if h else "") for t, h in hints.items())
     what = (
         f"policy {promise.name!r} names {listed}, which the program never emits (emitted: "
@@ -340,6 +340,18 @@ def unknown_tags(promise: Promise, facts: TagFacts) -> list[Finding]:
     )
     return [Finding("unknown-tag", "error", what, _cause(promise, facts, missing),
                     _fix(promise, facts, hints))]  # fmt: skip
+
+
+def _hint(tag: str, emitted: frozenset[str]) -> str | None:
+    """The emitted name closest to ``tag`` in spelling, unless both are names of remat-kit's
+    (MaxText's) vocabulary for different tensors (``mlpwo`` is not ``mlpwi``, ``out_proj`` not
+    ``value_proj``); one MLP family's name for the other's stays a hint (``mlpwi_0`` ->
+    ``mlpwi``: the cause says which family is which)."""
+    near = closest(tag, sorted(emitted))
+    known = set(N.CHECKPOINT_NAMES)
+    if near in known and tag in known and not {near, tag} <= _MLP_FAMILIES:
+        return None
+    return near
 
 
 def _not_emitted(promise: Promise, missing: frozenset[str], acting: frozenset[str]) -> Finding:

@@ -273,6 +273,7 @@ def _summary_header(run, argv: list[str] | None, legend: str, source: str | None
             *([f"- Note: {note}"] if (note := summary.load_note(run.rows)) else []),
             *([f"- Note: {fast}"] if (fast := summary.cpu_faster_note(run.rows)) else []),
             *([f"- Note: {small}"] if (small := summary.small_step_note(run.rows)) else []),
+            *([f"- Note: {slow}"] if (slow := summary.no_remat_slower_note(run.rows)) else []),
             *([f"- Note: {peak}"] if (peak := summary.measured_peak_note(run.rows)) else []),
             _measured_line(r, data),
             *(f"- Note: {n}" for n in run.notes),
@@ -338,6 +339,7 @@ def _write_outputs(run, out: Path, args, argv: list[str] | None, console) -> int
         summary.load_note(run.rows),  # the machine's load while the steps were timed
         summary.cpu_faster_note(run.rows),  # why remat can time faster than no-remat on a CPU
         summary.small_step_note(run.rows),  # the small-step caveat as analyze and recommend say it
+        summary.no_remat_slower_note(run.rows),  # the datasheet estimate's order, as analyze says
         summary.measured_peak_note(run.rows),  # a null measured peak
     ):
         if note:

@@ -828,3 +828,33 @@ def test_the_terminal_says_the_load_and_why_remat_timed_faster_on_the_cpu(tmp_pa
     slower = [{**r, "step_time_s": 1.0 if r["policy"] != "no-remat" else 0.5} for r in rows]
     gpu = [{**r, "backend": "gpu"} for r in rows]
     assert summary.cpu_faster_note(slower) is None and summary.cpu_faster_note(gpu) is None
+
+
+def test_summary_says_where_no_remat_is_estimated_slower_on_a_gpu(tmp_path):
+    """summary.md listed the H100 analysis rows with no-remat estimated 23-45% slower than
+    save-dots-no-batch and said nothing (newcomer trial); analyze says why under its table.
+    Now the summary names each such group and gives the same cause, once."""
+    import io
+
+    from rich.console import Console
+
+    rows = results.read_rows(ROOT / "experiments" / "results" / "cpu" / "sweep.jsonl", False)
+    gpu = [r for r in rows if r["target"] == "h100-sxm"]
+    times = {(r["model"], r["policy"]): r["predicted_step_time_s"] for r in gpu}
+    note = summary.no_remat_slower_note(rows)
+    for model in {r["model"] for r in gpu}:
+        if times[model, "no-remat"] > times[model, "save-dots-no-batch"]:
+            assert f"{model} b=" in note
+    assert note.count("the estimate charges a scanned step") == 1
+    # none where no-remat is estimated fastest, nor where the group's steps were timed
+    faster = [{**r, "predicted_step_time_s": 0.1 if r["policy"] == "no-remat" else 1.0}
+              for r in gpu]  # fmt: skip
+    timed = [{**r, "step_time_s": 1.0} for r in gpu]
+    assert summary.no_remat_slower_note(faster) is None
+    assert summary.no_remat_slower_note(timed) is None
+    run = sweep.SweepRun(tmp_path / "sweep.jsonl", rows, [], 0, 1.0)
+    cli = _cli()
+    console = Console(width=100, record=True, file=io.StringIO())
+    cli._write_outputs(run, run.path, cli.build_parser().parse_args(["--no-plot"]), [], console)
+    assert f"- Note: {note}" in (tmp_path / "summary.md").read_text()
+    assert f"note: {note}" in " ".join(console.export_text().split())

@@ -21,6 +21,7 @@ from remat_kit.sweep.results import (
     canonical_json,
     group_key,
     ratio,
+    row_label,
     summarize,
 )
 
@@ -342,6 +343,40 @@ def cpu_faster_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
         f"remat ran faster than no-remat on the CPU in {len(ratios)} row(s): XLA:CPU faults in "
         f"each step's fresh temp buffer page by page, and no-remat's is {size} "
         "(docs/time-model.md)"
+    )
+
+
+def no_remat_slower_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
+    """One line naming the analysed groups (model, shape, target) whose no-remat step is
+    estimated slower than a recomputing policy's on datasheet figures, with the cause analyze
+    gives under its table (:data:`remat_kit.memory.roofline.NO_REMAT_SLOWER`); None where
+    none is, or a group's steps were timed."""
+    groups: dict[tuple, dict[str, float]] = {}
+    names: dict[tuple, str] = {}
+    timed: set[tuple] = set()
+    for r in as_records(rows):
+        step = (r.get("report") or {}).get("step_time") or {}
+        if r.get("status") != "ok" or step.get("measured_figures"):
+            continue
+        key = group_key(r)
+        if r.get("step_time_s") is not None:
+            timed.add(key)
+        if r.get("predicted_step_time_s") is not None:
+            groups.setdefault(key, {})[row_label(r)] = r["predicted_step_time_s"]
+            shape = f"b={r.get('batch_size')} s={r.get('seq_len')}"
+            names[key] = f"{r.get('model')} {shape} on {r.get('target')}"
+    parts = []
+    for key, times in groups.items():
+        mine, others = times.get("no-remat"), {k: v for k, v in times.items() if k != "no-remat"}
+        if key in timed or not mine or not others:
+            continue
+        label, best = min(others.items(), key=lambda kv: kv[1])
+        if mine > best:
+            parts.append(f"{names[key]}: {mine / best - 1:.0%} slower than {label}")
+    if not parts:
+        return None
+    return f"no-remat is estimated slower than recomputing ({'; '.join(parts)}): " + (
+        roofline.NO_REMAT_SLOWER
     )
 
 

@@ -403,13 +403,16 @@ def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) 
     label, best = min(others.items(), key=lambda kv: kv[1])
     if mine <= best:
         return None
-    return (
-        f"no-remat is estimated {mine / best - 1:.0%} slower than {label}: the estimate charges "
-        "a scanned step that keeps its residuals the copies that stack them per layer "
-        "(dynamic-update-slice), read them back (dynamic-slice), transpose and zero-fill the "
-        "stacks; recomputation avoids them. No measurement of remat-kit's on a GPU or TPU "
-        "confirms this yet (docs/time-model.md): time both before trusting the order"
-    )
+    return f"no-remat is estimated {mine / best - 1:.0%} slower than {label}: {NO_REMAT_SLOWER}"
+
+
+#: Why no-remat can be estimated slower than recomputation (:func:`no_remat_slower_note`).
+NO_REMAT_SLOWER = (
+    "the estimate charges a scanned step that keeps its residuals the copies that stack them per "
+    "layer (dynamic-update-slice), read them back (dynamic-slice), transpose and zero-fill the "
+    "stacks; recomputation avoids them. No measurement of remat-kit's on a GPU or TPU confirms "
+    "this yet (docs/time-model.md): time both before trusting the order"
+)
 
 
 def time_model_note(target: T.Target) -> str:

@@ -194,12 +194,9 @@ def recommend(
     structure: bool | None = None,
     mesh: str | T.MeshSpec | None = None,
 ) -> Recommendation:
-    """The configuration with the least estimated step time whose compiled peak fits the budget.
-
-    On a target with datasheet figures (GPU, TPU) the pick is, among fitting candidates
-    estimated within the time model's error of the fastest
-    (:func:`remat_kit.memory.roofline.estimate_error`), the one that recomputes least; a note
-    names the faster estimate (docs/recommend.md).
+    """The configuration with the least estimated step time whose compiled peak fits the budget;
+    on a GPU or TPU (datasheet figures), the one recomputing least among those estimated within
+    the time model's error of the fastest (:func:`remat_kit.memory.roofline.estimate_error`).
 
     Args:
       model: a preset name (``"llama3-8b"``) or config (:data:`remat_kit.zoo.PresetLike`: its

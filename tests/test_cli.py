@@ -314,3 +314,14 @@ def test_buffers_says_it_shows_one_policy(capsys):
     assert cli.main([*_ANALYZE, "--policy", "save-dots", "--buffers", "3"]) == 0
     one = capsys.readouterr().out
     assert "largest buffers live at XLA's peak (save-dots)" in one and "--buffers shows" not in one
+
+
+def test_analyze_header_gives_the_shape_of_a_preset_from_a_factory(tmp_path, monkeypatch, capsys):
+    """A factory returning a preset printed "batch=None seq=None" (newcomer trial): the header
+    read the flags, which a program does not take; it reads the program's own shape."""
+    (tmp_path / "mymodel.py").write_text(
+        "import remat_kit\n\ndef make():\n    return remat_kit.preset('tiny-gpt', 2, 32)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["analyze", "--model", "mymodel.py:make", "--policy", "save-nothing"]) == 0
+    assert "tiny-gpt, batch=2 seq=32, on local" in " ".join(capsys.readouterr().out.split())

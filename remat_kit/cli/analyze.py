@@ -266,7 +266,8 @@ def _report_dict(report, with_timeline: bool) -> dict:
 def _policy_table(program, target, args, results, labels: Sequence[str]):
     """One row per policy, fitted to the terminal: the host column only where some policy puts
     bytes on the host, and the compile seconds left out first when it does not fit."""
-    shape = "" if program.known.batch_size is None else f", batch={args.batch} seq={args.seq},"
+    known = program.known
+    shape = "" if known.batch_size is None else f", batch={known.batch_size} seq={known.seq_len},"
     title = f"{program.name}{shape} on {target.name} ({target.description})"
     ok = [r for r in results if not isinstance(r, CompileError)]
     unit, name = table_unit([v for r in ok for v in (r.peak_bytes, r.activation_bytes)])

@@ -94,11 +94,10 @@ def load_program(ref: str) -> Program:
     """
     module_ref, sep, attr = ref.rpartition(":")
     if not sep and ref.endswith(".py"):  # a file without its factory: name the ones it has
-        valid = ", ".join(_factories(_import_module(ref, ref))) or "(none)"
-        raise ValueError(
-            f"{ref!r} names a file, not its factory: write FILE.py:FACTORY; valid factories in "
-            f"it: {valid}"
-        )
+        found = ", ".join(_factories(_import_module(ref, ref)))
+        has = f"valid factories in it: {found}" if found else (
+            "it defines none (a function of no arguments returning a Program)")  # fmt: skip
+        raise ValueError(f"{ref!r} names a file, not its factory: write FILE.py:FACTORY; {has}")
     if not sep or not module_ref or not attr:
         raise ValueError(
             f"cannot read {ref!r} as a program: write MODULE:FACTORY (my_pkg.models:program) or "

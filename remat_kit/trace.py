@@ -101,20 +101,20 @@ def trace_program(program: Program, target: str | T.Target) -> ProgramTrace:
     arguments = argument_parts(dataclasses.replace(pure, args=tuple(placed)), program.args)
     flops = None
     if not reach.without_policy:  # a no-remat step that remats gives no ratio
-        routed = routes_ragged(tgt)
+        tpu = counts_as_tpu(tgt)
 
         def count() -> float:
             base = program.baseline_step()
-            return traced_flops(base.fn, *base.args, routed_ragged=routed)
+            return traced_flops(base.fn, *base.args, tpu=tpu)
 
-        flops = memo(program, ("flops_no_remat", routed), count) / placement.devices
+        flops = memo(program, ("flops_no_remat", tpu), count) / placement.devices
     return ProgramTrace(program, tgt, placement, program_tags(program), reach, arguments, flops)
 
 
-def routes_ragged(target: T.Target) -> bool:
-    """Whether ``target`` runs a ``lax.ragged_dot`` over its routed rows only (a TPU's
-    ragged-dot kernel) rather than as a dense dot over every group (CPU, GPU): how the jaxpr's
-    FLOPs count it (:func:`remat_kit.walker.eqn_flops`)."""
+def counts_as_tpu(target: T.Target) -> bool:
+    """Whether the jaxpr's FLOPs count the kernels as a TPU runs them (``tpu`` of
+    :func:`remat_kit.walker.eqn_flops`): a ``lax.ragged_dot`` over its routed rows only, a
+    Pallas kernel at its cost estimate, as the compiled Mosaic calls are counted."""
     return target.platform == "tpu"
 
 
@@ -169,8 +169,8 @@ def trace_policy(program_trace: ProgramTrace, spec: PolicySpec) -> Traced:
     if rows is not None and not program_trace.target.supports_host_offload:
         rows = held_on_device(rows)  # what it offloads stays in device memory
     jaxpr = stage.jaxpr.jaxpr if spec.wrap else None
-    routed = routes_ragged(program_trace.target)
-    flops = None if jaxpr is None else jaxpr_flops(jaxpr, routed) / placement.devices
+    tpu = counts_as_tpu(program_trace.target)
+    flops = None if jaxpr is None else jaxpr_flops(jaxpr, tpu) / placement.devices
     remat = None if jaxpr is None else remat_placement(jaxpr)
     return Traced(program_trace, spec, pure, stage, rows, flops, remat)
 

@@ -132,28 +132,34 @@ def walk(jaxpr: jcore.Jaxpr) -> Iterator[Any]:
             todo.extend(reversed(sub_jaxprs(eqn)))
 
 
-def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float]) -> float:
+def _kernel_estimate(eqn: Any) -> Any:
+    """A ``pallas_call``'s ``cost_estimate`` (``pl.CostEstimate``), or None."""
+    return eqn.params.get("cost_estimate") if eqn.primitive.name == "pallas_call" else None
+
+
+def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float], tpu: bool = False) -> float:
     """Sum ``cost(eqn)`` as the program runs: a ``scan`` body ``length`` times, a ``cond``'s
-    costliest branch, a ``while`` body once (trip count not static), other sub-jaxprs once."""
+    costliest branch, a ``while`` body once (trip count not static), other sub-jaxprs once;
+    ``tpu``: a Pallas kernel with a cost estimate is ``cost``'s alone (its body not walked)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         total += cost(eqn)
-        subs = sub_jaxprs(eqn)
+        subs = [] if tpu and _kernel_estimate(eqn) is not None else sub_jaxprs(eqn)
         if not subs:
             continue
         name = eqn.primitive.name
         if name == "scan":
-            total += eqn.params["length"] * sum(fold(j, cost) for j in subs)
+            total += eqn.params["length"] * sum(fold(j, cost, tpu) for j in subs)
         elif name == "cond":
-            total += max(fold(j, cost) for j in subs)
+            total += max(fold(j, cost, tpu) for j in subs)
         elif name == "while":
             body_jaxpr = eqn.params.get("body_jaxpr")
             bodies = list(_jaxprs_in(body_jaxpr)) if body_jaxpr is not None else subs
-            total += sum(fold(j, cost) for j in bodies)
+            total += sum(fold(j, cost, tpu) for j in bodies)
         elif name.startswith("custom_vjp") or name.startswith("custom_jvp"):
-            total += fold(subs[0], cost)  # the primal only
+            total += fold(subs[0], cost, tpu)  # the primal only
         else:
-            total += sum(fold(j, cost) for j in subs)
+            total += sum(fold(j, cost, tpu) for j in subs)
     return total
 
 
@@ -376,15 +382,19 @@ def _fused_attention_flops(eqn) -> float:
     return 4.0 * b * n * t * s * d * (0.5 if causal else 1.0)
 
 
-def eqn_flops(eqn: Any, routed_ragged: bool = False) -> float:
-    """FLOPs of one equation (0 for anything but a matmul, a ragged matmul, a convolution or
-    fused attention). ``routed_ragged``: a ragged matmul's routed rows only, as a TPU runs it;
-    else the dense dot over every group a CPU or GPU runs (:func:`_ragged_dot_flops`)."""
+def eqn_flops(eqn: Any, tpu: bool = False) -> float:
+    """FLOPs of one equation (0 for anything but a matmul, a ragged matmul, a convolution,
+    fused attention or a Pallas kernel). ``tpu``: counted as a TPU runs them: a ragged matmul's
+    routed rows only, a Pallas kernel at its author's ``cost_estimate`` (what the compiled
+    Mosaic call carries); else the dense dot over every group a CPU or GPU runs
+    (:func:`_ragged_dot_flops`), and a Pallas kernel by its body (:func:`fold`)."""
     name = eqn.primitive.name
+    if tpu and _kernel_estimate(eqn) is not None:
+        return float(_kernel_estimate(eqn).flops)
     if name == "dot_general":
         return _dot_general_flops(eqn)
     if name == "ragged_dot_general":
-        return _ragged_dot_flops(eqn, routed_ragged)
+        return _ragged_dot_flops(eqn, tpu)
     if name == "conv_general_dilated":
         return _conv_flops(eqn)
     if name in FUSED_ATTENTION_FWD:
@@ -394,16 +404,16 @@ def eqn_flops(eqn: Any, routed_ragged: bool = False) -> float:
     return 0.0
 
 
-def jaxpr_flops(jaxpr: jcore.Jaxpr, routed_ragged: bool = False) -> float:
+def jaxpr_flops(jaxpr: jcore.Jaxpr, tpu: bool = False) -> float:
     """FLOPs of ``jaxpr`` (a matmul: ``2 * prod(out) * prod(contracting)``), by :func:`fold`;
-    ``routed_ragged`` as in :func:`eqn_flops`."""
-    return fold(jaxpr, functools.partial(eqn_flops, routed_ragged=routed_ragged))
+    ``tpu`` as in :func:`eqn_flops`."""
+    return fold(jaxpr, functools.partial(eqn_flops, tpu=tpu), tpu)
 
 
-def traced_flops(fn: Callable[..., Any], *args: Any, routed_ragged: bool = False) -> float:
-    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be abstract); ``routed_ragged`` as
+def traced_flops(fn: Callable[..., Any], *args: Any, tpu: bool = False) -> float:
+    """FLOPs of ``fn(*args)`` from its jaxpr (``args`` may be abstract); ``tpu`` as
     in :func:`eqn_flops`."""
-    return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr, routed_ragged)
+    return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr, tpu)
 
 
 _FORWARD_THROUGH = ("add", "reshape", "transpose", "convert_element_type")

@@ -56,7 +56,7 @@ def test_ragged_dot_routed_count_is_one_group_in_g():
     """A TPU runs the routed rows only: the count over the number of groups, every mode (the
     forward's ragged rows, and the gradients' ragged rows and ragged contraction)."""
     x, w, sizes = _args()
-    assert traced_flops(_grads, x, w, sizes, routed_ragged=True) == 3 * 2 * M * K * N
+    assert traced_flops(_grads, x, w, sizes, tpu=True) == 3 * 2 * M * K * N
 
 
 def _make_loss(policy):
@@ -104,3 +104,45 @@ def test_doctor_says_a_dots_policy_recomputes_the_ragged_experts():
     assert "ragged-dot-recomputed" not in [f.code for f in named]
     (line,) = [f.line() for f in dots if f.code == "ragged-dot-recomputed"]
     assert "1 lax.ragged_dot equation(s)" in line and "checkpoint_name" in line
+
+
+#: The kernel's estimate, deliberately not its body's 2 * 128**3: both counts must read it.
+ESTIMATE = 3 * 128**3
+
+
+def _pallas_matmul(x, y):
+    """A Pallas TPU kernel multiplying two [128, 128] blocks, with its author's cost estimate
+    (as splash attention and megablox give theirs)."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    estimate = pl.CostEstimate(flops=ESTIMATE, transcendentals=0, bytes_accessed=3 * 4 * 128**2)
+    out = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+    return pl.pallas_call(kernel, out_shape=out, cost_estimate=estimate)(x, y)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)"
+)
+def test_a_pallas_kernel_on_a_tpu_counts_its_cost_estimate_compiled_and_traced():
+    """A Mosaic kernel (splash attention, megablox, a user's Pallas kernel) was 0 FLOPs in the
+    compiled count on a TPU; it is its cost estimate, which JAX writes into the custom call,
+    and the jaxpr's count on a TPU target reads the same estimate, so a no-remat step holding
+    one recomputes nothing."""
+    x = jnp.ones((128, 128), jnp.float32)
+    assert remat_kit.analyze(_pallas_matmul, x, x, target="v5e-1").flops == ESTIMATE
+    assert traced_flops(_pallas_matmul, x, x, tpu=True) == ESTIMATE
+
+    def make_loss(policy):
+        def layer(w, x):  # the kernel (which has no JVP rule) on values without tangents
+            c = jax.lax.stop_gradient(x)
+            return jnp.tanh(x @ w) * _pallas_matmul(c, c)
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return lambda w, x: (body(w, x) ** 2).sum()
+
+    program = remat_kit.Program.from_loss(make_loss, x, x, optimizer="sgd")
+    (report,) = remat_kit.analyze_policies(program, ["no-remat"], target="v5e-1")
+    assert report.flops == report.flops_no_remat and report.recompute_ratio == pytest.approx(1.0)

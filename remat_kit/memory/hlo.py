@@ -415,6 +415,19 @@ def _ragged_kernel_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(o) * a[-1]
 
 
+_COST_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')
+_FLOPS_FIELD = re.compile(r'flops\\?"\s*:\s*\\?"?(\d+)')
+
+
+def _kernel_cost_flops(instr: Instruction) -> float | None:
+    """The FLOPs a Mosaic kernel's author estimated (``pl.CostEstimate``, which JAX writes into
+    the ``tpu_custom_call``'s backend config: splash attention, megablox, a user's Pallas
+    kernel, libtpu's ragged dot), or None where it carries none."""
+    block = _COST_ESTIMATE.search(instr.attributes)  # its keys in either order
+    m = _FLOPS_FIELD.search(block.group(1)) if block else None
+    return float(m.group(1)) if m else None
+
+
 def _is_ragged_kernel(instr: Instruction, target: str) -> bool:
     """libtpu's ragged-dot Mosaic kernel (``%ragged-dot-none``), not its metadata call."""
     name = instr.name.lstrip("%")
@@ -423,7 +436,8 @@ def _is_ragged_kernel(instr: Instruction, target: str) -> bool:
 
 def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     """FLOPs of one instruction: dots and gemm calls, convolutions (and cuDNN convolution
-    calls), cuDNN fused attention calls, libtpu's ragged-dot kernel; 0 for anything else."""
+    calls), cuDNN fused attention calls, a TPU's Mosaic kernels (their cost estimate; libtpu's
+    ragged-dot kernel by its shapes without one); 0 for anything else."""
     if instr.opcode == "dot" or _is_gemm_call(instr):
         return _dot_flops(instr, shapes)
     target = _call_target(instr)
@@ -431,6 +445,8 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
         return _conv_flops(instr, shapes)
     if target.startswith("__cudnn$fmha"):
         return _fmha_flops(instr)
+    if target == "tpu_custom_call" and (flops := _kernel_cost_flops(instr)) is not None:
+        return flops
     if _is_ragged_kernel(instr, target):
         return _ragged_kernel_flops(instr, shapes)
     return 0.0

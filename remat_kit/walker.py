@@ -140,11 +140,11 @@ def _kernel_estimate(eqn: Any) -> Any:
 def fold(jaxpr: jcore.Jaxpr, cost: Callable[[Any], float], tpu: bool = False) -> float:
     """Sum ``cost(eqn)`` as the program runs: a ``scan`` body ``length`` times, a ``cond``'s
     costliest branch, a ``while`` body once (trip count not static), other sub-jaxprs once;
-    ``tpu``: a Pallas kernel with a cost estimate is ``cost``'s alone (its body not walked)."""
+    ``tpu``: a Pallas kernel is ``cost``'s alone (its body not walked)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         total += cost(eqn)
-        subs = [] if tpu and _kernel_estimate(eqn) is not None else sub_jaxprs(eqn)
+        subs = [] if tpu and eqn.primitive.name == "pallas_call" else sub_jaxprs(eqn)
         if not subs:
             continue
         name = eqn.primitive.name
@@ -384,13 +384,15 @@ def _fused_attention_flops(eqn) -> float:
 
 def eqn_flops(eqn: Any, tpu: bool = False) -> float:
     """FLOPs of one equation (0 for anything but a matmul, a ragged matmul, a convolution,
-    fused attention or a Pallas kernel). ``tpu``: counted as a TPU runs them: a ragged matmul's
-    routed rows only, a Pallas kernel at its author's ``cost_estimate`` (what the compiled
-    Mosaic call carries); else the dense dot over every group a CPU or GPU runs
-    (:func:`_ragged_dot_flops`), and a Pallas kernel by its body (:func:`fold`)."""
+    fused attention or a Pallas kernel). ``tpu``: counted as the compiled TPU program is: a
+    ragged matmul's routed rows only, a Pallas kernel at its author's ``cost_estimate`` (0
+    without one: :func:`remat_kit.memory.hlo.uncounted_kernels` names it); else the dense dot
+    over every group a CPU or GPU runs (:func:`_ragged_dot_flops`), and a Pallas kernel by its
+    body (:func:`fold`)."""
     name = eqn.primitive.name
-    if tpu and _kernel_estimate(eqn) is not None:
-        return float(_kernel_estimate(eqn).flops)
+    if tpu and name == "pallas_call":  # as the compiled Mosaic call is counted
+        estimate = _kernel_estimate(eqn)
+        return float(estimate.flops) if estimate is not None else 0.0
     if name == "dot_general":
         return _dot_general_flops(eqn)
     if name == "ragged_dot_general":

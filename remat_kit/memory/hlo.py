@@ -421,8 +421,8 @@ _FLOPS_FIELD = re.compile(r'flops\\?"\s*:\s*\\?"?(\d+)')
 
 def _kernel_cost_flops(instr: Instruction) -> float | None:
     """The FLOPs a Mosaic kernel's author estimated (``pl.CostEstimate``, which JAX writes into
-    the ``tpu_custom_call``'s backend config: splash attention, megablox, a user's Pallas
-    kernel, libtpu's ragged dot), or None where it carries none."""
+    the ``tpu_custom_call``'s backend config: JAX's flash attention forward, a user's Pallas
+    kernel, libtpu's ragged dot), or None where it carries none (:func:`uncounted_kernels`)."""
     block = _COST_ESTIMATE.search(instr.attributes)  # its keys in either order
     m = _FLOPS_FIELD.search(block.group(1)) if block else None
     return float(m.group(1)) if m else None
@@ -432,6 +432,24 @@ def _is_ragged_kernel(instr: Instruction, target: str) -> bool:
     """libtpu's ragged-dot Mosaic kernel (``%ragged-dot-none``), not its metadata call."""
     name = instr.name.lstrip("%")
     return target == "tpu_custom_call" and "ragged-dot" in name and "metadata" not in name
+
+
+def uncounted_kernels(comps: dict[str, Computation]) -> list[str]:
+    """The TPU kernel calls (``tpu_custom_call``, a Pallas/Mosaic kernel) whose FLOPs
+    :func:`instruction_flops` cannot read: no cost estimate, and not the ragged-dot kernel,
+    whose shapes give its FLOPs. JAX's flash attention backward kernels and splash attention
+    carry none. Their instruction names (XLA names a kernel call after its kernel function),
+    each once."""
+    out: dict[str, None] = {}
+    for comp in comps.values():
+        for instr in comp.instructions:
+            target = _call_target(instr)
+            if target != "tpu_custom_call" or _kernel_cost_flops(instr) is not None:
+                continue
+            if "ragged-dot" in instr.name:  # the kernel by its shapes, its metadata call no FLOPs
+                continue
+            out[re.sub(r"\.\d+$", "", instr.name.lstrip("%"))] = None  # named after the kernel
+    return list(out)
 
 
 def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:

@@ -225,6 +225,14 @@ def read_dump(dump: hlo.DumpFiles, top_k: int, hints: Hints) -> DumpReading:
         buffers.append(dataclasses.replace(best, nbytes=max(b.nbytes for b in group)))
     logits_live = sum(b.nbytes for b in buffers if b.kind in ("logits", "logits_grad"))
     buffers.sort(key=lambda b: -b.nbytes)
+    uncounted = hlo.uncounted_kernels(comps)
+    if uncounted:
+        warnings.append(
+            f"{len(uncounted)} TPU kernel(s) carry no cost estimate ({', '.join(uncounted[:4])}"
+            f"{', ...' if len(uncounted) > 4 else ''}): their FLOPs are in neither the FLOPs, "
+            "the recompute ratio nor the estimated step time's compute (a Pallas kernel's "
+            "pl.CostEstimate gives them)"
+        )
     n_xla_remat = sum(1 for i in instrs if hlo.is_xla_remat(i))
     if n_xla_remat:
         warnings.append(

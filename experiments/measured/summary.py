@@ -367,12 +367,9 @@ def no_remat_slower_note(rows: Iterable[Mapping[str, Any]] | Any) -> str | None:
             names[key] = f"{r.get('model')} {shape} on {r.get('target')}"
     parts = []
     for key, times in groups.items():
-        mine, others = times.get("no-remat"), {k: v for k, v in times.items() if k != "no-remat"}
-        if key in timed or not mine or not others:
-            continue
-        label, best = min(others.items(), key=lambda kv: kv[1])
-        if mine > best:
-            parts.append(f"{names[key]}: {mine / best - 1:.0%} slower than {label}")
+        slower = None if key in timed else roofline.no_remat_slower_by(times)
+        if slower is not None:
+            parts.append(f"{names[key]}: {slower[1]:.0%} slower than {slower[0]}")
     if not parts:
         return None
     return f"no-remat is estimated slower than recomputing ({'; '.join(parts)}): " + (

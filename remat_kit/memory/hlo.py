@@ -399,22 +399,6 @@ def _fmha_flops(instr: Instruction) -> float:
     return flops
 
 
-def _ragged_kernel_flops(instr: Instruction, shapes: dict[str, str]) -> float:
-    """``2 * rows * K * N`` of libtpu's ragged-dot kernel (``lax.ragged_dot``: the routed rows
-    only), from its output and its last two operands, the data (the ones before are the
-    group metadata): ``[M, K] x [G, K, N] -> [M, N]`` (and the operand gradient, alike) is
-    ``2 * prod(out) * K``; the weight gradient ``[M, K] x [M, N] -> [G, K, N]`` is
-    ``2 * M * K * N``."""
-    out = array_shapes(instr.shape)
-    lhs = array_shapes(shapes.get(instr.operands[-2], "")) if len(instr.operands) >= 2 else []
-    if not out or not lhs or not out[0][1] or not lhs[0][1]:
-        return 0.0
-    o, a = out[0][1], lhs[0][1]
-    if len(o) == 3:  # one [K, N] per group, each from its own rows
-        return 2.0 * a[0] * math.prod(o[1:])
-    return 2.0 * math.prod(o) * a[-1]
-
-
 _COST_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')
 _FLOPS_FIELD = re.compile(r'flops\\?"\s*:\s*\\?"?(\d+)')
 
@@ -428,34 +412,28 @@ def _kernel_cost_flops(instr: Instruction) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _is_ragged_kernel(instr: Instruction, target: str) -> bool:
-    """libtpu's ragged-dot Mosaic kernel (``%ragged-dot-none``), not its metadata call."""
-    name = instr.name.lstrip("%")
-    return target == "tpu_custom_call" and "ragged-dot" in name and "metadata" not in name
-
-
 def uncounted_kernels(comps: dict[str, Computation]) -> list[str]:
     """The TPU kernel calls (``tpu_custom_call``, a Pallas/Mosaic kernel) whose FLOPs
-    :func:`instruction_flops` cannot read: no cost estimate, and not the ragged-dot kernel,
-    whose shapes give its FLOPs. JAX's flash attention backward kernels and splash attention
-    carry none. Their instruction names (XLA names a kernel call after its kernel function),
-    each once."""
+    :func:`instruction_flops` cannot read: no cost estimate, and a floating-point output (an
+    integer-only kernel, such as the ragged dot's group metadata, does no matmul). JAX's flash
+    attention backward kernels and splash attention carry none. Their instruction names (XLA
+    names a kernel call after its kernel function), each once."""
     out: dict[str, None] = {}
     for comp in comps.values():
         for instr in comp.instructions:
             target = _call_target(instr)
             if target != "tpu_custom_call" or _kernel_cost_flops(instr) is not None:
                 continue
-            if "ragged-dot" in instr.name:  # the kernel by its shapes, its metadata call no FLOPs
-                continue
+            if all(dtype[0] in "su" or dtype == "pred" for dtype, _ in array_shapes(instr.shape)):
+                continue  # integer outputs only: bookkeeping, no matmul
             out[re.sub(r"\.\d+$", "", instr.name.lstrip("%"))] = None  # named after the kernel
     return list(out)
 
 
 def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     """FLOPs of one instruction: dots and gemm calls, convolutions (and cuDNN convolution
-    calls), cuDNN fused attention calls, a TPU's Mosaic kernels (their cost estimate; libtpu's
-    ragged-dot kernel by its shapes without one); 0 for anything else."""
+    calls), cuDNN fused attention calls, a TPU's Mosaic kernels (their cost estimate: libtpu's
+    ragged dot, a Pallas kernel's ``pl.CostEstimate``); 0 for anything else."""
     if instr.opcode == "dot" or _is_gemm_call(instr):
         return _dot_flops(instr, shapes)
     target = _call_target(instr)
@@ -465,8 +443,6 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
         return _fmha_flops(instr)
     if target == "tpu_custom_call" and (flops := _kernel_cost_flops(instr)) is not None:
         return flops
-    if _is_ragged_kernel(instr, target):
-        return _ragged_kernel_flops(instr, shapes)
     return 0.0
 
 

@@ -396,14 +396,23 @@ def small_step_note(
 def no_remat_slower_note(step_times_s: dict[str, float | None], measured: bool) -> str | None:
     """Why no-remat is estimated slower than a recomputing policy on a datasheet target (stacked
     residuals, docs/time-model.md, "On GPUs"); None where it is not, or ``measured``."""
+    slower = None if measured else no_remat_slower_by(step_times_s)
+    if slower is None:
+        return None
+    label, fraction = slower
+    return f"no-remat is estimated {fraction:.0%} slower than {label}: {NO_REMAT_SLOWER}"
+
+
+def no_remat_slower_by(step_times_s: dict[str, float | None]) -> tuple[str, float] | None:
+    """``(label, fraction)``: the policy estimated fastest and how much slower no-remat is than
+    it (``t_no_remat / t - 1``, > 0), from step seconds by policy label; None where no-remat is
+    not slower or either is unknown."""
     mine = step_times_s.get("no-remat")
     others = {k: v for k, v in step_times_s.items() if k != "no-remat" and v}
-    if measured or not mine or not others:
+    if not mine or not others:
         return None
     label, best = min(others.items(), key=lambda kv: kv[1])
-    if mine <= best:
-        return None
-    return f"no-remat is estimated {mine / best - 1:.0%} slower than {label}: {NO_REMAT_SLOWER}"
+    return (label, mine / best - 1) if mine > best else None
 
 
 #: Why no-remat can be estimated slower than recomputation (:func:`no_remat_slower_note`).
